@@ -1,0 +1,49 @@
+# Shared compile settings and the helpers every component uses.
+add_library(kvrelay_warnings INTERFACE)
+# GCC 12 reports false -Wrestrict/-Wstringop-overflow on std::string at -O2 (GCC bug 105329).
+target_compile_options(kvrelay_warnings INTERFACE -Wall -Wextra -Wno-unused-parameter
+  $<$<CXX_COMPILER_ID:GNU>:-Wno-restrict -Wno-stringop-overflow>)
+if(KVRELAY_WERROR)
+  target_compile_options(kvrelay_warnings INTERFACE -Werror)
+endif()
+if(KVRELAY_SANITIZE)
+  target_compile_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined -fno-omit-frame-pointer)
+  target_link_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined)
+endif()
+
+# kvrelay_add_library(<name> SOURCES ... [DEPS ...] [PRIVATE_DEPS ...])
+# One static library per component; include root is the repository root so
+# headers are included as "engine/gguf.h".
+function(kvrelay_add_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(${name} STATIC ${ARG_SOURCES})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE kvrelay_warnings ${ARG_PRIVATE_DEPS})
+  target_compile_definitions(${name} PUBLIC
+    KVRELAY_WITH_CUDA=$<BOOL:${KVRELAY_WITH_CUDA}>
+    KVRELAY_WITH_NCCL=$<BOOL:${KVRELAY_WITH_NCCL}>)
+endfunction()
+
+# kvrelay_add_executable(<name> SOURCES ... [DEPS ...])
+function(kvrelay_add_executable name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE kvrelay_warnings ${ARG_DEPS})
+endfunction()
+
+# kvrelay_add_test(<name> SOURCES ... [DEPS ...] [LABELS ...] [TIMEOUT s])
+# A GoogleTest binary registered with CTest as one test per binary, labelled.
+function(kvrelay_add_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE kvrelay_warnings ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT ARG_LABELS)
+    set(ARG_LABELS unit)
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    ENVIRONMENT "KVRELAY_SOURCE_DIR=${PROJECT_SOURCE_DIR};KVRELAY_BINARY_DIR=${PROJECT_BINARY_DIR}")
+endfunction()

@@ -1,0 +1,42 @@
+// Minimal leveled logging to stderr. Thread-safe; one line per call.
+#pragma once
+
+#include <sstream>
+#include <string_view>
+
+namespace kvrelay {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+// Messages below this level are dropped. Default kInfo; KVRELAY_LOG_LEVEL=debug|info|warning|error.
+void SetLogLevel(LogLevel level);
+LogLevel GetLogLevel();
+// Tag printed in every line (e.g. "coordinator", "decode[1]").
+void SetLogTag(std::string_view tag);
+
+void LogLine(LogLevel level, const char* file, int line, std::string_view message);
+
+class LogMessage {
+ public:
+  LogMessage(LogLevel level, const char* file, int line) : level_(level), file_(file), line_(line) {}
+  ~LogMessage() { LogLine(level_, file_, line_, stream_.str()); }
+  std::ostringstream& stream() { return stream_; }
+
+ private:
+  LogLevel level_;
+  const char* file_;
+  int line_;
+  std::ostringstream stream_;
+};
+
+}  // namespace kvrelay
+
+#define KVRELAY_LOG(level)                                            \
+  if (::kvrelay::LogLevel::level < ::kvrelay::GetLogLevel()) {        \
+  } else                                                              \
+    ::kvrelay::LogMessage(::kvrelay::LogLevel::level, __FILE__, __LINE__).stream()
+
+#define LOG_DEBUG KVRELAY_LOG(kDebug)
+#define LOG_INFO KVRELAY_LOG(kInfo)
+#define LOG_WARNING KVRELAY_LOG(kWarning)
+#define LOG_ERROR KVRELAY_LOG(kError)
