@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "common/thread_pool.h"
-#include "engine/gguf.h"
+#include "engine/gguf/gguf.h"
 
 namespace kvrelay::engine {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "engine/ggml_type.h"
+#include "engine/gguf/ggml_type.h"
 
 namespace kvrelay::engine {
 
