@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Records llama.cpp reference data for kvrelay's conformance tests.
+
+llama.cpp (through llama-cpp-python) is the independent implementation kvrelay is
+checked against. This script loads the default model and writes
+tests/data/llamacpp_reference.json with:
+
+  tokenization  ids for a corpus of tricky strings (whitespace runs, digits, code,
+                emoji, CJK, RTL scripts, contractions, special tokens, long text),
+                for each (add_special, parse_special) combination used by kvrelay.
+  chat          the model's chat template rendered by jinja2 (the engine Hugging
+                Face uses) for a few conversations.
+  logits        for each prompt, at every position: the top-32 (id, logit), the
+                logits at the fixed "probe_ids", and the top-1/top-2 margin.
+  greedy        64 greedily generated ids per prompt (argmax of the logits, ties to
+                the lowest id; no repeat penalty; no BOS beyond what the prompt has)
+                and the smallest top-1/top-2 margin seen while generating.
+
+Usage (see setup_venv.sh):
+  .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import jinja2
+import llama_cpp
+from llama_cpp import Llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+N_CTX = 1024
+N_BATCH = 1024
+N_THREADS = 2
+TOP_K = 32
+N_PROBES = 64
+PROBE_SEED = 20261129
+N_GREEDY = 64
+
+LONG_TEXT = (
+    "The quick brown fox jumps over the lazy dog. " * 6
+    + "In 1969, Apollo 11 landed on the Moon; Neil Armstrong said: \"That's one small step "
+    "for [a] man, one giant leap for mankind.\"\n\nTokenizers split text into pieces, "
+    "merge byte pairs by rank, and map each piece to an id. Edge cases matter:   spaces,\t"
+    "tabs,\r\nCRLF line ends, numbers like 3.14159 and 1,000,000, and symbols such as "
+    "<=>, ->, ::, &&, ||, != and ==."
+)
+
+CORPUS = [
+    "",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n\n",
+    "   leading spaces",
+    "trailing spaces   ",
+    "  both  ",
+    "Hello world",
+    " Hello world",
+    "Hello  world",
+    "Hello\tworld\n",
+    "line one\nline two\n\nline four\r\nend",
+    "12345678",
+    "3.14159",
+    "1,000,000",
+    "Room 101 costs $42.50 (or 40\u20ac) in 2024.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n",
+    "#include <vector>\nint main() {\n  std::vector<int> v{1, 2, 3};\n  for (auto& x : v) { x <<= 1; }\n  return v[0] != 2 ? -1 : 0;\n}\n",
+    "if (a && b || !c) { x->y = z::w; i++; j--; k += 3; }",
+    "I don't know, I'M sure you'll see what they've done, it's John's.",
+    "DON'T SHOUT, we'd rather you didn't",
+    "Emoji: \U0001F600\U0001F680\u2764\ufe0f",
+    "Family \U0001F468\u200d\U0001F469\u200d\U0001F467\u200d\U0001F466 and flags \U0001F1EB\U0001F1F7\U0001F1EF\U0001F1F5",
+    "\U0001F44D\U0001F3FD skin tone",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8\u3068\u30ab\u30bf\u30ab\u30ca",
+    "\ud55c\uad6d\uc5b4 \ubb38\uc7a5\uc785\ub2c8\ub2e4",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber Stra\u00dfe \u00e5\u00e6\u00f8",
+    "\u041f\u0440\u0438\u0432\u0435\u0442, \u043a\u0430\u043a \u0434\u0435\u043b\u0430? \u0401\u0436\u0438\u043a",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645",
+    "\u0393\u03b5\u03b9\u03b1 \u03c3\u03bf\u03c5 \u039a\u03cc\u03c3\u03bc\u03b5",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after end<|endoftext|>",
+    "not special: <|im_start  and <im_end|>",
+    "http://example.com/path?query=1&x=%20#frag",
+    "user@example.com, @handle #hashtag",
+    "a\u00a0b\u2003c\u3000d",
+    "...!!!???---___***",
+    "x" * 40,
+    LONG_TEXT,
+]
+
+PLAIN_PROMPTS = [
+    "The capital of France is Paris, and the capital of Germany is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "The three primary colors are red, yellow and blue. Mixing red and blue gives purple; "
+    "mixing yellow and blue gives green; mixing red and yellow gives orange. In painting, "
+    "artists often use a limited palette to create harmony. A common exercise is to paint "
+    "a landscape using only these three colors plus white. The result shows how",
+    "Q: What is the boiling point of water at sea level in Celsius?\nA:",
+]
+
+CHAT_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "What is the capital of Japan?"}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Name three fruits."}],
+    [{"role": "user", "content": "Write a haiku about the ocean."}],
+    [{"role": "user", "content": "What is 12 times 12?"},
+     {"role": "assistant", "content": "12 times 12 is 144."},
+     {"role": "user", "content": "And 13 times 13?"}],
+    [{"role": "system", "content": "You translate English to French."},
+     {"role": "user", "content": "Good morning, how are you today?"}],
+]
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def render_chat(template, messages, add_generation_prompt):
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt,
+        bos_token="", eos_token="<|im_end|>")
+
+
+def r4(x):
+    return round(float(x), 4)
+
+
+def top2_margin(row):
+    two = np.partition(row, -2)[-2:]
+    return float(two.max() - two.min())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "tests", "data", "llamacpp_reference.json"))
+    args = ap.parse_args()
+
+    llm = Llama(model_path=args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True,
+                seed=0, verbose=False)
+    n_vocab = llm.n_vocab()
+    template = llm.metadata.get("tokenizer.chat_template", "")
+
+    out = {
+        "model": os.path.basename(args.model),
+        "model_sha256": sha256_file(args.model),
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "settings": {
+            "n_ctx": N_CTX, "n_batch": N_BATCH, "n_ubatch": N_BATCH, "n_threads": N_THREADS,
+            "logits_all": True, "kv_cache_type": "f16 (default)", "backend": "CPU",
+            "tokenize": "llama_tokenize(text, add_special, parse_special)",
+            "greedy": "argmax over raw logits (ties -> lowest id), repeat_penalty 1.0, "
+                      "no BOS added (the prompt ids are evaluated as recorded)",
+            "logits_rounding": "4 decimals",
+        },
+    }
+
+    tok = []
+    for text in CORPUS:
+        for add_special, parse_special in ((False, False), (True, True), (False, True)):
+            ids = llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+            tok.append({"text": text, "add_special": add_special, "parse_special": parse_special,
+                        "ids": [int(i) for i in ids]})
+    out["tokenization"] = tok
+
+    chat = []
+    for conv in CHAT_CONVERSATIONS:
+        for agp in (True, False):
+            chat.append({"messages": conv, "add_generation_prompt": agp,
+                         "text": render_chat(template, conv, agp)})
+    out["chat"] = {"renderer": "jinja2 " + jinja2.__version__ + " (trim_blocks, lstrip_blocks)",
+                   "template": template, "renderings": chat}
+
+    rng = random.Random(PROBE_SEED)
+    probe_ids = sorted(rng.sample(range(n_vocab), N_PROBES))
+    out["probe_ids"] = probe_ids
+
+    prompts = [{"kind": "plain", "text": t} for t in PLAIN_PROMPTS]
+    prompts += [{"kind": "chat", "messages": c, "text": render_chat(template, c, True)}
+                for c in CHAT_CONVERSATIONS]
+
+    logits_out, greedy_out = [], []
+    for p in prompts:
+        ids = [int(i) for i in llm.tokenize(p["text"].encode("utf-8"), add_bos=False, special=True)]
+        llm.reset()
+        llm.eval(ids)
+        scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        positions, margins = [], []
+        for row in scores:
+            top = np.argsort(-row, kind="stable")[:TOP_K]
+            positions.append({"top": [[int(i), r4(row[i])] for i in top],
+                              "probe": [r4(row[i]) for i in probe_ids]})
+            margins.append(r4(top2_margin(row)))
+        entry = dict(p)
+        entry["ids"] = ids
+        entry["positions"] = positions
+        entry["top2_margin"] = margins
+        logits_out.append(entry)
+
+        gen, min_margin = [], float("inf")
+        last = scores[-1]
+        for _ in range(N_GREEDY):
+            nxt = int(np.argmax(last))
+            min_margin = min(min_margin, top2_margin(last))
+            gen.append(nxt)
+            llm.eval([nxt])
+            last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        greedy_out.append({"kind": p["kind"], "text": p["text"], "prompt_ids": ids,
+                           "generated": gen, "min_top2_margin": r4(min_margin)})
+        print(f"prompt {len(greedy_out)}/{len(prompts)}: {len(ids)} tokens, "
+              f"min margin {min_margin:.3f}", file=sys.stderr)
+
+    out["logits"] = logits_out
+    out["greedy"] = greedy_out
+
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, separators=(",", ":"))
+        f.write("\n")
+    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
