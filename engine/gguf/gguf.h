@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -26,6 +27,9 @@ enum class GgufValueType : uint32_t {
 };
 
 struct GgufArray;
+
+// "u8", "i32", "string", "array", ...
+std::string_view GgufValueTypeName(GgufValueType type);
 
 // One metadata value. Integers of every width are kept in their own type.
 struct GgufValue {
@@ -96,6 +100,11 @@ class GgufFile {
 
 // Builds GGUF v3 images in memory: used by tests to write small synthetic models
 // and by fuzz seeds. Tensors are laid out with the given alignment.
+// Appends the on-disk encoding of `v` (without a type tag for the top-level value;
+// arrays carry their element type and count) to `out`. Used by GgufWriter and the
+// model fingerprint.
+void EncodeGgufValue(const GgufValue& v, std::vector<uint8_t>* out);
+
 class GgufWriter {
  public:
   void SetString(const std::string& key, const std::string& v);
