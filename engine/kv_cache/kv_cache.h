@@ -27,7 +27,7 @@ namespace kvrelay::engine {
 
 enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kInt8 = 3, kKivi4 = 4, kKivi2 = 5 };
 
-std::string_view KvDtypeName(KvDtype d);               // "f32", "f16", "bf16", "int8", "kivi4", "kivi2"
+std::string_view KvDtypeName(KvDtype d);  // "f32", "f16", "bf16", "int8", "kivi4", "kivi2"
 Result<KvDtype> ParseKvDtype(std::string_view name);
 
 struct KvLayout {
@@ -56,7 +56,9 @@ using BlockHash = std::array<uint8_t, 32>;  // SHA-256 chain hash
 using ModelFingerprint = std::array<uint8_t, 32>;
 
 // Chain hash of a full block: SHA-256(parent || tokens || model || tenant salt).
-// The first block's parent is all zeros.
+// The first block's parent is all zeros. Exact bytes hashed: parent (32) ||
+// uint32 LE token count || each token as int32 LE || model (32) || salt bytes
+// (the count keeps blocks of different sizes from aliasing).
 BlockHash HashBlock(const BlockHash& parent, std::span<const int32_t> tokens,
                     const ModelFingerprint& model, std::string_view tenant_salt);
 
@@ -77,6 +79,11 @@ class KvBlockPool {
   struct Options {
     KvLayout layout;
     int64_t capacity_bytes = 256 << 20;  // total KV budget; blocks = capacity / BlockBytes
+    // KIVI dtypes only: f32 staging for partially written blocks, carved out of
+    // capacity_bytes (-1: capacity_bytes / 8). One staging slot holds one layer
+    // of one block (2 * kv_heads * block_tokens * head_dim floats). When no slot
+    // is free, writes re-quantize the layer in place (correct, less accurate).
+    int64_t staging_bytes = -1;
   };
   static Result<std::unique_ptr<KvBlockPool>> Create(const Options& options);
   virtual ~KvBlockPool() = default;
@@ -96,6 +103,10 @@ class KvBlockPool {
   // an uncached one returns to the free list.
   virtual void Release(BlockId id) = 0;
   virtual int refcount(BlockId id) const = 0;
+  // KIVI pools: free f32 staging slots (0 for other dtypes). A slot is held by
+  // a partially written layer until it is filled, flushed (LayerData/Commit)
+  // or its block is freed.
+  virtual int64_t staging_slots_free() const = 0;
 
   // --- data ---
   // Encodes one token's K and V (each kv_heads * head_dim floats) into slot
@@ -105,6 +116,14 @@ class KvBlockPool {
   virtual void ReadHead(BlockId id, int layer, int head, int n, float* k, float* v) const = 0;
   // Raw encoded bytes of one layer of a block (LayerBytes()), for transfer and
   // spill: K slabs of all heads, then V slabs of all heads.
+  // KIVI pools: a layer is kept in f32 staging (exact values for ReadHead)
+  // until its last slot (block_tokens - 1) is written, then quantized. Calling
+  // LayerData on a staged layer first quantizes the rows written so far, so the
+  // bytes are always a faithful encoding of what was written (a partial tail
+  // block can be transferred like a full one); later writes into that layer
+  // re-quantize it (slightly lossier than staging). Writing into the mutable
+  // span of a freshly allocated block (import) makes those bytes the layer's
+  // contents for all block_tokens rows.
   virtual std::span<uint8_t> LayerData(BlockId id, int layer) = 0;
   virtual std::span<const uint8_t> LayerData(BlockId id, int layer) const = 0;
   // Copies every layer of src into dst (copy-on-write).

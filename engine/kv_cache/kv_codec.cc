@@ -1,0 +1,306 @@
+#include "engine/kv_cache/kv_codec.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+
+namespace kvrelay::engine::kvcodec {
+namespace {
+
+constexpr float kHalfMax = 65504.0f;
+
+int KiviGroups(int head_dim) { return (head_dim + kKiviGroup - 1) / kKiviGroup; }
+
+int64_t KiviDataBytes(int bits, int block_tokens, int head_dim) {
+  return static_cast<int64_t>(block_tokens) * head_dim * bits / 8;
+}
+
+// Next representable binary16 toward -inf / +inf (h finite).
+uint16_t HalfNextDown(uint16_t h) {
+  if (h == 0x0000) return 0x8001;                       // +0 -> smallest negative subnormal
+  if (h & 0x8000) return static_cast<uint16_t>(h + 1);  // negative: magnitude grows
+  return static_cast<uint16_t>(h - 1);
+}
+uint16_t HalfNextUp(uint16_t h) {
+  if (h == 0x8000) return 0x0001;
+  if (h & 0x8000) return static_cast<uint16_t>(h - 1);
+  return static_cast<uint16_t>(h + 1);
+}
+
+// Largest binary16 <= x (x clamped to the finite binary16 range).
+uint16_t HalfFloor(float x) {
+  x = std::clamp(x, -kHalfMax, kHalfMax);
+  uint16_t h = FloatToHalf(x);
+  if (HalfToFloat(h) > x) h = HalfNextDown(h);
+  return h;
+}
+uint16_t HalfCeil(float x) {
+  x = std::clamp(x, -kHalfMax, kHalfMax);
+  uint16_t h = FloatToHalf(x);
+  if (HalfToFloat(h) < x) h = HalfNextUp(h);
+  return h;
+}
+
+void PutCode(uint8_t* data, int bits, int64_t index, uint32_t q) {
+  const int64_t bit = index * bits;
+  uint8_t& byte = data[bit >> 3];
+  const int shift = static_cast<int>(bit & 7);
+  const uint32_t mask = ((1u << bits) - 1u) << shift;
+  byte = static_cast<uint8_t>((byte & ~mask) | ((q << shift) & mask));
+}
+uint32_t GetCode(const uint8_t* data, int bits, int64_t index) {
+  const int64_t bit = index * bits;
+  return (data[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
+uint16_t LoadU16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+
+struct Range {
+  float lo, step;
+  int levels;
+  uint32_t Quantize(float x) const {
+    if (step <= 0.0f) return 0;
+    const float q = std::nearbyint((x - lo) / step);
+    return static_cast<uint32_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
+  }
+  float Dequantize(uint32_t q) const { return lo + static_cast<float>(q) * step; }
+};
+
+Range MakeRange(uint16_t lo16, uint16_t hi16, int levels) {
+  const float lo = HalfToFloat(lo16);
+  const float hi = HalfToFloat(hi16);
+  return Range{lo, (hi - lo) / static_cast<float>(levels), levels};
+}
+
+}  // namespace
+
+uint16_t FloatToHalf(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf or nan
+    return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
+  }
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (abs < 0x38800000u) {  // subnormal or zero in half
+    // value = abs_float; half subnormal unit = 2^-24. Use float arithmetic: exact RNE.
+    const float a = std::bit_cast<float>(abs);
+    const float scaled = a * 16777216.0f;  // * 2^24, exact (power of two)
+    const uint32_t m = static_cast<uint32_t>(std::nearbyint(scaled));  // <= 1024
+    return static_cast<uint16_t>(sign | m);
+  }
+  // Normal: rebias exponent (127 -> 15) and round 23-bit mantissa to 10 bits.
+  uint32_t h = ((abs - 0x38000000u) >> 13);
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry may bump exponent: correct
+  return static_cast<uint16_t>(sign | h);
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0) {
+    const float v = static_cast<float>(man) * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (man << 13));
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t x = std::bit_cast<uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // nan
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+float Bf16ToFloat(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+
+int KiviBits(KvDtype d) {
+  switch (d) {
+    case KvDtype::kKivi4:
+      return 4;
+    case KvDtype::kKivi2:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+bool IsKivi(KvDtype d) { return KiviBits(d) != 0; }
+
+int64_t SlabBytes(KvDtype d, int block_tokens, int head_dim) {
+  const int64_t n = static_cast<int64_t>(block_tokens) * head_dim;
+  switch (d) {
+    case KvDtype::kF32:
+      return n * 4;
+    case KvDtype::kF16:
+    case KvDtype::kBF16:
+      return n * 2;
+    case KvDtype::kInt8:
+      return n + 4 * static_cast<int64_t>(block_tokens);
+    case KvDtype::kKivi4:
+    case KvDtype::kKivi2: {
+      const int64_t params =
+          std::max<int64_t>(4 * static_cast<int64_t>(head_dim),
+                            4 * static_cast<int64_t>(block_tokens) * KiviGroups(head_dim));
+      return KiviDataBytes(KiviBits(d), block_tokens, head_dim) + params;
+    }
+  }
+  return 0;
+}
+
+void EncodeRow(KvDtype d, uint8_t* slab, int block_tokens, int head_dim, int t, const float* x) {
+  const int64_t row = static_cast<int64_t>(t) * head_dim;
+  switch (d) {
+    case KvDtype::kF32:
+      std::memcpy(slab + row * 4, x, static_cast<size_t>(head_dim) * 4);
+      return;
+    case KvDtype::kF16: {
+      uint8_t* p = slab + row * 2;
+      for (int i = 0; i < head_dim; ++i) StoreU16(p + 2 * i, FloatToHalf(x[i]));
+      return;
+    }
+    case KvDtype::kBF16: {
+      uint8_t* p = slab + row * 2;
+      for (int i = 0; i < head_dim; ++i) StoreU16(p + 2 * i, FloatToBf16(x[i]));
+      return;
+    }
+    case KvDtype::kInt8: {
+      float amax = 0.0f;
+      for (int i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float scale = amax / 127.0f;
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      int8_t* q = reinterpret_cast<int8_t*>(slab + row);
+      for (int i = 0; i < head_dim; ++i) {
+        const float v = std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f);
+        q[i] = static_cast<int8_t>(v);
+      }
+      std::memcpy(slab + static_cast<int64_t>(block_tokens) * head_dim + 4 * t, &scale, 4);
+      return;
+    }
+    case KvDtype::kKivi4:
+    case KvDtype::kKivi2:
+      return;  // KIVI slabs are written whole by QuantizeKivi.
+  }
+}
+
+void DecodeRows(KvDtype d, bool is_key, const uint8_t* slab, int block_tokens, int head_dim, int n,
+                float* out) {
+  const int64_t count = static_cast<int64_t>(n) * head_dim;
+  switch (d) {
+    case KvDtype::kF32:
+      std::memcpy(out, slab, static_cast<size_t>(count) * 4);
+      return;
+    case KvDtype::kF16:
+      for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(LoadU16(slab + 2 * i));
+      return;
+    case KvDtype::kBF16:
+      for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(LoadU16(slab + 2 * i));
+      return;
+    case KvDtype::kInt8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(slab);
+      const uint8_t* scales = slab + static_cast<int64_t>(block_tokens) * head_dim;
+      for (int t = 0; t < n; ++t) {
+        float scale;
+        std::memcpy(&scale, scales + 4 * t, 4);
+        const int64_t row = static_cast<int64_t>(t) * head_dim;
+        for (int i = 0; i < head_dim; ++i) out[row + i] = static_cast<float>(q[row + i]) * scale;
+      }
+      return;
+    }
+    case KvDtype::kKivi4:
+    case KvDtype::kKivi2: {
+      const int bits = KiviBits(d);
+      const int levels = (1 << bits) - 1;
+      const uint8_t* params = slab + KiviDataBytes(bits, block_tokens, head_dim);
+      if (is_key) {
+        for (int c = 0; c < head_dim; ++c) {
+          const Range r = MakeRange(LoadU16(params + 4 * c), LoadU16(params + 4 * c + 2), levels);
+          for (int t = 0; t < n; ++t) {
+            const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
+            out[idx] = r.Dequantize(GetCode(slab, bits, idx));
+          }
+        }
+      } else {
+        const int groups = KiviGroups(head_dim);
+        for (int t = 0; t < n; ++t) {
+          for (int g = 0; g < groups; ++g) {
+            const uint8_t* p = params + 4 * (static_cast<int64_t>(t) * groups + g);
+            const Range r = MakeRange(LoadU16(p), LoadU16(p + 2), levels);
+            const int end = std::min(head_dim, (g + 1) * kKiviGroup);
+            for (int c = g * kKiviGroup; c < end; ++c) {
+              const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
+              out[idx] = r.Dequantize(GetCode(slab, bits, idx));
+            }
+          }
+        }
+      }
+      return;
+    }
+  }
+}
+
+void QuantizeKivi(KvDtype d, bool is_key, uint8_t* slab, int block_tokens, int head_dim, int n,
+                  const float* src) {
+  const int bits = KiviBits(d);
+  if (bits == 0) return;
+  const int levels = (1 << bits) - 1;
+  const int64_t data_bytes = KiviDataBytes(bits, block_tokens, head_dim);
+  uint8_t* params = slab + data_bytes;
+  // Zero codes and the unused tail of the parameter area, so equal inputs give equal bytes.
+  std::memset(slab, 0, static_cast<size_t>(SlabBytes(d, block_tokens, head_dim)));
+  if (is_key) {
+    for (int c = 0; c < head_dim; ++c) {
+      float mn = 0.0f, mx = 0.0f;
+      for (int t = 0; t < n; ++t) {
+        const float v = src[static_cast<int64_t>(t) * head_dim + c];
+        if (t == 0 || v < mn) mn = v;
+        if (t == 0 || v > mx) mx = v;
+      }
+      const uint16_t lo16 = HalfFloor(mn), hi16 = HalfCeil(mx);
+      StoreU16(params + 4 * c, lo16);
+      StoreU16(params + 4 * c + 2, hi16);
+      const Range r = MakeRange(lo16, hi16, levels);
+      for (int t = 0; t < n; ++t) {
+        const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
+        PutCode(slab, bits, idx, r.Quantize(src[idx]));
+      }
+    }
+  } else {
+    const int groups = KiviGroups(head_dim);
+    for (int t = 0; t < block_tokens; ++t) {
+      for (int g = 0; g < groups; ++g) {
+        const int begin = g * kKiviGroup, end = std::min(head_dim, (g + 1) * kKiviGroup);
+        const float* row = src + static_cast<int64_t>(t) * head_dim;
+        float mn = 0.0f, mx = 0.0f;
+        if (t < n) {
+          mn = mx = row[begin];
+          for (int c = begin + 1; c < end; ++c) {
+            mn = std::min(mn, row[c]);
+            mx = std::max(mx, row[c]);
+          }
+        }
+        const uint16_t lo16 = HalfFloor(mn), hi16 = HalfCeil(mx);
+        uint8_t* p = params + 4 * (static_cast<int64_t>(t) * groups + g);
+        StoreU16(p, lo16);
+        StoreU16(p + 2, hi16);
+        if (t >= n) continue;
+        const Range r = MakeRange(lo16, hi16, levels);
+        for (int c = begin; c < end; ++c) {
+          const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
+          PutCode(slab, bits, idx, r.Quantize(row[c]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvrelay::engine::kvcodec
