@@ -4,9 +4,22 @@
 //   W is a 2-D GGUF tensor with dims {cols, rows} (ggml order), any type for
 //   which CanDequantize() is true. X is [n_tokens][cols] row-major floats,
 //   Y is [n_tokens][rows]. Y[t][r] = sum_c W[r][c] * X[t][c].
+//
+// How MatMul computes (see docs/BENCHMARKS.md "Engine speed"):
+//   Q4_0 / Q4_1 / Q8_0 weights are read in place, never expanded to fp32. X is
+//   quantized once per call to int8 per block of 32 (scale amax/127, plus the
+//   block sum for Q4_0/Q4_1, as llama.cpp's Q8_0/Q8_1), and each output is a sum
+//   of exact integer block dots times one float scale per block. So the result
+//   differs from the exact product by at most sum_blocks sum|w| * amax_x / 254
+//   (plus float rounding). F32/F16 weights use a float dot (no quantization).
+//   Other types (K-quants, Q5_x, BF16) dequantize a tile of rows to fp32 and
+//   reuse it for every token.
+//   Rows are split over the pool's threads; tokens are processed in tiles so a
+//   weight tile stays in cache while it is reused across the tile's tokens.
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "common/thread_pool.h"
 #include "engine/gguf/gguf.h"
@@ -14,6 +27,8 @@
 namespace kvrelay::engine {
 
 // Fast path: chosen at run time (AVX2 / scalar). `pool` may be null (one thread).
+// Thread-safe: concurrent calls are fine if they use different pools (or none).
+// x and y must not overlap.
 void MatMul(const GgufTensor& w, const float* x, int64_t n_tokens, float* y, ThreadPool* pool);
 
 // Reference: dequantize each row to fp32 and accumulate in double. Slow; the
@@ -22,5 +37,28 @@ void MatMulReference(const GgufTensor& w, const float* x, int64_t n_tokens, floa
 
 // Copies row `row` of an embedding-style tensor (dims {cols, rows}) to dst as floats.
 void GetRow(const GgufTensor& w, int64_t row, float* dst);
+
+// ---- Instruction-set paths (additive to the contract above) ----
+
+// kAuto resolves to KVRELAY_KERNELS ("scalar" or "avx2") when that environment
+// variable is set and the CPU supports it, else to the best path the CPU
+// supports (checked with CPUID at run time: AVX2 needs avx2+fma+f16c). There is
+// no AVX-512 / VNNI path: the development machine has neither, so it could not
+// be tested.
+enum class KernelPath { kAuto = 0, kScalar = 1, kAvx2 = 2 };
+
+bool KernelPathSupported(KernelPath path);
+// The path kAuto stands for in this process (read once).
+KernelPath ResolvedKernelPath();
+std::string_view KernelPathName(KernelPath path);
+
+// MatMul on an explicit path (tests force kScalar / kAvx2 with it). A path the
+// CPU does not support falls back to kScalar.
+void MatMulWithPath(const GgufTensor& w, const float* x, int64_t n_tokens, float* y,
+                    ThreadPool* pool, KernelPath path);
+
+// True when MatMul multiplies this weight type in place with int8 activations
+// (the error bound in the header comment applies); false for the float paths.
+bool MatMulQuantizesActivations(GgmlType type);
 
 }  // namespace kvrelay::engine

@@ -1,0 +1,124 @@
+// Portable scalar kernels: the fallback for CPUs without AVX2, and the
+// yardstick the vector path is tested against. Same arithmetic as the AVX2
+// path (integer block dots, one float scale per block); only the order of the
+// float additions differs.
+#include <cmath>
+
+#include "engine/kernels/kernel_table.h"
+
+namespace kvrelay::engine::kernels {
+namespace {
+
+void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const QuantizedActs& a) {
+  const int64_t nb = cols / kBlock;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + t * cols + b * kBlock;
+      float amax = 0;
+      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int8_t* q = a.q + (t * nb + b) * kBlock;
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        // nearbyint: round half to even, like _mm256_round_ps in the AVX2 path.
+        const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+        q[j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      a.d[t * nb + b] = d;
+      a.s[t * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// Q4_0 and Q4_1 share one kernel: with unsigned nibbles u, Q4_0 is
+// d * u + (-8 d), so both are d * u + m and the m term becomes m * s.
+template <bool kHasMin>
+void GemmQ4(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
+            int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  constexpr int64_t kBytes = kHasMin ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t t = t0; t < t1; ++t) {
+      float acc = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kBytes;
+        uint16_t dh;
+        std::memcpy(&dh, blk, 2);
+        const float dw = HalfToFloat(dh);
+        float m;
+        if constexpr (kHasMin) {
+          uint16_t mh;
+          std::memcpy(&mh, blk + 2, 2);
+          m = HalfToFloat(mh);
+        } else {
+          m = -8.0f * dw;
+        }
+        const uint8_t* qs = blk + (kHasMin ? 4 : 2);
+        const int8_t* xq = a.q + (t * nb + b) * kBlock;
+        int isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          isum += (qs[j] & 0x0F) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+        }
+        acc += dw * a.d[t * nb + b] * static_cast<float>(isum) + m * a.s[t * nb + b];
+      }
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+void GemmQ8_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
+              int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t t = t0; t < t1; ++t) {
+      float acc = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * sizeof(BlockQ8_0);
+        uint16_t dh;
+        std::memcpy(&dh, blk, 2);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+        const int8_t* xq = a.q + (t * nb + b) * kBlock;
+        int isum = 0;
+        for (int j = 0; j < kBlock; ++j) isum += qs[j] * xq[j];
+        acc += HalfToFloat(dh) * a.d[t * nb + b] * static_cast<float>(isum);
+      }
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+void GemmF32(const float* w, int64_t ldw, int64_t nr, const float* x, int64_t cols, int64_t nt,
+             float* y, int64_t ldy) {
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t t = 0; t < nt; ++t) {
+      float acc = 0;
+      for (int64_t c = 0; c < cols; ++c) acc += w[r * ldw + c] * x[t * cols + c];
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+void GemmF16(const uint16_t* w, int64_t ldw, int64_t nr, const float* x, int64_t cols, int64_t nt,
+             float* y, int64_t ldy) {
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t t = 0; t < nt; ++t) {
+      float acc = 0;
+      for (int64_t c = 0; c < cols; ++c) acc += HalfToFloat(w[r * ldw + c]) * x[t * cols + c];
+      y[t * ldy + r] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+const KernelTable& ScalarKernels() {
+  static const KernelTable table = {"scalar",  &Quantize, &GemmQ4<false>, &GemmQ4<true>,
+                                    &GemmQ8_0, &GemmF32,  &GemmF16};
+  return table;
+}
+
+}  // namespace kvrelay::engine::kernels
