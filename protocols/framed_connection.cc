@@ -1,0 +1,443 @@
+#include "protocols/framed_connection.h"
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/write.hpp>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "common/logging.h"
+
+namespace kvrelay::protocols {
+
+namespace asio = boost::asio;
+using asio::ip::tcp;
+
+namespace {
+
+Status FromAsio(const boost::system::error_code& ec, const std::string& what) {
+  return Unavailable(what + ": " + ec.message());
+}
+
+}  // namespace
+
+std::shared_ptr<FramedConnection> FramedConnection::Adopt(IoThread& io, tcp::socket socket,
+                                                          ConnectionOptions options) {
+  return std::shared_ptr<FramedConnection>(
+      new FramedConnection(io, std::move(socket), std::move(options)));
+}
+
+FramedConnection::FramedConnection(IoThread& io, tcp::socket socket, ConnectionOptions options)
+    : io_(io),
+      options_(std::move(options)),
+      socket_(std::move(socket)),
+      idle_timer_(io.context()),
+      decoder_(FrameDecoder::Options{options_.max_payload_bytes}),
+      read_buffer_(options_.read_chunk_bytes) {
+  boost::system::error_code ignored;
+  socket_.set_option(tcp::no_delay(true), ignored);
+}
+
+FramedConnection::~FramedConnection() = default;
+
+Result<std::shared_ptr<FramedConnection>> FramedConnection::Connect(
+    IoThread& io, const std::string& host, uint16_t port, ConnectionOptions options,
+    Deadline deadline, ReconnectOptions retry) {
+  if (io.InThisThread()) return Internal("FramedConnection::Connect called on its IoThread");
+  boost::system::error_code ec;
+  auto address = asio::ip::make_address(host, ec);
+  if (ec) {
+    tcp::resolver resolver(io.context());
+    auto results = resolver.resolve(host, std::to_string(port), ec);
+    if (ec || results.empty()) return FromAsio(ec, "resolving " + host);
+    address = results.begin()->endpoint().address();
+  }
+  tcp::endpoint endpoint(address, port);
+  auto backoff = retry.initial_backoff;
+  Status last = DeadlineExceeded("connecting to " + host + ":" + std::to_string(port) +
+                                 ": deadline passed before the first attempt");
+  for (int attempt = 1; !deadline.Expired(); ++attempt) {
+    // State shared by the two handlers of one attempt (both run on the io thread).
+    struct Attempt {
+      explicit Attempt(asio::io_context& ctx) : socket(ctx), timer(ctx) {}
+      tcp::socket socket;
+      asio::steady_timer timer;
+      bool done = false;  // io thread only until `result` is set
+      std::promise<boost::system::error_code> result;
+    };
+    auto a = std::make_shared<Attempt>(io.context());
+    auto future = a->result.get_future();
+    auto remaining = deadline.Remaining();
+    asio::post(io.context(), [a, remaining, endpoint] {
+      a->timer.expires_after(remaining);
+      a->timer.async_wait([a](const boost::system::error_code& tec) {
+        if (!tec && !a->done) {
+          boost::system::error_code ignored;
+          a->socket.close(ignored);  // aborts the pending connect
+        }
+      });
+      a->socket.async_connect(endpoint, [a](const boost::system::error_code& cec) {
+        a->done = true;
+        a->timer.cancel();
+        a->result.set_value(cec);
+      });
+    });
+    // The connect handler always runs: on success, refusal, or the timer's close.
+    if (future.wait_until(deadline.at + std::chrono::seconds(1)) != std::future_status::ready) {
+      return Internal("connect to " + host + ": io thread " + io.name() + " is not running");
+    }
+    auto cec = future.get();
+    if (!cec) {
+      auto conn = Adopt(io, std::move(a->socket), std::move(options));
+      conn->Start();
+      LOG_DEBUG << "connected " << conn->name() << " to " << host << ":" << port << " (attempt "
+                << attempt << ")";
+      return conn;
+    }
+    last = FromAsio(cec, "connecting to " + host + ":" + std::to_string(port) + " (attempt " +
+                             std::to_string(attempt) + ")");
+    auto sleep = std::min<std::chrono::nanoseconds>(backoff, deadline.Remaining());
+    std::this_thread::sleep_for(sleep);
+    backoff = std::min(backoff * 2, retry.max_backoff);
+  }
+  return last;
+}
+
+void FramedConnection::Start(FrameHandler on_frame, CloseHandler on_close) {
+  on_frame_ = std::move(on_frame);
+  on_close_ = std::move(on_close);
+  auto self = shared_from_this();
+  asio::post(io_.context(), [self] {
+    self->ArmIdleTimer();
+    self->DoRead();
+  });
+}
+
+void FramedConnection::ArmIdleTimer() {
+  if (options_.idle_timeout.count() <= 0) return;
+  idle_timer_.expires_after(options_.idle_timeout);
+  idle_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+    if (ec) return;  // re-armed or cancelled
+    self->CloseOnIo(DeadlineExceeded("no data for " +
+                                     std::to_string(self->options_.idle_timeout.count()) + " ms"));
+  });
+}
+
+void FramedConnection::DoRead() {
+  if (closed()) return;
+  socket_.async_read_some(
+      asio::buffer(read_buffer_),
+      [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
+        if (ec) {
+          if (ec == asio::error::eof) {
+            Status truncated = self->decoder_.Finish();
+            self->CloseOnIo(truncated.ok() ? Unavailable("peer closed the connection")
+                                           : truncated.WithContext("peer closed the connection"));
+          } else if (ec != asio::error::operation_aborted) {
+            self->CloseOnIo(FromAsio(ec, "read"));
+          }
+          return;
+        }
+        Status st = self->decoder_.Feed(self->read_buffer_.data(), n);
+        // Frames decoded before a bad one are still delivered.
+        while (auto frame = self->decoder_.Next()) {
+          self->Deliver(std::move(*frame));
+          if (self->closed()) return;
+        }
+        if (!st.ok()) {
+          self->CloseOnIo(st.WithContext("bad frame"));
+          return;
+        }
+        self->ArmIdleTimer();
+        self->DoRead();
+      });
+}
+
+void FramedConnection::Deliver(Frame frame) {
+  if (on_frame_) {
+    on_frame_(std::move(frame));
+    return;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    if (inbox_.size() < options_.max_inbox_frames) {
+      inbox_.push_back(std::move(frame));
+      cv_.notify_all();
+      return;
+    }
+  }
+  CloseOnIo(ResourceExhausted("receive inbox full (" + std::to_string(options_.max_inbox_frames) +
+                              " frames unread)"));
+}
+
+Status FramedConnection::Send(uint16_t type, std::string_view payload) {
+  if (payload.size() > options_.max_payload_bytes) {
+    return InvalidArgument("frame payload of " + std::to_string(payload.size()) +
+                           " bytes exceeds the maximum of " +
+                           std::to_string(options_.max_payload_bytes));
+  }
+  std::string bytes(kFrameHeaderBytes + payload.size(), '\0');
+  EncodeFrameHeader(type, static_cast<uint32_t>(payload.size()),
+                    reinterpret_cast<uint8_t*>(bytes.data()));
+  if (!payload.empty())
+    std::memcpy(bytes.data() + kFrameHeaderBytes, payload.data(), payload.size());
+  return SendEncoded(std::move(bytes));
+}
+
+Status FramedConnection::SendEncoded(std::string frame_bytes) {
+  bool start = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_ || close_after_flush_) {
+      return Unavailable("connection " + options_.name + " is closed" +
+                         (close_reason_.ok() ? "" : ": " + close_reason_.ToString()));
+    }
+    if (send_queue_.size() >= options_.max_send_queue_frames) {
+      return ResourceExhausted("send queue of " + options_.name + " is full (" +
+                               std::to_string(send_queue_.size()) + " frames)");
+    }
+    send_queue_.push_back(std::move(frame_bytes));
+    if (!writing_) {
+      writing_ = true;
+      start = true;
+    }
+  }
+  if (start) asio::post(io_.context(), [self = shared_from_this()] { self->DoWrite(); });
+  return Status::Ok();
+}
+
+Status FramedConnection::SendEncodedWait(std::string frame_bytes, Deadline deadline) {
+  {
+    std::unique_lock lock(mutex_);
+    bool room = cv_.wait_until(lock, deadline.at, [&] {
+      return closed_ || close_after_flush_ || send_queue_.size() < options_.max_send_queue_frames;
+    });
+    if (!room) {
+      return DeadlineExceeded("send queue of " + options_.name + " stayed full until the deadline");
+    }
+  }
+  return SendEncoded(std::move(frame_bytes));
+}
+
+void FramedConnection::DoWrite() {
+  const std::string* front = nullptr;
+  Status flush_close;
+  bool close_now = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) {
+      writing_ = false;
+      return;
+    }
+    if (send_queue_.empty()) {
+      writing_ = false;
+      if (close_after_flush_) {
+        close_now = true;
+        flush_close = flush_reason_;
+      }
+    } else {
+      front = &send_queue_.front();  // deque keeps element addresses stable on push_back
+    }
+  }
+  if (close_now) {
+    CloseOnIo(flush_close);
+    return;
+  }
+  if (front == nullptr) return;
+  asio::async_write(socket_, asio::buffer(*front),
+                    [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                      if (ec) {
+                        if (ec != asio::error::operation_aborted) {
+                          self->CloseOnIo(FromAsio(ec, "write"));
+                        }
+                        return;
+                      }
+                      {
+                        std::lock_guard lock(self->mutex_);
+                        if (!self->send_queue_.empty()) self->send_queue_.pop_front();
+                        self->cv_.notify_all();  // room for SendEncodedWait
+                      }
+                      self->DoWrite();
+                    });
+}
+
+Result<Frame> FramedConnection::Receive(Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  cv_.wait_until(lock, deadline.at, [&] { return !inbox_.empty() || closed_; });
+  if (!inbox_.empty()) {
+    Frame f = std::move(inbox_.front());
+    inbox_.pop_front();
+    return f;
+  }
+  if (closed_) {
+    return close_reason_.ok() ? Unavailable("connection " + options_.name + " closed")
+                              : close_reason_;
+  }
+  return DeadlineExceeded("no frame on " + options_.name + " before the deadline");
+}
+
+void FramedConnection::Close(const Status& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) return;
+  }
+  asio::post(io_.context(), [self = shared_from_this(), reason] { self->CloseOnIo(reason); });
+  // Mark closed now so that Send fails immediately; CloseOnIo does the rest.
+  std::lock_guard lock(mutex_);
+  if (!closed_ && !close_after_flush_) {
+    close_after_flush_ = true;  // refuses new sends until the io thread closes
+    flush_reason_ = reason;
+  }
+}
+
+void FramedConnection::CloseAfterFlush(const Status& reason) {
+  bool start = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_ || close_after_flush_) return;
+    close_after_flush_ = true;
+    flush_reason_ = reason;
+    if (!writing_) {
+      writing_ = true;
+      start = true;
+    }
+  }
+  if (start) asio::post(io_.context(), [self = shared_from_this()] { self->DoWrite(); });
+}
+
+void FramedConnection::CloseOnIo(const Status& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+    close_reason_ = reason;
+    send_queue_.clear();
+    cv_.notify_all();
+  }
+  boost::system::error_code ignored;
+  idle_timer_.cancel();
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  if (reason.ok()) {
+    LOG_DEBUG << "connection " << options_.name << " closed";
+  } else {
+    LOG_WARNING << "closing connection " << options_.name << ": " << reason.ToString();
+  }
+  if (on_close_) on_close_(reason);
+}
+
+Status FramedConnection::WaitClosed(Deadline deadline) {
+  std::unique_lock lock(mutex_);
+  if (!cv_.wait_until(lock, deadline.at, [&] { return closed_; })) {
+    return DeadlineExceeded("connection " + options_.name + " still open at the deadline");
+  }
+  return close_reason_;
+}
+
+bool FramedConnection::closed() const {
+  std::lock_guard lock(mutex_);
+  return closed_;
+}
+
+Status FramedConnection::close_reason() const {
+  std::lock_guard lock(mutex_);
+  return close_reason_;
+}
+
+size_t FramedConnection::queued_frames() const {
+  std::lock_guard lock(mutex_);
+  return send_queue_.size();
+}
+
+// ---------------------------------------------------------------------------
+
+struct FramedServer::State {
+  explicit State(IoThread& io) : io(io), acceptor(io.context()) {}
+  IoThread& io;
+  tcp::acceptor acceptor;  // io thread after Listen returns
+  ConnectionOptions options;
+  AcceptHandler on_accept;
+  std::mutex mutex;
+  bool stopped = false;                                   // guarded by mutex
+  std::vector<std::weak_ptr<FramedConnection>> accepted;  // guarded by mutex
+  int next_id = 0;                                        // io thread only
+};
+
+namespace {
+
+void AcceptLoop(const std::shared_ptr<FramedServer::State>& state);
+
+}  // namespace
+
+Result<std::unique_ptr<FramedServer>> FramedServer::Listen(IoThread& io, const std::string& host,
+                                                           uint16_t port, ConnectionOptions options,
+                                                           AcceptHandler on_accept) {
+  boost::system::error_code ec;
+  auto address = asio::ip::make_address(host, ec);
+  if (ec) return InvalidArgument("listen address '" + host + "' is not an IP address");
+  auto state = std::make_shared<State>(io);
+  state->options = std::move(options);
+  state->on_accept = std::move(on_accept);
+  tcp::endpoint endpoint(address, port);
+  state->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) state->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) state->acceptor.bind(endpoint, ec);
+  if (!ec) state->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) return FromAsio(ec, "listening on " + host + ":" + std::to_string(port));
+  uint16_t bound = state->acceptor.local_endpoint(ec).port();
+  asio::post(io.context(), [state] { AcceptLoop(state); });
+  return std::unique_ptr<FramedServer>(new FramedServer(io, state, bound));
+}
+
+namespace {
+
+void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
+  state->acceptor.async_accept([state](const boost::system::error_code& ec, tcp::socket socket) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) {
+        LOG_WARNING << "accept on " << state->options.name << ": " << ec.message();
+        AcceptLoop(state);
+      }
+      return;
+    }
+    ConnectionOptions options = state->options;
+    options.name += "#" + std::to_string(state->next_id++);
+    auto conn = FramedConnection::Adopt(state->io, std::move(socket), options);
+    {
+      std::lock_guard lock(state->mutex);
+      if (state->stopped) return;  // conn's socket closes on destruction
+      std::erase_if(state->accepted, [](const auto& w) { return w.expired(); });
+      state->accepted.push_back(conn);
+    }
+    state->on_accept(conn);
+    AcceptLoop(state);
+  });
+}
+
+}  // namespace
+
+FramedServer::~FramedServer() { Stop(); }
+
+void FramedServer::Stop() {
+  std::vector<std::weak_ptr<FramedConnection>> accepted;
+  {
+    std::lock_guard lock(state_->mutex);
+    if (state_->stopped) return;
+    state_->stopped = true;
+    accepted.swap(state_->accepted);
+  }
+  auto closed = std::make_shared<std::promise<void>>();
+  auto future = closed->get_future();
+  asio::post(io_.context(), [state = state_, closed] {
+    boost::system::error_code ignored;
+    state->acceptor.close(ignored);
+    closed->set_value();
+  });
+  if (!io_.InThisThread() && !io_.context().stopped()) future.wait_for(std::chrono::seconds(5));
+  for (auto& w : accepted) {
+    if (auto c = w.lock()) c->Close(Cancelled("server stopped"));
+  }
+}
+
+}  // namespace kvrelay::protocols

@@ -1,0 +1,155 @@
+// Framed TCP connections over Boost.Asio: the transport of the control plane
+// (and of the TCP KV data plane's frames).
+//
+// FramedConnection reads frames with the safe incremental FrameDecoder and
+// writes frames from a bounded send queue. Any bad frame (too large, bad
+// magic, truncated at EOF), an idle timeout or a socket error closes the
+// connection with a logged reason; the process goes on.
+//
+// Thread-safety: Send, Close, Receive and the accessors are thread-safe. The
+// frame and close handlers run on the IoThread; they must not block. All
+// objects here must be destroyed (or at least closed) before their IoThread.
+#pragma once
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "protocols/frame_codec.h"
+#include "protocols/io_thread.h"
+
+namespace kvrelay::protocols {
+
+struct ConnectionOptions {
+  std::string name = "conn";  // appears in log lines
+  uint32_t max_payload_bytes = kDefaultMaxFramePayload;
+  // Frames queued for sending beyond this count make Send fail with
+  // ResourceExhausted (back-pressure instead of unbounded memory).
+  size_t max_send_queue_frames = 1024;
+  // Frames received and not yet taken by Receive() (when no frame handler is
+  // installed); overflow closes the connection.
+  size_t max_inbox_frames = 1024;
+  // No byte received for this long closes the connection; 0 disables.
+  std::chrono::milliseconds idle_timeout{0};
+  size_t read_chunk_bytes = 256 << 10;
+};
+
+// Backoff between connect attempts: initial, doubling up to max.
+struct ReconnectOptions {
+  std::chrono::milliseconds initial_backoff{20};
+  std::chrono::milliseconds max_backoff{1000};
+};
+
+class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
+ public:
+  using FrameHandler = std::function<void(Frame)>;
+  using CloseHandler = std::function<void(const Status&)>;
+
+  // Takes ownership of a connected socket. Call Start() to begin reading.
+  static std::shared_ptr<FramedConnection> Adopt(IoThread& io, boost::asio::ip::tcp::socket socket,
+                                                 ConnectionOptions options);
+
+  // Connects to host:port, retrying with exponential backoff (initial_backoff,
+  // doubling up to max_backoff) until `deadline`. Must not be called on the
+  // IoThread. The connection is started in inbox mode (use Receive or SetFrameHandler).
+  static Result<std::shared_ptr<FramedConnection>> Connect(
+      IoThread& io, const std::string& host, uint16_t port, ConnectionOptions options,
+      Deadline deadline, ReconnectOptions retry = ReconnectOptions());
+
+  ~FramedConnection();
+
+  // Begins reading. With a null frame handler, frames go to the inbox for
+  // Receive(). The close handler (may be null) runs once, with the reason.
+  void Start(FrameHandler on_frame = nullptr, CloseHandler on_close = nullptr);
+
+  // Queues one frame. Unavailable when closed, ResourceExhausted when the
+  // queue is full, InvalidArgument when the payload is too large.
+  Status Send(uint16_t type, std::string_view payload);
+  Status Send(MessageType type, std::string_view payload) {
+    return Send(static_cast<uint16_t>(type), payload);
+  }
+  // Sends header + caller bytes assembled in one buffer (no second copy).
+  Status SendEncoded(std::string frame_bytes);
+
+  // Like SendEncoded, but waits (until `deadline`) for room in the send queue
+  // instead of failing with ResourceExhausted: back-pressure for bulk senders.
+  Status SendEncodedWait(std::string frame_bytes, Deadline deadline);
+
+  // Next inbox frame, waiting until `deadline`. DeadlineExceeded on timeout;
+  // the close reason (or Unavailable) once closed and drained.
+  Result<Frame> Receive(Deadline deadline);
+
+  // Closes now (pending sends are dropped); logs `reason` once. Idempotent.
+  void Close(const Status& reason);
+  // Closes once every queued frame has been written.
+  void CloseAfterFlush(const Status& reason);
+  // Blocks until closed or deadline; returns the close reason (DeadlineExceeded if still open).
+  Status WaitClosed(Deadline deadline);
+
+  bool closed() const;
+  Status close_reason() const;
+  const std::string& name() const { return options_.name; }
+  size_t queued_frames() const;
+
+ private:
+  FramedConnection(IoThread& io, boost::asio::ip::tcp::socket socket, ConnectionOptions options);
+  void DoRead();
+  void DoWrite();                        // io thread
+  void ArmIdleTimer();                   // io thread
+  void CloseOnIo(const Status& reason);  // io thread
+  void Deliver(Frame frame);             // io thread
+
+  IoThread& io_;
+  ConnectionOptions options_;
+  boost::asio::ip::tcp::socket socket_;   // touched on the io thread only
+  boost::asio::steady_timer idle_timer_;  // io thread only
+  FrameDecoder decoder_;                  // io thread only
+  std::vector<char> read_buffer_;         // io thread only
+  FrameHandler on_frame_;                 // set before Start
+  CloseHandler on_close_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::string> send_queue_;  // guarded by mutex_
+  bool writing_ = false;                // guarded by mutex_
+  bool closed_ = false;                 // guarded by mutex_
+  bool close_after_flush_ = false;      // guarded by mutex_
+  Status flush_reason_;                 // guarded by mutex_
+  Status close_reason_;                 // guarded by mutex_
+  std::deque<Frame> inbox_;             // guarded by mutex_
+};
+
+// Accepts connections on host:port (port 0 = ephemeral) and hands each, not
+// yet started, to the accept handler on the IoThread.
+class FramedServer {
+ public:
+  using AcceptHandler = std::function<void(std::shared_ptr<FramedConnection>)>;
+  static Result<std::unique_ptr<FramedServer>> Listen(IoThread& io, const std::string& host,
+                                                      uint16_t port, ConnectionOptions options,
+                                                      AcceptHandler on_accept);
+  ~FramedServer();
+  uint16_t port() const { return port_; }
+  // Stops accepting and closes every connection it accepted. Thread-safe, idempotent.
+  void Stop();
+
+  struct State;  // implementation detail, shared with the io thread
+
+ private:
+  FramedServer(IoThread& io, std::shared_ptr<State> state, uint16_t port)
+      : io_(io), state_(std::move(state)), port_(port) {}
+  IoThread& io_;
+  std::shared_ptr<State> state_;
+  uint16_t port_;
+};
+
+}  // namespace kvrelay::protocols
