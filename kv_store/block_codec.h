@@ -1,0 +1,102 @@
+// Block codec: the self-describing, checksummed byte format of one full KV
+// block in a lower tier (host RAM, RocksDB, files).
+//
+// Format (little-endian; all multi-byte fields unaligned):
+//   fixed header, kFixedHeaderBytes = 136:
+//     u32 magic 'KVRB' | u16 format version | u8 KvDtype | u8 flags (0)
+//     u32 layers | u32 kv_heads | u32 head_dim | u32 block_tokens
+//     u8[32] model fingerprint | u8[32] SHA-256(tenant salt) | u8[32] block chain hash
+//     u64 payload length | u64 checksum
+//   i32[block_tokens] the block's token ids
+//   payload: for each layer, KvBlockPool::LayerData(block, layer) (LayerBytes each)
+// checksum = Xxh3_64(tokens || payload, seed = Xxh3_64(fixed header bytes before
+// the checksum field)), so it covers the whole header and the payload.
+//
+// The payload is stored raw: KV values are high-entropy floats, and the tiers
+// choose their own compression (RocksDbTier stores blobs uncompressed, see
+// rocksdb_tier.h for why).
+//
+// Decoding always takes the caller's expectations (model, layout, tenant,
+// chain hash, tokens): a block is served only when every field matches and the
+// checksum verifies. Anything else is a MISS with a reason, never an error the
+// caller must handle and never KV that could be wrong.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/hash.h"
+#include "common/status.h"
+#include "engine/kv_cache/kv_cache.h"
+
+namespace kvrelay::kv_store {
+
+using engine::BlockHash;
+using engine::KvLayout;
+using engine::ModelFingerprint;
+
+inline constexpr uint32_t kBlockMagic = 0x4252564B;  // "KVRB" in little-endian byte order
+inline constexpr uint16_t kBlockFormatVersion = 1;
+inline constexpr size_t kFixedHeaderBytes = 136;
+
+// SHA-256 of a tenant salt, as stored in block headers (the salt itself is
+// never written to disk).
+Sha256Digest TenantSaltHash(std::string_view tenant_salt);
+
+// What a block is (when encoding) or must be (when decoding).
+struct BlockMeta {
+  ModelFingerprint model{};
+  KvLayout layout;
+  Sha256Digest tenant_salt_hash{};
+  BlockHash hash{};
+  std::vector<int32_t> tokens;  // exactly layout.block_tokens ids
+};
+
+// Why a stored block was not served. kNone = verified and served.
+enum class MissReason : uint8_t {
+  kNone = 0,
+  kNotFound,      // no tier held the hash
+  kStorageError,  // the tier failed to read it (I/O error, storage-level corruption)
+  kTruncated,     // shorter than its header says / sizes inconsistent
+  kBadMagic,
+  kBadVersion,
+  kChecksum,  // bytes damaged
+  kModel,     // computed with other weights
+  kLayout,    // other layers / heads / head_dim / dtype / block size
+  kTenant,    // another tenant's block (salt hash differs)
+  kHash,      // header's chain hash is not the key looked up
+  kTokens,    // token ids differ (hash collision or a wrong key)
+  kExpired,   // older than the tier's TTL
+  kCount,     // number of reasons (array size)
+};
+std::string_view MissReasonName(MissReason r);
+
+// Encodes one block whose per-layer bytes are `layers` (layers.size() ==
+// meta.layout.layers, each LayerBytes() long). InvalidArgument on a shape mismatch.
+Result<std::string> EncodeBlock(const BlockMeta& meta,
+                                std::span<const std::span<const uint8_t>> layers);
+// Same, reading the layers of `block` from `pool` (whose layout must equal meta.layout).
+Result<std::string> EncodeBlock(const BlockMeta& meta, const engine::KvBlockPool& pool,
+                                engine::BlockId block);
+
+struct DecodedBlock {
+  MissReason reason = MissReason::kNone;
+  // The verified payload (all layers back to back), pointing into the encoded
+  // buffer: valid while that buffer lives and is not modified. Empty on a miss.
+  std::span<const uint8_t> payload;
+  bool ok() const { return reason == MissReason::kNone; }
+  // Bytes of layer `layer` (payload must be non-empty).
+  std::span<const uint8_t> Layer(const KvLayout& layout, int layer) const {
+    return payload.subspan(static_cast<size_t>(layer * layout.LayerBytes()),
+                           static_cast<size_t>(layout.LayerBytes()));
+  }
+};
+
+// Verifies `encoded` against `expected` and returns its payload or the reason
+// it must not be used. Never reads outside `encoded`; never throws.
+DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected);
+
+}  // namespace kvrelay::kv_store

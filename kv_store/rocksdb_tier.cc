@@ -1,0 +1,551 @@
+#include "kv_store/rocksdb_tier.h"
+
+#include <rocksdb/cache.h>
+#include <rocksdb/convenience.h>
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/table.h>
+#include <rocksdb/write_batch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "common/logging.h"
+
+namespace kvrelay::kv_store {
+namespace {
+
+constexpr char kMetaFamily[] = "meta";
+constexpr size_t kMetaBytes = 24;
+
+rocksdb::Slice KeyOf(const BlockHash& h) {
+  return rocksdb::Slice(reinterpret_cast<const char*>(h.data()), h.size());
+}
+
+std::string EncodeMeta(int64_t size, int64_t write_us, int64_t access_us) {
+  std::string out(kMetaBytes, '\0');
+  std::memcpy(out.data(), &size, 8);
+  std::memcpy(out.data() + 8, &write_us, 8);
+  std::memcpy(out.data() + 16, &access_us, 8);
+  return out;
+}
+
+Status FromRocks(const rocksdb::Status& s, std::string_view what) {
+  if (s.ok()) return Status::Ok();
+  std::string msg = std::string(what) + ": " + s.ToString();
+  if (s.IsNotFound()) return NotFound(msg);
+  if (s.IsCorruption()) return DataLoss(msg);
+  if (s.IsIOError()) return Unavailable(msg);
+  if (s.IsInvalidArgument()) return InvalidArgument(msg);
+  if (s.IsTimedOut()) return DeadlineExceeded(msg);
+  return Internal(msg);
+}
+
+int64_t WallMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+rocksdb::CompressionType SstCompression() {
+  for (rocksdb::CompressionType t : rocksdb::GetSupportedCompressions()) {
+    if (t == rocksdb::kLZ4Compression) return t;
+  }
+  return rocksdb::kNoCompression;
+}
+
+}  // namespace
+
+Status RocksDbTier::Options::Validate() const {
+  if (path.empty()) return InvalidArgument("RocksDbTier: path is empty");
+  if (capacity_bytes <= 0) return InvalidArgument("RocksDbTier: capacity_bytes must be > 0");
+  if (ttl_seconds < 0) return InvalidArgument("RocksDbTier: ttl_seconds must be >= 0");
+  if (block_cache_bytes < 0) return InvalidArgument("RocksDbTier: block_cache_bytes must be >= 0");
+  if (min_blob_size < 0) return InvalidArgument("RocksDbTier: min_blob_size must be >= 0");
+  if (blob_file_size <= 0) return InvalidArgument("RocksDbTier: blob_file_size must be > 0");
+  if (write_buffer_bytes <= 0)
+    return InvalidArgument("RocksDbTier: write_buffer_bytes must be > 0");
+  if (max_queue_blocks <= 0) return InvalidArgument("RocksDbTier: max_queue_blocks must be > 0");
+  if (max_queue_bytes <= 0) return InvalidArgument("RocksDbTier: max_queue_bytes must be > 0");
+  if (max_batch_blocks <= 0) return InvalidArgument("RocksDbTier: max_batch_blocks must be > 0");
+  return Status::Ok();
+}
+
+RocksDbTier::RocksDbTier(const Options& options) : options_(options) {
+  if (!options_.now_us) options_.now_us = WallMicros;
+}
+
+int64_t RocksDbTier::Now() const { return options_.now_us(); }
+
+Result<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const Options& options) {
+  RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<RocksDbTier> tier(new RocksDbTier(options));
+  RETURN_IF_ERROR(tier->OpenDb());
+  tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
+  return tier;
+}
+
+Status RocksDbTier::TryOpen(bool after_repair) {
+  rocksdb::DBOptions db_options;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.paranoid_checks = true;
+  db_options.max_total_wal_size = 4 * static_cast<uint64_t>(options_.write_buffer_bytes);
+  db_options.max_background_jobs = 2;
+
+  auto cache = rocksdb::NewLRUCache(static_cast<size_t>(options_.block_cache_bytes));
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = cache;
+  table.cache_index_and_filter_blocks = true;
+
+  rocksdb::ColumnFamilyOptions data;
+  data.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  data.compression = SstCompression();
+  data.write_buffer_size = static_cast<size_t>(options_.write_buffer_bytes);
+  data.enable_blob_files = true;
+  data.min_blob_size = static_cast<uint64_t>(options_.min_blob_size);
+  data.blob_file_size = static_cast<uint64_t>(options_.blob_file_size);
+  data.blob_compression_type = rocksdb::kNoCompression;
+  data.enable_blob_garbage_collection = true;
+  data.blob_garbage_collection_age_cutoff = 0.5;
+
+  rocksdb::ColumnFamilyOptions meta;
+  meta.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  meta.compression = SstCompression();
+  meta.write_buffer_size = 4 << 20;
+
+  std::vector<rocksdb::ColumnFamilyDescriptor> families = {
+      {rocksdb::kDefaultColumnFamilyName, data}, {kMetaFamily, meta}};
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* db = nullptr;
+  if (after_repair) {
+    rocksdb::Status rs = rocksdb::RepairDB(options_.path, db_options, families);
+    if (!rs.ok()) return FromRocks(rs, "RepairDB " + options_.path);
+  }
+  rocksdb::Status s = rocksdb::DB::Open(db_options, options_.path, families, &handles, &db);
+  if (!s.ok()) return FromRocks(s, "opening " + options_.path);
+  db_ = db;
+  data_cf_ = handles[0];
+  meta_cf_ = handles[1];
+  Status rebuilt = RebuildIndex(after_repair);
+  if (!rebuilt.ok()) {
+    CloseDb();
+    return rebuilt;
+  }
+  return Status::Ok();
+}
+
+Status RocksDbTier::OpenDb() {
+  std::error_code ec;
+  std::filesystem::create_directories(options_.path, ec);
+  if (ec) return Unavailable("creating " + options_.path + ": " + ec.message());
+
+  Status s = TryOpen(/*after_repair=*/false);
+  if (s.ok()) {
+    open_report_.outcome = OpenOutcome::kOpened;
+  } else {
+    // Anything but a plain I/O problem (a missing device, permissions) is
+    // treated as damage: repair, then start over.
+    if (s.code() == StatusCode::kUnavailable) return s;
+    LOG_WARNING << "kv_store: " << s.ToString() << "; running RepairDB";
+    open_report_.detail = s.ToString();
+    Status repaired = TryOpen(/*after_repair=*/true);
+    if (repaired.ok()) {
+      open_report_.outcome = OpenOutcome::kRepaired;
+    } else {
+      const int64_t secs = WallMicros() / 1000000;
+      std::string aside = options_.path + ".corrupt-" + std::to_string(secs);
+      for (int i = 1; std::filesystem::exists(aside, ec); ++i) {
+        aside = options_.path + ".corrupt-" + std::to_string(secs) + "-" + std::to_string(i);
+      }
+      LOG_ERROR << "kv_store: repair failed (" << repaired.ToString() << "); moving "
+                << options_.path << " to " << aside << " and starting empty";
+      std::filesystem::rename(options_.path, aside, ec);
+      if (ec) return Unavailable("moving damaged " + options_.path + " aside: " + ec.message());
+      std::filesystem::create_directories(options_.path, ec);
+      RETURN_IF_ERROR(TryOpen(/*after_repair=*/false));
+      open_report_.outcome = OpenOutcome::kMovedAside;
+      open_report_.moved_to = aside;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  open_report_.entries = static_cast<int64_t>(index_.size());
+  return Status::Ok();
+}
+
+Status RocksDbTier::RebuildIndex(bool reconcile_values) {
+  std::vector<IndexEntry> entries;
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  ro.fill_cache = false;
+  std::unordered_set<BlockHash, BlockHashHasher> seen;
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, meta_cf_));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().size() != 32 || it->value().size() != kMetaBytes) continue;  // foreign: ignore
+      IndexEntry e;
+      std::memcpy(e.hash.data(), it->key().data(), 32);
+      std::memcpy(&e.size, it->value().data(), 8);
+      std::memcpy(&e.write_us, it->value().data() + 8, 8);
+      std::memcpy(&e.access_us, it->value().data() + 16, 8);
+      if (e.size < 0) continue;
+      seen.insert(e.hash);
+      entries.push_back(e);
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scanning the meta family");
+  }
+  if (reconcile_values) {
+    // After a repair the families may disagree: index values without meta
+    // (reading them is the price of a rare event) and forget meta without values.
+    std::unordered_set<BlockHash, BlockHashHasher> have_value;
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(ro, data_cf_));
+    const int64_t now = Now();
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().size() != 32) continue;
+      BlockHash h;
+      std::memcpy(h.data(), it->key().data(), 32);
+      have_value.insert(h);
+      if (!seen.count(h)) {
+        entries.push_back(IndexEntry{h, static_cast<int64_t>(it->value().size()), now, now});
+        seen.insert(h);
+      }
+    }
+    if (!it->status().ok()) return FromRocks(it->status(), "scanning the value family");
+    std::erase_if(entries, [&](const IndexEntry& e) { return !have_value.count(e.hash); });
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const IndexEntry& a, const IndexEntry& b) { return a.access_us > b.access_us; });
+  std::lock_guard<std::mutex> lock(mutex_);
+  lru_.clear();
+  index_.clear();
+  used_ = 0;
+  for (const IndexEntry& e : entries) {
+    lru_.push_back(e);
+    index_[e.hash] = std::prev(lru_.end());
+    used_ += e.size;
+  }
+  // Honour a capacity or TTL that shrank since the last run.
+  const int64_t now = Now();
+  const int64_t ttl_us = options_.ttl_seconds * 1000000;
+  for (auto it = lru_.begin(); it != lru_.end();) {
+    auto next = std::next(it);
+    if (ttl_us > 0 && now - it->write_us > ttl_us) {
+      ++stats_.expired;
+      DropEntryLocked(it);
+    }
+    it = next;
+  }
+  while (used_ > options_.capacity_bytes && !lru_.empty()) {
+    ++stats_.evictions;
+    stats_.evicted_bytes += lru_.back().size;
+    DropEntryLocked(std::prev(lru_.end()));
+  }
+  return Status::Ok();
+}
+
+void RocksDbTier::DropEntryLocked(LruList::iterator it) {
+  const BlockHash h = it->hash;
+  used_ -= it->size;
+  index_.erase(h);
+  lru_.erase(it);
+  pending_.erase(h);
+  touched_.erase(h);
+  deletes_.insert(h);
+}
+
+void RocksDbTier::CloseDb() {
+  if (db_ == nullptr) return;
+  if (data_cf_) db_->DestroyColumnFamilyHandle(data_cf_);
+  if (meta_cf_) db_->DestroyColumnFamilyHandle(meta_cf_);
+  data_cf_ = meta_cf_ = nullptr;
+  rocksdb::Status s = db_->Close();
+  if (!s.ok()) {
+    LOG_WARNING << "kv_store: closing " << options_.path << ": " << s.ToString();
+  }
+  delete db_;
+  db_ = nullptr;
+}
+
+RocksDbTier::~RocksDbTier() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+    sync_request_ = next_seq_;  // best effort: leave nothing acknowledged-but-unsynced
+  }
+  work_cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+  CloseDb();
+}
+
+Status RocksDbTier::Put(const BlockHash& hash, std::string value) {
+  const int64_t size = static_cast<int64_t>(value.size());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return Unavailable("RocksDbTier: shutting down");
+    if (size > options_.capacity_bytes) {
+      ++stats_.puts_dropped;
+      return ResourceExhausted("RocksDbTier: value of " + std::to_string(size) +
+                               " bytes exceeds capacity " +
+                               std::to_string(options_.capacity_bytes));
+    }
+    if (static_cast<int64_t>(queue_.size()) >= options_.max_queue_blocks ||
+        queued_bytes_ + size > options_.max_queue_bytes) {
+      ++stats_.puts_dropped;
+      return ResourceExhausted("RocksDbTier: spill queue full, block dropped");
+    }
+    auto shared = std::make_shared<const std::string>(std::move(value));
+    const int64_t now = Now();
+    auto it = index_.find(hash);
+    if (it != index_.end()) {
+      used_ -= it->second->size;
+      lru_.erase(it->second);
+      index_.erase(it);
+    }
+    deletes_.erase(hash);
+    lru_.push_front(IndexEntry{hash, size, now, now});
+    index_[hash] = lru_.begin();
+    used_ += size;
+    while (used_ > options_.capacity_bytes && lru_.size() > 1) {
+      ++stats_.evictions;
+      stats_.evicted_bytes += lru_.back().size;
+      DropEntryLocked(std::prev(lru_.end()));
+    }
+    pending_[hash] = shared;
+    touched_.erase(hash);
+    queue_.push_back(PendingPut{++next_seq_, hash, std::move(shared)});
+    queued_bytes_ += size;
+    ++stats_.puts;
+    stats_.put_bytes += size;
+  }
+  work_cv_.notify_one();
+  return Status::Ok();
+}
+
+Result<std::string> RocksDbTier::Get(const BlockHash& hash) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(hash);
+    if (it == index_.end()) {
+      ++stats_.misses;
+      return NotFound("block not in rocksdb tier");
+    }
+    const int64_t now = Now();
+    const int64_t ttl_us = options_.ttl_seconds * 1000000;
+    if (ttl_us > 0 && now - it->second->write_us > ttl_us) {
+      ++stats_.expired;
+      ++stats_.misses;
+      DropEntryLocked(it->second);
+      work_cv_.notify_one();
+      return NotFound("block expired in rocksdb tier");
+    }
+    it->second->access_us = now;
+    lru_.splice(lru_.begin(), lru_, it->second);
+    auto p = pending_.find(hash);
+    if (p != pending_.end()) {
+      ++stats_.hits;
+      return std::string(*p->second);
+    }
+    touched_.insert(hash);
+  }
+  std::string value;
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  rocksdb::Status s = db_->Get(ro, data_cf_, KeyOf(hash), &value);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (s.ok()) {
+    ++stats_.hits;
+    return value;
+  }
+  auto it = index_.find(hash);
+  if (s.IsNotFound()) {
+    // Evicted or erased meanwhile, or meta without value after damage.
+    ++stats_.misses;
+    if (it != index_.end() && !pending_.count(hash)) DropEntryLocked(it->second);
+    return NotFound("block not in rocksdb tier");
+  }
+  ++stats_.errors;
+  if (s.IsCorruption() && it != index_.end() && !pending_.count(hash)) {
+    DropEntryLocked(it->second);  // never read it again
+  }
+  return FromRocks(s, "reading a block");
+}
+
+bool RocksDbTier::Contains(const BlockHash& hash) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = index_.find(hash);
+  if (it == index_.end()) return false;
+  const int64_t ttl_us = options_.ttl_seconds * 1000000;
+  return !(ttl_us > 0 && Now() - it->second->write_us > ttl_us);
+}
+
+Status RocksDbTier::Erase(const BlockHash& hash) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(hash);
+    if (it != index_.end()) {
+      DropEntryLocked(it->second);
+    } else {
+      deletes_.insert(hash);  // may exist on disk without an index entry
+    }
+    ++next_seq_;
+  }
+  work_cv_.notify_one();
+  return Status::Ok();
+}
+
+int64_t RocksDbTier::used_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return used_;
+}
+
+int64_t RocksDbTier::queued_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(queue_.size());
+}
+
+TierStats RocksDbTier::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TierStats s = stats_;
+  s.entries = static_cast<int64_t>(index_.size());
+  s.used_bytes = used_;
+  return s;
+}
+
+std::vector<BlockHash> RocksDbTier::KeysLruOrder() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BlockHash> out;
+  out.reserve(lru_.size());
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) out.push_back(it->hash);
+  return out;
+}
+
+void RocksDbTier::SetWriterPausedForTesting(bool paused) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    paused_ = paused;
+  }
+  work_cv_.notify_all();
+}
+
+Status RocksDbTier::Flush(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t target = next_seq_;
+  work_cv_.notify_one();
+  if (!done_cv_.wait_until(lock, deadline.at, [&] { return written_seq_ >= target; })) {
+    return DeadlineExceeded("RocksDbTier::Flush: writer still behind at the deadline");
+  }
+  if (max_failed_seq_ > 0 && max_failed_seq_ <= target && !last_write_error_.ok()) {
+    return last_write_error_;
+  }
+  return Status::Ok();
+}
+
+Status RocksDbTier::WaitDurable(Deadline deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t target = next_seq_;
+  const uint64_t durable_before = durable_seq_;
+  if (durable_seq_ >= target) return Status::Ok();
+  sync_request_ = std::max(sync_request_, target);
+  work_cv_.notify_one();
+  if (!done_cv_.wait_until(lock, deadline.at, [&] { return durable_seq_ >= target; })) {
+    return DeadlineExceeded("RocksDbTier::WaitDurable: not durable by the deadline");
+  }
+  // Conservative: any failed write after the last durable point may have held
+  // one of our values.
+  if (max_failed_seq_ > durable_before) {
+    return last_write_error_.ok() ? Internal("RocksDbTier: a write failed") : last_write_error_;
+  }
+  return Status::Ok();
+}
+
+void RocksDbTier::WriterLoop() {
+  std::vector<PendingPut> puts;
+  std::vector<BlockHash> deletes;
+  std::vector<std::pair<BlockHash, std::string>> metas;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    work_cv_.wait(lock, [&] {
+      if (paused_ && !stop_) return false;
+      return stop_ || !queue_.empty() || !deletes_.empty() || sync_request_ > durable_seq_ ||
+             written_seq_ < next_seq_;
+    });
+    // Take one round of work.
+    puts.clear();
+    deletes.clear();
+    metas.clear();
+    while (!queue_.empty() && static_cast<int>(puts.size()) < options_.max_batch_blocks) {
+      PendingPut p = std::move(queue_.front());
+      queue_.pop_front();
+      queued_bytes_ -= static_cast<int64_t>(p.value->size());
+      auto cur = pending_.find(p.hash);
+      if (cur == pending_.end() || cur->second != p.value) continue;  // superseded or dropped
+      auto idx = index_.find(p.hash);
+      if (idx == index_.end()) continue;
+      metas.emplace_back(
+          p.hash, EncodeMeta(idx->second->size, idx->second->write_us, idx->second->access_us));
+      puts.push_back(std::move(p));
+    }
+    deletes.assign(deletes_.begin(), deletes_.end());
+    deletes_.clear();
+    for (const BlockHash& h : touched_) {
+      auto idx = index_.find(h);
+      if (idx == index_.end() || pending_.count(h)) continue;
+      metas.emplace_back(
+          h, EncodeMeta(idx->second->size, idx->second->write_us, idx->second->access_us));
+    }
+    touched_.clear();
+    const uint64_t round_seq = queue_.empty() ? next_seq_ : queue_.front().seq - 1;
+    const bool want_sync =
+        options_.sync_every_batch || (sync_request_ > durable_seq_ && sync_request_ <= round_seq);
+    const bool stopping = stop_ && queue_.empty();
+    const bool has_writes = !puts.empty() || !deletes.empty() || !metas.empty();
+    lock.unlock();
+
+    rocksdb::Status s;
+    if (has_writes) {
+      rocksdb::WriteBatch batch;
+      for (const PendingPut& p : puts) {
+        batch.Put(data_cf_, KeyOf(p.hash), rocksdb::Slice(*p.value));
+      }
+      for (const auto& [h, m] : metas) batch.Put(meta_cf_, KeyOf(h), m);
+      for (const BlockHash& h : deletes) {
+        batch.Delete(data_cf_, KeyOf(h));
+        batch.Delete(meta_cf_, KeyOf(h));
+      }
+      rocksdb::WriteOptions wo;
+      wo.sync = want_sync;
+      s = db_->Write(wo, &batch);
+    } else if (want_sync) {
+      s = db_->SyncWAL();
+    }
+
+    lock.lock();
+    for (const PendingPut& p : puts) {
+      auto cur = pending_.find(p.hash);
+      if (cur != pending_.end() && cur->second == p.value) pending_.erase(cur);
+    }
+    if (!s.ok()) {
+      ++stats_.errors;
+      last_write_error_ = FromRocks(s, "writing a batch");
+      max_failed_seq_ = std::max<uint64_t>(max_failed_seq_, round_seq);
+      LOG_WARNING << "kv_store: " << last_write_error_.ToString();
+      for (const PendingPut& p : puts) {  // not stored: forget them
+        auto idx = index_.find(p.hash);
+        if (idx != index_.end()) {
+          used_ -= idx->second->size;
+          lru_.erase(idx->second);
+          index_.erase(idx);
+        }
+      }
+    }
+    written_seq_ = std::max(written_seq_, round_seq);
+    if (want_sync) durable_seq_ = std::max(durable_seq_, round_seq);
+    done_cv_.notify_all();
+    if (stopping) break;
+  }
+}
+
+}  // namespace kvrelay::kv_store

@@ -1,0 +1,191 @@
+// RocksDbTier: a KvTier on local disk that survives process restarts and crashes.
+//
+// Storage: one RocksDB database with two column families:
+//   "default": key = 32-byte chain hash, value = encoded block (block_codec.h).
+//              Integrated BlobDB: values >= min_blob_size (every KV block) live in
+//              blob files, so compactions move 32-byte keys and blob pointers,
+//              not hundreds of KiB per block; garbage collection reclaims
+//              evicted blobs. Blobs are stored uncompressed: KV payloads are
+//              float mantissas, which LZ4/ZSTD shrink by only a few percent (f32
+//              and f16 both; measured in the tests' notes) while adding
+//              decompression to the restore path that TTFT waits on. SSTs (keys
+//              and the small "meta" family) use LZ4 when the library has it.
+//   "meta":    key = chain hash, value = u64 value size | i64 write time (µs,
+//              wall clock) | i64 last access time (µs). Written in the same
+//              WriteBatch as the value, so the two never disagree after a crash.
+// At Open the meta family is scanned to rebuild the in-memory LRU index
+// (access-time order); the index drives capacity eviction, TTL and Contains.
+//
+// Writes are asynchronous: Put copies nothing (it takes the value), appends to
+// a bounded queue and returns; one background writer thread ("kvstore-writer")
+// groups queued puts, evictions, erasures and access-time updates into one
+// WriteBatch per round. A full queue DROPS the new value (ResourceExhausted,
+// counted in puts_dropped) instead of blocking the caller: a spilled block can
+// always be recomputed. A value is visible to Get/Contains as soon as Put
+// returns (pending values are served from the queue).
+//
+// "Acknowledged durable": a Put that returned OK is durable once a
+// WaitDurable() call started after it has returned OK. WaitDurable asks the
+// writer to write everything queued so far and then make it durable with one
+// synced write (WriteOptions::sync = true, or DB::SyncWAL when nothing is left
+// to write), i.e. the WAL records holding those values are fsync'ed. Such a
+// value survives SIGKILL and power loss of the process (not the loss or damage
+// of the disk itself). Values not yet acknowledged may or may not survive a
+// crash; whatever survives is whole (RocksDB replays WAL records atomically).
+//
+// Damage: Open tries a normal open; if RocksDB reports corruption (or the
+// index cannot be rebuilt) it runs RepairDB and opens again; if that fails too
+// it renames the directory to "<path>.corrupt-<unix seconds>" and starts
+// empty. It never crashes on a damaged directory. Damaged values that RocksDB
+// does not catch itself are caught by the block codec's checksum when the
+// caller decodes them, so bad KV is never served.
+//
+// Thread-safety: all methods may be called concurrently.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "common/clock.h"
+#include "kv_store/host_ram_tier.h"
+#include "kv_store/kv_tier.h"
+
+namespace rocksdb {
+class DB;
+class ColumnFamilyHandle;
+}  // namespace rocksdb
+
+namespace kvrelay::kv_store {
+
+class RocksDbTier final : public KvTier {
+ public:
+  struct Options {
+    std::string path;                        // database directory (created if missing)
+    int64_t capacity_bytes = 16LL << 30;     // sum of value sizes kept; LRU beyond it
+    int64_t ttl_seconds = 0;                 // 0 = none; else entries older than this
+                                             // (since their last Put) are misses and removed
+    int64_t block_cache_bytes = 32LL << 20;  // SST block cache (keys, meta, index blocks)
+    int64_t min_blob_size = 4096;            // values at least this big go to blob files
+    int64_t blob_file_size = 256LL << 20;
+    int64_t write_buffer_bytes = 64LL << 20;  // memtable size of the value family
+    int max_queue_blocks = 64;                // spill queue bound (count) ...
+    int64_t max_queue_bytes = 256LL << 20;    // ... and bytes; a Put over either is dropped
+    int max_batch_blocks = 16;                // puts grouped into one WriteBatch
+    bool sync_every_batch = false;            // true: every batch is a synced write
+    // Wall clock in microseconds since the Unix epoch (TTL and LRU survive
+    // restarts, so a steady clock will not do). Tests inject a fake.
+    std::function<int64_t()> now_us;
+
+    Status Validate() const;
+  };
+
+  // How Open found the directory.
+  enum class OpenOutcome { kOpened, kRepaired, kMovedAside };
+  struct OpenReport {
+    OpenOutcome outcome = OpenOutcome::kOpened;
+    std::string detail;    // the RocksDB error that triggered repair / move, if any
+    std::string moved_to;  // for kMovedAside
+    int64_t entries = 0;   // index entries after open
+  };
+
+  static Result<std::unique_ptr<RocksDbTier>> Open(const Options& options);
+  // Writes what is queued, syncs the WAL (best effort) and closes the database.
+  ~RocksDbTier() override;
+  RocksDbTier(const RocksDbTier&) = delete;
+  RocksDbTier& operator=(const RocksDbTier&) = delete;
+
+  std::string_view name() const override { return "rocksdb"; }
+  // Asynchronous (see the file comment). ResourceExhausted when the queue is
+  // full or the value exceeds capacity_bytes; Unavailable after shutdown began.
+  Status Put(const BlockHash& hash, std::string value) override;
+  Result<std::string> Get(const BlockHash& hash) override;
+  bool Contains(const BlockHash& hash) override;
+  Status Erase(const BlockHash& hash) override;
+  int64_t capacity_bytes() const override { return options_.capacity_bytes; }
+  int64_t used_bytes() const override;
+  TierStats stats() const override;
+
+  // Waits until every Put/Erase accepted before this call is written to the
+  // database (visible to a reopened DB after a clean close, not yet synced).
+  Status Flush(Deadline deadline);
+  // Waits until every Put accepted before this call is durable (see the file
+  // comment). DeadlineExceeded when the deadline passes first; the error of a
+  // failed write when a write in that range failed.
+  Status WaitDurable(Deadline deadline);
+
+  const OpenReport& open_report() const { return open_report_; }
+  // Hashes in the index, least recently used first (tests, tools).
+  std::vector<BlockHash> KeysLruOrder() const;
+  // Values in the spill queue now.
+  int64_t queued_blocks() const;
+  // Test hook: while paused the writer takes no work, so the queue fills.
+  void SetWriterPausedForTesting(bool paused);
+
+ private:
+  explicit RocksDbTier(const Options& options);
+  Status OpenDb();
+  Status TryOpen(bool after_repair);
+  Status RebuildIndex(bool reconcile_values);
+  void CloseDb();
+  void WriterLoop();
+  int64_t Now() const;
+
+  struct PendingPut {
+    uint64_t seq;
+    BlockHash hash;
+    std::shared_ptr<const std::string> value;
+  };
+  struct IndexEntry {
+    BlockHash hash;
+    int64_t size = 0;
+    int64_t write_us = 0;
+    int64_t access_us = 0;
+  };
+  using LruList = std::list<IndexEntry>;
+
+  // Removes an index entry and schedules its deletion. Requires mutex_.
+  void DropEntryLocked(LruList::iterator it);
+
+  Options options_;
+  OpenReport open_report_;
+  rocksdb::DB* db_ = nullptr;                       // owned; closed in the destructor
+  rocksdb::ColumnFamilyHandle* data_cf_ = nullptr;  // owned by db_'s lifetime
+  rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;
+
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;  // writer waits for work
+  std::condition_variable done_cv_;  // Flush/WaitDurable wait for progress
+  // All below guarded by mutex_.
+  std::deque<PendingPut> queue_;
+  int64_t queued_bytes_ = 0;
+  std::unordered_map<BlockHash, std::shared_ptr<const std::string>, BlockHashHasher> pending_;
+  std::unordered_set<BlockHash, BlockHashHasher> deletes_;  // to delete in the next batch
+  std::unordered_set<BlockHash, BlockHashHasher> touched_;  // access times to persist
+  LruList lru_;                                             // front = most recently used
+  std::unordered_map<BlockHash, LruList::iterator, BlockHashHasher> index_;
+  int64_t used_ = 0;
+  uint64_t next_seq_ = 0;        // last sequence number handed to a Put/Erase
+  uint64_t written_seq_ = 0;     // everything <= this is written (or failed)
+  uint64_t durable_seq_ = 0;     // everything <= this that was written is synced
+  uint64_t sync_request_ = 0;    // a WaitDurable wants durable_seq_ >= this
+  uint64_t max_failed_seq_ = 0;  // highest sequence in a failed write
+  Status last_write_error_;
+  bool stop_ = false;
+  bool paused_ = false;  // test hook
+  TierStats stats_;
+
+  std::thread writer_;  // joined in the destructor
+};
+
+}  // namespace kvrelay::kv_store

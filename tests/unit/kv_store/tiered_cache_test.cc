@@ -1,0 +1,265 @@
+#include "kv_store/tiered_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "kv_store/rocksdb_tier.h"
+#include "tests/unit/kv_store/test_blocks.h"
+
+namespace kvrelay::kv_store {
+namespace {
+
+namespace fs = std::filesystem;
+using engine::BlockId;
+using engine::KvBlockPool;
+
+constexpr char kSalt[] = "tenant-a";
+
+engine::KvLayout Layout(engine::KvDtype dtype) {
+  engine::KvLayout l;
+  l.layers = 4;
+  l.kv_heads = 2;
+  l.head_dim = 16;
+  l.block_tokens = 8;
+  l.dtype = dtype;
+  return l;
+}
+
+std::unique_ptr<KvBlockPool> MakePool(const engine::KvLayout& l, int blocks) {
+  return KvBlockPool::Create({.layout = l, .capacity_bytes = blocks * l.BlockBytes()}).value();
+}
+
+std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (auto& x : t) x = static_cast<int32_t>(rng() % 49152);
+  return t;
+}
+
+// "Prefills" tokens into the pool: writes deterministic K/V for every full
+// block, commits it under its chain hash and releases it (cached, unreferenced).
+// Returns a copy of every block's layer bytes.
+std::vector<std::vector<std::vector<uint8_t>>> Prefill(KvBlockPool* pool,
+                                                       std::span<const int32_t> tokens,
+                                                       const engine::ModelFingerprint& model,
+                                                       std::string_view salt) {
+  const auto& l = pool->layout();
+  auto hashes = engine::HashPrefixBlocks(tokens, l.block_tokens, model, salt);
+  std::vector<std::vector<std::vector<uint8_t>>> bytes;
+  std::mt19937 rng(tokens.empty() ? 0 : static_cast<uint32_t>(tokens[0]));
+  std::normal_distribution<float> dist;
+  std::vector<float> k(static_cast<size_t>(l.kv_heads * l.head_dim)), v(k.size());
+  for (size_t b = 0; b < hashes.size(); ++b) {
+    BlockId id = pool->Allocate().value();
+    for (int layer = 0; layer < l.layers; ++layer) {
+      for (int off = 0; off < l.block_tokens; ++off) {
+        for (auto& x : k) x = dist(rng);
+        for (auto& x : v) x = dist(rng);
+        pool->WriteToken(id, layer, off, k.data(), v.data());
+      }
+    }
+    pool->Commit(id, hashes[b]);
+    std::vector<std::vector<uint8_t>> layers;
+    for (int layer = 0; layer < l.layers; ++layer) {
+      auto d = pool->LayerData(id, layer);
+      layers.emplace_back(d.begin(), d.end());
+    }
+    bytes.push_back(std::move(layers));
+    pool->Release(id);
+  }
+  return bytes;
+}
+
+// Allocates (and frees) every block, so every cached block is evicted.
+void EvictAll(KvBlockPool* pool) {
+  std::vector<BlockId> ids;
+  while (true) {
+    auto r = pool->Allocate();
+    if (!r.ok()) break;
+    ids.push_back(*r);
+  }
+  for (BlockId id : ids) pool->Release(id);
+}
+
+class TieredCacheTest : public ::testing::TestWithParam<engine::KvDtype> {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("kvstore_tiered_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  RocksDbTier::Options DiskOpts() {
+    RocksDbTier::Options o;
+    o.path = dir_.string();
+    o.write_buffer_bytes = 1 << 20;
+    return o;
+  }
+  fs::path dir_;
+};
+
+TEST_P(TieredCacheTest, SpilledBlocksRestoreWithIdenticalLayerBytes) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(3);
+  auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+  TieredCache cache({}, ram.get(), nullptr);
+  auto pool = MakePool(layout, 6);
+  cache.Attach(pool.get());
+  const auto tokens = Tokens(5 * 8 + 3, 11);  // 5 full blocks + a partial one
+  cache.NoteSequence(tokens, model, kSalt);
+  const auto want = Prefill(pool.get(), tokens, model, kSalt);
+  ASSERT_EQ(want.size(), 5u);
+  EvictAll(pool.get());
+  EXPECT_EQ(cache.stats().spills, 5);
+  EXPECT_EQ(ram->stats().entries, 5);
+
+  // A fresh pool (another process, say) restores all 5 blocks from RAM.
+  auto pool2 = MakePool(layout, 8);
+  std::vector<BlockId> table;
+  auto restored = cache.RestorePrefix(pool2.get(), tokens, model, kSalt, &table);
+  ASSERT_TRUE(restored.ok()) << restored.status().ToString();
+  EXPECT_EQ(*restored, 40);
+  ASSERT_EQ(table.size(), 5u);
+  for (size_t b = 0; b < table.size(); ++b) {
+    for (int layer = 0; layer < layout.layers; ++layer) {
+      auto got = pool2->LayerData(table[b], layer);
+      ASSERT_EQ(std::vector<uint8_t>(got.begin(), got.end()), want[b][layer])
+          << "block " << b << " layer " << layer;
+    }
+    EXPECT_EQ(pool2->refcount(table[b]), 1);
+  }
+  // Restored blocks are now in pool2's prefix cache: a second restore is all pool hits.
+  for (BlockId id : table) pool2->Release(id);
+  auto again = cache.RestorePrefix(pool2.get(), tokens, model, kSalt, &table);
+  EXPECT_EQ(*again, 0);
+  EXPECT_EQ(table.size(), 5u);
+  for (BlockId id : table) pool2->Release(id);
+  EXPECT_EQ(cache.stats().restored_blocks_ram, 5);
+  EXPECT_EQ(cache.stats().pool_hit_blocks, 5);
+  cache.Detach();
+}
+
+TEST_P(TieredCacheTest, OtherTenantModelOrTokensGetNothing) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(3);
+  auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+  TieredCache cache({}, ram.get(), nullptr);
+  auto pool = MakePool(layout, 4);
+  cache.Attach(pool.get());
+  const auto tokens = Tokens(32, 12);
+  cache.NoteSequence(tokens, model, kSalt);
+  Prefill(pool.get(), tokens, model, kSalt);
+  EvictAll(pool.get());
+  auto pool2 = MakePool(layout, 8);
+  std::vector<BlockId> table;
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), tokens, model, "tenant-b", &table), 0);
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), tokens, testing::Fingerprint(4), kSalt, &table), 0);
+  auto other = tokens;
+  other[3] += 1;  // first block differs, so every chain hash differs
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), other, model, kSalt, &table), 0);
+  EXPECT_TRUE(table.empty());
+  EXPECT_EQ(cache.stats().misses[static_cast<size_t>(MissReason::kNotFound)], 3);
+  // A diverging later block: the common prefix is restored, the rest is not.
+  auto tail = tokens;
+  tail[20] += 1;  // block 2 of 4
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), tail, model, kSalt, &table), 16);
+  for (BlockId id : table) pool2->Release(id);
+  cache.Detach();
+}
+
+TEST_P(TieredCacheTest, DamagedRamCopyIsAMissAndDiskCopyIsUsed) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(5);
+  auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({}, ram.get(), disk.get());  // write-through
+  auto pool = MakePool(layout, 4);
+  cache.Attach(pool.get());
+  const auto tokens = Tokens(24, 13);
+  cache.NoteSequence(tokens, model, kSalt);
+  const auto want = Prefill(pool.get(), tokens, model, kSalt);
+  EvictAll(pool.get());
+  ASSERT_TRUE(disk->WaitDurable(Deadline::AfterMs(10000)).ok());
+  EXPECT_EQ(disk->stats().entries, 3);
+  // Damage block 1 in RAM.
+  auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
+  std::string v = *ram->Get(hashes[1]);
+  v[v.size() / 2] ^= 0x10;
+  ASSERT_TRUE(ram->Put(hashes[1], v).ok());
+
+  auto pool2 = MakePool(layout, 8);
+  std::vector<BlockId> table;
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), tokens, model, kSalt, &table), 24);
+  auto s = cache.stats();
+  EXPECT_EQ(s.misses[static_cast<size_t>(MissReason::kChecksum)], 1);
+  EXPECT_EQ(s.restored_blocks_ram, 2);
+  EXPECT_EQ(s.restored_blocks_disk, 1);
+  auto got = pool2->LayerData(table[1], 2);
+  EXPECT_EQ(std::vector<uint8_t>(got.begin(), got.end()), want[1][2]);
+  for (BlockId id : table) pool2->Release(id);
+  cache.Detach();
+}
+
+TEST_P(TieredCacheTest, RestoresFromDiskAfterReopenAndStopsWhenThePoolIsFull) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(6);
+  const auto tokens = Tokens(6 * 8, 14);
+  std::vector<std::vector<std::vector<uint8_t>>> want;
+  {
+    auto disk = RocksDbTier::Open(DiskOpts()).value();
+    TieredCache cache({}, nullptr, disk.get());
+    auto pool = MakePool(layout, 8);
+    cache.Attach(pool.get());
+    want = Prefill(pool.get(), tokens, model, kSalt);
+    // Nothing noted and nothing evicted yet: persist explicitly, as at shutdown.
+    EXPECT_EQ(*cache.PersistPrefix(pool.get(), tokens, model, kSalt), 6);
+    ASSERT_TRUE(disk->WaitDurable(Deadline::AfterMs(10000)).ok());
+    cache.Detach();
+  }
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  EXPECT_EQ(disk->open_report().entries, 6);
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 4);  // room for 4 of the 6 blocks
+  std::vector<BlockId> table;
+  EXPECT_EQ(*cache.RestorePrefix(pool.get(), tokens, model, kSalt, &table), 32);
+  ASSERT_EQ(table.size(), 4u);
+  for (size_t b = 0; b < 4; ++b) {
+    auto got = pool->LayerData(table[b], 3);
+    EXPECT_EQ(std::vector<uint8_t>(got.begin(), got.end()), want[b][3]);
+  }
+  EXPECT_EQ(cache.stats().restored_blocks_disk, 4);
+  for (BlockId id : table) pool->Release(id);
+}
+
+TEST_P(TieredCacheTest, WithoutWriteThroughRamEvictionsAreDemotedToDisk) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(7);
+  const int64_t enc_bytes = static_cast<int64_t>(kFixedHeaderBytes) + 4 * 8 + layout.BlockBytes();
+  auto ram = HostRamTier::Create({.capacity_bytes = 2 * enc_bytes}).value();
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({.write_through = false}, ram.get(), disk.get());
+  auto pool = MakePool(layout, 4);
+  cache.Attach(pool.get());
+  const auto tokens = Tokens(32, 15);
+  cache.NoteSequence(tokens, model, kSalt);
+  Prefill(pool.get(), tokens, model, kSalt);
+  EvictAll(pool.get());
+  EXPECT_EQ(ram->stats().entries, 2);
+  EXPECT_EQ(cache.stats().demotions, 2);
+  EXPECT_EQ(disk->stats().entries, 2);
+  auto pool2 = MakePool(layout, 8);
+  std::vector<BlockId> table;
+  EXPECT_EQ(*cache.RestorePrefix(pool2.get(), tokens, model, kSalt, &table), 32);
+  for (BlockId id : table) pool2->Release(id);
+  cache.Detach();
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, TieredCacheTest,
+                         ::testing::Values(engine::KvDtype::kF32, engine::KvDtype::kF16),
+                         [](const auto& info) {
+                           return std::string(engine::KvDtypeName(info.param));
+                         });
+
+}  // namespace
+}  // namespace kvrelay::kv_store
