@@ -20,10 +20,12 @@
 namespace kvrelay::engine {
 namespace {
 
-constexpr uint32_t kMagic = 0x46554747;                  // "GGUF" read as a little-endian u32
-constexpr uint64_t kMaxEntries = uint64_t{1} << 24;      // metadata entries / tensors
-constexpr uint64_t kMaxTotalValues = uint64_t{1} << 24;  // metadata values incl. array elements
-constexpr uint64_t kMaxNameLength = uint64_t{1} << 16;   // keys and tensor names
+constexpr uint32_t kMagic = 0x46554747;              // "GGUF" read as a little-endian u32
+constexpr uint64_t kMaxEntries = uint64_t{1} << 24;  // metadata entries / tensors
+// Metadata values including array elements (about 50 bytes each in memory);
+// a 256k-token tokenizer with its merges needs about 1.5M.
+constexpr uint64_t kMaxTotalValues = uint64_t{1} << 23;
+constexpr uint64_t kMaxNameLength = uint64_t{1} << 16;  // keys and tensor names
 constexpr int kMaxArrayDepth = 8;
 constexpr uint32_t kMaxDims = 4;
 constexpr uint64_t kMaxAlignment = uint64_t{1} << 20;
