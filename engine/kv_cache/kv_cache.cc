@@ -231,6 +231,12 @@ class KvBlockPoolImpl final : public KvBlockPool {
     kvcodec::DecodeRows(layout_.dtype, false, base + (heads + head) * slab_bytes_, t, d, n, v);
   }
 
+  const float* HeadSlabF32(BlockId id, int layer, bool value, int head) const override {
+    if (layout_.dtype != KvDtype::kF32) return nullptr;
+    return reinterpret_cast<const float*>(LayerPtr(id, layer) +
+                                          (value ? layout_.kv_heads + head : head) * slab_bytes_);
+  }
+
   std::span<uint8_t> LayerData(BlockId id, int layer) override {
     if (kivi_) Flush(id, layer);
     // The caller may overwrite the bytes (import); from now on they are the truth.

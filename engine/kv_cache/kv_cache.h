@@ -114,6 +114,10 @@ class KvBlockPool {
   virtual void WriteToken(BlockId id, int layer, int offset, const float* k, const float* v) = 0;
   // Decodes tokens [0, n) of one head of one layer into k and v ([n][head_dim] floats).
   virtual void ReadHead(BlockId id, int layer, int head, int n, float* k, float* v) const = 0;
+  // kF32 pools only (nullptr otherwise): the slab of (layer, K if !value else V,
+  // head) in place, block_tokens x head_dim floats, valid until the block is
+  // freed. Lets attention read K/V without the copy ReadHead makes.
+  virtual const float* HeadSlabF32(BlockId id, int layer, bool value, int head) const = 0;
   // Raw encoded bytes of one layer of a block (LayerBytes()), for transfer and
   // spill: K slabs of all heads, then V slabs of all heads.
   // KIVI pools: a layer is kept in f32 staging (exact values for ReadHead)

@@ -4,6 +4,11 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace kvrelay::engine::kvcodec {
 namespace {
@@ -49,10 +54,6 @@ void PutCode(uint8_t* data, int bits, int64_t index, uint32_t q) {
   const uint32_t mask = ((1u << bits) - 1u) << shift;
   byte = static_cast<uint8_t>((byte & ~mask) | ((q << shift) & mask));
 }
-uint32_t GetCode(const uint8_t* data, int bits, int64_t index) {
-  const int64_t bit = index * bits;
-  return (data[bit >> 3] >> (bit & 7)) & ((1u << bits) - 1u);
-}
 
 uint16_t LoadU16(const uint8_t* p) {
   uint16_t v;
@@ -61,13 +62,22 @@ uint16_t LoadU16(const uint8_t* p) {
 }
 void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
 
+// Round half to even for |x| <= 2^22 (callers clamp first). Avoids the libm
+// call std::nearbyint compiles to without SSE4.1.
+inline float RoundEven(float x) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return (x + kMagic) - kMagic;
+}
+
 struct Range {
   float lo, step;
   int levels;
   uint32_t Quantize(float x) const {
     if (step <= 0.0f) return 0;
-    const float q = std::nearbyint((x - lo) / step);
-    return static_cast<uint32_t>(std::clamp(q, 0.0f, static_cast<float>(levels)));
+    float q = (x - lo) / step;
+    q = q > 0.0f ? q : 0.0f;  // also maps NaN to 0
+    q = q < static_cast<float>(levels) ? q : static_cast<float>(levels);
+    return static_cast<uint32_t>(RoundEven(q));
   }
   float Dequantize(uint32_t q) const { return lo + static_cast<float>(q) * step; }
 };
@@ -77,6 +87,33 @@ Range MakeRange(uint16_t lo16, uint16_t hi16, int levels) {
   const float hi = HalfToFloat(hi16);
   return Range{lo, (hi - lo) / static_cast<float>(levels), levels};
 }
+
+#if defined(__x86_64__)
+// F16C paths, selected at run time (the build does not assume -mf16c).
+__attribute__((target("avx,f16c"))) void HalfRowsToFloatF16c(const uint8_t* src, int64_t n,
+                                                             float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = HalfToFloat(LoadU16(src + 2 * i));
+}
+__attribute__((target("avx,f16c"))) void FloatRowToHalfF16c(const float* x, int64_t n,
+                                                            uint8_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), h);
+  }
+  for (; i < n; ++i) StoreU16(dst + 2 * i, FloatToHalf(x[i]));
+}
+const bool kHasF16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#else
+constexpr bool kHasF16c = false;
+void HalfRowsToFloatF16c(const uint8_t*, int64_t, float*) {}
+void FloatRowToHalfF16c(const float*, int64_t, uint8_t*) {}
+#endif
 
 }  // namespace
 
@@ -165,7 +202,11 @@ void EncodeRow(KvDtype d, uint8_t* slab, int block_tokens, int head_dim, int t, 
       return;
     case KvDtype::kF16: {
       uint8_t* p = slab + row * 2;
-      for (int i = 0; i < head_dim; ++i) StoreU16(p + 2 * i, FloatToHalf(x[i]));
+      if (kHasF16c) {
+        FloatRowToHalfF16c(x, head_dim, p);
+      } else {
+        for (int i = 0; i < head_dim; ++i) StoreU16(p + 2 * i, FloatToHalf(x[i]));
+      }
       return;
     }
     case KvDtype::kBF16: {
@@ -180,7 +221,10 @@ void EncodeRow(KvDtype d, uint8_t* slab, int block_tokens, int head_dim, int t, 
       const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
       int8_t* q = reinterpret_cast<int8_t*>(slab + row);
       for (int i = 0; i < head_dim; ++i) {
-        const float v = std::clamp(std::nearbyint(x[i] * inv), -127.0f, 127.0f);
+        float v = x[i] * inv;
+        v = v > -127.0f ? v : -127.0f;  // also maps NaN to -127
+        v = v < 127.0f ? v : 127.0f;
+        v = RoundEven(v);
         q[i] = static_cast<int8_t>(v);
       }
       std::memcpy(slab + static_cast<int64_t>(block_tokens) * head_dim + 4 * t, &scale, 4);
@@ -200,7 +244,11 @@ void DecodeRows(KvDtype d, bool is_key, const uint8_t* slab, int block_tokens, i
       std::memcpy(out, slab, static_cast<size_t>(count) * 4);
       return;
     case KvDtype::kF16:
-      for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(LoadU16(slab + 2 * i));
+      if (kHasF16c) {
+        HalfRowsToFloatF16c(slab, count, out);
+      } else {
+        for (int64_t i = 0; i < count; ++i) out[i] = HalfToFloat(LoadU16(slab + 2 * i));
+      }
       return;
     case KvDtype::kBF16:
       for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(LoadU16(slab + 2 * i));
@@ -221,24 +269,55 @@ void DecodeRows(KvDtype d, bool is_key, const uint8_t* slab, int block_tokens, i
       const int bits = KiviBits(d);
       const int levels = (1 << bits) - 1;
       const uint8_t* params = slab + KiviDataBytes(bits, block_tokens, head_dim);
+      const int64_t row_bytes = static_cast<int64_t>(head_dim) * bits / 8;  // whole bytes
       if (is_key) {
+        // Per-channel lo and step, then rows decoded with contiguous channels.
+        constexpr int kStack = 256;
+        float lo_stack[kStack], step_stack[kStack];
+        std::vector<float> heap;
+        float* lo = lo_stack;
+        float* step = step_stack;
+        if (head_dim > kStack) {
+          heap.resize(2 * static_cast<size_t>(head_dim));
+          lo = heap.data();
+          step = heap.data() + head_dim;
+        }
         for (int c = 0; c < head_dim; ++c) {
           const Range r = MakeRange(LoadU16(params + 4 * c), LoadU16(params + 4 * c + 2), levels);
-          for (int t = 0; t < n; ++t) {
-            const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
-            out[idx] = r.Dequantize(GetCode(slab, bits, idx));
+          lo[c] = r.lo;
+          step[c] = r.step;
+        }
+        for (int t = 0; t < n; ++t) {
+          const uint8_t* codes = slab + t * row_bytes;
+          float* o = out + static_cast<int64_t>(t) * head_dim;
+          if (bits == 4) {
+            for (int j = 0; j < head_dim / 2; ++j) {
+              const uint8_t b = codes[j];
+              o[2 * j] = lo[2 * j] + static_cast<float>(b & 15) * step[2 * j];
+              o[2 * j + 1] = lo[2 * j + 1] + static_cast<float>(b >> 4) * step[2 * j + 1];
+            }
+          } else {
+            for (int j = 0; j < head_dim / 4; ++j) {
+              const uint8_t b = codes[j];
+              for (int k = 0; k < 4; ++k) {
+                o[4 * j + k] =
+                    lo[4 * j + k] + static_cast<float>((b >> (2 * k)) & 3) * step[4 * j + k];
+              }
+            }
           }
         }
       } else {
         const int groups = KiviGroups(head_dim);
         for (int t = 0; t < n; ++t) {
+          const uint8_t* codes = slab + t * row_bytes;
+          float* o = out + static_cast<int64_t>(t) * head_dim;
           for (int g = 0; g < groups; ++g) {
             const uint8_t* p = params + 4 * (static_cast<int64_t>(t) * groups + g);
             const Range r = MakeRange(LoadU16(p), LoadU16(p + 2), levels);
             const int end = std::min(head_dim, (g + 1) * kKiviGroup);
             for (int c = g * kKiviGroup; c < end; ++c) {
-              const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
-              out[idx] = r.Dequantize(GetCode(slab, bits, idx));
+              const uint32_t q = (codes[(c * bits) >> 3] >> ((c * bits) & 7)) & levels;
+              o[c] = r.lo + static_cast<float>(q) * r.step;
             }
           }
         }

@@ -70,6 +70,31 @@ TEST(KvCodecTest, HalfAndBf16RelativeErrorBound) {
   EXPECT_GT(worstbf, 0.9 * std::ldexp(1.0, -8));
 }
 
+TEST(KvCodecTest, F16SlabMatchesScalarConversion) {
+  // EncodeRow/DecodeRows may use F16C; they must agree bit for bit with the
+  // scalar conversion, including subnormals, overflow and signed zero.
+  const int T = 4, D = 37;  // odd width exercises the vector tail
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> ex(-27, 17);
+  std::vector<float> x(T * D);
+  for (float& v : x) v = std::ldexp(mant(rng), ex(rng)) * (rng() % 2 ? -1.0f : 1.0f);
+  x[0] = -0.0f;
+  x[1] = 65519.0f;
+  x[2] = 65520.0f;
+  std::vector<uint8_t> slab(kvcodec::SlabBytes(KvDtype::kF16, T, D));
+  for (int t = 0; t < T; ++t) kvcodec::EncodeRow(KvDtype::kF16, slab.data(), T, D, t, &x[t * D]);
+  std::vector<float> y(T * D);
+  kvcodec::DecodeRows(KvDtype::kF16, true, slab.data(), T, D, T, y.data());
+  for (int i = 0; i < T * D; ++i) {
+    uint16_t h;
+    std::memcpy(&h, slab.data() + 2 * i, 2);
+    ASSERT_EQ(h, FloatToHalf(x[i])) << x[i];
+    const float ref = HalfToFloat(h);
+    ASSERT_EQ(std::memcmp(&y[i], &ref, 4), 0) << x[i];
+  }
+}
+
 struct SlabCase {
   KvDtype dtype;
   int block_tokens = 16;
@@ -248,6 +273,7 @@ TEST(KvPoolDtypeTest, RoundTripWithinFormatBound) {
       EXPECT_GT(ek, 0.0) << KvDtypeName(c.d);
     }
     EXPECT_EQ(pool->staging_slots_free(), kvcodec::IsKivi(c.d) ? 2 : 0);
+    EXPECT_EQ(pool->HeadSlabF32(id, 0, false, 0) != nullptr, c.d == KvDtype::kF32);
   }
 }
 

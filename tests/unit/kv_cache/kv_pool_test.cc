@@ -142,6 +142,14 @@ TEST(KvPoolTest, F32WriteReadAndLayerLayout) {
           ASSERT_EQ(v[t * l.head_dim + c], Val(layer, 1, h, t, c));
         }
     }
+    // In-place f32 slabs hold the same values.
+    for (int h = 0; h < l.kv_heads; ++h) {
+      const float* ks = pool->HeadSlabF32(id, layer, false, h);
+      const float* vs = pool->HeadSlabF32(id, layer, true, h);
+      ASSERT_NE(ks, nullptr);
+      EXPECT_EQ(ks[2 * l.head_dim + 5], Val(layer, 0, h, 2, 5));
+      EXPECT_EQ(vs[3 * l.head_dim + 7], Val(layer, 1, h, 3, 7));
+    }
     // LayerData: K slabs of all heads, then V slabs; each slab [token][dim].
     auto bytes = pool->LayerData(id, layer);
     ASSERT_EQ(static_cast<int64_t>(bytes.size()), l.LayerBytes());
