@@ -73,7 +73,10 @@ struct KvEvent {
 };
 
 // The pool. Thread-compatible: one owner thread (the worker's scheduler) calls
-// it; event and spill callbacks run on that thread.
+// it; event and spill callbacks run on that thread. The const methods other
+// than LayerData (ReadHead, HeadSlabF32, refcount, IsCached, counts) only read,
+// so the owner may fan them out to worker threads while it makes no other call
+// (the forward pass reads heads in parallel this way).
 class KvBlockPool {
  public:
   struct Options {
