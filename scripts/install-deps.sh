@@ -11,6 +11,7 @@ PACKAGES=(
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libxxhash-dev libssl-dev
+  libicu-dev
   python3 python3-venv
 )
 
