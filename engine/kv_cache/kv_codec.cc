@@ -47,14 +47,6 @@ uint16_t HalfCeil(float x) {
   return h;
 }
 
-void PutCode(uint8_t* data, int bits, int64_t index, uint32_t q) {
-  const int64_t bit = index * bits;
-  uint8_t& byte = data[bit >> 3];
-  const int shift = static_cast<int>(bit & 7);
-  const uint32_t mask = ((1u << bits) - 1u) << shift;
-  byte = static_cast<uint8_t>((byte & ~mask) | ((q << shift) & mask));
-}
-
 uint16_t LoadU16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -72,13 +64,6 @@ inline float RoundEven(float x) {
 struct Range {
   float lo, step;
   int levels;
-  uint32_t Quantize(float x) const {
-    if (step <= 0.0f) return 0;
-    float q = (x - lo) / step;
-    q = q > 0.0f ? q : 0.0f;  // also maps NaN to 0
-    q = q < static_cast<float>(levels) ? q : static_cast<float>(levels);
-    return static_cast<uint32_t>(RoundEven(q));
-  }
   float Dequantize(uint32_t q) const { return lo + static_cast<float>(q) * step; }
 };
 
@@ -333,32 +318,79 @@ void QuantizeKivi(KvDtype d, bool is_key, uint8_t* slab, int block_tokens, int h
   if (bits == 0) return;
   const int levels = (1 << bits) - 1;
   const int64_t data_bytes = KiviDataBytes(bits, block_tokens, head_dim);
+  const int64_t row_bytes = static_cast<int64_t>(head_dim) * bits / 8;  // whole bytes
   uint8_t* params = slab + data_bytes;
   // Zero codes and the unused tail of the parameter area, so equal inputs give equal bytes.
   std::memset(slab, 0, static_cast<size_t>(SlabBytes(d, block_tokens, head_dim)));
-  if (is_key) {
-    for (int c = 0; c < head_dim; ++c) {
-      float mn = 0.0f, mx = 0.0f;
-      for (int t = 0; t < n; ++t) {
-        const float v = src[static_cast<int64_t>(t) * head_dim + c];
-        if (t == 0 || v < mn) mn = v;
-        if (t == 0 || v > mx) mx = v;
+  // Scratch: per-channel lo / inverse step / step (keys) and one row of codes.
+  constexpr int kStack = 256;
+  float stack[3 * kStack];
+  uint8_t qstack[kStack];
+  std::vector<float> heap;
+  std::vector<uint8_t> qheap;
+  float* lo = stack;
+  uint8_t* q = qstack;
+  if (head_dim > kStack) {
+    heap.resize(3 * static_cast<size_t>(head_dim));
+    qheap.resize(static_cast<size_t>(head_dim));
+    lo = heap.data();
+    q = qheap.data();
+  }
+  float* inv = lo + head_dim;
+  float* hi = inv + head_dim;  // max, then unused
+  const float lv = static_cast<float>(levels);
+  auto code = [lv](float x, float lo_v, float inv_v) {
+    float t = (x - lo_v) * inv_v;
+    t = t > 0.0f ? t : 0.0f;  // also maps NaN to 0
+    t = t < lv ? t : lv;
+    return static_cast<uint8_t>(RoundEven(t));
+  };
+  auto pack_row = [&](int t) {
+    uint8_t* out = slab + t * row_bytes;
+    if (bits == 4) {
+      for (int j = 0; j < head_dim / 2; ++j)
+        out[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
+    } else {
+      for (int j = 0; j < head_dim / 4; ++j) {
+        out[j] = static_cast<uint8_t>(q[4 * j] | (q[4 * j + 1] << 2) | (q[4 * j + 2] << 4) |
+                                      (q[4 * j + 3] << 6));
       }
-      const uint16_t lo16 = HalfFloor(mn), hi16 = HalfCeil(mx);
+    }
+  };
+  if (is_key) {
+    if (n > 0) {
+      std::memcpy(lo, src, static_cast<size_t>(head_dim) * sizeof(float));
+      std::memcpy(hi, src, static_cast<size_t>(head_dim) * sizeof(float));
+    } else {
+      std::fill(lo, lo + 2 * head_dim, 0.0f);
+      std::fill(hi, hi + head_dim, 0.0f);
+    }
+    for (int t = 1; t < n; ++t) {
+      const float* row = src + static_cast<int64_t>(t) * head_dim;
+      for (int c = 0; c < head_dim; ++c) {
+        lo[c] = std::min(lo[c], row[c]);
+        hi[c] = std::max(hi[c], row[c]);
+      }
+    }
+    for (int c = 0; c < head_dim; ++c) {
+      const uint16_t lo16 = HalfFloor(lo[c]), hi16 = HalfCeil(hi[c]);
       StoreU16(params + 4 * c, lo16);
       StoreU16(params + 4 * c + 2, hi16);
       const Range r = MakeRange(lo16, hi16, levels);
-      for (int t = 0; t < n; ++t) {
-        const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
-        PutCode(slab, bits, idx, r.Quantize(src[idx]));
-      }
+      lo[c] = r.lo;
+      inv[c] = r.step > 0.0f ? 1.0f / r.step : 0.0f;
+    }
+    for (int t = 0; t < n; ++t) {
+      const float* row = src + static_cast<int64_t>(t) * head_dim;
+      for (int c = 0; c < head_dim; ++c) q[c] = code(row[c], lo[c], inv[c]);
+      pack_row(t);
     }
   } else {
     const int groups = KiviGroups(head_dim);
     for (int t = 0; t < block_tokens; ++t) {
+      const float* row = src + static_cast<int64_t>(t) * head_dim;
       for (int g = 0; g < groups; ++g) {
         const int begin = g * kKiviGroup, end = std::min(head_dim, (g + 1) * kKiviGroup);
-        const float* row = src + static_cast<int64_t>(t) * head_dim;
         float mn = 0.0f, mx = 0.0f;
         if (t < n) {
           mn = mx = row[begin];
@@ -373,11 +405,10 @@ void QuantizeKivi(KvDtype d, bool is_key, uint8_t* slab, int block_tokens, int h
         StoreU16(p + 2, hi16);
         if (t >= n) continue;
         const Range r = MakeRange(lo16, hi16, levels);
-        for (int c = begin; c < end; ++c) {
-          const int64_t idx = static_cast<int64_t>(t) * head_dim + c;
-          PutCode(slab, bits, idx, r.Quantize(row[c]));
-        }
+        const float iv = r.step > 0.0f ? 1.0f / r.step : 0.0f;
+        for (int c = begin; c < end; ++c) q[c] = code(row[c], r.lo, iv);
       }
+      if (t < n) pack_row(t);
     }
   }
 }
