@@ -44,6 +44,7 @@ enum class MessageType : uint16_t {
   kFinish = 12,
   kPrefixCacheEvent = 13,
   kKvManifest = 14,
+  kPrefillDone = 15,
   kKvData = 100,
   kKvAbort = 101,
 };
