@@ -1,0 +1,106 @@
+// The seam between the coordinator's HTTP front end and whatever generates
+// tokens: a colocated engine in this process (LocalEngineBackend), or the
+// cluster of prefill and decode workers over the control plane.
+//
+// Backends deal only in token ids; tokenization, chat templates, stop strings
+// and detokenization stay in the coordinator.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kvrelay::coordinator {
+
+// SHA-256 chain hash of one full prefix block (same bytes as engine::BlockHash).
+using PrefixBlockHash = std::array<uint8_t, 32>;
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 means greedy
+  float top_p = 1.0f;        // (0, 1]
+  int top_k = 0;             // 0 = disabled
+  uint64_t seed = 0;
+  bool has_seed = false;    // false: the backend picks a seed
+  int max_new_tokens = 16;  // >= 1
+};
+
+struct GenerationRequest {
+  uint64_t id = 0;  // unique per coordinator process
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  std::string tenant_salt;  // isolates prefix-cache blocks per tenant ("" = shared)
+  std::vector<PrefixBlockHash> prefix_blocks;  // chain hashes of the prompt's full blocks
+};
+
+enum class FinishReason {
+  kNone = 0,   // not finished
+  kStop,       // end-of-sequence token (not emitted as text)
+  kLength,     // max_new_tokens reached
+  kCancelled,  // Backend::Cancel was called
+  kError,      // see TokenEvent::error
+};
+
+// One step of a request's life, delivered in order.
+struct TokenEvent {
+  // A generated token id, or -1 when this event carries no token (e.g. a final
+  // event for EOS, cancel or error).
+  int32_t token = -1;
+  bool finished = false;
+  FinishReason finish_reason = FinishReason::kNone;
+  Status error;           // set when finish_reason == kError
+  int prompt_tokens = 0;  // filled on the first event at least
+  int cached_tokens = 0;  // prompt tokens served from the prefix cache (first event)
+};
+
+// Called by the backend from one of its own threads. Events of one request are
+// delivered sequentially (never concurrently) and in order, ending with exactly
+// one event with finished == true (also after Cancel). The sink must be cheap
+// and must not call back into the backend synchronously except Cancel.
+using TokenSink = std::function<void(const TokenEvent&)>;
+
+enum class WorkerRole { kColocated, kPrefill, kDecode };
+
+// A point-in-time view of one worker, for routing, /health and /metrics.
+struct WorkerInfo {
+  std::string id;  // unique, e.g. "prefill-0"
+  WorkerRole role = WorkerRole::kColocated;
+  bool healthy = true;
+  int64_t queued_requests = 0;
+  int64_t queued_tokens = 0;  // prompt tokens waiting for prefill
+  int64_t running = 0;        // sequences in the running batch
+  int64_t max_batch = 0;      // 0 = unknown / unlimited
+  int64_t total_kv_blocks = 0;
+  int64_t free_kv_blocks = 0;
+  int64_t block_tokens = 16;
+  int64_t prefix_hit_tokens = 0;  // cumulative prompt tokens served from cache
+  int64_t transfer_bytes = 0;     // cumulative KV bytes sent/received
+  double transfer_seconds = 0;    // cumulative seconds spent in KV transfer
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // Starts generating. On OK the sink will receive events until one has
+  // finished == true; on error it is never called. ResourceExhausted means "no
+  // capacity right now" (the HTTP layer answers 503). Thread-safe.
+  virtual Status Submit(GenerationRequest request, TokenSink sink) = 0;
+
+  // Asks the backend to stop request `id`; its sink still gets a final event
+  // (finish_reason kCancelled unless it had already finished). Unknown ids are
+  // ignored. Thread-safe, non-blocking.
+  virtual void Cancel(uint64_t id) = 0;
+
+  // OK when the backend can serve requests (for a cluster: at least one
+  // prefill and one decode worker registered); Unavailable otherwise.
+  virtual Status Health() = 0;
+
+  // Snapshot of the workers. Thread-safe.
+  virtual std::vector<WorkerInfo> Workers() = 0;
+};
+
+}  // namespace kvrelay::coordinator

@@ -1,0 +1,499 @@
+#include "coordinator/openai_api.h"
+
+#include <cmath>
+#include <limits>
+
+namespace kvrelay::coordinator {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kMaxJsonDepth = 64;
+
+// Rejects nesting deeper than kMaxJsonDepth before the parser sees it, so a
+// body of a million '[' cannot exhaust memory or stack anywhere downstream.
+bool DepthWithin(std::string_view body, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  bool escape = false;
+  for (char c : body) {
+    if (in_string) {
+      if (escape) {
+        escape = false;
+      } else if (c == '\\') {
+        escape = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return false;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+const char* TypeName(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "boolean";
+    case json::value_t::string:
+      return "string";
+    case json::value_t::array:
+      return "array";
+    case json::value_t::object:
+      return "object";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+      return "integer";
+    case json::value_t::number_float:
+      return "number";
+    default:
+      return "unknown";
+  }
+}
+
+ApiError WrongType(const std::string& field, const char* expected, const json& v) {
+  return BadRequest("'" + field + "' must be " + expected + ", got " + TypeName(v), field,
+                    "invalid_type");
+}
+
+// Present and not null.
+const json* Field(const json& obj, const char* name) {
+  auto it = obj.find(name);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<ApiError> GetNumber(const json& obj, const char* name, double lo, double hi,
+                                  std::optional<double>* out) {
+  const json* v = Field(obj, name);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number()) return WrongType(name, "a number", *v);
+  double d = v->get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi) {
+    return BadRequest("'" + std::string(name) + "' must be between " + json(lo).dump() + " and " +
+                          json(hi).dump() + ", got " + v->dump(),
+                      name, "invalid_value");
+  }
+  *out = d;
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetInt(const json& obj, const char* name, int64_t lo, int64_t hi,
+                               std::optional<int64_t>* out) {
+  const json* v = Field(obj, name);
+  if (v == nullptr) return std::nullopt;
+  int64_t value = 0;
+  if (v->is_number_integer()) {
+    if (v->is_number_unsigned() &&
+        v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      value = std::numeric_limits<int64_t>::max();
+    } else {
+      value = v->get<int64_t>();
+    }
+  } else if (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>() &&
+             std::fabs(v->get<double>()) < 9e15) {
+    value = static_cast<int64_t>(v->get<double>());  // 16.0 is an integer in JSON
+  } else {
+    return WrongType(name, "an integer", *v);
+  }
+  if (value < lo || value > hi) {
+    return BadRequest("'" + std::string(name) + "' must be between " + std::to_string(lo) +
+                          " and " + std::to_string(hi) + ", got " + v->dump(),
+                      name, "invalid_value");
+  }
+  *out = value;
+  return std::nullopt;
+}
+
+std::optional<ApiError> GetBool(const json& obj, const char* name, bool* out) {
+  const json* v = Field(obj, name);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_boolean()) return WrongType(name, "a boolean", *v);
+  *out = v->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseContent(const json& content, const std::string& field,
+                                     std::string* out) {
+  if (content.is_string()) {
+    *out = content.get<std::string>();
+    return std::nullopt;
+  }
+  if (!content.is_array())
+    return WrongType(field, "a string or an array of content parts", content);
+  out->clear();
+  for (size_t j = 0; j < content.size(); ++j) {
+    const json& part = content[j];
+    std::string pf = field + "[" + std::to_string(j) + "]";
+    if (!part.is_object()) return WrongType(pf, "an object", part);
+    const json* type = Field(part, "type");
+    if (type == nullptr)
+      return BadRequest("missing required parameter: '" + pf + ".type'", pf + ".type",
+                        "missing_required_parameter");
+    if (!type->is_string()) return WrongType(pf + ".type", "a string", *type);
+    if (type->get<std::string>() != "text") {
+      return BadRequest(
+          "content part type '" + type->get<std::string>() + "' is not supported (only 'text')",
+          pf + ".type", "unsupported_value");
+    }
+    const json* text = Field(part, "text");
+    if (text == nullptr)
+      return BadRequest("missing required parameter: '" + pf + ".text'", pf + ".text",
+                        "missing_required_parameter");
+    if (!text->is_string()) return WrongType(pf + ".text", "a string", *text);
+    *out += text->get<std::string>();
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseMessages(const json& body, std::vector<ChatMessage>* out) {
+  const json* messages = Field(body, "messages");
+  if (messages == nullptr) {
+    return BadRequest("missing required parameter: 'messages'", "messages",
+                      "missing_required_parameter");
+  }
+  if (!messages->is_array()) return WrongType("messages", "an array", *messages);
+  if (messages->empty())
+    return BadRequest("'messages' must not be empty", "messages", "invalid_value");
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    std::string field = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return WrongType(field, "an object", m);
+    const json* role = Field(m, "role");
+    if (role == nullptr)
+      return BadRequest("missing required parameter: '" + field + ".role'", field + ".role",
+                        "missing_required_parameter");
+    if (!role->is_string()) return WrongType(field + ".role", "a string", *role);
+    std::string r = role->get<std::string>();
+    if (r != "system" && r != "user" && r != "assistant" && r != "developer" && r != "tool") {
+      return BadRequest(
+          "'" + field + ".role' must be one of system, developer, user, assistant, tool; got '" +
+              r + "'",
+          field + ".role", "invalid_value");
+    }
+    ChatMessage msg;
+    msg.role = r == "developer" ? "system" : r;
+    const json* content = Field(m, "content");
+    if (content == nullptr) {
+      if (r != "assistant") {
+        return BadRequest("missing required parameter: '" + field + ".content'", field + ".content",
+                          "missing_required_parameter");
+      }
+    } else if (auto err = ParseContent(*content, field + ".content", &msg.content)) {
+      return err;
+    }
+    out->push_back(std::move(msg));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
+  const json* prompt = Field(body, "prompt");
+  if (prompt == nullptr) {
+    return BadRequest("missing required parameter: 'prompt'", "prompt",
+                      "missing_required_parameter");
+  }
+  if (prompt->is_string()) {
+    out->prompt = prompt->get<std::string>();
+    return std::nullopt;
+  }
+  if (!prompt->is_array()) {
+    return WrongType("prompt", "a string, an array of strings or an array of token ids", *prompt);
+  }
+  if (prompt->empty()) return BadRequest("'prompt' must not be empty", "prompt", "invalid_value");
+  if ((*prompt)[0].is_string()) {
+    if (prompt->size() > 1) {
+      return BadRequest("batched prompts (an array of " + std::to_string(prompt->size()) +
+                            " strings) are not supported; send one prompt per request",
+                        "prompt", "unsupported_value");
+    }
+    out->prompt = (*prompt)[0].get<std::string>();
+    return std::nullopt;
+  }
+  if ((*prompt)[0].is_array()) {
+    return BadRequest("batched token prompts are not supported; send one prompt per request",
+                      "prompt", "unsupported_value");
+  }
+  for (size_t i = 0; i < prompt->size(); ++i) {
+    const json& t = (*prompt)[i];
+    std::string field = "prompt[" + std::to_string(i) + "]";
+    if (!t.is_number_integer()) return WrongType(field, "an integer token id", t);
+    int64_t id = t.get<int64_t>();
+    if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
+      return BadRequest("'" + field + "' is not a valid token id", field, "invalid_value");
+    }
+    out->prompt_token_ids.push_back(static_cast<int32_t>(id));
+  }
+  out->prompt_is_tokens = true;
+  return std::nullopt;
+}
+
+}  // namespace
+
+ApiError BadRequest(std::string message, std::string param, std::string code) {
+  ApiError e;
+  e.http_status = 400;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  e.code = std::move(code);
+  return e;
+}
+
+nlohmann::json ErrorToJson(const ApiError& e) {
+  json err = {{"message", e.message}, {"type", e.type}};
+  err["param"] = e.param.empty() ? json(nullptr) : json(e.param);
+  err["code"] = e.code.empty() ? json(nullptr) : json(e.code);
+  return json{{"error", err}};
+}
+
+std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_view body_text,
+                                               const ApiLimits& limits, CompletionParams* out) {
+  *out = CompletionParams();
+  out->endpoint = endpoint;
+  if (!DepthWithin(body_text, kMaxJsonDepth)) {
+    return BadRequest(
+        "request body nests JSON deeper than " + std::to_string(kMaxJsonDepth) + " levels", "",
+        "invalid_json");
+  }
+  json body;
+  try {
+    body = json::parse(body_text);
+  } catch (const json::exception& e) {
+    return BadRequest(std::string("request body is not valid JSON: ") + e.what(), "",
+                      "invalid_json");
+  }
+  if (!body.is_object())
+    return BadRequest(std::string("request body must be a JSON object, got ") + TypeName(body), "",
+                      "invalid_json");
+
+  const json* model = Field(body, "model");
+  if (model == nullptr)
+    return BadRequest("missing required parameter: 'model'", "model", "missing_required_parameter");
+  if (!model->is_string()) return WrongType("model", "a string", *model);
+  out->model = model->get<std::string>();
+
+  if (endpoint == Endpoint::kChatCompletions) {
+    if (auto err = ParseMessages(body, &out->messages)) return err;
+  } else {
+    if (auto err = ParsePrompt(body, out)) return err;
+  }
+
+  // max_completion_tokens (new name) wins over max_tokens (deprecated for chat).
+  std::optional<int64_t> max_tokens;
+  if (auto err = GetInt(body, "max_tokens", 1, limits.max_tokens_limit, &max_tokens)) return err;
+  if (endpoint == Endpoint::kChatCompletions) {
+    std::optional<int64_t> mct;
+    if (auto err = GetInt(body, "max_completion_tokens", 1, limits.max_tokens_limit, &mct))
+      return err;
+    if (mct) max_tokens = mct;
+  }
+  out->max_tokens = static_cast<int>(max_tokens.value_or(limits.max_tokens_default));
+
+  std::optional<double> d;
+  if (auto err = GetNumber(body, "temperature", 0.0, 2.0, &d)) return err;
+  if (d) out->temperature = static_cast<float>(*d);
+  d.reset();
+  if (auto err = GetNumber(body, "top_p", 0.0, 1.0, &d)) return err;
+  if (d) {
+    if (*d <= 0.0) return BadRequest("'top_p' must be greater than 0", "top_p", "invalid_value");
+    out->top_p = static_cast<float>(*d);
+  }
+  d.reset();
+  // Accepted for compatibility; penalties are not applied by the sampler.
+  if (auto err = GetNumber(body, "presence_penalty", -2.0, 2.0, &d)) return err;
+  if (auto err = GetNumber(body, "frequency_penalty", -2.0, 2.0, &d)) return err;
+
+  std::optional<int64_t> i;
+  if (auto err = GetInt(body, "top_k", -1, 1 << 20, &i)) return err;
+  if (i) out->top_k = static_cast<int>(std::max<int64_t>(0, *i));
+  i.reset();
+  if (auto err = GetInt(body, "seed", std::numeric_limits<int64_t>::min(),
+                        std::numeric_limits<int64_t>::max(), &i)) {
+    return err;
+  }
+  if (i) out->seed = static_cast<uint64_t>(*i);
+  i.reset();
+  if (auto err = GetInt(body, "n", 1, 128, &i)) return err;
+  if (i) {
+    if (*i > limits.max_n) {
+      return BadRequest(
+          "'n' > " + std::to_string(limits.max_n) + " is not supported; send separate requests",
+          "n", "unsupported_value");
+    }
+    out->n = static_cast<int>(*i);
+  }
+
+  if (const json* stop = Field(body, "stop")) {
+    if (stop->is_string()) {
+      out->stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      for (size_t k = 0; k < stop->size(); ++k) {
+        std::string field = "stop[" + std::to_string(k) + "]";
+        if (!(*stop)[k].is_string()) return WrongType(field, "a string", (*stop)[k]);
+        out->stop.push_back((*stop)[k].get<std::string>());
+      }
+    } else {
+      return WrongType("stop", "a string or an array of strings", *stop);
+    }
+    if (static_cast<int>(out->stop.size()) > limits.max_stop_strings) {
+      return BadRequest("'stop' has " + std::to_string(out->stop.size()) + " entries; at most " +
+                            std::to_string(limits.max_stop_strings) + " are allowed",
+                        "stop", "invalid_value");
+    }
+    for (size_t k = 0; k < out->stop.size(); ++k) {
+      const std::string& s = out->stop[k];
+      if (s.empty() || static_cast<int>(s.size()) > limits.max_stop_string_bytes) {
+        return BadRequest("'stop[" + std::to_string(k) + "]' must be 1 to " +
+                              std::to_string(limits.max_stop_string_bytes) + " bytes",
+                          "stop", "invalid_value");
+      }
+    }
+  }
+
+  if (auto err = GetBool(body, "stream", &out->stream)) return err;
+  if (const json* so = Field(body, "stream_options")) {
+    if (!so->is_object()) return WrongType("stream_options", "an object", *so);
+    if (const json* iu = Field(*so, "include_usage")) {
+      if (!iu->is_boolean()) return WrongType("stream_options.include_usage", "a boolean", *iu);
+      out->include_usage = iu->get<bool>();
+    }
+  }
+  if (endpoint == Endpoint::kCompletions) {
+    if (auto err = GetBool(body, "echo", &out->echo)) return err;
+    if (const json* lp = Field(body, "logprobs")) {
+      if (!lp->is_number_integer()) return WrongType("logprobs", "an integer", *lp);
+      if (lp->get<int64_t>() > 0)
+        return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
+    }
+    if (const json* bo = Field(body, "best_of")) {
+      if (!bo->is_number_integer()) return WrongType("best_of", "an integer", *bo);
+      if (bo->get<int64_t>() != 1)
+        return BadRequest("'best_of' other than 1 is not supported", "best_of",
+                          "unsupported_value");
+    }
+  } else {
+    bool logprobs = false;
+    if (auto err = GetBool(body, "logprobs", &logprobs)) return err;
+    if (logprobs) return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
+    if (const json* tools = Field(body, "tools")) {
+      if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+      if (!tools->empty())
+        return BadRequest("'tools' (function calling) is not supported", "tools",
+                          "unsupported_value");
+    }
+    if (const json* rf = Field(body, "response_format")) {
+      if (!rf->is_object()) return WrongType("response_format", "an object", *rf);
+      const json* type = Field(*rf, "type");
+      if (type == nullptr || !type->is_string() || type->get<std::string>() != "text") {
+        return BadRequest("only response_format {\"type\": \"text\"} is supported",
+                          "response_format.type", "unsupported_value");
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+nlohmann::json FinishReasonJson(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop:
+    case FinishReason::kCancelled:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kError:
+      return "error";
+    case FinishReason::kNone:
+      break;
+  }
+  return nullptr;
+}
+
+nlohmann::json UsageJson(const UsageCounts& u) {
+  return json{{"prompt_tokens", u.prompt_tokens},
+              {"completion_tokens", u.completion_tokens},
+              {"total_tokens", u.prompt_tokens + u.completion_tokens},
+              {"prompt_tokens_details", {{"cached_tokens", u.cached_tokens}}}};
+}
+
+nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
+                                      const std::string& text, FinishReason finish,
+                                      const UsageCounts& usage) {
+  json choice;
+  if (endpoint == Endpoint::kChatCompletions) {
+    choice = json{{"index", 0},
+                  {"message", {{"role", "assistant"}, {"content", text}}},
+                  {"logprobs", nullptr},
+                  {"finish_reason", FinishReasonJson(finish)}};
+  } else {
+    choice = json{{"index", 0},
+                  {"text", text},
+                  {"logprobs", nullptr},
+                  {"finish_reason", FinishReasonJson(finish)}};
+  }
+  return json{
+      {"id", ident.id},
+      {"object", endpoint == Endpoint::kChatCompletions ? "chat.completion" : "text_completion"},
+      {"created", ident.created},
+      {"model", ident.model},
+      {"choices", json::array({choice})},
+      {"usage", UsageJson(usage)}};
+}
+
+nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
+                               const std::string& delta, bool first, FinishReason finish) {
+  json choice;
+  if (endpoint == Endpoint::kChatCompletions) {
+    json d = json::object();
+    if (first) d["role"] = "assistant";
+    if (!delta.empty() || (first && finish == FinishReason::kNone)) d["content"] = delta;
+    choice = json{{"index", 0},
+                  {"delta", d},
+                  {"logprobs", nullptr},
+                  {"finish_reason", FinishReasonJson(finish)}};
+  } else {
+    choice = json{{"index", 0},
+                  {"text", delta},
+                  {"logprobs", nullptr},
+                  {"finish_reason", FinishReasonJson(finish)}};
+  }
+  return json{{"id", ident.id},
+              {"object", endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
+                                                                : "text_completion"},
+              {"created", ident.created},
+              {"model", ident.model},
+              {"choices", json::array({choice})}};
+}
+
+nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
+                              const UsageCounts& usage) {
+  return json{{"id", ident.id},
+              {"object", endpoint == Endpoint::kChatCompletions ? "chat.completion.chunk"
+                                                                : "text_completion"},
+              {"created", ident.created},
+              {"model", ident.model},
+              {"choices", json::array()},
+              {"usage", UsageJson(usage)}};
+}
+
+nlohmann::json ModelsJson(const std::string& model, int64_t created) {
+  return json{
+      {"object", "list"},
+      {"data",
+       json::array({json{
+           {"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "kvrelay"}}})}};
+}
+
+std::string DumpJson(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace kvrelay::coordinator

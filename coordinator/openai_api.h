@@ -1,0 +1,101 @@
+// The OpenAI-compatible request and response shapes: parsing and validating
+// /v1/chat/completions and /v1/completions bodies, and building responses,
+// stream chunks and error objects the official clients accept.
+//
+// Pure functions over nlohmann::json; no I/O, thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coordinator/backend.h"
+#include "coordinator/text_codec.h"
+
+namespace kvrelay::coordinator {
+
+// An error answered to the client as {"error":{"message","type","param","code"}}.
+struct ApiError {
+  int http_status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // the offending field ("messages[1].content"), "" = null
+  std::string code;   // machine-readable code, "" = null
+};
+
+nlohmann::json ErrorToJson(const ApiError& e);
+ApiError BadRequest(std::string message, std::string param = "", std::string code = "");
+
+enum class Endpoint { kChatCompletions, kCompletions };
+
+struct ApiLimits {
+  int max_tokens_default = 256;  // when the request gives none
+  int max_tokens_limit = 4096;   // a larger max_tokens is a 400
+  int max_stop_strings = 4;      // as OpenAI
+  int max_stop_string_bytes = 256;
+  int max_n = 1;  // n > max_n is a 400 (n > 1 not supported yet)
+};
+
+// A validated generation request, before tokenization.
+struct CompletionParams {
+  Endpoint endpoint = Endpoint::kChatCompletions;
+  std::string model;
+  std::vector<ChatMessage> messages;      // chat
+  std::string prompt;                     // completions, text prompt
+  std::vector<int32_t> prompt_token_ids;  // completions, pre-tokenized prompt
+  bool prompt_is_tokens = false;
+  int max_tokens = 0;
+  float temperature = 1.0f;
+  float top_p = 1.0f;
+  int top_k = 0;  // extension, as vLLM
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  bool echo = false;           // completions: prepend the prompt to the text
+};
+
+// Parses and validates a body. On failure returns the error naming the field;
+// the model name is not checked here (see the server: 404 for unknown models).
+std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_view body,
+                                               const ApiLimits& limits, CompletionParams* out);
+
+// OpenAI finish_reason string ("stop", "length"), or null when not finished.
+nlohmann::json FinishReasonJson(FinishReason r);
+
+struct UsageCounts {
+  int prompt_tokens = 0;
+  int completion_tokens = 0;
+  int cached_tokens = 0;
+};
+nlohmann::json UsageJson(const UsageCounts& u);
+
+// Identity of one response: "chatcmpl-<hex>" / "cmpl-<hex>", created (unix seconds).
+struct ResponseIdentity {
+  std::string id;
+  int64_t created = 0;
+  std::string model;
+};
+
+// Full non-streaming body.
+nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
+                                      const std::string& text, FinishReason finish,
+                                      const UsageCounts& usage);
+// One streaming chunk with a text delta; `first` adds role:"assistant" for chat.
+nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
+                               const std::string& delta, bool first, FinishReason finish);
+// The final usage-only chunk (choices: []), for stream_options.include_usage.
+nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
+                              const UsageCounts& usage);
+
+// GET /v1/models body.
+nlohmann::json ModelsJson(const std::string& model, int64_t created);
+
+// Serializes without throwing: invalid UTF-8 becomes U+FFFD.
+std::string DumpJson(const nlohmann::json& j);
+
+}  // namespace kvrelay::coordinator

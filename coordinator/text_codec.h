@@ -1,0 +1,45 @@
+// Text <-> token ids for the coordinator: tokenizer, chat template and an
+// incremental, UTF-8 safe detokenizer. An interface so the HTTP layer can be
+// tested with a trivial codec and served with the model's real tokenizer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kvrelay::coordinator {
+
+struct ChatMessage {
+  std::string role;  // "system" | "user" | "assistant" | "tool" | "developer"
+  std::string content;
+};
+
+// Turns a stream of token ids into text. Holds back bytes of an incomplete
+// UTF-8 sequence until it completes. One per request; not thread-safe.
+class StreamDecoder {
+ public:
+  virtual ~StreamDecoder() = default;
+  // Text made complete by this token (possibly empty).
+  virtual std::string Push(int32_t token) = 0;
+  // Whatever is still held back at the end of the stream.
+  virtual std::string Flush() = 0;
+};
+
+// Thread-safe: one codec serves all requests concurrently.
+class TextCodec {
+ public:
+  virtual ~TextCodec() = default;
+  // Tokenizes raw text; `add_special` adds BOS where the model wants it.
+  virtual Result<std::vector<int32_t>> Encode(std::string_view text, bool add_special) const = 0;
+  // Applies the model's chat template and tokenizes the result (special
+  // tokens in the rendered template are parsed as such).
+  virtual Result<std::vector<int32_t>> EncodeChat(
+      const std::vector<ChatMessage>& messages) const = 0;
+  virtual std::unique_ptr<StreamDecoder> NewDecoder() const = 0;
+};
+
+}  // namespace kvrelay::coordinator

@@ -1,0 +1,220 @@
+#include "coordinator/openai_api.h"
+
+#include <gtest/gtest.h>
+
+namespace kvrelay::coordinator {
+namespace {
+
+using nlohmann::json;
+
+std::optional<ApiError> ParseChat(const std::string& body, CompletionParams* out,
+                                  ApiLimits limits = {}) {
+  return ParseCompletionRequest(Endpoint::kChatCompletions, body, limits, out);
+}
+std::optional<ApiError> ParseCompl(const std::string& body, CompletionParams* out) {
+  return ParseCompletionRequest(Endpoint::kCompletions, body, ApiLimits{}, out);
+}
+
+TEST(OpenAiApiTest, ParsesFullChatRequest) {
+  CompletionParams p;
+  auto err = ParseChat(R"({"model":"m","messages":[{"role":"system","content":"be brief"},
+      {"role":"user","content":[{"type":"text","text":"hi "},{"type":"text","text":"there"}]}],
+      "max_completion_tokens":7,"max_tokens":99,"temperature":0.5,"top_p":0.9,"seed":42,
+      "stop":["a","b"],"n":1,"stream":true,"stream_options":{"include_usage":true},"user":"x"})",
+                       &p);
+  ASSERT_FALSE(err.has_value()) << err->message;
+  EXPECT_EQ(p.model, "m");
+  ASSERT_EQ(p.messages.size(), 2u);
+  EXPECT_EQ(p.messages[0].role, "system");
+  EXPECT_EQ(p.messages[1].content, "hi there");
+  EXPECT_EQ(p.max_tokens, 7);  // max_completion_tokens wins
+  EXPECT_FLOAT_EQ(p.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(p.top_p, 0.9f);
+  ASSERT_TRUE(p.seed.has_value());
+  EXPECT_EQ(*p.seed, 42u);
+  EXPECT_EQ(p.stop, (std::vector<std::string>{"a", "b"}));
+  EXPECT_TRUE(p.stream);
+  EXPECT_TRUE(p.include_usage);
+}
+
+TEST(OpenAiApiTest, DefaultsAndNulls) {
+  CompletionParams p;
+  ApiLimits limits;
+  limits.max_tokens_default = 33;
+  auto err = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "temperature":null,"stop":null,"max_tokens":null})",
+                       &p, limits);
+  ASSERT_FALSE(err.has_value()) << err->message;
+  EXPECT_EQ(p.max_tokens, 33);
+  EXPECT_FLOAT_EQ(p.temperature, 1.0f);
+  EXPECT_TRUE(p.stop.empty());
+  EXPECT_FALSE(p.stream);
+}
+
+TEST(OpenAiApiTest, CompletionPromptForms) {
+  CompletionParams p;
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"abc","stop":"\n","echo":true})", &p));
+  EXPECT_EQ(p.prompt, "abc");
+  EXPECT_EQ(p.stop, std::vector<std::string>{"\n"});
+  EXPECT_TRUE(p.echo);
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":["only one"]})", &p));
+  EXPECT_EQ(p.prompt, "only one");
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":[1,2,3]})", &p));
+  EXPECT_TRUE(p.prompt_is_tokens);
+  EXPECT_EQ(p.prompt_token_ids, (std::vector<int32_t>{1, 2, 3}));
+}
+
+struct BadCase {
+  Endpoint endpoint;
+  const char* body;
+  const char* param;   // expected "param"
+  const char* needle;  // must appear in the message
+};
+
+TEST(OpenAiApiTest, EachErrorNamesTheField) {
+  const BadCase cases[] = {
+      {Endpoint::kChatCompletions, R"({"model":"m",)", "", "not valid JSON"},
+      {Endpoint::kChatCompletions, R"([1,2])", "", "JSON object"},
+      {Endpoint::kChatCompletions, R"({"messages":[{"role":"user","content":"x"}]})", "model",
+       "'model'"},
+      {Endpoint::kChatCompletions, R"({"model":5,"messages":[]})", "model", "string"},
+      {Endpoint::kChatCompletions, R"({"model":"m"})", "messages", "'messages'"},
+      {Endpoint::kChatCompletions, R"({"model":"m","messages":"hi"})", "messages", "array"},
+      {Endpoint::kChatCompletions, R"({"model":"m","messages":[]})", "messages", "empty"},
+      {Endpoint::kChatCompletions, R"({"model":"m","messages":[{"content":"x"}]})",
+       "messages[0].role", "messages[0].role"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"a"},{"role":"wizard","content":"x"}]})",
+       "messages[1].role", "wizard"},
+      {Endpoint::kChatCompletions, R"({"model":"m","messages":[{"role":"user"}]})",
+       "messages[0].content", "content"},
+      {Endpoint::kChatCompletions, R"({"model":"m","messages":[{"role":"user","content":7}]})",
+       "messages[0].content", "got integer"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
+       "messages[0].content[0].type", "image_url"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":"5"})", "max_tokens",
+       "integer"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0})", "max_tokens",
+       "between"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":2.5})", "max_tokens",
+       "integer"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":-1})",
+       "max_completion_tokens", "between"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3})", "temperature",
+       "between"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"})",
+       "temperature", "number"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"top_p":0})", "top_p",
+       "greater than 0"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"seed":"s"})", "seed", "integer"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"n":2})", "n", "not supported"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"stop":5})", "stop", "string"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a",1]})", "stop[1]",
+       "stop[1]"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]})",
+       "stop", "at most 4"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"})", "stream",
+       "boolean"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":1}})",
+       "stream_options.include_usage", "boolean"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs",
+       "not supported"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
+       "tools", "not supported"},
+      {Endpoint::kCompletions, R"({"model":"m"})", "prompt", "'prompt'"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":["a","b"]})", "prompt", "not supported"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":[[1],[2]]})", "prompt", "not supported"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":[1,"x"]})", "prompt[1]", "prompt[1]"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":[-3]})", "prompt[0]", "token id"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":{}})", "prompt", "string"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":"x","best_of":3})", "best_of", "best_of"},
+  };
+  for (const auto& c : cases) {
+    CompletionParams p;
+    auto err = ParseCompletionRequest(c.endpoint, c.body, ApiLimits{}, &p);
+    ASSERT_TRUE(err.has_value()) << c.body;
+    EXPECT_EQ(err->http_status, 400) << c.body;
+    EXPECT_EQ(err->param, c.param) << c.body << " -> " << err->message;
+    EXPECT_NE(err->message.find(c.needle), std::string::npos) << c.body << " -> " << err->message;
+  }
+}
+
+TEST(OpenAiApiTest, DeepNestingIsRejectedWithoutParsing) {
+  std::string body = R"({"model":"m","messages":)" + std::string(100000, '[');
+  CompletionParams p;
+  auto err = ParseChat(body, &p);
+  ASSERT_TRUE(err.has_value());
+  EXPECT_NE(err->message.find("deeper"), std::string::npos);
+  // Brackets inside strings do not count.
+  std::string ok =
+      R"({"model":"m","messages":[{"role":"user","content":")" + std::string(1000, '[') + R"("}]})";
+  EXPECT_FALSE(ParseChat(ok, &p).has_value());
+}
+
+TEST(OpenAiApiTest, ErrorShape) {
+  ApiError e = BadRequest("bad", "messages[0].role", "invalid_value");
+  json j = ErrorToJson(e);
+  EXPECT_EQ(j["error"]["message"], "bad");
+  EXPECT_EQ(j["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(j["error"]["param"], "messages[0].role");
+  EXPECT_EQ(j["error"]["code"], "invalid_value");
+  json k = ErrorToJson(BadRequest("x"));
+  EXPECT_TRUE(k["error"]["param"].is_null());
+  EXPECT_TRUE(k["error"]["code"].is_null());
+}
+
+TEST(OpenAiApiTest, ResponseShapes) {
+  ResponseIdentity id{"chatcmpl-1", 1700000000, "m"};
+  UsageCounts u{10, 3, 4};
+  json r = CompletionResponseJson(Endpoint::kChatCompletions, id, "hey", FinishReason::kLength, u);
+  EXPECT_EQ(r["object"], "chat.completion");
+  EXPECT_EQ(r["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "hey");
+  EXPECT_EQ(r["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(r["usage"]["total_tokens"], 13);
+  EXPECT_EQ(r["usage"]["prompt_tokens_details"]["cached_tokens"], 4);
+  json c = CompletionResponseJson(Endpoint::kCompletions, id, "hey", FinishReason::kStop, u);
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["text"], "hey");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+
+  json first = StreamChunkJson(Endpoint::kChatCompletions, id, "a", true, FinishReason::kNone);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(first["choices"][0]["delta"]["content"], "a");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  json last = StreamChunkJson(Endpoint::kChatCompletions, id, "", false, FinishReason::kStop);
+  EXPECT_FALSE(last["choices"][0]["delta"].contains("content"));
+  EXPECT_EQ(last["choices"][0]["finish_reason"], "stop");
+  json usage = UsageChunkJson(Endpoint::kChatCompletions, id, u);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
+}
+
+TEST(OpenAiApiTest, DumpReplacesInvalidUtf8) {
+  json j = {{"text", std::string("a\xff"
+                                 "b")}};
+  EXPECT_EQ(DumpJson(j),
+            "{\"text\":\"a\xEF\xBF\xBD"
+            "b\"}");
+}
+
+}  // namespace
+}  // namespace kvrelay::coordinator
