@@ -1,0 +1,574 @@
+#include "engine/runtime/engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+
+#include "common/logging.h"
+#include "common/thread_pool.h"
+#include "engine/runtime/forward.h"
+#include "engine/runtime/model.h"
+#include "engine/runtime/text_stream.h"
+
+namespace kvrelay::engine {
+
+std::string_view FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
+    case FinishReason::kPrefilled:
+      return "prefilled";
+  }
+  return "unknown";
+}
+
+Status EngineOptions::Validate() const {
+  if (kv_capacity_bytes < 0) return InvalidArgument("EngineOptions.kv_capacity_bytes must be >= 0");
+  if (block_tokens < 1 || block_tokens > 4096) {
+    return InvalidArgument("EngineOptions.block_tokens must be in [1, 4096]");
+  }
+  if (threads < 0) return InvalidArgument("EngineOptions.threads must be >= 0");
+  if (max_step_tokens < 1) return InvalidArgument("EngineOptions.max_step_tokens must be >= 1");
+  if (max_running < 1) return InvalidArgument("EngineOptions.max_running must be >= 1");
+  if (max_context < 0) return InvalidArgument("EngineOptions.max_context must be >= 0");
+  return Status::Ok();
+}
+
+namespace {
+
+// One request inside the engine.
+struct Sequence {
+  RequestSpec spec;
+  uint64_t arrival = 0;         // FCFS order (smaller = older)
+  std::vector<int32_t> tokens;  // prompt then generated tokens
+  int64_t n_prompt = 0;
+  int64_t n_generated = 0;
+  int64_t n_computed = 0;         // leading tokens whose K/V are in `blocks`
+  std::vector<BlockId> blocks;    // block table; one reference held per entry
+  int64_t n_committed = 0;        // leading blocks registered in the prefix cache
+  std::vector<BlockHash> hashes;  // chain hashes of the leading full blocks
+  int64_t cached_prompt_tokens = 0;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<TextStream> text;
+  // Scheduled for the current step.
+  int64_t chunk = 0;
+};
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(const EngineOptions& options, std::shared_ptr<const Model> model,
+       std::unique_ptr<KvBlockPool> pool)
+      : options_(options),
+        model_(std::move(model)),
+        pool_(std::move(pool)),
+        threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "engine"),
+        forward_(*model_, pool_.get(), &threads_) {
+    max_context_ = options_.max_context > 0
+                       ? std::min<int64_t>(options_.max_context, model_->config().context_length)
+                       : model_->config().context_length;
+  }
+
+  ~Impl() {
+    // Return every block still held.
+    for (auto& s : running_) ReleaseBlocks(*s);
+    for (auto& s : waiting_) ReleaseBlocks(*s);
+    for (auto& [id, s] : kept_) ReleaseBlocks(*s);
+  }
+
+  Status CheckSpec(const RequestSpec& spec) const {
+    if (spec.id.empty()) return InvalidArgument("request id is empty");
+    if (Exists(spec.id)) return AlreadyExists("request id '" + spec.id + "' is already live");
+    if (spec.prompt.empty())
+      return InvalidArgument("request '" + spec.id + "' has an empty prompt");
+    const int vocab = model_->config().vocab;
+    for (int32_t t : spec.prompt) {
+      if (t < 0 || t >= vocab) {
+        return InvalidArgument("request '" + spec.id + "': token id " + std::to_string(t) +
+                               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+      }
+    }
+    RETURN_IF_ERROR(spec.sampling.Validate().WithContext("request '" + spec.id + "'"));
+    const int64_t n = static_cast<int64_t>(spec.prompt.size());
+    if (n >= max_context_) {
+      return ResourceExhausted("request '" + spec.id + "': prompt of " + std::to_string(n) +
+                               " tokens does not fit the context of " +
+                               std::to_string(max_context_) + " tokens");
+    }
+    // The most positions whose K/V it will ever hold.
+    const int64_t max_len = std::min<int64_t>(n + spec.sampling.max_tokens, max_context_) - 1;
+    const int64_t need = BlocksFor(std::max<int64_t>(max_len, n));
+    if (need > pool_->total_blocks()) {
+      return ResourceExhausted("request '" + spec.id + "' needs " + std::to_string(need) +
+                               " KV blocks but the pool has only " +
+                               std::to_string(pool_->total_blocks()));
+    }
+    return Status::Ok();
+  }
+
+  Status Submit(RequestSpec spec) {
+    RETURN_IF_ERROR(CheckSpec(spec));
+    auto seq = NewSequence(std::move(spec));
+    waiting_.push_back(std::move(seq));
+    return Status::Ok();
+  }
+
+  Status AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks) {
+    Status st = CheckSpec(spec);
+    const int64_t n = static_cast<int64_t>(spec.prompt.size());
+    if (st.ok() && (first_token < 0 || first_token >= model_->config().vocab)) {
+      st = InvalidArgument("first token " + std::to_string(first_token) +
+                           " is outside the vocabulary");
+    }
+    if (st.ok() && static_cast<int64_t>(blocks.size()) != BlocksFor(n)) {
+      st = InvalidArgument("request '" + spec.id + "': " + std::to_string(blocks.size()) +
+                           " blocks given for a prompt of " + std::to_string(n) +
+                           " tokens (expected " + std::to_string(BlocksFor(n)) + ")");
+    }
+    for (BlockId b : blocks) {
+      if (st.ok() && (b < 0 || b >= pool_->total_blocks() || pool_->refcount(b) < 1)) {
+        st = InvalidArgument("block " + std::to_string(b) + " is not a live block of this pool");
+      }
+    }
+    if (!st.ok()) {
+      for (BlockId b : blocks) {
+        if (b >= 0 && b < pool_->total_blocks() && pool_->refcount(b) > 0) pool_->Release(b);
+      }
+      return st;
+    }
+    auto seq = NewSequence(std::move(spec));
+    seq->blocks = std::move(blocks);
+    seq->n_computed = n;
+    bool ignored = false;
+    (void)seq->text->Push(first_token, &ignored);  // the prefill side emitted its text
+    seq->tokens.push_back(first_token);
+    seq->n_generated = 1;
+    stats_.generated_tokens += 1;
+    TokenEvent ev;
+    if (CheckFinished(*seq, first_token, &ev, /*emit_text=*/false)) {
+      ReleaseBlocks(*seq);
+      ev.token = -1;
+      pending_events_.push_back(std::move(ev));
+      return Status::Ok();
+    }
+    running_.push_back(std::move(seq));
+    return Status::Ok();
+  }
+
+  Status Cancel(const std::string& id) {
+    for (auto* list : {&waiting_, &running_}) {
+      for (auto it = list->begin(); it != list->end(); ++it) {
+        if ((*it)->spec.id == id) {
+          ReleaseBlocks(**it);
+          pending_events_.push_back(FinishEvent(**it, FinishReason::kCancelled, Status::Ok()));
+          list->erase(it);
+          return Status::Ok();
+        }
+      }
+    }
+    auto kit = kept_.find(id);
+    if (kit != kept_.end()) {
+      ReleaseBlocks(*kit->second);
+      kept_.erase(kit);
+      return Status::Ok();
+    }
+    return NotFound("no live request '" + id + "'");
+  }
+
+  Result<std::vector<BlockId>> ExportBlocks(const std::string& id) const {
+    auto it = kept_.find(id);
+    if (it == kept_.end()) return NotFound("no kept prefill-only request '" + id + "'");
+    return it->second->blocks;
+  }
+
+  Status ReleaseRequest(const std::string& id) {
+    auto it = kept_.find(id);
+    if (it == kept_.end()) return NotFound("no kept prefill-only request '" + id + "'");
+    ReleaseBlocks(*it->second);
+    kept_.erase(it);
+    return Status::Ok();
+  }
+
+  int64_t running_count() const { return static_cast<int64_t>(running_.size()); }
+  int64_t queued_count() const { return static_cast<int64_t>(waiting_.size()); }
+  bool HasWork() const {
+    return !waiting_.empty() || !running_.empty() || !pending_events_.empty();
+  }
+
+  Result<std::vector<TokenEvent>> Step();
+
+  EngineOptions options_;
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<KvBlockPool> pool_;
+  ThreadPool threads_;
+  ForwardPass forward_;
+  int64_t max_context_ = 0;
+  LayerHook layer_hook_;
+  Stats stats_;
+
+ private:
+  int64_t BlocksFor(int64_t positions) const {
+    const int B = options_.block_tokens;
+    return (positions + B - 1) / B;
+  }
+
+  bool Exists(const std::string& id) const {
+    for (const auto* list : {&waiting_, &running_}) {
+      for (const auto& s : *list) {
+        if (s->spec.id == id) return true;
+      }
+    }
+    return kept_.count(id) > 0;
+  }
+
+  std::unique_ptr<Sequence> NewSequence(RequestSpec spec) {
+    auto seq = std::make_unique<Sequence>();
+    seq->arrival = next_arrival_++;
+    seq->tokens = spec.prompt;
+    seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
+    seq->sampler = std::make_unique<Sampler>(spec.sampling);
+    seq->text = std::make_unique<TextStream>(model_->tokenizer(), spec.sampling.stop);
+    seq->spec = std::move(spec);
+    return seq;
+  }
+
+  void ReleaseBlocks(Sequence& s) {
+    for (BlockId b : s.blocks) pool_->Release(b);
+    s.blocks.clear();
+    s.n_computed = 0;
+    s.n_committed = 0;
+  }
+
+  TokenEvent FinishEvent(const Sequence& s, FinishReason reason, Status error) {
+    TokenEvent ev;
+    ev.id = s.spec.id;
+    ev.finished = true;
+    ev.finish_reason = reason;
+    ev.error = std::move(error);
+    ev.prompt_tokens = s.n_prompt;
+    ev.cached_prompt_tokens = s.cached_prompt_tokens;
+    return ev;
+  }
+
+  // Fills `ev` for a newly generated token; true when the request is done.
+  bool CheckFinished(Sequence& s, int32_t token, TokenEvent* ev, bool emit_text) {
+    ev->id = s.spec.id;
+    ev->token = token;
+    ev->prompt_tokens = s.n_prompt;
+    ev->cached_prompt_tokens = s.cached_prompt_tokens;
+    const bool eog = model_->tokenizer() != nullptr && !s.spec.sampling.ignore_eos &&
+                     model_->tokenizer()->IsEndOfGeneration(token);
+    bool stopped = false;
+    std::string text;
+    if (!eog) {
+      text = s.text->Push(token, &stopped);
+    }
+    FinishReason reason = FinishReason::kNone;
+    if (eog || stopped) {
+      reason = FinishReason::kStop;
+    } else if (s.n_generated >= s.spec.sampling.max_tokens ||
+               static_cast<int64_t>(s.tokens.size()) >= max_context_) {
+      reason = FinishReason::kLength;
+    } else if (s.spec.mode == RequestMode::kPrefillOnly) {
+      reason = FinishReason::kPrefilled;
+    }
+    if (reason != FinishReason::kNone && reason != FinishReason::kPrefilled && !stopped) {
+      text += s.text->Flush();
+    }
+    if (emit_text) ev->text = std::move(text);
+    ev->finished = reason != FinishReason::kNone;
+    ev->finish_reason = reason;
+    return ev->finished;
+  }
+
+  // Makes sure s has writable blocks for positions [n_computed, n_computed + chunk).
+  // Returns false when the pool has no block to give.
+  bool EnsureBlocks(Sequence& s, int64_t chunk) {
+    const int B = options_.block_tokens;
+    const int64_t need = BlocksFor(s.n_computed + chunk);
+    while (static_cast<int64_t>(s.blocks.size()) < need) {
+      auto b = pool_->Allocate();
+      if (!b.ok()) return false;
+      s.blocks.push_back(*b);
+    }
+    // Copy-on-write: the block that receives the first new position may be
+    // shared (prefix cache hit covering the whole prompt, or a block handed
+    // over by AdmitPrefilled that someone else also references).
+    const int64_t first = s.n_computed / B;
+    for (int64_t i = first; i < need; ++i) {
+      if (pool_->refcount(s.blocks[i]) > 1 || i < s.n_committed) {
+        auto b = pool_->Allocate();
+        if (!b.ok()) return false;
+        pool_->CopyBlock(s.blocks[i], *b);
+        pool_->Release(s.blocks[i]);
+        s.blocks[i] = *b;
+        if (i < s.n_committed) s.n_committed = i;
+      }
+    }
+    return true;
+  }
+
+  // Prefix-cache lookup when a sequence (re)enters the running batch.
+  void MatchPrefix(Sequence& s) {
+    const int B = options_.block_tokens;
+    const int64_t n = static_cast<int64_t>(s.tokens.size());
+    s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), n), B,
+                                model_->fingerprint(), s.spec.tenant_salt);
+    std::vector<BlockId> hit = pool_->MatchPrefix(s.hashes);
+    s.blocks = std::move(hit);
+    s.n_committed = static_cast<int64_t>(s.blocks.size());
+    // At least the last token is computed again: its logits are needed.
+    s.n_computed = std::min<int64_t>(s.n_committed * B, n - 1);
+    if (s.n_generated == 0) {
+      s.cached_prompt_tokens = s.n_computed;
+      stats_.prompt_tokens_cached += s.n_computed;
+    }
+  }
+
+  // Registers every newly full block in the prefix cache.
+  void CommitFullBlocks(Sequence& s) {
+    const int B = options_.block_tokens;
+    const int64_t full = s.n_computed / B;
+    if (full <= s.n_committed) return;
+    if (static_cast<int64_t>(s.hashes.size()) < full) {
+      s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), full * B), B,
+                                  model_->fingerprint(), s.spec.tenant_salt);
+    }
+    for (int64_t i = s.n_committed; i < full; ++i) pool_->Commit(s.blocks[i], s.hashes[i]);
+    s.n_committed = full;
+  }
+
+  // Frees the youngest running sequence's blocks and puts it back in the
+  // waiting queue (it will be recomputed). False when nothing can be preempted.
+  bool PreemptYoungest(const Sequence* except) {
+    auto victim = running_.end();
+    for (auto it = running_.begin(); it != running_.end(); ++it) {
+      if (it->get() == except) continue;
+      if (victim == running_.end() || (*it)->arrival > (*victim)->arrival) victim = it;
+    }
+    if (victim == running_.end()) return false;
+    Preempt(victim);
+    return true;
+  }
+
+  void Preempt(std::deque<std::unique_ptr<Sequence>>::iterator it) {
+    std::unique_ptr<Sequence> s = std::move(*it);
+    running_.erase(it);
+    ReleaseBlocks(*s);
+    s->hashes.clear();
+    s->chunk = 0;
+    ++stats_.preemptions;
+    LOG_INFO << "preempting request '" << s->spec.id << "' (" << s->tokens.size()
+             << " tokens) to free KV blocks";
+    auto pos = std::find_if(waiting_.begin(), waiting_.end(),
+                            [&](const auto& w) { return w->arrival > s->arrival; });
+    waiting_.insert(pos, std::move(s));
+  }
+
+  void Schedule();
+
+  std::deque<std::unique_ptr<Sequence>> waiting_;          // FCFS by arrival
+  std::deque<std::unique_ptr<Sequence>> running_;          // in admission order
+  std::map<std::string, std::unique_ptr<Sequence>> kept_;  // finished kPrefillOnly
+  std::vector<TokenEvent> pending_events_;
+  uint64_t next_arrival_ = 0;
+};
+
+void Engine::Impl::Schedule() {
+  int64_t budget = options_.max_step_tokens;
+  for (auto& s : running_) s->chunk = 0;
+  // 1. Running sequences, oldest first: decode tokens and prefill chunks.
+  //    When blocks run out, preempt the youngest (possibly the sequence itself).
+  std::vector<Sequence*> order;
+  for (auto& s : running_) order.push_back(s.get());
+  std::sort(order.begin(), order.end(),
+            [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+  for (Sequence* s : order) {
+    if (budget <= 0) break;
+    // Still running? (It may have been preempted below for an older one.)
+    auto it =
+        std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; });
+    if (it == running_.end()) continue;
+    const int64_t pending = static_cast<int64_t>(s->tokens.size()) - s->n_computed;
+    const int64_t chunk = std::min<int64_t>(pending, budget);
+    bool ok = EnsureBlocks(*s, chunk);
+    while (!ok) {
+      // Prefer a younger victim; when s is the youngest, preempt s itself.
+      Sequence* youngest = nullptr;
+      for (auto& r : running_) {
+        if (youngest == nullptr || r->arrival > youngest->arrival) youngest = r.get();
+      }
+      if (youngest == s) break;
+      if (youngest->chunk > 0) budget += youngest->chunk;
+      PreemptYoungest(nullptr);
+      ok = EnsureBlocks(*s, chunk);
+    }
+    if (!ok) {
+      auto self = std::find_if(running_.begin(), running_.end(),
+                               [&](const auto& r) { return r.get() == s; });
+      Preempt(self);
+      continue;
+    }
+    s->chunk = chunk;
+    budget -= chunk;
+  }
+  // 2. Admit waiting sequences (FCFS) while there is room. No preemption for
+  //    admission: a new request waits until blocks free up.
+  while (budget > 0 && !waiting_.empty() &&
+         static_cast<int64_t>(running_.size()) < options_.max_running) {
+    Sequence& s = *waiting_.front();
+    MatchPrefix(s);
+    const int64_t pending = static_cast<int64_t>(s.tokens.size()) - s.n_computed;
+    const int64_t chunk = std::min<int64_t>(pending, budget);
+    if (!EnsureBlocks(s, chunk)) {
+      ReleaseBlocks(s);
+      break;
+    }
+    s.chunk = chunk;
+    budget -= chunk;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+}
+
+Result<std::vector<TokenEvent>> Engine::Impl::Step() {
+  std::vector<TokenEvent> events;
+  events.swap(pending_events_);
+  Schedule();
+  std::vector<Sequence*> batch;
+  for (auto& s : running_) {
+    if (s->chunk > 0) batch.push_back(s.get());
+  }
+  if (batch.empty()) {
+    if (!running_.empty() || !waiting_.empty()) {
+      // Nothing could be scheduled (should not happen: Submit rejects what
+      // can never fit). Fail the oldest waiting request rather than spin.
+      if (running_.empty() && !waiting_.empty()) {
+        auto& s = waiting_.front();
+        events.push_back(FinishEvent(*s, FinishReason::kError,
+                                     ResourceExhausted("no KV blocks available for request")));
+        waiting_.pop_front();
+      }
+    }
+    return events;
+  }
+  ++stats_.steps;
+  std::vector<ForwardSeq> fseqs(batch.size());
+  std::vector<StepSequence> step_seqs(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    fseqs[i].blocks = s.blocks;
+    fseqs[i].cache_len = s.n_computed;
+    fseqs[i].tokens = std::span<const int32_t>(s.tokens.data() + s.n_computed, s.chunk);
+    const bool last = s.n_computed + s.chunk == static_cast<int64_t>(s.tokens.size());
+    fseqs[i].logits = last ? ForwardSeq::Logits::kLast : ForwardSeq::Logits::kNone;
+    step_seqs[i] = {&s.spec.id, s.n_computed, s.n_computed + s.chunk, s.blocks};
+    if (s.n_generated == 0) stats_.prompt_tokens_computed += s.chunk;
+  }
+  ForwardOutput out;
+  std::function<void(int)> hook;
+  if (layer_hook_) hook = [&](int layer) { layer_hook_(layer, step_seqs); };
+  Status st = forward_.Run(fseqs, &out, hook);
+  if (!st.ok()) {
+    LOG_ERROR << "forward step failed: " << st.ToString();
+    for (Sequence* s : batch) {
+      events.push_back(FinishEvent(*s, FinishReason::kError, st));
+      ReleaseBlocks(*s);
+    }
+    std::erase_if(running_, [&](const auto& r) {
+      return std::find(batch.begin(), batch.end(), r.get()) != batch.end();
+    });
+    return events;
+  }
+  const int vocab = model_->config().vocab;
+  std::vector<Sequence*> done;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    s.n_computed += s.chunk;
+    s.chunk = 0;
+    CommitFullBlocks(s);
+    if (fseqs[i].logits == ForwardSeq::Logits::kNone) continue;
+    float* logits = out.logits.data() + out.row_begin[i] * vocab;
+    const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated);
+    s.tokens.push_back(token);
+    ++s.n_generated;
+    ++stats_.generated_tokens;
+    TokenEvent ev;
+    if (CheckFinished(s, token, &ev, /*emit_text=*/true)) done.push_back(&s);
+    events.push_back(std::move(ev));
+  }
+  for (Sequence* s : done) {
+    auto it =
+        std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; });
+    std::unique_ptr<Sequence> seq = std::move(*it);
+    running_.erase(it);
+    if (seq->spec.mode == RequestMode::kPrefillOnly) {
+      // Keep exactly the prompt's blocks (the first token is not in the KV).
+      const int64_t keep = BlocksFor(seq->n_prompt);
+      for (size_t b = keep; b < seq->blocks.size(); ++b) pool_->Release(seq->blocks[b]);
+      seq->blocks.resize(std::min<size_t>(keep, seq->blocks.size()));
+      kept_[seq->spec.id] = std::move(seq);
+    } else {
+      ReleaseBlocks(*seq);
+    }
+  }
+  return events;
+}
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  RETURN_IF_ERROR(options.Validate());
+  if (options.model_path.empty()) return InvalidArgument("EngineOptions.model_path is empty");
+  ASSIGN_OR_RETURN(std::unique_ptr<Model> model, Model::Load(options.model_path));
+  return Create(options, std::shared_ptr<const Model>(std::move(model)));
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
+                                               std::shared_ptr<const Model> model) {
+  RETURN_IF_ERROR(options.Validate());
+  if (model == nullptr) return InvalidArgument("Engine::Create: null model");
+  KvBlockPool::Options po;
+  po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
+  po.capacity_bytes = options.kv_capacity_bytes;
+  if (po.capacity_bytes == 0) {
+    const double per_token = po.layout.BytesPerToken();
+    const double want =
+        per_token * static_cast<double>(model->config().context_length) * options.max_running;
+    po.capacity_bytes = static_cast<int64_t>(std::min(want, static_cast<double>(1LL << 30)));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<KvBlockPool> pool, KvBlockPool::Create(po));
+  return std::unique_ptr<Engine>(
+      new Engine(std::make_unique<Impl>(options, std::move(model), std::move(pool))));
+}
+
+Status Engine::Submit(RequestSpec spec) { return impl_->Submit(std::move(spec)); }
+Status Engine::Cancel(const std::string& id) { return impl_->Cancel(id); }
+Result<std::vector<TokenEvent>> Engine::Step() { return impl_->Step(); }
+bool Engine::HasWork() const { return impl_->HasWork(); }
+Result<std::vector<BlockId>> Engine::ExportBlocks(const std::string& id) const {
+  return impl_->ExportBlocks(id);
+}
+Status Engine::ReleaseRequest(const std::string& id) { return impl_->ReleaseRequest(id); }
+Status Engine::AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks) {
+  return impl_->AdmitPrefilled(std::move(spec), first_token, std::move(blocks));
+}
+void Engine::SetLayerHook(LayerHook hook) { impl_->layer_hook_ = std::move(hook); }
+KvBlockPool* Engine::pool() { return impl_->pool_.get(); }
+const Model& Engine::model() const { return *impl_->model_; }
+const EngineOptions& Engine::options() const { return impl_->options_; }
+Engine::Stats Engine::stats() const { return impl_->stats_; }
+int64_t Engine::running() const { return impl_->running_count(); }
+int64_t Engine::queued() const { return impl_->queued_count(); }
+
+}  // namespace kvrelay::engine

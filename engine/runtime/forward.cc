@@ -1,0 +1,313 @@
+#include "engine/runtime/forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "engine/kernels/matmul.h"
+
+namespace kvrelay::engine {
+namespace {
+
+// Runs fn over [0, n) on the pool, or inline without one.
+void ParallelFor(ThreadPool* pool, int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
+                 int64_t grain = 1) {
+  if (n <= 0) return;
+  if (pool == nullptr || pool->num_threads() <= 1 || n <= grain) {
+    fn(0, n, 0);
+  } else {
+    pool->ParallelFor(n, fn, grain);
+  }
+}
+
+void AddBias(float* y, const std::vector<float>& b, int64_t n_tokens) {
+  if (b.empty()) return;
+  const int64_t n = static_cast<int64_t>(b.size());
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    float* row = y + t * n;
+    for (int64_t i = 0; i < n; ++i) row[i] += b[i];
+  }
+}
+
+// Rotates `n_heads` heads of one token in place.
+void ApplyRope(float* x, int n_heads, int head_dim, int rope_dim, RopeLayout layout,
+               const std::vector<double>& inv_freq, int64_t pos) {
+  const int half = rope_dim / 2;
+  // Angles in double: exact enough at any position, then rounded once.
+  float cosv[512], sinv[512];  // rope_dim <= head_dim <= 1024 is checked at load
+  for (int i = 0; i < half; ++i) {
+    const double theta = static_cast<double>(pos) * inv_freq[i];
+    cosv[i] = static_cast<float>(std::cos(theta));
+    sinv[i] = static_cast<float>(std::sin(theta));
+  }
+  for (int h = 0; h < n_heads; ++h) {
+    float* v = x + static_cast<int64_t>(h) * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const int a = layout == RopeLayout::kNormal ? 2 * i : i;
+      const int b = layout == RopeLayout::kNormal ? 2 * i + 1 : i + half;
+      const float x0 = v[a], x1 = v[b];
+      v[a] = x0 * cosv[i] - x1 * sinv[i];
+      v[b] = x0 * sinv[i] + x1 * cosv[i];
+    }
+  }
+}
+
+inline float Dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+void RmsNorm(const float* x, const float* w, int n, float eps, float* y) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+  for (int i = 0; i < n; ++i) y[i] = x[i] * scale * w[i];
+}
+
+ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* threads)
+    : model_(model), pool_(pool), threads_(threads) {
+  const ModelConfig& c = model_.config();
+  const int half = c.rope_dim / 2;
+  inv_freq_.resize(half);
+  for (int i = 0; i < half; ++i) {
+    inv_freq_[i] = std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.rope_dim);
+  }
+}
+
+Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+                        const std::function<void(int layer)>& layer_hook) {
+  const ModelConfig& c = model_.config();
+  const KvLayout& kl = pool_->layout();
+  if (kl.layers != c.n_layers || kl.kv_heads != c.n_kv_heads || kl.head_dim != c.head_dim) {
+    return InvalidArgument("KV pool layout does not match the model");
+  }
+  if (c.head_dim > 1024) return Unimplemented("head_dim > 1024 is not supported");
+  const int B = kl.block_tokens;
+  // Validate and lay out tokens.
+  int64_t T = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const ForwardSeq& q = seqs[s];
+    if (q.tokens.empty())
+      return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
+    if (q.cache_len < 0) return InvalidArgument("negative cache length");
+    const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
+    if (static_cast<int64_t>(q.blocks.size()) * B < len) {
+      return InvalidArgument("sequence " + std::to_string(s) + ": block table of " +
+                             std::to_string(q.blocks.size()) + " blocks cannot hold " +
+                             std::to_string(len) + " positions");
+    }
+    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
+      if (q.blocks[b] < 0 || q.blocks[b] >= pool_->total_blocks()) {
+        return InvalidArgument("sequence " + std::to_string(s) + ": bad block id " +
+                               std::to_string(q.blocks[b]));
+      }
+    }
+    for (int32_t t : q.tokens) {
+      if (t < 0 || t >= c.vocab) {
+        return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                               std::to_string(c.vocab) + ")");
+      }
+    }
+    T += static_cast<int64_t>(q.tokens.size());
+  }
+  out->logits.clear();
+  out->row_begin.assign(1, 0);
+  if (T == 0) return Status::Ok();
+
+  const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim();
+  x_.resize(T * d);
+  xn_.resize(T * d);
+  q_.resize(T * qd);
+  k_.resize(T * kvd);
+  v_.resize(T * kvd);
+  attn_.resize(T * qd);
+  proj_.resize(T * d);
+  gate_.resize(T * c.ffn_dim);
+  up_.resize(T * c.ffn_dim);
+  tok_seq_.resize(T);
+  tok_pos_.resize(T);
+  {
+    int64_t t = 0;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      for (size_t i = 0; i < seqs[s].tokens.size(); ++i, ++t) {
+        tok_seq_[t] = static_cast<int64_t>(s);
+        tok_pos_[t] = seqs[s].cache_len + static_cast<int64_t>(i);
+      }
+    }
+  }
+  // Embeddings.
+  {
+    int64_t t = 0;
+    for (const ForwardSeq& q : seqs) {
+      for (int32_t tok : q.tokens) GetRow(model_.token_embd(), tok, x_.data() + (t++) * d);
+    }
+  }
+
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& w = model_.layers()[l];
+    ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+      for (int64_t t = a; t < b; ++t) {
+        RmsNorm(x_.data() + t * d, w.attn_norm_w.data(), d, c.rms_eps, xn_.data() + t * d);
+      }
+    });
+    MatMul(*w.wq, xn_.data(), T, q_.data(), threads_);
+    MatMul(*w.wk, xn_.data(), T, k_.data(), threads_);
+    MatMul(*w.wv, xn_.data(), T, v_.data(), threads_);
+    AddBias(q_.data(), w.bq, T);
+    AddBias(k_.data(), w.bk, T);
+    AddBias(v_.data(), w.bv, T);
+    ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+      for (int64_t t = a; t < b; ++t) {
+        ApplyRope(q_.data() + t * qd, c.n_heads, c.head_dim, c.rope_dim, c.rope_layout, inv_freq_,
+                  tok_pos_[t]);
+        ApplyRope(k_.data() + t * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_layout,
+                  inv_freq_, tok_pos_[t]);
+      }
+    });
+    // K/V of the new tokens into the pool (owner thread only: the pool is
+    // thread-compatible).
+    for (int64_t t = 0; t < T; ++t) {
+      const ForwardSeq& q = seqs[tok_seq_[t]];
+      const int64_t pos = tok_pos_[t];
+      pool_->WriteToken(q.blocks[pos / B], l, static_cast<int>(pos % B), k_.data() + t * kvd,
+                        v_.data() + t * kvd);
+    }
+    if (layer_hook) layer_hook(l);
+    Attention(l, seqs);
+    MatMul(*w.wo, attn_.data(), T, proj_.data(), threads_);
+    for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
+    ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+      for (int64_t t = a; t < b; ++t) {
+        RmsNorm(x_.data() + t * d, w.ffn_norm_w.data(), d, c.rms_eps, xn_.data() + t * d);
+      }
+    });
+    MatMul(*w.ffn_gate, xn_.data(), T, gate_.data(), threads_);
+    MatMul(*w.ffn_up, xn_.data(), T, up_.data(), threads_);
+    const int64_t nf = T * c.ffn_dim;
+    for (int64_t i = 0; i < nf; ++i) {
+      const float g = gate_[i];
+      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    }
+    MatMul(*w.ffn_down, gate_.data(), T, proj_.data(), threads_);
+    for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
+  }
+
+  // Final norm + LM head for the requested positions only.
+  std::vector<int64_t> rows;
+  {
+    int64_t t = 0;
+    for (const ForwardSeq& q : seqs) {
+      const int64_t n = static_cast<int64_t>(q.tokens.size());
+      if (q.logits == ForwardSeq::Logits::kAll) {
+        for (int64_t i = 0; i < n; ++i) rows.push_back(t + i);
+      } else if (q.logits == ForwardSeq::Logits::kLast) {
+        rows.push_back(t + n - 1);
+      }
+      t += n;
+      out->row_begin.push_back(static_cast<int64_t>(rows.size()));
+    }
+  }
+  if (rows.empty()) return Status::Ok();
+  const int64_t R = static_cast<int64_t>(rows.size());
+  for (int64_t r = 0; r < R; ++r) {
+    RmsNorm(x_.data() + rows[r] * d, model_.output_norm().data(), d, c.rms_eps, xn_.data() + r * d);
+  }
+  out->logits.resize(R * c.vocab);
+  MatMul(model_.lm_head(), xn_.data(), R, out->logits.data(), threads_);
+  return Status::Ok();
+}
+
+void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
+  const ModelConfig& c = model_.config();
+  const int B = pool_->layout().block_tokens;
+  const int hd = c.head_dim, kvh = c.n_kv_heads, group = c.n_heads / c.n_kv_heads;
+  const int qd = c.q_dim();
+  const size_t S = seqs.size();
+  // Gather each (sequence, kv head)'s K and V into contiguous [len][hd] rows.
+  std::vector<int64_t> kv_off(S + 1, 0), tok_off(S + 1, 0);
+  int64_t max_len = 0;
+  for (size_t s = 0; s < S; ++s) {
+    const int64_t len = seqs[s].cache_len + static_cast<int64_t>(seqs[s].tokens.size());
+    max_len = std::max(max_len, len);
+    kv_off[s + 1] = kv_off[s] + 2 * kvh * len * hd;
+    tok_off[s + 1] = tok_off[s] + static_cast<int64_t>(seqs[s].tokens.size());
+  }
+  kv_scratch_.resize(kv_off[S]);
+  ParallelFor(threads_, static_cast<int64_t>(S) * kvh, [&](int64_t a, int64_t b, int) {
+    for (int64_t item = a; item < b; ++item) {
+      const size_t s = item / kvh;
+      const int h = static_cast<int>(item % kvh);
+      const ForwardSeq& q = seqs[s];
+      const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
+      float* kbuf = kv_scratch_.data() + kv_off[s] + 2 * h * len * hd;
+      float* vbuf = kbuf + len * hd;
+      for (int64_t blk = 0; blk * B < len; ++blk) {
+        const int n = static_cast<int>(std::min<int64_t>(B, len - blk * B));
+        pool_->ReadHead(q.blocks[blk], layer, h, n, kbuf + blk * B * hd, vbuf + blk * B * hd);
+      }
+    }
+  });
+
+  // Work items: (sequence, query head, tile of up to 16 new tokens).
+  constexpr int64_t kTile = 16;
+  struct Item {
+    int32_t s, head;
+    int64_t i0, i1;
+  };
+  std::vector<Item> items;
+  for (size_t s = 0; s < S; ++s) {
+    const int64_t n = static_cast<int64_t>(seqs[s].tokens.size());
+    for (int h = 0; h < c.n_heads; ++h) {
+      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+        items.push_back({static_cast<int32_t>(s), h, i0, std::min(n, i0 + kTile)});
+      }
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int window = c.sliding_window;
+  ParallelFor(threads_, static_cast<int64_t>(items.size()), [&](int64_t a, int64_t b, int) {
+    std::vector<float> scores(max_len);
+    std::vector<float> acc(hd);
+    for (int64_t it = a; it < b; ++it) {
+      const Item& item = items[it];
+      const ForwardSeq& q = seqs[item.s];
+      const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
+      const int kv_head = item.head / group;
+      const float* kbuf = kv_scratch_.data() + kv_off[item.s] + 2 * kv_head * len * hd;
+      const float* vbuf = kbuf + len * hd;
+      for (int64_t i = item.i0; i < item.i1; ++i) {
+        const int64_t t = tok_off[item.s] + i;
+        const int64_t pos = q.cache_len + i;
+        const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const float* qv = q_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
+        float mx = -INFINITY;
+        for (int64_t j = j0; j <= pos; ++j) {
+          const float sc = Dot(qv, kbuf + j * hd, hd) * scale;
+          scores[j] = sc;
+          mx = std::max(mx, sc);
+        }
+        float sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = j0; j <= pos; ++j) {
+          const float p = std::exp(scores[j] - mx);
+          sum += p;
+          const float* vj = vbuf + j * hd;
+          for (int e = 0; e < hd; ++e) acc[e] += p * vj[e];
+        }
+        float* o = attn_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
+        const float inv = 1.0f / sum;
+        for (int e = 0; e < hd; ++e) o[e] = acc[e] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace kvrelay::engine

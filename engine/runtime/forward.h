@@ -1,0 +1,69 @@
+// One batched forward step of the transformer over many sequences that share
+// a paged KV pool.
+//
+// Each sequence brings its block table, the number of tokens already in its KV
+// (cache_len) and new tokens: a prefill chunk or one decode token. Positions of
+// the new tokens are cache_len + i. Their K/V are written into the pool
+// (blocks[pos / B], slot pos % B) and attention reads every position < =
+// the query's through the block table (causal, GQA, sliding window when set).
+//
+// Not thread-safe: one ForwardPass per engine; it reuses scratch buffers
+// between steps and runs its parallel loops on the given ThreadPool.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/model.h"
+
+namespace kvrelay::engine {
+
+struct ForwardSeq {
+  std::span<const BlockId> blocks;  // covers at least cache_len + tokens.size() positions
+  int64_t cache_len = 0;            // positions already in the KV cache
+  std::span<const int32_t> tokens;  // new tokens (>= 1)
+  enum class Logits : uint8_t { kNone, kLast, kAll } logits = Logits::kLast;
+};
+
+struct ForwardOutput {
+  // Logit rows (vocab floats each) for every requested position, sequences in
+  // order; row_begin[s] is the first row of sequence s (row_begin.size() = n + 1).
+  std::vector<float> logits;
+  std::vector<int64_t> row_begin;
+  const float* Row(int64_t r, int vocab) const { return logits.data() + r * vocab; }
+};
+
+class ForwardPass {
+ public:
+  // `model`, `pool` and `threads` must outlive the ForwardPass; threads may be null.
+  ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* threads);
+
+  // Runs the step. `layer_hook` (may be empty) is called after layer l's K/V
+  // of all sequences are written. InvalidArgument for a bad sequence (token
+  // out of vocab, block table too short, pool layout mismatch).
+  Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+             const std::function<void(int layer)>& layer_hook = {});
+
+ private:
+  void Attention(int layer, std::span<const ForwardSeq> seqs);
+
+  const Model& model_;
+  KvBlockPool* pool_;
+  ThreadPool* threads_;
+  std::vector<double> inv_freq_;  // rope_dim / 2 frequencies
+  // Scratch, sized per step.
+  std::vector<float> x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_;
+  std::vector<float> kv_scratch_;  // gathered K then V per (seq, kv head)
+  std::vector<int64_t> tok_seq_;   // per token: sequence index
+  std::vector<int64_t> tok_pos_;   // per token: position
+};
+
+// y = x / rms(x) * w over n floats.
+void RmsNorm(const float* x, const float* w, int n, float eps, float* y);
+
+}  // namespace kvrelay::engine

@@ -1,0 +1,278 @@
+// Forward pass on small synthetic models: the paged, chunked, batched forward
+// is checked against (a) itself under other chunkings and batchings and (b) a
+// dense float64 reference written independently of the paged code path.
+#include "engine/runtime/forward.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "engine/kernels/matmul.h"
+#include "tests/testing/synthetic_model.h"
+#include "tests/unit/runtime/forward_test_util.h"
+
+namespace kvrelay::engine {
+namespace {
+
+using testutil::ChunkedLogits;
+using testutil::MakePool;
+
+std::shared_ptr<const Model> LoadSynthetic(const testing::SyntheticModelOptions& o) {
+  auto path = testing::WriteTempSyntheticModel(o);
+  EXPECT_TRUE(path.ok()) << path.status().ToString();
+  ModelLoadOptions lo;
+  lo.load_tokenizer = false;
+  auto m = Model::Load(*path, lo);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  std::remove(path->c_str());
+  return m.ok() ? std::shared_ptr<const Model>(std::move(m).value()) : nullptr;
+}
+
+std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % vocab);
+  return t;
+}
+
+// Dense reference: dequantized weights, float64 everywhere, contiguous KV,
+// explicit softmax. Positions 0..n-1 in one pass. RoPE is the llama
+// convention (adjacent pairs) or NeoX halves for qwen2.
+std::vector<double> ReferenceLogits(const Model& m, const std::vector<int32_t>& tokens) {
+  const ModelConfig& c = m.config();
+  const int n = static_cast<int>(tokens.size()), d = c.d_model, hd = c.head_dim;
+  auto dense = [](const GgufTensor& t) {
+    std::vector<float> w(t.Rows() * t.Cols());
+    for (int64_t r = 0; r < t.Rows(); ++r) GetRow(t, r, w.data() + r * t.Cols());
+    return w;
+  };
+  auto matvec = [](const std::vector<float>& w, int rows, int cols, const std::vector<double>& x) {
+    std::vector<double> y(rows, 0.0);
+    for (int r = 0; r < rows; ++r) {
+      for (int k = 0; k < cols; ++k) y[r] += static_cast<double>(w[r * cols + k]) * x[k];
+    }
+    return y;
+  };
+  auto norm = [&](const std::vector<double>& x, const std::vector<float>& w) {
+    double ss = 0;
+    for (double v : x) ss += v * v;
+    const double s = 1.0 / std::sqrt(ss / x.size() + c.rms_eps);
+    std::vector<double> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = x[i] * s * w[i];
+    return y;
+  };
+  auto rope = [&](std::vector<double>& v, int heads, int pos) {
+    for (int h = 0; h < heads; ++h) {
+      for (int i = 0; i < c.rope_dim / 2; ++i) {
+        const double theta = pos * std::pow(c.rope_base, -2.0 * i / c.rope_dim);
+        const int a = c.rope_layout == RopeLayout::kNormal ? 2 * i : i;
+        const int b = c.rope_layout == RopeLayout::kNormal ? 2 * i + 1 : i + c.rope_dim / 2;
+        double& x0 = v[h * hd + a];
+        double& x1 = v[h * hd + b];
+        const double r0 = x0 * std::cos(theta) - x1 * std::sin(theta);
+        const double r1 = x0 * std::sin(theta) + x1 * std::cos(theta);
+        x0 = r0;
+        x1 = r1;
+      }
+    }
+  };
+  std::vector<std::vector<double>> x(n, std::vector<double>(d));
+  std::vector<float> row(d);
+  for (int t = 0; t < n; ++t) {
+    GetRow(m.token_embd(), tokens[t], row.data());
+    for (int i = 0; i < d; ++i) x[t][i] = row[i];
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& w = m.layers()[l];
+    auto wq = dense(*w.wq), wk = dense(*w.wk), wv = dense(*w.wv), wo = dense(*w.wo);
+    auto wg = dense(*w.ffn_gate), wu = dense(*w.ffn_up), wd = dense(*w.ffn_down);
+    std::vector<std::vector<double>> q(n), k(n), v(n);
+    for (int t = 0; t < n; ++t) {
+      auto xn = norm(x[t], w.attn_norm_w);
+      q[t] = matvec(wq, c.q_dim(), d, xn);
+      k[t] = matvec(wk, c.kv_dim(), d, xn);
+      v[t] = matvec(wv, c.kv_dim(), d, xn);
+      for (int i = 0; i < static_cast<int>(w.bq.size()); ++i) q[t][i] += w.bq[i];
+      for (int i = 0; i < static_cast<int>(w.bk.size()); ++i) k[t][i] += w.bk[i];
+      for (int i = 0; i < static_cast<int>(w.bv.size()); ++i) v[t][i] += w.bv[i];
+      rope(q[t], c.n_heads, t);
+      rope(k[t], c.n_kv_heads, t);
+    }
+    for (int t = 0; t < n; ++t) {
+      std::vector<double> attn(c.q_dim(), 0.0);
+      for (int h = 0; h < c.n_heads; ++h) {
+        const int kh = h / (c.n_heads / c.n_kv_heads);
+        std::vector<double> s(t + 1);
+        double mx = -1e300;
+        for (int j = 0; j <= t; ++j) {
+          double dot = 0;
+          for (int e = 0; e < hd; ++e) dot += q[t][h * hd + e] * k[j][kh * hd + e];
+          s[j] = dot / std::sqrt(static_cast<double>(hd));
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (double& p : s) sum += (p = std::exp(p - mx));
+        for (int j = 0; j <= t; ++j) {
+          for (int e = 0; e < hd; ++e) attn[h * hd + e] += s[j] / sum * v[j][kh * hd + e];
+        }
+      }
+      auto o = matvec(wo, d, c.q_dim(), attn);
+      for (int i = 0; i < d; ++i) x[t][i] += o[i];
+      auto xn = norm(x[t], w.ffn_norm_w);
+      auto g = matvec(wg, c.ffn_dim, d, xn), u = matvec(wu, c.ffn_dim, d, xn);
+      for (int i = 0; i < c.ffn_dim; ++i) g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
+      auto dn = matvec(wd, d, c.ffn_dim, g);
+      for (int i = 0; i < d; ++i) x[t][i] += dn[i];
+    }
+  }
+  auto head = dense(m.lm_head());
+  std::vector<double> logits;
+  for (int t = 0; t < n; ++t) {
+    auto y = matvec(head, c.vocab, d, norm(x[t], m.output_norm()));
+    logits.insert(logits.end(), y.begin(), y.end());
+  }
+  return logits;
+}
+
+// Worst |a - b| over all entries, and the largest |b|.
+std::pair<double, double> MaxDiff(const std::vector<float>& a, const std::vector<double>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(a[i] - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return {diff, scale};
+}
+
+class ForwardTest : public ::testing::TestWithParam<std::string> {};
+
+// The float32 paged forward agrees with the float64 dense reference.
+// Bound: every value is a chain of float32 dot products of length <= 128 and
+// a few elementwise ops; each dot has relative error <= n*2^-24 ~ 8e-6 of the
+// sum of |terms|, and 2 layers + head compound that to ~1e-4 of the logit
+// scale. We allow 1e-3 * (1 + max|logit|), ten times that.
+TEST_P(ForwardTest, MatchesDenseFloat64Reference) {
+  testing::SyntheticModelOptions o;
+  o.arch = GetParam();
+  auto m = LoadSynthetic(o);
+  ASSERT_NE(m, nullptr);
+  auto pool = MakePool(*m, 64);
+  ASSERT_NE(pool, nullptr);
+  ThreadPool threads(2);
+  auto tokens = RandomTokens(40, m->config().vocab, 7);
+  auto got = ChunkedLogits(*m, pool.get(), &threads, tokens, 40, 1);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  auto want = ReferenceLogits(*m, tokens);
+  ASSERT_EQ(got->size(), want.size());
+  auto [diff, scale] = MaxDiff(*got, want);
+  EXPECT_LE(diff, 1e-3 * (1 + scale)) << "scale " << scale;
+  EXPECT_GT(scale, 0.5);  // the logits are not trivially small
+}
+
+// Prefilling k tokens and then decoding one by one gives the logits of one
+// full causal pass. Both paths do the same float32 operations per position
+// except for how the matmul kernel groups tokens; the kernel's result per
+// token does not depend on the batch (each output is one row-dot), so we
+// allow only float32 rounding noise: 1e-5 * (1 + max|logit|).
+TEST_P(ForwardTest, CacheEquivalence) {
+  testing::SyntheticModelOptions o;
+  o.arch = GetParam();
+  o.matrix_type = GgmlType::kQ4_1;
+  o.embedding_type = GgmlType::kQ8_0;
+  auto m = LoadSynthetic(o);
+  ASSERT_NE(m, nullptr);
+  auto pool = MakePool(*m, 64, 8);
+  ASSERT_NE(pool, nullptr);
+  const int64_t free0 = pool->free_blocks();
+  ThreadPool threads(2);
+  auto tokens = RandomTokens(37, m->config().vocab, 11);
+  auto full = ChunkedLogits(*m, pool.get(), &threads, tokens, 37, 37);
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  double scale = 0;
+  for (float v : *full) scale = std::max<double>(scale, std::abs(v));
+  for (int64_t k : {1, 4, 37}) {
+    auto part = ChunkedLogits(*m, pool.get(), &threads, tokens, k, 1);
+    ASSERT_TRUE(part.ok()) << part.status().ToString();
+    ASSERT_EQ(part->size(), full->size());
+    double diff = 0;
+    for (size_t i = 0; i < full->size(); ++i)
+      diff = std::max<double>(diff, std::abs((*part)[i] - (*full)[i]));
+    EXPECT_LE(diff, 1e-5 * (1 + scale)) << "k=" << k;
+  }
+  // Odd chunk sizes crossing block boundaries.
+  auto chunked = ChunkedLogits(*m, pool.get(), &threads, tokens, 5, 7);
+  ASSERT_TRUE(chunked.ok());
+  double diff = 0;
+  for (size_t i = 0; i < full->size(); ++i)
+    diff = std::max<double>(diff, std::abs((*chunked)[i] - (*full)[i]));
+  EXPECT_LE(diff, 1e-5 * (1 + scale));
+  EXPECT_EQ(pool->free_blocks(), free0);
+}
+
+// Several sequences in one step give the same logits as each alone.
+TEST_P(ForwardTest, BatchEqualsAlone) {
+  testing::SyntheticModelOptions o;
+  o.arch = GetParam();
+  auto m = LoadSynthetic(o);
+  ASSERT_NE(m, nullptr);
+  auto pool = MakePool(*m, 64, 4);
+  ThreadPool threads(2);
+  const int vocab = m->config().vocab;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 5; ++i) prompts.push_back(RandomTokens(3 + 5 * i, vocab, 100 + i));
+  // Alone: last-position logits of each prompt.
+  std::vector<std::vector<float>> alone;
+  for (const auto& p : prompts) {
+    auto l = ChunkedLogits(*m, pool.get(), &threads, p, static_cast<int64_t>(p.size()), 1);
+    ASSERT_TRUE(l.ok());
+    alone.emplace_back(l->end() - vocab, l->end());
+  }
+  // Together in one step.
+  std::vector<std::vector<BlockId>> tables(prompts.size());
+  std::vector<ForwardSeq> seqs(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    for (size_t b = 0; b < (prompts[i].size() + 3) / 4; ++b) tables[i].push_back(*pool->Allocate());
+    seqs[i].blocks = tables[i];
+    seqs[i].tokens = prompts[i];
+  }
+  ForwardPass fwd(*m, pool.get(), &threads);
+  ForwardOutput out;
+  ASSERT_TRUE(fwd.Run(seqs, &out).ok());
+  ASSERT_EQ(out.row_begin.size(), prompts.size() + 1);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_EQ(out.row_begin[i + 1] - out.row_begin[i], 1);
+    const float* row = out.Row(out.row_begin[i], vocab);
+    for (int v = 0; v < vocab; ++v) ASSERT_NEAR(row[v], alone[i][v], 1e-4) << "seq " << i;
+  }
+  for (auto& t : tables) {
+    for (BlockId b : t) pool->Release(b);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest, ::testing::Values("llama", "qwen2"));
+
+TEST(ForwardErrors, RejectsBadInput) {
+  auto m = LoadSynthetic({});
+  ASSERT_NE(m, nullptr);
+  auto pool = MakePool(*m, 8, 4);
+  ForwardPass fwd(*m, pool.get(), nullptr);
+  BlockId b = *pool->Allocate();
+  std::vector<BlockId> table{b};
+  std::vector<int32_t> bad_token{1, 100000};
+  ForwardSeq s;
+  s.blocks = table;
+  s.tokens = bad_token;
+  ForwardOutput out;
+  Status st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("100000"), std::string::npos) << st.message();
+  std::vector<int32_t> too_long(5, 1);  // 5 positions, one block of 4
+  s.tokens = too_long;
+  st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  pool->Release(b);
+}
+
+}  // namespace
+}  // namespace kvrelay::engine

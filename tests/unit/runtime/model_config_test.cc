@@ -1,0 +1,87 @@
+#include "engine/runtime/model_config.h"
+
+#include <gtest/gtest.h>
+
+#include "engine/gguf/gguf.h"
+#include "tests/testing/synthetic_model.h"
+
+namespace kvrelay::engine {
+namespace {
+
+Result<ModelConfig> ConfigOf(const std::vector<uint8_t>& bytes) {
+  auto f = GgufFile::FromMemory(bytes.data(), bytes.size());
+  if (!f.ok()) return f.status();
+  return ModelConfig::FromGguf(**f);
+}
+
+TEST(ModelConfigTest, ReadsLlamaShapes) {
+  testing::SyntheticModelOptions o;
+  o.layers = 3;
+  o.d_model = 96;
+  o.heads = 6;
+  o.kv_heads = 2;
+  o.ffn = 160;
+  auto bytes = testing::BuildSyntheticModel(o);
+  auto c = ConfigOf(bytes);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->arch, "llama");
+  EXPECT_EQ(c->n_layers, 3);
+  EXPECT_EQ(c->n_heads, 6);
+  EXPECT_EQ(c->n_kv_heads, 2);
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_EQ(c->rope_dim, 16);
+  EXPECT_EQ(c->ffn_dim, 160);
+  EXPECT_EQ(c->vocab, testing::SyntheticVocabSize());
+  EXPECT_EQ(c->rope_layout, RopeLayout::kNormal);
+  EXPECT_TRUE(c->tied_embeddings);
+  EXPECT_FALSE(c->qkv_bias);
+}
+
+TEST(ModelConfigTest, Qwen2HasBiasesAndNeoxRope) {
+  testing::SyntheticModelOptions o;
+  o.arch = "qwen2";
+  o.tied_embeddings = false;
+  auto c = ConfigOf(testing::BuildSyntheticModel(o));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_layout, RopeLayout::kNeox);
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->tied_embeddings);
+}
+
+// Rebuilds a synthetic model with one tensor renamed or one key changed.
+std::vector<uint8_t> Mutate(const std::string& drop_tensor, const std::string& key,
+                            GgufValue value) {
+  auto bytes = testing::BuildSyntheticModel({});
+  auto f = GgufFile::FromMemory(bytes.data(), bytes.size());
+  EXPECT_TRUE(f.ok());
+  GgufWriter w;
+  for (const auto& [k, v] : (*f)->metadata()) w.Set(k, k == key ? value : v);
+  for (const GgufTensor& t : (*f)->tensors()) {
+    if (t.name == drop_tensor) continue;
+    w.AddTensor(t.name, t.type, t.dims, std::vector<uint8_t>(t.data, t.data + t.nbytes));
+  }
+  return w.Build();
+}
+
+TEST(ModelConfigTest, ClearErrors) {
+  auto missing = ConfigOf(Mutate("blk.1.ffn_up.weight", "", {}));
+  EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("blk.1.ffn_up.weight"), std::string::npos);
+
+  GgufValue arch{GgufValueType::kString, std::string("mamba")};
+  auto bad_arch = ConfigOf(Mutate("", "general.architecture", arch));
+  EXPECT_EQ(bad_arch.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(bad_arch.status().message().find("mamba"), std::string::npos);
+
+  GgufValue heads{GgufValueType::kUint32, uint32_t{3}};  // 4 heads / 3 kv heads
+  auto bad_kv = ConfigOf(Mutate("", "llama.attention.head_count_kv", heads));
+  EXPECT_EQ(bad_kv.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_kv.status().message().find("head_count_kv"), std::string::npos);
+
+  GgufValue width{GgufValueType::kUint32, uint32_t{80}};  // tensors stay 64 wide
+  auto bad_dims = ConfigOf(Mutate("", "llama.embedding_length", width));
+  EXPECT_FALSE(bad_dims.ok());
+}
+
+}  // namespace
+}  // namespace kvrelay::engine
