@@ -1,0 +1,133 @@
+// Layer-wise KV streaming with integrity checks, on top of any Transport.
+//
+// The prefill side calls SendLayer(l) as soon as layer l of the prompt's KV is
+// computed; the decode side has posted receives for every layer up front and
+// sees, per layer, when it has arrived AND verified (completion bitmap). A
+// layer travels as two transfers of one (request, tag) family: a manifest
+// (protocols/kv_manifest.proto: request, layer, block ids, head range, shape,
+// dtype, byte count, model fingerprint, xxh3 per block) in a fixed-size slot,
+// and the payload. The receiver checks every manifest field against what it
+// expects and recomputes each block's checksum over the bytes that landed.
+//
+// Any mismatch, missing piece, failed transfer or passed deadline marks the
+// destination invalid: every outstanding receive is cancelled, the bitmap
+// reads all-false and status() says what went wrong. A stream is complete
+// only when every layer arrived and verified; partial KV is never complete.
+//
+// Thread-compatible: one owner thread per sender / receiver object. The
+// caller's buffers follow transport.h's lifetime rule until Finish/WaitAll
+// returns (or the object is destroyed, which cancels what is outstanding).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "kv_transfer/head_sharding.h"
+#include "kv_transfer/transport.h"
+
+namespace kvrelay::kv_transfer {
+
+// What both ends agree on for one stream (the receiver verifies it).
+struct StreamSpec {
+  uint64_t request_id = 0;
+  // Several streams of one request between the same two ranks (e.g. two head
+  // routes) need distinct ids. < 2^15.
+  uint32_t stream_id = 0;
+  int layers = 0;                           // < 2^15
+  std::vector<engine::BlockId> dst_blocks;  // destination block ids, in order
+  HeadRange global_heads;                   // model kv heads carried
+  int block_tokens = 0;
+  int head_dim = 0;
+  engine::KvDtype dtype = engine::KvDtype::kF32;
+  engine::ModelFingerprint model_fingerprint{};
+};
+
+// Where the stream's bytes live in the caller's memory.
+struct StreamBuffers {
+  BufferLayout layout;                 // caller's heads and slab size
+  HeadRange local_heads;               // heads of this stream in the caller's buffer
+  std::vector<uint8_t*> block_layer0;  // per block (same order as dst_blocks): layer 0 address
+  int64_t layer_stride = 0;            // 0: contiguous (2 * kv_heads * slab_bytes)
+};
+
+// xxh3 of one block's layer slice (K piece then V piece of the head range).
+uint64_t SliceChecksum(const StreamBuffers& buffers, size_t block, int layer);
+
+class LayerStreamSender {
+ public:
+  LayerStreamSender(Transport* transport, int peer, StreamSpec spec, StreamBuffers buffers);
+  ~LayerStreamSender();  // cancels unfinished sends
+  LayerStreamSender(const LayerStreamSender&) = delete;
+  LayerStreamSender& operator=(const LayerStreamSender&) = delete;
+
+  // Posts layer `layer` (manifest + payload). Each layer once, any order.
+  Status SendLayer(int layer);
+  // Waits for every posted send; cancels the rest at the deadline or first error.
+  Status Finish(Deadline deadline);
+  int layers_sent() const;
+
+ private:
+  void CancelAll();
+  Transport* transport_;
+  int peer_;
+  StreamSpec spec_;
+  StreamBuffers buffers_;
+  std::vector<std::string> manifests_;   // per layer slot; must outlive its send
+  std::vector<TransferHandle> handles_;  // unfinished sends
+  std::vector<bool> sent_;
+  Status status_;
+};
+
+class LayerStreamReceiver {
+ public:
+  LayerStreamReceiver(Transport* transport, int peer, StreamSpec spec, StreamBuffers buffers);
+  ~LayerStreamReceiver();  // cancels what is outstanding
+  LayerStreamReceiver(const LayerStreamReceiver&) = delete;
+  LayerStreamReceiver& operator=(const LayerStreamReceiver&) = delete;
+
+  // Posts the receives of every layer.
+  Status Start();
+  // Polls the transport and verifies finished layers; returns status().
+  Status Progress();
+  // Waits until `layer` is verified (or the stream fails / the deadline passes;
+  // a passed deadline invalidates the whole stream).
+  Status WaitLayer(int layer, Deadline deadline);
+  // OK only when every layer arrived and verified.
+  Status WaitAll(Deadline deadline);
+
+  bool LayerComplete(int layer) const { return valid() && verified_[layer]; }
+  int layers_complete() const;
+  bool complete() const { return valid() && layers_complete() == spec_.layers; }
+  bool valid() const { return status_.ok(); }
+  const Status& status() const { return status_; }
+
+ private:
+  struct LayerRecv {
+    TransferHandle manifest = 0;
+    TransferHandle data = 0;
+    bool manifest_done = false;
+    bool data_done = false;
+  };
+  Status PollLayer(int layer);
+  Status Verify(int layer);
+  void Invalidate(Status why);
+
+  Transport* transport_;
+  int peer_;
+  StreamSpec spec_;
+  StreamBuffers buffers_;
+  std::vector<std::string> manifests_;
+  std::vector<LayerRecv> recvs_;
+  std::vector<bool> verified_;
+  bool started_ = false;
+  Status status_;
+};
+
+// Tag of a stream's layer transfer (exposed for tests and fault injection).
+uint32_t StreamTag(uint32_t stream_id, int layer, bool payload);
+
+}  // namespace kvrelay::kv_transfer

@@ -1,0 +1,86 @@
+// MPI backend: MPI_Isend/MPI_Irecv on a communicator given at construction
+// (MPI_COMM_WORLD by default, or a decode group's sub-communicator).
+//
+// Threading choice: every MPI call of this transport is made by its one
+// progress thread ("kv-mpi-progress"); API threads only queue work. MPI must
+// be initialised with at least MPI_THREAD_SERIALIZED; MPI_THREAD_MULTIPLE
+// (what InitMpiThreadMultiple requests) is needed when the application makes
+// MPI calls of its own while the transport lives, which is the normal case.
+// Create() checks the provided level and refuses below SERIALIZED.
+//
+// Wire: a 24-byte header message (request, tag, total) on header_tag, then
+// the payload on data_tag as one message described by an hindexed datatype
+// over the caller's regions (no staging copy on either side when the receive
+// is posted first). MPI's per-(source, tag) ordering pairs payloads with
+// headers. A payload whose receive is not posted yet is received into a
+// staging buffer and copied when the receive is posted.
+//
+// Idle policy: the progress thread polls with MPI_Test while work is in
+// flight and, when nothing progressed, sleeps on a condition variable with
+// exponential backoff (idle_sleep_min .. idle_sleep_max), woken at once by
+// new sends: an idle transport does not spin a core.
+//
+// Cancel: MPI cannot withdraw a message that is already matched, so Cancel of
+// a send, or of a receive whose payload is already arriving, waits (up to
+// cancel_drain_timeout) for MPI to release the buffers. The peer always
+// drains headers and payloads, so this is bounded by the transfer time.
+#pragma once
+
+#include <mpi.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <thread>
+
+#include "kv_transfer/transport_base.h"
+
+namespace kvrelay::kv_transfer {
+
+// MPI_Init_thread(MPI_THREAD_MULTIPLE) unless already initialised; error if
+// the library provides less than MPI_THREAD_SERIALIZED.
+Status InitMpiThreadMultiple(int* argc, char*** argv);
+
+class MpiTransport final : public TransportBase {
+ public:
+  struct Options {
+    MPI_Comm comm = MPI_COMM_WORLD;
+    int max_inflight = 4096;
+    int64_t max_unexpected_bytes = 1ll << 30;
+    int header_tag = 0x4B56;
+    int data_tag = 0x4B57;
+    std::chrono::microseconds idle_sleep_min{20};
+    std::chrono::microseconds idle_sleep_max{1000};
+    std::chrono::milliseconds cancel_drain_timeout{5000};
+  };
+  static Result<std::unique_ptr<MpiTransport>> Create(Options options);
+  ~MpiTransport() override;
+  // Stops the progress thread. Call after the peers are done (e.g. after an
+  // MPI_Barrier); transfers still in flight are failed. Idempotent.
+  void Shutdown();
+
+  std::string_view name() const override { return "mpi"; }
+  bool SupportsDeviceMemory() const override { return false; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+
+  static constexpr size_t kMaxMessageBytes = size_t{1} << 30;
+
+ private:
+  struct Active;
+  explicit MpiTransport(Options options);
+  Status StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
+  void RecvPostedLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
+  void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
+  void ProgressLoop();
+
+  Options options_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  std::thread progress_;
+  // Guarded by domain_->mu.
+  bool stopping_ = false;
+  std::deque<OpPtr> send_queue_;
+};
+
+}  // namespace kvrelay::kv_transfer

@@ -1,0 +1,106 @@
+// The KV data plane contract: move ranges of KV blocks between processes.
+//
+// A transfer is described by a TransferDesc: which peer, which (request, tag),
+// and a list of KvSlices of caller memory, each one block's layers
+// [layer_begin, layer_end) and kv heads [head_begin, head_end) laid out as in
+// engine/kv_cache/kv_cache.h (per layer: K slabs of every head, then V slabs;
+// head-major, so a head range is one contiguous piece of K and one of V).
+// On the wire a transfer is the concatenation, slice by slice and layer by
+// layer, of the K piece then the V piece; a send and a receive match when
+// they name the same (peer, request_id, tag) and carry the same byte count.
+// Sender and receiver may hold different head sets (TP re-sharding): only the
+// byte counts have to agree; head_sharding.h plans the ranges.
+//
+// Lifetimes (the rule every caller must follow): the memory named by a
+// posted transfer's slices must stay valid and, for a receive, untouched by
+// the caller, until the transport reports the handle finished, i.e. until
+// Poll() returns true or an error, Wait() returns, or Cancel() returns.
+// After that the transport never reads or writes those buffers again. Each
+// handle is consumed by the first of those that reports it finished.
+//
+// Integrity (checksums, layer bookkeeping) is the job of layer_stream.h on top
+// of this; a Transport only guarantees that a receive completes OK when
+// exactly the sent bytes landed, and fails otherwise.
+//
+// Thread-safety: every method is thread-safe.
+// Backends: local (in-process), tcp (Asio), mpi (MPI_Isend/Irecv). A CUDA
+// build may add nccl: device memory is declared by BufferLayout::memory and
+// gated by SupportsDeviceMemory(); callers do not change.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "engine/kv_cache/kv_cache.h"
+
+namespace kvrelay::kv_transfer {
+
+enum class MemoryKind : uint8_t { kHost = 0, kDevice = 1 };
+
+// One block's piece of KV in caller memory.
+struct KvSlice {
+  engine::BlockId block = engine::kNoBlock;  // for manifests and errors; not dereferenced
+  int layer_begin = 0;
+  int layer_end = 0;   // exclusive
+  int head_begin = 0;  // in the caller's buffer layout (local head index)
+  int head_end = 0;    // exclusive
+  // Address of layer `layer_begin` of this block: K slabs of all `kv_heads`
+  // heads, then V slabs. Const for sends, written for receives.
+  uint8_t* layer_data = nullptr;
+  // Bytes from one layer's data to the next; 0 means contiguous (2 * kv_heads * slab_bytes).
+  int64_t layer_stride = 0;
+};
+
+// Geometry of the caller's buffers.
+struct BufferLayout {
+  int kv_heads = 0;        // heads present in the caller's buffer (its local heads)
+  int64_t slab_bytes = 0;  // engine::KvLayout::SlabBytes()
+  MemoryKind memory = MemoryKind::kHost;
+};
+
+struct TransferDesc {
+  int peer = 0;  // peer index (MPI rank in the transport's communicator, TCP peer id)
+  uint64_t request_id = 0;
+  uint32_t tag = 0;  // distinguishes transfers of one request (layer_stream uses layer ids)
+  BufferLayout layout;
+  std::vector<KvSlice> slices;
+};
+
+using TransferHandle = uint64_t;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // --- capabilities ---
+  virtual std::string_view name() const = 0;  // "local", "tcp", "mpi", "nccl"
+  virtual bool SupportsDeviceMemory() const = 0;
+  // Posted and unfinished transfers allowed at once; Post* beyond it fails
+  // with ResourceExhausted.
+  virtual int max_inflight() const = 0;
+  virtual int rank() const = 0;        // this endpoint's peer index
+  virtual int world_size() const = 0;  // number of peer indices
+
+  // --- data movement ---
+  // Starts sending / receiving. InvalidArgument for a malformed desc (names
+  // the bad field), Unavailable for a peer known to be gone.
+  virtual Result<TransferHandle> PostSend(const TransferDesc& desc) = 0;
+  virtual Result<TransferHandle> PostRecv(const TransferDesc& desc) = 0;
+  // true: finished OK. false: still in flight. Error: finished with that error.
+  virtual Result<bool> Poll(TransferHandle handle) = 0;
+  // Waits until finished or `deadline`; at the deadline the transfer is
+  // cancelled (buffers released) and DeadlineExceeded returned.
+  virtual Status Wait(TransferHandle handle, Deadline deadline) = 0;
+  // Abandons a transfer. When it returns, the buffers are released. The peer
+  // of a cancelled send sees its receive fail; a cancelled receive's data is dropped.
+  virtual Status Cancel(TransferHandle handle) = 0;
+  // Posted, unfinished transfers (for leak checks).
+  virtual int inflight() const = 0;
+};
+
+}  // namespace kvrelay::kv_transfer

@@ -1,0 +1,240 @@
+#include "kv_transfer/transport_base.h"
+
+#include <string>
+
+#include "common/logging.h"
+
+namespace kvrelay::kv_transfer {
+
+std::string KeyString(const TransferKey& key) {
+  return "request " + std::to_string(key.request_id) + " tag " + std::to_string(key.tag) +
+         " peer " + std::to_string(key.peer);
+}
+
+TransportBase::TransportBase(std::shared_ptr<SyncDomain> domain, int max_inflight,
+                             int64_t max_unexpected_bytes)
+    : domain_(std::move(domain)),
+      max_inflight_(max_inflight),
+      max_unexpected_bytes_(max_unexpected_bytes) {}
+
+Result<TransferHandle> TransportBase::PostSend(const TransferDesc& desc) {
+  return Post(desc, /*is_send=*/true);
+}
+Result<TransferHandle> TransportBase::PostRecv(const TransferDesc& desc) {
+  return Post(desc, /*is_send=*/false);
+}
+
+Result<TransferHandle> TransportBase::Post(const TransferDesc& desc, bool is_send) {
+  RETURN_IF_ERROR(ValidateDesc(desc, world_size()));
+  if (desc.layout.memory == MemoryKind::kDevice && !SupportsDeviceMemory()) {
+    return Unimplemented(std::string("transport '") + std::string(name()) +
+                         "' cannot move device memory");
+  }
+  auto op = std::make_shared<Op>();
+  op->is_send = is_send;
+  op->key = {desc.peer, desc.request_id, desc.tag};
+  op->regions = ResolveRegions(desc);
+  op->total = TotalBytes(op->regions);
+
+  std::unique_lock lock(domain_->mu);
+  if (static_cast<int>(ops_.size()) >= max_inflight_) {
+    return ResourceExhausted(std::string(name()) + " transport: " + std::to_string(ops_.size()) +
+                             " transfers in flight (max_inflight)");
+  }
+  if (lost_peers_.count(desc.peer)) {
+    return Unavailable("peer " + std::to_string(desc.peer) +
+                       " is gone: " + lost_reason_[desc.peer].ToString());
+  }
+  if (!is_send && posted_recvs_.count(op->key)) {
+    return AlreadyExists("a receive for " + KeyString(op->key) + " is already posted");
+  }
+  op->handle = next_handle_++;
+  ops_[op->handle] = op;
+  if (is_send) {
+    Status st = StartSendLocked(op, lock);
+    if (!st.ok()) {
+      ops_.erase(op->handle);
+      return st;
+    }
+    return op->handle;
+  }
+  dropping_.erase(op->key);
+  auto staged = staged_.find(op->key);
+  if (staged != staged_.end()) {
+    Staged s = std::move(staged->second);
+    staged_.erase(staged);
+    staged_bytes_ -= static_cast<int64_t>(s.total);
+    if (!s.error.ok()) {
+      CompleteLocked(op, s.error);
+    } else if (s.total != op->total) {
+      CompleteLocked(op, DataLoss(KeyString(op->key) + ": sender sent " + std::to_string(s.total) +
+                                  " bytes, receive expects " + std::to_string(op->total)));
+    } else {
+      ScatterInto(op->regions, &op->cursor, s.bytes.data(), s.bytes.size());
+      op->received = s.bytes.size();
+      if (op->received == op->total) {
+        CompleteLocked(op, Status::Ok());
+      } else {
+        posted_recvs_[op->key] = op;
+      }
+    }
+    return op->handle;
+  }
+  posted_recvs_[op->key] = op;
+  RecvPostedLocked(op, lock);
+  return op->handle;
+}
+
+void TransportBase::CompleteLocked(const OpPtr& op, Status status) {
+  if (op->done) return;
+  op->done = true;
+  op->status = std::move(status);
+  if (!op->is_send) {
+    auto it = posted_recvs_.find(op->key);
+    if (it != posted_recvs_.end() && it->second == op) posted_recvs_.erase(it);
+  }
+  domain_->cv.notify_all();
+}
+
+TransportBase::OpPtr TransportBase::TakePostedRecvLocked(const TransferKey& key) {
+  auto it = posted_recvs_.find(key);
+  if (it == posted_recvs_.end() || it->second->received != 0) return nullptr;
+  OpPtr op = it->second;
+  posted_recvs_.erase(it);
+  return op;
+}
+
+void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t total,
+                                  const uint8_t* data, size_t len) {
+  const bool last = offset + len >= total;
+  if (dropping_.count(key)) {
+    if (last) dropping_.erase(key);
+    return;
+  }
+  auto it = posted_recvs_.find(key);
+  if (it != posted_recvs_.end()) {
+    OpPtr op = it->second;
+    Status bad;
+    if (total != op->total) {
+      bad = DataLoss(KeyString(key) + ": sender sent " + std::to_string(total) +
+                     " bytes, receive expects " + std::to_string(op->total));
+    } else if (offset != op->received) {
+      bad = DataLoss(KeyString(key) + ": bytes at offset " + std::to_string(offset) +
+                     " arrived, expected offset " + std::to_string(op->received));
+    }
+    if (!bad.ok()) {
+      CompleteLocked(op, bad);
+      if (!last) dropping_.insert(key);
+      return;
+    }
+    ScatterInto(op->regions, &op->cursor, data, len);
+    op->received += len;
+    if (op->received == op->total) CompleteLocked(op, Status::Ok());
+    return;
+  }
+  // Unexpected: stage it until the receive is posted.
+  auto [sit, inserted] = staged_.try_emplace(key);
+  Staged& s = sit->second;
+  if (inserted) {
+    s.total = total;
+    staged_bytes_ += static_cast<int64_t>(total);
+    if (staged_bytes_ > max_unexpected_bytes_) {
+      s.error = ResourceExhausted(KeyString(key) + ": " + std::to_string(total) +
+                                  " unexpected bytes dropped (staging budget " +
+                                  std::to_string(max_unexpected_bytes_) + " bytes)");
+      LOG_WARNING << s.error.ToString();
+    } else {
+      s.bytes.reserve(total);
+    }
+  }
+  if (!s.error.ok()) return;
+  if (offset != s.bytes.size() || total != s.total) {
+    s.error = DataLoss(KeyString(key) + ": out-of-order or resized data while staged");
+    return;
+  }
+  s.bytes.insert(s.bytes.end(), data, data + len);
+}
+
+void TransportBase::AbortLocked(const TransferKey& key, const Status& why) {
+  dropping_.erase(key);
+  auto it = posted_recvs_.find(key);
+  if (it != posted_recvs_.end()) {
+    CompleteLocked(it->second, why);
+    return;
+  }
+  auto [sit, inserted] = staged_.try_emplace(key);
+  sit->second.error = why;
+  sit->second.bytes.clear();
+  sit->second.bytes.shrink_to_fit();
+}
+
+void TransportBase::PeerLostLocked(int peer, const Status& why) {
+  if (!lost_peers_.insert(peer).second) return;
+  lost_reason_[peer] = why;
+  LOG_WARNING << name() << " transport: peer " << peer << " lost: " << why.ToString();
+  for (auto& [handle, op] : ops_) {
+    if (op->key.peer == peer && !op->done && op->backend_state == 0) CompleteLocked(op, why);
+  }
+}
+
+void TransportBase::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {
+  if (op->is_send) return;
+  auto it = posted_recvs_.find(op->key);
+  if (it != posted_recvs_.end() && it->second == op) {
+    posted_recvs_.erase(it);
+    if (op->received > 0) dropping_.insert(op->key);  // the rest is still coming
+  }
+}
+
+void TransportBase::ReleaseLocked(const OpPtr& op) { ops_.erase(op->handle); }
+
+Result<bool> TransportBase::Poll(TransferHandle handle) {
+  std::unique_lock lock(domain_->mu);
+  auto it = ops_.find(handle);
+  if (it == ops_.end()) return NotFound("unknown transfer handle " + std::to_string(handle));
+  OpPtr op = it->second;
+  if (!op->done) return false;
+  ReleaseLocked(op);
+  if (!op->status.ok()) return op->status;
+  return true;
+}
+
+Status TransportBase::Wait(TransferHandle handle, Deadline deadline) {
+  std::unique_lock lock(domain_->mu);
+  auto it = ops_.find(handle);
+  if (it == ops_.end()) return NotFound("unknown transfer handle " + std::to_string(handle));
+  OpPtr op = it->second;
+  domain_->cv.wait_until(lock, deadline.at, [&] { return op->done; });
+  if (!op->done) {
+    op->cancel_requested = true;
+    CancelLocked(op, lock);
+    if (!op->done) CompleteLocked(op, Cancelled("deadline"));
+    ReleaseLocked(op);
+    return DeadlineExceeded(std::string(op->is_send ? "send " : "receive ") + KeyString(op->key) +
+                            " not finished before the deadline (" + std::to_string(op->received) +
+                            " of " + std::to_string(op->total) + " bytes)");
+  }
+  ReleaseLocked(op);
+  return op->status;
+}
+
+Status TransportBase::Cancel(TransferHandle handle) {
+  std::unique_lock lock(domain_->mu);
+  auto it = ops_.find(handle);
+  if (it == ops_.end()) return NotFound("unknown transfer handle " + std::to_string(handle));
+  OpPtr op = it->second;
+  if (!op->done) {
+    op->cancel_requested = true;
+    CancelLocked(op, lock);
+    if (!op->done) CompleteLocked(op, Cancelled("cancelled by caller"));
+  }
+  ReleaseLocked(op);
+  return Status::Ok();
+}
+
+int TransportBase::inflight() const {
+  std::lock_guard lock(domain_->mu);
+  return static_cast<int>(ops_.size());
+}
+
+}  // namespace kvrelay::kv_transfer

@@ -1,0 +1,119 @@
+// Shared machinery of the backends: handle bookkeeping (Poll/Wait/Cancel),
+// receive matching by (peer, request_id, tag), and staging of data that
+// arrives before its receive is posted (bounded by max_unexpected_bytes).
+// Internal to kv_transfer; callers use transport.h.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "kv_transfer/regions.h"
+#include "kv_transfer/transport.h"
+
+namespace kvrelay::kv_transfer {
+
+struct TransferKey {
+  int peer = 0;  // the other side: destination for sends, source for receives
+  uint64_t request_id = 0;
+  uint32_t tag = 0;
+  bool operator==(const TransferKey&) const = default;
+};
+struct TransferKeyHash {
+  size_t operator()(const TransferKey& k) const {
+    return std::hash<uint64_t>()(k.request_id * 0x9E3779B97F4A7C15ull ^
+                                 (static_cast<uint64_t>(k.tag) << 20) ^
+                                 static_cast<uint64_t>(k.peer));
+  }
+};
+std::string KeyString(const TransferKey& key);
+
+// One mutex + condition variable guarding a transport's state (the local
+// backend shares one domain between all endpoints of a fabric).
+struct SyncDomain {
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+class TransportBase : public Transport {
+ public:
+  struct Op {
+    TransferHandle handle = 0;
+    bool is_send = false;
+    TransferKey key;
+    std::vector<Region> regions;  // caller memory
+    size_t total = 0;
+    // All below guarded by domain mu.
+    bool done = false;
+    Status status;
+    RegionCursor cursor;  // receive progress
+    size_t received = 0;
+    bool cancel_requested = false;
+    int backend_state = 0;  // backend-specific (e.g. MPI: bound to a direct receive)
+  };
+  using OpPtr = std::shared_ptr<Op>;
+
+  Result<TransferHandle> PostSend(const TransferDesc& desc) override;
+  Result<TransferHandle> PostRecv(const TransferDesc& desc) override;
+  Result<bool> Poll(TransferHandle handle) override;
+  Status Wait(TransferHandle handle, Deadline deadline) override;
+  Status Cancel(TransferHandle handle) override;
+  int inflight() const override;
+  int max_inflight() const override { return max_inflight_; }
+
+ protected:
+  TransportBase(std::shared_ptr<SyncDomain> domain, int max_inflight, int64_t max_unexpected_bytes);
+
+  // --- backend hooks (domain mu held via `lock`) ---
+  // Begin moving a registered send. An error fails the post.
+  virtual Status StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) = 0;
+  // A receive was registered and matched nothing staged (local: match a waiting send).
+  virtual void RecvPostedLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {}
+  // Stop touching op's buffers before returning (may release and retake `lock`).
+  // The default drops an unbound receive; sends need a backend override.
+  virtual void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock);
+
+  // --- for backends delivering bytes (domain mu held) ---
+  // In-order bytes [offset, offset+len) of a `total`-byte transfer `key` arrived.
+  void DeliverLocked(const TransferKey& key, size_t offset, size_t total, const uint8_t* data,
+                     size_t len);
+  // The sender abandoned `key`; its receive fails with `why`.
+  void AbortLocked(const TransferKey& key, const Status& why);
+  // Every unfinished transfer with `peer` fails; later posts to/from it fail fast.
+  void PeerLostLocked(int peer, const Status& why);
+  void CompleteLocked(const OpPtr& op, Status status);
+  // Removes and returns a posted receive for key that has received nothing yet.
+  OpPtr TakePostedRecvLocked(const TransferKey& key);
+  // A peer (re)connected: posts to/from it are allowed again.
+  void PeerBackLocked(int peer) { lost_peers_.erase(peer); }
+  bool PeerLostLocked(int peer) const { return lost_peers_.count(peer) > 0; }
+
+  std::shared_ptr<SyncDomain> domain_;
+
+ private:
+  struct Staged {
+    std::vector<uint8_t> bytes;
+    size_t total = 0;
+    Status error;  // set when dropped (over budget) or aborted
+  };
+  Result<TransferHandle> Post(const TransferDesc& desc, bool is_send);
+  void ReleaseLocked(const OpPtr& op);
+
+  const int max_inflight_;
+  const int64_t max_unexpected_bytes_;
+  // All guarded by domain_->mu.
+  TransferHandle next_handle_ = 1;
+  std::unordered_map<TransferHandle, OpPtr> ops_;
+  std::unordered_map<TransferKey, OpPtr, TransferKeyHash> posted_recvs_;
+  std::unordered_map<TransferKey, Staged, TransferKeyHash> staged_;
+  std::unordered_set<TransferKey, TransferKeyHash> dropping_;  // cancelled receives still arriving
+  std::unordered_set<int> lost_peers_;
+  std::unordered_map<int, Status> lost_reason_;
+  int64_t staged_bytes_ = 0;
+};
+
+}  // namespace kvrelay::kv_transfer
