@@ -29,12 +29,18 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Safe in an unbraced if/else: KVRELAY_LOG expands to one expression.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace kvrelay
 
-#define KVRELAY_LOG(level)                                            \
-  if (::kvrelay::LogLevel::level < ::kvrelay::GetLogLevel()) {        \
-  } else                                                              \
-    ::kvrelay::LogMessage(::kvrelay::LogLevel::level, __FILE__, __LINE__).stream()
+#define KVRELAY_LOG(level)                                                   \
+  !(::kvrelay::LogLevel::level >= ::kvrelay::GetLogLevel())                  \
+      ? (void)0                                                              \
+      : ::kvrelay::LogVoidify() &                                            \
+            ::kvrelay::LogMessage(::kvrelay::LogLevel::level, __FILE__, __LINE__).stream()
 
 #define LOG_DEBUG KVRELAY_LOG(kDebug)
 #define LOG_INFO KVRELAY_LOG(kInfo)

@@ -1,0 +1,55 @@
+// A group of child processes started and stopped together (the local
+// launcher's topology). Children are spawned with posix_spawn and inherit
+// stdout/stderr. The group owns them: Stop() (and the destructor) sends
+// SIGTERM, waits up to a deadline, then SIGKILLs what is left and reaps every
+// child, so no process outlives its launcher.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+
+namespace kvrelay::deploy {
+
+struct ChildSpec {
+  std::string name;                  // for log lines, e.g. "prefill-0"
+  std::vector<std::string> argv;     // argv[0] is the executable path
+  std::vector<std::string> env;      // extra KEY=VALUE entries added to the parent's environment
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup() = default;
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  Status Spawn(const ChildSpec& spec);
+
+  // Waits until any child exits or `deadline`. Returns the name and exit
+  // description of the first child that exited ("prefill-0 exited with status 1"),
+  // or DeadlineExceeded when all are still running at the deadline.
+  Result<std::string> WaitAny(Deadline deadline);
+
+  // SIGTERM to all, wait until `grace` passes, then SIGKILL; reaps all. Idempotent.
+  void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(5000));
+
+  size_t size() const { return children_.size(); }
+
+ private:
+  struct Child {
+    std::string name;
+    pid_t pid;
+    bool reaped;
+  };
+  std::vector<Child> children_;
+};
+
+// Directory of the running executable (for finding sibling binaries).
+std::string ExecutableDir();
+
+}  // namespace kvrelay::deploy

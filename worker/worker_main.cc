@@ -1,0 +1,93 @@
+#include <csignal>
+#include <cstdio>
+
+#include "cli/flags.h"
+#include "common/logging.h"
+#include "worker/worker.h"
+
+namespace kvrelay::worker {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop.store(true); }
+
+Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(cli::Flags flags,
+                   cli::Flags::Parse(args,
+                                     {"id", "coordinator", "model", "kv-dtype", "kv-capacity-mb",
+                                      "block-tokens", "threads", "max-step-tokens", "max-running",
+                                      "rank", "world-size", "kv-host", "kv-port", "kv-store",
+                                      "kv-store-capacity-mb", "kv-timeout-ms"},
+                                     {}));
+  WorkerOptions o;
+  o.role = role;
+  o.worker_id = flags.Get("id", std::string(RoleName(role)) + "-0");
+  const std::string coord = flags.Get("coordinator", "127.0.0.1:9000");
+  auto colon = coord.rfind(':');
+  if (colon == std::string::npos) return InvalidArgument("--coordinator must be HOST:PORT, got '" + coord + "'");
+  o.coordinator_host = coord.substr(0, colon);
+  char* end = nullptr;
+  long port = std::strtol(coord.c_str() + colon + 1, &end, 10);
+  if (*end != '\0' || port <= 0 || port > 65535) return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
+  o.coordinator_port = static_cast<uint16_t>(port);
+  o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f32")));
+  ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
+  o.engine.kv_capacity_bytes = cap_mb << 20;
+  ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
+  o.engine.block_tokens = static_cast<int>(block_tokens);
+  ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
+  o.engine.threads = static_cast<int>(threads);
+  ASSIGN_OR_RETURN(int64_t step_tokens, flags.GetInt("max-step-tokens", 512));
+  o.engine.max_step_tokens = static_cast<int>(step_tokens);
+  ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 64));
+  o.engine.max_running = static_cast<int>(max_running);
+  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0));
+  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", 2));
+  o.rank = static_cast<int>(rank);
+  o.world_size = static_cast<int>(world);
+  o.kv_host = flags.Get("kv-host", "127.0.0.1");
+  ASSIGN_OR_RETURN(int64_t kv_port, flags.GetInt("kv-port", 0));
+  if (kv_port < 0 || kv_port > 65535) return InvalidArgument("--kv-port out of range");
+  o.kv_port = static_cast<uint16_t>(kv_port);
+  o.kv_store_path = flags.Get("kv-store", "");
+  ASSIGN_OR_RETURN(int64_t store_mb, flags.GetInt("kv-store-capacity-mb", 2048));
+  o.kv_store_capacity_bytes = store_mb << 20;
+  ASSIGN_OR_RETURN(int64_t kv_timeout, flags.GetInt("kv-timeout-ms", 30000));
+  o.kv_timeout = std::chrono::milliseconds(kv_timeout);
+  RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+}  // namespace
+
+int WorkerMain(Role role, int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  auto options = ParseWorkerFlags(role, args);
+  if (!options.ok()) {
+    std::fprintf(stderr,
+                 "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
+                 "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
+                 "--world-size W] [--kv-host H --kv-port P] [--kv-store DIR]\n",
+                 std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
+    return 2;
+  }
+  SetLogTag(options->worker_id);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGPIPE, SIG_IGN);
+  auto worker = Worker::Create(*options);
+  if (!worker.ok()) {
+    LOG_ERROR << "cannot start: " << worker.status().ToString();
+    return 1;
+  }
+  Status s = (*worker)->Run(g_stop);
+  if (!s.ok() && !g_stop.load()) {
+    LOG_ERROR << "stopped: " << s.ToString();
+    return 1;
+  }
+  LOG_INFO << "stopped";
+  return 0;
+}
+
+}  // namespace kvrelay::worker
