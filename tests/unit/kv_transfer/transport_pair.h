@@ -1,0 +1,50 @@
+// Test helper: two connected endpoints (rank 0 and 1) of a named backend.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kv_transfer/local_transport.h"
+#include "kv_transfer/tcp_transport.h"
+
+namespace kvrelay::kv_transfer::testing {
+
+struct TransportPair {
+  std::shared_ptr<LocalFabric> fabric;  // local only
+  std::unique_ptr<Transport> a;         // rank 0
+  std::unique_ptr<Transport> b;         // rank 1
+};
+
+inline TransportPair MakePair(const std::string& backend) {
+  TransportPair p;
+  if (backend == "local") {
+    p.fabric = LocalFabric::Create({.world_size = 2});
+    p.a = std::move(p.fabric->CreateEndpoint(0)).value();
+    p.b = std::move(p.fabric->CreateEndpoint(1)).value();
+  } else {
+    TcpTransport::Options o;
+    o.rank = 0;
+    o.chunk_bytes = 64 << 10;  // small chunks: many frames per transfer
+    auto a = std::move(TcpTransport::Create(o)).value();
+    o.rank = 1;
+    auto b = std::move(TcpTransport::Create(o)).value();
+    EXPECT_TRUE(a->ConnectPeer(1, "127.0.0.1", b->port(), Deadline::AfterMs(5000)).ok());
+    EXPECT_TRUE(b->ConnectPeer(0, "127.0.0.1", a->port(), Deadline::AfterMs(5000)).ok());
+    p.a = std::move(a);
+    p.b = std::move(b);
+  }
+  return p;
+}
+
+inline std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 rng(seed);
+  for (auto& x : v) x = static_cast<uint8_t>(rng());
+  return v;
+}
+
+}  // namespace kvrelay::kv_transfer::testing
