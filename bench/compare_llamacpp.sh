@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs kvrelay and llama.cpp (llama-cpp-python) on the same GGUF with the same
+# thread count, alternating the two programs run by run, and prints the
+# medians and the ratios kvrelay / llama.cpp for pp<P> and tg<G>.
+#
+#   bench/compare_llamacpp.sh [--model M] [--threads T] [--reps N] [--pp 512] [--tg 128]
+#                             [--kvrelay path/to/kvrelay]
+#
+# llama.cpp comes from a private venv: /opt/llamacpp-venv if it exists, else
+# .venv-llamacpp (created with `pip install llama-cpp-python` on first use).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+threads=$(nproc)
+reps=5
+pp=512
+tg=128
+kvrelay=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model) model=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
+    --reps) reps=$2; shift 2 ;;
+    --pp) pp=$2; shift 2 ;;
+    --tg) tg=$2; shift 2 ;;
+    --kvrelay) kvrelay=$2; shift 2 ;;
+    *) echo "compare_llamacpp.sh: unknown flag $1" >&2; exit 2 ;;
+  esac
+done
+if [[ -z "$kvrelay" ]]; then
+  for c in build/cli/kvrelay build-*/cli/kvrelay; do
+    if [[ -x $c ]]; then kvrelay=$c; break; fi
+  done
+fi
+[[ -x "$kvrelay" ]] || { echo "compare_llamacpp.sh: no kvrelay binary (build it or pass --kvrelay)" >&2; exit 1; }
+[[ -f "$model" ]] || { echo "compare_llamacpp.sh: model not found: $model" >&2; exit 1; }
+
+if [[ -x /opt/llamacpp-venv/bin/python ]]; then
+  py=/opt/llamacpp-venv/bin/python
+else
+  if [[ ! -x .venv-llamacpp/bin/python ]]; then
+    python3 -m venv .venv-llamacpp
+    .venv-llamacpp/bin/pip install --quiet llama-cpp-python
+  fi
+  py=.venv-llamacpp/bin/python
+fi
+
+median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+
+kv_pp=(); kv_tg=(); ll_pp=(); ll_tg=()
+echo "model $model, threads $threads, $reps alternating runs each (pp$pp, tg$tg)"
+for ((i = 1; i <= reps; i++)); do
+  out=$("$kvrelay" bench engine --model "$model" --threads "$threads" --reps 1 --pp "$pp" \
+        --tg "$tg" --skip-batches)
+  kv_pp+=("$(awk -v k="pp$pp" '$1==k {print $2}' <<<"$out")")
+  kv_tg+=("$(awk -v k="tg$tg" '$1==k {print $2}' <<<"$out")")
+  out=$("$py" bench/llamacpp_bench.py --model "$model" --threads "$threads" --pp "$pp" --tg "$tg" \
+        --seed "$i")
+  ll_pp+=("$(awk '{print $2}' <<<"$out")")
+  ll_tg+=("$(awk '{print $4}' <<<"$out")")
+  llver=$(awk '{print $6}' <<<"$out")
+  echo "run $i: kvrelay pp ${kv_pp[-1]} tg ${kv_tg[-1]} | llama.cpp pp ${ll_pp[-1]} tg ${ll_tg[-1]}"
+done
+kpp=$(printf '%s\n' "${kv_pp[@]}" | median); ktg=$(printf '%s\n' "${kv_tg[@]}" | median)
+lpp=$(printf '%s\n' "${ll_pp[@]}" | median); ltg=$(printf '%s\n' "${ll_tg[@]}" | median)
+echo "median tok/s       kvrelay   llama.cpp (llama-cpp-python $llver)   ratio kvrelay/llama.cpp"
+awk -v a="$kpp" -v b="$lpp" -v n="pp$pp" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
+awk -v a="$ktg" -v b="$ltg" -v n="tg$tg" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
