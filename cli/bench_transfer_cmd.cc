@@ -1,0 +1,419 @@
+// kvrelay bench transfer: KV data-plane bandwidth between two processes on
+// this machine, beside memcpy of the same size, plus a layer-wise overlap
+// measurement for a 1,024-token prompt of the default model's KV layout.
+//
+//   kvrelay bench transfer --backend tcp          (forks the receiving process)
+//   mpirun -np 2 kvrelay bench transfer --backend mpi
+//   kvrelay bench transfer --backend local        (two endpoints in one process)
+//   --backend all: local + tcp, and mpi when launched under mpirun -np 2.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <semaphore>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/clock.h"
+#include "common/logging.h"
+#include "kv_transfer/layer_stream.h"
+#include "kv_transfer/local_transport.h"
+#include "kv_transfer/mpi_transport.h"
+#include "kv_transfer/tcp_transport.h"
+
+namespace kvrelay::cli {
+namespace {
+
+using kv_transfer::BufferLayout;
+using kv_transfer::KvSlice;
+using kv_transfer::MemoryKind;
+using kv_transfer::TransferDesc;
+using kv_transfer::Transport;
+
+// A one-byte signal channel between the two sides (pipes, MPI or semaphores).
+class Signal {
+ public:
+  virtual ~Signal() = default;
+  virtual void Post() = 0;
+  virtual void Take() = 0;
+};
+
+class PipeSignal : public Signal {
+ public:
+  PipeSignal(int write_fd, int read_fd) : w_(write_fd), r_(read_fd) {}
+  void Post() override {
+    char c = 1;
+    if (write(w_, &c, 1) != 1) std::abort();
+  }
+  void Take() override {
+    char c;
+    if (read(r_, &c, 1) != 1) std::abort();
+  }
+  void PostU16(uint16_t v) {
+    if (write(w_, &v, 2) != 2) std::abort();
+  }
+  uint16_t TakeU16() {
+    uint16_t v;
+    if (read(r_, &v, 2) != 2) std::abort();
+    return v;
+  }
+
+ private:
+  int w_, r_;
+};
+
+class MpiSignal : public Signal {
+ public:
+  explicit MpiSignal(int peer) : peer_(peer) {}
+  void Post() override {
+    char c = 1;
+    MPI_Send(&c, 1, MPI_CHAR, peer_, 99, MPI_COMM_WORLD);
+  }
+  void Take() override {
+    char c;
+    MPI_Recv(&c, 1, MPI_CHAR, peer_, 99, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+  }
+
+ private:
+  int peer_;
+};
+
+class SemSignal : public Signal {
+ public:
+  SemSignal(std::binary_semaphore* post, std::binary_semaphore* take) : p_(post), t_(take) {}
+  void Post() override { p_->release(); }
+  void Take() override {
+    while (!t_->try_acquire_for(std::chrono::seconds(60))) {
+    }
+  }
+
+ private:
+  std::binary_semaphore* p_;
+  std::binary_semaphore* t_;
+};
+
+// One opaque byte buffer as a transfer (a one-head, one-layer slice).
+TransferDesc BytesDesc(int peer, uint32_t tag, uint8_t* data, size_t n) {
+  TransferDesc d;
+  d.peer = peer;
+  d.request_id = 1;
+  d.tag = tag;
+  d.layout = BufferLayout{1, static_cast<int64_t>(n / 2), MemoryKind::kHost};
+  d.slices.push_back(KvSlice{0, 0, 1, 0, 1, data, 0});
+  return d;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int Iterations(size_t bytes) {
+  return static_cast<int>(
+      std::clamp<size_t>((size_t{2} << 30) / std::max<size_t>(bytes, 1), 5, 50));
+}
+
+double MemcpyGbps(size_t n) {
+  std::vector<uint8_t> a(n, 1), b(n, 0);
+  std::vector<double> t;
+  for (int i = 0; i < Iterations(n); ++i) {
+    auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    t.push_back(SecondsSince(t0));
+    a[i % n] ^= b[(i * 7) % n];  // keep the copies observable
+  }
+  return static_cast<double>(n) / Median(t) / 1e9;
+}
+
+std::vector<size_t> Sizes(size_t lo, size_t hi) {
+  std::vector<size_t> s;
+  for (size_t n = lo; n <= hi; n *= 4) s.push_back(n);
+  return s;
+}
+
+// Rank 0 sends, rank 1 receives. Per iteration: receiver posts, signals
+// ready; sender times PostSend -> receiver's ack (one-way + one signal).
+// Returns the median GB/s on rank 0 (0 on rank 1).
+double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag) {
+  std::vector<uint8_t> buf(n, static_cast<uint8_t>(t->rank() + 1));
+  std::vector<double> times;
+  const int iters = Iterations(n);
+  for (int i = 0; i < iters; ++i, ++*tag) {
+    if (t->rank() == 1) {
+      auto h = t->PostRecv(BytesDesc(0, *tag, buf.data(), n));
+      if (!h.ok()) LOG_ERROR << h.status().ToString();
+      sig->Post();
+      Status st = t->Wait(*h, Deadline::AfterMs(60000));
+      if (!st.ok()) LOG_ERROR << "receive: " << st.ToString();
+      sig->Post();
+    } else {
+      sig->Take();
+      auto t0 = Clock::now();
+      auto h = t->PostSend(BytesDesc(1, *tag, buf.data(), n));
+      if (!h.ok()) LOG_ERROR << h.status().ToString();
+      sig->Take();
+      times.push_back(SecondsSince(t0));
+      Status st = t->Wait(*h, Deadline::AfterMs(60000));
+      if (!st.ok()) LOG_ERROR << "send: " << st.ToString();
+    }
+  }
+  return t->rank() == 0 ? static_cast<double>(n) / Median(times) / 1e9 : 0;
+}
+
+void BusyFor(double ms) {
+  auto end = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
+  volatile uint64_t x = 0;
+  while (Clock::now() < end) x = x + 1;
+}
+
+struct OverlapResult {
+  double compute_s = 0, transfer_s = 0, sequential_s = 0, layerwise_s = 0;
+};
+
+// The default model's KV for a 1,024-token prompt: 30 layers, 3 kv heads,
+// head_dim 64, f16, 16-token blocks -> 64 blocks, 768 KiB per layer.
+OverlapResult MeasureOverlap(Transport* t, Signal* sig, double layer_ms, int repeats) {
+  constexpr int kLayers = 30, kHeads = 3, kHeadDim = 64, kBlockTokens = 16, kTokens = 1024;
+  constexpr int kBlocks = kTokens / kBlockTokens;
+  const int64_t slab = kBlockTokens * kHeadDim * 2;
+  const size_t block_bytes = static_cast<size_t>(kLayers * 2 * kHeads * slab);
+  std::vector<uint8_t> mem(block_bytes * kBlocks, static_cast<uint8_t>(7 + t->rank()));
+  kv_transfer::StreamSpec spec;
+  spec.request_id = 1000;
+  spec.layers = kLayers;
+  for (int i = 0; i < kBlocks; ++i) spec.dst_blocks.push_back(i);
+  spec.global_heads = {0, kHeads};
+  spec.block_tokens = kBlockTokens;
+  spec.head_dim = kHeadDim;
+  spec.dtype = engine::KvDtype::kF16;
+  kv_transfer::StreamBuffers buffers;
+  buffers.layout = {kHeads, slab, MemoryKind::kHost};
+  buffers.local_heads = {0, kHeads};
+  for (int i = 0; i < kBlocks; ++i) buffers.block_layer0.push_back(mem.data() + i * block_bytes);
+
+  // mode 0: transfer only; 1: compute all then transfer; 2: layer-wise.
+  std::vector<double> times[3];
+  uint32_t stream = 0;
+  for (int r = 0; r < repeats; ++r) {
+    for (int mode = 0; mode < 3; ++mode, ++stream) {
+      spec.stream_id = stream;
+      if (t->rank() == 1) {
+        kv_transfer::LayerStreamReceiver rx(t, 0, spec, buffers);
+        if (!rx.Start().ok()) LOG_ERROR << rx.status().ToString();
+        sig->Post();
+        Status st = rx.WaitAll(Deadline::AfterMs(120000));
+        if (!st.ok()) LOG_ERROR << "overlap receive: " << st.ToString();
+        sig->Post();
+        continue;
+      }
+      sig->Take();
+      kv_transfer::LayerStreamSender tx(t, 1, spec, buffers);
+      auto t0 = Clock::now();
+      if (mode == 1) {
+        for (int l = 0; l < kLayers; ++l) BusyFor(layer_ms);
+      }
+      for (int l = 0; l < kLayers; ++l) {
+        if (mode == 2) BusyFor(layer_ms);
+        Status st = tx.SendLayer(l);
+        if (!st.ok()) LOG_ERROR << st.ToString();
+      }
+      sig->Take();  // every layer arrived and verified
+      times[mode].push_back(SecondsSince(t0));
+      (void)tx.Finish(Deadline::AfterMs(60000));
+    }
+  }
+  OverlapResult res;
+  res.compute_s = kLayers * layer_ms / 1000;
+  res.transfer_s = Median(times[0]);
+  res.sequential_s = Median(times[1]);
+  res.layerwise_s = Median(times[2]);
+  return res;
+}
+
+struct Config {
+  size_t min_bytes, max_bytes;
+  double layer_ms;
+  int overlap_repeats;
+  bool overlap;
+};
+
+void Report(const std::string& backend, Transport* t, Signal* sig, const Config& cfg) {
+  if (t->rank() == 0) {
+    std::printf("\n== backend %s ==\n%12s %14s %14s %8s\n", backend.c_str(), "bytes", "memcpy GB/s",
+                (backend + " GB/s").c_str(), "ratio");
+  }
+  uint32_t tag = 0;
+  for (size_t n : Sizes(cfg.min_bytes, cfg.max_bytes)) {
+    double mc = t->rank() == 0 ? MemcpyGbps(n) : 0;
+    double gbps = MeasureSize(t, sig, n, &tag);
+    if (t->rank() == 0) {
+      std::printf("%12zu %14.2f %14.2f %7.0f%%\n", n, mc, gbps, 100 * gbps / mc);
+      std::fflush(stdout);
+    }
+  }
+  if (!cfg.overlap || backend == "local") return;
+  OverlapResult o = MeasureOverlap(t, sig, cfg.layer_ms, cfg.overlap_repeats);
+  if (t->rank() == 0) {
+    double hidden = o.transfer_s > 0 ? (o.sequential_s - o.layerwise_s) / o.transfer_s : 0;
+    std::printf(
+        "layer-wise overlap (1024 tokens, 30 layers x 768 KiB, %.1f ms compute/layer):\n"
+        "  transfer alone %.2f ms | compute %.1f ms | compute-then-transfer %.1f ms | "
+        "layer-wise %.1f ms\n  hidden %.0f%% of the transfer; exposed after compute %.2f ms\n",
+        cfg.layer_ms, o.transfer_s * 1e3, o.compute_s * 1e3, o.sequential_s * 1e3,
+        o.layerwise_s * 1e3, 100 * std::clamp(hidden, 0.0, 1.0),
+        (o.layerwise_s - o.compute_s) * 1e3);
+  }
+}
+
+int RunLocal(const Config& cfg) {
+  auto fabric = kv_transfer::LocalFabric::Create({.world_size = 2});
+  auto a = std::move(fabric->CreateEndpoint(0)).value();
+  auto b = std::move(fabric->CreateEndpoint(1)).value();
+  std::binary_semaphore to_a(0), to_b(0);
+  SemSignal sig_a(&to_b, &to_a), sig_b(&to_a, &to_b);
+  std::thread receiver([&] { Report("local", b.get(), &sig_b, cfg); });
+  Report("local", a.get(), &sig_a, cfg);
+  receiver.join();
+  return 0;
+}
+
+int RunTcpForked(const Config& cfg) {
+  int p2c[2], c2p[2];
+  if (pipe(p2c) != 0 || pipe(c2p) != 0) return 1;
+  std::fflush(stdout);
+  pid_t child = fork();
+  if (child < 0) return 1;
+  const int rank = child == 0 ? 1 : 0;
+  PipeSignal sig(rank == 0 ? p2c[1] : c2p[1], rank == 0 ? c2p[0] : p2c[0]);
+  kv_transfer::TcpTransport::Options o;
+  o.rank = rank;
+  auto t = kv_transfer::TcpTransport::Create(o);
+  if (!t.ok()) {
+    LOG_ERROR << t.status().ToString();
+    if (rank == 1) _exit(1);
+    return 1;
+  }
+  sig.PostU16((*t)->port());
+  uint16_t peer_port = sig.TakeU16();
+  Status st = (*t)->ConnectPeer(1 - rank, "127.0.0.1", peer_port, Deadline::AfterMs(10000));
+  if (!st.ok()) LOG_ERROR << st.ToString();
+  Report("tcp", t->get(), &sig, cfg);
+  (*t)->Shutdown();
+  if (rank == 1) _exit(0);
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  return 0;
+}
+
+int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
+  Status st = kv_transfer::InitMpiThreadMultiple(nullptr, nullptr);
+  if (!st.ok()) {
+    LOG_ERROR << st.ToString();
+    return 1;
+  }
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size != 2) {
+    if (rank == 0) std::fprintf(stderr, "bench transfer: run under mpirun -np 2\n");
+    MPI_Finalize();
+    return 2;
+  }
+  MpiSignal sig(1 - rank);
+  if (local && rank == 0) RunLocal(cfg);
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (mpi) {
+    auto t = kv_transfer::MpiTransport::Create({});
+    if (!t.ok()) {
+      LOG_ERROR << t.status().ToString();
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    Report("mpi", t->get(), &sig, cfg);
+    MPI_Barrier(MPI_COMM_WORLD);
+    (*t)->Shutdown();
+  }
+  if (tcp) {
+    kv_transfer::TcpTransport::Options o;
+    o.rank = rank;
+    auto t = std::move(kv_transfer::TcpTransport::Create(o)).value();
+    int port = t->port(), peer_port = 0;
+    MPI_Sendrecv(&port, 1, MPI_INT, 1 - rank, 98, &peer_port, 1, MPI_INT, 1 - rank, 98,
+                 MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    Status cs = t->ConnectPeer(1 - rank, "127.0.0.1", static_cast<uint16_t>(peer_port),
+                               Deadline::AfterMs(10000));
+    if (!cs.ok()) LOG_ERROR << cs.ToString();
+    MPI_Barrier(MPI_COMM_WORLD);
+    Report("tcp", t.get(), &sig, cfg);
+    MPI_Barrier(MPI_COMM_WORLD);
+    t->Shutdown();
+  }
+  MPI_Finalize();
+  return 0;
+}
+
+int BenchTransfer(const std::vector<std::string>& args) {
+  auto flags = Flags::Parse(
+      args, {"backend", "min-bytes", "max-bytes", "layer-ms", "overlap-repeats"}, {"no-overlap"});
+  if (!flags.ok()) {
+    std::fprintf(stderr, "bench transfer: %s\n", flags.status().ToString().c_str());
+    return 2;
+  }
+  std::string backend = flags->Get("backend", "all");
+  if (backend != "all" && backend != "mpi" && backend != "tcp" && backend != "local") {
+    std::fprintf(stderr, "bench transfer: --backend must be mpi, tcp, local or all\n");
+    return 2;
+  }
+  Config cfg;
+  auto lo = flags->GetInt("min-bytes", 64 << 10);
+  auto hi = flags->GetInt("max-bytes", 256 << 20);
+  // Default compute per layer: the default model's layer for 1,024 tokens is
+  // ~8.4 GFLOP (7.25 GFLOP of weights + causal attention); see docs/BENCHMARKS.md.
+  auto layer_ms = flags->GetDouble("layer-ms", 140.0);
+  auto repeats = flags->GetInt("overlap-repeats", 3);
+  if (!lo.ok() || !hi.ok() || !layer_ms.ok() || !repeats.ok() || *lo < 2 || *hi < *lo ||
+      *hi > (1ll << 30) || *repeats < 1) {
+    std::fprintf(stderr,
+                 "bench transfer: bad --min-bytes/--max-bytes/--layer-ms/--overlap-repeats\n");
+    return 2;
+  }
+  cfg.min_bytes = static_cast<size_t>(*lo) & ~size_t{1};
+  cfg.max_bytes = static_cast<size_t>(*hi);
+  cfg.layer_ms = *layer_ms;
+  cfg.overlap_repeats = static_cast<int>(*repeats);
+  cfg.overlap = !flags->Has("no-overlap");
+  const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  std::printf("kvrelay bench transfer: backend=%s sizes %zu..%zu, median of 5-50 iterations\n",
+              backend.c_str(), cfg.min_bytes, cfg.max_bytes);
+  if (under_mpirun) {
+    return RunUnderMpi(cfg, backend == "mpi" || backend == "all",
+                       backend == "tcp" || backend == "all",
+                       backend == "local" || backend == "all");
+  }
+  if (backend == "mpi") {
+    std::fprintf(stderr,
+                 "bench transfer: the mpi backend needs: mpirun -np 2 kvrelay bench transfer "
+                 "--backend mpi\n");
+    return 2;
+  }
+  if (backend == "local" || backend == "all") RunLocal(cfg);
+  if (backend == "tcp" || backend == "all") RunTcpForked(cfg);
+  if (backend == "all") std::printf("\n(mpi: run under mpirun -np 2)\n");
+  return 0;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(bench_transfer, "bench transfer",
+                "bench transfer [--backend mpi|tcp|local|all] [--min-bytes N] [--max-bytes N] "
+                "[--layer-ms MS] [--overlap-repeats N] [--no-overlap]",
+                BenchTransfer);
+
+}  // namespace kvrelay::cli
