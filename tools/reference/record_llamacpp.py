@@ -18,6 +18,12 @@ tests/data/llamacpp_reference.json with:
 
 Usage (see setup_venv.sh):
   .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
+      [--tokenization-only]
+
+--tokenization-only loads only the vocabulary and rewrites the "tokenization" and
+"chat" sections of an existing --out file, keeping its logits and greedy data.
+(llama.cpp's CPU threads spin at barriers, so the forward passes crawl on a
+heavily oversubscribed machine; record those when it is quiet.)
 """
 
 import argparse
@@ -95,6 +101,14 @@ CORPUS = [
     "a\u00a0b\u2003c\u3000d",
     "...!!!???---___***",
     "x" * 40,
+    "\n \n\t \r\n\r\n  x  \n",
+    "a\n  b\n\n\n   c",
+    "'s 'S 're 'RE o'clock rock'n'roll",
+    "\u0661\u0662\u0663 \u2160\u216b \u00bd\u00be 10\u00b2",
+    "e\u0301t\u00e9 n\u0303 \u0915\u093f",
+    "tab\u000bvt\u0085nel\u2028ls",
+    "\U0001F9D1\u200d\U0001F4BB\U0001F3F3\ufe0f\u200d\U0001F308 \u2764",
+    "mixed\u4e2d\u6587English\u0420\u0443\u0441123abc",
     LONG_TEXT,
 ]
 
@@ -108,6 +122,12 @@ PLAIN_PROMPTS = [
     "artists often use a limited palette to create harmony. A common exercise is to paint "
     "a landscape using only these three colors plus white. The result shows how",
     "Q: What is the boiling point of water at sea level in Celsius?\nA:",
+    "Dear team,\n\nThank you all for the hard work on the release this quarter. We shipped the new "
+    "storage engine, cut median latency by 35%, and closed 412 bugs. Special thanks to the on-call "
+    "engineers who handled the outage on March 3rd with calm and care. Next quarter we will focus on "
+    "three goals: reliability, developer experience, and cost. Please review the planning document "
+    "before Friday and add your comments. Our all-hands meeting is on Tuesday at 10:00 in the main "
+    "room.\n\nBest regards,\nThe engineering leadership team\n\nP.S.",
 ]
 
 CHAT_CONVERSATIONS = [
@@ -148,11 +168,49 @@ def top2_margin(row):
     return float(two.max() - two.min())
 
 
+def record_tokenization(llm, out):
+    """Fills out["tokenization"] (llama.cpp ids of the corpus) and out["chat"]."""
+    tok = []
+    for text in CORPUS:
+        for add_special, parse_special in ((False, False), (True, True), (False, True)):
+            ids = llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
+            tok.append({"text": text, "add_special": add_special, "parse_special": parse_special,
+                        "ids": [int(i) for i in ids]})
+    out["tokenization"] = tok
+
+    template = llm.metadata.get("tokenizer.chat_template", "")
+    chat = []
+    for conv in CHAT_CONVERSATIONS:
+        for agp in (True, False):
+            chat.append({"messages": conv, "add_generation_prompt": agp,
+                         "text": render_chat(template, conv, agp)})
+    out["chat"] = {"renderer": "jinja2 " + jinja2.__version__ + " (trim_blocks, lstrip_blocks)",
+                   "template": template, "renderings": chat}
+
+
+def write(out, path):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, separators=(",", ":"))
+        f.write("\n")
+    print(f"wrote {path} ({os.path.getsize(path)} bytes)", file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default=os.path.join(ROOT, "tests", "data", "llamacpp_reference.json"))
+    ap.add_argument("--tokenization-only", action="store_true")
     args = ap.parse_args()
+
+    if args.tokenization_only:
+        with open(args.out, encoding="utf-8") as f:
+            out = json.load(f)
+        if out.get("model_sha256") != sha256_file(args.model):
+            sys.exit("the model differs from the one the existing data was recorded with")
+        llm = Llama(model_path=args.model, vocab_only=True, verbose=False)
+        record_tokenization(llm, out)
+        write(out, args.out)
+        return
 
     llm = Llama(model_path=args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH,
                 n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True,
@@ -174,21 +232,7 @@ def main():
         },
     }
 
-    tok = []
-    for text in CORPUS:
-        for add_special, parse_special in ((False, False), (True, True), (False, True)):
-            ids = llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special)
-            tok.append({"text": text, "add_special": add_special, "parse_special": parse_special,
-                        "ids": [int(i) for i in ids]})
-    out["tokenization"] = tok
-
-    chat = []
-    for conv in CHAT_CONVERSATIONS:
-        for agp in (True, False):
-            chat.append({"messages": conv, "add_generation_prompt": agp,
-                         "text": render_chat(template, conv, agp)})
-    out["chat"] = {"renderer": "jinja2 " + jinja2.__version__ + " (trim_blocks, lstrip_blocks)",
-                   "template": template, "renderings": chat}
+    record_tokenization(llm, out)
 
     rng = random.Random(PROBE_SEED)
     probe_ids = sorted(rng.sample(range(n_vocab), N_PROBES))
@@ -232,10 +276,7 @@ def main():
     out["logits"] = logits_out
     out["greedy"] = greedy_out
 
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, ensure_ascii=False, separators=(",", ":"))
-        f.write("\n")
-    print(f"wrote {args.out} ({os.path.getsize(args.out)} bytes)", file=sys.stderr)
+    write(out, args.out)
 
 
 if __name__ == "__main__":
