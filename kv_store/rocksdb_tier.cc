@@ -71,6 +71,9 @@ Status RocksDbTier::Options::Validate() const {
   if (max_queue_blocks <= 0) return InvalidArgument("RocksDbTier: max_queue_blocks must be > 0");
   if (max_queue_bytes <= 0) return InvalidArgument("RocksDbTier: max_queue_bytes must be > 0");
   if (max_batch_blocks <= 0) return InvalidArgument("RocksDbTier: max_batch_blocks must be > 0");
+  if (keep_damaged_copies < 0) {
+    return InvalidArgument("RocksDbTier: keep_damaged_copies must be >= 0");
+  }
   return Status::Ok();
 }
 
@@ -169,11 +172,30 @@ Status RocksDbTier::OpenDb() {
       RETURN_IF_ERROR(TryOpen(/*after_repair=*/false));
       open_report_.outcome = OpenOutcome::kMovedAside;
       open_report_.moved_to = aside;
+      PruneDamagedCopies();
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
   open_report_.entries = static_cast<int64_t>(index_.size());
   return Status::Ok();
+}
+
+void RocksDbTier::PruneDamagedCopies() {
+  const std::filesystem::path base(options_.path);
+  const std::string prefix = base.filename().string() + ".corrupt-";
+  std::vector<std::pair<std::filesystem::file_time_type, std::filesystem::path>> copies;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(base.parent_path(), ec)) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) {
+      copies.emplace_back(std::filesystem::last_write_time(e.path(), ec), e.path());
+    }
+  }
+  std::sort(copies.begin(), copies.end());  // oldest first
+  const size_t keep = static_cast<size_t>(std::max(0, options_.keep_damaged_copies));
+  for (size_t i = 0; i + keep < copies.size(); ++i) {
+    LOG_WARNING << "kv_store: deleting old damaged copy " << copies[i].second;
+    std::filesystem::remove_all(copies[i].second, ec);
+  }
 }
 
 Status RocksDbTier::RebuildIndex(bool reconcile_values) {

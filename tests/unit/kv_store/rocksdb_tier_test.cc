@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -240,6 +241,12 @@ TEST_F(RocksDbTierTest, DamagedDirectoryOpensAndNeverServesBadBlocks) {
       tier.reset();
     }
     Scribble(dir_, what, rng, 20);
+    // Two older damaged copies from earlier runs: a move-aside keeps only the newest.
+    for (const char* old : {".corrupt-1", ".corrupt-2"}) {
+      fs::create_directories(dir_.string() + old);
+      fs::last_write_time(dir_.string() + old,
+                          fs::file_time_type::clock::now() - std::chrono::hours(1));
+    }
     auto opened = RocksDbTier::Open(opts);
     ASSERT_TRUE(opened.ok()) << what << ": " << opened.status().ToString();
     auto& tier = *opened;
@@ -252,6 +259,17 @@ TEST_F(RocksDbTierTest, DamagedDirectoryOpensAndNeverServesBadBlocks) {
       ++served;
       ASSERT_EQ(std::vector<uint8_t>(d.payload.begin(), d.payload.end()), b.Payload()) << what;
     }
+    int copies = 0;
+    for (auto& e : fs::directory_iterator(dir_.parent_path())) {
+      if (e.path().string().rfind(dir_.string() + ".corrupt-", 0) == 0) ++copies;
+    }
+    if (tier->open_report().outcome == RocksDbTier::OpenOutcome::kMovedAside) {
+      EXPECT_EQ(copies, 1) << what;
+      EXPECT_TRUE(fs::exists(tier->open_report().moved_to)) << what;
+    } else {
+      EXPECT_EQ(copies, 2) << what;
+    }
+    for (const char* old : {".corrupt-1", ".corrupt-2"}) fs::remove_all(dir_.string() + old);
     // Still usable for new writes.
     auto fresh = MakeBlock(999);
     ASSERT_TRUE(tier->Put(fresh.meta.hash, fresh.Encoded()).ok());
