@@ -1,5 +1,6 @@
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 
 #include "cli/flags.h"
 #include "common/logging.h"
@@ -21,7 +22,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
                                      {}));
   WorkerOptions o;
   o.role = role;
-  o.worker_id = flags.Get("id", std::string(RoleName(role)) + "-0");
+  o.worker_id = flags.Get("id", "");
   const std::string coord = flags.Get("coordinator", "127.0.0.1:9000");
   auto colon = coord.rfind(':');
   if (colon == std::string::npos) return InvalidArgument("--coordinator must be HOST:PORT, got '" + coord + "'");
@@ -42,10 +43,15 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   o.engine.max_step_tokens = static_cast<int>(step_tokens);
   ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 64));
   o.engine.max_running = static_cast<int>(max_running);
-  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0));
-  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", 2));
+  // Under mpirun the data-plane peer index defaults to the MPI world rank.
+  const char* mpi_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const char* mpi_size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", mpi_rank ? std::atoll(mpi_rank) : 0));
+  ASSIGN_OR_RETURN(int64_t world,
+                   flags.GetInt("world-size", mpi_size ? std::atoll(mpi_size) : 2));
   o.rank = static_cast<int>(rank);
   o.world_size = static_cast<int>(world);
+  if (o.worker_id.empty()) o.worker_id = std::string(RoleName(role)) + "-" + std::to_string(rank);
   o.kv_host = flags.Get("kv-host", "127.0.0.1");
   ASSIGN_OR_RETURN(int64_t kv_port, flags.GetInt("kv-port", 0));
   if (kv_port < 0 || kv_port > 65535) return InvalidArgument("--kv-port out of range");

@@ -1,0 +1,167 @@
+// kvrelay launch: the cluster topology on this machine over TCP (no MPI).
+#include <csignal>
+#include <cstdio>
+
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/logging.h"
+#include "coordinator/http_client.h"
+#include "deploy/local_launcher.h"
+#include "nlohmann/json.hpp"
+
+namespace kvrelay::cli {
+namespace {
+
+std::atomic<bool> g_stop{false};
+
+const std::vector<std::string> kLaunchFlags = {
+    "model",    "host",           "port",     "control-port", "prefill",  "decode",
+    "tp",       "colocated",      "threads-per-worker",       "kv-dtype", "kv-capacity-mb",
+    "kv-store", "router",         "bin-dir",  "ready-timeout-ms",         "demo", "max-tokens"};
+void OnSignal(int) { g_stop.store(true); }
+
+Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(Flags flags,
+                   Flags::Parse(args, kLaunchFlags, {}));
+  deploy::LaunchOptions o;
+  if (flags.Has("demo") && !flags.Has("port")) o.port = 0;  // a demo never needs a fixed port
+  o.model_path = flags.Get("model", o.model_path);
+  o.host = flags.Get("host", o.host);
+  ASSIGN_OR_RETURN(int64_t port, flags.GetInt("port", 8080));
+  ASSIGN_OR_RETURN(int64_t control, flags.GetInt("control-port", 0));
+  if (port < 0 || port > 65535 || control < 0 || control > 65535) {
+    return InvalidArgument("--port and --control-port must be 0..65535");
+  }
+  o.port = static_cast<uint16_t>(port);
+  o.control_port = static_cast<uint16_t>(control);
+  ASSIGN_OR_RETURN(int64_t prefill, flags.GetInt("prefill", 1));
+  ASSIGN_OR_RETURN(int64_t decode, flags.GetInt("decode", 1));
+  ASSIGN_OR_RETURN(int64_t tp, flags.GetInt("tp", 1));
+  ASSIGN_OR_RETURN(int64_t colocated, flags.GetInt("colocated", 0));
+  ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads-per-worker", 1));
+  ASSIGN_OR_RETURN(int64_t cap, flags.GetInt("kv-capacity-mb", 256));
+  ASSIGN_OR_RETURN(int64_t ready, flags.GetInt("ready-timeout-ms", 120000));
+  o.prefill = static_cast<int>(prefill);
+  o.decode = static_cast<int>(decode);
+  o.tp = static_cast<int>(tp);
+  o.colocated = static_cast<int>(colocated);
+  o.threads_per_worker = static_cast<int>(threads);
+  o.kv_capacity_mb = cap;
+  o.ready_timeout_ms = static_cast<int>(ready);
+  o.kv_dtype = flags.Get("kv-dtype", o.kv_dtype);
+  o.kv_store_dir = flags.Get("kv-store", "");
+  o.router = flags.Get("router", o.router);
+  o.bin_dir = flags.Get("bin-dir", "");
+  RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+struct DemoFlags {
+  std::string prompt;
+  int max_tokens = 128;
+};
+
+Result<DemoFlags> ParseDemoFlags(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, {}));
+  DemoFlags d;
+  d.prompt = flags.Get("demo", "");
+  ASSIGN_OR_RETURN(int64_t max_tokens, flags.GetInt("max-tokens", 128));
+  d.max_tokens = static_cast<int>(max_tokens);
+  return d;
+}
+
+// Streams one chat completion from the cluster and prints the text as it arrives.
+Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt, int max_tokens) {
+  nlohmann::json body = {{"model", "kvrelay"},
+                         {"messages", {{{"role", "user"}, {"content", prompt}}}},
+                         {"max_tokens", max_tokens},
+                         {"temperature", 0},
+                         {"stream", true}};
+  coordinator::HttpCallSpec spec;
+  spec.method = "POST";
+  spec.host = host;
+  spec.port = port;
+  spec.target = "/v1/chat/completions";
+  spec.body = body.dump();
+  spec.headers = {{"Content-Type", "application/json"}};
+  spec.timeout_ms = 300'000;
+  std::string pending;
+  Status parse_error;
+  auto on_body = [&](std::string_view bytes) {
+    pending.append(bytes);
+    size_t end;
+    while ((end = pending.find("\n\n")) != std::string::npos) {
+      std::string event = pending.substr(0, end);
+      pending.erase(0, end + 2);
+      if (event.rfind("data: ", 0) != 0) continue;
+      std::string data = event.substr(6);
+      if (data == "[DONE]") return true;
+      auto j = nlohmann::json::parse(data, nullptr, false);
+      if (j.is_discarded()) {
+        parse_error = DataLoss("unparseable SSE event: " + data);
+        return false;
+      }
+      if (j.contains("error")) {
+        parse_error = Unavailable("server error: " + j["error"].dump());
+        return false;
+      }
+      for (const auto& choice : j.value("choices", nlohmann::json::array())) {
+        auto delta = choice.value("delta", nlohmann::json::object());
+        if (delta.contains("content") && delta["content"].is_string()) {
+          std::fputs(delta["content"].get<std::string>().c_str(), stdout);
+          std::fflush(stdout);
+        }
+      }
+    }
+    return true;
+  };
+  auto result = coordinator::HttpCall(spec, on_body);
+  std::fputs("\n", stdout);
+  RETURN_IF_ERROR(parse_error);
+  if (!result.ok()) return result.status();
+  if (result->status != 200) {
+    return Unavailable("HTTP " + std::to_string(result->status) + ": " + result->body);
+  }
+  return Status::Ok();
+}
+
+int RunLaunch(const std::vector<std::string>& args) {
+  auto options = ParseLaunchFlags(args);
+  if (!options.ok()) {
+    std::fprintf(stderr, "kvrelay launch: %s\n", options.status().ToString().c_str());
+    return 2;
+  }
+  SetLogTag("launch");
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  auto demo = ParseDemoFlags(args);
+  if (!demo.ok()) {
+    std::fprintf(stderr, "kvrelay launch: %s\n", demo.status().ToString().c_str());
+    return 2;
+  }
+  deploy::LocalLauncher launcher(*options);
+  Status s = launcher.Start();
+  if (s.ok() && !demo->prompt.empty()) {
+    s = RunDemo(options->host, launcher.http_port(), demo->prompt, demo->max_tokens);
+  } else if (s.ok()) {
+    std::printf("kvrelay cluster serving on http://%s:%u (Ctrl-C stops it)\n",
+                options->host.c_str(), launcher.http_port());
+    std::fflush(stdout);
+    s = launcher.Supervise(g_stop);
+  }
+  launcher.Stop();
+  if (!s.ok()) {
+    LOG_ERROR << s.ToString();
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(launch, "launch",
+                "launch [--prefill P] [--decode D] [--tp 1] [--colocated C] [--model PATH] "
+                "[--port 8080] [--kv-dtype f32] [--kv-store DIR] [--demo PROMPT]",
+                RunLaunch);
+
+}  // namespace kvrelay::cli

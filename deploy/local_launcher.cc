@@ -1,0 +1,118 @@
+#include "deploy/local_launcher.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "common/logging.h"
+#include "coordinator/http_client.h"
+
+namespace kvrelay::deploy {
+
+Status LaunchOptions::Validate() const {
+  if (prefill < 0 || decode < 0 || colocated < 0) return InvalidArgument("worker counts must be >= 0");
+  if (colocated == 0 && (prefill == 0 || decode == 0)) {
+    return InvalidArgument("need at least one prefill and one decode worker, or --colocated N");
+  }
+  if (tp != 1) {
+    return Unimplemented("--tp " + std::to_string(tp) +
+                         ": tensor-parallel decode groups are not implemented yet; use --tp 1");
+  }
+  if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
+  return Status::Ok();
+}
+
+Result<uint16_t> PickFreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Unavailable("socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(fd);
+    return Unavailable("cannot bind an ephemeral port on 127.0.0.1");
+  }
+  uint16_t port = ntohs(addr.sin_port);
+  close(fd);
+  return port;
+}
+
+Status LocalLauncher::Start() {
+  RETURN_IF_ERROR(options_.Validate());
+  const std::string bin = options_.bin_dir.empty() ? ExecutableDir() : options_.bin_dir;
+  http_port_ = options_.port;
+  if (http_port_ == 0) {
+    ASSIGN_OR_RETURN(http_port_, PickFreePort());
+  }
+  uint16_t control = options_.control_port;
+  if (control == 0) {
+    ASSIGN_OR_RETURN(control, PickFreePort());
+  }
+  const std::string coord_addr = options_.host + ":" + std::to_string(control);
+
+  RETURN_IF_ERROR(group_.Spawn(
+      {"coordinator",
+       {bin + "/kvrelay-coordinator", "--model", options_.model_path, "--host", options_.host,
+        "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
+        "--kv-dtype", options_.kv_dtype, "--router", options_.router},
+       {}}));
+  const int world = options_.prefill + options_.decode + options_.colocated;
+  int rank = 0;
+  auto spawn_worker = [&](const std::string& binary, const std::string& id) -> Status {
+    std::vector<std::string> argv = {bin + "/" + binary, "--id", id, "--coordinator", coord_addr,
+                                     "--model", options_.model_path, "--kv-dtype", options_.kv_dtype,
+                                     "--kv-capacity-mb", std::to_string(options_.kv_capacity_mb),
+                                     "--threads", std::to_string(options_.threads_per_worker),
+                                     "--rank", std::to_string(rank), "--world-size",
+                                     std::to_string(world), "--kv-host", options_.host};
+    if (!options_.kv_store_dir.empty()) {
+      argv.push_back("--kv-store");
+      argv.push_back(options_.kv_store_dir + "/" + id);
+    }
+    ++rank;
+    return group_.Spawn({id, std::move(argv), {}});
+  };
+  for (int i = 0; i < options_.prefill; ++i) {
+    RETURN_IF_ERROR(spawn_worker("kvrelay-prefill", "prefill-" + std::to_string(i)));
+  }
+  for (int i = 0; i < options_.decode; ++i) {
+    RETURN_IF_ERROR(spawn_worker("kvrelay-decode", "decode-" + std::to_string(i)));
+  }
+  for (int i = 0; i < options_.colocated; ++i) {
+    RETURN_IF_ERROR(spawn_worker("kvrelay-worker", "worker-" + std::to_string(i)));
+  }
+
+  // Ready when /health answers 200; a child that exits meanwhile fails the start.
+  Deadline deadline = Deadline::After(std::chrono::milliseconds(options_.ready_timeout_ms));
+  while (!deadline.Expired()) {
+    auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
+    if (exited.ok()) return Unavailable("cluster failed to start: " + *exited);
+    coordinator::HttpCallSpec spec;
+    spec.host = options_.host;
+    spec.port = http_port_;
+    spec.target = "/health";
+    spec.timeout_ms = 1000;
+    auto r = coordinator::HttpCall(spec);
+    if (r.ok() && r->status == 200) {
+      LOG_INFO << "cluster ready on http://" << options_.host << ":" << http_port_;
+      return Status::Ok();
+    }
+  }
+  return DeadlineExceeded("cluster not healthy within " +
+                          std::to_string(options_.ready_timeout_ms) + " ms");
+}
+
+Status LocalLauncher::Supervise(const std::atomic<bool>& stop) {
+  while (!stop.load()) {
+    auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
+    if (exited.ok()) return Unavailable(*exited);
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvrelay::deploy

@@ -1,0 +1,58 @@
+// The local launcher: the whole cluster topology as processes on one machine,
+// over TCP, without MPI (`kvrelay launch`). Starts one coordinator in cluster
+// mode, P prefill workers, D decode workers and C colocated workers, waits
+// until /health says ready, then supervises: if any process exits, the rest
+// are stopped and the launcher returns an error naming it.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <string>
+
+#include "common/status.h"
+#include "deploy/process_group.h"
+
+namespace kvrelay::deploy {
+
+struct LaunchOptions {
+  std::string model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  std::string host = "127.0.0.1";
+  uint16_t port = 8080;         // HTTP API; 0 = pick a free port
+  uint16_t control_port = 0;    // 0 = pick a free port
+  int prefill = 1;
+  int decode = 1;
+  int tp = 1;                   // decode tensor-parallel size
+  int colocated = 0;
+  int threads_per_worker = 1;   // engine threads of each worker
+  std::string kv_dtype = "f32";
+  int64_t kv_capacity_mb = 256;
+  std::string kv_store_dir;     // RocksDB tier per worker under this directory; empty = none
+  std::string router = "prefix_aware";
+  std::string bin_dir;          // where kvrelay-coordinator etc. live; empty = next to this binary
+  int ready_timeout_ms = 120'000;
+
+  Status Validate() const;
+};
+
+class LocalLauncher {
+ public:
+  explicit LocalLauncher(LaunchOptions options) : options_(std::move(options)) {}
+  ~LocalLauncher() { Stop(); }
+
+  // Spawns every process and waits until the coordinator reports healthy.
+  Status Start();
+  uint16_t http_port() const { return http_port_; }
+  // Returns when a child exits (its description as the error) or `stop` is set (OK).
+  Status Supervise(const std::atomic<bool>& stop);
+  void Stop() { group_.Stop(); }
+
+ private:
+  LaunchOptions options_;
+  ProcessGroup group_;
+  uint16_t http_port_ = 0;
+};
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+Result<uint16_t> PickFreePort();
+
+}  // namespace kvrelay::deploy
