@@ -26,6 +26,7 @@ struct SamplingParams {
   uint64_t seed = 0;
   bool has_seed = false;    // false: the backend picks a seed
   int max_new_tokens = 16;  // >= 1
+  bool ignore_eos = false;  // keep generating past end-of-generation tokens (benchmarks)
 };
 
 struct GenerationRequest {

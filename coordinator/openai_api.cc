@@ -360,6 +360,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
   }
 
   if (auto err = GetBool(body, "stream", &out->stream)) return err;
+  if (auto err = GetBool(body, "ignore_eos", &out->ignore_eos)) return err;
   if (const json* so = Field(body, "stream_options")) {
     if (!so->is_object()) return WrongType("stream_options", "an object", *so);
     if (const json* iu = Field(*so, "include_usage")) {

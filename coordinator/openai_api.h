@@ -57,6 +57,7 @@ struct CompletionParams {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool echo = false;           // completions: prepend the prompt to the text
+  bool ignore_eos = false;     // extension (as vLLM): generate exactly max_tokens
 };
 
 // Parses and validates a body. On failure returns the error naming the field;

@@ -472,6 +472,7 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   g.sampling.has_seed = p.seed.has_value();
   g.sampling.seed = p.seed.value_or(0);
   g.sampling.max_new_tokens = p.max_tokens;
+  g.sampling.ignore_eos = p.ignore_eos;
   g.tenant_salt = tenant;
   if (opt.prefix_hasher) g.prefix_blocks = opt.prefix_hasher(g.prompt, tenant);
   r->usage.prompt_tokens = static_cast<int>(g.prompt.size());
@@ -635,9 +636,24 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
 
   const CompletionParams& p = r->params;
   if (finish == FinishReason::kError) {
+    // The backend validates what the coordinator cannot (token ids against
+    // the vocabulary, prompt + max_tokens against the pool): those are the
+    // client's or capacity errors, not the server's.
     ApiError e;
-    e.http_status = 500;
-    e.type = "server_error";
+    switch (ev.error.code()) {
+      case StatusCode::kInvalidArgument:
+        e.http_status = 400;
+        break;
+      case StatusCode::kResourceExhausted:
+      case StatusCode::kUnavailable:
+        e.http_status = 503;
+        e.type = "server_error";
+        e.code = "no_capacity";
+        break;
+      default:
+        e.http_status = 500;
+        e.type = "server_error";
+    }
     e.message = "generation failed: " + ev.error.ToString();
     if (!p.stream) return SendError(e);
     QueueOut({OutItem::kChunk, SseEvent(DumpJson(ErrorToJson(e)))});

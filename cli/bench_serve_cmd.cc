@@ -1,0 +1,364 @@
+// kvrelay bench serve: an open-loop load generator for any OpenAI-compatible
+// server. Requests arrive as a seeded Poisson process, stream their output,
+// and are timed per token:
+//   TTFT  time to the first streamed text;   ITL  gaps between text chunks;
+//   TPOT  (e2e - TTFT) / (output tokens - 1); E2E  request start to [DONE].
+// Prompts are token-id lists (exact lengths, no tokenizer needed here), with
+// an optional prefix of --shared-prefix tokens common to every prompt.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/clock.h"
+#include "coordinator/http_client.h"
+#include "coordinator/sse.h"
+
+namespace kvrelay::cli {
+namespace {
+
+using nlohmann::json;
+
+struct RequestOutcome {
+  bool ok = false;
+  std::string error;
+  double start_s = 0;  // since the benchmark start
+  double ttft_s = 0;
+  double e2e_s = 0;
+  int output_tokens = 0;
+  int prompt_tokens = 0;
+  int cached_tokens = 0;
+  std::vector<double> itl_s;
+};
+
+struct Stats {
+  double mean = 0, p50 = 0, p90 = 0, p99 = 0;
+};
+
+// Linear interpolation between closest ranks (numpy's default).
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  double pos = q / 100.0 * static_cast<double>(v.size() - 1);
+  size_t lo = static_cast<size_t>(std::floor(pos));
+  size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+Stats Summarize(const std::vector<double>& v_ms) {
+  Stats s;
+  if (v_ms.empty()) return s;
+  double sum = 0;
+  for (double x : v_ms) sum += x;
+  s.mean = sum / static_cast<double>(v_ms.size());
+  s.p50 = Percentile(v_ms, 50);
+  s.p90 = Percentile(v_ms, 90);
+  s.p99 = Percentile(v_ms, 99);
+  return s;
+}
+
+json StatsJson(const Stats& s) {
+  return json{{"mean", s.mean}, {"p50", s.p50}, {"p90", s.p90}, {"p99", s.p99}};
+}
+
+RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_key, const json& body,
+                      int timeout_ms, TimePoint bench_start) {
+  RequestOutcome out;
+  TimePoint start = Clock::now();
+  out.start_s = std::chrono::duration<double>(start - bench_start).count();
+  coordinator::HttpCallSpec spec;
+  spec.method = "POST";
+  spec.host = url.host;
+  spec.port = url.port;
+  spec.target = url.path + "/v1/completions";
+  spec.body = body.dump();
+  spec.headers = {{"Content-Type", "application/json"}, {"Accept", "text/event-stream"}};
+  if (!api_key.empty()) spec.headers.push_back({"Authorization", "Bearer " + api_key});
+  spec.timeout_ms = timeout_ms;
+
+  coordinator::SseParser parser;
+  std::optional<TimePoint> last_chunk;
+  bool done = false;
+  std::string error;
+  std::string raw_prefix;  // the start of a non-SSE (error) body
+  auto on_body = [&](std::string_view bytes) {
+    if (raw_prefix.size() < 2048) raw_prefix.append(bytes.substr(0, 2048 - raw_prefix.size()));
+    if (!parser.Feed(bytes)) {
+      error = "SSE event too large";
+      return false;
+    }
+    while (auto ev = parser.Next()) {
+      TimePoint now = Clock::now();
+      if (*ev == "[DONE]") {
+        done = true;
+        continue;
+      }
+      json j = json::parse(*ev, nullptr, false);
+      if (j.is_discarded()) {
+        error = "bad JSON in stream";
+        return false;
+      }
+      if (j.contains("error")) {
+        error = j["error"].value("message", "error event");
+        continue;
+      }
+      if (j.contains("usage") && j["usage"].is_object()) {
+        out.output_tokens = j["usage"].value("completion_tokens", 0);
+        out.prompt_tokens = j["usage"].value("prompt_tokens", 0);
+        if (j["usage"].contains("prompt_tokens_details") &&
+            j["usage"]["prompt_tokens_details"].is_object()) {
+          out.cached_tokens = j["usage"]["prompt_tokens_details"].value("cached_tokens", 0);
+        }
+      }
+      if (!j.contains("choices") || !j["choices"].is_array() || j["choices"].empty()) continue;
+      const json& c = j["choices"][0];
+      bool has_text =
+          c.contains("text") && c["text"].is_string() && !c["text"].get<std::string>().empty();
+      if (!has_text) continue;
+      if (!last_chunk) {
+        out.ttft_s = std::chrono::duration<double>(now - start).count();
+      } else {
+        out.itl_s.push_back(std::chrono::duration<double>(now - *last_chunk).count());
+      }
+      last_chunk = now;
+    }
+    return true;
+  };
+  auto result = coordinator::HttpCall(spec, on_body);
+  out.e2e_s = SecondsSince(start);
+  if (!result.ok()) {
+    out.error = error.empty() ? result.status().ToString() : error;
+    return out;
+  }
+  if (result->status != 200) {
+    out.error = "HTTP " + std::to_string(result->status) + ": " + raw_prefix.substr(0, 300);
+    return out;
+  }
+  if (!error.empty()) {
+    out.error = error;
+    return out;
+  }
+  if (!done || !last_chunk) {
+    out.error = done ? "no tokens streamed" : "stream ended without [DONE]";
+    return out;
+  }
+  if (out.output_tokens == 0) out.output_tokens = static_cast<int>(out.itl_s.size()) + 1;
+  out.ok = true;
+  return out;
+}
+
+int BenchServe(const std::vector<std::string>& args) {
+  auto flags = Flags::Parse(args,
+                            {"url", "rate", "num-prompts", "input-len", "output-len",
+                             "shared-prefix", "ttft-slo-ms", "tpot-slo-ms", "json", "model", "seed",
+                             "api-key", "max-concurrency", "timeout-s", "vocab-min", "vocab-max"},
+                            {"help"});
+  if (!flags.ok()) {
+    std::fprintf(stderr, "bench serve: %s\n", flags.status().message().c_str());
+    return 2;
+  }
+  auto get_int = [&](const char* name, int64_t fallback, int64_t lo, int64_t hi) -> int64_t {
+    auto v = flags->GetInt(name, fallback);
+    if (!v.ok() || *v < lo || *v > hi) {
+      std::fprintf(stderr, "bench serve: --%s must be an integer in [%lld, %lld]\n", name,
+                   static_cast<long long>(lo), static_cast<long long>(hi));
+      std::exit(2);
+    }
+    return *v;
+  };
+  auto get_double = [&](const char* name, double fallback) -> double {
+    auto v = flags->GetDouble(name, fallback);
+    if (!v.ok() || !(*v >= 0)) {
+      std::fprintf(stderr, "bench serve: --%s must be a non-negative number\n", name);
+      std::exit(2);
+    }
+    return *v;
+  };
+  auto url = coordinator::ParseHttpUrl(flags->Get("url", "http://127.0.0.1:8080"));
+  if (!url.ok()) {
+    std::fprintf(stderr, "bench serve: --url: %s\n", url.status().message().c_str());
+    return 2;
+  }
+  const double rate =
+      flags->Get("rate", "inf") == "inf" ? 0.0 : get_double("rate", 0);  // 0 = all at once
+  const int64_t num_prompts = get_int("num-prompts", 100, 1, 1'000'000);
+  const int64_t input_len = get_int("input-len", 128, 1, 1'000'000);
+  const int64_t output_len = get_int("output-len", 64, 1, 1'000'000);
+  const int64_t shared_prefix = get_int("shared-prefix", 0, 0, input_len);
+  const double ttft_slo_ms = get_double("ttft-slo-ms", 0);
+  const double tpot_slo_ms = get_double("tpot-slo-ms", 0);
+  const uint64_t seed = static_cast<uint64_t>(get_int("seed", 0, 0, INT64_MAX));
+  const int64_t max_concurrency = get_int("max-concurrency", 256, 1, 4096);
+  const int timeout_ms = static_cast<int>(get_int("timeout-s", 600, 1, 86400) * 1000);
+  const int64_t vocab_min = get_int("vocab-min", 1000, 0, INT32_MAX);
+  const int64_t vocab_max = get_int("vocab-max", 30000, vocab_min + 1, INT32_MAX);
+  std::string model = flags->Get("model");
+  const std::string api_key = flags->Get("api-key");
+
+  if (model.empty()) {  // ask the server
+    coordinator::HttpCallSpec spec;
+    spec.host = url->host;
+    spec.port = url->port;
+    spec.target = url->path + "/v1/models";
+    if (!api_key.empty()) spec.headers.push_back({"Authorization", "Bearer " + api_key});
+    spec.timeout_ms = 10'000;
+    auto r = coordinator::HttpCall(spec);
+    json j = r.ok() ? json::parse(r->body, nullptr, false) : json();
+    if (!r.ok() || r->status != 200 || !j.is_object() || !j.contains("data") || j["data"].empty()) {
+      std::fprintf(stderr, "bench serve: cannot list models at %s (pass --model)\n",
+                   flags->Get("url", "http://127.0.0.1:8080").c_str());
+      return 1;
+    }
+    model = j["data"][0].value("id", "");
+  }
+
+  // Prompts and arrival times, all from the seed.
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(static_cast<int32_t>(vocab_min),
+                                             static_cast<int32_t>(vocab_max));
+  std::vector<int32_t> prefix(static_cast<size_t>(shared_prefix));
+  for (auto& t : prefix) t = tok(rng);
+  std::vector<json> bodies;
+  std::vector<double> arrival_s;
+  std::exponential_distribution<double> gap(rate > 0 ? rate : 1.0);
+  double t = 0;
+  for (int64_t i = 0; i < num_prompts; ++i) {
+    std::vector<int32_t> prompt = prefix;
+    while (static_cast<int64_t>(prompt.size()) < input_len) prompt.push_back(tok(rng));
+    bodies.push_back(json{{"model", model},
+                          {"prompt", prompt},
+                          {"max_tokens", output_len},
+                          {"ignore_eos", true},
+                          {"temperature", 0},
+                          {"stream", true},
+                          {"stream_options", {{"include_usage", true}}}});
+    arrival_s.push_back(t);
+    if (rate > 0) t += gap(rng);
+  }
+
+  std::fprintf(
+      stderr,
+      "bench serve: %lld prompts (%lld in / %lld out, shared prefix %lld) at %s req/s to %s\n",
+      static_cast<long long>(num_prompts), static_cast<long long>(input_len),
+      static_cast<long long>(output_len), static_cast<long long>(shared_prefix),
+      rate > 0 ? std::to_string(rate).c_str() : "inf",
+      flags->Get("url", "http://127.0.0.1:8080").c_str());
+  std::vector<RequestOutcome> outcomes(static_cast<size_t>(num_prompts));
+  std::atomic<int64_t> next{0};
+  const TimePoint bench_start = Clock::now();
+  auto worker = [&] {
+    while (true) {
+      int64_t i = next.fetch_add(1);
+      if (i >= num_prompts) return;
+      // Open loop: wait for this request's arrival time (a schedule, not a sync).
+      std::this_thread::sleep_until(bench_start + std::chrono::duration_cast<Clock::duration>(
+                                                      std::chrono::duration<double>(arrival_s[i])));
+      outcomes[i] = RunOne(*url, api_key, bodies[i], timeout_ms, bench_start);
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int64_t i = 0; i < std::min(num_prompts, max_concurrency); ++i) threads.emplace_back(worker);
+  for (auto& th : threads) th.join();
+  const double duration = SecondsSince(bench_start);
+
+  std::vector<double> ttft, tpot, itl, e2e;
+  int64_t completed = 0, out_tokens = 0, in_tokens = 0, cached = 0, good = 0;
+  std::vector<std::string> errors;
+  for (const auto& o : outcomes) {
+    if (!o.ok) {
+      if (errors.size() < 5) errors.push_back(o.error);
+      continue;
+    }
+    ++completed;
+    out_tokens += o.output_tokens;
+    in_tokens += o.prompt_tokens;
+    cached += o.cached_tokens;
+    ttft.push_back(o.ttft_s * 1000);
+    e2e.push_back(o.e2e_s * 1000);
+    double tp = o.output_tokens > 1 ? (o.e2e_s - o.ttft_s) * 1000 / (o.output_tokens - 1) : 0;
+    tpot.push_back(tp);
+    for (double x : o.itl_s) itl.push_back(x * 1000);
+    bool meets = (ttft_slo_ms <= 0 || o.ttft_s * 1000 <= ttft_slo_ms) &&
+                 (tpot_slo_ms <= 0 || tp <= tpot_slo_ms);
+    if (meets) ++good;
+  }
+  json report = {
+      {"url", flags->Get("url", "http://127.0.0.1:8080")},
+      {"model", model},
+      {"rate", rate > 0 ? json(rate) : json("inf")},
+      {"num_prompts", num_prompts},
+      {"input_len", input_len},
+      {"output_len", output_len},
+      {"shared_prefix", shared_prefix},
+      {"seed", seed},
+      {"max_concurrency", max_concurrency},
+      {"duration_s", duration},
+      {"completed", completed},
+      {"failed", num_prompts - completed},
+      {"errors", errors},
+      {"total_input_tokens", in_tokens},
+      {"total_output_tokens", out_tokens},
+      {"cached_prompt_tokens", cached},
+      {"request_throughput", completed / duration},
+      {"output_token_throughput", static_cast<double>(out_tokens) / duration},
+      {"total_token_throughput", static_cast<double>(in_tokens + out_tokens) / duration},
+      {"ttft_ms", StatsJson(Summarize(ttft))},
+      {"tpot_ms", StatsJson(Summarize(tpot))},
+      {"itl_ms", StatsJson(Summarize(itl))},
+      {"e2e_ms", StatsJson(Summarize(e2e))},
+      {"ttft_slo_ms", ttft_slo_ms},
+      {"tpot_slo_ms", tpot_slo_ms},
+      {"good_requests", good},
+      {"goodput_rps", static_cast<double>(good) / duration},
+      {"slo_attainment",
+       num_prompts > 0 ? static_cast<double>(good) / static_cast<double>(num_prompts) : 0.0},
+  };
+  auto line = [&](const char* name, const Stats& s) {
+    std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50, s.p90,
+                s.p99);
+  };
+  std::printf("completed %lld / %lld in %.2f s (%lld failed)\n", static_cast<long long>(completed),
+              static_cast<long long>(num_prompts), duration,
+              static_cast<long long>(num_prompts - completed));
+  std::printf(
+      "throughput: %.3f req/s, %.1f output tok/s, %.1f total tok/s; cached prompt tokens %lld\n",
+      completed / duration, out_tokens / duration, (in_tokens + out_tokens) / duration,
+      static_cast<long long>(cached));
+  line("TTFT", Summarize(ttft));
+  line("TPOT", Summarize(tpot));
+  line("ITL", Summarize(itl));
+  line("E2E", Summarize(e2e));
+  std::printf("goodput: %.3f req/s (%lld of %lld within SLO ttft<=%.0fms tpot<=%.0fms)\n",
+              good / duration, static_cast<long long>(good), static_cast<long long>(num_prompts),
+              ttft_slo_ms, tpot_slo_ms);
+  for (const auto& e : errors) std::printf("error: %s\n", e.c_str());
+  if (flags->Has("json")) {
+    std::ofstream f(flags->Get("json"));
+    f << report.dump(2) << "\n";
+    if (!f) {
+      std::fprintf(stderr, "bench serve: cannot write %s\n", flags->Get("json").c_str());
+      return 1;
+    }
+  }
+  return completed == num_prompts ? 0 : 1;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(bench_serve, "bench serve",
+                "bench serve --url URL --rate R --num-prompts N --input-len I --output-len O "
+                "[--shared-prefix L] [--ttft-slo-ms X --tpot-slo-ms Y] [--json OUT] [--model NAME] "
+                "[--seed S] [--api-key K] [--max-concurrency C]",
+                BenchServe);
+
+}  // namespace kvrelay::cli
