@@ -70,20 +70,29 @@ class PipeSignal : public Signal {
   int w_, r_;
 };
 
-class MpiSignal : public Signal {
+// Signals as 2-byte transfers over the transport itself (request id 2), so
+// neither side blocks in a spinning MPI call while the progress threads work.
+class TransportSignal : public Signal {
  public:
-  explicit MpiSignal(int peer) : peer_(peer) {}
-  void Post() override {
-    char c = 1;
-    MPI_Send(&c, 1, MPI_CHAR, peer_, 99, MPI_COMM_WORLD);
-  }
-  void Take() override {
-    char c;
-    MPI_Recv(&c, 1, MPI_CHAR, peer_, 99, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-  }
+  explicit TransportSignal(Transport* t) : t_(t) {}
+  void Post() override { Move(/*send=*/true, sent_++); }
+  void Take() override { Move(/*send=*/false, taken_++); }
 
  private:
-  int peer_;
+  void Move(bool send, uint32_t seq) {
+    TransferDesc d;
+    d.peer = 1 - t_->rank();
+    d.request_id = 2;
+    d.tag = seq;
+    d.layout = BufferLayout{1, 1, MemoryKind::kHost};
+    d.slices.push_back(KvSlice{0, 0, 1, 0, 1, byte_, 0});
+    auto h = send ? t_->PostSend(d) : t_->PostRecv(d);
+    Status st = h.ok() ? t_->Wait(*h, Deadline::AfterMs(120000)) : h.status();
+    if (!st.ok()) LOG_ERROR << "bench signal: " << st.ToString();
+  }
+  Transport* t_;
+  uint8_t byte_[2] = {0, 0};
+  uint32_t sent_ = 0, taken_ = 0;
 };
 
 class SemSignal : public Signal {
@@ -121,18 +130,6 @@ int Iterations(size_t bytes) {
       std::clamp<size_t>((size_t{2} << 30) / std::max<size_t>(bytes, 1), 5, 50));
 }
 
-double MemcpyGbps(size_t n) {
-  std::vector<uint8_t> a(n, 1), b(n, 0);
-  std::vector<double> t;
-  for (int i = 0; i < Iterations(n); ++i) {
-    auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), n);
-    t.push_back(SecondsSince(t0));
-    a[i % n] ^= b[(i * 7) % n];  // keep the copies observable
-  }
-  return static_cast<double>(n) / Median(t) / 1e9;
-}
-
 std::vector<size_t> Sizes(size_t lo, size_t hi) {
   std::vector<size_t> s;
   for (size_t n = lo; n <= hi; n *= 4) s.push_back(n);
@@ -142,9 +139,16 @@ std::vector<size_t> Sizes(size_t lo, size_t hi) {
 // Rank 0 sends, rank 1 receives. Per iteration: receiver posts, signals
 // ready; sender times PostSend -> receiver's ack (one-way + one signal).
 // Returns the median GB/s on rank 0 (0 on rank 1).
-double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag) {
+// memcpy of the same size is timed on rank 0 in the same iterations
+// (interleaved), so both see the same machine load.
+double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag, double* memcpy_gbps) {
   std::vector<uint8_t> buf(n, static_cast<uint8_t>(t->rank() + 1));
-  std::vector<double> times;
+  std::vector<uint8_t> copy_src, copy_dst;
+  if (t->rank() == 0) {
+    copy_src.assign(n, 3);
+    copy_dst.assign(n, 0);
+  }
+  std::vector<double> times, copy_times;
   const int iters = Iterations(n);
   for (int i = 0; i < iters; ++i, ++*tag) {
     if (t->rank() == 1) {
@@ -155,6 +159,10 @@ double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag) {
       if (!st.ok()) LOG_ERROR << "receive: " << st.ToString();
       sig->Post();
     } else {
+      auto c0 = Clock::now();
+      std::memcpy(copy_dst.data(), copy_src.data(), n);
+      copy_times.push_back(SecondsSince(c0));
+      copy_src[i % n] ^= copy_dst[(i * 7) % n];  // keep the copy observable
       sig->Take();
       auto t0 = Clock::now();
       auto h = t->PostSend(BytesDesc(1, *tag, buf.data(), n));
@@ -165,11 +173,20 @@ double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag) {
       if (!st.ok()) LOG_ERROR << "send: " << st.ToString();
     }
   }
-  return t->rank() == 0 ? static_cast<double>(n) / Median(times) / 1e9 : 0;
+  if (t->rank() != 0) return 0;
+  *memcpy_gbps = static_cast<double>(n) / Median(copy_times) / 1e9;
+  return static_cast<double>(n) / Median(times) / 1e9;
 }
 
-void BusyFor(double ms) {
+// Stand-in for one layer's prefill compute: a timed busy loop (CPU prefill,
+// competes with the transport threads for cores) or a sleep (prefill on an
+// accelerator, CPU free).
+void ComputeFor(double ms, bool busy) {
   auto end = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
+  if (!busy) {
+    std::this_thread::sleep_until(end);
+    return;
+  }
   volatile uint64_t x = 0;
   while (Clock::now() < end) x = x + 1;
 }
@@ -180,7 +197,7 @@ struct OverlapResult {
 
 // The default model's KV for a 1,024-token prompt: 30 layers, 3 kv heads,
 // head_dim 64, f16, 16-token blocks -> 64 blocks, 768 KiB per layer.
-OverlapResult MeasureOverlap(Transport* t, Signal* sig, double layer_ms, int repeats) {
+OverlapResult MeasureOverlap(Transport* t, Signal* sig, double layer_ms, int repeats, bool busy) {
   constexpr int kLayers = 30, kHeads = 3, kHeadDim = 64, kBlockTokens = 16, kTokens = 1024;
   constexpr int kBlocks = kTokens / kBlockTokens;
   const int64_t slab = kBlockTokens * kHeadDim * 2;
@@ -218,10 +235,10 @@ OverlapResult MeasureOverlap(Transport* t, Signal* sig, double layer_ms, int rep
       kv_transfer::LayerStreamSender tx(t, 1, spec, buffers);
       auto t0 = Clock::now();
       if (mode == 1) {
-        for (int l = 0; l < kLayers; ++l) BusyFor(layer_ms);
+        for (int l = 0; l < kLayers; ++l) ComputeFor(layer_ms, busy);
       }
       for (int l = 0; l < kLayers; ++l) {
-        if (mode == 2) BusyFor(layer_ms);
+        if (mode == 2) ComputeFor(layer_ms, busy);
         Status st = tx.SendLayer(l);
         if (!st.ok()) LOG_ERROR << st.ToString();
       }
@@ -243,6 +260,7 @@ struct Config {
   double layer_ms;
   int overlap_repeats;
   bool overlap;
+  bool busy;
 };
 
 void Report(const std::string& backend, Transport* t, Signal* sig, const Config& cfg) {
@@ -252,23 +270,23 @@ void Report(const std::string& backend, Transport* t, Signal* sig, const Config&
   }
   uint32_t tag = 0;
   for (size_t n : Sizes(cfg.min_bytes, cfg.max_bytes)) {
-    double mc = t->rank() == 0 ? MemcpyGbps(n) : 0;
-    double gbps = MeasureSize(t, sig, n, &tag);
+    double mc = 0;
+    double gbps = MeasureSize(t, sig, n, &tag, &mc);
     if (t->rank() == 0) {
       std::printf("%12zu %14.2f %14.2f %7.0f%%\n", n, mc, gbps, 100 * gbps / mc);
       std::fflush(stdout);
     }
   }
   if (!cfg.overlap || backend == "local") return;
-  OverlapResult o = MeasureOverlap(t, sig, cfg.layer_ms, cfg.overlap_repeats);
+  OverlapResult o = MeasureOverlap(t, sig, cfg.layer_ms, cfg.overlap_repeats, cfg.busy);
   if (t->rank() == 0) {
     double hidden = o.transfer_s > 0 ? (o.sequential_s - o.layerwise_s) / o.transfer_s : 0;
     std::printf(
-        "layer-wise overlap (1024 tokens, 30 layers x 768 KiB, %.1f ms compute/layer):\n"
+        "layer-wise overlap (1024 tokens, 30 layers x 768 KiB, %.1f ms %s compute/layer):\n"
         "  transfer alone %.2f ms | compute %.1f ms | compute-then-transfer %.1f ms | "
         "layer-wise %.1f ms\n  hidden %.0f%% of the transfer; exposed after compute %.2f ms\n",
-        cfg.layer_ms, o.transfer_s * 1e3, o.compute_s * 1e3, o.sequential_s * 1e3,
-        o.layerwise_s * 1e3, 100 * std::clamp(hidden, 0.0, 1.0),
+        cfg.layer_ms, cfg.busy ? "busy-loop" : "sleep", o.transfer_s * 1e3, o.compute_s * 1e3,
+        o.sequential_s * 1e3, o.layerwise_s * 1e3, 100 * std::clamp(hidden, 0.0, 1.0),
         (o.layerwise_s - o.compute_s) * 1e3);
   }
 }
@@ -327,7 +345,6 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
     MPI_Finalize();
     return 2;
   }
-  MpiSignal sig(1 - rank);
   if (local && rank == 0) RunLocal(cfg);
   MPI_Barrier(MPI_COMM_WORLD);
   if (mpi) {
@@ -336,7 +353,8 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
       LOG_ERROR << t.status().ToString();
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    Report("mpi", t->get(), &sig, cfg);
+    TransportSignal tsig(t->get());
+    Report("mpi", t->get(), &tsig, cfg);
     MPI_Barrier(MPI_COMM_WORLD);
     (*t)->Shutdown();
   }
@@ -351,7 +369,8 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
                                Deadline::AfterMs(10000));
     if (!cs.ok()) LOG_ERROR << cs.ToString();
     MPI_Barrier(MPI_COMM_WORLD);
-    Report("tcp", t.get(), &sig, cfg);
+    TransportSignal tsig(t.get());
+    Report("tcp", t.get(), &tsig, cfg);
     MPI_Barrier(MPI_COMM_WORLD);
     t->Shutdown();
   }
@@ -361,7 +380,8 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
 
 int BenchTransfer(const std::vector<std::string>& args) {
   auto flags = Flags::Parse(
-      args, {"backend", "min-bytes", "max-bytes", "layer-ms", "overlap-repeats"}, {"no-overlap"});
+      args, {"backend", "min-bytes", "max-bytes", "layer-ms", "overlap-repeats", "compute"},
+      {"no-overlap"});
   if (!flags.ok()) {
     std::fprintf(stderr, "bench transfer: %s\n", flags.status().ToString().c_str());
     return 2;
@@ -389,6 +409,12 @@ int BenchTransfer(const std::vector<std::string>& args) {
   cfg.layer_ms = *layer_ms;
   cfg.overlap_repeats = static_cast<int>(*repeats);
   cfg.overlap = !flags->Has("no-overlap");
+  const std::string compute = flags->Get("compute", "busy");
+  if (compute != "busy" && compute != "sleep") {
+    std::fprintf(stderr, "bench transfer: --compute must be busy or sleep\n");
+    return 2;
+  }
+  cfg.busy = compute == "busy";
   const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   std::printf("kvrelay bench transfer: backend=%s sizes %zu..%zu, median of 5-50 iterations\n",
               backend.c_str(), cfg.min_bytes, cfg.max_bytes);
@@ -413,7 +439,7 @@ int BenchTransfer(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_transfer, "bench transfer",
                 "bench transfer [--backend mpi|tcp|local|all] [--min-bytes N] [--max-bytes N] "
-                "[--layer-ms MS] [--overlap-repeats N] [--no-overlap]",
+                "[--layer-ms MS] [--compute busy|sleep] [--overlap-repeats N] [--no-overlap]",
                 BenchTransfer);
 
 }  // namespace kvrelay::cli

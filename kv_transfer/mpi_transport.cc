@@ -260,6 +260,12 @@ void MpiTransport::ProgressLoop() {
       sleep = options_.idle_sleep_min;
       continue;
     }
+    if (!active.empty()) {
+      // A message is moving: MPI only advances (e.g. shared-memory fragments)
+      // inside MPI_Test, so keep testing; yield so oversubscribed ranks run.
+      std::this_thread::yield();
+      continue;
+    }
     std::unique_lock lock(domain_->mu);
     domain_->cv.wait_for(lock, sleep, [&] { return stopping_ || !send_queue_.empty(); });
     sleep = std::min(sleep * 2, options_.idle_sleep_max);

@@ -15,10 +15,13 @@
 // headers. A payload whose receive is not posted yet is received into a
 // staging buffer and copied when the receive is posted.
 //
-// Idle policy: the progress thread polls with MPI_Test while work is in
-// flight and, when nothing progressed, sleeps on a condition variable with
-// exponential backoff (idle_sleep_min .. idle_sleep_max), woken at once by
-// new sends: an idle transport does not spin a core.
+// Idle policy: while a message is actually moving (an MPI request of a
+// send or of a matched payload is active) the progress thread keeps calling
+// MPI_Test, yielding between calls, because MPI advances large transfers only
+// inside those calls. Otherwise (nothing moving; receives merely posted) it
+// sleeps on a condition variable with exponential backoff (idle_sleep_min ..
+// idle_sleep_max) between header polls, woken at once by new sends: an idle
+// transport does not spin a core.
 //
 // Cancel: MPI cannot withdraw a message that is already matched, so Cancel of
 // a send, or of a receive whose payload is already arriving, waits (up to
