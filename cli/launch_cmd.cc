@@ -24,7 +24,6 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args, kLaunchFlags, {}));
   deploy::LaunchOptions o;
-  if (flags.Has("demo") && !flags.Has("port")) o.port = 0;  // a demo never needs a fixed port
   o.model_path = flags.Get("model", o.model_path);
   o.host = flags.Get("host", o.host);
   ASSIGN_OR_RETURN(int64_t port, flags.GetInt("port", 8080));
@@ -33,6 +32,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
     return InvalidArgument("--port and --control-port must be 0..65535");
   }
   o.port = static_cast<uint16_t>(port);
+  if (flags.Has("demo") && !flags.Has("port")) o.port = 0;  // a demo never needs a fixed port
   o.control_port = static_cast<uint16_t>(control);
   ASSIGN_OR_RETURN(int64_t prefill, flags.GetInt("prefill", 1));
   ASSIGN_OR_RETURN(int64_t decode, flags.GetInt("decode", 1));
@@ -72,7 +72,19 @@ Result<DemoFlags> ParseDemoFlags(const std::vector<std::string>& args) {
 
 // Streams one chat completion from the cluster and prints the text as it arrives.
 Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt, int max_tokens) {
-  nlohmann::json body = {{"model", "kvrelay"},
+  // The served model's name, from /v1/models.
+  coordinator::HttpCallSpec models;
+  models.host = host;
+  models.port = port;
+  models.target = "/v1/models";
+  ASSIGN_OR_RETURN(auto listing, coordinator::HttpCall(models));
+  auto parsed = nlohmann::json::parse(listing.body, nullptr, false);
+  if (listing.status != 200 || parsed.is_discarded() || !parsed.contains("data") ||
+      parsed["data"].empty()) {
+    return Unavailable("GET /v1/models failed: HTTP " + std::to_string(listing.status));
+  }
+  const std::string model = parsed["data"][0].value("id", "");
+  nlohmann::json body = {{"model", model},
                          {"messages", {{{"role", "user"}, {"content", prompt}}}},
                          {"max_tokens", max_tokens},
                          {"temperature", 0},

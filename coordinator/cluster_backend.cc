@@ -49,22 +49,30 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* out) {
   out->set_top_k(static_cast<uint32_t>(std::max(0, s.top_k)));
   out->set_seed(s.has_seed ? s.seed : 0);
   out->set_max_tokens(static_cast<uint32_t>(s.max_new_tokens));
+  out->set_ignore_eos(s.ignore_eos);
 }
 
 FinishReason FromProto(proto::Finish::Reason r) {
   switch (r) {
-    case proto::Finish::REASON_STOP: return FinishReason::kStop;
-    case proto::Finish::REASON_LENGTH: return FinishReason::kLength;
-    case proto::Finish::REASON_CANCELLED: return FinishReason::kCancelled;
-    default: return FinishReason::kError;
+    case proto::Finish::REASON_STOP:
+      return FinishReason::kStop;
+    case proto::Finish::REASON_LENGTH:
+      return FinishReason::kLength;
+    case proto::Finish::REASON_CANCELLED:
+      return FinishReason::kCancelled;
+    default:
+      return FinishReason::kError;
   }
 }
 
 WorkerRole FromProto(proto::WorkerRole r) {
   switch (r) {
-    case proto::WORKER_ROLE_PREFILL: return WorkerRole::kPrefill;
-    case proto::WORKER_ROLE_DECODE: return WorkerRole::kDecode;
-    default: return WorkerRole::kColocated;
+    case proto::WORKER_ROLE_PREFILL:
+      return WorkerRole::kPrefill;
+    case proto::WORKER_ROLE_DECODE:
+      return WorkerRole::kDecode;
+    default:
+      return WorkerRole::kColocated;
   }
 }
 
@@ -102,8 +110,8 @@ struct ClusterBackend::State {
     if (it == requests.end()) return;
     TokenEvent e;
     e.finished = true;
-    e.finish_reason = error.code() == StatusCode::kCancelled ? FinishReason::kCancelled
-                                                             : FinishReason::kError;
+    e.finish_reason =
+        error.code() == StatusCode::kCancelled ? FinishReason::kCancelled : FinishReason::kError;
     e.error = error;
     e.prompt_tokens = it->second.prompt_tokens;
     out.emplace_back(it->second.sink, e);
@@ -256,7 +264,8 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
     if (type == MessageType::kRegisterWorker) {
       OnRegister(conn, frame);
     } else {
-      conn->Close(InvalidArgument("expected RegisterWorker, got type " + std::to_string(frame.type)));
+      conn->Close(
+          InvalidArgument("expected RegisterWorker, got type " + std::to_string(frame.type)));
     }
     return;
   }
@@ -308,8 +317,9 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         break;
       }
       if (!rep.ok()) {
-        Fail(rep.request_id(), ResourceExhausted("decode worker " + worker_id +
-                                                 " could not reserve KV blocks: " + rep.reason()),
+        Fail(rep.request_id(),
+             ResourceExhausted("decode worker " + worker_id +
+                               " could not reserve KV blocks: " + rep.reason()),
              out);
         break;
       }
@@ -335,13 +345,15 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         e.finish_reason = FromProto(done.reason());
         if (e.finish_reason == FinishReason::kStop) e.token = -1;  // EOS is not text
         out.emplace_back(r.sink, e);
-        if (r.decode_id != r.prefill_id) SendCancel(r.decode_id, done.request_id(), "finished at prefill");
+        if (r.decode_id != r.prefill_id)
+          SendCancel(r.decode_id, done.request_id(), "finished at prefill");
         requests.erase(it);
         break;
       }
       out.emplace_back(r.sink, e);
       r.phase = Phase::kDecoding;
-      if (r.decode_id != r.prefill_id) SendDecodeAdmission(done.request_id(), r, done.first_token());
+      if (r.decode_id != r.prefill_id)
+        SendDecodeAdmission(done.request_id(), r, done.first_token());
       break;
     }
     case MessageType::kTokenChunk: {
@@ -374,8 +386,9 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       e.prompt_tokens = r.prompt_tokens;
       e.cached_tokens = r.cached_tokens;
       if (e.finish_reason == FinishReason::kError) {
-        e.error = Status(static_cast<StatusCode>(fin.status_code() ? fin.status_code()
-                                                                   : static_cast<uint32_t>(StatusCode::kInternal)),
+        e.error = Status(static_cast<StatusCode>(
+                             fin.status_code() ? fin.status_code()
+                                               : static_cast<uint32_t>(StatusCode::kInternal)),
                          worker_id + ": " + fin.message());
         const std::string other = worker_id == r.prefill_id ? r.decode_id : r.prefill_id;
         if (other != worker_id) SendCancel(other, fin.request_id(), "peer failed");
@@ -399,8 +412,9 @@ void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
     if (Clock::now() - w.last_seen > limit) late.push_back(id);
   }
   for (const auto& id : late) {
-    DropWorker(id, DeadlineExceeded("no heartbeat for " + std::to_string(options.missed_heartbeats) +
-                                    " intervals"),
+    DropWorker(id,
+               DeadlineExceeded("no heartbeat for " + std::to_string(options.missed_heartbeats) +
+                                " intervals"),
                out);
   }
 }
@@ -450,9 +464,9 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
           Deliver(out);
         });
   };
-  ASSIGN_OR_RETURN(b->server_, protocols::FramedServer::Listen(*b->io_, options.host,
-                                                               options.control_port, conn_options,
-                                                               on_accept));
+  ASSIGN_OR_RETURN(b->server_,
+                   protocols::FramedServer::Listen(*b->io_, options.host, options.control_port,
+                                                   conn_options, on_accept));
   b->port_ = b->server_->port();
   // Heartbeat watchdog on the io thread.
   b->state_->timer = std::make_unique<boost::asio::steady_timer>(b->io_->context());
@@ -545,8 +559,9 @@ Status ClusterBackend::Submit(GenerationRequest request, TokenSink sink) {
     } else {
       r.phase = Phase::kReserving;
       WorkerEntry* d = state_->FindWorker(decode_id);
-      d->info.free_kv_blocks -= (r.prompt_tokens + r.request.sampling.max_new_tokens +
-                                 d->info.block_tokens - 1) / std::max<int64_t>(1, d->info.block_tokens);
+      d->info.free_kv_blocks -=
+          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
+          std::max<int64_t>(1, d->info.block_tokens);
       state_->SendDecodeAdmission(id, r, -1);
     }
   }

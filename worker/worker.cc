@@ -75,6 +75,7 @@ engine::SamplingParams FromProto(const proto::SamplingParams& s) {
   p.top_k = static_cast<int>(s.top_k());
   p.seed = s.seed();
   p.max_tokens = static_cast<int>(s.max_tokens());
+  p.ignore_eos = s.ignore_eos();
   return p;
 }
 
