@@ -19,7 +19,7 @@ def main():
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    llm = llama_cpp.Llama(model_path=a.model, n_ctx=max(a.pp, a.tg) + 16, n_batch=a.pp,
+    llm = llama_cpp.Llama(model_path=a.model, n_ctx=max(a.pp, a.tg) + 16, n_batch=max(a.pp, a.tg),
                           n_ubatch=a.pp, n_threads=a.threads, n_threads_batch=a.threads,
                           logits_all=False, verbose=False)
     rng = random.Random(a.seed)

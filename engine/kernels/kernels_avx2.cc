@@ -20,6 +20,14 @@
 namespace kvrelay::engine::kernels {
 namespace {
 
+// Decode reads every weight once from DRAM (the default model is 96 MB, the
+// L3 32 MB). Measured on the default model (tg, 1 thread, alternating builds):
+// one row at a time with a software prefetch 512 bytes ahead beat 4 interleaved
+// rows without prefetch by ~30% (4 interleaved row streams defeat the hardware
+// prefetcher), so single-token products use 1-row tiles and every tile prefetches.
+constexpr int kPrefetchBytes = 512;
+constexpr int64_t kRowsPerTileSingleToken = 1;
+
 inline float Hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -110,6 +118,7 @@ void TileQ4(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = rows[r] + b * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
       wv[r] = UnpackNibbles(blk + kQsOff);
       dw[r] = _mm256_set1_ps(LoadHalf(blk));
     }
@@ -167,6 +176,7 @@ void TileQ8(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = rows[r] + b * sizeof(BlockQ8_0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       wa[r] = _mm256_sign_epi8(wv[r], wv[r]);
       dw[r] = _mm256_set1_ps(LoadHalf(blk));
@@ -194,9 +204,9 @@ void TileQ8(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, float*,
                         int64_t);
 
-// Walks [r0, r1) x [t0, t1) with the widest tiles that fit: 4 rows x 1 token
-// for single tokens (more independent accumulators to hide latency), 2 rows x
-// 4 tokens otherwise (each unpacked weight block is reused by 4 tokens).
+// Walks [r0, r1) x [t0, t1) with the widest tiles that fit: 1 row x 1 token
+// for single tokens (one sequential weight stream, see kPrefetchBytes), 2 rows
+// x 4 tokens otherwise (each unpacked weight block is reused by 4 tokens).
 template <template <int, int> class K>
 void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
            int64_t t0, int64_t t1, float* y, int64_t ldy) {
@@ -207,7 +217,7 @@ void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Qu
       {K<4, 1>::Run, K<4, 2>::Run, K<4, 3>::Run, K<4, 4>::Run},
   };
   const int64_t nt = t1 - t0;
-  const int64_t rstep = nt == 1 ? 4 : 2;
+  const int64_t rstep = nt == 1 ? kRowsPerTileSingleToken : 2;
   for (int64_t r = r0; r < r1; r += rstep) {
     const int64_t nr = r1 - r < rstep ? r1 - r : rstep;
     for (int64_t t = t0; t < t1; t += 4) {
