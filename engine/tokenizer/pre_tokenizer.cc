@@ -117,12 +117,18 @@ std::vector<std::string_view> PreTokenizer::Split(std::string_view text) const {
   if (text.empty()) return pieces;
   pieces.push_back(text);
   for (const auto& pattern : patterns_->list) {
+    UErrorCode status = U_ZERO_ERROR;
+    // One matcher per expression and call, reset to each piece.
+    std::unique_ptr<icu::RegexMatcher> matcher(pattern->matcher(status));
+    if (U_FAILURE(status) || matcher == nullptr) continue;  // cannot happen for a compiled pattern
     std::vector<std::string_view> next;
+    next.reserve(pieces.size() * 2);
+    icu::UnicodeString u;
+    std::vector<size_t> byte_at;
     for (std::string_view piece : pieces) {
       // UTF-16 copy of the piece plus, per UTF-16 unit, the byte offset it came from.
-      icu::UnicodeString u;
-      std::vector<size_t> byte_at;
-      byte_at.reserve(piece.size() + 1);
+      u.remove();
+      byte_at.clear();
       for (size_t pos = 0; pos < piece.size();) {
         size_t len = 0;
         const char32_t cp = utf8::Decode(piece, pos, &len);
@@ -133,12 +139,9 @@ std::vector<std::string_view> PreTokenizer::Split(std::string_view text) const {
       }
       byte_at.push_back(piece.size());
 
-      UErrorCode status = U_ZERO_ERROR;
-      std::unique_ptr<icu::RegexMatcher> matcher(pattern->matcher(u, status));
-      if (U_FAILURE(status) || matcher == nullptr) {
-        next.push_back(piece);  // cannot happen for a compiled pattern; keep the text whole
-        continue;
-      }
+      // A piece whose matching fails (ICU's backtracking limits) stays whole.
+      status = U_ZERO_ERROR;
+      matcher->reset(u);
       size_t prev = 0;
       while (matcher->find(status) && U_SUCCESS(status)) {
         const size_t start = byte_at[matcher->start(status)];

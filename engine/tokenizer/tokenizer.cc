@@ -157,7 +157,7 @@ int Tokenizer::UnicodeToByte(char32_t cp) {
 }
 
 int32_t Tokenizer::TextToId(std::string_view text) const {
-  auto it = token_to_id_.find(std::string(text));
+  auto it = token_to_id_.find(text);
   return it == token_to_id_.end() ? -1 : it->second;
 }
 

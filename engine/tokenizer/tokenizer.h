@@ -117,11 +117,18 @@ class Tokenizer {
   static char32_t ByteToUnicode(uint8_t b);
   static int UnicodeToByte(char32_t cp);  // -1 when cp is not in the map
 
+  // Hash that lets string-keyed maps be searched with a string_view (no copy).
+  struct StringHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using StringMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
   VocabData vocab_;
   bool spm_ = false;            // model == "llama"
   bool ignore_merges_ = false;  // llama3: a word that is a token is taken whole
-  std::unordered_map<std::string, int32_t> token_to_id_;
-  std::unordered_map<std::string, int32_t> merge_rank_;  // "left\0right" -> rank
+  StringMap token_to_id_;
+  StringMap merge_rank_;               // "left\0right" -> rank
   std::vector<int32_t> special_ids_;   // control/user-defined/unknown, longest text first
   std::vector<int32_t> byte_to_id_;    // 256 entries; -1 where the vocabulary lacks one
   std::vector<bool> eog_;              // per id

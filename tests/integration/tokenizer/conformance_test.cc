@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "engine/gguf/gguf.h"
 #include "engine/tokenizer/chat_template.h"
@@ -130,6 +131,34 @@ TEST_F(ConformanceTest, ChatTemplateFromGgufMatchesJinja2) {
     ASSERT_TRUE(out.ok()) << out.status().ToString();
     EXPECT_EQ(*out, r.at("text").get<std::string>());
   }
+}
+
+}  // namespace
+}  // namespace kvrelay::engine
+
+namespace kvrelay::engine {
+namespace {
+
+TEST_F(ConformanceTest, ConcurrentEncodeGivesTheSameIds) {
+  // Encode is const and documented thread-safe: two threads over the corpus must
+  // reproduce the serial results exactly.
+  std::vector<std::string> texts;
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& e : ref_->at("tokenization")) {
+    texts.push_back(e.at("text"));
+    want.push_back(tok_->Encode(texts.back(), false, true));
+  }
+  std::vector<std::vector<std::vector<int32_t>>> got(
+      2, std::vector<std::vector<int32_t>>(texts.size()));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      for (size_t i = 0; i < texts.size(); ++i) got[t][i] = tok_->Encode(texts[i], false, true);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(got[0], want);
+  EXPECT_EQ(got[1], want);
 }
 
 }  // namespace
