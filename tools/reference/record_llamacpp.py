@@ -122,12 +122,6 @@ PLAIN_PROMPTS = [
     "artists often use a limited palette to create harmony. A common exercise is to paint "
     "a landscape using only these three colors plus white. The result shows how",
     "Q: What is the boiling point of water at sea level in Celsius?\nA:",
-    "Dear team,\n\nThank you all for the hard work on the release this quarter. We shipped the new "
-    "storage engine, cut median latency by 35%, and closed 412 bugs. Special thanks to the on-call "
-    "engineers who handled the outage on March 3rd with calm and care. Next quarter we will focus on "
-    "three goals: reliability, developer experience, and cost. Please review the planning document "
-    "before Friday and add your comments. Our all-hands meeting is on Tuesday at 10:00 in the main "
-    "room.\n\nBest regards,\nThe engineering leadership team\n\nP.S.",
 ]
 
 CHAT_CONVERSATIONS = [
