@@ -1,0 +1,152 @@
+// kvrelay generate: one prompt through the in-process engine, text streamed
+// to stdout as it is generated (or one JSON object with --json).
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "cli/flags.h"
+#include "common/clock.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/model.h"
+#include "engine/tokenizer/chat_template.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace kvrelay::cli {
+namespace {
+
+using engine::Engine;
+using engine::EngineOptions;
+using engine::Model;
+using engine::RequestSpec;
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "kvrelay generate: %s\n", st.ToString().c_str());
+  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+int RunGenerate(const std::vector<std::string>& args) {
+  auto flags = Flags::Parse(args,
+                            {"model", "prompt", "max-tokens", "temperature", "top-k", "top-p",
+                             "min-p", "seed", "threads", "kv-dtype", "repeat-penalty", "stop"},
+                            {"chat", "json"});
+  if (!flags.ok()) return Fail(flags.status());
+  const Flags& f = *flags;
+  if (!f.Has("model")) return Fail(InvalidArgument("--model is required"));
+  if (!f.Has("prompt")) return Fail(InvalidArgument("--prompt is required"));
+  auto max_tokens = f.GetInt("max-tokens", 128);
+  auto temperature = f.GetDouble("temperature", 0.0);
+  auto top_k = f.GetInt("top-k", 0);
+  auto top_p = f.GetDouble("top-p", 1.0);
+  auto min_p = f.GetDouble("min-p", 0.0);
+  auto seed = f.GetInt("seed", 0);
+  auto threads = f.GetInt("threads", 0);
+  auto repeat = f.GetDouble("repeat-penalty", 1.0);
+  for (const Status& st :
+       {max_tokens.status(), temperature.status(), top_k.status(), top_p.status(), min_p.status(),
+        seed.status(), threads.status(), repeat.status()}) {
+    if (!st.ok()) return Fail(st);
+  }
+  auto dtype = engine::ParseKvDtype(f.Get("kv-dtype", "f32"));
+  if (!dtype.ok()) return Fail(dtype.status());
+  const bool json = f.Has("json");
+
+  auto model = Model::Load(f.Get("model"));
+  if (!model.ok()) return Fail(model.status());
+  std::shared_ptr<const Model> m(std::move(model).value());
+  const engine::Tokenizer& tok = *m->tokenizer();
+
+  std::string text = f.Get("prompt");
+  if (f.Has("chat")) {
+    if (m->chat_template() == nullptr) {
+      return Fail(FailedPrecondition("--chat: the model has no supported chat template"));
+    }
+    auto rendered = m->chat_template()->Render({{"user", text}}, /*add_generation_prompt=*/true);
+    if (!rendered.ok()) return Fail(rendered.status());
+    text = *rendered;
+  }
+  RequestSpec spec;
+  spec.id = "generate";
+  spec.prompt = tok.Encode(text, /*add_special=*/!f.Has("chat"), /*parse_special=*/f.Has("chat"));
+  if (spec.prompt.empty()) return Fail(InvalidArgument("--prompt tokenizes to nothing"));
+  spec.sampling.max_tokens = static_cast<int>(*max_tokens);
+  spec.sampling.temperature = static_cast<float>(*temperature);
+  spec.sampling.top_k = static_cast<int>(*top_k);
+  spec.sampling.top_p = static_cast<float>(*top_p);
+  spec.sampling.min_p = static_cast<float>(*min_p);
+  spec.sampling.seed = static_cast<uint64_t>(*seed);
+  spec.sampling.repetition_penalty = static_cast<float>(*repeat);
+  if (f.Has("stop")) spec.sampling.stop = {f.Get("stop")};
+
+  EngineOptions eo;
+  eo.kv_dtype = *dtype;
+  eo.threads = static_cast<int>(*threads);
+  eo.max_running = 1;
+  eo.max_context = std::min<int64_t>(m->config().context_length,
+                                     static_cast<int64_t>(spec.prompt.size()) + *max_tokens + 16);
+  auto created = Engine::Create(eo, m);
+  if (!created.ok()) return Fail(created.status());
+  Engine& e = **created;
+  const std::vector<int32_t> prompt_ids = spec.prompt;
+  if (Status st = e.Submit(spec); !st.ok()) return Fail(st);
+
+  const TimePoint start = Clock::now();
+  double ttft_ms = -1;
+  TimePoint first_token_at = start;
+  std::vector<int32_t> out_ids;
+  std::string out_text;
+  std::string finish = "none";
+  while (e.HasWork()) {
+    auto events = e.Step();
+    if (!events.ok()) return Fail(events.status());
+    for (const auto& ev : *events) {
+      if (ev.finish_reason == engine::FinishReason::kError) return Fail(ev.error);
+      if (ev.token >= 0) {
+        if (out_ids.empty()) {
+          first_token_at = Clock::now();
+          ttft_ms = SecondsSince(start) * 1e3;
+        }
+        out_ids.push_back(ev.token);
+      }
+      out_text += ev.text;
+      if (!json) {
+        std::fwrite(ev.text.data(), 1, ev.text.size(), stdout);
+        std::fflush(stdout);
+      }
+      if (ev.finished) finish = std::string(engine::FinishReasonName(ev.finish_reason));
+    }
+  }
+  const double decode_s = SecondsSince(first_token_at);
+  const double decode_tps =
+      out_ids.size() > 1 && decode_s > 0 ? (out_ids.size() - 1) / decode_s : 0.0;
+  const int64_t kv_bytes =
+      static_cast<int64_t>(m->MakeKvLayout(*dtype, eo.block_tokens).BytesPerToken() *
+                           static_cast<double>(prompt_ids.size() + out_ids.size()));
+  if (json) {
+    nlohmann::json j;
+    j["prompt_ids"] = prompt_ids;
+    j["token_ids"] = out_ids;
+    j["text"] = out_text;
+    j["ttft_ms"] = ttft_ms;
+    j["decode_tokens_per_s"] = decode_tps;
+    j["kv_bytes"] = kv_bytes;
+    j["finish_reason"] = finish;
+    std::cout << j.dump() << std::endl;
+  } else {
+    std::printf("\n");
+    std::fprintf(stderr, "[%zu prompt tokens, %zu generated, ttft %.1f ms, %.1f tokens/s, %s]\n",
+                 prompt_ids.size(), out_ids.size(), ttft_ms, decode_tps, finish.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(generate, "generate",
+                "generate --model PATH --prompt TEXT [--chat] [--max-tokens N] [--temperature T] "
+                "[--top-k K] [--top-p P] [--min-p P] [--seed S] [--repeat-penalty R] [--stop S] "
+                "[--threads N] [--kv-dtype f32|f16|bf16|int8|kivi4|kivi2] [--json]",
+                RunGenerate);
+
+}  // namespace kvrelay::cli
