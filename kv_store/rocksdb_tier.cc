@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <tuple>
 #include <vector>
 
 #include "common/logging.h"
@@ -153,9 +155,12 @@ Status RocksDbTier::OpenDb() {
     // Anything but a plain I/O problem (a missing device, permissions) is
     // treated as damage: repair, then start over.
     if (s.code() == StatusCode::kUnavailable) return s;
-    LOG_WARNING << "kv_store: " << s.ToString() << "; running RepairDB";
     open_report_.detail = s.ToString();
-    Status repaired = TryOpen(/*after_repair=*/true);
+    Status repaired = s;
+    if (options_.try_repair) {
+      LOG_WARNING << "kv_store: " << s.ToString() << "; running RepairDB";
+      repaired = TryOpen(/*after_repair=*/true);
+    }
     if (repaired.ok()) {
       open_report_.outcome = OpenOutcome::kRepaired;
     } else {
@@ -164,7 +169,7 @@ Status RocksDbTier::OpenDb() {
       for (int i = 1; std::filesystem::exists(aside, ec); ++i) {
         aside = options_.path + ".corrupt-" + std::to_string(secs) + "-" + std::to_string(i);
       }
-      LOG_ERROR << "kv_store: repair failed (" << repaired.ToString() << "); moving "
+      LOG_ERROR << "kv_store: damaged database (" << repaired.ToString() << "); moving "
                 << options_.path << " to " << aside << " and starting empty";
       std::filesystem::rename(options_.path, aside, ec);
       if (ec) return Unavailable("moving damaged " + options_.path + " aside: " + ec.message());
@@ -181,20 +186,25 @@ Status RocksDbTier::OpenDb() {
 }
 
 void RocksDbTier::PruneDamagedCopies() {
+  // Copies are named "<path>.corrupt-<unix seconds>[-<n>]"; order by (seconds, n).
   const std::filesystem::path base(options_.path);
   const std::string prefix = base.filename().string() + ".corrupt-";
-  std::vector<std::pair<std::filesystem::file_time_type, std::filesystem::path>> copies;
+  std::vector<std::tuple<long long, long long, std::filesystem::path>> copies;
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(base.parent_path(), ec)) {
-    if (e.path().filename().string().rfind(prefix, 0) == 0) {
-      copies.emplace_back(std::filesystem::last_write_time(e.path(), ec), e.path());
-    }
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const char* p = name.c_str() + prefix.size();
+    char* end = nullptr;
+    const long long secs = std::strtoll(p, &end, 10);
+    const long long n = (end != nullptr && *end == '-') ? std::strtoll(end + 1, nullptr, 10) : 0;
+    copies.emplace_back(secs, n, e.path());
   }
   std::sort(copies.begin(), copies.end());  // oldest first
   const size_t keep = static_cast<size_t>(std::max(0, options_.keep_damaged_copies));
   for (size_t i = 0; i + keep < copies.size(); ++i) {
-    LOG_WARNING << "kv_store: deleting old damaged copy " << copies[i].second;
-    std::filesystem::remove_all(copies[i].second, ec);
+    LOG_WARNING << "kv_store: deleting old damaged copy " << std::get<2>(copies[i]);
+    std::filesystem::remove_all(std::get<2>(copies[i]), ec);
   }
 }
 
