@@ -510,6 +510,8 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
     return SendError(e, true,
                      {{"Retry-After", std::to_string(core_->options.retry_after_seconds)}});
   }
+  // From here the request deadline covers queueing and generation.
+  stream_.expires_after(std::chrono::milliseconds(opt.request_timeout_ms));
   StartWatch();
 }
 
@@ -561,7 +563,6 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
                                                                          .retry_after_seconds)}}
              : std::vector<std::pair<std::string, std::string>>{});
   }
-  stream_.expires_after(std::chrono::milliseconds(core_->options.request_timeout_ms));
   if (r->params.stream) {
     stream_header_ =
         std::make_shared<http::response<http::empty_body>>(http::status::ok, req_.version());

@@ -26,7 +26,8 @@ class ServerTest : public ::testing::Test {
     backend_ = std::make_unique<FakeBackend>(backend_options);
     options.port = 0;
     options.model_name = "test-model";
-    options.header_timeout_ms = 5000;
+    if (options.header_timeout_ms == ServerOptions().header_timeout_ms)
+      options.header_timeout_ms = 5000;
     auto server = Server::Create(std::move(options), backend_.get(), &codec_, &metrics_);
     ASSERT_TRUE(server.ok()) << server.status().ToString();
     server_ = std::move(*server);
@@ -294,6 +295,26 @@ TEST_F(ServerTest, QueueFullGets429WithRetryAfterAndQueuedRequestsRun) {
   HttpCallResult second = queued.get();
   EXPECT_EQ(second.status, 200);
   EXPECT_EQ(json::parse(second.body)["choices"][0]["message"]["content"], "He");
+}
+
+TEST_F(ServerTest, QueuedRequestOutlivesTheHeaderTimeout) {
+  ServerOptions o;
+  o.max_running = 1;
+  o.header_timeout_ms = 200;  // reading a request; must not cut a queued one
+  StartServer(o);
+  backend_->SetHang(true);
+  auto first = SendRaw("/v1/chat/completions", Chat("one", 2));
+  ASSERT_TRUE(backend_->WaitForSubmits(1));
+  auto queued = std::async(std::launch::async, [&] {
+    return Call("POST", "/v1/chat/completions", Chat("two", 2).dump());
+  });
+  // Three header timeouts pass while the second request waits for a slot.
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  EXPECT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "")->value(), 1);
+  backend_->SetHang(false);
+  HttpCallResult second = queued.get();
+  EXPECT_EQ(second.status, 200);
+  EXPECT_EQ(backend_->submitted().size(), 2u);
 }
 
 TEST_F(ServerTest, ApiKeysAuthenticateAndSaltPerTenant) {

@@ -1,0 +1,196 @@
+// kvrelay-coordinator: the OpenAI-compatible front end.
+//
+// Local mode (--model PATH): one process, colocated engine on this machine.
+// Cluster mode (workers over the control plane) is wired by the cluster backend.
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/flags.h"
+#include "common/logging.h"
+#include "common/metrics.h"
+#include "coordinator/cluster_backend.h"
+#include "coordinator/engine_text_codec.h"
+#include "coordinator/local_engine_backend.h"
+#include "coordinator/router.h"
+#include "coordinator/server.h"
+#include "engine/runtime/model.h"
+#include "engine/tokenizer/tokenizer.h"
+
+namespace kvrelay::coordinator {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: kvrelay-coordinator --model PATH [--host 127.0.0.1] [--port 8080] [--model-name NAME]\n"
+    "         [--api-keys FILE] [--max-queue 256] [--max-running 64] [--router prefix_aware]\n"
+    "         [--threads 2] [--engine-threads 0] [--kv-dtype f16] [--kv-capacity-mb 0]\n"
+    "         [--block-tokens 16] [--max-step-tokens 512] [--max-prompt-tokens 8192]\n"
+    "         [--max-body-bytes 1048576] [--request-timeout-ms 600000] [--default-max-tokens "
+    "256]\n";
+
+std::string ModelNameFromPath(const std::string& path) {
+  std::string name = path.substr(path.find_last_of('/') + 1);
+  if (name.size() > 5 && name.substr(name.size() - 5) == ".gguf") name.resize(name.size() - 5);
+  return name;
+}
+
+Status Run(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(auto flags, cli::Flags::Parse(args,
+                                                 {"host",
+                                                  "port",
+                                                  "model",
+                                                  "model-name",
+                                                  "api-keys",
+                                                  "max-queue",
+                                                  "max-running",
+                                                  "router",
+                                                  "threads",
+                                                  "engine-threads",
+                                                  "kv-dtype",
+                                                  "kv-capacity-mb",
+                                                  "block-tokens",
+                                                  "max-step-tokens",
+                                                  "max-prompt-tokens",
+                                                  "max-body-bytes",
+                                                  "request-timeout-ms",
+                                                  "default-max-tokens",
+                                                  "control-port",
+                                                  "heartbeat-ms"},
+                                                 {"help"}));
+  if (flags.Has("help")) {
+    std::fputs(kUsage, stdout);
+    return Status::Ok();
+  }
+  if (!flags.Has("model")) {
+    return InvalidArgument(
+        "--model PATH is required (cluster mode is started by the cluster launcher)");
+  }
+  ServerOptions so;
+  so.host = flags.Get("host", "127.0.0.1");
+  ASSIGN_OR_RETURN(int64_t port, flags.GetInt("port", 8080));
+  if (port < 0 || port > 65535) return InvalidArgument("--port must be 0..65535");
+  so.port = static_cast<uint16_t>(port);
+  ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 2));
+  ASSIGN_OR_RETURN(int64_t max_queue, flags.GetInt("max-queue", 256));
+  ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 64));
+  ASSIGN_OR_RETURN(int64_t max_prompt, flags.GetInt("max-prompt-tokens", 8192));
+  ASSIGN_OR_RETURN(int64_t max_body, flags.GetInt("max-body-bytes", 1 << 20));
+  ASSIGN_OR_RETURN(int64_t timeout_ms, flags.GetInt("request-timeout-ms", 600'000));
+  ASSIGN_OR_RETURN(int64_t default_max_tokens, flags.GetInt("default-max-tokens", 256));
+  if (threads < 1 || threads > 256) return InvalidArgument("--threads must be 1..256");
+  if (max_queue < 0) return InvalidArgument("--max-queue must be >= 0");
+  if (max_running < 1) return InvalidArgument("--max-running must be >= 1");
+  if (max_prompt < 1) return InvalidArgument("--max-prompt-tokens must be >= 1");
+  if (max_body < 1024) return InvalidArgument("--max-body-bytes must be >= 1024");
+  if (timeout_ms < 1000) return InvalidArgument("--request-timeout-ms must be >= 1000");
+  if (default_max_tokens < 1) return InvalidArgument("--default-max-tokens must be >= 1");
+  so.threads = static_cast<int>(threads);
+  so.max_queue = static_cast<int>(max_queue);
+  so.max_running = static_cast<int>(max_running);
+  so.max_prompt_tokens = static_cast<int>(max_prompt);
+  so.max_body_bytes = static_cast<size_t>(max_body);
+  so.request_timeout_ms = static_cast<int>(timeout_ms);
+  so.limits.max_tokens_default = static_cast<int>(default_max_tokens);
+  ASSIGN_OR_RETURN(RouterPolicy policy, ParseRouterPolicy(flags.Get("router", "prefix_aware")));
+  if (flags.Has("api-keys")) {
+    ASSIGN_OR_RETURN(so.api_keys, ApiKeys::LoadFile(flags.Get("api-keys")));
+    LOG_INFO << "loaded " << so.api_keys.size() << " API keys";
+  }
+
+  // --- local engine ---
+  const std::string model_path = flags.Get("model");
+  so.model_name = flags.Get("model-name", ModelNameFromPath(model_path));
+  auto loaded = engine::Model::Load(model_path);
+  if (!loaded.ok()) return loaded.status().WithContext("loading " + model_path);
+  std::shared_ptr<const engine::Model> model = std::move(*loaded);
+  if (model->tokenizer() == nullptr) return FailedPrecondition("the model has no tokenizer");
+  engine::EngineOptions eo;
+  eo.model_path = model_path;
+  ASSIGN_OR_RETURN(int64_t engine_threads, flags.GetInt("engine-threads", 0));
+  ASSIGN_OR_RETURN(int64_t kv_mb, flags.GetInt("kv-capacity-mb", 0));
+  ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
+  ASSIGN_OR_RETURN(int64_t max_step_tokens, flags.GetInt("max-step-tokens", 512));
+  ASSIGN_OR_RETURN(eo.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f16")));
+  eo.threads = static_cast<int>(engine_threads);
+  eo.kv_capacity_bytes = kv_mb << 20;
+  eo.block_tokens = static_cast<int>(block_tokens);
+  eo.max_step_tokens = static_cast<int>(max_step_tokens);
+  eo.max_running = so.max_running;
+  RETURN_IF_ERROR(eo.Validate());
+  so.max_context_tokens = static_cast<int>(model->config().context_length);
+  EngineTextCodec codec(model->tokenizer(), model->chat_template());
+  std::unique_ptr<Backend> backend;
+  if (flags.Has("control-port")) {
+    // Cluster mode: workers register over the control plane; this process
+    // only tokenizes, routes and streams. The model is loaded for its
+    // tokenizer, chat template, fingerprint and KV layout.
+    ASSIGN_OR_RETURN(int64_t control_port, flags.GetInt("control-port", 9000));
+    ASSIGN_OR_RETURN(int64_t heartbeat_ms, flags.GetInt("heartbeat-ms", 500));
+    if (control_port < 0 || control_port > 65535)
+      return InvalidArgument("--control-port must be 0..65535");
+    ClusterBackendOptions co;
+    co.host = so.host;
+    co.control_port = static_cast<uint16_t>(control_port);
+    co.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+    co.router.policy = policy;
+    const engine::KvLayout layout = model->MakeKvLayout(eo.kv_dtype, eo.block_tokens);
+    co.config.model_fingerprint = model->fingerprint();
+    co.config.kv_dtype = layout.dtype;
+    co.config.block_tokens = layout.block_tokens;
+    co.config.layers = layout.layers;
+    co.config.kv_heads = layout.kv_heads;
+    co.config.head_dim = layout.head_dim;
+    const engine::ModelFingerprint fingerprint = model->fingerprint();
+    const int block = eo.block_tokens;
+    so.prefix_hasher = [fingerprint, block](std::span<const int32_t> tokens,
+                                            std::string_view salt) {
+      return engine::HashPrefixBlocks(tokens, block, fingerprint, salt);
+    };
+    ASSIGN_OR_RETURN(backend, ClusterBackend::Create(co));
+  } else {
+    ASSIGN_OR_RETURN(auto eng, engine::Engine::Create(eo, model));
+    LocalEngineBackend::Options bo;
+    const engine::Tokenizer* tok = model->tokenizer();
+    bo.is_end_of_generation = [tok](int32_t id) { return tok->IsEndOfGeneration(id); };
+    ASSIGN_OR_RETURN(backend, LocalEngineBackend::Create(std::move(eng), bo));
+  }
+
+  // Signals are taken synchronously by this thread; every other thread
+  // (created below) inherits the blocked mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  MetricsRegistry metrics;
+  ASSIGN_OR_RETURN(auto server, Server::Create(so, backend.get(), &codec, &metrics));
+  RETURN_IF_ERROR(server->Start());
+  std::printf("kvrelay-coordinator listening on http://%s:%u (model '%s')\n", so.host.c_str(),
+              static_cast<unsigned>(server->port()), so.model_name.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LOG_INFO << "signal " << sig << ": shutting down";
+  server->Stop();
+  server.reset();
+  backend.reset();
+  return Status::Ok();
+}
+
+}  // namespace
+}  // namespace kvrelay::coordinator
+
+int main(int argc, char** argv) {
+  kvrelay::SetLogTag("coordinator");
+  std::vector<std::string> args(argv + 1, argv + argc);
+  kvrelay::Status st = kvrelay::coordinator::Run(args);
+  if (!st.ok()) {
+    std::fprintf(stderr, "kvrelay-coordinator: %s\n%s", st.ToString().c_str(),
+                 kvrelay::coordinator::kUsage);
+    return 2;
+  }
+  return 0;
+}

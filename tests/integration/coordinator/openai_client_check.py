@@ -1,0 +1,76 @@
+"""Drives a kvrelay coordinator with the official `openai` Python client.
+
+usage: openai_client_check.py BASE_URL MODEL
+Prints one JSON object with what each call returned; exits non-zero (with the
+reason on stderr) when a call does not behave as the client library expects.
+"""
+import json
+import sys
+
+import openai
+
+
+def main() -> int:
+    base_url, model = sys.argv[1], sys.argv[2]
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    out = {}
+
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0)
+    out["chat"] = {
+        "id": chat.id, "object": chat.object, "content": chat.choices[0].message.content,
+        "role": chat.choices[0].message.role, "finish_reason": chat.choices[0].finish_reason,
+        "prompt_tokens": chat.usage.prompt_tokens, "completion_tokens": chat.usage.completion_tokens,
+        "cached_tokens": chat.usage.prompt_tokens_details.cached_tokens,
+    }
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True})
+    pieces, finish, usage, chunks = [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    out["chat_stream"] = {
+        "content": "".join(pieces), "chunks": chunks, "finish_reason": finish,
+        "completion_tokens": usage.completion_tokens if usage else None,
+        "cached_tokens": usage.prompt_tokens_details.cached_tokens if usage else None,
+    }
+
+    comp = client.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    out["completion"] = {"text": comp.choices[0].text, "finish_reason": comp.choices[0].finish_reason,
+                         "object": comp.object, "prompt_tokens": comp.usage.prompt_tokens}
+
+    cstream = client.completions.create(model=model, prompt="The capital of France is",
+                                        max_tokens=8, temperature=0, stream=True)
+    out["completion_stream"] = {"text": "".join(c.choices[0].text for c in cstream if c.choices)}
+
+    out["models"] = [m.id for m in client.models.list().data]
+
+    try:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        out["unknown_model"] = "accepted"
+    except openai.NotFoundError as e:
+        out["unknown_model"] = {"status": e.status_code, "code": e.code}
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+        out["bad_max_tokens"] = "accepted"
+    except openai.BadRequestError as e:
+        out["bad_max_tokens"] = {"status": e.status_code, "param": e.param}
+
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
