@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <tuple>
 #include <vector>
 
@@ -21,6 +22,7 @@ namespace kvrelay::kv_store {
 namespace {
 
 constexpr char kMetaFamily[] = "meta";
+constexpr char kDamagedMarker[] = "KVRELAY_DAMAGED";
 constexpr size_t kMetaBytes = 24;
 
 rocksdb::Slice KeyOf(const BlockHash& h) {
@@ -148,7 +150,9 @@ Status RocksDbTier::OpenDb() {
   std::filesystem::create_directories(options_.path, ec);
   if (ec) return Unavailable("creating " + options_.path + ": " + ec.message());
 
-  Status s = TryOpen(/*after_repair=*/false);
+  Status s = std::filesystem::exists(std::filesystem::path(options_.path) / kDamagedMarker, ec)
+                 ? DataLoss("marked damaged by an earlier process")
+                 : TryOpen(/*after_repair=*/false);
   if (s.ok()) {
     open_report_.outcome = OpenOutcome::kOpened;
   } else {
@@ -309,7 +313,12 @@ RocksDbTier::~RocksDbTier() {
   }
   work_cv_.notify_all();
   if (writer_.joinable()) writer_.join();
-  if (db_ != nullptr) {
+  bool damaged;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    damaged = damaged_;
+  }
+  if (db_ != nullptr && !damaged) {
     // Flush memtables so the next Open need not replay the WAL (faster restart).
     rocksdb::FlushOptions fo;
     rocksdb::Status s = db_->Flush(fo, {data_cf_, meta_cf_});
@@ -318,6 +327,12 @@ RocksDbTier::~RocksDbTier() {
     }
   }
   CloseDb();
+  if (damaged) {
+    // The next Open moves the directory aside and starts empty.
+    std::ofstream marker(std::filesystem::path(options_.path) / kDamagedMarker);
+    marker << "damage seen by this process; the next open discards this database\n";
+    LOG_WARNING << "kv_store: " << options_.path << " marked damaged";
+  }
 }
 
 Status RocksDbTier::Put(const BlockHash& hash, std::string value) {
@@ -407,6 +422,7 @@ Result<std::string> RocksDbTier::Get(const BlockHash& hash) {
     return NotFound("block not in rocksdb tier");
   }
   ++stats_.errors;
+  if (s.IsCorruption()) damaged_ = true;
   if (s.IsCorruption() && it != index_.end() && !pending_.count(hash)) {
     DropEntryLocked(it->second);  // never read it again
   }
@@ -569,6 +585,9 @@ void RocksDbTier::WriterLoop() {
     }
     if (!s.ok()) {
       ++stats_.errors;
+      // A failed write means a background error (typically a compaction that
+      // met a damaged file): the DB stays read-only until reopened.
+      damaged_ = true;
       last_write_error_ = FromRocks(s, "writing a batch");
       max_failed_seq_ = std::max<uint64_t>(max_failed_seq_, round_seq);
       LOG_WARNING << "kv_store: " << last_write_error_.ToString();

@@ -45,7 +45,11 @@
 // fine; crashing is not. Damaged values that RocksDB does not catch itself
 // are caught by the block codec's checksum when the caller decodes them, so
 // bad KV is never served. A value RocksDB reports as corrupt on Get is
-// dropped from the index (Get returns DataLoss once, then NotFound).
+// dropped from the index (Get returns DataLoss once, then NotFound), and such
+// a read, or any failed write (RocksDB turns read-only after a background
+// error, e.g. a compaction meeting a damaged file), marks the database
+// damaged: the destructor leaves a KVRELAY_DAMAGED file and the next Open
+// moves the directory aside, so latent damage cannot keep the tier read-only.
 //
 // Thread-safety: all methods may be called concurrently.
 #pragma once
@@ -192,7 +196,8 @@ class RocksDbTier final : public KvTier {
   uint64_t max_failed_seq_ = 0;  // highest sequence in a failed write
   Status last_write_error_;
   bool stop_ = false;
-  bool paused_ = false;  // test hook
+  bool paused_ = false;   // test hook
+  bool damaged_ = false;  // a read met corruption or a write failed: discard at next open
   TierStats stats_;
 
   std::thread writer_;  // joined in the destructor
