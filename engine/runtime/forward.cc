@@ -231,27 +231,44 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
   const int hd = c.head_dim, kvh = c.n_kv_heads, group = c.n_heads / c.n_kv_heads;
   const int qd = c.q_dim();
   const size_t S = seqs.size();
-  // Gather each (sequence, kv head)'s K and V into contiguous [len][hd] rows.
-  std::vector<int64_t> kv_off(S + 1, 0), tok_off(S + 1, 0);
+  // Per (sequence, kv head): one K and one V row pointer table per block.
+  // f32 pools are read in place (HeadSlabF32); other dtypes are decoded into
+  // kv_scratch_ first.
+  const bool in_place = pool_->layout().dtype == KvDtype::kF32;
+  std::vector<int64_t> ptr_off(S + 1, 0), kv_off(S + 1, 0), tok_off(S + 1, 0);
   int64_t max_len = 0;
   for (size_t s = 0; s < S; ++s) {
     const int64_t len = seqs[s].cache_len + static_cast<int64_t>(seqs[s].tokens.size());
+    const int64_t nb = (len + B - 1) / B;
     max_len = std::max(max_len, len);
-    kv_off[s + 1] = kv_off[s] + 2 * kvh * len * hd;
+    ptr_off[s + 1] = ptr_off[s] + kvh * nb;
+    kv_off[s + 1] = kv_off[s] + (in_place ? 0 : 2 * kvh * nb * B * hd);
     tok_off[s + 1] = tok_off[s] + static_cast<int64_t>(seqs[s].tokens.size());
   }
   kv_scratch_.resize(kv_off[S]);
+  kptr_.resize(ptr_off[S]);
+  vptr_.resize(ptr_off[S]);
   ParallelFor(threads_, static_cast<int64_t>(S) * kvh, [&](int64_t a, int64_t b, int) {
     for (int64_t item = a; item < b; ++item) {
       const size_t s = item / kvh;
       const int h = static_cast<int>(item % kvh);
       const ForwardSeq& q = seqs[s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
-      float* kbuf = kv_scratch_.data() + kv_off[s] + 2 * h * len * hd;
-      float* vbuf = kbuf + len * hd;
-      for (int64_t blk = 0; blk * B < len; ++blk) {
-        const int n = static_cast<int>(std::min<int64_t>(B, len - blk * B));
-        pool_->ReadHead(q.blocks[blk], layer, h, n, kbuf + blk * B * hd, vbuf + blk * B * hd);
+      const int64_t nb = (len + B - 1) / B;
+      const float** kp = kptr_.data() + ptr_off[s] + h * nb;
+      const float** vp = vptr_.data() + ptr_off[s] + h * nb;
+      float* kbuf = kv_scratch_.data() + kv_off[s] + 2 * h * nb * B * hd;
+      float* vbuf = kbuf + nb * B * hd;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        if (in_place) {
+          kp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, false, h);
+          vp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, true, h);
+        } else {
+          const int n = static_cast<int>(std::min<int64_t>(B, len - blk * B));
+          pool_->ReadHead(q.blocks[blk], layer, h, n, kbuf + blk * B * hd, vbuf + blk * B * hd);
+          kp[blk] = kbuf + blk * B * hd;
+          vp[blk] = vbuf + blk * B * hd;
+        }
       }
     }
   });
@@ -281,8 +298,9 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
       const ForwardSeq& q = seqs[item.s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
       const int kv_head = item.head / group;
-      const float* kbuf = kv_scratch_.data() + kv_off[item.s] + 2 * kv_head * len * hd;
-      const float* vbuf = kbuf + len * hd;
+      const int64_t nb = (len + B - 1) / B;
+      const float* const* kp = kptr_.data() + ptr_off[item.s] + kv_head * nb;
+      const float* const* vp = vptr_.data() + ptr_off[item.s] + kv_head * nb;
       for (int64_t i = item.i0; i < item.i1; ++i) {
         const int64_t t = tok_off[item.s] + i;
         const int64_t pos = q.cache_len + i;
@@ -290,7 +308,7 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
         const float* qv = q_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
         float mx = -INFINITY;
         for (int64_t j = j0; j <= pos; ++j) {
-          const float sc = Dot(qv, kbuf + j * hd, hd) * scale;
+          const float sc = Dot(qv, kp[j / B] + (j % B) * hd, hd) * scale;
           scores[j] = sc;
           mx = std::max(mx, sc);
         }
@@ -299,7 +317,7 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
         for (int64_t j = j0; j <= pos; ++j) {
           const float p = std::exp(scores[j] - mx);
           sum += p;
-          const float* vj = vbuf + j * hd;
+          const float* vj = vp[j / B] + (j % B) * hd;
           for (int e = 0; e < hd; ++e) acc[e] += p * vj[e];
         }
         float* o = attn_.data() + t * qd + static_cast<int64_t>(item.head) * hd;

@@ -58,9 +58,10 @@ class ForwardPass {
   std::vector<double> inv_freq_;  // rope_dim / 2 frequencies
   // Scratch, sized per step.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_;
-  std::vector<float> kv_scratch_;  // gathered K then V per (seq, kv head)
-  std::vector<int64_t> tok_seq_;   // per token: sequence index
-  std::vector<int64_t> tok_pos_;   // per token: position
+  std::vector<float> kv_scratch_;          // decoded K then V per (seq, kv head), non-f32 pools
+  std::vector<const float*> kptr_, vptr_;  // per (seq, kv head, block): K / V rows
+  std::vector<int64_t> tok_seq_;           // per token: sequence index
+  std::vector<int64_t> tok_pos_;           // per token: position
 };
 
 // y = x / rms(x) * w over n floats.

@@ -250,6 +250,32 @@ TEST_P(ForwardTest, BatchEqualsAlone) {
   }
 }
 
+// A decoded (non-f32) pool goes through ReadHead instead of in-place slabs.
+// f16 K/V carry a relative error <= 2^-11; through softmax and the remaining
+// layers that moves logits by far less than 1e-2 * (1 + max|logit|), while a
+// wrong row/block mapping in the decoded path would move them by O(1).
+TEST_P(ForwardTest, DecodedPoolPathAgreesWithInPlaceF32) {
+  testing::SyntheticModelOptions o;
+  o.arch = GetParam();
+  auto m = LoadSynthetic(o);
+  ASSERT_NE(m, nullptr);
+  ThreadPool threads(2);
+  auto tokens = RandomTokens(29, m->config().vocab, 5);
+  auto f32 = MakePool(*m, 16, 8, KvDtype::kF32);
+  auto f16 = MakePool(*m, 16, 8, KvDtype::kF16);
+  ASSERT_NE(f16, nullptr);
+  auto a = ChunkedLogits(*m, f32.get(), &threads, tokens, 6, 5);
+  auto b = ChunkedLogits(*m, f16.get(), &threads, tokens, 6, 5);
+  ASSERT_TRUE(a.ok() && b.ok());
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a->size(); ++i) {
+    diff = std::max<double>(diff, std::abs((*a)[i] - (*b)[i]));
+    scale = std::max<double>(scale, std::abs((*a)[i]));
+  }
+  EXPECT_LE(diff, 1e-2 * (1 + scale));
+  EXPECT_GT(diff, 0.0);  // the f16 path really was taken
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest, ::testing::Values("llama", "qwen2"));
 
 TEST(ForwardErrors, RejectsBadInput) {
