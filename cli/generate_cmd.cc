@@ -85,6 +85,10 @@ int RunGenerate(const std::vector<std::string>& args) {
   eo.max_running = 1;
   eo.max_context = std::min<int64_t>(m->config().context_length,
                                      static_cast<int64_t>(spec.prompt.size()) + *max_tokens + 16);
+  // Just the KV this one request can use (plus a block of slack).
+  eo.kv_capacity_bytes =
+      static_cast<int64_t>(m->MakeKvLayout(*dtype, eo.block_tokens).BlockBytes() *
+                           ((eo.max_context + eo.block_tokens - 1) / eo.block_tokens + 1));
   auto created = Engine::Create(eo, m);
   if (!created.ok()) return Fail(created.status());
   Engine& e = **created;

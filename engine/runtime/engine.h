@@ -54,7 +54,8 @@ struct EngineOptions {
 enum class RequestMode : uint8_t {
   kFull = 0,         // prefill, then decode until a stop condition
   kPrefillOnly = 1,  // prefill, sample the first token, finish with kPrefilled
-                     // and KEEP the blocks until ReleaseRequest (disaggregation)
+                     // (or kStop / kLength when that token already ends it) and
+                     // KEEP the prompt's blocks until ReleaseRequest (disaggregation)
 };
 
 struct RequestSpec {
