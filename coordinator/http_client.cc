@@ -102,7 +102,8 @@ Result<HttpCallResult> HttpCall(const HttpCallSpec& spec,
     parser.get().body().data = chunk;
     parser.get().body().size = sizeof(chunk);
     ioc.restart();
-    http::async_read(stream, buffer, parser, [&](beast::error_code e, size_t) { ec = e; });
+    // read_some: return as soon as any body bytes arrived (SSE timing).
+    http::async_read_some(stream, buffer, parser, [&](beast::error_code e, size_t) { ec = e; });
     ioc.run();
     if (ec == http::error::need_buffer) ec = {};
     if (ec) return FromError(ec, "reading the response body");

@@ -236,6 +236,32 @@ TEST_F(ServerTest, StreamingCompletionWithoutUsage) {
   EXPECT_EQ(events[4], "[DONE]");
 }
 
+TEST_F(ServerTest, StreamIsDeliveredIncrementally) {
+  FakeBackend::Options bo;
+  bo.reply = "0123456789";
+  bo.token_interval = std::chrono::milliseconds(30);
+  StartServer({}, bo);
+  json body = Chat("hi");
+  body["stream"] = true;
+  HttpCallSpec spec;
+  spec.method = "POST";
+  spec.port = server_->port();
+  spec.target = "/v1/chat/completions";
+  spec.body = body.dump();
+  int reads = 0;
+  std::string all;
+  auto r = HttpCall(spec, [&](std::string_view bytes) {
+    ++reads;
+    all.append(bytes);
+    return true;
+  });
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_NE(all.find("[DONE]"), std::string::npos);
+  // Ten tokens 30 ms apart: the server flushes each and the client hands each
+  // over as it arrives, not once at the end.
+  EXPECT_GE(reads, 3);
+}
+
 TEST_F(ServerTest, ClientDisconnectMidStreamCancelsRequest) {
   ServerOptions o;
   o.max_running = 1;
