@@ -17,18 +17,18 @@ namespace kvrelay::deploy {
 struct LaunchOptions {
   std::string model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
   std::string host = "127.0.0.1";
-  uint16_t port = 8080;         // HTTP API; 0 = pick a free port
-  uint16_t control_port = 0;    // 0 = pick a free port
+  uint16_t port = 8080;       // HTTP API; 0 = pick a free port
+  uint16_t control_port = 0;  // 0 = pick a free port
   int prefill = 1;
   int decode = 1;
-  int tp = 1;                   // decode tensor-parallel size
+  int tp = 1;  // decode tensor-parallel size
   int colocated = 0;
-  int threads_per_worker = 1;   // engine threads of each worker
+  int threads_per_worker = 1;  // engine threads of each worker
   std::string kv_dtype = "f32";
   int64_t kv_capacity_mb = 256;
-  std::string kv_store_dir;     // RocksDB tier per worker under this directory; empty = none
+  std::string kv_store_dir;  // RocksDB tier per worker under this directory; empty = none
   std::string router = "prefix_aware";
-  std::string bin_dir;          // where kvrelay-coordinator etc. live; empty = next to this binary
+  std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
 
   Status Validate() const;
@@ -45,6 +45,9 @@ class LocalLauncher {
   // Returns when a child exits (its description as the error) or `stop` is set (OK).
   Status Supervise(const std::atomic<bool>& stop);
   void Stop() { group_.Stop(); }
+  // Children by name: "coordinator", "prefill-<i>", "decode-<i>", "worker-<i>".
+  // Not thread-safe against Supervise/Stop running concurrently.
+  const ProcessGroup& processes() const { return group_; }
 
  private:
   LaunchOptions options_;

@@ -49,11 +49,27 @@ Status ProcessGroup::Spawn(const ChildSpec& spec) {
   pid_t pid = 0;
   int rc = posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
   if (rc != 0) {
-    return Unavailable("cannot start " + spec.name + " (" + spec.argv[0] + "): " + std::strerror(rc));
+    return Unavailable("cannot start " + spec.name + " (" + spec.argv[0] +
+                       "): " + std::strerror(rc));
   }
   children_.push_back({spec.name, pid, false});
   LOG_INFO << "started " << spec.name << " (pid " << pid << ")";
   return Status::Ok();
+}
+
+pid_t ProcessGroup::Pid(const std::string& name) const {
+  for (const Child& c : children_) {
+    if (c.name == name) return c.pid;
+  }
+  return -1;
+}
+
+std::vector<pid_t> ProcessGroup::LivePids() const {
+  std::vector<pid_t> pids;
+  for (const Child& c : children_) {
+    if (!c.reaped) pids.push_back(c.pid);
+  }
+  return pids;
 }
 
 Result<std::string> ProcessGroup::WaitAny(Deadline deadline) {

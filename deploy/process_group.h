@@ -16,9 +16,9 @@
 namespace kvrelay::deploy {
 
 struct ChildSpec {
-  std::string name;                  // for log lines, e.g. "prefill-0"
-  std::vector<std::string> argv;     // argv[0] is the executable path
-  std::vector<std::string> env;      // extra KEY=VALUE entries added to the parent's environment
+  std::string name;               // for log lines, e.g. "prefill-0"
+  std::vector<std::string> argv;  // argv[0] is the executable path
+  std::vector<std::string> env;   // extra KEY=VALUE entries added to the parent's environment
 };
 
 class ProcessGroup {
@@ -39,6 +39,13 @@ class ProcessGroup {
   void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(5000));
 
   size_t size() const { return children_.size(); }
+
+  // The pid of the child spawned as `name` (fault-injection tests, CPU
+  // accounting); -1 if there is none. The pid stays valid (a zombie at worst)
+  // until the child is reaped by WaitAny or Stop.
+  pid_t Pid(const std::string& name) const;
+  // Pids of every child not yet reaped.
+  std::vector<pid_t> LivePids() const;
 
  private:
   struct Child {

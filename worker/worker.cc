@@ -32,9 +32,12 @@ Result<Role> ParseRole(std::string_view name) {
 
 std::string_view RoleName(Role role) {
   switch (role) {
-    case Role::kPrefill: return "prefill";
-    case Role::kDecode: return "decode";
-    case Role::kColocated: return "colocated";
+    case Role::kPrefill:
+      return "prefill";
+    case Role::kDecode:
+      return "decode";
+    case Role::kColocated:
+      return "colocated";
   }
   return "?";
 }
@@ -52,19 +55,26 @@ namespace {
 
 proto::WorkerRole ToProto(Role r) {
   switch (r) {
-    case Role::kPrefill: return proto::WORKER_ROLE_PREFILL;
-    case Role::kDecode: return proto::WORKER_ROLE_DECODE;
-    case Role::kColocated: return proto::WORKER_ROLE_COLOCATED;
+    case Role::kPrefill:
+      return proto::WORKER_ROLE_PREFILL;
+    case Role::kDecode:
+      return proto::WORKER_ROLE_DECODE;
+    case Role::kColocated:
+      return proto::WORKER_ROLE_COLOCATED;
   }
   return proto::WORKER_ROLE_UNSPECIFIED;
 }
 
 proto::Finish::Reason ToProto(engine::FinishReason r) {
   switch (r) {
-    case engine::FinishReason::kStop: return proto::Finish::REASON_STOP;
-    case engine::FinishReason::kLength: return proto::Finish::REASON_LENGTH;
-    case engine::FinishReason::kCancelled: return proto::Finish::REASON_CANCELLED;
-    default: return proto::Finish::REASON_ERROR;
+    case engine::FinishReason::kStop:
+      return proto::Finish::REASON_STOP;
+    case engine::FinishReason::kLength:
+      return proto::Finish::REASON_LENGTH;
+    case engine::FinishReason::kCancelled:
+      return proto::Finish::REASON_CANCELLED;
+    default:
+      return proto::Finish::REASON_ERROR;
   }
 }
 
@@ -207,9 +217,9 @@ Status Worker::Impl::Connect() {
   Deadline deadline = Deadline::After(options_.connect_timeout);
   protocols::ConnectionOptions copts;
   copts.name = "coordinator";
-  ASSIGN_OR_RETURN(conn_, protocols::FramedConnection::Connect(
-                              *io_, options_.coordinator_host, options_.coordinator_port, copts,
-                              deadline));
+  ASSIGN_OR_RETURN(
+      conn_, protocols::FramedConnection::Connect(*io_, options_.coordinator_host,
+                                                  options_.coordinator_port, copts, deadline));
   conn_->Start();
   RETURN_IF_ERROR(
       protocols::ClientHandshake(*conn_, options_.worker_id, peer_config_, {}, deadline).status());
@@ -226,7 +236,8 @@ Status Worker::Impl::Connect() {
   ASSIGN_OR_RETURN(protocols::Frame frame, conn_->Receive(deadline));
   proto::RegisterReply reply;
   RETURN_IF_ERROR(protocols::DecodeMessage(frame, MessageType::kRegisterReply, &reply));
-  if (!reply.accepted()) return FailedPrecondition("coordinator refused registration: " + reply.reason());
+  if (!reply.accepted())
+    return FailedPrecondition("coordinator refused registration: " + reply.reason());
   if (reply.heartbeat_interval_ms() > 0) {
     heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
   }
@@ -259,7 +270,8 @@ void Worker::Impl::OnPrefillTask(const proto::PrefillTask& task) {
   const bool disaggregated = task.has_decode();
   spec.mode = disaggregated ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
   if (disaggregated && options_.role == Role::kDecode) {
-    SendFinish(id, proto::Finish::REASON_ERROR, FailedPrecondition("a decode worker cannot prefill"));
+    SendFinish(id, proto::Finish::REASON_ERROR,
+               FailedPrecondition("a decode worker cannot prefill"));
     return;
   }
   if (disaggregated) {
@@ -273,11 +285,12 @@ void Worker::Impl::OnPrefillTask(const proto::PrefillTask& task) {
     if (!connected_peers_.count(peer)) {
       const std::string& addr = target.kv_address();
       auto colon = addr.rfind(':');
-      Status s = colon == std::string::npos
-                     ? InvalidArgument("decode kv_address '" + addr + "' is not host:port")
-                     : transport_->ConnectPeer(peer, addr.substr(0, colon),
-                                               static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
-                                               Deadline::After(options_.kv_timeout));
+      Status s =
+          colon == std::string::npos
+              ? InvalidArgument("decode kv_address '" + addr + "' is not host:port")
+              : transport_->ConnectPeer(peer, addr.substr(0, colon),
+                                        static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))),
+                                        Deadline::After(options_.kv_timeout));
       if (!s.ok()) {
         SendFinish(id, proto::Finish::REASON_ERROR, s.WithContext("connecting to decode worker"));
         return;
@@ -299,8 +312,8 @@ void Worker::Impl::OnPrefillTask(const proto::PrefillTask& task) {
   }
   if (tiered_) {
     std::vector<BlockId> table;
-    auto restored = tiered_->RestorePrefix(engine_->pool(), spec.prompt,
-                                           engine_->model().fingerprint(), spec.tenant_salt, &table);
+    auto restored = tiered_->RestorePrefix(
+        engine_->pool(), spec.prompt, engine_->model().fingerprint(), spec.tenant_salt, &table);
     if (restored.ok()) {
       restore_refs_.insert(restore_refs_.end(), table.begin(), table.end());
     } else {
@@ -318,6 +331,10 @@ void Worker::Impl::OnPrefillTask(const proto::PrefillTask& task) {
 }
 
 void Worker::Impl::OnLayer(int layer, std::span<const engine::StepSequence> seqs) {
+  // A long step (a big prefill chunk on one thread) must not look like a dead
+  // worker: heartbeats are due every interval even in the middle of a step.
+  // Runs on the Run() thread (the hook is called inside Step), so Send is safe.
+  if (Clock::now() >= next_heartbeat_) SendHeartbeat();
   for (const auto& seq : seqs) {
     const uint64_t id = std::stoull(*seq.id);
     auto it = outgoing_.find(id);
@@ -340,7 +357,8 @@ void Worker::Impl::OnLayer(int layer, std::span<const engine::StepSequence> seqs
       buffers.local_heads = {0, layout_.kv_heads};
       const size_t n = out.dst_blocks.size();
       if (seq.blocks.size() < n) {
-        LOG_ERROR << "request " << id << " holds " << seq.blocks.size() << " blocks, expected " << n;
+        LOG_ERROR << "request " << id << " holds " << seq.blocks.size() << " blocks, expected "
+                  << n;
         continue;
       }
       for (size_t b = 0; b < n; ++b) {
@@ -355,7 +373,8 @@ void Worker::Impl::OnLayer(int layer, std::span<const engine::StepSequence> seqs
           transport_.get(), out.decode_rank, std::move(spec), std::move(buffers));
     }
     Status s = out.sender->SendLayer(layer);
-    if (!s.ok()) LOG_WARNING << "KV layer " << layer << " of request " << id << ": " << s.ToString();
+    if (!s.ok())
+      LOG_WARNING << "KV layer " << layer << " of request " << id << ": " << s.ToString();
     ++out.layers_sent;
     transfer_bytes_ += layout_.LayerBytes() * static_cast<int64_t>(out.dst_blocks.size());
   }
@@ -388,8 +407,8 @@ void Worker::Impl::OnDecodeAdmission(const proto::DecodeAdmission& a) {
   in.spec.prompt.assign(a.prompt_token_ids().begin(), a.prompt_token_ids().end());
   in.spec.sampling = FromProto(a.sampling());
   in.deadline = Deadline::After(options_.kv_timeout);
-  const int64_t need =
-      (static_cast<int64_t>(in.spec.prompt.size()) + layout_.block_tokens - 1) / layout_.block_tokens;
+  const int64_t need = (static_cast<int64_t>(in.spec.prompt.size()) + layout_.block_tokens - 1) /
+                       layout_.block_tokens;
   Status s;
   for (int64_t i = 0; i < need && s.ok(); ++i) {
     auto b = engine_->pool()->Allocate();
@@ -413,7 +432,8 @@ void Worker::Impl::OnDecodeAdmission(const proto::DecodeAdmission& a) {
     buffers.layout.kv_heads = layout_.kv_heads;
     buffers.layout.slab_bytes = layout_.SlabBytes();
     buffers.local_heads = {0, layout_.kv_heads};
-    for (BlockId b : in.blocks) buffers.block_layer0.push_back(engine_->pool()->LayerData(b, 0).data());
+    for (BlockId b : in.blocks)
+      buffers.block_layer0.push_back(engine_->pool()->LayerData(b, 0).data());
     if (layout_.layers > 1) {
       buffers.layer_stride =
           engine_->pool()->LayerData(in.blocks[0], 1).data() - buffers.block_layer0[0];
@@ -617,9 +637,10 @@ Status Worker::Impl::Run(const std::atomic<bool>& stop) {
   while (!stop.load()) {
     // Sleep in Receive unless there is compute or KV to make progress on.
     const bool busy = engine_->HasWork() || !incoming_.empty();
-    auto wait = busy ? std::chrono::nanoseconds(incoming_.empty() || engine_->HasWork() ? 0 : 1000000)
-                     : std::chrono::nanoseconds(std::max<int64_t>(
-                           0, (next_heartbeat_ - Clock::now()).count()));
+    auto wait =
+        busy ? std::chrono::nanoseconds(incoming_.empty() || engine_->HasWork() ? 0 : 1000000)
+             : std::chrono::nanoseconds(
+                   std::max<int64_t>(0, (next_heartbeat_ - Clock::now()).count()));
     // Wake at least every 100 ms to notice `stop`.
     wait = std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));
     auto frame = conn_->Receive(Deadline::After(wait));

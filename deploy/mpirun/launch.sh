@@ -4,19 +4,24 @@
 # index from OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE.
 #
 #   deploy/mpirun/launch.sh [-P prefill] [-D decode] [-T tp] [-H hostfile] [-c coordinator-host]
-#                           [-m model] [-p http-port]
+#                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
+#                           [-k kv-dtype] [-t threads-per-worker]
+# Every process gets the same --kv-dtype (the coordinator's handshake rejects
+# workers whose KV layout differs).
 # Example (one machine, 2 cores): deploy/mpirun/launch.sh -P 1 -D 1
 # Example (hosts):               deploy/mpirun/launch.sh -H deploy/mpirun/hostfile.example -c node0 -P 2 -D 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1
-MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin
-while getopts "P:D:T:H:c:m:p:b:" opt; do
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
+while getopts "P:D:T:H:c:m:p:b:C:k:t:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
-    *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" >&2; exit 2 ;;
+    C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;;
+    *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
+            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads]" >&2; exit 2 ;;
   esac
 done
 if [ "$T" != 1 ]; then
@@ -31,6 +36,9 @@ KVHOST=127.0.0.1
 [ -n "$HOSTFILE" ] && KVHOST=0.0.0.0
 
 exec mpirun "${args[@]}" \
-  -np 1 "$BIN/kvrelay-coordinator" --model "$MODEL" --host "$COORD" --port "$PORT" --control-port "$CONTROL" : \
-  -np "$P" "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" : \
-  -np "$D" "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST"
+  -np 1 "$BIN/kvrelay-coordinator" --model "$MODEL" --host "$COORD" --port "$PORT" --control-port "$CONTROL" \
+    --kv-dtype "$KV" : \
+  -np "$P" "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
+    --kv-dtype "$KV" --threads "$THREADS" : \
+  -np "$D" "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
+    --kv-dtype "$KV" --threads "$THREADS"

@@ -1,0 +1,672 @@
+// The cluster end to end: a coordinator in cluster mode plus prefill, decode
+// and colocated worker processes (LocalLauncher, and mpirun through
+// deploy/mpirun/launch.sh), driven over HTTP and compared with the
+// single-process engine (engine::Engine in this process, same KV dtype).
+//
+// Skips when the real model file is absent. Every wait is bounded by a
+// deadline; polling loops re-check a condition until it holds or the deadline
+// passes.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/clock.h"
+#include "coordinator/engine_text_codec.h"
+#include "coordinator/http_client.h"
+#include "coordinator/sse.h"
+#include "deploy/local_launcher.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/model.h"
+
+namespace kvrelay {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+std::string SourceDir() { return KVRELAY_CLUSTER_SOURCE_DIR; }
+std::string BinDir() { return KVRELAY_CLUSTER_BIN_DIR; }
+std::string ModelPath() { return SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+std::string BuildDir() {
+  const char* d = std::getenv("KVRELAY_BINARY_DIR");
+  return d ? d : fs::path(BinDir()).parent_path().string();
+}
+
+constexpr const char* kKvDtype = "f32";
+
+// ---------------------------------------------------------------- reference
+
+// The model, codec and a reference engine shared by every test.
+struct Reference {
+  std::shared_ptr<const engine::Model> model;
+  std::unique_ptr<coordinator::EngineTextCodec> codec;
+  std::unique_ptr<engine::Engine> engine;
+  int next_id = 0;
+
+  // Greedy tokens of `prompt`, the request alone in the engine.
+  std::vector<int32_t> Greedy(const std::vector<int32_t>& prompt, int max_tokens) {
+    engine::RequestSpec spec;
+    spec.id = "ref-" + std::to_string(next_id++);
+    spec.prompt = prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = max_tokens;
+    spec.sampling.ignore_eos = true;
+    EXPECT_TRUE(engine->Submit(spec).ok());
+    std::vector<int32_t> out;
+    while (engine->HasWork()) {
+      auto events = engine->Step();
+      EXPECT_TRUE(events.ok()) << events.status().ToString();
+      if (!events.ok()) break;
+      for (const auto& e : *events) {
+        if (e.token >= 0) out.push_back(e.token);
+        if (e.finished) {
+          EXPECT_NE(e.finish_reason, engine::FinishReason::kError) << e.error.ToString();
+        }
+      }
+    }
+    return out;
+  }
+  std::string Text(const std::vector<int32_t>& tokens) const {
+    auto d = codec->NewDecoder();
+    std::string s;
+    for (int32_t t : tokens) s += d->Push(t);
+    return s + d->Flush();
+  }
+  std::vector<int32_t> Encode(const std::string& text) const {
+    auto r = codec->Encode(text, true);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : std::vector<int32_t>{};
+  }
+};
+
+Reference* g_ref = nullptr;
+
+Reference* GetReference() {
+  if (g_ref != nullptr) return g_ref;
+  if (!fs::exists(ModelPath())) return nullptr;
+  auto model = engine::Model::Load(ModelPath());
+  if (!model.ok()) {
+    ADD_FAILURE() << model.status().ToString();
+    return nullptr;
+  }
+  auto* ref = new Reference();
+  ref->model = std::shared_ptr<const engine::Model>(std::move(*model));
+  ref->codec = std::make_unique<coordinator::EngineTextCodec>(ref->model->tokenizer(),
+                                                              ref->model->chat_template());
+  engine::EngineOptions eo;
+  eo.model_path = ModelPath();
+  auto dtype = engine::ParseKvDtype(kKvDtype);
+  EXPECT_TRUE(dtype.ok());
+  eo.kv_dtype = *dtype;
+  eo.kv_capacity_bytes = 128 << 20;
+  eo.threads = 1;
+  auto eng = engine::Engine::Create(eo, ref->model);
+  if (!eng.ok()) {
+    ADD_FAILURE() << eng.status().ToString();
+    delete ref;
+    return nullptr;
+  }
+  ref->engine = std::move(*eng);
+  g_ref = ref;
+  return g_ref;
+}
+
+// Prompts: short, > 16 tokens (more than one KV block), > 300 tokens.
+std::vector<std::string> GreedyPrompts() {
+  std::string long_prompt = "Here are some notes about the history of several European cities. ";
+  const char* cities[] = {"Paris",  "Berlin", "Madrid", "Rome", "Vienna",   "Prague",   "Lisbon",
+                          "Warsaw", "Dublin", "Athens", "Oslo", "Helsinki", "Brussels", "Bern"};
+  for (int round = 0; round < 3; ++round) {
+    for (const char* c : cities) {
+      long_prompt += std::string(c) + " grew around its river and market in century " +
+                     std::to_string(10 + round) + ". ";
+    }
+  }
+  long_prompt += "In summary, the oldest of these cities is";
+  return {"The capital of France is",
+          "Write a short poem about the sea, the wind and the small boats that sail out every "
+          "morning before the sun rises over the hills:",
+          "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", long_prompt};
+}
+
+// ---------------------------------------------------------------- HTTP helpers
+
+coordinator::HttpCallSpec Post(uint16_t port, const std::string& target, const json& body,
+                               int timeout_ms = 300'000) {
+  coordinator::HttpCallSpec spec;
+  spec.method = "POST";
+  spec.port = port;
+  spec.target = target;
+  spec.body = body.dump();
+  spec.headers = {{"Content-Type", "application/json"}};
+  spec.timeout_ms = timeout_ms;
+  return spec;
+}
+
+json CompletionBody(const std::vector<int32_t>& prompt, int max_tokens, bool stream) {
+  return {{"model", fs::path(ModelPath()).stem().string()},
+          {"prompt", prompt},
+          {"max_tokens", max_tokens},
+          {"temperature", 0},
+          {"ignore_eos", true},
+          {"stream", stream}};
+}
+
+struct CompletionOutcome {
+  int http_status = 0;
+  std::string text;
+  int completion_tokens = -1;
+  std::string finish_reason;
+  std::string error;  // transport error or an error event / error body
+};
+
+// Non-streaming /v1/completions.
+CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, int max_tokens) {
+  CompletionOutcome out;
+  json body = CompletionBody(prompt, max_tokens, false);
+  auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
+  if (!r.ok()) {
+    out.error = r.status().ToString();
+    return out;
+  }
+  out.http_status = r->status;
+  json j = json::parse(r->body, nullptr, false);
+  if (r->status != 200 || j.is_discarded()) {
+    out.error = r->body;
+    return out;
+  }
+  out.text = j["choices"][0]["text"];
+  out.finish_reason = j["choices"][0]["finish_reason"];
+  out.completion_tokens = j["usage"]["completion_tokens"];
+  return out;
+}
+
+struct StreamOutcome {
+  int http_status = 0;
+  std::string text;
+  int chunks = 0;  // events with text
+  bool done = false;
+  std::string error;  // an error event, or the transport status
+  Clock::time_point ended;
+};
+
+// Streaming /v1/completions. `keep_going` is asked after every body piece;
+// false closes the connection (the client goes away).
+StreamOutcome Stream(uint16_t port, const std::vector<int32_t>& prompt, int max_tokens,
+                     const std::function<bool(const StreamOutcome&)>& keep_going = {},
+                     int timeout_ms = 300'000) {
+  StreamOutcome out;
+  coordinator::SseParser parser;
+  json body = CompletionBody(prompt, max_tokens, true);
+  auto r = coordinator::HttpCall(
+      Post(port, "/v1/completions", body, timeout_ms), [&](std::string_view piece) {
+        if (!parser.Feed(piece)) return false;
+        while (auto e = parser.Next()) {
+          if (*e == "[DONE]") {
+            out.done = true;
+            continue;
+          }
+          json j = json::parse(*e, nullptr, false);
+          if (j.is_discarded()) continue;
+          if (j.contains("error")) out.error = j["error"].dump();
+          if (j.contains("choices") && !j["choices"].empty() && j["choices"][0].contains("text")) {
+            std::string t = j["choices"][0]["text"];
+            if (!t.empty()) {
+              out.text += t;
+              ++out.chunks;
+            }
+          }
+        }
+        return !keep_going || keep_going(out);
+      });
+  out.ended = Clock::now();
+  if (!r.ok()) {
+    if (out.error.empty()) out.error = r.status().ToString();
+  } else {
+    out.http_status = r->status;
+    if (r->status != 200 && out.error.empty()) out.error = r->body;
+  }
+  return out;
+}
+
+// Gauge values of one metric, by the `worker` label.
+std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name) {
+  std::map<std::string, double> out;
+  coordinator::HttpCallSpec spec;
+  spec.port = port;
+  spec.target = "/metrics";
+  spec.timeout_ms = 10'000;
+  auto r = coordinator::HttpCall(spec);
+  if (!r.ok() || r->status != 200) return out;
+  std::istringstream in(r->body);
+  std::string line;
+  const std::string prefix = name + "{";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    auto w = line.find("worker=\"");
+    auto close = line.find('}');
+    if (w == std::string::npos || close == std::string::npos) continue;
+    auto wend = line.find('"', w + 8);
+    std::string worker = line.substr(w + 8, wend - (w + 8));
+    out[worker] = std::strtod(line.c_str() + close + 1, nullptr);
+  }
+  return out;
+}
+
+// Polls `cond` until it holds or `timeout` passes.
+bool WaitFor(const std::function<bool()>& cond, milliseconds timeout) {
+  Deadline deadline = Deadline::After(timeout);
+  while (!deadline.Expired()) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return cond();
+}
+
+// utime + stime of `pid` in seconds, from /proc/<pid>/stat.
+double CpuSeconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  auto rp = s.rfind(')');
+  if (rp == std::string::npos) return 0;
+  std::istringstream in(s.substr(rp + 2));
+  std::string field;
+  long long utime = 0, stime = 0;
+  // Fields after the command: state(3) ... utime(14) stime(15).
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::atoll(field.c_str());
+    if (i == 15) stime = std::atoll(field.c_str());
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+std::unique_ptr<deploy::LocalLauncher> StartCluster(int prefill, int decode, int colocated,
+                                                    const std::string& router = "prefix_aware") {
+  deploy::LaunchOptions o;
+  o.model_path = ModelPath();
+  o.port = 0;
+  o.control_port = 0;
+  o.prefill = prefill;
+  o.decode = decode;
+  o.colocated = colocated;
+  o.threads_per_worker = 1;
+  o.kv_dtype = kKvDtype;
+  o.kv_capacity_mb = 128;
+  o.router = router;
+  o.bin_dir = BinDir();
+  auto l = std::make_unique<deploy::LocalLauncher>(o);
+  Status st = l->Start();
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  if (!st.ok()) return nullptr;
+  return l;
+}
+
+// ---------------------------------------------------------------- fixtures
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ref_ = GetReference();
+    if (ref_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  }
+
+  // Every GreedyPrompts() output through the cluster equals the engine's.
+  void ExpectGreedyMatchesEngine(uint16_t port) {
+    constexpr int kTokens = 24;
+    for (const std::string& p : GreedyPrompts()) {
+      std::vector<int32_t> prompt = ref_->Encode(p);
+      std::vector<int32_t> expected = ref_->Greedy(prompt, kTokens);
+      ASSERT_EQ(expected.size(), static_cast<size_t>(kTokens));
+      CompletionOutcome got = Complete(port, prompt, kTokens);
+      ASSERT_EQ(got.http_status, 200) << got.error;
+      EXPECT_EQ(got.completion_tokens, kTokens) << "prompt of " << prompt.size() << " tokens";
+      EXPECT_EQ(got.finish_reason, "length");
+      EXPECT_EQ(got.text, ref_->Text(expected)) << "prompt of " << prompt.size() << " tokens";
+      // Streaming returns the same text.
+      StreamOutcome s = Stream(port, prompt, kTokens);
+      EXPECT_TRUE(s.done) << s.error;
+      EXPECT_TRUE(s.error.empty()) << s.error;
+      EXPECT_EQ(s.text, got.text);
+    }
+  }
+
+  Reference* ref_ = nullptr;
+};
+
+TEST_F(ClusterTest, PromptsCoverMultipleBlocksAndLongContext) {
+  std::vector<std::string> prompts = GreedyPrompts();
+  size_t longest = 0, over16 = 0;
+  for (const auto& p : prompts) {
+    size_t n = ref_->Encode(p).size();
+    longest = std::max(longest, n);
+    if (n > 16) ++over16;
+  }
+  EXPECT_GT(longest, 300u);
+  EXPECT_GE(over16, 2u);
+}
+
+TEST_F(ClusterTest, ColocatedGreedyMatchesEngine) {
+  auto cluster = StartCluster(0, 0, 1);
+  ASSERT_NE(cluster, nullptr);
+  ExpectGreedyMatchesEngine(cluster->http_port());
+}
+
+// One disaggregated cluster (1 prefill, 2 decode) shared by the tests below.
+class DisaggregatedTest : public ClusterTest {
+ protected:
+  static void TearDownTestSuite() { cluster_.reset(); }
+  void SetUp() override {
+    ClusterTest::SetUp();
+    if (IsSkipped()) return;
+    if (cluster_ == nullptr) cluster_ = StartCluster(1, 2, 0);
+    ASSERT_NE(cluster_, nullptr);
+    port_ = cluster_->http_port();
+  }
+  static inline std::unique_ptr<deploy::LocalLauncher> cluster_;
+  uint16_t port_ = 0;
+};
+
+TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
+  // Let start-up work settle: the workers have registered (health is ok) and
+  // no request is running; then measure all processes over a 5 s window.
+  std::vector<pid_t> pids = cluster_->processes().LivePids();
+  ASSERT_EQ(pids.size(), 4u);
+  double before = 0;
+  for (pid_t p : pids) before += CpuSeconds(p);
+  auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(5));  // the measurement window
+  double after = 0;
+  for (pid_t p : pids) after += CpuSeconds(p);
+  double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  double cores = (after - before) / wall;
+  std::printf("idle cluster: %.4f CPU-seconds over %.2f s = %.2f%% of one core\n", after - before,
+              wall, 100 * cores);
+  EXPECT_LT(cores, 0.05);
+}
+
+TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
+
+TEST_F(DisaggregatedTest, ConcurrentStreamsEqualSoloOutputs) {
+  constexpr int kDistinct = 16;
+  constexpr int kTokens = 16;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kDistinct; ++i) {
+    prompts.push_back(ref_->Encode("Question " + std::to_string(i) + ": what is " +
+                                   std::to_string(i * 7 + 3) + " plus " + std::to_string(i + 11) +
+                                   "? Answer:"));
+  }
+  std::vector<std::string> solo(kDistinct);
+  for (int i = 0; i < kDistinct; ++i) {
+    StreamOutcome s = Stream(port_, prompts[i], kTokens);
+    ASSERT_TRUE(s.done) << s.error;
+    solo[i] = s.text;
+  }
+  constexpr int kConcurrent = 32;
+  std::vector<StreamOutcome> results(kConcurrent);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kConcurrent; ++i) {
+    threads.emplace_back([&, i] { results[i] = Stream(port_, prompts[i % kDistinct], kTokens); });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kConcurrent; ++i) {
+    EXPECT_TRUE(results[i].done) << "request " << i << ": " << results[i].error;
+    EXPECT_TRUE(results[i].error.empty()) << "request " << i << ": " << results[i].error;
+    EXPECT_EQ(results[i].text, solo[i % kDistinct]) << "request " << i;
+  }
+}
+
+TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
+  const std::string gauge = "kvrelay_worker_kv_utilization";
+  // Baseline: nothing running (unreferenced prefix-cache blocks count as free).
+  std::map<std::string, double> baseline;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        baseline = WorkerGauge(port_, gauge);
+        return baseline.size() == 3;
+      },
+      milliseconds(10'000)));
+  std::vector<int32_t> prompt =
+      ref_->Encode("Tell me a very long story about a lighthouse keeper and his cat.");
+  std::atomic<bool> disconnect{false};
+  StreamOutcome outcome;
+  std::thread client([&] {
+    outcome = Stream(port_, prompt, 2000, [&](const StreamOutcome&) { return !disconnect.load(); });
+  });
+  // Mid-stream the decode worker holds blocks (seen through its heartbeats).
+  bool busy = WaitFor(
+      [&] {
+        auto now = WorkerGauge(port_, gauge);
+        for (const auto& [w, v] : now) {
+          if (w.rfind("decode-", 0) == 0 && v > baseline[w]) return true;
+        }
+        return false;
+      },
+      milliseconds(60'000));
+  disconnect = true;
+  client.join();
+  ASSERT_TRUE(busy) << "no decode worker reported KV in use during the stream";
+  EXPECT_FALSE(outcome.done) << "the stream finished before the client went away";
+  // After the disconnect every worker is back at its baseline.
+  std::map<std::string, double> last;
+  bool freed = WaitFor(
+      [&] {
+        last = WorkerGauge(port_, gauge);
+        if (last.size() != baseline.size()) return false;
+        for (const auto& [w, v] : last) {
+          if (v > baseline[w] + 1e-9) return false;
+        }
+        return true;
+      },
+      milliseconds(15'000));
+  std::string report;
+  for (const auto& [w, v] : last) {
+    report += w + "=" + std::to_string(v) + " (baseline " + std::to_string(baseline[w]) + ") ";
+  }
+  EXPECT_TRUE(freed) << "KV still held after the client disconnected: " << report;
+  // And the cluster still serves.
+  CompletionOutcome after = Complete(port_, prompt, 4);
+  EXPECT_EQ(after.http_status, 200) << after.error;
+}
+
+TEST_F(DisaggregatedTest, OfficialPythonClient) {
+  // A venv with the `openai` package: $KVRELAY_OPENAI_VENV, else one created
+  // (pip install openai) under the build directory.
+  const char* env_venv = std::getenv("KVRELAY_OPENAI_VENV");
+  const std::string venv = env_venv ? env_venv : BuildDir() + "/openai-venv";
+  auto run = [](const std::string& cmd, std::string* out) {
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) return -1;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  std::string log;
+  if (!fs::exists(venv + "/bin/python")) {
+    if (run("python3 -m venv '" + venv + "' 2>&1 && '" + venv + "/bin/pip' install -q openai 2>&1",
+            &log) != 0) {
+      GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
+    }
+  }
+  coordinator::HttpCallSpec models;
+  models.port = port_;
+  models.target = "/v1/models";
+  auto m = coordinator::HttpCall(models);
+  ASSERT_TRUE(m.ok() && m->status == 200);
+  std::string name = json::parse(m->body)["data"][0]["id"];
+  std::string out;
+  const std::string script = SourceDir() + "/tests/integration/coordinator/openai_client_check.py";
+  int rc = run("'" + venv + "/bin/python' '" + script +
+                   "' http://127.0.0.1:" + std::to_string(port_) + "/v1 '" + name + "'",
+               &out);
+  if (rc != 0 && out.find("No module named 'openai'") != std::string::npos) GTEST_SKIP() << out;
+  ASSERT_EQ(rc, 0) << out;
+  json j = json::parse(out);
+  EXPECT_EQ(j["chat"]["object"], "chat.completion");
+  EXPECT_EQ(j["chat"]["role"], "assistant");
+  EXPECT_FALSE(j["chat"]["content"].get<std::string>().empty());
+  EXPECT_EQ(j["chat_stream"]["content"], j["chat"]["content"]);
+  EXPECT_EQ(j["chat_stream"]["completion_tokens"], j["chat"]["completion_tokens"]);
+  EXPECT_EQ(j["completion"]["object"], "text_completion");
+  EXPECT_EQ(j["completion_stream"]["text"], j["completion"]["text"]);
+  // The completion equals the engine's greedy continuation (same 8-token budget,
+  // unless the model ended earlier).
+  std::vector<int32_t> prompt = ref_->Encode("The capital of France is");
+  EXPECT_EQ(j["completion"]["prompt_tokens"], prompt.size());
+  std::string expected = ref_->Text(ref_->Greedy(prompt, 8));
+  std::string got = j["completion"]["text"];
+  EXPECT_EQ(expected.rfind(got, 0), 0u) << "cluster '" << got << "' vs engine '" << expected << "'";
+  if (j["completion"]["finish_reason"] == "length") {
+    EXPECT_EQ(got, expected);
+  }
+  EXPECT_EQ(j["models"], json::array({name}));
+  EXPECT_EQ(j["unknown_model"]["status"], 404);
+  EXPECT_EQ(j["bad_max_tokens"]["status"], 400);
+}
+
+// Killing a decode worker mid-stream: its requests end with an error within
+// 10 s; requests on the other decode worker complete; new requests are served.
+TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
+  auto cluster = StartCluster(1, 2, 0);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  constexpr int kRequests = 4;
+  constexpr int kTokens = 300;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(
+        ref_->Encode("Story number " + std::to_string(i) + ": once upon a time in a faraway land"));
+  }
+  std::vector<StreamOutcome> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
+  }
+  // Both decode workers are decoding something.
+  bool both = WaitFor(
+      [&] {
+        auto running = WorkerGauge(port, "kvrelay_worker_running");
+        return running["decode-0"] >= 1 && running["decode-1"] >= 1;
+      },
+      milliseconds(60'000));
+  const pid_t victim = cluster->processes().Pid("decode-0");
+  ASSERT_GT(victim, 0);
+  const auto killed_at = Clock::now();
+  if (both) kill(victim, SIGKILL);
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(both) << "the router did not spread 4 requests over both decode workers";
+  int errored = 0, completed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    const StreamOutcome& r = results[i];
+    if (!r.error.empty()) {
+      ++errored;
+      EXPECT_FALSE(r.done && r.chunks >= kTokens) << "request " << i;
+      double after_kill = std::chrono::duration<double>(r.ended - killed_at).count();
+      EXPECT_LT(after_kill, 10.0) << "request " << i << " ended " << after_kill
+                                  << " s after the kill: " << r.error;
+    } else {
+      ++completed;
+      EXPECT_TRUE(r.done) << "request " << i;
+    }
+  }
+  EXPECT_GE(errored, 1);
+  EXPECT_GE(completed, 1);
+  // The surviving decode worker takes new requests.
+  CompletionOutcome after = Complete(port, prompts[0], 8);
+  EXPECT_EQ(after.http_status, 200) << after.error;
+  EXPECT_EQ(after.completion_tokens, 8);
+}
+
+// deploy/mpirun/launch.sh: coordinator + 1 prefill + 1 decode under mpirun.
+TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  auto http = deploy::PickFreePort();
+  auto control = deploy::PickFreePort();
+  ASSERT_TRUE(http.ok() && control.ok());
+  std::vector<std::string> args = {"/bin/bash", SourceDir() + "/deploy/mpirun/launch.sh",
+                                   "-P",        "1",
+                                   "-D",        "1",
+                                   "-b",        BinDir(),
+                                   "-m",        ModelPath(),
+                                   "-p",        std::to_string(*http),
+                                   "-C",        std::to_string(*control),
+                                   "-k",        kKvDtype,
+                                   "-t",        "1"};
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    setpgid(0, 0);  // its own process group: mpirun and every rank are stopped together
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  bool exited = false;
+  auto health = [&]() -> int {
+    coordinator::HttpCallSpec spec;
+    spec.port = *http;
+    spec.target = "/health";
+    spec.timeout_ms = 1000;
+    auto r = coordinator::HttpCall(spec);
+    return r.ok() ? r->status : 0;
+  };
+  bool ready = WaitFor(
+      [&] {
+        int status = 0;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+          exited = true;
+          return true;
+        }
+        return health() == 200;
+      },
+      milliseconds(120'000));
+  if (ready && !exited) {
+    std::vector<int32_t> prompt = ref_->Encode(GreedyPrompts()[1]);
+    std::vector<int32_t> expected = ref_->Greedy(prompt, 16);
+    CompletionOutcome got = Complete(*http, prompt, 16);
+    EXPECT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, ref_->Text(expected));
+  }
+  // Shut down: SIGTERM to the group, SIGKILL if it lingers.
+  kill(-pid, SIGTERM);
+  bool reaped = exited || WaitFor(
+                              [&] {
+                                int status = 0;
+                                return waitpid(pid, &status, WNOHANG) == pid;
+                              },
+                              milliseconds(20'000));
+  if (!reaped) {
+    kill(-pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+  }
+  kill(-pid, SIGKILL);  // anything left in the group
+  EXPECT_TRUE(ready && !exited) << "mpirun cluster did not become healthy";
+  EXPECT_TRUE(reaped) << "mpirun did not stop within 20 s of SIGTERM";
+  // Nothing serves on the port any more.
+  EXPECT_TRUE(WaitFor([&] { return health() == 0; }, milliseconds(10'000)));
+}
+
+}  // namespace
+}  // namespace kvrelay
