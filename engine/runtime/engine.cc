@@ -386,12 +386,19 @@ class Engine::Impl {
 void Engine::Impl::Schedule() {
   int64_t budget = options_.max_step_tokens;
   for (auto& s : running_) s->chunk = 0;
-  // 1. Running sequences, oldest first: decode tokens and prefill chunks.
+  // 1. Running sequences: decode tokens, then prefill chunks.
   //    When blocks run out, preempt the youngest (possibly the sequence itself).
   std::vector<Sequence*> order;
   for (auto& s : running_) order.push_back(s.get());
-  std::sort(order.begin(), order.end(),
-            [](const Sequence* a, const Sequence* b) { return a->arrival < b->arrival; });
+  // Decoding sequences (one pending token) first so a long prefill never
+  // stalls the running batch; then prefill chunks, oldest first.
+  auto decoding = [](const Sequence* x) {
+    return static_cast<int64_t>(x->tokens.size()) - x->n_computed <= 1;
+  };
+  std::sort(order.begin(), order.end(), [&](const Sequence* a, const Sequence* b) {
+    if (decoding(a) != decoding(b)) return decoding(a);
+    return a->arrival < b->arrival;
+  });
   for (Sequence* s : order) {
     if (budget <= 0) break;
     // Still running? (It may have been preempted below for an older one.)
