@@ -76,7 +76,9 @@ class Tokenizer {
   //  add_special: add BOS (and EOS) when the vocabulary asks for it (add_bos/add_eos).
   //  parse_special: control tokens written in the text ("<|im_start|>") become their
   //  ids; otherwise they are tokenized as plain text. User-defined tokens always match.
-  // Any byte string is accepted (invalid UTF-8 is encoded byte by byte).
+  // Any byte string is accepted: invalid UTF-8 is encoded byte by byte, and a
+  // byte-level vocabulary that lacks a byte's token drops that byte (as llama.cpp;
+  // SmolLM2 has no token for 0x04 0x06 0x13 0x14 0x16 0x1D 0xC0 0xC1 0xF1 0xF2 0xF5-0xFF).
   std::vector<int32_t> Encode(std::string_view text, bool add_special, bool parse_special) const;
 
   // The raw bytes a token stands for (a piece may be an incomplete UTF-8 sequence).

@@ -106,16 +106,16 @@ void Tokenizer::BpeWord(std::string_view word, std::vector<int32_t>* out) const 
       out->push_back(id);
       continue;
     }
-    // Not a token (a vocabulary without every merge result): one token per character.
+    // Not a token (a vocabulary without every merge result): one token per
+    // character. A byte the vocabulary has no token for is dropped, as llama.cpp
+    // does (SmolLM2, for one, has none for bytes that never occur in valid UTF-8
+    // and for a few control characters; its "unknown" id is <|endoftext|>, which
+    // must not appear in a prompt).
     for (size_t pos = 0; pos < piece.size();) {
       const size_t len = std::min(piece.size() - pos,
                                   utf8::SequenceLength(static_cast<unsigned char>(piece[pos])));
       const int32_t cid = TextToId(piece.substr(pos, len));
-      if (cid >= 0) {
-        out->push_back(cid);
-      } else if (vocab_.unk_id >= 0) {
-        out->push_back(vocab_.unk_id);
-      }
+      if (cid >= 0) out->push_back(cid);
       pos += len;
     }
   }

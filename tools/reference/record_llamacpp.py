@@ -109,6 +109,7 @@ CORPUS = [
     "tab\u000bvt\u0085nel\u2028ls",
     "\U0001F9D1\u200d\U0001F4BB\U0001F3F3\ufe0f\u200d\U0001F308 \u2764",
     "mixed\u4e2d\u6587English\u0420\u0443\u0441123abc",
+    "ctrl\x04\x06\x13\x14\x16\x1d chars\x00nul\x7fdel",
     LONG_TEXT,
 ]
 

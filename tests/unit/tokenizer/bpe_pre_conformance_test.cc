@@ -46,7 +46,12 @@ TEST_P(BpePreConformanceTest, IdsMatchLlamaCpp) {
         << pre << ": text " << nlohmann::json(text).dump() << " add_special=" << add_special
         << " parse_special=" << parse_special;
     if (!add_special) {
-      EXPECT_EQ((*tok)->Decode(want), text);
+      // Bytes without a token in the vocabulary are dropped (as llama.cpp).
+      std::string representable;
+      for (char c : text) {
+        if (!(*tok)->Encode(std::string(1, c), false, false).empty()) representable.push_back(c);
+      }
+      EXPECT_EQ((*tok)->Decode(want), representable);
     }
     ++checked;
   }
