@@ -127,7 +127,10 @@ struct ClusterBackend::State {
     SendTo(w->conn, MessageType::kCancel, c);
   }
 
-  void DropWorker(const std::string& id, const Status& reason, PendingEvents& out) {
+  void DropWorker(const std::string& worker_id, const Status& reason, PendingEvents& out) {
+    // A copy: callers pass references into `workers` / `conn_worker`, which
+    // are erased below.
+    const std::string id = worker_id;
     auto it = workers.find(id);
     if (it == workers.end()) return;
     LOG_WARNING << "worker " << id << " lost: " << reason.ToString();

@@ -220,7 +220,8 @@ Status Worker::Impl::Connect() {
   ASSIGN_OR_RETURN(
       conn_, protocols::FramedConnection::Connect(*io_, options_.coordinator_host,
                                                   options_.coordinator_port, copts, deadline));
-  conn_->Start();
+  // Connect() has already started reading; a second Start() would run two
+  // concurrent reads on one socket and corrupt the frame stream under load.
   RETURN_IF_ERROR(
       protocols::ClientHandshake(*conn_, options_.worker_id, peer_config_, {}, deadline).status());
   proto::RegisterWorker reg;
