@@ -405,35 +405,6 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
 
-TEST_F(DisaggregatedTest, ConcurrentStreamsEqualSoloOutputs) {
-  constexpr int kDistinct = 16;
-  constexpr int kTokens = 16;
-  std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < kDistinct; ++i) {
-    prompts.push_back(ref_->Encode("Question " + std::to_string(i) + ": what is " +
-                                   std::to_string(i * 7 + 3) + " plus " + std::to_string(i + 11) +
-                                   "? Answer:"));
-  }
-  std::vector<std::string> solo(kDistinct);
-  for (int i = 0; i < kDistinct; ++i) {
-    StreamOutcome s = Stream(port_, prompts[i], kTokens);
-    ASSERT_TRUE(s.done) << s.error;
-    solo[i] = s.text;
-  }
-  constexpr int kConcurrent = 32;
-  std::vector<StreamOutcome> results(kConcurrent);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kConcurrent; ++i) {
-    threads.emplace_back([&, i] { results[i] = Stream(port_, prompts[i % kDistinct], kTokens); });
-  }
-  for (auto& t : threads) t.join();
-  for (int i = 0; i < kConcurrent; ++i) {
-    EXPECT_TRUE(results[i].done) << "request " << i << ": " << results[i].error;
-    EXPECT_TRUE(results[i].error.empty()) << "request " << i << ": " << results[i].error;
-    EXPECT_EQ(results[i].text, solo[i % kDistinct]) << "request " << i;
-  }
-}
-
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   const std::string gauge = "kvrelay_worker_kv_utilization";
   // Baseline: nothing running (unreferenced prefix-cache blocks count as free).
@@ -542,6 +513,37 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
   EXPECT_EQ(j["models"], json::array({name}));
   EXPECT_EQ(j["unknown_model"]["status"], 404);
   EXPECT_EQ(j["bad_max_tokens"]["status"], 400);
+}
+
+// Last on the shared cluster: a failure here (a lost worker) must not fail the
+// tests above.
+TEST_F(DisaggregatedTest, ConcurrentStreamsEqualSoloOutputs) {
+  constexpr int kDistinct = 16;
+  constexpr int kTokens = 16;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kDistinct; ++i) {
+    prompts.push_back(ref_->Encode("Question " + std::to_string(i) + ": what is " +
+                                   std::to_string(i * 7 + 3) + " plus " + std::to_string(i + 11) +
+                                   "? Answer:"));
+  }
+  std::vector<std::string> solo(kDistinct);
+  for (int i = 0; i < kDistinct; ++i) {
+    StreamOutcome s = Stream(port_, prompts[i], kTokens);
+    ASSERT_TRUE(s.done) << s.error;
+    solo[i] = s.text;
+  }
+  constexpr int kConcurrent = 32;
+  std::vector<StreamOutcome> results(kConcurrent);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kConcurrent; ++i) {
+    threads.emplace_back([&, i] { results[i] = Stream(port_, prompts[i % kDistinct], kTokens); });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kConcurrent; ++i) {
+    EXPECT_TRUE(results[i].done) << "request " << i << ": " << results[i].error;
+    EXPECT_TRUE(results[i].error.empty()) << "request " << i << ": " << results[i].error;
+    EXPECT_EQ(results[i].text, solo[i % kDistinct]) << "request " << i;
+  }
 }
 
 // Killing a decode worker mid-stream: its requests end with an error within
