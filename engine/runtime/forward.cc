@@ -5,6 +5,7 @@
 #include <string>
 
 #include "engine/kernels/matmul.h"
+#include "engine/kernels/ops.h"
 
 namespace kvrelay::engine {
 namespace {
@@ -158,9 +159,12 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
         RmsNorm(x_.data() + t * d, w.attn_norm_w.data(), d, c.rms_eps, xn_.data() + t * d);
       }
     });
-    MatMul(*w.wq, xn_.data(), T, q_.data(), threads_);
-    MatMul(*w.wk, xn_.data(), T, k_.data(), threads_);
-    MatMul(*w.wv, xn_.data(), T, v_.data(), threads_);
+    {
+      // One activation quantization and one parallel section for Q, K and V.
+      const GgufTensor* ws[] = {w.wq, w.wk, w.wv};
+      float* ys[] = {q_.data(), k_.data(), v_.data()};
+      MatMulShared(ws, xn_.data(), T, ys, threads_);
+    }
     AddBias(q_.data(), w.bq, T);
     AddBias(k_.data(), w.bk, T);
     AddBias(v_.data(), w.bv, T);
@@ -189,13 +193,17 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
         RmsNorm(x_.data() + t * d, w.ffn_norm_w.data(), d, c.rms_eps, xn_.data() + t * d);
       }
     });
-    MatMul(*w.ffn_gate, xn_.data(), T, gate_.data(), threads_);
-    MatMul(*w.ffn_up, xn_.data(), T, up_.data(), threads_);
-    const int64_t nf = T * c.ffn_dim;
-    for (int64_t i = 0; i < nf; ++i) {
-      const float g = gate_[i];
-      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    {
+      const GgufTensor* ws[] = {w.ffn_gate, w.ffn_up};
+      float* ys[] = {gate_.data(), up_.data()};
+      MatMulShared(ws, xn_.data(), T, ys, threads_);
     }
+    ParallelFor(threads_, T * c.ffn_dim, [&](int64_t a, int64_t b, int) {
+      for (int64_t i = a; i < b; ++i) {
+        const float g = gate_[i];
+        gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+      }
+    });
     MatMul(*w.ffn_down, gate_.data(), T, proj_.data(), threads_);
     for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
   }
