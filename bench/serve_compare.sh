@@ -67,10 +67,18 @@ print(f'{name:<34} rate {str(r["rate"]):>4}  ok {r["completed"]:>3}/{r["num_prom
 EOF
 }
 
-run_load() {  # run_load NAME RATE [extra bench flags]
-  local name=$1 rate=$2; shift 2
+warmup() {  # a few requests (own seed, not reported) so page faults and lazy init are not timed
+  "$KVRELAY" bench serve --url "http://127.0.0.1:$PORT" --rate inf --num-prompts 2 \
+    --input-len "$IN" --output-len 4 --seed 999 >/dev/null
+}
+
+# run_load NAME RATE SEED [extra bench flags]. Each rate uses its own seed (other
+# prompts), so a run never hits the prefix cache filled by the previous one;
+# colocated and disaggregated see the same seeds, i.e. the same workload.
+run_load() {
+  local name=$1 rate=$2 seed=$3; shift 3
   "$KVRELAY" bench serve --url "http://127.0.0.1:$PORT" --rate "$rate" --num-prompts "$N" \
-    --input-len "$IN" --output-len "$OUTLEN" --seed 1 --json "$OUT/$name-rate$rate.json" "$@" \
+    --input-len "$IN" --output-len "$OUTLEN" --seed "$seed" --json "$OUT/$name-rate$rate.json" "$@" \
     >"$OUT/$name-rate$rate.txt"
   summary "$name" "$OUT/$name-rate$rate.json"
 }
@@ -79,16 +87,19 @@ echo "# kvrelay cluster serving, $(date -u +%FT%TZ), $(grep -m1 'model name' /pr
 echo "# N=$N input=$IN output=$OUTLEN; kv f16; 1 engine thread per worker"
 
 start_cluster colocated --colocated "$COLOC" --prefill 0 --decode 0
-for r in $RATES; do run_load "colocated-x$COLOC" "$r"; done
+warmup
+seed=1; for r in $RATES; do run_load "colocated-x$COLOC" "$r" $seed; seed=$((seed + 1)); done
 stop_cluster
 
 start_cluster disagg --prefill 1 --decode 1
-for r in $RATES; do run_load "disagg-1p1d" "$r"; done
+warmup
+seed=1; for r in $RATES; do run_load "disagg-1p1d" "$r" $seed; seed=$((seed + 1)); done
 stop_cluster
 
 MID=$(echo "$RATES" | awk '{print $2 ? $2 : $1}')
 for router in prefix_aware round_robin; do
   start_cluster "prefix-$router" --prefill 2 --decode 1 --router "$router"
-  run_load "shared-prefix-2p1d-$router" "$MID" --shared-prefix "$SHARED"
+  warmup
+  run_load "shared-prefix-2p1d-$router" "$MID" 7 --shared-prefix "$SHARED"
   stop_cluster
 done
