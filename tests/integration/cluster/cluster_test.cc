@@ -407,14 +407,30 @@ TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_
 
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   const std::string gauge = "kvrelay_worker_kv_utilization";
-  // Baseline: nothing running (unreferenced prefix-cache blocks count as free).
+  auto all_idle = [&] {
+    auto running = WorkerGauge(port_, "kvrelay_worker_running");
+    if (running.size() != 3) return false;
+    for (const auto& [w, v] : running) {
+      if (v != 0) return false;
+    }
+    return true;
+  };
+  // Baseline: nothing running and the heartbeat-fed gauges unchanged for three
+  // heartbeat intervals (so it is not a stale reading from an earlier test).
+  // Unreferenced prefix-cache blocks count as free.
   std::map<std::string, double> baseline;
+  auto stable_since = Clock::now();
   ASSERT_TRUE(WaitFor(
       [&] {
-        baseline = WorkerGauge(port_, gauge);
-        return baseline.size() == 3;
+        auto now = WorkerGauge(port_, gauge);
+        if (now != baseline || now.size() != 3 || !all_idle()) {
+          baseline = now;
+          stable_since = Clock::now();
+          return false;
+        }
+        return Clock::now() - stable_since >= milliseconds(1500);
       },
-      milliseconds(10'000)));
+      milliseconds(30'000)));
   std::vector<int32_t> prompt =
       ref_->Encode("Tell me a very long story about a lighthouse keeper and his cat.");
   std::atomic<bool> disconnect{false};
@@ -441,7 +457,7 @@ TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   bool freed = WaitFor(
       [&] {
         last = WorkerGauge(port_, gauge);
-        if (last.size() != baseline.size()) return false;
+        if (last.size() != baseline.size() || !all_idle()) return false;
         for (const auto& [w, v] : last) {
           if (v > baseline[w] + 1e-9) return false;
         }
