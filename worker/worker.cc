@@ -130,6 +130,11 @@ class Worker::Impl {
                   int64_t prompt_tokens = 0, int64_t completion_tokens = 0);
 
   Status Connect();
+  // The whole prompt's KV of one request, every head, as a layer stream: the
+  // sender names the decode side's blocks (dst), the receiver its own.
+  kv_transfer::StreamSpec MakeStreamSpec(uint64_t id, const std::vector<BlockId>& dst) const;
+  // Where those blocks live in this worker's pool.
+  kv_transfer::StreamBuffers MakeStreamBuffers(std::span<const BlockId> blocks) const;
   void HandleFrame(const protocols::Frame& frame);
   void OnPrefillTask(const proto::PrefillTask& task);
   void OnDecodeAdmission(const proto::DecodeAdmission& a);
@@ -211,6 +216,34 @@ Status Worker::Impl::Init() {
   ASSIGN_OR_RETURN(transport_, kv_transfer::TcpTransport::Create(t));
   io_ = std::make_unique<protocols::IoThread>("worker-ctl");
   return Status::Ok();
+}
+
+kv_transfer::StreamSpec Worker::Impl::MakeStreamSpec(uint64_t id,
+                                                     const std::vector<BlockId>& dst) const {
+  kv_transfer::StreamSpec spec;
+  spec.request_id = id;
+  spec.layers = layout_.layers;
+  spec.dst_blocks = dst;
+  spec.global_heads = {0, layout_.kv_heads};
+  spec.block_tokens = layout_.block_tokens;
+  spec.head_dim = layout_.head_dim;
+  spec.dtype = layout_.dtype;
+  spec.model_fingerprint = engine_->model().fingerprint();
+  return spec;
+}
+
+kv_transfer::StreamBuffers Worker::Impl::MakeStreamBuffers(std::span<const BlockId> blocks) const {
+  kv_transfer::StreamBuffers buffers;
+  buffers.layout.kv_heads = layout_.kv_heads;
+  buffers.layout.slab_bytes = layout_.SlabBytes();
+  buffers.local_heads = {0, layout_.kv_heads};
+  for (BlockId b : blocks) buffers.block_layer0.push_back(engine_->pool()->LayerData(b, 0).data());
+  if (layout_.layers > 1 && !blocks.empty()) {
+    // Layers of one block are a fixed stride apart in the pool.
+    buffers.layer_stride =
+        engine_->pool()->LayerData(blocks[0], 1).data() - buffers.block_layer0[0];
+  }
+  return buffers;
 }
 
 Status Worker::Impl::Connect() {
@@ -343,33 +376,15 @@ void Worker::Impl::OnLayer(int layer, std::span<const engine::StepSequence> seqs
     Outgoing& out = it->second;
     if (seq.end < out.prompt_tokens) continue;  // not the prompt's last chunk yet
     if (!out.sender) {
-      kv_transfer::StreamSpec spec;
-      spec.request_id = id;
-      spec.layers = layout_.layers;
-      spec.dst_blocks = out.dst_blocks;
-      spec.global_heads = {0, layout_.kv_heads};
-      spec.block_tokens = layout_.block_tokens;
-      spec.head_dim = layout_.head_dim;
-      spec.dtype = layout_.dtype;
-      spec.model_fingerprint = engine_->model().fingerprint();
-      kv_transfer::StreamBuffers buffers;
-      buffers.layout.kv_heads = layout_.kv_heads;
-      buffers.layout.slab_bytes = layout_.SlabBytes();
-      buffers.local_heads = {0, layout_.kv_heads};
       const size_t n = out.dst_blocks.size();
       if (seq.blocks.size() < n) {
         LOG_ERROR << "request " << id << " holds " << seq.blocks.size() << " blocks, expected "
                   << n;
         continue;
       }
-      for (size_t b = 0; b < n; ++b) {
-        buffers.block_layer0.push_back(engine_->pool()->LayerData(seq.blocks[b], 0).data());
-      }
-      if (layout_.layers > 1) {
-        // Layers of one block are a fixed stride apart in the pool.
-        buffers.layer_stride =
-            engine_->pool()->LayerData(seq.blocks[0], 1).data() - buffers.block_layer0[0];
-      }
+      kv_transfer::StreamSpec spec = MakeStreamSpec(id, out.dst_blocks);
+      kv_transfer::StreamBuffers buffers =
+          MakeStreamBuffers(std::span<const BlockId>(seq.blocks.data(), n));
       out.sender = std::make_unique<kv_transfer::LayerStreamSender>(
           transport_.get(), out.decode_rank, std::move(spec), std::move(buffers));
     }
@@ -420,25 +435,8 @@ void Worker::Impl::OnDecodeAdmission(const proto::DecodeAdmission& a) {
     }
   }
   if (s.ok()) {
-    kv_transfer::StreamSpec spec;
-    spec.request_id = id;
-    spec.layers = layout_.layers;
-    spec.dst_blocks = in.blocks;
-    spec.global_heads = {0, layout_.kv_heads};
-    spec.block_tokens = layout_.block_tokens;
-    spec.head_dim = layout_.head_dim;
-    spec.dtype = layout_.dtype;
-    spec.model_fingerprint = engine_->model().fingerprint();
-    kv_transfer::StreamBuffers buffers;
-    buffers.layout.kv_heads = layout_.kv_heads;
-    buffers.layout.slab_bytes = layout_.SlabBytes();
-    buffers.local_heads = {0, layout_.kv_heads};
-    for (BlockId b : in.blocks)
-      buffers.block_layer0.push_back(engine_->pool()->LayerData(b, 0).data());
-    if (layout_.layers > 1) {
-      buffers.layer_stride =
-          engine_->pool()->LayerData(in.blocks[0], 1).data() - buffers.block_layer0[0];
-    }
+    kv_transfer::StreamSpec spec = MakeStreamSpec(id, in.blocks);
+    kv_transfer::StreamBuffers buffers = MakeStreamBuffers(in.blocks);
     in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
         transport_.get(), static_cast<int>(a.prefill_rank()), std::move(spec), std::move(buffers));
     s = in.receiver->Start();
