@@ -181,7 +181,7 @@ Status RocksDbTier::OpenDb() {
       RETURN_IF_ERROR(TryOpen(/*after_repair=*/false));
       open_report_.outcome = OpenOutcome::kMovedAside;
       open_report_.moved_to = aside;
-      PruneDamagedCopies();
+      PruneDamagedCopies(aside);
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -189,8 +189,10 @@ Status RocksDbTier::OpenDb() {
   return Status::Ok();
 }
 
-void RocksDbTier::PruneDamagedCopies() {
+void RocksDbTier::PruneDamagedCopies(const std::filesystem::path& newest) {
   // Copies are named "<path>.corrupt-<unix seconds>[-<n>]"; order by (seconds, n).
+  // `newest` is the copy just moved aside: it is kept whatever its name sorts
+  // as (a freed name of the same second can sort before an older "-n" copy).
   const std::filesystem::path base(options_.path);
   const std::string prefix = base.filename().string() + ".corrupt-";
   std::vector<std::tuple<long long, long long, std::filesystem::path>> copies;
@@ -198,6 +200,7 @@ void RocksDbTier::PruneDamagedCopies() {
   for (const auto& e : std::filesystem::directory_iterator(base.parent_path(), ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind(prefix, 0) != 0) continue;
+    if (e.path().filename() == newest.filename()) continue;
     const char* p = name.c_str() + prefix.size();
     char* end = nullptr;
     const long long secs = std::strtoll(p, &end, 10);
@@ -205,7 +208,9 @@ void RocksDbTier::PruneDamagedCopies() {
     copies.emplace_back(secs, n, e.path());
   }
   std::sort(copies.begin(), copies.end());  // oldest first
-  const size_t keep = static_cast<size_t>(std::max(0, options_.keep_damaged_copies));
+  if (options_.keep_damaged_copies <= 0) copies.emplace_back(0, 0, newest);
+  // `newest` counts as one of the copies kept.
+  const size_t keep = static_cast<size_t>(std::max(0, options_.keep_damaged_copies - 1));
   for (size_t i = 0; i + keep < copies.size(); ++i) {
     LOG_WARNING << "kv_store: deleting old damaged copy " << std::get<2>(copies[i]);
     std::filesystem::remove_all(std::get<2>(copies[i]), ec);

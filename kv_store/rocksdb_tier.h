@@ -58,6 +58,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <functional>
 #include <list>
 #include <memory>
@@ -150,7 +151,7 @@ class RocksDbTier final : public KvTier {
   Status OpenDb();
   Status TryOpen(bool after_repair);
   Status RebuildIndex(bool reconcile_values);
-  void PruneDamagedCopies();
+  void PruneDamagedCopies(const std::filesystem::path& newest);
   void CloseDb();
   void WriterLoop();
   int64_t Now() const;
