@@ -15,14 +15,16 @@ namespace {
 std::atomic<bool> g_stop{false};
 
 const std::vector<std::string> kLaunchFlags = {
-    "model",    "host",           "port",     "control-port", "prefill",  "decode",
-    "tp",       "colocated",      "threads-per-worker",       "kv-dtype", "kv-capacity-mb",
-    "kv-store", "router",         "bin-dir",  "ready-timeout-ms",         "demo", "max-tokens"};
+    "model",        "host",           "port",
+    "control-port", "prefill",        "decode",
+    "tp",           "colocated",      "threads-per-worker",
+    "kv-dtype",     "kv-capacity-mb", "kv-store",
+    "router",       "bin-dir",        "ready-timeout-ms",
+    "demo",         "max-tokens"};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags,
-                   Flags::Parse(args, kLaunchFlags, {}));
+  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, {}));
   deploy::LaunchOptions o;
   o.model_path = flags.Get("model", o.model_path);
   o.host = flags.Get("host", o.host);

@@ -25,7 +25,9 @@ class Sha256 {
   void Update(const void* data, size_t size);
   void Update(std::string_view s) { Update(s.data(), s.size()); }
   template <typename T>
-  void UpdatePod(const T& v) { Update(&v, sizeof(T)); }
+  void UpdatePod(const T& v) {
+    Update(&v, sizeof(T));
+  }
   Sha256Digest Finish();
 
   static Sha256Digest Of(const void* data, size_t size);

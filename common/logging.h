@@ -18,7 +18,8 @@ void LogLine(LogLevel level, const char* file, int line, std::string_view messag
 
 class LogMessage {
  public:
-  LogMessage(LogLevel level, const char* file, int line) : level_(level), file_(file), line_(line) {}
+  LogMessage(LogLevel level, const char* file, int line)
+      : level_(level), file_(file), line_(line) {}
   ~LogMessage() { LogLine(level_, file_, line_, stream_.str()); }
   std::ostringstream& stream() { return stream_; }
 
@@ -36,10 +37,10 @@ struct LogVoidify {
 
 }  // namespace kvrelay
 
-#define KVRELAY_LOG(level)                                                   \
-  !(::kvrelay::LogLevel::level >= ::kvrelay::GetLogLevel())                  \
-      ? (void)0                                                              \
-      : ::kvrelay::LogVoidify() &                                            \
+#define KVRELAY_LOG(level)                                  \
+  !(::kvrelay::LogLevel::level >= ::kvrelay::GetLogLevel()) \
+      ? (void)0                                             \
+      : ::kvrelay::LogVoidify() &                           \
             ::kvrelay::LogMessage(::kvrelay::LogLevel::level, __FILE__, __LINE__).stream()
 
 #define LOG_DEBUG KVRELAY_LOG(kDebug)

@@ -16,17 +16,17 @@ namespace kvrelay {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,    // the caller's input is malformed (bad file, request, frame)
-  kNotFound,           // a named thing does not exist (model, key, request)
+  kInvalidArgument,  // the caller's input is malformed (bad file, request, frame)
+  kNotFound,         // a named thing does not exist (model, key, request)
   kAlreadyExists,
-  kFailedPrecondition, // the system is not in a state to do this (mismatched peer)
-  kResourceExhausted,  // out of KV blocks, queue full, over a size limit
-  kUnavailable,        // retryable: peer down, connection refused
-  kDeadlineExceeded,   // a wait passed its deadline
-  kCancelled,          // the request was cancelled by its owner
-  kDataLoss,           // checksum mismatch, truncated data
-  kUnimplemented,      // a format or feature this build does not support
-  kInternal,           // a bug: an invariant did not hold
+  kFailedPrecondition,  // the system is not in a state to do this (mismatched peer)
+  kResourceExhausted,   // out of KV blocks, queue full, over a size limit
+  kUnavailable,         // retryable: peer down, connection refused
+  kDeadlineExceeded,    // a wait passed its deadline
+  kCancelled,           // the request was cancelled by its owner
+  kDataLoss,            // checksum mismatch, truncated data
+  kUnimplemented,       // a format or feature this build does not support
+  kInternal,            // a bug: an invariant did not hold
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -52,13 +52,21 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status AlreadyExists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
-inline Status FailedPrecondition(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
-inline Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
+inline Status FailedPrecondition(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
+inline Status ResourceExhausted(std::string m) {
+  return {StatusCode::kResourceExhausted, std::move(m)};
+}
 inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
-inline Status DeadlineExceeded(std::string m) { return {StatusCode::kDeadlineExceeded, std::move(m)}; }
+inline Status DeadlineExceeded(std::string m) {
+  return {StatusCode::kDeadlineExceeded, std::move(m)};
+}
 inline Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
@@ -68,7 +76,7 @@ inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT
     assert(!status_.ok() && "Result constructed from an OK Status without a value");
     if (status_.ok()) status_ = Internal("Result constructed from OK status without value");
@@ -77,9 +85,18 @@ class [[nodiscard]] Result {
   bool ok() const { return value_.has_value(); }
   const Status& status() const { return status_; }
 
-  T& value() & { assert(ok()); return *value_; }
-  const T& value() const& { assert(ok()); return *value_; }
-  T&& value() && { assert(ok()); return std::move(*value_); }
+  T& value() & {
+    assert(ok());
+    return *value_;
+  }
+  const T& value() const& {
+    assert(ok());
+    return *value_;
+  }
+  T&& value() && {
+    assert(ok());
+    return std::move(*value_);
+  }
   T& operator*() & { return value(); }
   const T& operator*() const& { return value(); }
   T* operator->() { return &value(); }

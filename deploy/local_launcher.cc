@@ -12,7 +12,8 @@
 namespace kvrelay::deploy {
 
 Status LaunchOptions::Validate() const {
-  if (prefill < 0 || decode < 0 || colocated < 0) return InvalidArgument("worker counts must be >= 0");
+  if (prefill < 0 || decode < 0 || colocated < 0)
+    return InvalidArgument("worker counts must be >= 0");
   if (colocated == 0 && (prefill == 0 || decode == 0)) {
     return InvalidArgument("need at least one prefill and one decode worker, or --colocated N");
   }
@@ -64,12 +65,25 @@ Status LocalLauncher::Start() {
   const int world = options_.prefill + options_.decode + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id) -> Status {
-    std::vector<std::string> argv = {bin + "/" + binary, "--id", id, "--coordinator", coord_addr,
-                                     "--model", options_.model_path, "--kv-dtype", options_.kv_dtype,
-                                     "--kv-capacity-mb", std::to_string(options_.kv_capacity_mb),
-                                     "--threads", std::to_string(options_.threads_per_worker),
-                                     "--rank", std::to_string(rank), "--world-size",
-                                     std::to_string(world), "--kv-host", options_.host};
+    std::vector<std::string> argv = {bin + "/" + binary,
+                                     "--id",
+                                     id,
+                                     "--coordinator",
+                                     coord_addr,
+                                     "--model",
+                                     options_.model_path,
+                                     "--kv-dtype",
+                                     options_.kv_dtype,
+                                     "--kv-capacity-mb",
+                                     std::to_string(options_.kv_capacity_mb),
+                                     "--threads",
+                                     std::to_string(options_.threads_per_worker),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--world-size",
+                                     std::to_string(world),
+                                     "--kv-host",
+                                     options_.host};
     if (!options_.kv_store_dir.empty()) {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

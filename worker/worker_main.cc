@@ -13,23 +13,25 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(cli::Flags flags,
-                   cli::Flags::Parse(args,
-                                     {"id", "coordinator", "model", "kv-dtype", "kv-capacity-mb",
-                                      "block-tokens", "threads", "max-step-tokens", "max-running",
-                                      "rank", "world-size", "kv-host", "kv-port", "kv-store",
-                                      "kv-store-capacity-mb", "kv-timeout-ms"},
-                                     {}));
+  ASSIGN_OR_RETURN(
+      cli::Flags flags,
+      cli::Flags::Parse(args,
+                        {"id", "coordinator", "model", "kv-dtype", "kv-capacity-mb", "block-tokens",
+                         "threads", "max-step-tokens", "max-running", "rank", "world-size",
+                         "kv-host", "kv-port", "kv-store", "kv-store-capacity-mb", "kv-timeout-ms"},
+                        {}));
   WorkerOptions o;
   o.role = role;
   o.worker_id = flags.Get("id", "");
   const std::string coord = flags.Get("coordinator", "127.0.0.1:9000");
   auto colon = coord.rfind(':');
-  if (colon == std::string::npos) return InvalidArgument("--coordinator must be HOST:PORT, got '" + coord + "'");
+  if (colon == std::string::npos)
+    return InvalidArgument("--coordinator must be HOST:PORT, got '" + coord + "'");
   o.coordinator_host = coord.substr(0, colon);
   char* end = nullptr;
   long port = std::strtol(coord.c_str() + colon + 1, &end, 10);
-  if (*end != '\0' || port <= 0 || port > 65535) return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
+  if (*end != '\0' || port <= 0 || port > 65535)
+    return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f32")));
@@ -47,8 +49,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   const char* mpi_rank = std::getenv("OMPI_COMM_WORLD_RANK");
   const char* mpi_size = std::getenv("OMPI_COMM_WORLD_SIZE");
   ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", mpi_rank ? std::atoll(mpi_rank) : 0));
-  ASSIGN_OR_RETURN(int64_t world,
-                   flags.GetInt("world-size", mpi_size ? std::atoll(mpi_size) : 2));
+  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", mpi_size ? std::atoll(mpi_size) : 2));
   o.rank = static_cast<int>(rank);
   o.world_size = static_cast<int>(world);
   if (o.worker_id.empty()) o.worker_id = std::string(RoleName(role)) + "-" + std::to_string(rank);

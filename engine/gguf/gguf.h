@@ -22,8 +22,19 @@ namespace kvrelay::engine {
 
 // GGUF metadata value types, as on disk.
 enum class GgufValueType : uint32_t {
-  kUint8 = 0, kInt8 = 1, kUint16 = 2, kInt16 = 3, kUint32 = 4, kInt32 = 5,
-  kFloat32 = 6, kBool = 7, kString = 8, kArray = 9, kUint64 = 10, kInt64 = 11, kFloat64 = 12,
+  kUint8 = 0,
+  kInt8 = 1,
+  kUint16 = 2,
+  kInt16 = 3,
+  kUint32 = 4,
+  kInt32 = 5,
+  kFloat32 = 6,
+  kBool = 7,
+  kString = 8,
+  kArray = 9,
+  kUint64 = 10,
+  kInt64 = 11,
+  kFloat64 = 12,
 };
 
 struct GgufArray;
@@ -50,7 +61,7 @@ struct GgufTensor {
   std::string name;
   GgmlType type = GgmlType::kF32;
   std::vector<int64_t> dims;
-  uint64_t offset = 0;       // relative to the start of the tensor data section
+  uint64_t offset = 0;            // relative to the start of the tensor data section
   const uint8_t* data = nullptr;  // into the mapping; valid while the GgufFile lives
   uint64_t nbytes = 0;
 
