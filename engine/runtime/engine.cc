@@ -8,6 +8,7 @@
 #include "common/thread_pool.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
+#include "engine/runtime/tensor_parallel.h"
 #include "engine/runtime/text_stream.h"
 
 namespace kvrelay::engine {
@@ -213,6 +214,8 @@ class Engine::Impl {
   ForwardPass forward_;
   int64_t max_context_ = 0;
   LayerHook layer_hook_;
+  TensorParallelHooks tp_;                        // publish empty unless rank 0 of a TP group
+  std::vector<StepPlan::BlockCopy> step_copies_;  // CopyBlock calls of the current step
   Stats stats_;
 
  private:
@@ -309,6 +312,7 @@ class Engine::Impl {
         auto b = pool_->Allocate();
         if (!b.ok()) return false;
         pool_->CopyBlock(s.blocks[i], *b);
+        if (tp_.publish) step_copies_.push_back({s.blocks[i], *b});
         pool_->Release(s.blocks[i]);
         s.blocks[i] = *b;
         if (i < s.n_committed) s.n_committed = i;
@@ -450,6 +454,7 @@ void Engine::Impl::Schedule() {
 Result<std::vector<TokenEvent>> Engine::Impl::Step() {
   std::vector<TokenEvent> events;
   events.swap(pending_events_);
+  step_copies_.clear();
   Schedule();
   std::vector<Sequence*> batch;
   for (auto& s : running_) {
@@ -484,7 +489,20 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
   ForwardOutput out;
   std::function<void(int)> hook;
   if (layer_hook_) hook = [&](int layer) { layer_hook_(layer, step_seqs); };
-  Status st = forward_.Run(fseqs, &out, hook);
+  Status st;
+  if (tp_.publish) {
+    StepPlan plan;
+    plan.copies.swap(step_copies_);
+    plan.seqs.resize(fseqs.size());
+    for (size_t i = 0; i < fseqs.size(); ++i) {
+      const int64_t len = fseqs[i].cache_len + static_cast<int64_t>(fseqs[i].tokens.size());
+      plan.seqs[i].blocks.assign(fseqs[i].blocks.begin(), fseqs[i].blocks.begin() + BlocksFor(len));
+      plan.seqs[i].cache_len = fseqs[i].cache_len;
+      plan.seqs[i].tokens.assign(fseqs[i].tokens.begin(), fseqs[i].tokens.end());
+    }
+    st = tp_.publish(plan).WithContext("publishing the step to the tensor-parallel group");
+  }
+  if (st.ok()) st = forward_.Run(fseqs, &out, hook);
   if (!st.ok()) {
     LOG_ERROR << "forward step failed: " << st.ToString();
     for (Sequence* s : batch) {
@@ -571,6 +589,24 @@ Status Engine::AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector
   return impl_->AdmitPrefilled(std::move(spec), first_token, std::move(blocks));
 }
 void Engine::SetLayerHook(LayerHook hook) { impl_->layer_hook_ = std::move(hook); }
+Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
+  if (hooks.collective == nullptr || !hooks.publish) {
+    return InvalidArgument("SetTensorParallel needs a collective and a publish function");
+  }
+  Status dtype = CheckTensorParallelDtype(impl_->options_.kv_dtype);
+  if (!dtype.ok()) return FailedPrecondition(dtype.message());
+  if (impl_->model_->shard().size != hooks.collective->size() ||
+      impl_->model_->shard().rank != hooks.collective->rank()) {
+    return FailedPrecondition(
+        "the engine's model shard (rank " + std::to_string(impl_->model_->shard().rank) + " of " +
+        std::to_string(impl_->model_->shard().size) + ") does not match the collective (rank " +
+        std::to_string(hooks.collective->rank()) + " of " +
+        std::to_string(hooks.collective->size()) + ")");
+  }
+  impl_->tp_ = hooks;
+  impl_->forward_.SetCollective(hooks.collective);
+  return Status::Ok();
+}
 KvBlockPool* Engine::pool() { return impl_->pool_.get(); }
 const Model& Engine::model() const { return *impl_->model_; }
 const EngineOptions& Engine::options() const { return impl_->options_; }

@@ -35,6 +35,7 @@
 namespace kvrelay::engine {
 
 class Model;
+struct TensorParallelHooks;
 
 struct EngineOptions {
   std::string model_path;  // GGUF file; ignored when a Model is passed to Create
@@ -136,6 +137,11 @@ class Engine {
   Status AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks);
 
   void SetLayerHook(LayerHook hook);
+  // Makes this engine rank 0 of a tensor-parallel group (tensor_parallel.h):
+  // its model must be a shard, every step's plan is published before the
+  // forward and partial projections are all-reduced. Call before the first
+  // Submit. FailedPrecondition for a KV dtype TP cannot mirror.
+  Status SetTensorParallel(const TensorParallelHooks& hooks);
 
   KvBlockPool* pool();
   const Model& model() const;

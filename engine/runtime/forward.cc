@@ -81,6 +81,17 @@ ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* thre
   for (int i = 0; i < half; ++i) {
     inv_freq_[i] = std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.rope_dim);
   }
+  // Column ranges of every rank's head outputs and FFN activations.
+  const TensorParallelShard& shard = model_.shard();
+  const ModelConfig& full = model_.full_config();
+  const int group = full.n_heads / full.n_kv_heads;
+  const int ffn_unit = full.ffn_dim / model_.ffn_units();
+  for (int r = 0; r < shard.size; ++r) {
+    const UnitRange h = SplitUnits(full.n_kv_heads, shard.size, r);
+    q_cols_.push_back({h.begin * group * full.head_dim, h.end * group * full.head_dim});
+    const UnitRange f = SplitUnits(model_.ffn_units(), shard.size, r);
+    ffn_cols_.push_back({f.begin * ffn_unit, f.end * ffn_unit});
+  }
 }
 
 Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
@@ -123,6 +134,15 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   out->row_begin.assign(1, 0);
   if (T == 0) return Status::Ok();
 
+  const TensorParallelShard& shard = model_.shard();
+  if (shard.size > 1 && (collective_ == nullptr || collective_->size() != shard.size ||
+                         collective_->rank() != shard.rank)) {
+    return FailedPrecondition("model shard " + std::to_string(shard.rank) + " of " +
+                              std::to_string(shard.size) +
+                              " needs the collective of its tensor-parallel group");
+  }
+  const bool exact_tp = shard.size > 1 && shard.mode == TpMode::kExact;
+  const bool reduce_tp = shard.size > 1 && shard.mode == TpMode::kReduce;
   const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim();
   x_.resize(T * d);
   xn_.resize(T * d);
@@ -186,7 +206,16 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     }
     if (layer_hook) layer_hook(l);
     Attention(l, seqs);
-    MatMul(*w.wo, attn_.data(), T, proj_.data(), threads_);
+    if (exact_tp) {
+      RETURN_IF_ERROR(
+          GatherColumns(attn_.data(), q_cols_, T, &attn_full_).WithContext("attention"));
+      MatMul(*w.wo, attn_full_.data(), T, proj_.data(), threads_);
+    } else {
+      MatMul(*w.wo, attn_.data(), T, proj_.data(), threads_);
+    }
+    if (reduce_tp) {
+      RETURN_IF_ERROR(collective_->AllReduceSum(proj_.data(), T * d).WithContext("attention"));
+    }
     for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
     ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
       for (int64_t t = a; t < b; ++t) {
@@ -204,7 +233,14 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
         gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
       }
     });
-    MatMul(*w.ffn_down, gate_.data(), T, proj_.data(), threads_);
+    if (exact_tp) {
+      RETURN_IF_ERROR(GatherColumns(gate_.data(), ffn_cols_, T, &ffn_full_).WithContext("ffn"));
+      MatMul(*w.ffn_down, ffn_full_.data(), T, proj_.data(), threads_);
+    } else {
+      MatMul(*w.ffn_down, gate_.data(), T, proj_.data(), threads_);
+    }
+    if (reduce_tp)
+      RETURN_IF_ERROR(collective_->AllReduceSum(proj_.data(), T * d).WithContext("ffn"));
     for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
   }
 
@@ -230,6 +266,24 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   }
   out->logits.resize(R * c.vocab);
   MatMul(model_.lm_head(), xn_.data(), R, out->logits.data(), threads_);
+  return Status::Ok();
+}
+
+Status ForwardPass::GatherColumns(const float* local, const std::vector<UnitRange>& widths,
+                                  int64_t T, std::vector<float>* out) {
+  const int64_t full = widths.back().end;
+  const int64_t mine = widths[model_.shard().rank].size();
+  gathered_.resize(T * full);
+  RETURN_IF_ERROR(collective_->AllGather(local, T * mine, gathered_.data(), T * full));
+  out->resize(T * full);
+  // gathered_ is rank 0's [T x w0] block, then rank 1's [T x w1], ...
+  for (const UnitRange& r : widths) {
+    const float* src = gathered_.data() + T * r.begin;
+    const int64_t w = r.size();
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy(src + t * w, src + (t + 1) * w, out->data() + t * full + r.begin);
+    }
+  }
   return Status::Ok();
 }
 

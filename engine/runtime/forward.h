@@ -20,6 +20,7 @@
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/model.h"
+#include "engine/runtime/tp_collective.h"
 
 namespace kvrelay::engine {
 
@@ -49,12 +50,25 @@ class ForwardPass {
   Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook = {});
 
+  // Tensor parallelism: the model is a shard (model.h) and `collective` (which
+  // must outlive this pass) joins its ranks, twice per layer. An error from
+  // the collective aborts the step.
+  void SetCollective(TpCollective* collective) { collective_ = collective; }
+
  private:
   void Attention(int layer, std::span<const ForwardSeq> seqs);
 
   const Model& model_;
   KvBlockPool* pool_;
   ThreadPool* threads_;
+  // Concatenates every rank's [T x width_r] block of `local` into full
+  // [T x sum width] rows of `out` (kExact mode).
+  Status GatherColumns(const float* local, const std::vector<UnitRange>& widths, int64_t T,
+                       std::vector<float>* out);
+
+  TpCollective* collective_ = nullptr;
+  std::vector<UnitRange> q_cols_, ffn_cols_;  // per rank, kExact mode
+  std::vector<float> gathered_, attn_full_, ffn_full_;
   std::vector<double> inv_freq_;  // rope_dim / 2 frequencies
   // Scratch, sized per step.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_;

@@ -1,5 +1,8 @@
 #include "engine/runtime/model.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "engine/gguf/fingerprint.h"
 #include "engine/kernels/matmul.h"
 #include "engine/tokenizer/chat_template.h"
@@ -14,7 +17,112 @@ std::vector<float> ReadVector(const GgufTensor& t) {
   return v;
 }
 
+std::vector<float> SliceVector(const std::vector<float>& v, int64_t begin, int64_t end) {
+  if (v.empty()) return v;
+  return std::vector<float>(v.begin() + begin, v.begin() + end);
+}
+
 }  // namespace
+
+UnitRange SplitUnits(int units, int size, int rank) {
+  const int base = units / size, extra = units % size;
+  UnitRange r;
+  r.begin = rank * base + std::min(rank, extra);
+  r.end = r.begin + base + (rank < extra ? 1 : 0);
+  return r;
+}
+
+Status Model::ApplyShard() {
+  const TensorParallelShard& sh = shard_;
+  if (sh.size == 1 && sh.rank == 0) return Status::Ok();
+  const ModelConfig& full = full_config_;
+  if (sh.size < 1 || sh.rank < 0 || sh.rank >= sh.size) {
+    return InvalidArgument("tensor-parallel rank " + std::to_string(sh.rank) + " of size " +
+                           std::to_string(sh.size) + " is not a valid shard");
+  }
+  if (sh.size > full.n_kv_heads) {
+    return InvalidArgument("tensor-parallel size " + std::to_string(sh.size) +
+                           " exceeds the model's " + std::to_string(full.n_kv_heads) +
+                           " KV heads (each rank needs at least one)");
+  }
+  const int group = full.n_heads / full.n_kv_heads;
+  const int hd = full.head_dim;
+  kv_heads_ = SplitUnits(full.n_kv_heads, sh.size, sh.rank);
+  const int64_t q0 = int64_t{kv_heads_.begin} * group * hd,
+                q1 = int64_t{kv_heads_.end} * group * hd;
+  const int64_t k0 = int64_t{kv_heads_.begin} * hd, k1 = int64_t{kv_heads_.end} * hd;
+
+  // Output-row slice: a view into the mapping (rows are contiguous).
+  auto rows = [&](const GgufTensor* t, int64_t r0, int64_t r1) -> Result<const GgufTensor*> {
+    ASSIGN_OR_RETURN(int64_t row_bytes, RowBytes(t->type, t->Cols()));
+    auto v = std::make_unique<GgufTensor>(*t);
+    v->name += ".tp" + std::to_string(sh.rank);
+    v->dims = {t->Cols(), r1 - r0};
+    v->data = t->data + r0 * row_bytes;
+    v->nbytes = static_cast<uint64_t>((r1 - r0) * row_bytes);
+    shard_tensors_.push_back(std::move(v));
+    return shard_tensors_.back().get();
+  };
+  // Input-column slice: every row's blocks [c0, c1) copied into owned memory.
+  auto cols = [&](const GgufTensor* t, int64_t c0, int64_t c1) -> Result<const GgufTensor*> {
+    const int64_t be = BlockElems(t->type);
+    if (c0 % be != 0 || c1 % be != 0) {
+      return Unimplemented("tensor-parallel split of " + t->name + " (" +
+                           std::string(GgmlTypeName(t->type)) + ", blocks of " +
+                           std::to_string(be) + ") at columns [" + std::to_string(c0) + ", " +
+                           std::to_string(c1) + ") does not fall on block boundaries");
+    }
+    ASSIGN_OR_RETURN(int64_t row_bytes, RowBytes(t->type, t->Cols()));
+    ASSIGN_OR_RETURN(int64_t off, RowBytes(t->type, c0));
+    ASSIGN_OR_RETURN(int64_t n, RowBytes(t->type, c1 - c0));
+    std::vector<uint8_t> bytes(static_cast<size_t>(n * t->Rows()));
+    for (int64_t r = 0; r < t->Rows(); ++r) {
+      std::memcpy(bytes.data() + r * n, t->data + r * row_bytes + off, static_cast<size_t>(n));
+    }
+    auto v = std::make_unique<GgufTensor>(*t);
+    v->name += ".tp" + std::to_string(sh.rank);
+    v->dims = {c1 - c0, t->Rows()};
+    v->data = bytes.data();
+    v->nbytes = bytes.size();
+    shard_bytes_.push_back(std::move(bytes));
+    shard_tensors_.push_back(std::move(v));
+    return shard_tensors_.back().get();
+  };
+
+  // FFN columns in units of ffn_down's quantization block.
+  const GgufTensor* down0 = layers_.empty() ? nullptr : layers_[0].ffn_down;
+  const int64_t fu = down0 ? BlockElems(down0->type) : 1;
+  if (full.ffn_dim % fu != 0) {
+    return Unimplemented("ffn_dim " + std::to_string(full.ffn_dim) +
+                         " is not a multiple of the ffn_down block size " + std::to_string(fu));
+  }
+  ffn_units_ = static_cast<int>(full.ffn_dim / fu);
+  const UnitRange fr = SplitUnits(ffn_units_, sh.size, sh.rank);
+  if (fr.size() == 0) {
+    return InvalidArgument("tensor-parallel size " + std::to_string(sh.size) + " leaves rank " +
+                           std::to_string(sh.rank) + " no FFN columns");
+  }
+  const int64_t f0 = fr.begin * fu, f1 = fr.end * fu;
+  for (LayerWeights& w : layers_) {
+    ASSIGN_OR_RETURN(w.wq, rows(w.wq, q0, q1));
+    ASSIGN_OR_RETURN(w.wk, rows(w.wk, k0, k1));
+    ASSIGN_OR_RETURN(w.wv, rows(w.wv, k0, k1));
+    w.bq = SliceVector(w.bq, q0, q1);
+    w.bk = SliceVector(w.bk, k0, k1);
+    w.bv = SliceVector(w.bv, k0, k1);
+    ASSIGN_OR_RETURN(w.ffn_gate, rows(w.ffn_gate, f0, f1));
+    ASSIGN_OR_RETURN(w.ffn_up, rows(w.ffn_up, f0, f1));
+    if (sh.mode == TpMode::kReduce) {
+      ASSIGN_OR_RETURN(w.wo, cols(w.wo, q0, q1));
+      ASSIGN_OR_RETURN(w.ffn_down, cols(w.ffn_down, f0, f1));
+    }
+  }
+  ffn_ = {static_cast<int>(f0), static_cast<int>(f1)};
+  config_.n_kv_heads = kv_heads_.size();
+  config_.n_heads = kv_heads_.size() * group;
+  config_.ffn_dim = static_cast<int>(f1 - f0);
+  return Status::Ok();
+}
 
 Model::~Model() = default;
 
@@ -60,6 +168,12 @@ Result<std::unique_ptr<Model>> Model::FromGguf(std::unique_ptr<GgufFile> file,
     w.ffn_down = f.FindTensor(p + "ffn_down.weight");
   }
   m->fingerprint_ = ComputeModelFingerprint(f);
+  m->full_config_ = m->config_;
+  m->shard_ = options.shard;
+  m->kv_heads_ = {0, c.n_kv_heads};
+  m->ffn_ = {0, c.ffn_dim};
+  m->ffn_units_ = 1;
+  RETURN_IF_ERROR(m->ApplyShard());
   if (options.load_tokenizer) {
     auto tok = Tokenizer::FromGguf(f);
     if (!tok.ok()) return tok.status().WithContext("tokenizer");

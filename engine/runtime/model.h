@@ -36,9 +36,45 @@ struct LayerWeights {
   const GgufTensor* ffn_down = nullptr;
 };
 
+// Tensor-parallel slice of a model: rank `rank` of `size` keeps a contiguous
+// range of KV heads (and the query heads of their GQA groups) and a range of
+// FFN columns. Q/K/V and gate/up are split by output rows (views into the
+// mapping). In kReduce mode attn_output and ffn_down are split by input
+// columns (repacked copies, cut at quantization-block boundaries) and their
+// per-rank partial outputs sum to the unsharded ones.
+enum class TpMode : uint8_t {
+  // Q/K/V, gate and up split by output rows; attn_output and ffn_down stay
+  // whole on every rank and read the all-gathered head outputs / FFN
+  // activations. Every rank computes exactly what one process computes, so
+  // outputs are bit-identical to TP = 1 (costs the two output projections on
+  // every rank: ~1/3 of this model's matmul work).
+  kExact = 0,
+  // Megatron-style: attn_output and ffn_down split by input columns and their
+  // partial outputs all-reduced. Less work per rank, but float re-association
+  // feeds the activation quantization of later layers, so logits drift from
+  // TP = 1 (max ~1 logit on SmolLM2, measured in tensor_parallel_test).
+  kReduce = 1,
+};
+
+struct TensorParallelShard {
+  int rank = 0;
+  int size = 1;
+  TpMode mode = TpMode::kExact;
+};
+
+// Contiguous split of `units` over `size` ranks; the first units % size ranks
+// get one more. The same rule as kv_transfer::ShardHeads (a test checks it).
+struct UnitRange {
+  int begin = 0;
+  int end = 0;
+  int size() const { return end - begin; }
+};
+UnitRange SplitUnits(int units, int size, int rank);
+
 struct ModelLoadOptions {
   // Load the tokenizer and chat template too (needed by Engine and the CLI).
   bool load_tokenizer = true;
+  TensorParallelShard shard;  // {0, 1} = the whole model
 };
 
 class Model {
@@ -50,7 +86,16 @@ class Model {
                                                  const ModelLoadOptions& options = {});
   ~Model();
 
+  // The shapes this instance computes: for a TP shard, n_heads, n_kv_heads and
+  // ffn_dim are the local ones (everything else equals full_config()).
   const ModelConfig& config() const { return config_; }
+  // The model as the file describes it.
+  const ModelConfig& full_config() const { return full_config_; }
+  const TensorParallelShard& shard() const { return shard_; }
+  UnitRange kv_head_range() const { return kv_heads_; }  // of full_config().n_kv_heads
+  UnitRange ffn_range() const { return ffn_; }           // columns of full_config().ffn_dim
+  // FFN columns are split in units of ffn_dim / ffn_units() (a quantization block).
+  int ffn_units() const { return ffn_units_; }
   const GgufFile& file() const { return *file_; }
   const std::vector<LayerWeights>& layers() const { return layers_; }
   const GgufTensor& token_embd() const { return *token_embd_; }
@@ -68,8 +113,19 @@ class Model {
   Model() = default;
 
   std::unique_ptr<GgufFile> file_;
+  // Slices a loaded whole model down to shard_ (FromGguf's last step).
+  Status ApplyShard();
+
   ModelConfig config_;
+  ModelConfig full_config_;
+  TensorParallelShard shard_;
+  UnitRange kv_heads_;
+  UnitRange ffn_;
+  int ffn_units_ = 1;
   std::vector<LayerWeights> layers_;
+  // Tensors made by ApplyShard (views or repacked) and the repacked bytes.
+  std::vector<std::unique_ptr<GgufTensor>> shard_tensors_;
+  std::vector<std::vector<uint8_t>> shard_bytes_;
   const GgufTensor* token_embd_ = nullptr;
   const GgufTensor* lm_head_ = nullptr;
   std::vector<float> output_norm_;
