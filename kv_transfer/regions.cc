@@ -99,6 +99,21 @@ void GatherFrom(std::span<const Region> regions, RegionCursor* c, uint8_t* dst, 
   }
 }
 
+void TakePieces(std::span<const Region> regions, RegionCursor* c, size_t len,
+                std::vector<Region>* out) {
+  while (len > 0 && c->region < regions.size()) {
+    const Region& r = regions[c->region];
+    size_t take = std::min(len, r.bytes - c->within);
+    out->push_back({r.data + c->within, take});
+    len -= take;
+    c->within += take;
+    if (c->within == r.bytes) {
+      ++c->region;
+      c->within = 0;
+    }
+  }
+}
+
 void CopyRegions(std::span<const Region> src, std::span<const Region> dst) {
   RegionCursor cursor;
   for (const Region& r : src) ScatterInto(dst, &cursor, r.data, r.bytes);

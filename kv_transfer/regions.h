@@ -32,6 +32,11 @@ struct RegionCursor {
 void ScatterInto(std::span<const Region> regions, RegionCursor* cursor, const uint8_t* src,
                  size_t len);
 void GatherFrom(std::span<const Region> regions, RegionCursor* cursor, uint8_t* dst, size_t len);
+// The pieces of the regions covering the next `len` wire bytes at `cursor`
+// (advanced past them), appended to `out`: for scatter/gather I/O straight
+// into or out of caller memory, without a copy.
+void TakePieces(std::span<const Region> regions, RegionCursor* cursor, size_t len,
+                std::vector<Region>* out);
 // Region-to-region copy of equal totals.
 void CopyRegions(std::span<const Region> src, std::span<const Region> dst);
 

@@ -2,14 +2,18 @@
 
 #include <pthread.h>
 
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
 #include <cstring>
+#include <future>
 
 #include "common/logging.h"
 
 namespace kvrelay::kv_transfer {
 namespace {
 
-using protocols::Frame;
+namespace asio = boost::asio;
+using asio::ip::tcp;
 using protocols::FramedConnection;
 using protocols::kFrameHeaderBytes;
 using protocols::MessageType;
@@ -31,37 +35,238 @@ struct HelloPayload {
   uint32_t world_size;
 };
 
-std::string MakeFrame(MessageType type, const ChunkHeader& h, size_t data_bytes) {
-  std::string frame(kFrameHeaderBytes + kChunkHeaderBytes + data_bytes, '\0');
+// Op::backend_state of a receive: a chunk read into its regions is in
+// flight. Of a send: the number of its frames queued and not yet written.
+constexpr int kBound = 1;
+// Largest chunk any endpoint may send (Create's bound on chunk_bytes), so
+// endpoints with different chunk_bytes interoperate.
+constexpr size_t kMaxChunkBytes = size_t{64} << 20;
+// Frames that no posted receive is waiting for are read in pieces of this size.
+constexpr size_t kScratchBytes = 256 << 10;
+
+// Frame header + chunk header of a kKvData / kKvAbort frame carrying `data_bytes`.
+std::string EncodeHead(MessageType type, const ChunkHeader& h, size_t data_bytes) {
+  std::string head(kFrameHeaderBytes + kChunkHeaderBytes, '\0');
   protocols::EncodeFrameHeader(static_cast<uint16_t>(type),
                                static_cast<uint32_t>(kChunkHeaderBytes + data_bytes),
-                               reinterpret_cast<uint8_t*>(frame.data()));
-  std::memcpy(frame.data() + kFrameHeaderBytes, &h, sizeof(h));
-  return frame;
+                               reinterpret_cast<uint8_t*>(head.data()));
+  std::memcpy(head.data() + kFrameHeaderBytes, &h, sizeof(h));
+  return head;
 }
 
 }  // namespace
+
+// One accepted data connection. Its socket and read state are touched on the
+// io thread only; the transport state under the transport's mutex.
+class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
+ public:
+  Inbound(TcpTransport* t, tcp::socket socket) : t_(t), socket_(std::move(socket)) {}
+
+  void Start() { ReadHeader(); }
+  // Any thread: closes the connection on the io thread (a read in flight is aborted).
+  void Close(const Status& why) {
+    asio::post(socket_.get_executor(), [self = shared_from_this(), why] { self->Fail(why); });
+  }
+  // Io thread.
+  void Fail(const Status& why) {
+    if (closed_) return;
+    closed_ = true;
+    boost::system::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+    std::lock_guard lock(t_->domain_->mu);
+    if (t_->stopping_ || peer_ < 0) return;
+    t_->PeerLostLocked(peer_, Unavailable("data connection from peer " + std::to_string(peer_) +
+                                          " closed: " + why.ToString()));
+  }
+
+ private:
+  void OnReadError(const boost::system::error_code& ec) {
+    if (closed_) return;
+    Fail(ec == asio::error::eof ? Unavailable("peer closed the connection")
+                                : Unavailable("read: " + ec.message()));
+  }
+
+  // Before the hello only a frame header; after it, frame + chunk header at once.
+  void ReadHeader() {
+    if (closed_) return;
+    const size_t n = peer_ < 0 ? kFrameHeaderBytes : kFrameHeaderBytes + kChunkHeaderBytes;
+    asio::async_read(socket_, asio::buffer(head_, n),
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       if (ec) return self->OnReadError(ec);
+                       self->OnHeader();
+                     });
+  }
+
+  void OnHeader() {
+    auto fh = protocols::ParseFrameHeader(
+        std::span<const uint8_t, kFrameHeaderBytes>(head_, kFrameHeaderBytes),
+        kChunkHeaderBytes + kMaxChunkBytes);
+    if (!fh.ok()) return Fail(fh.status().WithContext("bad kv data frame"));
+    if (peer_ < 0) {
+      if (fh->type != static_cast<uint16_t>(MessageType::kHello) ||
+          fh->length != sizeof(HelloPayload)) {
+        return Fail(InvalidArgument("kv data connection: first frame is not a hello"));
+      }
+      asio::async_read(socket_, asio::buffer(&hello_, sizeof(hello_)),
+                       [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                         if (ec) return self->OnReadError(ec);
+                         self->OnHello();
+                       });
+      return;
+    }
+    if (fh->length < kChunkHeaderBytes) {
+      return Fail(InvalidArgument("kv data frame shorter than its chunk header"));
+    }
+    ChunkHeader h{};
+    std::memcpy(&h, head_ + kFrameHeaderBytes, sizeof(h));
+    const size_t len = fh->length - kChunkHeaderBytes;
+    key_ = TransferKey{peer_, h.request_id, h.tag};
+    if (fh->type == static_cast<uint16_t>(MessageType::kKvAbort) && len == 0) {
+      {
+        std::lock_guard lock(t_->domain_->mu);
+        t_->AbortLocked(key_, Cancelled(KeyString(key_) + ": the sender cancelled"));
+      }
+      return ReadHeader();
+    }
+    if (fh->type != static_cast<uint16_t>(MessageType::kKvData) || h.offset > h.total ||
+        len > h.total - h.offset) {
+      return Fail(InvalidArgument("kv data frame with type " + std::to_string(fh->type) +
+                                  " offset " + std::to_string(h.offset) + " len " +
+                                  std::to_string(len) + " total " + std::to_string(h.total)));
+    }
+    offset_ = h.offset;
+    total_ = h.total;
+    remaining_ = len;
+    {
+      std::lock_guard lock(t_->domain_->mu);
+      OpPtr op = t_->PostedRecvLocked(key_);
+      if (op && len > 0 && !op->done && !op->cancel_requested && op->backend_state == 0 &&
+          op->total == h.total && op->received == h.offset) {
+        // The next piece of a posted receive: read it straight into its regions.
+        op->backend_state = kBound;
+        pieces_.clear();
+        TakePieces(op->regions, &op->cursor, len, &pieces_);
+        t_->reading_[op->handle] = weak_from_this();
+        bound_ = op;
+      }
+    }
+    if (!bound_) return ReadScratch();
+    read_buffers_.clear();
+    for (const Region& r : pieces_) read_buffers_.push_back(asio::buffer(r.data, r.bytes));
+    asio::async_read(socket_, read_buffers_,
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       self->OnDirectRead(ec);
+                     });
+  }
+
+  void OnHello() {
+    if (hello_.world_size != static_cast<uint32_t>(t_->options_.world_size) ||
+        hello_.rank >= hello_.world_size || hello_.rank == static_cast<uint32_t>(t_->rank())) {
+      return Fail(InvalidArgument("kv data connection: hello from rank " +
+                                  std::to_string(hello_.rank) + " of world " +
+                                  std::to_string(hello_.world_size) + " does not fit world " +
+                                  std::to_string(t_->options_.world_size)));
+    }
+    peer_ = static_cast<int>(hello_.rank);
+    {
+      std::lock_guard lock(t_->domain_->mu);
+      t_->PeerBackLocked(peer_);
+    }
+    ReadHeader();
+  }
+
+  void OnDirectRead(const boost::system::error_code& ec) {
+    OpPtr op = std::move(bound_);
+    bound_.reset();
+    {
+      std::lock_guard lock(t_->domain_->mu);
+      op->backend_state = 0;
+      t_->reading_.erase(op->handle);
+      if (ec) {
+        t_->CompleteLocked(
+            op, Unavailable("data connection from peer " + std::to_string(peer_) +
+                            " broke inside a chunk of " + KeyString(key_) + ": " + ec.message()));
+      } else {
+        op->received += remaining_;
+        if (op->received == op->total) t_->CompleteLocked(op, Status::Ok());
+      }
+      t_->domain_->cv.notify_all();  // a Cancel may wait for the unbinding
+    }
+    if (ec) return OnReadError(ec);
+    ReadHeader();
+  }
+
+  void ReadScratch() {
+    if (closed_) return;
+    const size_t n = std::min(remaining_, kScratchBytes);
+    scratch_.resize(n);
+    asio::async_read(socket_, asio::buffer(scratch_.data(), n),
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t got) {
+                       if (ec) return self->OnReadError(ec);
+                       self->OnScratch(got);
+                     });
+  }
+
+  void OnScratch(size_t n) {
+    bool clash = false;
+    {
+      std::lock_guard lock(t_->domain_->mu);
+      OpPtr op = t_->PostedRecvLocked(key_);
+      // Another connection of the same peer is writing this receive.
+      clash = op && op->backend_state == kBound;
+      if (!clash) t_->DeliverLocked(key_, offset_, total_, scratch_.data(), n);
+    }
+    if (clash) return Fail(DataLoss(KeyString(key_) + " arrived on two data connections at once"));
+    offset_ += n;
+    remaining_ -= n;
+    if (remaining_ > 0) return ReadScratch();
+    ReadHeader();
+  }
+
+  TcpTransport* const t_;
+  tcp::socket socket_;
+  bool closed_ = false;
+  int peer_ = -1;  // learned from the hello
+  uint8_t head_[kFrameHeaderBytes + kChunkHeaderBytes] = {};
+  HelloPayload hello_{};
+  // The frame being read.
+  TransferKey key_;
+  size_t offset_ = 0, total_ = 0, remaining_ = 0;
+  OpPtr bound_;  // receive whose regions the read in flight writes
+  std::vector<Region> pieces_;
+  std::vector<asio::mutable_buffer> read_buffers_;
+  std::vector<uint8_t> scratch_;
+};
 
 Result<std::unique_ptr<TcpTransport>> TcpTransport::Create(Options options) {
   if (options.rank < 0 || options.rank >= options.world_size) {
     return InvalidArgument("tcp transport: rank " + std::to_string(options.rank) +
                            " outside [0, world_size " + std::to_string(options.world_size) + ")");
   }
-  if (options.chunk_bytes == 0 || options.chunk_bytes > (64u << 20)) {
+  if (options.chunk_bytes == 0 || options.chunk_bytes > kMaxChunkBytes) {
     return InvalidArgument("tcp transport: chunk_bytes must be in (0, 64 MiB]");
   }
   auto t = std::unique_ptr<TcpTransport>(new TcpTransport(options));
-  protocols::ConnectionOptions copts;
-  copts.name = "kv-data-in@" + std::to_string(options.rank);
-  copts.max_payload_bytes = static_cast<uint32_t>(options.chunk_bytes + kChunkHeaderBytes);
-  copts.read_chunk_bytes = 256 << 10;
+  boost::system::error_code ec;
+  auto address = asio::ip::make_address(options.listen_host, ec);
+  if (ec) {
+    return InvalidArgument("tcp transport: listen address '" + options.listen_host +
+                           "' is not an IP address");
+  }
+  tcp::endpoint endpoint(address, options.listen_port);
+  t->acceptor_ = std::make_unique<tcp::acceptor>(t->io_.context());
+  t->acceptor_->open(endpoint.protocol(), ec);
+  if (!ec) t->acceptor_->set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) t->acceptor_->bind(endpoint, ec);
+  if (!ec) t->acceptor_->listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Unavailable("tcp transport: listening on " + options.listen_host + ":" +
+                       std::to_string(options.listen_port) + ": " + ec.message());
+  }
+  t->port_ = t->acceptor_->local_endpoint(ec).port();
   TcpTransport* raw = t.get();
-  auto server = protocols::FramedServer::Listen(
-      t->io_, options.listen_host, options.listen_port, copts,
-      [raw](std::shared_ptr<FramedConnection> conn) { raw->OnAccept(std::move(conn)); });
-  if (!server.ok()) return server.status().WithContext("tcp transport");
-  t->server_ = std::move(server).value();
-  t->port_ = t->server_->port();
+  asio::post(t->io_.context(), [raw] { raw->AcceptLoop(); });
   t->sender_ = std::thread([raw] {
     pthread_setname_np(pthread_self(), "kv-tcp-send");
     raw->SenderLoop();
@@ -77,6 +282,33 @@ TcpTransport::TcpTransport(Options options)
 
 TcpTransport::~TcpTransport() { Shutdown(); }
 
+void TcpTransport::AcceptLoop() {
+  acceptor_->async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) {
+        LOG_WARNING << "tcp transport: accept: " << ec.message();
+        AcceptLoop();
+      }
+      return;
+    }
+    boost::system::error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    if (options_.socket_buffer_bytes > 0) {
+      socket.set_option(asio::socket_base::receive_buffer_size(options_.socket_buffer_bytes),
+                        ignored);
+    }
+    auto in = std::make_shared<Inbound>(this, std::move(socket));
+    {
+      std::lock_guard lock(domain_->mu);
+      if (stopping_) return;  // the socket closes with `in`
+      std::erase_if(inbound_, [](const auto& w) { return w.expired(); });
+      inbound_.push_back(in);
+    }
+    in->Start();
+    AcceptLoop();
+  });
+}
+
 void TcpTransport::Shutdown() {
   std::unordered_map<int, std::shared_ptr<FramedConnection>> conns;
   {
@@ -88,68 +320,32 @@ void TcpTransport::Shutdown() {
     send_queue_.clear();
     domain_->cv.notify_all();
   }
-  if (sender_.joinable()) sender_.join();
+  // Closing wakes a sender thread waiting for send-queue room.
   for (auto& [peer, c] : conns) c->Close(Cancelled("tcp transport shut down"));
-  if (server_) server_->Stop();
+  if (sender_.joinable()) sender_.join();
+  std::vector<std::weak_ptr<Inbound>> inbound;
+  {
+    std::lock_guard lock(domain_->mu);
+    inbound.swap(inbound_);
+  }
+  if (acceptor_ && !io_.context().stopped()) {
+    std::promise<void> closed;
+    auto done = closed.get_future();
+    asio::post(io_.context(), [&] {
+      boost::system::error_code ignored;
+      acceptor_->close(ignored);
+      for (auto& w : inbound) {
+        if (auto in = w.lock()) in->Fail(Cancelled("tcp transport shut down"));
+      }
+      closed.set_value();
+    });
+    done.wait_for(std::chrono::seconds(5));
+  }
   io_.Stop();
-}
-
-void TcpTransport::OnAccept(std::shared_ptr<FramedConnection> conn) {
-  // Rank of the peer on this connection, learned from its hello (io thread only).
-  auto peer = std::make_shared<int>(-1);
-  std::weak_ptr<FramedConnection> weak = conn;
-  conn->Start(
-      [this, peer, weak](Frame frame) {
-        auto fail = [&](const std::string& why) {
-          if (auto c = weak.lock()) c->Close(InvalidArgument(why));
-        };
-        if (*peer < 0) {
-          HelloPayload hello{};
-          if (frame.type != static_cast<uint16_t>(MessageType::kHello) ||
-              frame.payload.size() != sizeof(hello)) {
-            return fail("kv data connection: first frame is not a hello");
-          }
-          std::memcpy(&hello, frame.payload.data(), sizeof(hello));
-          if (hello.world_size != static_cast<uint32_t>(options_.world_size) ||
-              hello.rank >= hello.world_size || hello.rank == static_cast<uint32_t>(rank())) {
-            return fail("kv data connection: hello from rank " + std::to_string(hello.rank) +
-                        " of world " + std::to_string(hello.world_size) + " does not fit world " +
-                        std::to_string(options_.world_size));
-          }
-          *peer = static_cast<int>(hello.rank);
-          std::lock_guard lock(domain_->mu);
-          PeerBackLocked(*peer);
-          return;
-        }
-        ChunkHeader h{};
-        if (frame.payload.size() < kChunkHeaderBytes) {
-          return fail("kv data frame shorter than its chunk header");
-        }
-        std::memcpy(&h, frame.payload.data(), sizeof(h));
-        const size_t len = frame.payload.size() - kChunkHeaderBytes;
-        TransferKey key{*peer, h.request_id, h.tag};
-        std::lock_guard lock(domain_->mu);
-        if (frame.type == static_cast<uint16_t>(MessageType::kKvAbort)) {
-          AbortLocked(key, Cancelled(KeyString(key) + ": the sender cancelled"));
-          return;
-        }
-        if (frame.type != static_cast<uint16_t>(MessageType::kKvData) || h.offset > h.total ||
-            len > h.total - h.offset) {
-          return fail("kv data frame with type " + std::to_string(frame.type) + " offset " +
-                      std::to_string(h.offset) + " len " + std::to_string(len) + " total " +
-                      std::to_string(h.total));
-        }
-        DeliverLocked(key, h.offset, h.total,
-                      reinterpret_cast<const uint8_t*>(frame.payload.data()) + kChunkHeaderBytes,
-                      len);
-      },
-      [this, peer](const Status& why) {
-        if (*peer < 0) return;
-        std::lock_guard lock(domain_->mu);
-        if (stopping_) return;
-        PeerLostLocked(*peer, Unavailable("data connection from peer " + std::to_string(*peer) +
-                                          " closed: " + why.ToString()));
-      });
+  // No thread can touch caller memory any more: fail what is left.
+  std::lock_guard lock(domain_->mu);
+  reading_.clear();
+  FailAllLocked(Cancelled("tcp transport shut down"));
 }
 
 Status TcpTransport::ConnectPeer(int peer, const std::string& host, uint16_t port,
@@ -162,10 +358,10 @@ Status TcpTransport::ConnectPeer(int peer, const std::string& host, uint16_t por
   copts.max_send_queue_frames = options_.send_queue_frames;
   copts.max_payload_bytes = static_cast<uint32_t>(options_.chunk_bytes + kChunkHeaderBytes);
   ASSIGN_OR_RETURN(auto conn, FramedConnection::Connect(io_, host, port, copts, deadline));
+  conn->SetSocketBuffers(options_.socket_buffer_bytes);
   HelloPayload hello{static_cast<uint32_t>(rank()), static_cast<uint32_t>(world_size())};
   RETURN_IF_ERROR(conn->Send(
       MessageType::kHello, std::string_view(reinterpret_cast<const char*>(&hello), sizeof(hello))));
-  std::weak_ptr<FramedConnection> weak = conn;
   std::lock_guard lock(domain_->mu);
   if (stopping_) {
     conn->Close(Cancelled("tcp transport shut down"));
@@ -193,14 +389,38 @@ Status TcpTransport::StartSendLocked(const OpPtr& op, std::unique_lock<std::mute
   return Status::Ok();
 }
 
-void TcpTransport::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {
-  if (!op->is_send) {
-    TransportBase::CancelLocked(op, lock);
-    return;
+void TcpTransport::DrainBoundLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {
+  auto unbound = [&] { return op->backend_state == 0; };
+  if (unbound()) return;
+  if (domain_->cv.wait_for(lock, options_.cancel_drain_timeout, unbound)) return;
+  // The peer is not reading (send) or not writing (receive): close the
+  // connection, which aborts the socket operation touching the buffers.
+  const Status why =
+      Cancelled(KeyString(op->key) + ": a chunk did not drain within " +
+                std::to_string(options_.cancel_drain_timeout.count()) + " ms of a cancel");
+  LOG_WARNING << "tcp transport: " << why.ToString() << "; closing its connection";
+  if (op->is_send) {
+    auto it = out_conns_.find(op->key.peer);
+    if (it != out_conns_.end()) it->second->Close(why);
+  } else {
+    auto it = reading_.find(op->handle);
+    if (it != reading_.end()) {
+      if (auto in = it->second.lock()) in->Close(why);
+    }
   }
-  // Queued: drop it. Being sent: the sender thread sees cancel_requested at
-  // its next chunk (it only touches the buffers under the lock) and sends an abort.
-  std::erase(send_queue_, op);
+  if (!domain_->cv.wait_for(lock, std::chrono::seconds(10), unbound)) {
+    LOG_ERROR << "tcp transport: " << KeyString(op->key)
+              << " still bound to a socket operation after its connection was closed";
+  }
+}
+
+void TcpTransport::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {
+  if (op->is_send && std::erase(send_queue_, op) > 0) return;  // never started
+  // A chunk being read into / written from the buffers finishes (or its
+  // connection is closed) before the buffers are released. A send being
+  // queued stops at its next chunk (cancel_requested) and emits an abort.
+  DrainBoundLocked(op, lock);
+  if (!op->is_send) TransportBase::CancelLocked(op, lock);
 }
 
 void TcpTransport::SenderLoop() {
@@ -210,42 +430,72 @@ void TcpTransport::SenderLoop() {
     if (stopping_) return;
     OpPtr op = send_queue_.front();
     send_queue_.pop_front();
-    auto conn_it = out_conns_.find(op->key.peer);
-    if (conn_it == out_conns_.end()) {
-      CompleteLocked(op, Unavailable("no data connection to peer " + std::to_string(op->key.peer)));
-      continue;
+    if (!op->done) SendOneLocked(op, lock);
+  }
+}
+
+void TcpTransport::SendOneLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) {
+  auto conn_it = out_conns_.find(op->key.peer);
+  if (conn_it == out_conns_.end()) {
+    CompleteLocked(op, Unavailable("no data connection to peer " + std::to_string(op->key.peer)));
+    return;
+  }
+  std::shared_ptr<FramedConnection> conn = conn_it->second;
+  ChunkHeader h{op->key.request_id, op->key.tag, 0, 0, op->total};
+  RegionCursor cursor;
+  size_t offset = 0;
+  std::vector<Region> pieces;
+  // Runs on the io thread when one frame was written (or dropped by a close).
+  auto written = [this, op](bool last, const Status& s) {
+    std::lock_guard l(domain_->mu);
+    --op->backend_state;
+    if (!s.ok() && op->backend_error.ok()) {
+      op->backend_error = s.WithContext("tcp send " + KeyString(op->key));
     }
-    std::shared_ptr<FramedConnection> conn = conn_it->second;
-    ChunkHeader h{op->key.request_id, op->key.tag, 0, 0, op->total};
-    RegionCursor cursor;
-    size_t offset = 0;
-    while (true) {
-      if (op->cancel_requested || op->done || stopping_) {
-        if (offset > 0) {
-          lock.unlock();
-          (void)conn->SendEncoded(MakeFrame(MessageType::kKvAbort, h, 0));
-          lock.lock();
-        }
-        break;
+    if (op->backend_state == 0) {
+      if (!op->backend_error.ok()) {
+        CompleteLocked(op, op->backend_error);
+      } else if (last) {
+        CompleteLocked(op, Status::Ok());
       }
-      const size_t n = std::min(options_.chunk_bytes, op->total - offset);
-      h.offset = offset;
-      std::string frame = MakeFrame(MessageType::kKvData, h, n);
-      GatherFrom(op->regions, &cursor,
-                 reinterpret_cast<uint8_t*>(frame.data()) + kFrameHeaderBytes + kChunkHeaderBytes,
-                 n);
-      offset += n;
-      const bool last = offset == op->total;
-      // Every byte is copied out: the caller's buffers are free.
-      if (last) CompleteLocked(op, Status::Ok());
-      lock.unlock();
-      Status st = conn->SendEncodedWait(std::move(frame), Deadline::After(options_.stall_timeout));
-      lock.lock();
-      if (!st.ok()) {
-        CompleteLocked(op, st.WithContext("tcp send " + KeyString(op->key)));
-        break;
+    }
+    domain_->cv.notify_all();
+  };
+  while (offset < op->total) {
+    if (op->cancel_requested || op->done || stopping_ || !op->backend_error.ok()) {
+      if (op->cancel_requested && offset > 0) {
+        h.offset = offset;
+        lock.unlock();
+        (void)conn->SendEncodedWait(EncodeHead(MessageType::kKvAbort, h, 0),
+                                    Deadline::After(options_.stall_timeout));
+        lock.lock();
       }
-      if (last) break;
+      if (op->backend_state == 0 && !op->backend_error.ok()) CompleteLocked(op, op->backend_error);
+      return;
+    }
+    const size_t n = std::min(options_.chunk_bytes, op->total - offset);
+    h.offset = offset;
+    pieces.clear();
+    TakePieces(op->regions, &cursor, n, &pieces);
+    std::vector<asio::const_buffer> body;
+    body.reserve(pieces.size());
+    for (const Region& r : pieces) body.push_back(asio::buffer(r.data, r.bytes));
+    offset += n;
+    const bool last = offset == op->total;
+    ++op->backend_state;
+    lock.unlock();
+    Status st = conn->SendGatherWait(
+        EncodeHead(MessageType::kKvData, h, n), std::move(body),
+        [written, last](const Status& s) { written(last, s); },
+        Deadline::After(options_.stall_timeout));
+    lock.lock();
+    if (!st.ok()) {
+      --op->backend_state;
+      if (op->backend_error.ok())
+        op->backend_error = st.WithContext("tcp send " + KeyString(op->key));
+      if (op->backend_state == 0) CompleteLocked(op, op->backend_error);
+      domain_->cv.notify_all();
+      return;
     }
   }
 }

@@ -2,14 +2,25 @@
 // (never the control plane's) and opens one outgoing data connection per
 // peer it sends to; the first frame on a connection names the sender's rank.
 //
-// A send is cut into kKvData frames (header: request, tag, offset, total) of
-// at most chunk_bytes, copied out of the caller's buffers under the
-// transport's mutex by the sender thread and queued with back-pressure
-// (send_queue_frames), so the caller's buffers are released as soon as the
-// last chunk is copied. A cancelled send emits kKvAbort. Receives scatter
-// arriving frames into the caller's buffers under the same mutex, so Cancel
-// ends every buffer access. A closed incoming connection fails every
-// unfinished receive from that peer at once (peer death never hangs).
+// A send is cut into kKvData frames (frame header + chunk header: request,
+// tag, offset, total) of at most chunk_bytes. No user-space copy on either
+// side: the sender thread ("kv-tcp-send") queues each frame as a gather write
+// (a small owned header followed by the caller's regions, written with one
+// sendmsg over an iovec), with back-pressure (send_queue_frames per
+// connection). The caller's send buffers are therefore read by the kernel
+// until the last frame is written; the send completes (and the buffers are
+// released) when every frame has been handed to the kernel. A cancelled send
+// waits for its frames already queued (or closes the connection when they do
+// not drain within cancel_drain_timeout) and emits kKvAbort.
+//
+// The receiving side reads each frame's headers, and when the frame is the
+// next piece of a posted receive, reads its payload straight into the
+// receive's regions (scatter read; the regions are "bound" meanwhile and
+// Cancel waits for that one chunk read, closing the connection if it does
+// not finish within cancel_drain_timeout). Frames without a matching posted
+// receive go through a bounded scratch buffer into the shared staging of
+// transport_base.h. A closed incoming connection fails every unfinished
+// receive from that peer at once (peer death never hangs).
 //
 // Threads: one io thread ("kv-tcp-io") and one sender thread
 // ("kv-tcp-send"), both joined by Shutdown()/destructor.
@@ -34,7 +45,13 @@ class TcpTransport final : public TransportBase {
     std::string listen_host = "127.0.0.1";
     uint16_t listen_port = 0;  // 0: ephemeral, see port()
     size_t chunk_bytes = 1 << 20;
-    size_t send_queue_frames = 8;  // per connection: bounds buffered send memory
+    // Per connection: frames queued for writing (they reference caller memory).
+    size_t send_queue_frames = 8;
+    // SO_SNDBUF / SO_RCVBUF of the data sockets; 0 keeps the kernel's autotuning.
+    int socket_buffer_bytes = 0;
+    // How long Cancel / a Wait deadline waits for a chunk already being read
+    // into or written from caller memory before closing that connection.
+    std::chrono::milliseconds cancel_drain_timeout{2000};
     int max_inflight = 4096;
     int64_t max_unexpected_bytes = 1ll << 30;
     // A send that cannot queue a chunk for this long fails (peer not reading).
@@ -61,17 +78,26 @@ class TcpTransport final : public TransportBase {
   Status StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
   void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
   void SenderLoop();
-  void OnAccept(std::shared_ptr<protocols::FramedConnection> conn);
+  void SendOneLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock);
+  class Inbound;  // one accepted data connection (tcp_transport.cc)
+  void AcceptLoop();
+  // Waits (lock held via `lock`) until `op` is no longer bound to a chunk
+  // read/write; closes the connection carrying it if that takes longer than
+  // cancel_drain_timeout.
+  void DrainBoundLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock);
 
   Options options_;
   protocols::IoThread io_;
-  std::unique_ptr<protocols::FramedServer> server_;
+  std::unique_ptr<boost::asio::ip::tcp::acceptor> acceptor_;  // io thread after Create
   uint16_t port_ = 0;
   std::thread sender_;
   // Guarded by domain_->mu.
   bool stopping_ = false;
   std::unordered_map<int, std::shared_ptr<protocols::FramedConnection>> out_conns_;
   std::deque<OpPtr> send_queue_;
+  std::vector<std::weak_ptr<Inbound>> inbound_;
+  // Receive handle -> the connection whose read is writing into it (bound ops only).
+  std::unordered_map<TransferHandle, std::weak_ptr<Inbound>> reading_;
 };
 
 }  // namespace kvrelay::kv_transfer

@@ -104,6 +104,20 @@ TransportBase::OpPtr TransportBase::TakePostedRecvLocked(const TransferKey& key)
   return op;
 }
 
+void TransportBase::FailAllLocked(const Status& why) {
+  for (auto& [handle, op] : ops_) {
+    if (op->done) continue;
+    op->backend_state = 0;
+    CompleteLocked(op, why);
+  }
+}
+
+TransportBase::OpPtr TransportBase::PostedRecvLocked(const TransferKey& key) const {
+  if (dropping_.count(key)) return nullptr;
+  auto it = posted_recvs_.find(key);
+  return it == posted_recvs_.end() ? nullptr : it->second;
+}
+
 void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t total,
                                   const uint8_t* data, size_t len) {
   const bool last = offset + len >= total;

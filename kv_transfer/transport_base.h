@@ -54,6 +54,7 @@ class TransportBase : public Transport {
     size_t received = 0;
     bool cancel_requested = false;
     int backend_state = 0;  // backend-specific (e.g. MPI: bound to a direct receive)
+    Status backend_error;   // backend-specific: first error seen while backend_state != 0
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -86,8 +87,15 @@ class TransportBase : public Transport {
   // Every unfinished transfer with `peer` fails; later posts to/from it fail fast.
   void PeerLostLocked(int peer, const Status& why);
   void CompleteLocked(const OpPtr& op, Status status);
+  // Every unfinished transfer fails with `why` (backend_state reset): for a
+  // backend that has stopped every thread that could touch the buffers.
+  void FailAllLocked(const Status& why);
   // Removes and returns a posted receive for key that has received nothing yet.
   OpPtr TakePostedRecvLocked(const TransferKey& key);
+  // The posted, unfinished receive for key, or nullptr when there is none or
+  // key's remaining data is being dropped (a backend may then write the
+  // receive's regions directly, in order, and advance cursor/received itself).
+  OpPtr PostedRecvLocked(const TransferKey& key) const;
   // A peer (re)connected: posts to/from it are allowed again.
   void PeerBackLocked(int peer) { lost_peers_.erase(peer); }
   bool PeerLostLocked(int peer) const { return lost_peers_.count(peer) > 0; }

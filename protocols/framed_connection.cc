@@ -186,6 +186,10 @@ Status FramedConnection::Send(uint16_t type, std::string_view payload) {
 }
 
 Status FramedConnection::SendEncoded(std::string frame_bytes) {
+  return Enqueue(Outgoing{std::move(frame_bytes), {}, nullptr});
+}
+
+Status FramedConnection::Enqueue(Outgoing out) {
   bool start = false;
   {
     std::lock_guard lock(mutex_);
@@ -197,7 +201,7 @@ Status FramedConnection::SendEncoded(std::string frame_bytes) {
       return ResourceExhausted("send queue of " + options_.name + " is full (" +
                                std::to_string(send_queue_.size()) + " frames)");
     }
-    send_queue_.push_back(std::move(frame_bytes));
+    send_queue_.push_back(std::move(out));
     if (!writing_) {
       writing_ = true;
       start = true;
@@ -220,10 +224,40 @@ Status FramedConnection::SendEncodedWait(std::string frame_bytes, Deadline deadl
   return SendEncoded(std::move(frame_bytes));
 }
 
+Status FramedConnection::SendGatherWait(std::string head, std::vector<asio::const_buffer> body,
+                                        WriteDone on_done, Deadline deadline) {
+  size_t payload = head.size() < kFrameHeaderBytes ? 0 : head.size() - kFrameHeaderBytes;
+  for (const auto& b : body) payload += b.size();
+  if (head.size() < kFrameHeaderBytes || payload > options_.max_payload_bytes) {
+    return InvalidArgument("gather frame of " + std::to_string(payload) + " payload bytes (head " +
+                           std::to_string(head.size()) + ") does not fit the maximum of " +
+                           std::to_string(options_.max_payload_bytes));
+  }
+  {
+    std::unique_lock lock(mutex_);
+    bool room = cv_.wait_until(lock, deadline.at, [&] {
+      return closed_ || close_after_flush_ || send_queue_.size() < options_.max_send_queue_frames;
+    });
+    if (!room) {
+      return DeadlineExceeded("send queue of " + options_.name + " stayed full until the deadline");
+    }
+  }
+  return Enqueue(Outgoing{std::move(head), std::move(body), std::move(on_done)});
+}
+
+void FramedConnection::SetSocketBuffers(int bytes) {
+  if (bytes <= 0) return;
+  asio::post(io_.context(), [self = shared_from_this(), bytes] {
+    boost::system::error_code ignored;
+    self->socket_.set_option(asio::socket_base::send_buffer_size(bytes), ignored);
+    self->socket_.set_option(asio::socket_base::receive_buffer_size(bytes), ignored);
+  });
+}
+
 void FramedConnection::DoWrite() {
-  const std::string* front = nullptr;
   Status flush_close;
   bool close_now = false;
+  write_buffers_.clear();
   {
     std::lock_guard lock(mutex_);
     if (closed_) {
@@ -237,15 +271,18 @@ void FramedConnection::DoWrite() {
         flush_close = flush_reason_;
       }
     } else {
-      front = &send_queue_.front();  // deque keeps element addresses stable on push_back
+      // deque keeps element addresses stable on push_back
+      const Outgoing& front = send_queue_.front();
+      write_buffers_.push_back(asio::buffer(front.bytes));
+      write_buffers_.insert(write_buffers_.end(), front.body.begin(), front.body.end());
     }
   }
   if (close_now) {
     CloseOnIo(flush_close);
     return;
   }
-  if (front == nullptr) return;
-  asio::async_write(socket_, asio::buffer(*front),
+  if (write_buffers_.empty()) return;
+  asio::async_write(socket_, write_buffers_,
                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
                       if (ec) {
                         if (ec != asio::error::operation_aborted) {
@@ -253,11 +290,16 @@ void FramedConnection::DoWrite() {
                         }
                         return;
                       }
+                      WriteDone done;
                       {
                         std::lock_guard lock(self->mutex_);
-                        if (!self->send_queue_.empty()) self->send_queue_.pop_front();
+                        if (!self->send_queue_.empty()) {
+                          done = std::move(self->send_queue_.front().on_done);
+                          self->send_queue_.pop_front();
+                        }
                         self->cv_.notify_all();  // room for SendEncodedWait
                       }
+                      if (done) done(Status::Ok());
                       self->DoWrite();
                     });
 }
@@ -307,18 +349,25 @@ void FramedConnection::CloseAfterFlush(const Status& reason) {
 }
 
 void FramedConnection::CloseOnIo(const Status& reason) {
+  std::deque<Outgoing> dropped;
   {
     std::lock_guard lock(mutex_);
     if (closed_) return;
     closed_ = true;
     close_reason_ = reason;
-    send_queue_.clear();
+    dropped.swap(send_queue_);
     cv_.notify_all();
   }
   boost::system::error_code ignored;
   idle_timer_.cancel();
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
+  // The socket is closed: no write touches the dropped frames' memory any more.
+  const Status dropped_why =
+      reason.ok() ? Unavailable("connection " + options_.name + " closed") : reason;
+  for (Outgoing& out : dropped) {
+    if (out.on_done) out.on_done(dropped_why);
+  }
   if (reason.ok()) {
     LOG_DEBUG << "connection " << options_.name << " closed";
   } else {

@@ -11,6 +11,7 @@
 // objects here must be destroyed (or at least closed) before their IoThread.
 #pragma once
 
+#include <boost/asio/buffer.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
@@ -85,6 +86,21 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   // instead of failing with ResourceExhausted: back-pressure for bulk senders.
   Status SendEncodedWait(std::string frame_bytes, Deadline deadline);
 
+  // Zero-copy send of one frame whose bytes are `head` (frame header and any
+  // payload prefix, encoded by the caller) followed by `body`, caller memory
+  // written straight to the socket (gather write, no copy). Waits until
+  // `deadline` for room in the send queue like SendEncodedWait.
+  // On OK, `on_done` runs exactly once on the io thread: with OK when every
+  // byte was handed to the kernel, or with the close reason when the
+  // connection closed first. Either way the connection never touches `body`
+  // after that, so `body` must stay valid until then. On error `on_done` is
+  // never called. `on_done` must not block and must not call this connection.
+  using WriteDone = std::function<void(const Status&)>;
+  Status SendGatherWait(std::string head, std::vector<boost::asio::const_buffer> body,
+                        WriteDone on_done, Deadline deadline);
+  // Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's autotuning). Any thread.
+  void SetSocketBuffers(int bytes);
+
   // Next inbox frame, waiting until `deadline`. DeadlineExceeded on timeout;
   // the close reason (or Unavailable) once closed and drained.
   Result<Frame> Receive(Deadline deadline);
@@ -120,13 +136,20 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::string> send_queue_;  // guarded by mutex_
-  bool writing_ = false;                // guarded by mutex_
-  bool closed_ = false;                 // guarded by mutex_
-  bool close_after_flush_ = false;      // guarded by mutex_
-  Status flush_reason_;                 // guarded by mutex_
-  Status close_reason_;                 // guarded by mutex_
-  std::deque<Frame> inbox_;             // guarded by mutex_
+  struct Outgoing {
+    std::string bytes;                            // owned: header (+ payload)
+    std::vector<boost::asio::const_buffer> body;  // caller memory (SendGatherWait)
+    WriteDone on_done;                            // may be null
+  };
+  Status Enqueue(Outgoing out);
+  std::deque<Outgoing> send_queue_;                       // guarded by mutex_
+  std::vector<boost::asio::const_buffer> write_buffers_;  // io thread only: the write in flight
+  bool writing_ = false;                                  // guarded by mutex_
+  bool closed_ = false;                                   // guarded by mutex_
+  bool close_after_flush_ = false;                        // guarded by mutex_
+  Status flush_reason_;                                   // guarded by mutex_
+  Status close_reason_;                                   // guarded by mutex_
+  std::deque<Frame> inbox_;                               // guarded by mutex_
 };
 
 // Accepts connections on host:port (port 0 = ephemeral) and hands each, not
