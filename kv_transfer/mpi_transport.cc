@@ -154,6 +154,7 @@ void MpiTransport::ProgressLoop() {
             &header_req);
   std::list<std::unique_ptr<Active>> active;
   auto sleep = options_.idle_sleep_min;
+  TimePoint last_progress = Clock::now();
   std::vector<OpPtr> new_sends;
 
   auto finish = [&](Active& a) {
@@ -258,9 +259,10 @@ void MpiTransport::ProgressLoop() {
 
     if (progressed) {
       sleep = options_.idle_sleep_min;
+      last_progress = Clock::now();
       continue;
     }
-    if (!active.empty()) {
+    if (!active.empty() || Clock::now() - last_progress < options_.spin_after_progress) {
       // A message is moving: MPI only advances (e.g. shared-memory fragments)
       // inside MPI_Test, so keep testing; yield so oversubscribed ranks run.
       std::this_thread::yield();
@@ -268,7 +270,8 @@ void MpiTransport::ProgressLoop() {
     }
     std::unique_lock lock(domain_->mu);
     domain_->cv.wait_for(lock, sleep, [&] { return stopping_ || !send_queue_.empty(); });
-    sleep = std::min(sleep * 2, options_.idle_sleep_max);
+    const auto cap = HasPostedRecvsLocked() ? options_.posted_sleep_max : options_.idle_sleep_max;
+    sleep = std::min(sleep * 2, cap);
   }
 
   // Shutdown: withdraw the header receive; give in-flight messages a moment.

@@ -15,13 +15,16 @@
 // headers. A payload whose receive is not posted yet is received into a
 // staging buffer and copied when the receive is posted.
 //
-// Idle policy: while a message is actually moving (an MPI request of a
+// Progress policy: while a message is actually moving (an MPI request of a
 // send or of a matched payload is active) the progress thread keeps calling
 // MPI_Test, yielding between calls, because MPI advances large transfers only
-// inside those calls. Otherwise (nothing moving; receives merely posted) it
-// sleeps on a condition variable with exponential backoff (idle_sleep_min ..
-// idle_sleep_max) between header polls, woken at once by new sends: an idle
-// transport does not spin a core.
+// inside those calls. After any progress it keeps polling the same way for
+// spin_after_progress (the next header of a stream, or the reply to what was
+// just sent, usually follows within microseconds). Otherwise it sleeps on a
+// condition variable with exponential backoff between header polls, woken at
+// once by new sends: up to posted_sleep_max while a receive is posted (a
+// caller waits for data), up to idle_sleep_max when nothing is posted. An
+// idle transport does not spin a core.
 //
 // Cancel: MPI cannot withdraw a message that is already matched, so Cancel of
 // a send, or of a receive whose payload is already arriving, waits (up to
@@ -54,6 +57,8 @@ class MpiTransport final : public TransportBase {
     int data_tag = 0x4B57;
     std::chrono::microseconds idle_sleep_min{20};
     std::chrono::microseconds idle_sleep_max{1000};
+    std::chrono::microseconds posted_sleep_max{200};
+    std::chrono::microseconds spin_after_progress{200};
     std::chrono::milliseconds cancel_drain_timeout{5000};
   };
   static Result<std::unique_ptr<MpiTransport>> Create(Options options);

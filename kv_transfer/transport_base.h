@@ -96,6 +96,7 @@ class TransportBase : public Transport {
   // key's remaining data is being dropped (a backend may then write the
   // receive's regions directly, in order, and advance cursor/received itself).
   OpPtr PostedRecvLocked(const TransferKey& key) const;
+  bool HasPostedRecvsLocked() const { return !posted_recvs_.empty(); }
   // A peer (re)connected: posts to/from it are allowed again.
   void PeerBackLocked(int peer) { lost_peers_.erase(peer); }
   bool PeerLostLocked(int peer) const { return lost_peers_.count(peer) > 0; }

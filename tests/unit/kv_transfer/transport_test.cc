@@ -280,6 +280,52 @@ TEST(TcpTransport, PeerProcessVanishingMidTransferFailsWithinDeadline) {
   close(port_pipe[1]);
 }
 
+TEST(TcpTransport, CancelOfAReceiveStalledInsideAChunkClosesThatConnection) {
+  // Rank 0 is played by a raw connection that declares a 64 KiB chunk, writes
+  // 1000 bytes of it and stalls with the connection open.
+  TcpTransport::Options o;
+  o.rank = 1;
+  o.cancel_drain_timeout = std::chrono::milliseconds(200);
+  auto recv_side = std::move(TcpTransport::Create(o)).value();
+  std::vector<uint8_t> dst(65536, 0);
+  auto r = recv_side->PostRecv(Desc(0, 78, 0, dst, 1, 1, 1, 32768, 0, 1));
+  ASSERT_TRUE(r.ok());
+  protocols::IoThread io("stall-io");
+  auto conn = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
+                                                   Deadline::AfterMs(5000));
+  ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+  uint32_t hello[2] = {0, 2};
+  ASSERT_TRUE((*conn)
+                  ->Send(protocols::MessageType::kHello,
+                         std::string_view(reinterpret_cast<char*>(hello), sizeof(hello)))
+                  .ok());
+  const std::vector<uint8_t> part = RandomBytes(1000, 5);
+  std::string head(protocols::kFrameHeaderBytes + sizeof(ChunkHeader), '\0');
+  protocols::EncodeFrameHeader(static_cast<uint16_t>(protocols::MessageType::kKvData),
+                               sizeof(ChunkHeader) + 65536,
+                               reinterpret_cast<uint8_t*>(head.data()));
+  ChunkHeader h{78, 0, 0, 0, 65536};
+  std::memcpy(head.data() + protocols::kFrameHeaderBytes, &h, sizeof(h));
+  ASSERT_TRUE(
+      (*conn)
+          ->SendGatherWait(
+              head, {boost::asio::buffer(part)}, [](const Status&) {}, Deadline::AfterMs(5000))
+          .ok());
+  // The bytes that did arrive were read straight into the receive's memory.
+  for (int i = 0; i < 500 && !std::equal(part.begin(), part.end(), dst.begin()); ++i) {
+    usleep(1000);
+  }
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), dst.begin()));
+  auto start = Clock::now();
+  Status st = recv_side->Wait(*r, Deadline::AfterMs(300));
+  const double waited = SecondsSince(start);
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.ToString();
+  EXPECT_LT(waited, 3.0);  // deadline + drain timeout, not the stall
+  EXPECT_EQ(recv_side->inflight(), 0);
+  // The receiver gave up on the stalled chunk by closing the connection.
+  EXPECT_TRUE((*conn)->WaitClosed(Deadline::AfterMs(5000)).code() != StatusCode::kDeadlineExceeded);
+}
+
 TEST(TcpTransport, SendWithoutConnectionIsRefused) {
   TcpTransport::Options o;
   auto t = std::move(TcpTransport::Create(o)).value();

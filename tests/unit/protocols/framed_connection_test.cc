@@ -230,3 +230,88 @@ TEST_F(FramedConnectionTest, HandshakeAgreement) {
 
 }  // namespace
 }  // namespace kvrelay::protocols
+
+namespace kvrelay::protocols {
+namespace {
+
+TEST_F(FramedConnectionTest, GatherSendWritesCallerMemoryAsOneFrame) {
+  auto client = Dial();
+  ASSERT_TRUE(client);
+  auto server_side = accepted_.Take(Deadline::AfterMs(5000));
+  ASSERT_TRUE(server_side);
+  const std::string body1(3000, 'a'), body2(5000, 'b');
+  std::string head(kFrameHeaderBytes + 4, '\0');
+  EncodeFrameHeader(static_cast<uint16_t>(MessageType::kTokenChunk), 4 + 8000,
+                    reinterpret_cast<uint8_t*>(head.data()));
+  std::memcpy(head.data() + kFrameHeaderBytes, "HEAD", 4);
+  std::promise<Status> written;
+  auto done = written.get_future();
+  ASSERT_TRUE(client
+                  ->SendGatherWait(
+                      head, {boost::asio::buffer(body1), boost::asio::buffer(body2)},
+                      [&](const Status& s) { written.set_value(s); }, Deadline::AfterMs(5000))
+                  .ok());
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_TRUE(done.get().ok());
+  auto frame = server_side->Receive(Deadline::AfterMs(5000));
+  ASSERT_TRUE(frame.ok()) << frame.status().ToString();
+  EXPECT_EQ(frame->type, static_cast<uint16_t>(MessageType::kTokenChunk));
+  EXPECT_EQ(frame->payload, "HEAD" + body1 + body2);
+  // A head without a frame header is refused and its callback never runs.
+  bool called = false;
+  EXPECT_EQ(client
+                ->SendGatherWait(
+                    "abc", {}, [&](const Status&) { called = true; }, Deadline::AfterMs(100))
+                .code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_FALSE(called);
+}
+
+TEST_F(FramedConnectionTest, GatherSendCompletesEveryQueuedFrameOnceWhenThePeerCloses) {
+  auto client = Dial();
+  ASSERT_TRUE(client);
+  auto server_side = accepted_.Take(Deadline::AfterMs(5000));
+  ASSERT_TRUE(server_side);
+  // The server accepts 64 KiB payloads at most: the first 1 MiB frame makes it
+  // close the connection, so the later frames (more than the socket buffers
+  // hold) cannot all be written.
+  const std::string body(1 << 20, 'x');
+  constexpr int kFrames = 96;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Status> results;
+  int sent = 0;
+  for (int i = 0; i < kFrames; ++i) {
+    std::string head(kFrameHeaderBytes, '\0');
+    EncodeFrameHeader(static_cast<uint16_t>(MessageType::kTokenChunk),
+                      static_cast<uint32_t>(body.size()), reinterpret_cast<uint8_t*>(head.data()));
+    Status st = client->SendGatherWait(
+        head, {boost::asio::buffer(body)},
+        [&](const Status& s) {
+          std::lock_guard lock(mu);
+          results.push_back(s);
+          cv.notify_all();
+        },
+        Deadline::AfterMs(5000));
+    if (!st.ok()) break;  // closed already: no callback for this one
+    ++sent;
+  }
+  ASSERT_GE(sent, 1);
+  std::unique_lock lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10),
+                          [&] { return static_cast<int>(results.size()) == sent; }));
+  // Exactly one callback per queued frame; once one failed, all later ones did.
+  bool failed = false;
+  for (const Status& s : results) {
+    if (failed) {
+      EXPECT_FALSE(s.ok());
+    }
+    failed = failed || !s.ok();
+  }
+  EXPECT_TRUE(failed) << "the peer closed, so the last frame cannot have been written";
+  EXPECT_EQ(server_side->WaitClosed(Deadline::AfterMs(5000)).code(),
+            StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace kvrelay::protocols
