@@ -20,7 +20,7 @@ const std::vector<std::string> kLaunchFlags = {
     "tp",           "colocated",      "threads-per-worker",
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
-    "demo",         "max-tokens"};
+    "demo",         "max-tokens",     "tp-mode"};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
@@ -54,6 +54,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.kv_store_dir = flags.Get("kv-store", "");
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
+  o.tp_mode = flags.Get("tp-mode", o.tp_mode);
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -173,9 +174,10 @@ int RunLaunch(const std::vector<std::string>& args) {
 
 }  // namespace
 
-KVRELAY_COMMAND(launch, "launch",
-                "launch [--prefill P] [--decode D] [--tp 1] [--colocated C] [--model PATH] "
-                "[--port 8080] [--kv-dtype f32] [--kv-store DIR] [--demo PROMPT]",
-                RunLaunch);
+KVRELAY_COMMAND(
+    launch, "launch",
+    "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
+    "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR] [--demo PROMPT]",
+    RunLaunch);
 
 }  // namespace kvrelay::cli

@@ -20,6 +20,10 @@ struct WorkerEntry {
   std::shared_ptr<FramedConnection> conn;
   uint32_t rank = 0;
   std::string kv_address;
+  // A TP decode group: every rank's data-plane index and KV address, in TP order
+  // (empty for TP = 1).
+  std::vector<uint32_t> tp_ranks;
+  std::vector<std::string> tp_kv_addresses;
   TimePoint last_seen;
 };
 
@@ -162,7 +166,13 @@ struct ClusterBackend::State {
       WorkerEntry* d = FindWorker(r.decode_id);
       auto* target = task.mutable_decode();
       target->set_worker_id(r.decode_id);
-      target->add_ranks(d ? d->rank : 0);
+      if (d != nullptr && d->tp_ranks.size() > 1) {
+        for (uint32_t rank : d->tp_ranks) target->add_ranks(rank);
+        for (const auto& a : d->tp_kv_addresses) target->add_kv_addresses(a);
+        target->set_tp_size(static_cast<uint32_t>(d->tp_ranks.size()));
+      } else {
+        target->add_ranks(d ? d->rank : 0);
+      }
       for (int32_t b : r.decode_blocks) target->add_block_ids(b);
       target->set_kv_address(d ? d->kv_address : "");
     }
@@ -227,6 +237,13 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
   if (s.ok() && workers.count(reg.worker_id())) {
     s = AlreadyExists("worker id '" + reg.worker_id() + "' is already registered");
   }
+  if (s.ok() && reg.tp_size() > 1 &&
+      (reg.tp_ranks_size() != static_cast<int>(reg.tp_size()) ||
+       reg.tp_kv_addresses_size() != static_cast<int>(reg.tp_size()))) {
+    s = InvalidArgument("RegisterWorker: TP size " + std::to_string(reg.tp_size()) + " with " +
+                        std::to_string(reg.tp_ranks_size()) + " ranks and " +
+                        std::to_string(reg.tp_kv_addresses_size()) + " KV addresses");
+  }
   reply.set_accepted(s.ok());
   reply.set_reason(s.ok() ? "" : s.message());
   reply.set_heartbeat_interval_ms(static_cast<uint32_t>(options.heartbeat_interval.count()));
@@ -244,6 +261,10 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
   w.conn = conn;
   w.rank = reg.rank();
   w.kv_address = reg.kv_address();
+  if (reg.tp_size() > 1) {
+    w.tp_ranks.assign(reg.tp_ranks().begin(), reg.tp_ranks().end());
+    w.tp_kv_addresses.assign(reg.tp_kv_addresses().begin(), reg.tp_kv_addresses().end());
+  }
   w.last_seen = Clock::now();
   LOG_INFO << "registered worker " << w.info.id << " rank " << w.rank << " kv " << w.kv_address;
   conn_worker[conn.get()] = w.info.id;

@@ -17,9 +17,9 @@ Status LaunchOptions::Validate() const {
   if (colocated == 0 && (prefill == 0 || decode == 0)) {
     return InvalidArgument("need at least one prefill and one decode worker, or --colocated N");
   }
-  if (tp != 1) {
-    return Unimplemented("--tp " + std::to_string(tp) +
-                         ": tensor-parallel decode groups are not implemented yet; use --tp 1");
+  if (tp < 1) return InvalidArgument("--tp must be >= 1");
+  if (tp_mode != "exact" && tp_mode != "reduce") {
+    return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
   return Status::Ok();
@@ -62,9 +62,10 @@ Status LocalLauncher::Start() {
         "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
         "--kv-dtype", options_.kv_dtype, "--router", options_.router},
        {}}));
-  const int world = options_.prefill + options_.decode + options_.colocated;
+  const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
-  auto spawn_worker = [&](const std::string& binary, const std::string& id) -> Status {
+  auto spawn_worker = [&](const std::string& binary, const std::string& id,
+                          const std::vector<std::string>& extra = {}) -> Status {
     std::vector<std::string> argv = {bin + "/" + binary,
                                      "--id",
                                      id,
@@ -84,10 +85,11 @@ Status LocalLauncher::Start() {
                                      std::to_string(world),
                                      "--kv-host",
                                      options_.host};
-    if (!options_.kv_store_dir.empty()) {
+    if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);
     }
+    argv.insert(argv.end(), extra.begin(), extra.end());
     ++rank;
     return group_.Spawn({id, std::move(argv), {}});
   };
@@ -95,7 +97,20 @@ Status LocalLauncher::Start() {
     RETURN_IF_ERROR(spawn_worker("kvrelay-prefill", "prefill-" + std::to_string(i)));
   }
   for (int i = 0; i < options_.decode; ++i) {
-    RETURN_IF_ERROR(spawn_worker("kvrelay-decode", "decode-" + std::to_string(i)));
+    const std::string id = "decode-" + std::to_string(i);
+    if (options_.tp == 1) {
+      RETURN_IF_ERROR(spawn_worker("kvrelay-decode", id));
+      continue;
+    }
+    // A TP group: rank 0 listens on `leader`, the others join it.
+    ASSIGN_OR_RETURN(uint16_t tp_port, PickFreePort());
+    const std::string leader = options_.host + ":" + std::to_string(tp_port);
+    for (int r = 0; r < options_.tp; ++r) {
+      RETURN_IF_ERROR(
+          spawn_worker("kvrelay-decode", r == 0 ? id : id + "-tp" + std::to_string(r),
+                       {"--tp-size", std::to_string(options_.tp), "--tp-rank", std::to_string(r),
+                        "--tp-leader", leader, "--tp-mode", options_.tp_mode}));
+    }
   }
   for (int i = 0; i < options_.colocated; ++i) {
     RETURN_IF_ERROR(spawn_worker("kvrelay-worker", "worker-" + std::to_string(i)));

@@ -21,7 +21,8 @@ struct LaunchOptions {
   uint16_t control_port = 0;  // 0 = pick a free port
   int prefill = 1;
   int decode = 1;
-  int tp = 1;  // decode tensor-parallel size
+  int tp = 1;                     // decode tensor-parallel size (ranks per decode group)
+  std::string tp_mode = "exact";  // exact | reduce (engine::TpMode)
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
   std::string kv_dtype = "f32";

@@ -20,6 +20,7 @@
 
 #include "common/status.h"
 #include "engine/runtime/engine.h"
+#include "engine/runtime/model.h"
 
 namespace kvrelay::worker {
 
@@ -43,6 +44,15 @@ struct WorkerOptions {
   std::string kv_store_path;
   int64_t kv_store_capacity_bytes = 2ll << 30;
   int64_t kv_ram_tier_bytes = 256ll << 20;
+  // Tensor-parallel decode group (role decode only): this process is rank
+  // tp_rank of tp_size. Rank 0 registers with the coordinator for the whole
+  // group and listens on tp_host:tp_port; the others connect there and follow
+  // its step plans (engine/runtime/tensor_parallel.h, worker/tp_group.h).
+  int tp_size = 1;
+  int tp_rank = 0;
+  std::string tp_host = "127.0.0.1";
+  uint16_t tp_port = 0;
+  engine::TpMode tp_mode = engine::TpMode::kExact;
   std::chrono::milliseconds connect_timeout{30000};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
 

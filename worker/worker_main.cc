@@ -13,13 +13,28 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(
-      cli::Flags flags,
-      cli::Flags::Parse(args,
-                        {"id", "coordinator", "model", "kv-dtype", "kv-capacity-mb", "block-tokens",
-                         "threads", "max-step-tokens", "max-running", "rank", "world-size",
-                         "kv-host", "kv-port", "kv-store", "kv-store-capacity-mb", "kv-timeout-ms"},
-                        {}));
+  ASSIGN_OR_RETURN(cli::Flags flags, cli::Flags::Parse(args,
+                                                       {"id",
+                                                        "coordinator",
+                                                        "model",
+                                                        "kv-dtype",
+                                                        "kv-capacity-mb",
+                                                        "block-tokens",
+                                                        "threads",
+                                                        "max-step-tokens",
+                                                        "max-running",
+                                                        "rank",
+                                                        "world-size",
+                                                        "kv-host",
+                                                        "kv-port",
+                                                        "kv-store",
+                                                        "kv-store-capacity-mb",
+                                                        "kv-timeout-ms",
+                                                        "tp-size",
+                                                        "tp-rank",
+                                                        "tp-leader",
+                                                        "tp-mode"},
+                                                       {}));
   WorkerOptions o;
   o.role = role;
   o.worker_id = flags.Get("id", "");
@@ -62,6 +77,29 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   o.kv_store_capacity_bytes = store_mb << 20;
   ASSIGN_OR_RETURN(int64_t kv_timeout, flags.GetInt("kv-timeout-ms", 30000));
   o.kv_timeout = std::chrono::milliseconds(kv_timeout);
+  ASSIGN_OR_RETURN(int64_t tp_size, flags.GetInt("tp-size", 1));
+  ASSIGN_OR_RETURN(int64_t tp_rank, flags.GetInt("tp-rank", 0));
+  o.tp_size = static_cast<int>(tp_size);
+  o.tp_rank = static_cast<int>(tp_rank);
+  if (tp_size > 1) {
+    const std::string leader = flags.Get("tp-leader", "127.0.0.1:0");
+    auto c = leader.rfind(':');
+    char* e = nullptr;
+    long p = c == std::string::npos ? -1 : std::strtol(leader.c_str() + c + 1, &e, 10);
+    if (c == std::string::npos || *e != '\0' || p < 0 || p > 65535) {
+      return InvalidArgument("--tp-leader must be HOST:PORT, got '" + leader + "'");
+    }
+    o.tp_host = leader.substr(0, c);
+    o.tp_port = static_cast<uint16_t>(p);
+  }
+  const std::string mode = flags.Get("tp-mode", "exact");
+  if (mode == "exact") {
+    o.tp_mode = engine::TpMode::kExact;
+  } else if (mode == "reduce") {
+    o.tp_mode = engine::TpMode::kReduce;
+  } else {
+    return InvalidArgument("--tp-mode must be exact or reduce, got '" + mode + "'");
+  }
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -72,11 +110,13 @@ int WorkerMain(Role role, int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   auto options = ParseWorkerFlags(role, args);
   if (!options.ok()) {
-    std::fprintf(stderr,
-                 "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-                 "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
-                 "--world-size W] [--kv-host H --kv-port P] [--kv-store DIR]\n",
-                 std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
+    std::fprintf(
+        stderr,
+        "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
+        "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
+        "--world-size W] [--kv-host H --kv-port P] [--kv-store DIR] [--tp-size T --tp-rank R "
+        "--tp-leader HOST:PORT --tp-mode exact|reduce]\n",
+        std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
     return 2;
   }
   SetLogTag(options->worker_id);

@@ -1,0 +1,372 @@
+#include "worker/tp_group.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "common/logging.h"
+
+namespace kvrelay::worker {
+namespace {
+
+constexpr uint32_t kMagic = 0x5054564B;  // "KVTP" little-endian
+constexpr size_t kHeaderBytes = 16;
+
+int PollMs(Deadline deadline) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline.Remaining());
+  // Round up so a sub-millisecond remainder still waits instead of spinning.
+  return static_cast<int>(std::min<int64_t>(ms.count() + 1, 1000));
+}
+
+// Waits until fd is readable/writable or the deadline passes.
+Status WaitFd(int fd, short events, Deadline deadline) {
+  while (true) {
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, deadline.Expired() ? 0 : PollMs(deadline));
+    if (rc > 0) return Status::Ok();
+    if (rc < 0 && errno != EINTR) return Unavailable(std::string("poll: ") + std::strerror(errno));
+    if (deadline.Expired()) return DeadlineExceeded("TP link: peer did not answer in time");
+  }
+}
+
+void SetSocketOptions(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
+    return InvalidArgument("TP group: cannot resolve host '" + host + "'");
+  }
+  sockaddr_in addr = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
+  ::freeaddrinfo(res);
+  addr.sin_port = htons(port);
+  return addr;
+}
+
+}  // namespace
+
+// --- TpLink ----------------------------------------------------------------
+
+TpLink::TpLink(int fd) : fd_(fd) { SetSocketOptions(fd_); }
+TpLink::~TpLink() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status TpLink::Send(TpMsg type, const void* a, size_t a_len, const void* b, size_t b_len,
+                    Deadline deadline) {
+  if (!broken_.ok()) return broken_;
+  uint8_t header[kHeaderBytes];
+  const uint32_t t = static_cast<uint32_t>(type);
+  const uint64_t len = a_len + b_len;
+  std::memcpy(header, &kMagic, 4);
+  std::memcpy(header + 4, &t, 4);
+  std::memcpy(header + 8, &len, 8);
+  iovec iov[3] = {
+      {header, kHeaderBytes}, {const_cast<void*>(a), a_len}, {const_cast<void*>(b), b_len}};
+  int first = 0;
+  while (first < 3) {
+    const ssize_t n = ::writev(fd_, iov + first, 3 - first);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        Status w = WaitFd(fd_, POLLOUT, deadline);
+        if (!w.ok()) return broken_ = w.WithContext("TP link send");
+        continue;
+      }
+      return broken_ = Unavailable(std::string("TP link send: ") + std::strerror(errno));
+    }
+    size_t left = static_cast<size_t>(n);
+    while (first < 3 && left >= iov[first].iov_len) {
+      left -= iov[first].iov_len;
+      ++first;
+    }
+    if (first < 3) {
+      iov[first].iov_base = static_cast<uint8_t*>(iov[first].iov_base) + left;
+      iov[first].iov_len -= left;
+    }
+  }
+  return Status::Ok();
+}
+
+bool TpLink::has_buffered_message() const {
+  if (rbuf_.size() < kHeaderBytes) return false;
+  uint64_t len;
+  std::memcpy(&len, rbuf_.data() + 8, 8);
+  return rbuf_.size() >= kHeaderBytes + len;
+}
+
+Result<TpMessage> TpLink::Receive(Deadline deadline) {
+  if (!broken_.ok()) return broken_;
+  while (true) {
+    if (rbuf_.size() >= kHeaderBytes) {
+      uint32_t magic, type;
+      uint64_t len;
+      std::memcpy(&magic, rbuf_.data(), 4);
+      std::memcpy(&type, rbuf_.data() + 4, 4);
+      std::memcpy(&len, rbuf_.data() + 8, 8);
+      if (magic != kMagic || type < 1 || type > static_cast<uint32_t>(TpMsg::kShutdown)) {
+        return broken_ = DataLoss("TP link: bad message header (magic " + std::to_string(magic) +
+                                  ", type " + std::to_string(type) + ")");
+      }
+      if (len > kMaxTpMessageBytes) {
+        return broken_ =
+                   DataLoss("TP link: message of " + std::to_string(len) +
+                            " bytes exceeds the limit of " + std::to_string(kMaxTpMessageBytes));
+      }
+      if (rbuf_.size() >= kHeaderBytes + len) {
+        TpMessage m;
+        m.type = static_cast<TpMsg>(type);
+        m.payload.assign(rbuf_, kHeaderBytes, len);
+        rbuf_.erase(0, kHeaderBytes + len);
+        return m;
+      }
+    }
+    char buf[64 * 1024];
+    const ssize_t n = ::recv(fd_, buf, sizeof(buf), 0);
+    if (n > 0) {
+      rbuf_.append(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0) return broken_ = Unavailable("TP link: peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      return broken_ = Unavailable(std::string("TP link receive: ") + std::strerror(errno));
+    }
+    RETURN_IF_ERROR(WaitFd(fd_, POLLIN, deadline));
+  }
+}
+
+// --- TcpTpGroup -------------------------------------------------------------
+
+TcpTpGroup::~TcpTpGroup() {
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+}
+
+Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Listen(const TpGroupOptions& options) {
+  if (options.tp_rank != 0) return InvalidArgument("only TP rank 0 listens");
+  if (options.tp_size < 2) return InvalidArgument("a TP group needs tp_size >= 2");
+  std::unique_ptr<TcpTpGroup> g(new TcpTpGroup(options));
+  ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(options.leader_host, options.leader_port));
+  g->listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (g->listen_fd_ < 0) return Unavailable("TP group: socket() failed");
+  int one = 1;
+  ::setsockopt(g->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(g->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(g->listen_fd_, options.tp_size) != 0) {
+    return Unavailable("TP group: cannot listen on " + options.leader_host + ":" +
+                       std::to_string(options.leader_port) + ": " + std::strerror(errno));
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(g->listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+  g->port_ = ntohs(addr.sin_port);
+  ::fcntl(g->listen_fd_, F_SETFL, ::fcntl(g->listen_fd_, F_GETFL) | O_NONBLOCK);
+  g->links_.resize(options.tp_size);
+  return g;
+}
+
+Result<std::vector<std::string>> TcpTpGroup::Accept(
+    Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
+    const std::function<std::string(const Status&)>& refusal) {
+  std::vector<std::string> hellos(options_.tp_size);
+  int joined = 0;
+  while (joined < options_.tp_size - 1) {
+    RETURN_IF_ERROR(WaitFd(listen_fd_, POLLIN, deadline)
+                        .WithContext("waiting for " +
+                                     std::to_string(options_.tp_size - 1 - joined) +
+                                     " TP follower(s) to connect"));
+    const int fd = ::accept(listen_fd_, nullptr, nullptr);
+    if (fd < 0) continue;
+    auto link = std::make_unique<TpLink>(fd);
+    ASSIGN_OR_RETURN(TpMessage hello, link->Receive(deadline));
+    if (hello.type != TpMsg::kHello) return InvalidArgument("TP follower did not say hello first");
+    auto answer = setup(hello.payload);
+    if (answer.ok() &&
+        (answer->rank < 1 || answer->rank >= options_.tp_size || links_[answer->rank] != nullptr)) {
+      answer =
+          InvalidArgument("TP follower rank " + std::to_string(answer->rank) + " is outside [1, " +
+                          std::to_string(options_.tp_size) + ") or already joined");
+    }
+    if (!answer.ok()) {
+      (void)link->Send(TpMsg::kSetup, refusal(answer.status()), deadline);
+      return answer.status().WithContext("refusing a TP follower");
+    }
+    const int r = answer->rank;
+    RETURN_IF_ERROR(link->Send(TpMsg::kSetup, answer->payload, deadline));
+    hellos[r] = std::move(hello.payload);
+    links_[r] = std::move(link);
+    ++joined;
+  }
+  ::close(listen_fd_);
+  listen_fd_ = -1;
+  return hellos;
+}
+
+Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Connect(const TpGroupOptions& options,
+                                                        const std::string& hello,
+                                                        Deadline deadline) {
+  if (options.tp_rank < 1 || options.tp_rank >= options.tp_size) {
+    return InvalidArgument("TP follower rank " + std::to_string(options.tp_rank) + " outside [1, " +
+                           std::to_string(options.tp_size) + ")");
+  }
+  ASSIGN_OR_RETURN(sockaddr_in addr, Resolve(options.leader_host, options.leader_port));
+  std::unique_ptr<TcpTpGroup> g(new TcpTpGroup(options));
+  auto backoff = std::chrono::milliseconds(20);
+  while (true) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return Unavailable("TP group: socket() failed");
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      g->links_.push_back(std::make_unique<TpLink>(fd));
+      break;
+    }
+    ::close(fd);
+    if (deadline.Expired()) {
+      return DeadlineExceeded("TP group: rank 0 at " + options.leader_host + ":" +
+                              std::to_string(options.leader_port) + " did not accept in time");
+    }
+    // Rank 0 may still be loading the model: retry with capped backoff.
+    std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(backoff, deadline.Remaining()));
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
+  }
+  RETURN_IF_ERROR(g->links_[0]->Send(TpMsg::kHello, hello, deadline));
+  return g;
+}
+
+Status TcpTpGroup::status() const {
+  for (const auto& l : links_) {
+    if (l != nullptr && !l->status().ok()) return l->status();
+  }
+  return Status::Ok();
+}
+
+Status TcpTpGroup::Broadcast(TpMsg type, const std::string& payload) {
+  const Deadline d = Deadline::After(options_.timeout);
+  for (int r = 1; r < options_.tp_size; ++r) {
+    RETURN_IF_ERROR(
+        links_[r]->Send(type, payload, d).WithContext("to TP rank " + std::to_string(r)));
+  }
+  return Status::Ok();
+}
+
+Result<std::optional<std::pair<int, TpMessage>>> TcpTpGroup::PollFollowers(Deadline deadline) {
+  if (!inbox_.empty()) {
+    auto m = std::move(inbox_.front());
+    inbox_.pop_front();
+    return std::optional<std::pair<int, TpMessage>>(std::move(m));
+  }
+  while (true) {
+    std::vector<pollfd> fds;
+    for (int r = 1; r < options_.tp_size; ++r) {
+      if (links_[r]->has_buffered_message()) {
+        ASSIGN_OR_RETURN(TpMessage m, links_[r]->Receive(Deadline::After({})));
+        return std::optional<std::pair<int, TpMessage>>(std::pair{r, std::move(m)});
+      }
+      fds.push_back({links_[r]->fd(), POLLIN, 0});
+    }
+    const int rc = ::poll(fds.data(), fds.size(), deadline.Expired() ? 0 : PollMs(deadline));
+    if (rc < 0 && errno != EINTR) return Unavailable("TP group: poll failed");
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      const int r = static_cast<int>(i) + 1;
+      auto m = links_[r]->Receive(Deadline::After(std::chrono::milliseconds(0)));
+      if (m.ok()) return std::optional<std::pair<int, TpMessage>>(std::pair{r, std::move(*m)});
+      if (m.status().code() != StatusCode::kDeadlineExceeded) {
+        return m.status().WithContext("TP rank " + std::to_string(r));
+      }
+    }
+    if (deadline.Expired()) return std::optional<std::pair<int, TpMessage>>();
+  }
+}
+
+Status TcpTpGroup::SendToLeader(TpMsg type, const std::string& payload) {
+  return links_[0]->Send(type, payload, Deadline::After(options_.timeout));
+}
+
+Result<TpMessage> TcpTpGroup::ReceiveFromLeader(Deadline deadline) {
+  return links_[0]->Receive(deadline);
+}
+
+Result<std::string> TcpTpGroup::ReceiveData(int r, Deadline deadline) {
+  while (true) {
+    auto m = links_[r]->Receive(deadline);
+    if (!m.ok()) return m.status().WithContext("collective with TP rank " + std::to_string(r));
+    if (m->type == TpMsg::kData) return std::move(m->payload);
+    inbox_.emplace_back(r, std::move(*m));
+  }
+}
+
+Status TcpTpGroup::Collective(const float* in, int64_t n_in, float* out, int64_t n_out,
+                              bool reduce) {
+  const Deadline deadline = Deadline::After(options_.timeout);
+  const size_t in_bytes = static_cast<size_t>(n_in) * sizeof(float);
+  const size_t out_bytes = static_cast<size_t>(n_out) * sizeof(float);
+  if (options_.tp_rank != 0) {
+    RETURN_IF_ERROR(links_[0]->Send(TpMsg::kData, in, in_bytes, nullptr, 0, deadline));
+    while (true) {
+      ASSIGN_OR_RETURN(TpMessage m, links_[0]->Receive(deadline));
+      if (m.type == TpMsg::kShutdown) return Cancelled("TP rank 0 is shutting down");
+      if (m.type != TpMsg::kData) {
+        return DataLoss("TP collective: expected data from rank 0, got message type " +
+                        std::to_string(static_cast<uint32_t>(m.type)));
+      }
+      if (m.payload.size() != out_bytes) {
+        return DataLoss("TP collective: rank 0 sent " + std::to_string(m.payload.size()) +
+                        " bytes, expected " + std::to_string(out_bytes));
+      }
+      std::memcpy(out, m.payload.data(), out_bytes);
+      return Status::Ok();
+    }
+  }
+  // Rank 0: collect in rank order, combine, answer everyone.
+  scratch_.assign(in, in + n_in);
+  for (int r = 1; r < options_.tp_size; ++r) {
+    ASSIGN_OR_RETURN(std::string data, ReceiveData(r, deadline));
+    if (data.size() % sizeof(float) != 0) return DataLoss("TP collective: ragged payload");
+    const int64_t n = static_cast<int64_t>(data.size() / sizeof(float));
+    const float* p = reinterpret_cast<const float*>(data.data());
+    if (reduce) {
+      if (n != n_in) {
+        return DataLoss("TP all-reduce: rank " + std::to_string(r) + " sent " + std::to_string(n) +
+                        " floats, expected " + std::to_string(n_in));
+      }
+      for (int64_t i = 0; i < n; ++i) scratch_[i] += p[i];
+    } else {
+      scratch_.insert(scratch_.end(), p, p + n);
+    }
+  }
+  if (static_cast<int64_t>(scratch_.size()) != n_out) {
+    return DataLoss("TP all-gather: ranks sent " + std::to_string(scratch_.size()) +
+                    " floats in all, expected " + std::to_string(n_out));
+  }
+  for (int r = 1; r < options_.tp_size; ++r) {
+    RETURN_IF_ERROR(
+        links_[r]->Send(TpMsg::kData, scratch_.data(), out_bytes, nullptr, 0, deadline));
+  }
+  std::memcpy(out, scratch_.data(), out_bytes);
+  return Status::Ok();
+}
+
+Status TcpTpGroup::AllReduceSum(float* data, int64_t n) {
+  return Collective(data, n, data, n, /*reduce=*/true);
+}
+
+Status TcpTpGroup::AllGather(const float* local, int64_t n_local, float* out, int64_t n_out) {
+  return Collective(local, n_local, out, n_out, /*reduce=*/false);
+}
+
+}  // namespace kvrelay::worker

@@ -1,0 +1,148 @@
+// The TCP link inside one tensor-parallel decode group (engine/runtime/
+// tensor_parallel.h describes what the ranks do; this is how they talk).
+//
+// Star topology: rank 0 listens, ranks 1..T-1 connect and introduce
+// themselves (TpHello: rank, model/KV config, KV data-plane address); rank 0
+// answers TpSetup (its pool size) or refuses naming the mismatch. After that
+// one connection per follower carries, in order: step plans and KV
+// expectations from rank 0, KV completions from followers, and the collective
+// payloads. Collectives are gathered at rank 0, combined in rank order and
+// sent back, so every rank holds bit-identical results.
+//
+// Messages on the wire: [magic "KVTP" u32][type u32][length u64][payload];
+// payloads over kMaxMessageBytes are refused and the link is closed.
+//
+// Threading: one owner thread per TcpTpGroup (the worker's Run thread; the
+// engine calls the collective from inside Step on that same thread).
+// Deadlines: every receive takes one; a collective waits at most
+// `timeout` for a peer, so a dead rank is an error, never a hang.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "engine/runtime/tp_collective.h"
+
+namespace kvrelay::worker {
+
+enum class TpMsg : uint32_t {
+  kHello = 1,     // proto::TpHello, follower -> rank 0
+  kSetup = 2,     // proto::TpSetup, rank 0 -> follower
+  kPlan = 3,      // proto::TpStepPlan
+  kExpectKv = 4,  // proto::TpExpectKv
+  kCancelKv = 5,  // proto::TpCancelKv
+  kKvDone = 6,    // proto::TpKvDone, follower -> rank 0
+  kData = 7,      // collective payload: raw floats
+  kShutdown = 8,  // empty: rank 0 is stopping
+};
+
+struct TpMessage {
+  TpMsg type = TpMsg::kShutdown;
+  std::string payload;
+};
+
+inline constexpr uint64_t kMaxTpMessageBytes = 256ull << 20;
+
+// One connected socket with whole-message send/receive and deadlines.
+class TpLink {
+ public:
+  explicit TpLink(int fd);  // takes ownership
+  ~TpLink();
+  TpLink(const TpLink&) = delete;
+  TpLink& operator=(const TpLink&) = delete;
+
+  // Sends header + a + b (b may be empty) as one message.
+  Status Send(TpMsg type, const void* a, size_t a_len, const void* b, size_t b_len,
+              Deadline deadline);
+  Status Send(TpMsg type, const std::string& payload, Deadline deadline) {
+    return Send(type, payload.data(), payload.size(), nullptr, 0, deadline);
+  }
+  // The next whole message; DeadlineExceeded when none completed in time (a
+  // partial message is kept for the next call); Unavailable when the peer
+  // closed; DataLoss for a bad header (the link is unusable afterwards).
+  Result<TpMessage> Receive(Deadline deadline);
+  int fd() const { return fd_; }
+  bool has_buffered_message() const;
+  const Status& status() const { return broken_; }  // OK until the link failed
+
+ private:
+  int fd_;
+  std::string rbuf_;  // bytes received but not yet returned
+  Status broken_;
+};
+
+struct TpGroupOptions {
+  int tp_rank = 0;
+  int tp_size = 1;
+  std::string leader_host = "127.0.0.1";
+  uint16_t leader_port = 0;                  // rank 0 listens here (0 = ephemeral, see port())
+  std::chrono::milliseconds timeout{30000};  // any single wait for a peer
+};
+
+class TcpTpGroup : public engine::TpCollective {
+ public:
+  // Rank 0: binds leader_host:leader_port now; Accept() waits for followers.
+  static Result<std::unique_ptr<TcpTpGroup>> Listen(const TpGroupOptions& options);
+  // Follower: connects (retrying until `deadline`) and sends `hello`.
+  static Result<std::unique_ptr<TcpTpGroup>> Connect(const TpGroupOptions& options,
+                                                     const std::string& hello, Deadline deadline);
+  ~TcpTpGroup() override;
+
+  uint16_t port() const { return port_; }  // rank 0's listening port
+  // OK while every link works; else the first link's error (the group is
+  // then unusable: a TP group cannot continue without one of its ranks).
+  Status status() const;
+
+  // Rank 0: accepts the tp_size - 1 followers; returns their TpHello payloads
+  // indexed by rank (entry 0 empty). `setup` validates one hello and returns
+  // the follower's rank and the TpSetup payload to answer; when it refuses,
+  // the follower is sent `refusal(error)` and Accept fails with that error.
+  struct SetupAnswer {
+    int rank = 0;
+    std::string payload;
+  };
+  Result<std::vector<std::string>> Accept(
+      Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
+      const std::function<std::string(const Status&)>& refusal);
+
+  // Rank 0 -> every follower.
+  Status Broadcast(TpMsg type, const std::string& payload);
+  // Rank 0: the next non-collective message from any follower (queued ones
+  // first); nullopt when none arrived by the deadline. Unavailable when a
+  // follower is gone.
+  Result<std::optional<std::pair<int, TpMessage>>> PollFollowers(Deadline deadline);
+
+  // Follower <-> rank 0.
+  Status SendToLeader(TpMsg type, const std::string& payload);
+  Result<TpMessage> ReceiveFromLeader(Deadline deadline);
+
+  // engine::TpCollective
+  int rank() const override { return options_.tp_rank; }
+  int size() const override { return options_.tp_size; }
+  Status AllReduceSum(float* data, int64_t n) override;
+  Status AllGather(const float* local, int64_t n_local, float* out, int64_t n_out) override;
+
+ private:
+  explicit TcpTpGroup(TpGroupOptions options) : options_(std::move(options)) {}
+  // Rank 0: the next kData message of follower r (other messages are queued).
+  Result<std::string> ReceiveData(int r, Deadline deadline);
+  Status Collective(const float* in, int64_t n_in, float* out, int64_t n_out, bool reduce);
+
+  TpGroupOptions options_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::vector<std::unique_ptr<TpLink>>
+      links_;  // rank 0: index = rank (0 unused); else [0] = leader
+  std::deque<std::pair<int, TpMessage>> inbox_;  // rank 0: follower messages seen mid-collective
+  std::vector<float> scratch_;
+};
+
+}  // namespace kvrelay::worker
