@@ -632,7 +632,8 @@ int BenchTransfer(const std::vector<std::string>& args) {
   }
   cfg.busy = compute == "busy";
   auto chunk = flags->GetInt("tcp-chunk-bytes", 1 << 20);
-  auto sockbuf = flags->GetInt("tcp-socket-buffer", 0);
+  auto sockbuf =
+      flags->GetInt("tcp-socket-buffer", kv_transfer::TcpTransport::Options().socket_buffer_bytes);
   auto threads = flags->GetInt("threads", 0);
   if (!chunk.ok() || !sockbuf.ok() || !threads.ok() || *chunk < 1 || *chunk > (64 << 20) ||
       *sockbuf < 0 || *sockbuf > (1 << 30) || *threads < 0) {
