@@ -45,7 +45,16 @@ Result<uint16_t> PickFreePort() {
 
 Status LocalLauncher::Start() {
   RETURN_IF_ERROR(options_.Validate());
-  const std::string bin = options_.bin_dir.empty() ? ExecutableDir() : options_.bin_dir;
+  std::string bin = options_.bin_dir;
+  if (bin.empty()) {
+    // The daemons sit next to this executable, or in ../bin of a build tree
+    // (kvrelay is build/cli/kvrelay, the daemons build/bin/kvrelay-*).
+    bin = ExecutableDir();
+    if (access((bin + "/kvrelay-coordinator").c_str(), X_OK) != 0 &&
+        access((bin + "/../bin/kvrelay-coordinator").c_str(), X_OK) == 0) {
+      bin += "/../bin";
+    }
+  }
   http_port_ = options_.port;
   if (http_port_ == 0) {
     ASSIGN_OR_RETURN(http_port_, PickFreePort());

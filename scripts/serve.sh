@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds in Release, and runs the single-node cluster
-# (1 coordinator, 1 prefill worker, 1 decode worker) on the default model,
+# (1 coordinator, 1 prefill worker, 1 decode group of TP = 2) on the default model,
 # serving the OpenAI-compatible API on http://127.0.0.1:8080.
 #   scripts/serve.sh                    serve until Ctrl-C
 #   scripts/serve.sh --demo "PROMPT"    stream one answer, then shut down
@@ -14,5 +14,5 @@ cd "$(dirname "$0")/.."
 echo "[serve] build ok"
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec build/bin/kvrelay launch --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --prefill 1 --decode 1 --tp 1 --port 8080 "$@"
+exec build/cli/kvrelay launch --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
+  --prefill 1 --decode 1 --tp 2 --port 8080 "$@"

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # One MPMD mpirun that starts the whole cluster: rank 0 is the coordinator,
-# then P prefill ranks and D decode ranks. Workers take their data-plane peer
-# index from OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE.
+# then P prefill ranks and D decode groups of T ranks each (D*T processes).
+# Workers take their data-plane peer index from OMPI_COMM_WORLD_RANK /
+# OMPI_COMM_WORLD_SIZE; a decode rank's TP rank is its offset within its group
+# (consecutive world ranks), and TP rank 0 of group g listens for the group on
+# 127.0.0.1:(control-port + 1 + g). The ranks of one TP group must therefore
+# share a host (mpirun's default --map-by slot keeps consecutive ranks
+# together; TP belongs inside a node).
 #
 #   deploy/mpirun/launch.sh [-P prefill] [-D decode] [-T tp] [-H hostfile] [-c coordinator-host]
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
@@ -24,8 +29,8 @@ while getopts "P:D:T:H:c:m:p:b:C:k:t:" opt; do
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads]" >&2; exit 2 ;;
   esac
 done
-if [ "$T" != 1 ]; then
-  echo "launch.sh: tensor-parallel decode (-T $T) is not implemented yet; use -T 1" >&2
+if ! [ "$T" -ge 1 ] 2>/dev/null; then
+  echo "launch.sh: -T must be a positive integer, got '$T'" >&2
   exit 2
 fi
 
@@ -35,10 +40,19 @@ args=(--allow-run-as-root --oversubscribe)
 KVHOST=127.0.0.1
 [ -n "$HOSTFILE" ] && KVHOST=0.0.0.0
 
+# Exported for the decode ranks' wrapper above.
+export TP="$T" TPBASE=$((CONTROL + 1))
+args+=(-x TP -x TPBASE)
+
 exec mpirun "${args[@]}" \
   -np 1 "$BIN/kvrelay-coordinator" --model "$MODEL" --host "$COORD" --port "$PORT" --control-port "$CONTROL" \
     --kv-dtype "$KV" : \
   -np "$P" "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
     --kv-dtype "$KV" --threads "$THREADS" : \
-  -np "$D" "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
+  -np "$((D * T))" /bin/bash -c '
+    i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
+    id="decode-$g"; [ "$r" -gt 0 ] && id="$id-tp$r"
+    tp=(); [ "$TP" -gt 1 ] && tp=(--tp-size "$TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((TPBASE + g))")
+    exec "$@" --id "$id" "${tp[@]}"' decode "$P" "$T" \
+    "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
     --kv-dtype "$KV" --threads "$THREADS"

@@ -300,7 +300,8 @@ double CpuSeconds(pid_t pid) {
 }
 
 std::unique_ptr<deploy::LocalLauncher> StartCluster(int prefill, int decode, int colocated,
-                                                    const std::string& router = "prefix_aware") {
+                                                    const std::string& router = "prefix_aware",
+                                                    int tp = 1) {
   deploy::LaunchOptions o;
   o.model_path = ModelPath();
   o.port = 0;
@@ -308,6 +309,7 @@ std::unique_ptr<deploy::LocalLauncher> StartCluster(int prefill, int decode, int
   o.prefill = prefill;
   o.decode = decode;
   o.colocated = colocated;
+  o.tp = tp;
   o.threads_per_worker = 1;
   o.kv_dtype = kKvDtype;
   o.kv_capacity_mb = 128;
@@ -404,6 +406,64 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 }
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
+
+// A decode group of TP = 2 (two processes, each holding and receiving only its
+// KV heads, exact mode): the same tokens as one process.
+TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
+  auto cluster = StartCluster(1, 1, 0, "prefix_aware", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  ExpectGreedyMatchesEngine(cluster->http_port());
+}
+
+// Killing one rank of a TP decode group mid-stream: the group's requests end
+// with an error within 10 s, the other group's complete, and the cluster
+// keeps serving with the group it has left.
+TEST_F(ClusterTest, TensorParallelRankKilledMidStream) {
+  auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  constexpr int kRequests = 4;
+  constexpr int kTokens = 300;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(ref_->Encode("Tale " + std::to_string(i) + ": long ago, beyond the hills"));
+  }
+  std::vector<StreamOutcome> results(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
+  }
+  bool both = WaitFor(
+      [&] {
+        auto running = WorkerGauge(port, "kvrelay_worker_running");
+        return running["decode-0"] >= 1 && running["decode-1"] >= 1;
+      },
+      milliseconds(60'000));
+  const pid_t victim = cluster->processes().Pid("decode-0-tp1");  // a follower rank
+  ASSERT_GT(victim, 0);
+  const auto killed_at = Clock::now();
+  if (both) kill(victim, SIGKILL);
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(both) << "the router did not spread 4 requests over both decode groups";
+  int errored = 0, completed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    const StreamOutcome& r = results[i];
+    if (!r.error.empty()) {
+      ++errored;
+      double after_kill = std::chrono::duration<double>(r.ended - killed_at).count();
+      EXPECT_LT(after_kill, 10.0) << "request " << i << " ended " << after_kill
+                                  << " s after the kill: " << r.error;
+    } else {
+      ++completed;
+      EXPECT_TRUE(r.done) << "request " << i;
+    }
+  }
+  EXPECT_GE(errored, 1);
+  EXPECT_GE(completed, 1);
+  CompletionOutcome after = Complete(port, prompts[0], 8);
+  EXPECT_EQ(after.http_status, 200) << after.error;
+  EXPECT_EQ(after.completion_tokens, 8);
+}
 
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   const std::string gauge = "kvrelay_worker_kv_utilization";
@@ -615,7 +675,8 @@ TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
   EXPECT_EQ(after.completion_tokens, 8);
 }
 
-// deploy/mpirun/launch.sh: coordinator + 1 prefill + 1 decode under mpirun.
+// deploy/mpirun/launch.sh: coordinator + 1 prefill + 1 decode group of TP = 2
+// under mpirun (4 MPI ranks, MPMD).
 TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
   auto http = deploy::PickFreePort();
@@ -624,6 +685,7 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
   std::vector<std::string> args = {"/bin/bash", SourceDir() + "/deploy/mpirun/launch.sh",
                                    "-P",        "1",
                                    "-D",        "1",
+                                   "-T",        "2",
                                    "-b",        BinDir(),
                                    "-m",        ModelPath(),
                                    "-p",        std::to_string(*http),
