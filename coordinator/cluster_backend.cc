@@ -36,6 +36,7 @@ struct RequestEntry {
   std::vector<int32_t> decode_blocks;
   int prompt_tokens = 0;
   int cached_tokens = 0;
+  int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
 };
 
 // Sink calls collected under the lock and made after it is released, so a
@@ -150,9 +151,57 @@ struct ClusterBackend::State {
       RequestEntry& r = requests[rid];
       const std::string other = r.prefill_id == id ? r.decode_id : r.prefill_id;
       if (other != id) SendCancel(other, rid, "peer worker " + id + " lost");
+      // Nothing has reached the client yet: run it again on the workers left
+      // (once; a second loss fails it).
+      if (r.phase != Phase::kDecoding && r.reroutes < 1) {
+        ++r.reroutes;
+        Status s = Start(rid, r);
+        if (s.ok()) {
+          LOG_INFO << "request " << rid << " re-run on " << r.prefill_id << " / " << r.decode_id
+                   << " after losing " << id;
+          continue;
+        }
+        Fail(rid, s.WithContext("worker " + id + " was lost and no other can take the request"),
+             out);
+        continue;
+      }
       Fail(rid, Unavailable("worker " + id + " was lost: " + reason.message()), out);
     }
     if (conn) conn->Close(reason);
+  }
+
+  // Routes r to a prefill worker (and a decode group) and starts it: a block
+  // reservation on the decode side, or straight to prefill when colocated.
+  Status Start(uint64_t id, RequestEntry& r) {
+    std::vector<WorkerInfo> infos;
+    for (auto& [wid, w] : workers) infos.push_back(w.info);
+    RouteRequest route;
+    route.prefix_blocks = r.request.prefix_blocks;
+    route.prompt_tokens = static_cast<int64_t>(r.request.prompt.size());
+    route.max_new_tokens = r.request.sampling.max_new_tokens;
+    ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
+    WorkerEntry* p = FindWorker(prefill_id);
+    std::string decode_id = prefill_id;
+    if (p->info.role != WorkerRole::kColocated) {
+      ASSIGN_OR_RETURN(decode_id, router.PickDecode(route, infos));
+    }
+    r.prefill_id = prefill_id;
+    r.decode_id = decode_id;
+    r.decode_blocks.clear();
+    r.prompt_tokens = static_cast<int>(r.request.prompt.size());
+    // Queue accounting until the next heartbeat refreshes it.
+    p->info.queued_tokens += r.prompt_tokens;
+    if (decode_id == prefill_id) {
+      SendPrefillTask(id, r);
+    } else {
+      r.phase = Phase::kReserving;
+      WorkerEntry* d = FindWorker(decode_id);
+      d->info.free_kv_blocks -=
+          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
+          std::max<int64_t>(1, d->info.block_tokens);
+      SendDecodeAdmission(id, r, -1);
+    }
+    return Status::Ok();
   }
 
   void SendPrefillTask(uint64_t rid, RequestEntry& r) {
@@ -335,7 +384,8 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       s = protocols::DecodeMessage(frame, type, &rep);
       if (!s.ok()) break;
       auto it = requests.find(rep.request_id());
-      if (it == requests.end() || it->second.phase != Phase::kReserving) {
+      if (it == requests.end() || it->second.phase != Phase::kReserving ||
+          it->second.decode_id != worker_id) {  // (re-run elsewhere meanwhile)
         // Cancelled meanwhile: make sure the decode side lets go.
         if (rep.ok()) SendCancel(worker_id, rep.request_id(), "request no longer live");
         break;
@@ -356,7 +406,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       s = protocols::DecodeMessage(frame, type, &done);
       if (!s.ok()) break;
       auto it = requests.find(done.request_id());
-      if (it == requests.end()) break;
+      if (it == requests.end() || it->second.prefill_id != worker_id) break;
       RequestEntry& r = it->second;
       r.prompt_tokens = static_cast<int>(done.prompt_tokens());
       r.cached_tokens = static_cast<int>(done.cached_prompt_tokens());
@@ -404,6 +454,8 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       auto it = requests.find(fin.request_id());
       if (it == requests.end()) break;
       RequestEntry& r = it->second;
+      // A worker the request was moved away from may still report on it.
+      if (worker_id != r.prefill_id && worker_id != r.decode_id) break;
       TokenEvent e;
       e.finished = true;
       e.finish_reason = FromProto(fin.reason());
@@ -557,36 +609,14 @@ Status ClusterBackend::Submit(GenerationRequest request, TokenSink sink) {
     if (state_->requests.count(request.id)) {
       return AlreadyExists("request id " + std::to_string(request.id) + " is live");
     }
-    std::vector<WorkerInfo> infos;
-    for (auto& [id, w] : state_->workers) infos.push_back(w.info);
-    RouteRequest route;
-    route.prefix_blocks = request.prefix_blocks;
-    route.prompt_tokens = static_cast<int64_t>(request.prompt.size());
-    route.max_new_tokens = request.sampling.max_new_tokens;
-    ASSIGN_OR_RETURN(std::string prefill_id, state_->router.PickPrefill(route, infos));
-    WorkerEntry* p = state_->FindWorker(prefill_id);
-    std::string decode_id = prefill_id;
-    if (p->info.role != WorkerRole::kColocated) {
-      ASSIGN_OR_RETURN(decode_id, state_->router.PickDecode(route, infos));
-    }
     const uint64_t id = request.id;
     RequestEntry& r = state_->requests[id];
     r.request = std::move(request);
     r.sink = std::move(sink);
-    r.prefill_id = prefill_id;
-    r.decode_id = decode_id;
-    r.prompt_tokens = static_cast<int>(r.request.prompt.size());
-    // Queue accounting until the next heartbeat refreshes it.
-    p->info.queued_tokens += r.prompt_tokens;
-    if (decode_id == prefill_id) {
-      state_->SendPrefillTask(id, r);
-    } else {
-      r.phase = Phase::kReserving;
-      WorkerEntry* d = state_->FindWorker(decode_id);
-      d->info.free_kv_blocks -=
-          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
-          std::max<int64_t>(1, d->info.block_tokens);
-      state_->SendDecodeAdmission(id, r, -1);
+    Status s = state_->Start(id, r);
+    if (!s.ok()) {
+      state_->requests.erase(id);
+      return s;
     }
   }
   Deliver(out);

@@ -675,6 +675,42 @@ TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
   EXPECT_EQ(after.completion_tokens, 8);
 }
 
+// A prefill worker that stops answering (SIGSTOP: its connection stays open,
+// its heartbeats stop) while holding requests that have produced no token:
+// the coordinator notices within 3 heartbeat intervals and re-runs them on the
+// other prefill worker, so every client still gets the right answer.
+TEST_F(ClusterTest, RequestsOfAFrozenPrefillWorkerAreReRun) {
+  auto cluster = StartCluster(2, 1, 0, "round_robin");
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  const pid_t frozen = cluster->processes().Pid("prefill-0");
+  ASSERT_GT(frozen, 0);
+  ASSERT_EQ(kill(frozen, SIGSTOP), 0);
+  constexpr int kRequests = 4;
+  constexpr int kTokens = 8;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(ref_->Encode("Question " + std::to_string(i) + ": what is a river?"));
+  }
+  std::vector<CompletionOutcome> results(kRequests);
+  std::vector<std::thread> threads;
+  const auto start = Clock::now();
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] { results[i] = Complete(port, prompts[i], kTokens); });
+  }
+  for (auto& t : threads) t.join();
+  const double took = std::chrono::duration<double>(Clock::now() - start).count();
+  kill(frozen, SIGKILL);
+  for (int i = 0; i < kRequests; ++i) {
+    EXPECT_EQ(results[i].http_status, 200) << "request " << i << ": " << results[i].error;
+    EXPECT_EQ(results[i].text, ref_->Text(ref_->Greedy(prompts[i], kTokens))) << "request " << i;
+  }
+  // Round robin sent half of them to the frozen worker first: they waited for
+  // the missed heartbeats (1.5 s) before being re-run.
+  std::printf("4 requests, 2 of them re-run, done in %.2f s\n", took);
+  EXPECT_GT(took, 1.0);
+}
+
 // deploy/mpirun/launch.sh: coordinator + 1 prefill + 1 decode group of TP = 2
 // under mpirun (4 MPI ranks, MPMD).
 TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
