@@ -59,8 +59,10 @@ void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const Quanti
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float amax = _mm_cvtss_f32(m4);
+      // As ggml's quantize_row_q8_0/q8_1: multiplier 127 / amax, d and the
+      // block sum stored as fp16 (quant_blocks.h).
       const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
       const __m256 mul = _mm256_set1_ps(id);
       constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), kRound));
@@ -78,8 +80,9 @@ void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const Quanti
       i0 = _mm256_packs_epi16(i0, i2);
       i0 = _mm256_permutevar8x32_epi32(i0, perm);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + (t * nb + b) * kBlock), i0);
-      a.d[t * nb + b] = d;
-      a.s[t * nb + b] = d * static_cast<float>(sum);
+      a.d[t * nb + b] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+      a.s[t * nb + b] =
+          _cvtsh_ss(_cvtss_sh(d * static_cast<float>(sum), _MM_FROUND_TO_NEAREST_INT));
     }
   }
 }

@@ -4,6 +4,7 @@
 // float additions differs.
 #include <cmath>
 
+#include "engine/gguf/ggml_type.h"
 #include "engine/kernels/kernel_table.h"
 
 namespace kvrelay::engine::kernels {
@@ -16,8 +17,10 @@ void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const Quanti
       const float* xb = x + t * cols + b * kBlock;
       float amax = 0;
       for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+      // As ggml's quantize_row_q8_0/q8_1: multiplier 127 / amax, d and the
+      // block sum stored as fp16 (quant_blocks.h).
       const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
       int8_t* q = a.q + (t * nb + b) * kBlock;
       int sum = 0;
       for (int j = 0; j < kBlock; ++j) {
@@ -26,8 +29,8 @@ void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const Quanti
         q[j] = static_cast<int8_t>(v);
         sum += v;
       }
-      a.d[t * nb + b] = d;
-      a.s[t * nb + b] = d * static_cast<float>(sum);
+      a.d[t * nb + b] = Fp16ToFp32(Fp32ToFp16(d));
+      a.s[t * nb + b] = Fp16ToFp32(Fp32ToFp16(d * static_cast<float>(sum)));
     }
   }
 }

@@ -7,11 +7,13 @@
 //
 // How MatMul computes (see docs/BENCHMARKS.md "Engine speed"):
 //   Q4_0 / Q4_1 / Q8_0 weights are read in place, never expanded to fp32. X is
-//   quantized once per call to int8 per block of 32 (scale amax/127, plus the
-//   block sum for Q4_0/Q4_1, as llama.cpp's Q8_0/Q8_1), and each output is a sum
-//   of exact integer block dots times one float scale per block. So the result
-//   differs from the exact product by at most sum_blocks sum|w| * amax_x / 254
-//   (plus float rounding). F32/F16 weights use a float dot (no quantization).
+//   quantized once per call to int8 per block of 32 exactly as llama.cpp's CPU
+//   backend does it (Q8_0 / Q8_1: scale fp16(amax/127), block sum in fp16; see
+//   quant_blocks.h), and each output is a sum of exact integer block dots times
+//   one float scale per block, accumulated in ggml's lane order. So the result
+//   differs from the exact product by at most, per block b with d0 = amax_b/127,
+//     sum|w| * 0.562 d0  +  |m_b| * 2^-10 * d0 * |sum_j q_j|   (m_b: the Q4 min)
+//   plus float rounding. F32/F16 weights use a float dot (no quantization).
 //   Other types (K-quants, Q5_x, BF16) dequantize a tile of rows to fp32 and
 //   reuse it for every token.
 //   Rows are split over the pool's threads; tokens are processed in tiles so a

@@ -3,36 +3,135 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "engine/kernels/matmul.h"
 
 namespace kvrelay::engine {
 namespace {
 
-bool UseAvx2() { return ResolvedKernelPath() == KernelPath::kAvx2; }
+bool UseAvx2(KernelPath path = KernelPath::kAuto) {
+  if (path == KernelPath::kAuto) return ResolvedKernelPath() == KernelPath::kAvx2;
+  return path == KernelPath::kAvx2 && KernelPathSupported(KernelPath::kAvx2);
+}
+
+inline uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Constants of the exp approximation (ARM optimized-routines expf, as ggml
+// uses it): n = round(x / ln2) by the 1.5 * 2^23 shift, r = x - n ln2 with ln2
+// split in two, exp(r) - 1 ~= r (C0 + r C1 + r^2 (C2 + r C3 + r^2 C4)) ...
+constexpr float kShift = 0x1.8p23f;
+constexpr float kInvLn2 = 0x1.715476p+0f;
+constexpr float kLn2Hi = 0x1.62e4p-1f;
+constexpr float kLn2Lo = 0x1.7f7d1cp-20f;
+constexpr float kC0 = 0x1.ffffecp-1f;
+constexpr float kC1 = 0x1.fffdb6p-2f;
+constexpr float kC2 = 0x1.555e66p-3f;
+constexpr float kC3 = 0x1.573e2ep-5f;
+constexpr float kC4 = 0x1.0e4020p-7f;
+
+// Scalar twin of Exp8Ggml (same operations, std::fma where it fuses).
+float ExpGgmlScalar(float x) {
+  const float z = std::fma(x, kInvLn2, kShift);
+  const float n = z - kShift;
+  const float r = std::fma(-n, kLn2Lo, std::fma(-n, kLn2Hi, x));
+  const uint32_t e = Bits(z) << 23;
+  const float k = FromBits(e + Bits(1.0f));
+  const float r2 = r * r;
+  const float p = std::fma(std::fma(std::fma(kC4, r, kC3), r2, std::fma(kC2, r, kC1)), r2, kC0 * r);
+  if (!(std::fabs(n) > 126.0f)) return std::fma(p, k, k);
+  // Large |n|: build 2^n from two factors so it neither overflows nor
+  // flushes early; beyond |n| > 192 the result is inf or 0.
+  const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+  const float s1 = FromBits(g + 0x7F000000u);
+  const float s2 = FromBits(e - g);
+  if (std::fabs(n) > 192.0f) return s1 * s1;
+  return std::fma(s2, p, s2) * s1;
+}
+
+// ggml's 8-lane horizontal sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+inline float Hsum8Scalar(const float* a) {
+  const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+  return (t0 + t2) + (t1 + t3);
+}
+
+// ggml's GGML_F32x8_REDUCE of the four 8-lane accumulators of
+// ggml_vec_dot_f32: x = (s0 + s2) + (s1 + s3) lane-wise, t_i = x_i + x_{i+4},
+// result (t0 + t1) + (t2 + t3).
+inline float ReduceVecDot(const float* s0, const float* s1, const float* s2, const float* s3) {
+  float x[8];
+  for (int l = 0; l < 8; ++l) x[l] = (s0[l] + s2[l]) + (s1[l] + s3[l]);
+  const float t0 = x[0] + x[4], t1 = x[1] + x[5], t2 = x[2] + x[6], t3 = x[3] + x[7];
+  return (t0 + t1) + (t2 + t3);
+}
+
+// Output element e of a single-token V * p product: the 32 partial sums
+// acc[(j mod 32) * hd + e] reduced as ggml_vec_dot_f32 reduces them.
+inline float ReduceColumn32(const float* acc, int hd, int e) {
+  float s[32];
+  for (int l = 0; l < 32; ++l) s[l] = acc[l * hd + e];
+  return ReduceVecDot(s, s + 8, s + 16, s + 24);
+}
+
+// ggml_vec_dot_f32 (AVX2): 4 accumulators of 8 lanes over steps of 32, then
+// a fixed reduction; the remainder in double.
+float DotVecScalar(const float* a, const float* b, int n) {
+  float s[4][8] = {};
+  const int np = n & ~31;
+  for (int i = 0; i < np; i += 32) {
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 8; ++l) s[j][l] = std::fma(a[i + 8 * j + l], b[i + 8 * j + l], s[j][l]);
+    }
+  }
+  double sum = ReduceVecDot(s[0], s[1], s[2], s[3]);
+  for (int i = np; i < n; ++i) sum += static_cast<double>(a[i] * b[i]);
+  return static_cast<float>(sum);
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-__m256 Exp8(__m256 x) {
-  // exp(x) = 2^k * exp(r), k = round(x / ln2), |r| <= ln2 / 2; degree-6
-  // polynomial for exp(r) (relative error ~2e-7 on that range). Inputs are
-  // clamped to [-87, 88] so 2^k stays a normal float.
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+__m256 Exp8Ggml(__m256 x) {
+  const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(kInvLn2), _mm256_set1_ps(kShift));
+  const __m256 n = _mm256_sub_ps(z, _mm256_set1_ps(kShift));
+  const __m256 r =
+      _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x));
+  const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+  const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32(0x3F800000)));
+  const __m256 absn = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), n);
+  const __m256 big = _mm256_cmp_ps(absn, _mm256_set1_ps(126.0f), _CMP_GT_OQ);
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 hi = _mm256_fmadd_ps(_mm256_set1_ps(kC4), r, _mm256_set1_ps(kC3));
+  const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(kC2), r, _mm256_set1_ps(kC1));
+  const __m256 p =
+      _mm256_fmadd_ps(_mm256_fmadd_ps(hi, r2, lo), r2, _mm256_mul_ps(_mm256_set1_ps(kC0), r));
+  const __m256 normal = _mm256_fmadd_ps(p, k, k);
+  if (_mm256_movemask_ps(big) == 0) return normal;
+  const __m256i g =
+      _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                       _mm256_set1_epi32(static_cast<int>(0x82000000u)));
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7F000000)));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+  const __m256 huge = _mm256_cmp_ps(absn, _mm256_set1_ps(192.0f), _CMP_GT_OQ);
+  const __m256 scaled = _mm256_mul_ps(_mm256_fmadd_ps(s2, p, s2), s1);
+  const __m256 r_big = _mm256_blendv_ps(scaled, _mm256_mul_ps(s1, s1), huge);
+  return _mm256_blendv_ps(normal, r_big, big);
+}
+
+inline float Hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out) {
@@ -40,55 +139,232 @@ void SiluMulAvx2(const float* gate, const float* up, int64_t n, float* out) {
   const __m256 one = _mm256_set1_ps(1.0f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = Exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 e = Exp8Ggml(_mm256_sub_ps(_mm256_setzero_ps(), g));
     const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
   }
+  // ggml's tail uses libm expf.
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-void RmsNormAvx2(const float* x, const float* w, int64_t n, float eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
+void ExpAvx2(const float* x, int64_t n, float* y) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, Exp8Ggml(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) y[i] = ExpGgmlScalar(x[i]);
+}
+
+float DotVecAvx2(const float* a, const float* b, int n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  const int np = n & ~31;
+  for (int i = 0; i < np; i += 32) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+    s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), s3);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  double ss = 0;
-  for (float l : lanes) ss += l;
-  for (; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-  const __m256 vs = _mm256_set1_ps(scale);
-  i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(
-        y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vs), _mm256_loadu_ps(w + i)));
+  // ggml's GGML_F32x8_REDUCE: (s0 + s2) + (s1 + s3), then the 8 lanes.
+  const __m256 x = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+  const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 t1 = _mm_hadd_ps(t0, t0);
+  double sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+  for (int i = np; i < n; ++i) sum += static_cast<double>(a[i] * b[i]);
+  return static_cast<float>(sum);
+}
+
+void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
+                float* out) {
+  float mx = -INFINITY;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* k = kb[j / B] + (j % B) * hd;
+    const float s = DotVecAvx2(q, k, hd) * scale;
+    scores[j] = s;
+    mx = std::fmax(mx, s);
   }
-  for (; i < n; ++i) y[i] = x[i] * scale * w[i];
+  // exp in groups of 8 aligned at position 0; masked positions are 0.
+  double sum = 0;
+  const __m256 vmx = _mm256_set1_ps(mx);
+  const int64_t g0 = j0 & ~int64_t{7};
+  alignas(32) float buf[8];
+  for (int64_t g = g0; g < j1; g += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const int64_t j = g + l;
+      buf[l] = j >= j0 && j < j1 ? scores[j] : -INFINITY;
+    }
+    const __m256 e = Exp8Ggml(_mm256_sub_ps(_mm256_load_ps(buf), vmx));
+    _mm256_store_ps(buf, e);
+    sum += static_cast<double>(Hsum8(e));
+    for (int l = 0; l < 8 && g + l < j1; ++l) {
+      if (g + l >= j0) scores[g + l] = buf[l];
+    }
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  if (single) {
+    // ggml_vec_dot_f32 over positions: 4 accumulators x 8 lanes, j mod 32.
+    for (int i = 0; i < 32 * hd; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* v = vb[j / B] + (j % B) * hd;
+      float* a = acc + (j & 31) * hd;
+      const __m256 p = _mm256_set1_ps(scores[j] * inv);
+      for (int e = 0; e + 8 <= hd; e += 8) {
+        _mm256_storeu_ps(a + e, _mm256_fmadd_ps(_mm256_loadu_ps(v + e), p, _mm256_loadu_ps(a + e)));
+      }
+    }
+    for (int e = 0; e < hd; ++e) out[e] = ReduceColumn32(acc, hd, e);
+    return;
+  }
+  // V * p: lane (j mod 8) of an 8-lane FMA accumulator per output element.
+  for (int i = 0; i < 8 * hd; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vb[j / B] + (j % B) * hd;
+    float* a = acc + (j & 7) * hd;
+    const __m256 p = _mm256_set1_ps(scores[j] * inv);
+    int e = 0;
+    for (; e + 8 <= hd; e += 8) {
+      _mm256_storeu_ps(a + e, _mm256_fmadd_ps(_mm256_loadu_ps(v + e), p, _mm256_loadu_ps(a + e)));
+    }
+    for (; e < hd; ++e) a[e] = std::fma(v[e], scores[j] * inv, a[e]);
+  }
+  int e = 0;
+  for (; e + 8 <= hd; e += 8) {
+    const __m256 t0 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 0 * hd + e), _mm256_loadu_ps(acc + 4 * hd + e));
+    const __m256 t1 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 1 * hd + e), _mm256_loadu_ps(acc + 5 * hd + e));
+    const __m256 t2 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 2 * hd + e), _mm256_loadu_ps(acc + 6 * hd + e));
+    const __m256 t3 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 3 * hd + e), _mm256_loadu_ps(acc + 7 * hd + e));
+    _mm256_storeu_ps(out + e, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+  }
+  for (; e < hd; ++e) {
+    float l[8];
+    for (int k = 0; k < 8; ++k) l[k] = acc[k * hd + e];
+    out[e] = Hsum8Scalar(l);
+  }
+}
+
+void RopeRotateAvx2(float* x, int half, bool neox, const float* cos, const float* sin) {
+  for (int i = 0; i < half; ++i) {
+    const int a = neox ? i : 2 * i;
+    const int b = neox ? i + half : 2 * i + 1;
+    const float x0 = x[a], x1 = x[b];
+    x[a] = std::fma(x0, cos[i], -(x1 * sin[i]));
+    x[b] = std::fma(x0, sin[i], x1 * cos[i]);
+  }
 }
 
 #pragma GCC pop_options
+
+void AttendScalar(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                  int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
+                  float* out) {
+  float mx = -INFINITY;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* k = kb[j / B] + (j % B) * hd;
+    const float s = DotVecScalar(q, k, hd) * scale;
+    scores[j] = s;
+    mx = std::fmax(mx, s);
+  }
+  double sum = 0;
+  for (int64_t g = j0 & ~int64_t{7}; g < j1; g += 8) {
+    float l[8];
+    for (int i = 0; i < 8; ++i) {
+      const int64_t j = g + i;
+      l[i] = j >= j0 && j < j1 ? ExpGgmlScalar(scores[j] - mx) : 0.0f;
+      if (j >= j0 && j < j1) scores[j] = l[i];
+    }
+    sum += static_cast<double>(Hsum8Scalar(l));
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  const int lanes = single ? 32 : 8;
+  for (int i = 0; i < lanes * hd; ++i) acc[i] = 0.0f;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = vb[j / B] + (j % B) * hd;
+    float* a = acc + (j & (lanes - 1)) * hd;
+    const float p = scores[j] * inv;
+    for (int e = 0; e < hd; ++e) a[e] = std::fma(v[e], p, a[e]);
+  }
+  if (single) {
+    for (int e = 0; e < hd; ++e) out[e] = ReduceColumn32(acc, hd, e);
+    return;
+  }
+  for (int e = 0; e < hd; ++e) {
+    float l[8];
+    for (int k = 0; k < 8; ++k) l[k] = acc[k * hd + e];
+    out[e] = Hsum8Scalar(l);
+  }
+}
 
 }  // namespace
 
 void RmsNormFast(const float* x, const float* w, int64_t n, float eps, float* y) {
   if (n <= 0) return;
-  if (UseAvx2()) return RmsNormAvx2(x, w, n, eps, y);
   double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float scale = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale * w[i];
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i] * x[i]);
+  const float mean = static_cast<float>(ss / static_cast<double>(n));
+  const float scale = 1.0f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
-void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
-  if (UseAvx2()) return SiluMulAvx2(gate, up, n, out);
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+void SiluMul(const float* gate, const float* up, int64_t n, float* out, KernelPath path) {
+  if (UseAvx2(path)) return SiluMulAvx2(gate, up, n, out);
+  // Same split as the vector path: whole groups of 8 with ExpGgml, libm expf
+  // for the tail (ggml's ggml_vec_swiglu_f32).
+  const int64_t n8 = n & ~int64_t{7};
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float e = i < n8 ? ExpGgmlScalar(-g) : std::exp(-g);
+    out[i] = g / (1.0f + e) * up[i];
+  }
+}
+
+void ExpGgml(const float* x, int64_t n, float* y, KernelPath path) {
+  if (UseAvx2(path)) return ExpAvx2(x, n, y);
+  for (int64_t i = 0; i < n; ++i) y[i] = ExpGgmlScalar(x[i]);
 }
 
 void AddInPlace(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void RopeAnglesGgml(int64_t pos, float base, int rope_dim, float* cos, float* sin) {
+  const float theta_scale = std::pow(base, -2.0f / static_cast<float>(rope_dim));
+  float theta = static_cast<float>(pos);
+  for (int i = 0; i < rope_dim / 2; ++i) {
+    cos[i] = std::cos(theta);
+    sin[i] = std::sin(theta);
+    theta *= theta_scale;
+  }
+}
+
+void RopeRotate(float* x, int half, bool neox, const float* cos, const float* sin,
+                KernelPath path) {
+  if (UseAvx2(path)) return RopeRotateAvx2(x, half, neox, cos, sin);
+  for (int i = 0; i < half; ++i) {
+    const int a = neox ? i : 2 * i;
+    const int b = neox ? i + half : 2 * i + 1;
+    const float x0 = x[a], x1 = x[b];
+    // ggml's rope is C++ built with FMA contraction: the first product of
+    // each expression is fused, the second rounded (x0 * cos - x1 * sin).
+    x[a] = std::fma(x0, cos[i], -(x1 * sin[i]));
+    x[b] = std::fma(x0, sin[i], x1 * cos[i]);
+  }
+}
+
+void AttendRowGgml(const float* q, const float* const* k_blocks, const float* const* v_blocks,
+                   int block_tokens, int hd, int64_t j0, int64_t j1, float scale, bool single_token,
+                   float* scores, float* acc, float* out, KernelPath path) {
+  if (j1 <= j0) {
+    for (int e = 0; e < hd; ++e) out[e] = 0.0f;
+    return;
+  }
+  if (UseAvx2(path)) {
+    return AttendAvx2(q, k_blocks, v_blocks, block_tokens, hd, j0, j1, scale, single_token, scores,
+                      acc, out);
+  }
+  AttendScalar(q, k_blocks, v_blocks, block_tokens, hd, j0, j1, scale, single_token, scores, acc,
+               out);
 }
 
 }  // namespace kvrelay::engine

@@ -1,6 +1,16 @@
-// Element-wise CPU ops of the transformer, vectorised (AVX2 chosen at run time
-// like MatMul, scalar otherwise). The runtime decides whether to call them;
-// each is single-threaded, reentrant, and allows y == x unless noted.
+// Element-wise and attention CPU ops of the transformer, vectorised (AVX2
+// chosen at run time like MatMul, scalar otherwise). The runtime decides
+// whether to call them; each is single-threaded, reentrant, and allows y == x
+// unless noted.
+//
+// llama.cpp compatibility (docs/ENGINE_NUMERICS.md): these ops reproduce the
+// float arithmetic of llama.cpp's CPU backend (ggml, AVX2 build) operation for
+// operation: the same exp approximation, the same accumulation orders and the
+// same fp16 roundings. On SmolLM2-class models a single-ulp difference in one
+// activation can flip the rounding of an int8-quantized activation and move
+// the logits by ~0.5, so "close" arithmetic is not enough to compare with
+// llama.cpp; identical arithmetic is. The scalar path computes the same values
+// (std::fma where ggml fuses) but is only a fallback.
 #pragma once
 
 #include <cstdint>
@@ -8,18 +18,54 @@
 
 #include "common/thread_pool.h"
 #include "engine/gguf/gguf.h"
+#include "engine/kernels/matmul.h"
 
 namespace kvrelay::engine {
 
-// y = x / sqrt(mean(x^2) + eps) * w over n floats (sum of squares in double
-// on the scalar path, float lanes then double on AVX2).
+// y = x * (1 / sqrtf(mean(x^2) + eps)) * w over n floats, as ggml's rms_norm
+// followed by the weight multiply: squares rounded to float and summed in
+// double in order, mean and scale in float.
 void RmsNormFast(const float* x, const float* w, int64_t n, float eps, float* y);
 
-// out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)). out may alias gate or up.
-void SiluMul(const float* gate, const float* up, int64_t n, float* out);
+// out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)), with exp as
+// ggml_v_expf (max error ~1.5 ulp; see ExpGgml). out may alias gate or up.
+void SiluMul(const float* gate, const float* up, int64_t n, float* out,
+             KernelPath path = KernelPath::kAuto);
+
+// y[i] = exp(x[i]) with the approximation ggml's CPU backend vectorises
+// (ARM optimized-routines expf: 2^n * poly(r), error <= 1.46 ulp + 0.5).
+// y may alias x.
+void ExpGgml(const float* x, int64_t n, float* y, KernelPath path = KernelPath::kAuto);
 
 // y[i] += x[i] (residual add).
 void AddInPlace(float* y, const float* x, int64_t n);
+
+// RoPE angles for one position, as ggml_rope_cache_init with no scaling:
+// theta_0 = float(pos), theta_{i+1} = theta_i * powf(base, -2 / rope_dim) in
+// float; cos[i] = cosf(theta_i), sin[i] = sinf(theta_i) for i < rope_dim / 2.
+void RopeAnglesGgml(int64_t pos, float base, int rope_dim, float* cos, float* sin);
+
+// Rotates pairs (x[a_i], x[b_i]) by the angles, as ggml's rope kernel:
+//   x[a] = x0 * cos - x1 * sin,  x[b] = x0 * sin + x1 * cos   (float)
+// where pair i is (2i, 2i+1) for the normal layout and (i, i + half) for NeoX.
+void RopeRotate(float* x, int half, bool neox, const float* cos, const float* sin,
+                KernelPath path = KernelPath::kAuto);
+
+// One causal attention row over a paged f32 K/V cache, as llama.cpp computes
+// it without flash attention (KQ product, soft_max_ext, V * softmax):
+//   s_j = dot(q, k_j) * scale for j in [j0, j1); p = softmax(s) with exp as
+//   ExpGgml over groups of 8 positions aligned at j = 0 and the sum in double;
+//   out = sum_j p_j v_j accumulated in 8 lanes by position (j mod 8) with FMA
+//   (ggml's llamafile sgemm), reduced like ggml's horizontal sum.
+// Position j's K row is k_blocks[j / block_tokens] + (j % block_tokens) * hd,
+// likewise V. The KQ dot is ggml_vec_dot_f32 (4 x 8 FMA lanes). `single_token`
+// says the row belongs to a batch of one token of its sequence (decode)
+// (ggml's sgemm serves only batches of 2+ tokens, so a single token's V * p
+// runs through vec_dot_f32: 4 accumulators x 8 lanes, position j mod 32).
+// scores must hold j1 floats and acc 32 * hd floats (scratch); out holds hd.
+void AttendRowGgml(const float* q, const float* const* k_blocks, const float* const* v_blocks,
+                   int block_tokens, int hd, int64_t j0, int64_t j1, float scale, bool single_token,
+                   float* scores, float* acc, float* out, KernelPath path = KernelPath::kAuto);
 
 // Several products that read the SAME input x (Q/K/V, or gate/up): x is
 // quantized once and all of them run in a single parallel section, which saves

@@ -31,12 +31,18 @@ struct BlockQ8_0 {
 };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34);
 
-// Activations quantized per block of 32 (llama.cpp's Q8_0/Q8_1 idea, kept in
-// structure-of-arrays form): for token t and block b,
-//   q[(t * nb + b) * 32 + j]  int8 in [-127, 127]
-//   d[t * nb + b]             scale, amax / 127 (float; llama.cpp rounds it to fp16)
-//   s[t * nb + b]             d * sum_j q_j (the Q8_1 block sum, used by Q4_0/Q4_1)
-// so that x_j ~= d * q_j with |x_j - d * q_j| <= d / 2.
+// Activations quantized per block of 32 exactly as ggml's CPU backend quantizes
+// them to Q8_0 / Q8_1 (kept in structure-of-arrays form): for token t, block b,
+//   q[(t * nb + b) * 32 + j]  int8 in [-127, 127]: round-half-even(x_j * (127 / amax))
+//   d[t * nb + b]             fp16(amax / 127), held as the float it decodes to
+//   s[t * nb + b]             fp16((amax / 127) * sum_j q_j) (the Q8_1 block sum,
+//                             used by Q4_0/Q4_1), also held as a float
+// The multiplier is 127 / amax (not 1 / d) and d, s are rounded to fp16 because
+// ggml stores them that way; matching it bit for bit keeps our logits on
+// llama.cpp's (docs/ENGINE_NUMERICS.md). With d0 = amax / 127:
+// |x_j - d0 q_j| <= d0 / 2 and |d - d0| <= 2^-11 d0, so
+// |x_j - d q_j| <= d0 (1/2 + 127 * 2^-11) ~= 0.562 d0, and
+// |s - d * sum_j q_j| <= 2^-10 d0 |sum_j q_j| (both fp16 roundings).
 struct QuantizedActs {
   int8_t* q = nullptr;
   float* d = nullptr;

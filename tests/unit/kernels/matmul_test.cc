@@ -1,11 +1,14 @@
 // Every fast MatMul path against MatMulReference (fp32 dequantization by
 // engine/gguf, double accumulation) on random weights of awkward shapes.
 //
-// Tolerance, derived: for int8-activation types the kernel multiplies the
-// exact weights w by x^ where x^_j = d_b * q_j with d_b = amax_b / 127 and
-// q_j = round(x_j / d_b), so |x_j - x^_j| <= d_b / 2 = amax_b / 254 and
-//   |y - y_exact| <= sum_b (sum_{j in b} |w_j|) * amax_b / 254      (quantization)
-//                  + gamma * sum_j |w_j| (|x_j| + amax_b / 254)      (float rounding)
+// Tolerance, derived: for int8-activation types the kernel quantizes x as
+// llama.cpp does (quant_blocks.h): q_j = round(x_j * 127 / amax_b), scale
+// d_b = fp16(d0_b) with d0_b = amax_b / 127, block sum s_b = fp16(d0_b sum q).
+// So x^_j = d_b q_j is off by |x_j - x^_j| <= d0_b / 2 + 2^-11 d0_b |q_j|
+// <= 0.5625 d0_b =: h_b, and a Q4 weight d u_j + m_b meets s_b instead of
+// d_b sum q, which adds |m_b| |s_b - d_b sum q| <= |m_b| 2^-10 d0_b |sum q|:
+//   |y - y_exact| <= sum_b (sum_{j in b} |w_j|) h_b + |m_b| 2^-10 (sum_j |x_j| + 16 d0_b)
+//                  + gamma * sum_j |w_j| (|x_j| + h_b)              (float rounding)
 // where gamma = (nb + 16) * 2^-23 bounds the float roundings of the nb block
 // terms (scale product, fma, 8-lane and final sums), and the reference's own
 // rounding to float adds 2^-24 |y|. Float-weight paths only have the rounding
@@ -124,15 +127,23 @@ std::vector<double> Bounds(const Weights& w, const std::vector<float>& x, int64_
       const float* xt = x.data() + t * cols;
       double quant_err = 0, mag = 0;
       for (int64_t b = 0; b * 32 < cols; ++b) {
-        double amax = 0, wsum = 0, wx = 0;
+        double amax = 0, wsum = 0, wx = 0, xsum = 0;
         const int64_t end = std::min<int64_t>(cols, b * 32 + 32);
         for (int64_t j = b * 32; j < end; ++j) amax = std::max(amax, std::fabs((double)xt[j]));
-        const double half_step = quant ? amax / 254.0 : 0.0;
+        const double d0 = amax / 127.0;
+        const double half_step = quant ? 0.5625 * d0 : 0.0;
         for (int64_t j = b * 32; j < end; ++j) {
           wsum += std::fabs(row[j]);
           wx += std::fabs(row[j]) * (std::fabs(xt[j]) + half_step);
+          xsum += std::fabs(xt[j]);
         }
         quant_err += wsum * half_step;
+        // The Q4 min term meets the fp16 block sum.
+        const uint8_t* blk = w.tensor.data + r * row_bytes + b * BlockBytes(w.tensor.type);
+        double m = 0;
+        if (w.tensor.type == GgmlType::kQ4_1) m = Fp16ToFp32(blk[2] | blk[3] << 8);
+        if (w.tensor.type == GgmlType::kQ4_0) m = -8.0 * Fp16ToFp32(blk[0] | blk[1] << 8);
+        quant_err += std::fabs(m) * std::ldexp(1.0, -10) * (xsum + 16 * d0);
         mag += wx;
       }
       bound[t * rows + r] = quant_err * (1 + 1e-6) + gamma * mag + 1e-30;
@@ -219,12 +230,13 @@ TEST(MatMulLayout, Q4_1BlockByHand) {
   t.dims = {32, 1};
   t.data = blk.data();
   t.nbytes = blk.size();
-  // x = one-hot at element e: the product is the element's value exactly
-  // (one-hot quantizes exactly: q = 127, d = 1/127).
+  // x = 127/128 one-hot at element e: the product is 127/128 times the
+  // element's value exactly (q = 127 and d = 2^-7, exact in fp16, s = 127/128).
   for (int e = 0; e < 32; ++e) {
     std::vector<float> x(32, 0.0f);
-    x[e] = 1.0f;
-    const float want = e < 16 ? 0.5f * e - 1.0f : 0.5f * (15 - (e - 16)) - 1.0f;
+    x[e] = 127.0f / 128.0f;
+    const float want =
+        (e < 16 ? 0.5f * e - 1.0f : 0.5f * (15 - (e - 16)) - 1.0f) * (127.0f / 128.0f);
     for (KernelPath path : Paths()) {
       float y = 0;
       MatMulWithPath(t, x.data(), 1, &y, nullptr, path);
@@ -243,10 +255,10 @@ TEST(MatMulLayout, Q4_0AndQ8_0BlocksByHand) {
   GgufTensor t8{"q8", GgmlType::kQ8_0, {32, 1}, 0, q8.data(), q8.size()};
   for (int e = 0; e < 32; ++e) {
     std::vector<float> x(32, 0.0f);
-    x[e] = -2.0f;
+    x[e] = -2.0f * 127.0f / 128.0f;  // quantizes exactly: q = -127, d = 2^-6
     const int nib = e < 16 ? e : (e - 16 + 3) & 15;
-    const float want4 = -2.0f * 0.25f * (nib - 8);
-    const float want8 = -2.0f * 0.125f * (e * 7 - 100);
+    const float want4 = x[e] * 0.25f * (nib - 8);
+    const float want8 = x[e] * 0.125f * (e * 7 - 100);
     for (KernelPath path : Paths()) {
       float y4 = 0, y8 = 0;
       MatMulWithPath(t4, x.data(), 1, &y4, nullptr, path);
@@ -258,7 +270,8 @@ TEST(MatMulLayout, Q4_0AndQ8_0BlocksByHand) {
 }
 
 // The AVX2 activation quantizer is bit-identical to the scalar one (same
-// float operations, round-half-to-even), including ties and zero blocks.
+// float operations, round-half-to-even, fp16 roundings), including ties and
+// zero blocks, and both follow ggml's quantize_row_q8_1 to the bit.
 TEST(Quantize, Avx2MatchesScalarBitForBit) {
   if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
   const int64_t cols = 32 * 9, tokens = 5;
@@ -275,18 +288,27 @@ TEST(Quantize, Avx2MatchesScalarBitForBit) {
   EXPECT_EQ(q1, q2);
   EXPECT_EQ(d1, d2);
   EXPECT_EQ(s1, s2);
-  // And the quantization meets its contract: |x - d q| <= d / 2, s = d * sum q.
+  // And the quantization is ggml's, written out from its definition:
+  // q = round-half-even(x * (127 / amax)), d = fp16(amax / 127),
+  // s = fp16((amax / 127) * sum q) (fp16 by engine/gguf's converter).
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[t * cols + b * 32 + j]));
+      const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
       int sum = 0;
       for (int j = 0; j < 32; ++j) {
         const int64_t i = t * cols + b * 32 + j;
-        EXPECT_LE(std::fabs(x[i] - d1[t * nb + b] * q1[i]), d1[t * nb + b] * 0.5f * 1.0001f);
+        EXPECT_EQ(q1[i], static_cast<int>(std::nearbyint(x[i] * id))) << "element " << i;
         sum += q1[i];
       }
-      EXPECT_FLOAT_EQ(s1[t * nb + b], d1[t * nb + b] * sum);
+      const float d0 = amax / 127.0f;
+      EXPECT_EQ(d1[t * nb + b], Fp16ToFp32(Fp32ToFp16(d0)));
+      EXPECT_EQ(s1[t * nb + b], Fp16ToFp32(Fp32ToFp16(d0 * static_cast<float>(sum))));
     }
   }
+  // Exact halves round to even: x = 0.5 * k with amax 8 gives x * 127 / 8.
+  EXPECT_EQ(q1[64 + 0], -127);  // -8 -> -127
 }
 
 // A row's result does not depend on how rows are split over threads or

@@ -1,9 +1,13 @@
-// Element-wise ops against double-precision references.
+// Element-wise and attention ops against double-precision references, and the
+// scalar path against the AVX2 path bit for bit (both reproduce llama.cpp's
+// arithmetic; the conformance test checks that against llama.cpp itself).
 #include "engine/kernels/ops.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -55,6 +59,196 @@ TEST(Ops, SiluMulMatchesDoubleReference) {
     const double want = g[i] / (1.0 + std::exp(-double(g[i]))) * u[i];
     // exp polynomial ~2e-7 relative, plus four float roundings.
     EXPECT_NEAR(out[i], want, std::fabs(want) * 1e-6 + 1e-30) << "i=" << i << " g=" << g[i];
+  }
+}
+
+std::vector<KernelPath> Paths() {
+  std::vector<KernelPath> p = {KernelPath::kScalar};
+  if (KernelPathSupported(KernelPath::kAvx2)) p.push_back(KernelPath::kAvx2);
+  return p;
+}
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// ggml's exp approximation is documented at <= 1.46 ulp + 0.5 (rounding):
+// allow 2 ulp of the float result against exp in double.
+TEST(Ops, ExpGgmlWithinTwoUlp) {
+  std::vector<float> x;
+  for (float v = -87.0f; v <= 88.0f; v += 0.01171875f) x.push_back(v);
+  const auto r = Random(4001, 20.0f, 11);
+  x.insert(x.end(), r.begin(), r.end());
+  for (KernelPath path : Paths()) {
+    std::vector<float> y(x.size());
+    ExpGgml(x.data(), static_cast<int64_t>(x.size()), y.data(), path);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (x[i] < -87.0f || x[i] > 88.0f) continue;
+      const double want = std::exp(static_cast<double>(x[i]));
+      const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+      ASSERT_LE(std::fabs(y[i] - want), 2 * ulp) << "x=" << x[i] << " " << KernelPathName(path);
+    }
+  }
+}
+
+TEST(Ops, ExpGgmlEdges) {
+  const float inf = std::numeric_limits<float>::infinity();
+  // 8 values so the vector path sees them; exp(0) = 1 exactly.
+  std::vector<float> x = {0.0f, -inf, -200.0f, 89.0f, 200.0f, -103.0f, 1.0f, -1.0f};
+  for (KernelPath path : Paths()) {
+    std::vector<float> y(x.size());
+    ExpGgml(x.data(), 8, y.data(), path);
+    EXPECT_EQ(y[0], 1.0f);
+    EXPECT_EQ(y[1], 0.0f);
+    EXPECT_EQ(y[2], 0.0f);
+    EXPECT_EQ(y[3], inf);  // exp(89) > FLT_MAX
+    EXPECT_EQ(y[4], inf);
+    // exp(-103) = 1.4e-45 (subnormal): within one subnormal step.
+    EXPECT_NEAR(y[5], std::exp(-103.0), std::ldexp(1.0, -149));
+    EXPECT_NEAR(y[6], std::exp(1.0), 2 * std::ldexp(1.0, -22));
+    EXPECT_NEAR(y[7], std::exp(-1.0), 2 * std::ldexp(1.0, -25));
+  }
+}
+
+TEST(Ops, ScalarPathMatchesAvx2BitForBit) {
+  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+  const auto x = Random(1003, 6.0f, 12), u = Random(1003, 1.0f, 13);
+  std::vector<float> e1(1003), e2(1003), s1(1003), s2(1003);
+  ExpGgml(x.data(), 1003, e1.data(), KernelPath::kScalar);
+  ExpGgml(x.data(), 1003, e2.data(), KernelPath::kAvx2);
+  SiluMul(x.data(), u.data(), 1003, s1.data(), KernelPath::kScalar);
+  SiluMul(x.data(), u.data(), 1003, s2.data(), KernelPath::kAvx2);
+  for (int i = 0; i < 1003; ++i) {
+    ASSERT_EQ(Bits(e1[i]), Bits(e2[i])) << "exp x=" << x[i];
+    ASSERT_EQ(Bits(s1[i]), Bits(s2[i])) << "silu x=" << x[i];
+  }
+  std::vector<float> c(32), s(32);
+  RopeAnglesGgml(37, 10000.0f, 64, c.data(), s.data());
+  auto r1 = Random(64 * 3, 2.0f, 14), r2 = r1;
+  for (int h = 0; h < 3; ++h) {
+    RopeRotate(r1.data() + 64 * h, 32, h == 1, c.data(), s.data(), KernelPath::kScalar);
+    RopeRotate(r2.data() + 64 * h, 32, h == 1, c.data(), s.data(), KernelPath::kAvx2);
+  }
+  EXPECT_EQ(r1, r2);
+}
+
+// Angles: theta_i = pos * base^(-2i/d) up to the float recurrence's rounding,
+// i + 2 roundings of relative size 2^-24 each (powf is within 1 ulp).
+TEST(Ops, RopeAnglesFollowTheFrequencies) {
+  for (int64_t pos : {0, 1, 7, 300, 1000}) {
+    std::vector<float> c(32), s(32);
+    RopeAnglesGgml(pos, 100000.0f, 64, c.data(), s.data());
+    for (int i = 0; i < 32; ++i) {
+      const double theta = pos * std::pow(100000.0, -2.0 * i / 64);
+      const double err = (i + 3) * std::ldexp(1.0, -24) * theta + std::ldexp(1.0, -24);
+      EXPECT_NEAR(c[i], std::cos(theta), err) << "pos " << pos << " i " << i;
+      EXPECT_NEAR(s[i], std::sin(theta), err) << "pos " << pos << " i " << i;
+    }
+  }
+  // Position 0 is the identity rotation, bit for bit.
+  std::vector<float> c(32), s(32);
+  RopeAnglesGgml(0, 100000.0f, 64, c.data(), s.data());
+  const auto x = Random(64, 3.0f, 15);
+  for (bool neox : {false, true}) {
+    auto y = x;
+    RopeRotate(y.data(), 32, neox, c.data(), s.data());
+    EXPECT_EQ(y, x);
+  }
+}
+
+TEST(Ops, RopeRotateIsTheRotation) {
+  std::vector<float> c(32), s(32);
+  RopeAnglesGgml(123, 10000.0f, 64, c.data(), s.data());
+  const auto x = Random(64, 3.0f, 16);
+  for (bool neox : {false, true}) {
+    auto y = x;
+    RopeRotate(y.data(), 32, neox, c.data(), s.data());
+    for (int i = 0; i < 32; ++i) {
+      const int a = neox ? i : 2 * i, b = neox ? i + 32 : 2 * i + 1;
+      const double ya = double(x[a]) * c[i] - double(x[b]) * s[i];
+      const double yb = double(x[a]) * s[i] + double(x[b]) * c[i];
+      const double tol = 4 * std::ldexp(std::fabs(x[a]) + std::fabs(x[b]), -24);
+      EXPECT_NEAR(y[a], ya, tol) << "pair " << i << (neox ? " neox" : "");
+      EXPECT_NEAR(y[b], yb, tol) << "pair " << i << (neox ? " neox" : "");
+    }
+  }
+}
+
+// Attention over a paged cache against softmax attention in double. Error
+// budget: scores |q.k| * scale with float products over 64 terms (~64 * 2^-24
+// relative to sum |q||k| * scale, here <= ~1.5e-4 absolute), exp within
+// 2 ulp, so p relative error ~2e-4; the output is a convex combination of v,
+// off by <= 2e-4 * max|v| plus its own float sums. Tolerance 5e-4 * max|v|.
+TEST(Ops, AttendRowMatchesDoubleSoftmaxAttention) {
+  const int hd = 64, B = 16;
+  const int n = 70;
+  const auto k = Random(int64_t{n} * hd, 1.0f, 17), v = Random(int64_t{n} * hd, 2.0f, 18);
+  std::vector<const float*> kb, vb;
+  for (int b = 0; b * B < n; ++b) {
+    kb.push_back(k.data() + b * B * hd);
+    vb.push_back(v.data() + b * B * hd);
+  }
+  float vmax = 0;
+  for (float x : v) vmax = std::max(vmax, std::fabs(x));
+  const float scale = 0.125f;
+  std::vector<float> scores(n), acc(32 * hd), out(hd), out_other(hd);
+  for (uint32_t seed = 0; seed < 6; ++seed) {
+    const auto q = Random(hd, 1.5f, 100 + seed);
+    for (auto [j0, j1] : {std::pair<int64_t, int64_t>{0, 1},
+                          {0, 7},
+                          {0, 33},
+                          {0, 70},
+                          {5, 70},
+                          {40, 41},
+                          {9, 26}}) {
+      std::vector<double> sc(n), ref(hd, 0.0);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        double d = 0;
+        for (int e = 0; e < hd; ++e) d += double(q[e]) * k[j * hd + e];
+        sc[j] = d * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      for (int64_t j = j0; j < j1; ++j) sum += std::exp(sc[j] - mx);
+      for (int64_t j = j0; j < j1; ++j) {
+        const double p = std::exp(sc[j] - mx) / sum;
+        for (int e = 0; e < hd; ++e) ref[e] += p * v[j * hd + e];
+      }
+      for (KernelPath path : Paths()) {
+        for (bool single : {false, true}) {
+          AttendRowGgml(q.data(), kb.data(), vb.data(), B, hd, j0, j1, scale, single, scores.data(),
+                        acc.data(), out.data(), path);
+          for (int e = 0; e < hd; ++e) {
+            ASSERT_NEAR(out[e], ref[e], 5e-4 * vmax)
+                << "[" << j0 << "," << j1 << ") e=" << e << (single ? " single " : " batch ")
+                << KernelPathName(path);
+          }
+          if (path == KernelPath::kAvx2) {
+            AttendRowGgml(q.data(), kb.data(), vb.data(), B, hd, j0, j1, scale, single,
+                          scores.data(), acc.data(), out_other.data(), KernelPath::kScalar);
+            for (int e = 0; e < hd; ++e) ASSERT_EQ(Bits(out[e]), Bits(out_other[e])) << e;
+          }
+        }
+      }
+    }
+  }
+}
+
+// One key: the output is exactly its value row (softmax weight 1).
+TEST(Ops, AttendRowOneKeyIsItsValue) {
+  const int hd = 64;
+  const auto q = Random(hd, 1.0f, 20), k = Random(hd, 1.0f, 21), v = Random(hd, 1.0f, 22);
+  const float* kb[] = {k.data()};
+  const float* vb[] = {v.data()};
+  std::vector<float> scores(1), acc(32 * hd), out(hd);
+  for (KernelPath path : Paths()) {
+    for (bool single : {false, true}) {
+      AttendRowGgml(q.data(), kb, vb, 16, hd, 0, 1, 0.125f, single, scores.data(), acc.data(),
+                    out.data(), path);
+      for (int e = 0; e < hd; ++e) EXPECT_EQ(out[e], v[e]) << e;
+    }
   }
 }
 
