@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
 # Cluster serving benchmark (not a test): `kvrelay bench serve` against local
 # clusters started with `kvrelay launch`.
-#   1. colocated (C workers) vs disaggregated (1 prefill + 1 decode) at three
-#      Poisson request rates, same model and workload;
-#   2. a shared-prefix workload on 2 prefill + 1 decode workers with
-#      --router prefix_aware vs round_robin (prefix-cache hit rate, TTFT).
+#   1. colocated (C workers) vs disaggregated (1 prefill + 1 decode, decode
+#      TP = 1 and TP = 2) at three Poisson request rates, same model and workload;
+#   2. a shared-prefix workload (G distinct prefixes, one per prompt at random)
+#      on 2 prefill + 1 decode workers with --router prefix_aware vs
+#      round_robin (prefix-cache hit rate, TTFT).
 # Prints one summary line per run (medians) and leaves the JSON reports in
 # $OUT (default /tmp/kvrelay-serve-compare).
 #
 #   bench/serve_compare.sh [-b build-dir] [-r "0.5 1 2"] [-n prompts] [-i input-len] [-o output-len]
-#                          [-c colocated-workers] [-s shared-prefix]
+#                          [-c colocated-workers] [-s shared-prefix] [-g prefix-groups]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUILD=build RATES="0.5 1 2" N=24 IN=128 OUTLEN=32 COLOC=2 SHARED=96
+BUILD=build RATES="0.5 1 2" N=24 IN=128 OUTLEN=32 COLOC=2 SHARED=96 GROUPS=4
 OUT=${OUT:-/tmp/kvrelay-serve-compare}
-while getopts "b:r:n:i:o:c:s:" opt; do
+while getopts "b:r:n:i:o:c:s:g:" opt; do
   case $opt in
     b) BUILD=$OPTARG ;; r) RATES=$OPTARG ;; n) N=$OPTARG ;; i) IN=$OPTARG ;; o) OUTLEN=$OPTARG ;;
-    c) COLOC=$OPTARG ;; s) SHARED=$OPTARG ;;
+    c) COLOC=$OPTARG ;; s) SHARED=$OPTARG ;; g) GROUPS=$OPTARG ;;
     *) echo "usage: $0 [-b build] [-r rates] [-n prompts] [-i in] [-o out] [-c colocated] [-s prefix]" >&2
        exit 2 ;;
   esac
@@ -96,10 +97,15 @@ warmup
 seed=1; for r in $RATES; do run_load "disagg-1p1d" "$r" $seed; seed=$((seed + 1)); done
 stop_cluster
 
+start_cluster disagg-tp2 --prefill 1 --decode 1 --tp 2
+warmup
+seed=1; for r in $RATES; do run_load "disagg-1p1d-tp2" "$r" $seed; seed=$((seed + 1)); done
+stop_cluster
+
 MID=$(echo "$RATES" | awk '{print $2 ? $2 : $1}')
 for router in prefix_aware round_robin; do
   start_cluster "prefix-$router" --prefill 2 --decode 1 --router "$router"
   warmup
-  run_load "shared-prefix-2p1d-$router" "$MID" 7 --shared-prefix "$SHARED"
+  run_load "shared-prefix-2p1d-$router" "$MID" 7 --shared-prefix "$SHARED" --prefix-groups "$GROUPS"
   stop_cluster
 done

@@ -4,7 +4,8 @@
 //   TTFT  time to the first streamed text;   ITL  gaps between text chunks;
 //   TPOT  (e2e - TTFT) / (output tokens - 1); E2E  request start to [DONE].
 // Prompts are token-id lists (exact lengths, no tokenizer needed here), with
-// an optional prefix of --shared-prefix tokens common to every prompt.
+// an optional prefix of --shared-prefix tokens common to every prompt (or, with
+// --prefix-groups G, one of G such prefixes picked at random per prompt).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -158,11 +159,12 @@ RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_ke
 }
 
 int BenchServe(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args,
-                            {"url", "rate", "num-prompts", "input-len", "output-len",
-                             "shared-prefix", "ttft-slo-ms", "tpot-slo-ms", "json", "model", "seed",
-                             "api-key", "max-concurrency", "timeout-s", "vocab-min", "vocab-max"},
-                            {"help"});
+  auto flags =
+      Flags::Parse(args,
+                   {"url", "rate", "num-prompts", "input-len", "output-len", "shared-prefix",
+                    "prefix-groups", "ttft-slo-ms", "tpot-slo-ms", "json", "model", "seed",
+                    "api-key", "max-concurrency", "timeout-s", "vocab-min", "vocab-max"},
+                   {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "bench serve: %s\n", flags.status().message().c_str());
     return 2;
@@ -195,6 +197,10 @@ int BenchServe(const std::vector<std::string>& args) {
   const int64_t input_len = get_int("input-len", 128, 1, 1'000'000);
   const int64_t output_len = get_int("output-len", 64, 1, 1'000'000);
   const int64_t shared_prefix = get_int("shared-prefix", 0, 0, input_len);
+  // Distinct shared prefixes (e.g. several system prompts or documents); each
+  // prompt takes one at random, so a prefix-aware router can keep each group
+  // on the worker that already caches it.
+  const int64_t prefix_groups = get_int("prefix-groups", 1, 1, 100'000);
   const double ttft_slo_ms = get_double("ttft-slo-ms", 0);
   const double tpot_slo_ms = get_double("tpot-slo-ms", 0);
   const uint64_t seed = static_cast<uint64_t>(get_int("seed", 0, 0, INT64_MAX));
@@ -226,14 +232,18 @@ int BenchServe(const std::vector<std::string>& args) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int32_t> tok(static_cast<int32_t>(vocab_min),
                                              static_cast<int32_t>(vocab_max));
-  std::vector<int32_t> prefix(static_cast<size_t>(shared_prefix));
-  for (auto& t : prefix) t = tok(rng);
+  std::vector<std::vector<int32_t>> prefixes(static_cast<size_t>(prefix_groups));
+  for (auto& prefix : prefixes) {
+    prefix.resize(static_cast<size_t>(shared_prefix));
+    for (auto& t : prefix) t = tok(rng);
+  }
+  std::uniform_int_distribution<int64_t> pick_group(0, prefix_groups - 1);
   std::vector<json> bodies;
   std::vector<double> arrival_s;
   std::exponential_distribution<double> gap(rate > 0 ? rate : 1.0);
   double t = 0;
   for (int64_t i = 0; i < num_prompts; ++i) {
-    std::vector<int32_t> prompt = prefix;
+    std::vector<int32_t> prompt = prefixes[static_cast<size_t>(pick_group(rng))];
     while (static_cast<int64_t>(prompt.size()) < input_len) prompt.push_back(tok(rng));
     bodies.push_back(json{{"model", model},
                           {"prompt", prompt},
@@ -300,6 +310,7 @@ int BenchServe(const std::vector<std::string>& args) {
       {"input_len", input_len},
       {"output_len", output_len},
       {"shared_prefix", shared_prefix},
+      {"prefix_groups", prefix_groups},
       {"seed", seed},
       {"max_concurrency", max_concurrency},
       {"duration_s", duration},
@@ -357,7 +368,8 @@ int BenchServe(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_serve, "bench serve",
                 "bench serve --url URL --rate R --num-prompts N --input-len I --output-len O "
-                "[--shared-prefix L] [--ttft-slo-ms X --tpot-slo-ms Y] [--json OUT] [--model NAME] "
+                "[--shared-prefix L [--prefix-groups G]] [--ttft-slo-ms X --tpot-slo-ms Y] [--json "
+                "OUT] [--model NAME] "
                 "[--seed S] [--api-key K] [--max-concurrency C]",
                 BenchServe);
 
