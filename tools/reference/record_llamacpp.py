@@ -18,7 +18,10 @@ tests/data/llamacpp_reference.json with:
 
 Usage (see setup_venv.sh):
   .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
-      [--tokenization-only]
+      [--tokenization-only] [--kv-type f32|f16]
+
+The forward passes run with flash attention off and an f32 KV cache by default
+(the settings are written to the file's "settings" object).
 
 --tokenization-only loads only the vocabulary and rewrites the "tokenization" and
 "chat" sections of an existing --out file, keeping its logits and greedy data.
@@ -47,6 +50,12 @@ TOP_K = 32
 N_PROBES = 64
 PROBE_SEED = 20261129
 N_GREEDY = 64
+# ggml_type ids accepted for the KV cache. f32 is the default since the f16
+# cache makes llama.cpp round Q, K, V and the softmax weights to fp16 inside
+# attention (the K*Q and V*softmax products run at the cache's vec_dot type),
+# which on this model moves logits by up to ~2 from llama.cpp's own f32-cache
+# result; kvrelay's reference comparison runs at KvDtype::kF32.
+KV_TYPES = {"f32": 0, "f16": 1}
 
 LONG_TEXT = (
     "The quick brown fox jumps over the lazy dog. " * 6
@@ -195,6 +204,8 @@ def main():
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--out", default=os.path.join(ROOT, "tests", "data", "llamacpp_reference.json"))
     ap.add_argument("--tokenization-only", action="store_true")
+    ap.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f32",
+                    help="llama.cpp KV cache type for K and V (default f32: see below)")
     args = ap.parse_args()
 
     if args.tokenization_only:
@@ -209,7 +220,8 @@ def main():
 
     llm = Llama(model_path=args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH,
                 n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True,
-                seed=0, verbose=False)
+                seed=0, verbose=False, flash_attn=False,
+                type_k=KV_TYPES[args.kv_type], type_v=KV_TYPES[args.kv_type])
     n_vocab = llm.n_vocab()
     template = llm.metadata.get("tokenizer.chat_template", "")
 
@@ -219,7 +231,8 @@ def main():
         "llama_cpp_python_version": llama_cpp.__version__,
         "settings": {
             "n_ctx": N_CTX, "n_batch": N_BATCH, "n_ubatch": N_BATCH, "n_threads": N_THREADS,
-            "logits_all": True, "kv_cache_type": "f16 (default)", "backend": "CPU",
+            "logits_all": True, "kv_cache_type": args.kv_type, "flash_attn": False,
+            "backend": "CPU",
             "tokenize": "llama_tokenize(text, add_special, parse_special)",
             "greedy": "argmax over raw logits (ties -> lowest id), repeat_penalty 1.0, "
                       "no BOS added (the prompt ids are evaluated as recorded)",

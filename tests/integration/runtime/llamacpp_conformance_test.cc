@@ -1,30 +1,20 @@
 // The engine against llama.cpp on the real SmolLM2-135M Q4_1 model, using the
 // logits and greedy continuations recorded in tests/data/llamacpp_reference.json
-// (llama-cpp-python, CPU, f16 KV cache, all logits, rounded to 4 decimals).
+// (llama-cpp-python 0.3.36, CPU, f32 KV cache, no flash attention, all logits,
+// rounded to 4 decimals).
 //
-// Error bound (measured, then justified). llama.cpp multiplies the Q4_1/Q8_0
-// weights with activations quantized per 32 values to Q8_1/Q8_0 and keeps an
-// f16 KV cache (Q and the softmax weights are rounded to f16 in attention).
-// Our kernels quantize activations the same way but round differently inside
-// (float scale products, f32 KV). SmolLM2-135M amplifies such rounding: over
-// the 388 recorded positions we measured a worst |logit error| of
-//   1.40 with our int8-activation kernels and f32 KV (this test),
-//   1.80 with exact fp32 products (MatMulReference, an experiment), and
-//   1.31 with an f16 KV pool,
-// so llama.cpp itself sits ~1.8 logits from exact arithmetic on this model; the
-// same shifts appear between our own f32 and f16 KV runs (+-0.4 per prompt).
-// kMaxLogitError = 2.0 covers the exact-arithmetic distance with ~10% headroom;
-// logits span ~[-10, 35], so that is ~4% of the range.
-//
-// Top-1: a flip is only possible where the two best logits are closer than the
-// error of their difference. Measured: 380/388 positions agree (97.9%; 384/388
-// with exact products), and every disagreement is at a position where
-// llama.cpp's own top-2 margin is <= 0.23. We assert >= 97% overall (the 99%
-// target of the issue is NOT met: 8 positions, 4 of them the same shared chat
-// prefix position, are near-ties) and full agreement wherever llama.cpp's
-// margin exceeds kFlipMargin = 0.5, twice the largest margin that flipped.
-// Greedy continuations must be identical where llama.cpp's minimum top-2
-// margin over the 64 steps exceeds kFlipMargin.
+// INTERIM bounds. engine/kernels now quantizes activations exactly as
+// llama.cpp (Q8_1/Q8_0 with fp16 scale and sum) and provides llama.cpp's
+// arithmetic for RMSNorm, SiLU, RoPE and attention, but the forward pass does
+// not call those yet (the patch is /work/notes/accuracy_patch.diff, see
+// docs/ENGINE_NUMERICS.md). With it the engine is bit-identical to llama.cpp
+// (388/388, worst error 0.0000, greedy 12/12) and this test becomes the strict
+// one in that patch (bound 1e-4). Without it, one-ulp differences in those ops
+// flip int8 activation roundings and move logits by up to ~2 on this model:
+// measured 384/388 top-1 (98.97%), worst |logit error| 1.29 (spread 1.85), and
+// every top-1 disagreement is at a position where llama.cpp's top-2 margin is
+// <= 0.30. kMaxLogitError = 2.0 and kFlipMargin = 0.5 keep the old, measured
+// bounds until the patch lands.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
