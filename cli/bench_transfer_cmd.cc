@@ -9,7 +9,10 @@
 //   --model PATH: the overlap is measured with the real engine (a 1,024-token
 //   prefill whose layer hook sends each layer as soon as it is written)
 //   instead of the modelled per-layer compute (--layer-ms).
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -186,6 +189,120 @@ double MeasureSize(Transport* t, Signal* sig, size_t n, uint32_t* tag, double* m
   return static_cast<double>(n) / Median(times) / 1e9;
 }
 
+// The ceiling of a backend's mechanism without the transport: the same
+// one-way transfer and ack with plain blocking calls (osu-style MPI_Send /
+// MPI_Recv; send()/recv() on one loopback TCP socket). Rank 0 sends; returns
+// the median GB/s on rank 0 (0 on rank 1).
+class RawChannel {
+ public:
+  virtual ~RawChannel() = default;
+  double Measure(size_t n, int rank) {
+    std::vector<uint8_t> buf(n, static_cast<uint8_t>(rank + 1));
+    std::vector<double> times;
+    for (int i = 0; i < Iterations(n); ++i) {
+      if (rank == 1) {
+        Byte(/*send=*/true);
+        Bulk(/*send=*/false, buf.data(), n);
+        Byte(/*send=*/true);
+      } else {
+        Byte(/*send=*/false);
+        auto t0 = Clock::now();
+        Bulk(/*send=*/true, buf.data(), n);
+        Byte(/*send=*/false);
+        times.push_back(SecondsSince(t0));
+      }
+    }
+    return rank == 0 ? static_cast<double>(n) / Median(times) / 1e9 : 0;
+  }
+
+ protected:
+  virtual void Byte(bool send) = 0;
+  virtual void Bulk(bool send, uint8_t* data, size_t n) = 0;
+};
+
+class RawMpi : public RawChannel {
+ public:
+  explicit RawMpi(int rank) : peer_(1 - rank) {}
+
+ private:
+  void Byte(bool send) override {
+    char b = 0;
+    if (send) {
+      MPI_Send(&b, 1, MPI_BYTE, peer_, 90, MPI_COMM_WORLD);
+    } else {
+      MPI_Recv(&b, 1, MPI_BYTE, peer_, 90, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    }
+  }
+  void Bulk(bool send, uint8_t* data, size_t n) override {
+    if (send) {
+      MPI_Send(data, static_cast<int>(n), MPI_BYTE, peer_, 91, MPI_COMM_WORLD);
+    } else {
+      MPI_Recv(data, static_cast<int>(n), MPI_BYTE, peer_, 91, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    }
+  }
+  int peer_;
+};
+
+class RawTcp : public RawChannel {
+ public:
+  // Takes ownership of a connected socket.
+  RawTcp(int fd, int socket_buffer) : fd_(fd) {
+    int one = 1;
+    setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (socket_buffer > 0) {
+      setsockopt(fd_, SOL_SOCKET, SO_SNDBUF, &socket_buffer, sizeof(socket_buffer));
+      setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &socket_buffer, sizeof(socket_buffer));
+    }
+  }
+  ~RawTcp() override { close(fd_); }
+  // Loopback listener on an ephemeral port; -1 on failure.
+  static int Listen(uint16_t* port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 1) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      if (fd >= 0) close(fd);
+      return -1;
+    }
+    *port = ntohs(a.sin_port);
+    return fd;
+  }
+  static int Connect(uint16_t port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+      if (fd >= 0) close(fd);
+      return -1;
+    }
+    return fd;
+  }
+
+ private:
+  void Byte(bool send) override {
+    char b = 0;
+    Bulk(send, reinterpret_cast<uint8_t*>(&b), 1);
+  }
+  void Bulk(bool send, uint8_t* data, size_t n) override {
+    size_t done = 0;
+    while (done < n) {
+      ssize_t k = send ? ::send(fd_, data + done, n - done, MSG_NOSIGNAL)
+                       : ::recv(fd_, data + done, n - done, 0);
+      if (k <= 0) {
+        LOG_ERROR << "bench raw tcp: " << (send ? "send" : "recv") << " failed";
+        std::exit(1);
+      }
+      done += static_cast<size_t>(k);
+    }
+  }
+  int fd_;
+};
+
 // Stand-in for one layer's prefill compute: a timed busy loop (CPU prefill,
 // competes with the transport threads for cores) or a sleep (prefill on an
 // accelerator, CPU free).
@@ -274,6 +391,7 @@ struct Config {
   std::string model;  // non-empty: overlap with the real engine
   std::string kv_dtype;
   int threads;
+  bool raw;  // also measure the plain-call ceiling (RawChannel)
 };
 
 kv_transfer::TcpTransport::Options TcpOptions(const Config& cfg, int rank) {
@@ -462,17 +580,28 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   return res;
 }
 
-void Report(const std::string& backend, Transport* t, Signal* sig, const Config& cfg) {
+// `raw` (may be null): the plain-call ceiling of the backend's mechanism,
+// measured right after the transport at each size.
+void Report(const std::string& backend, Transport* t, Signal* sig, const Config& cfg,
+            RawChannel* raw = nullptr) {
   if (t->rank() == 0) {
-    std::printf("\n== backend %s ==\n%12s %14s %14s %8s\n", backend.c_str(), "bytes", "memcpy GB/s",
+    std::printf("\n== backend %s ==\n%12s %14s %14s %8s", backend.c_str(), "bytes", "memcpy GB/s",
                 (backend + " GB/s").c_str(), "ratio");
+    if (raw) std::printf(" %14s %8s %10s", ("raw " + backend + " GB/s").c_str(), "raw", "of raw");
+    std::printf("\n");
   }
   uint32_t tag = 0;
   for (size_t n : Sizes(cfg.min_bytes, cfg.max_bytes)) {
     double mc = 0;
     double gbps = MeasureSize(t, sig, n, &tag, &mc);
+    double raw_gbps = raw ? raw->Measure(n, t->rank()) : 0;
     if (t->rank() == 0) {
-      std::printf("%12zu %14.2f %14.2f %7.0f%%\n", n, mc, gbps, 100 * gbps / mc);
+      std::printf("%12zu %14.2f %14.2f %7.0f%%", n, mc, gbps, 100 * gbps / mc);
+      if (raw) {
+        std::printf(" %14.2f %7.0f%% %9.0f%%", raw_gbps, 100 * raw_gbps / mc,
+                    100 * gbps / raw_gbps);
+      }
+      std::printf("\n");
       std::fflush(stdout);
     }
   }
@@ -524,10 +653,18 @@ int RunLocal(const Config& cfg) {
 int RunTcpForked(const Config& cfg) {
   int p2c[2], c2p[2];
   if (pipe(p2c) != 0 || pipe(c2p) != 0) return 1;
+  uint16_t raw_port = 0;
+  const int raw_listener = cfg.raw ? RawTcp::Listen(&raw_port) : -1;
   std::fflush(stdout);
   pid_t child = fork();
   if (child < 0) return 1;
   const int rank = child == 0 ? 1 : 0;
+  std::unique_ptr<RawTcp> raw;
+  if (raw_listener >= 0) {
+    int fd = rank == 1 ? RawTcp::Connect(raw_port) : accept(raw_listener, nullptr, nullptr);
+    close(raw_listener);
+    if (fd >= 0) raw = std::make_unique<RawTcp>(fd, cfg.tcp_socket_buffer);
+  }
   PipeSignal sig(rank == 0 ? p2c[1] : c2p[1], rank == 0 ? c2p[0] : p2c[0]);
   auto t = kv_transfer::TcpTransport::Create(TcpOptions(cfg, rank));
   if (!t.ok()) {
@@ -539,7 +676,7 @@ int RunTcpForked(const Config& cfg) {
   uint16_t peer_port = sig.TakeU16();
   Status st = (*t)->ConnectPeer(1 - rank, "127.0.0.1", peer_port, Deadline::AfterMs(10000));
   if (!st.ok()) LOG_ERROR << st.ToString();
-  Report("tcp", t->get(), &sig, cfg);
+  Report("tcp", t->get(), &sig, cfg, raw.get());
   (*t)->Shutdown();
   if (rank == 1) _exit(0);
   int wstatus = 0;
@@ -570,7 +707,8 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     TransportSignal tsig(t->get());
-    Report("mpi", t->get(), &tsig, cfg);
+    RawMpi raw(rank);
+    Report("mpi", t->get(), &tsig, cfg, cfg.raw ? &raw : nullptr);
     MPI_Barrier(MPI_COMM_WORLD);
     (*t)->Shutdown();
   }
@@ -582,9 +720,20 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
     Status cs = t->ConnectPeer(1 - rank, "127.0.0.1", static_cast<uint16_t>(peer_port),
                                Deadline::AfterMs(10000));
     if (!cs.ok()) LOG_ERROR << cs.ToString();
+    std::unique_ptr<RawTcp> raw;
+    if (cfg.raw) {
+      uint16_t raw_port = 0;
+      int listener = rank == 0 ? RawTcp::Listen(&raw_port) : -1;
+      int p = raw_port;
+      MPI_Bcast(&p, 1, MPI_INT, 0, MPI_COMM_WORLD);
+      int fd = rank == 0 ? accept(listener, nullptr, nullptr)
+                         : RawTcp::Connect(static_cast<uint16_t>(p));
+      if (listener >= 0) close(listener);
+      if (fd >= 0) raw = std::make_unique<RawTcp>(fd, cfg.tcp_socket_buffer);
+    }
     MPI_Barrier(MPI_COMM_WORLD);
     TransportSignal tsig(t.get());
-    Report("tcp", t.get(), &tsig, cfg);
+    Report("tcp", t.get(), &tsig, cfg, raw.get());
     MPI_Barrier(MPI_COMM_WORLD);
     t->Shutdown();
   }
@@ -597,7 +746,7 @@ int BenchTransfer(const std::vector<std::string>& args) {
       Flags::Parse(args,
                    {"backend", "min-bytes", "max-bytes", "layer-ms", "overlap-repeats", "compute",
                     "tcp-chunk-bytes", "tcp-socket-buffer", "model", "kv-dtype", "threads"},
-                   {"no-overlap"});
+                   {"no-overlap", "no-raw"});
   if (!flags.ok()) {
     std::fprintf(stderr, "bench transfer: %s\n", flags.status().ToString().c_str());
     return 2;
@@ -625,6 +774,7 @@ int BenchTransfer(const std::vector<std::string>& args) {
   cfg.layer_ms = *layer_ms;
   cfg.overlap_repeats = static_cast<int>(*repeats);
   cfg.overlap = !flags->Has("no-overlap");
+  cfg.raw = !flags->Has("no-raw");
   const std::string compute = flags->Get("compute", "busy");
   if (compute != "busy" && compute != "sleep") {
     std::fprintf(stderr, "bench transfer: --compute must be busy or sleep\n");
@@ -671,7 +821,7 @@ KVRELAY_COMMAND(bench_transfer, "bench transfer",
                 "bench transfer [--backend mpi|tcp|local|all] [--min-bytes N] [--max-bytes N] "
                 "[--layer-ms MS] [--compute busy|sleep] [--overlap-repeats N] [--no-overlap] "
                 "[--model GGUF [--kv-dtype f16] [--threads N]] [--tcp-chunk-bytes N] "
-                "[--tcp-socket-buffer N]",
+                "[--tcp-socket-buffer N] [--no-raw]",
                 BenchTransfer);
 
 }  // namespace kvrelay::cli
