@@ -26,9 +26,11 @@ inline float FromBits(uint32_t u) {
   return f;
 }
 
-// Constants of the exp approximation (ARM optimized-routines expf, as ggml
-// uses it): n = round(x / ln2) by the 1.5 * 2^23 shift, r = x - n ln2 with ln2
-// split in two, exp(r) - 1 ~= r (C0 + r C1 + r^2 (C2 + r C3 + r^2 C4)) ...
+// The exp approximation ggml vectorises (the ARM optimized-routines expf
+// algorithm, with ggml's constants): n = round(x / ln2) via the 1.5 * 2^23
+// shift, r = x - n ln2 with ln2 split in a high and a low part,
+// exp(r) - 1 ~= C0 r + C1 r^2 + C2 r^3 + C3 r^4 + C4 r^5, and
+// exp(x) = 2^n (1 + p) with 2^n built in the exponent bits.
 constexpr float kShift = 0x1.8p23f;
 constexpr float kInvLn2 = 0x1.715476p+0f;
 constexpr float kLn2Hi = 0x1.62e4p-1f;
@@ -206,9 +208,11 @@ void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, 
       const float* v = vb[j / B] + (j % B) * hd;
       float* a = acc + (j & 31) * hd;
       const __m256 p = _mm256_set1_ps(scores[j] * inv);
-      for (int e = 0; e + 8 <= hd; e += 8) {
+      int e = 0;
+      for (; e + 8 <= hd; e += 8) {
         _mm256_storeu_ps(a + e, _mm256_fmadd_ps(_mm256_loadu_ps(v + e), p, _mm256_loadu_ps(a + e)));
       }
+      for (; e < hd; ++e) a[e] = std::fma(v[e], scores[j] * inv, a[e]);
     }
     for (int e = 0; e < hd; ++e) out[e] = ReduceColumn32(acc, hd, e);
     return;

@@ -177,12 +177,14 @@ TEST(Ops, RopeRotateIsTheRotation) {
 }
 
 // Attention over a paged cache against softmax attention in double. Error
-// budget: scores |q.k| * scale with float products over 64 terms (~64 * 2^-24
+// budget: scores |q.k| * scale with float products over hd <= 128 terms (~hd * 2^-24
 // relative to sum |q||k| * scale, here <= ~1.5e-4 absolute), exp within
 // 2 ulp, so p relative error ~2e-4; the output is a convex combination of v,
 // off by <= 2e-4 * max|v| plus its own float sums. Tolerance 5e-4 * max|v|.
-TEST(Ops, AttendRowMatchesDoubleSoftmaxAttention) {
-  const int hd = 64, B = 16;
+class AttendRowTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
+  const int hd = GetParam(), B = 16;
   const int n = 70;
   const auto k = Random(int64_t{n} * hd, 1.0f, 17), v = Random(int64_t{n} * hd, 2.0f, 18);
   std::vector<const float*> kb, vb;
@@ -235,6 +237,9 @@ TEST(Ops, AttendRowMatchesDoubleSoftmaxAttention) {
     }
   }
 }
+
+// Head sizes of real models, and one that is not a multiple of 8.
+INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36));
 
 // One key: the output is exactly its value row (softmax weight 1).
 TEST(Ops, AttendRowOneKeyIsItsValue) {
