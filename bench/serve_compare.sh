@@ -14,12 +14,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUILD=build RATES="0.5 1 2" N=24 IN=128 OUTLEN=32 COLOC=2 SHARED=96 GROUPS=4
+BUILD=build RATES="0.5 1 2" N=24 IN=128 OUTLEN=32 COLOC=2 SHARED=96 NGROUPS=4
 OUT=${OUT:-/tmp/kvrelay-serve-compare}
 while getopts "b:r:n:i:o:c:s:g:" opt; do
   case $opt in
     b) BUILD=$OPTARG ;; r) RATES=$OPTARG ;; n) N=$OPTARG ;; i) IN=$OPTARG ;; o) OUTLEN=$OPTARG ;;
-    c) COLOC=$OPTARG ;; s) SHARED=$OPTARG ;; g) GROUPS=$OPTARG ;;
+    c) COLOC=$OPTARG ;; s) SHARED=$OPTARG ;; g) NGROUPS=$OPTARG ;;
     *) echo "usage: $0 [-b build] [-r rates] [-n prompts] [-i in] [-o out] [-c colocated] [-s prefix]" >&2
        exit 2 ;;
   esac
@@ -106,6 +106,6 @@ MID=$(echo "$RATES" | awk '{print $2 ? $2 : $1}')
 for router in prefix_aware round_robin; do
   start_cluster "prefix-$router" --prefill 2 --decode 1 --router "$router"
   warmup
-  run_load "shared-prefix-2p1d-$router" "$MID" 7 --shared-prefix "$SHARED" --prefix-groups "$GROUPS"
+  run_load "shared-prefix-2p1d-$router" "$MID" 7 --shared-prefix "$SHARED" --prefix-groups "$NGROUPS"
   stop_cluster
 done
