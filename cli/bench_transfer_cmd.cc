@@ -423,6 +423,8 @@ double ProcessCpuSeconds() {
 struct EngineOverlap {
   double compute_s = 0, transfer_s = 0, layerwise_s = 0, layerwise_prefill_s = 0, tail_s = 0;
   double transfer_cpu_s = 0;  // CPU time of the sending process during "transfer alone"
+  double paired_extra_s = 0;  // median over repetitions of (layer-wise - prefill alone)
+  double cpu_extra_s = 0;     // the same for the sending process's CPU time
   int64_t layer_bytes = 0;
   int layers = 0;
 };
@@ -504,7 +506,7 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
     return rs.id;
   };
 
-  std::vector<double> times[3], lw_prefill, tails, transfer_cpu;
+  std::vector<double> times[3], cpu[3], lw_prefill, tails, transfer_cpu, paired, cpu_extra;
   uint32_t stream = 100;
   for (int r = 0; r < cfg.overlap_repeats; ++r) {
     for (int mode = 0; mode < 3; ++mode, ++stream) {
@@ -527,9 +529,11 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
       std::unique_ptr<kv_transfer::LayerStreamSender> tx;
       std::string id;
       if (mode == 0) {
+        const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
         id = prefill();
         times[0].push_back(SecondsSince(t0));
+        cpu[0].push_back(ProcessCpuSeconds() - cpu0);
         sig->Take();
       } else if (mode == 1) {
         id = prefill();
@@ -555,11 +559,19 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
           Status st = tx->SendLayer(layer);
           if (!st.ok()) LOG_ERROR << st.ToString();
         });
+        const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
         id = prefill();
         const double prefill_s = SecondsSince(t0);
         sig->Take();
         times[2].push_back(SecondsSince(t0));
+        cpu[2].push_back(ProcessCpuSeconds() - cpu0);
+        std::printf(
+            "  rep %d: prefill alone %.1f ms (cpu %.1f ms) | layer-wise %.1f ms (cpu %.1f ms)\n", r,
+            times[0].back() * 1e3, cpu[0].back() * 1e3, times[2].back() * 1e3, cpu[2].back() * 1e3);
+        std::fflush(stdout);
+        paired.push_back(times[2].back() - times[0].back());
+        cpu_extra.push_back(cpu[2].back() - cpu[0].back());
         lw_prefill.push_back(prefill_s);
         tails.push_back(times[2].back() - prefill_s);
         eng->SetLayerHook(nullptr);
@@ -577,6 +589,8 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   res.layerwise_prefill_s = Median(lw_prefill);
   res.tail_s = Median(tails);
   res.transfer_cpu_s = Median(transfer_cpu);
+  res.paired_extra_s = Median(paired);
+  res.cpu_extra_s = Median(cpu_extra);
   return res;
 }
 
@@ -616,11 +630,14 @@ void Report(const std::string& backend, Transport* t, Signal* sig, const Config&
           "medians of %d):\n  transfer alone %.2f ms | prefill alone %.1f ms | prefill with "
           "layer-wise send %.1f ms (prefill part %.1f ms, tail after it %.2f ms)\n"
           "  hidden %.0f%% = 1 - (layer-wise - prefill) / transfer; hidden by tail %.0f%% = "
-          "1 - tail / transfer; sender CPU during transfer alone %.2f ms\n",
+          "1 - tail / transfer; sender CPU during transfer alone %.2f ms\n"
+          "  paired per repetition: layer-wise - prefill alone = %.1f ms wall (hidden %.0f%%), "
+          "%+.1f ms sender CPU\n",
           e.layers, static_cast<double>(e.layer_bytes) / 1024, cfg.kv_dtype.c_str(),
           cfg.overlap_repeats, e.transfer_s * 1e3, e.compute_s * 1e3, e.layerwise_s * 1e3,
           e.layerwise_prefill_s * 1e3, e.tail_s * 1e3, 100 * hidden, 100 * hidden_tail,
-          e.transfer_cpu_s * 1e3);
+          e.transfer_cpu_s * 1e3, e.paired_extra_s * 1e3,
+          100 * (e.transfer_s > 0 ? 1 - e.paired_extra_s / e.transfer_s : 0), e.cpu_extra_s * 1e3);
       std::fflush(stdout);
     }
     return;
