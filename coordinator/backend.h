@@ -20,9 +20,13 @@ namespace kvrelay::coordinator {
 using PrefixBlockHash = std::array<uint8_t, 32>;
 
 struct SamplingParams {
-  float temperature = 1.0f;  // 0 means greedy
-  float top_p = 1.0f;        // (0, 1]
-  int top_k = 0;             // 0 = disabled
+  float temperature = 1.0f;         // 0 means greedy
+  float top_p = 1.0f;               // (0, 1]
+  int top_k = 0;                    // 0 = disabled
+  float min_p = 0.0f;               // 0 = disabled
+  float repetition_penalty = 1.0f;  // 1 = off (llama.cpp / vLLM semantics)
+  float presence_penalty = 0.0f;    // OpenAI semantics, [-2, 2]
+  float frequency_penalty = 0.0f;   // OpenAI semantics, [-2, 2]
   uint64_t seed = 0;
   bool has_seed = false;    // false: the backend picks a seed
   int max_new_tokens = 16;  // >= 1

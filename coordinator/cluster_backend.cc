@@ -55,6 +55,10 @@ void ToProto(const SamplingParams& s, proto::SamplingParams* out) {
   out->set_seed(s.has_seed ? s.seed : 0);
   out->set_max_tokens(static_cast<uint32_t>(s.max_new_tokens));
   out->set_ignore_eos(s.ignore_eos);
+  out->set_min_p(s.min_p);
+  out->set_repetition_penalty(s.repetition_penalty);
+  out->set_presence_penalty(s.presence_penalty);
+  out->set_frequency_penalty(s.frequency_penalty);
 }
 
 FinishReason FromProto(proto::Finish::Reason r) {

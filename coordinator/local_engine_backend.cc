@@ -120,6 +120,10 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
     spec.sampling.temperature = s.temperature;
     spec.sampling.top_p = s.top_p;
     spec.sampling.top_k = s.top_k;
+    spec.sampling.min_p = s.min_p;
+    spec.sampling.repetition_penalty = s.repetition_penalty;
+    spec.sampling.presence_penalty = s.presence_penalty;
+    spec.sampling.frequency_penalty = s.frequency_penalty;
     spec.sampling.max_tokens = s.max_new_tokens;
     spec.sampling.seed = s.has_seed ? s.seed : std::random_device{}();
     spec.sampling.ignore_eos = s.ignore_eos;

@@ -308,9 +308,19 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
     out->top_p = static_cast<float>(*d);
   }
   d.reset();
-  // Accepted for compatibility; penalties are not applied by the sampler.
   if (auto err = GetNumber(body, "presence_penalty", -2.0, 2.0, &d)) return err;
+  if (d) out->presence_penalty = static_cast<float>(*d);
+  d.reset();
   if (auto err = GetNumber(body, "frequency_penalty", -2.0, 2.0, &d)) return err;
+  if (d) out->frequency_penalty = static_cast<float>(*d);
+  d.reset();
+  // vLLM extensions.
+  if (auto err = GetNumber(body, "repetition_penalty", 0.01, 100.0, &d)) return err;
+  if (d) out->repetition_penalty = static_cast<float>(*d);
+  d.reset();
+  if (auto err = GetNumber(body, "min_p", 0.0, 1.0, &d)) return err;
+  if (d) out->min_p = static_cast<float>(*d);
+  d.reset();
 
   std::optional<int64_t> i;
   if (auto err = GetInt(body, "top_k", -1, 1 << 20, &i)) return err;

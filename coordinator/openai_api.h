@@ -50,7 +50,11 @@ struct CompletionParams {
   int max_tokens = 0;
   float temperature = 1.0f;
   float top_p = 1.0f;
-  int top_k = 0;  // extension, as vLLM
+  int top_k = 0;                    // extension, as vLLM
+  float min_p = 0.0f;               // extension, as vLLM
+  float repetition_penalty = 1.0f;  // extension, as vLLM
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   int n = 1;

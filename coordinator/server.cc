@@ -469,6 +469,10 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   g.sampling.temperature = p.temperature;
   g.sampling.top_p = p.top_p;
   g.sampling.top_k = p.top_k;
+  g.sampling.min_p = p.min_p;
+  g.sampling.repetition_penalty = p.repetition_penalty;
+  g.sampling.presence_penalty = p.presence_penalty;
+  g.sampling.frequency_penalty = p.frequency_penalty;
   g.sampling.has_seed = p.seed.has_value();
   g.sampling.seed = p.seed.value_or(0);
   g.sampling.max_new_tokens = p.max_tokens;

@@ -109,6 +109,10 @@ engine::SamplingParams FromProto(const proto::SamplingParams& s) {
   p.seed = s.seed();
   p.max_tokens = static_cast<int>(s.max_tokens());
   p.ignore_eos = s.ignore_eos();
+  p.min_p = s.min_p();
+  p.repetition_penalty = s.repetition_penalty() > 0 ? s.repetition_penalty() : 1.0f;
+  p.presence_penalty = s.presence_penalty();
+  p.frequency_penalty = s.frequency_penalty();
   return p;
 }
 

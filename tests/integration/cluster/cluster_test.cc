@@ -63,11 +63,14 @@ struct Reference {
   int next_id = 0;
 
   // Greedy tokens of `prompt`, the request alone in the engine.
-  std::vector<int32_t> Greedy(const std::vector<int32_t>& prompt, int max_tokens) {
+  std::vector<int32_t> Greedy(const std::vector<int32_t>& prompt, int max_tokens,
+                              float presence_penalty = 0, float frequency_penalty = 0) {
     engine::RequestSpec spec;
     spec.id = "ref-" + std::to_string(next_id++);
     spec.prompt = prompt;
     spec.sampling.temperature = 0;
+    spec.sampling.presence_penalty = presence_penalty;
+    spec.sampling.frequency_penalty = frequency_penalty;
     spec.sampling.max_tokens = max_tokens;
     spec.sampling.ignore_eos = true;
     EXPECT_TRUE(engine->Submit(spec).ok());
@@ -180,9 +183,11 @@ struct CompletionOutcome {
 };
 
 // Non-streaming /v1/completions.
-CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, int max_tokens) {
+CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, int max_tokens,
+                           const json& extra = json::object()) {
   CompletionOutcome out;
   json body = CompletionBody(prompt, max_tokens, false);
+  body.update(extra);
   auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
   if (!r.ok()) {
     out.error = r.status().ToString();
@@ -406,6 +411,22 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 }
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
+
+// presence_penalty / frequency_penalty travel from the API through the
+// coordinator and the prefill and decode workers to the sampler: the cluster's
+// greedy output equals the engine's with the same penalties, and differs from
+// the unpenalized one on a prompt that makes the model repeat itself.
+TEST_F(DisaggregatedTest, PenaltiesReachTheSampler) {
+  const std::vector<int32_t> prompt = ref_->Encode("one one one one one one one one");
+  constexpr int kTokens = 16;
+  const std::vector<int32_t> plain = ref_->Greedy(prompt, kTokens);
+  const std::vector<int32_t> penalized = ref_->Greedy(prompt, kTokens, 1.5f, 1.5f);
+  ASSERT_NE(plain, penalized) << "the penalties change nothing on this prompt; pick another";
+  CompletionOutcome got =
+      Complete(port_, prompt, kTokens, {{"presence_penalty", 1.5}, {"frequency_penalty", 1.5}});
+  ASSERT_EQ(got.http_status, 200) << got.error;
+  EXPECT_EQ(got.text, ref_->Text(penalized));
+}
 
 // A decode group of TP = 2 (two processes, each holding and receiving only its
 // KV heads, exact mode): the same tokens as one process.

@@ -37,6 +37,26 @@ TEST(OpenAiApiTest, ParsesFullChatRequest) {
   EXPECT_TRUE(p.include_usage);
 }
 
+TEST(OpenAiApiTest, PenaltiesAndVllmSamplingExtensions) {
+  CompletionParams p;
+  auto err = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "presence_penalty":0.5,"frequency_penalty":-1.25,"repetition_penalty":1.1,"min_p":0.05})",
+                       &p);
+  ASSERT_FALSE(err.has_value()) << err->message;
+  EXPECT_FLOAT_EQ(p.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(p.frequency_penalty, -1.25f);
+  EXPECT_FLOAT_EQ(p.repetition_penalty, 1.1f);
+  EXPECT_FLOAT_EQ(p.min_p, 0.05f);
+  CompletionParams q;
+  auto bad = ParseChat(
+      R"({"model":"m","messages":[{"role":"user","content":"x"}],"frequency_penalty":3})", &q);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->param, "frequency_penalty");
+  bad = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"min_p":2})", &q);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->param, "min_p");
+}
+
 TEST(OpenAiApiTest, DefaultsAndNulls) {
   CompletionParams p;
   ApiLimits limits;
