@@ -92,10 +92,24 @@ Result<std::string> ProcessGroup::WaitAny(Deadline deadline) {
 }
 
 void ProcessGroup::Stop(std::chrono::milliseconds grace) {
-  for (auto& c : children_) {
-    if (!c.reaped) kill(c.pid, SIGTERM);
-  }
   Deadline deadline = Deadline::After(grace);
+  // Newest first (workers before the coordinator they report to), each given
+  // a moment to exit, so a worker sees its own SIGTERM rather than its
+  // coordinator vanishing.
+  for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
+    if (it->reaped) continue;
+    kill(it->pid, SIGTERM);
+    const Deadline one = Deadline::After(
+        std::min<std::chrono::nanoseconds>(std::chrono::seconds(2), deadline.Remaining()));
+    while (!one.Expired()) {
+      int status = 0;
+      if (waitpid(it->pid, &status, WNOHANG) == it->pid) {
+        it->reaped = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
   bool all_done = false;
   while (!all_done) {
     all_done = true;

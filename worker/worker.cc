@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "engine/runtime/model.h"
 #include "engine/runtime/tensor_parallel.h"
+#include "engine/tokenizer/tokenizer.h"
 #include "kv_store/host_ram_tier.h"
 #include "kv_store/rocksdb_tier.h"
 #include "kv_store/tiered_cache.h"
@@ -896,7 +897,11 @@ void Worker::Impl::HandleEvents(const std::vector<engine::TokenEvent>& events) {
       if (!ev.finished) generated_[id] = 1;
       continue;
     }
-    if (ev.token >= 0) {
+    // An end-of-generation token ends the request; it is not text to stream.
+    const bool eog = ev.finish_reason == engine::FinishReason::kStop && ev.token >= 0 &&
+                     model_->tokenizer() != nullptr &&
+                     model_->tokenizer()->IsEndOfGeneration(ev.token);
+    if (ev.token >= 0 && !eog) {
       auto* entry = chunk_.add_entries();
       entry->set_request_id(id);
       entry->add_token_ids(ev.token);

@@ -412,6 +412,23 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
 
+// A chat answer that ends by itself: finish_reason "stop", and the model's
+// end-of-generation token (<|im_end|>) is not part of the text.
+TEST_F(DisaggregatedTest, EndOfGenerationTokenIsNotText) {
+  json body = {{"model", fs::path(ModelPath()).stem().string()},
+               {"messages", {{{"role", "user"}, {"content", "Say hello."}}}},
+               {"max_tokens", 96},
+               {"temperature", 0}};
+  auto r = coordinator::HttpCall(Post(port_, "/v1/chat/completions", body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  const std::string text = j["choices"][0]["message"]["content"];
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << text;
+  EXPECT_FALSE(text.empty());
+  EXPECT_EQ(text.find("<|im_end|>"), std::string::npos) << text;
+}
+
 // presence_penalty / frequency_penalty travel from the API through the
 // coordinator and the prefill and decode workers to the sampler: the cluster's
 // greedy output equals the engine's with the same penalties, and differs from
