@@ -53,16 +53,20 @@ void RopeRotate(float* x, int half, bool neox, const float* cos, const float* si
 
 // One causal attention row over a paged f32 K/V cache, as llama.cpp computes
 // it without flash attention (KQ product, soft_max_ext, V * softmax):
-//   s_j = dot(q, k_j) * scale for j in [j0, j1); p = softmax(s) with exp as
-//   ExpGgml over groups of 8 positions aligned at j = 0 and the sum in double;
-//   out = sum_j p_j v_j accumulated in 8 lanes by position (j mod 8) with FMA
-//   (ggml's llamafile sgemm), reduced like ggml's horizontal sum.
+//   s_j = dot(q, k_j) * scale for j in [j0, j1), the dot as ggml_vec_dot_f32
+//   (4 x 8 FMA lanes, fixed reduction); p = softmax(s) with exp as ExpGgml
+//   over groups of 8 positions aligned at j = 0 and the sum in double;
+//   out = sum_j p_j v_j.
+// llama.cpp sums V * p in one of two orders depending on its batch size:
+// with 2+ tokens in the batch (llamafile sgemm) position j goes to lane j mod 8
+// of one 8-lane FMA accumulator per output; with a single token (sgemm needs
+// 2+ columns) ggml_vec_dot_f32 puts it in lane j mod 32 of 4 x 8 accumulators.
+// `single_token` selects the second. The engine passes false for every row so
+// its results never depend on batching (docs/ENGINE_NUMERICS.md); true exists
+// to reproduce llama.cpp's one-token decode steps.
 // Position j's K row is k_blocks[j / block_tokens] + (j % block_tokens) * hd,
-// likewise V. The KQ dot is ggml_vec_dot_f32 (4 x 8 FMA lanes). `single_token`
-// says the row belongs to a batch of one token of its sequence (decode)
-// (ggml's sgemm serves only batches of 2+ tokens, so a single token's V * p
-// runs through vec_dot_f32: 4 accumulators x 8 lanes, position j mod 32).
-// scores must hold j1 floats and acc 32 * hd floats (scratch); out holds hd.
+// likewise V. Scratch: scores holds j1 floats, acc 8 * hd floats (32 * hd
+// with single_token); out holds hd floats.
 void AttendRowGgml(const float* q, const float* const* k_blocks, const float* const* v_blocks,
                    int block_tokens, int hd, int64_t j0, int64_t j1, float scale, bool single_token,
                    float* scores, float* acc, float* out, KernelPath path = KernelPath::kAuto);

@@ -14,7 +14,10 @@ tests/data/llamacpp_reference.json with:
                 logits at the fixed "probe_ids", and the top-1/top-2 margin.
   greedy        64 greedily generated ids per prompt (argmax of the logits, ties to
                 the lowest id; no repeat penalty; no BOS beyond what the prompt has)
-                and the smallest top-1/top-2 margin seen while generating.
+                and the smallest top-1/top-2 margin seen while generating, both
+                with prompt-pass arithmetic at every step ("generated") and with
+                llama.cpp's one-token decode steps ("generated_one_token_steps");
+                see greedy().
 
 Usage (see setup_venv.sh):
   .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
@@ -192,6 +195,36 @@ def record_tokenization(llm, out):
                    "template": template, "renderings": chat}
 
 
+def greedy(llm, ids, last, two_token_steps):
+    """N_GREEDY argmax tokens after `ids` (whose last logits row is `last`).
+
+    llama.cpp's CPU backend computes attention differently for a batch of one
+    token (its sgemm path needs 2+ columns, so V * softmax falls back to
+    vec_dot_f32 with another summation order) than for longer batches. With
+    two_token_steps every step evaluates the previous token again together
+    with the new one (the cache is cut back by one first), so every position
+    is computed by the same arithmetic as the prompt pass: these are the
+    logits of one full causal pass over the sequence. Without it, each new
+    token is evaluated alone, as ordinary llama.cpp decoding does.
+    """
+    llm.reset()
+    llm.eval(ids)
+    gen, min_margin = [], float("inf")
+    prev = ids[-1]
+    for _ in range(N_GREEDY):
+        nxt = int(np.argmax(last))
+        min_margin = min(min_margin, top2_margin(last))
+        gen.append(nxt)
+        if two_token_steps:
+            llm.n_tokens -= 1
+            llm.eval([prev, nxt])
+        else:
+            llm.eval([nxt])
+        last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        prev = nxt
+    return gen, min_margin
+
+
 def write(out, path):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False, separators=(",", ":"))
@@ -235,7 +268,11 @@ def main():
             "backend": "CPU",
             "tokenize": "llama_tokenize(text, add_special, parse_special)",
             "greedy": "argmax over raw logits (ties -> lowest id), repeat_penalty 1.0, "
-                      "no BOS added (the prompt ids are evaluated as recorded)",
+                      "no BOS added (the prompt ids are evaluated as recorded); "
+                      "'generated': each step evaluates the previous and the new token "
+                      "as one 2-token batch (prompt-pass arithmetic at every position); "
+                      "'generated_one_token_steps': each new token alone (llama.cpp's "
+                      "ordinary decoding, whose attention sums in another order)",
             "logits_rounding": "4 decimals",
         },
     }
@@ -268,18 +305,16 @@ def main():
         entry["top2_margin"] = margins
         logits_out.append(entry)
 
-        gen, min_margin = [], float("inf")
-        last = scores[-1]
-        for _ in range(N_GREEDY):
-            nxt = int(np.argmax(last))
-            min_margin = min(min_margin, top2_margin(last))
-            gen.append(nxt)
-            llm.eval([nxt])
-            last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        gen, min_margin = greedy(llm, ids, scores[-1], two_token_steps=True)
+        gen1, min_margin1 = greedy(llm, ids, scores[-1], two_token_steps=False)
         greedy_out.append({"kind": p["kind"], "text": p["text"], "prompt_ids": ids,
-                           "generated": gen, "min_top2_margin": r4(min_margin)})
+                           "generated": gen, "min_top2_margin": r4(min_margin),
+                           "generated_one_token_steps": gen1,
+                           "min_top2_margin_one_token_steps": r4(min_margin1)})
         print(f"prompt {len(greedy_out)}/{len(prompts)}: {len(ids)} tokens, "
-              f"min margin {min_margin:.3f}", file=sys.stderr)
+              f"min margin {min_margin:.3f}, one-token steps agree on "
+              f"{sum(1 for _ in __import__('itertools').takewhile(lambda t: t[0] == t[1], zip(gen, gen1)))}"
+              f"/{N_GREEDY}", file=sys.stderr)
 
     out["logits"] = logits_out
     out["greedy"] = greedy_out
