@@ -30,57 +30,26 @@ void AddBias(float* y, const std::vector<float>& b, int64_t n_tokens) {
   }
 }
 
-// Rotates `n_heads` heads of one token in place.
-void ApplyRope(float* x, int n_heads, int head_dim, int rope_dim, RopeLayout layout,
-               const std::vector<double>& inv_freq, int64_t pos) {
-  const int half = rope_dim / 2;
-  // Angles in double: exact enough at any position, then rounded once.
+// Rotates `n_heads` heads of one token in place with llama.cpp's arithmetic
+// (engine/kernels/ops.h: float angles, FMA as ggml's rope).
+void ApplyRope(float* x, int n_heads, int head_dim, int rope_dim, RopeLayout layout, float base,
+               int64_t pos) {
   float cosv[512], sinv[512];  // rope_dim <= head_dim <= 1024 is checked at load
-  for (int i = 0; i < half; ++i) {
-    const double theta = static_cast<double>(pos) * inv_freq[i];
-    cosv[i] = static_cast<float>(std::cos(theta));
-    sinv[i] = static_cast<float>(std::sin(theta));
-  }
+  RopeAnglesGgml(pos, base, rope_dim, cosv, sinv);
   for (int h = 0; h < n_heads; ++h) {
-    float* v = x + static_cast<int64_t>(h) * head_dim;
-    for (int i = 0; i < half; ++i) {
-      const int a = layout == RopeLayout::kNormal ? 2 * i : i;
-      const int b = layout == RopeLayout::kNormal ? 2 * i + 1 : i + half;
-      const float x0 = v[a], x1 = v[b];
-      v[a] = x0 * cosv[i] - x1 * sinv[i];
-      v[b] = x0 * sinv[i] + x1 * cosv[i];
-    }
+    RopeRotate(x + static_cast<int64_t>(h) * head_dim, rope_dim / 2, layout != RopeLayout::kNormal,
+               cosv, sinv);
   }
-}
-
-inline float Dot(const float* a, const float* b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
-  }
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 }  // namespace
 
 void RmsNorm(const float* x, const float* w, int n, float eps, float* y) {
-  double ss = 0;
-  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float scale = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
-  for (int i = 0; i < n; ++i) y[i] = x[i] * scale * w[i];
+  RmsNormFast(x, w, n, eps, y);  // llama.cpp's arithmetic (engine/kernels/ops.h)
 }
 
 ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* threads)
     : model_(model), pool_(pool), threads_(threads) {
-  const ModelConfig& c = model_.config();
-  const int half = c.rope_dim / 2;
-  inv_freq_.resize(half);
-  for (int i = 0; i < half; ++i) {
-    inv_freq_[i] = std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.rope_dim);
-  }
   // Column ranges of every rank's head outputs and FFN activations.
   const TensorParallelShard& shard = model_.shard();
   const ModelConfig& full = model_.full_config();
@@ -190,10 +159,10 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     AddBias(v_.data(), w.bv, T);
     ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
       for (int64_t t = a; t < b; ++t) {
-        ApplyRope(q_.data() + t * qd, c.n_heads, c.head_dim, c.rope_dim, c.rope_layout, inv_freq_,
+        ApplyRope(q_.data() + t * qd, c.n_heads, c.head_dim, c.rope_dim, c.rope_layout, c.rope_base,
                   tok_pos_[t]);
         ApplyRope(k_.data() + t * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_layout,
-                  inv_freq_, tok_pos_[t]);
+                  c.rope_base, tok_pos_[t]);
       }
     });
     // K/V of the new tokens into the pool (owner thread only: the pool is
@@ -227,10 +196,10 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
       float* ys[] = {gate_.data(), up_.data()};
       MatMulShared(ws, xn_.data(), T, ys, threads_);
     }
-    ParallelFor(threads_, T * c.ffn_dim, [&](int64_t a, int64_t b, int) {
-      for (int64_t i = a; i < b; ++i) {
-        const float g = gate_[i];
-        gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+      for (int64_t t = a; t < b; ++t) {
+        float* g = gate_.data() + t * c.ffn_dim;
+        SiluMul(g, up_.data() + t * c.ffn_dim, c.ffn_dim, g);  // exp as llama.cpp's
       }
     });
     if (exact_tp) {
@@ -354,7 +323,7 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
   const int window = c.sliding_window;
   ParallelFor(threads_, static_cast<int64_t>(items.size()), [&](int64_t a, int64_t b, int) {
     std::vector<float> scores(max_len);
-    std::vector<float> acc(hd);
+    std::vector<float> acc(8 * hd);
     for (int64_t it = a; it < b; ++it) {
       const Item& item = items[it];
       const ForwardSeq& q = seqs[item.s];
@@ -368,23 +337,12 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
         const int64_t pos = q.cache_len + i;
         const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const float* qv = q_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
-        float mx = -INFINITY;
-        for (int64_t j = j0; j <= pos; ++j) {
-          const float sc = Dot(qv, kp[j / B] + (j % B) * hd, hd) * scale;
-          scores[j] = sc;
-          mx = std::max(mx, sc);
-        }
-        float sum = 0;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = j0; j <= pos; ++j) {
-          const float p = std::exp(scores[j] - mx);
-          sum += p;
-          const float* vj = vp[j / B] + (j % B) * hd;
-          for (int e = 0; e < hd; ++e) acc[e] += p * vj[e];
-        }
         float* o = attn_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
-        const float inv = 1.0f / sum;
-        for (int e = 0; e < hd; ++e) o[e] = acc[e] * inv;
+        // llama.cpp's attention arithmetic for batches of 2+ tokens, used for
+        // every row so results never depend on how tokens are batched
+        // (docs/ENGINE_NUMERICS.md).
+        AttendRowGgml(qv, kp, vp, B, hd, j0, pos + 1, scale, /*single_token=*/false, scores.data(),
+                      acc.data(), o);
       }
     }
   });

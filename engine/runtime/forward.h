@@ -69,7 +69,6 @@ class ForwardPass {
   TpCollective* collective_ = nullptr;
   std::vector<UnitRange> q_cols_, ffn_cols_;  // per rank, kExact mode
   std::vector<float> gathered_, attn_full_, ffn_full_;
-  std::vector<double> inv_freq_;  // rope_dim / 2 frequencies
   // Scratch, sized per step.
   std::vector<float> x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_;
   std::vector<float> kv_scratch_;          // decoded K then V per (seq, kv head), non-f32 pools

@@ -1,27 +1,51 @@
 // The engine against llama.cpp on the real SmolLM2-135M Q4_1 model, using the
 // logits and greedy continuations recorded in tests/data/llamacpp_reference.json
-// (llama-cpp-python 0.3.36, CPU, f32 KV cache, no flash attention, all logits,
-// rounded to 4 decimals).
+// (llama-cpp-python 0.3.36, CPU AVX2 build, f32 KV cache, no flash attention,
+// all logits, rounded to 4 decimals; tools/reference/record_llamacpp.py).
 //
-// INTERIM bounds. engine/kernels now quantizes activations exactly as
-// llama.cpp (Q8_1/Q8_0 with fp16 scale and sum) and provides llama.cpp's
-// arithmetic for RMSNorm, SiLU, RoPE and attention, but the forward pass does
-// not call those yet (the patch is /work/notes/accuracy_patch.diff, see
-// docs/ENGINE_NUMERICS.md). With it the engine is bit-identical to llama.cpp
-// (388/388, worst error 0.0000, greedy 12/12) and this test becomes the strict
-// one in that patch (bound 1e-4). Without it, one-ulp differences in those ops
-// flip int8 activation roundings and move logits by up to ~2 on this model:
-// measured 384/388 top-1 (98.97%), worst |logit error| 1.29 (spread 1.85), and
-// every top-1 disagreement is at a position where llama.cpp's top-2 margin is
-// <= 0.30. kMaxLogitError = 2.0 and kFlipMargin = 0.5 keep the old, measured
-// bounds until the patch lands.
+// Error bound (derived, then measured). The forward pass runs on
+// engine/kernels' llama.cpp arithmetic (docs/ENGINE_NUMERICS.md): activations
+// quantized to Q8_1/Q8_0 as ggml does (multiplier 127/amax, fp16 scale and
+// block sum), integer block dots accumulated in ggml's lanes, RMSNorm, SiLU,
+// RoPE, softmax and both attention products with ggml's operations in ggml's
+// order. So every float the engine computes is the one llama.cpp computes, and
+// the error of the weight format (Q4_1 weights: |w - w^| <= d/2 per element;
+// Q8_1 activations: |x - x^| <= 0.562 amax/127 per element) is the SAME error
+// in both, which cancels. What is left is the recording: each logit is stored
+// rounded to 4 decimals, |x - round4(x)| <= 5e-5, so
+//   kMaxLogitError = 1e-4   (2x the recording's rounding).
+// Top-1 can only differ where llama.cpp's top-2 margin is below the error of
+// a difference, 2 * kMaxLogitError = kFlipMargin.
+// Measured (AVX2): top-1 388/388, worst |logit error| 5e-5 (the recording's
+// rounding, i.e. bit-identical).
+//
+// Greedy. llama.cpp itself computes a one-token batch with another summation
+// order in attention than a longer batch (its sgemm needs 2+ columns), so its
+// ordinary decode steps are not its own prompt-pass results; on this model
+// that alone changes 6 of the 12 greedy continuations (the reference keeps
+// both). The engine uses the prompt-pass arithmetic for every row, so that
+// prefill chunking, prefix restores and decode give identical results, and it
+// is compared with "generated": llama.cpp greedy where every step evaluates
+// the new token in a 2-token batch. Asserted identical for every prompt whose
+// minimum top-2 margin exceeds kFlipMargin (11 of 12; one has a margin of
+// 1e-4). Measured: 12/12 identical (64 tokens each).
+//
+// Why not a loose bound with "close" arithmetic: on this model one ulp of
+// difference in a single op (an exp, the order of one sum) flips the rounding
+// of some int8 activation and the logits move by 0.5 to 2 (measured in
+// docs/ENGINE_NUMERICS.md); with such kernels the old test needed a bound of
+// 2.0 and reached 380/388 top-1. The bit-exact claim is for the AVX2 path (the
+// reference is llama.cpp's AVX2 build); the scalar matmul fallback sums in a
+// different order, so on a CPU without AVX2 this test is skipped.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "common/thread_pool.h"
+#include "engine/kernels/matmul.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "tests/unit/runtime/forward_test_util.h"
@@ -29,8 +53,8 @@
 namespace kvrelay::engine {
 namespace {
 
-constexpr double kMaxLogitError = 2.0;
-constexpr double kFlipMargin = 0.5;
+constexpr double kMaxLogitError = 1e-4;
+constexpr double kFlipMargin = 2 * kMaxLogitError;
 
 std::string SourceDir() {
   const char* s = std::getenv("KVRELAY_SOURCE_DIR");
@@ -56,7 +80,18 @@ Fixture& Get() {
   return f;
 }
 
+bool SkipWithoutAvx2() { return ResolvedKernelPath() != KernelPath::kAvx2; }
+
+TEST(LlamaCppConformance, ReferenceSettings) {
+  Fixture& f = Get();
+  // The bound above assumes the f32-cache, non-flash-attention recording.
+  EXPECT_EQ(f.ref["settings"]["kv_cache_type"], "f32");
+  EXPECT_EQ(f.ref["settings"]["flash_attn"], false);
+  EXPECT_EQ(f.ref["llama_cpp_python_version"], "0.3.36");
+}
+
 TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
+  if (SkipWithoutAvx2()) GTEST_SKIP() << "bit-exact comparison needs the AVX2 kernel path";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   const int vocab = f.model->config().vocab;
@@ -64,9 +99,10 @@ TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
   ThreadPool threads(ThreadPool::DefaultThreads());
   std::vector<int32_t> probe_ids = f.ref["probe_ids"].get<std::vector<int32_t>>();
   int64_t positions = 0, top1_agree = 0;
-  double worst = 0, worst_spread = 0;
+  double worst = 0;
   for (const auto& p : f.ref["logits"]) {
     std::vector<int32_t> ids = p["ids"].get<std::vector<int32_t>>();
+    // The whole prompt in one batch, as llama.cpp evaluated it.
     auto logits = testutil::ChunkedLogits(*f.model, pool.get(), &threads, ids,
                                           static_cast<int64_t>(ids.size()), 1);
     ASSERT_TRUE(logits.ok()) << logits.status().ToString();
@@ -84,46 +120,40 @@ TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
         std::printf("  top-1 differs at position %zu: llama.cpp top-2 margin %.4f\n", pos, margin);
         EXPECT_LE(margin, kFlipMargin) << "top-1 differs at a clear position " << pos;
       }
-      double dmin = 1e9, dmax = -1e9;
-      for (const auto& pair : rec["top"]) {
-        const double dd = row[pair[0].get<int32_t>()] - pair[1].get<double>();
-        dmin = std::min(dmin, dd);
-        dmax = std::max(dmax, dd);
-        const double err = std::abs(dd);
+      auto check = [&](int32_t id, double want) {
+        const double err = std::abs(row[id] - want);
         if (err > prompt_worst) worst_pos = pos;
         prompt_worst = std::max(prompt_worst, err);
-      }
+      };
+      for (const auto& pair : rec["top"]) check(pair[0].get<int32_t>(), pair[1].get<double>());
       for (size_t i = 0; i < probe_ids.size(); ++i) {
-        const double dd = row[probe_ids[i]] - rec["probe"][i].get<double>();
-        dmin = std::min(dmin, dd);
-        dmax = std::max(dmax, dd);
-        const double err = std::abs(dd);
-        if (err > prompt_worst) worst_pos = pos;
-        prompt_worst = std::max(prompt_worst, err);
+        check(probe_ids[i], rec["probe"][i].get<double>());
       }
-      worst_spread = std::max(worst_spread, dmax - dmin);
     }
-    std::printf("prompt (%zu tokens): max |logit error| %.4f at position %zu\n", ids.size(),
+    std::printf("prompt (%zu tokens): max |logit error| %.6f at position %zu\n", ids.size(),
                 prompt_worst, worst_pos);
     worst = std::max(worst, prompt_worst);
   }
-  std::printf("worst spread of logit errors at one position %.4f\n", worst_spread);
-  std::printf("top-1 agreement %lld/%lld, worst |logit error| %.4f (bound %.2f)\n",
+  std::printf("top-1 agreement %lld/%lld, worst |logit error| %.6f (bound %.0e)\n",
               static_cast<long long>(top1_agree), static_cast<long long>(positions), worst,
               kMaxLogitError);
-  EXPECT_GE(static_cast<double>(top1_agree), 0.97 * positions);
+  EXPECT_GE(static_cast<double>(top1_agree), 0.99 * positions);  // the target
   EXPECT_LE(worst, kMaxLogitError);
 }
 
 TEST(LlamaCppConformance, GreedyContinuations) {
+  if (SkipWithoutAvx2()) GTEST_SKIP() << "bit-exact comparison needs the AVX2 kernel path";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   EngineOptions o;
   o.threads = ThreadPool::DefaultThreads();
   o.kv_capacity_bytes = 256ll << 20;
+  o.kv_dtype = KvDtype::kF32;  // the reference's cache type
   auto engine = Engine::Create(o, f.model);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  int i = 0, checked = 0;
+  // All prompts at once: prefill in one batch each, then batched decode of one
+  // token per sequence (the engine's arithmetic does not depend on batching).
+  int i = 0;
   for (const auto& g : f.ref["greedy"]) {
     RequestSpec spec;
     spec.id = "g" + std::to_string(i++);
@@ -140,20 +170,31 @@ TEST(LlamaCppConformance, GreedyContinuations) {
     for (auto& e : *ev) got[e.id].push_back(e.token);
   }
   i = 0;
+  int checked = 0, eligible = 0;
   for (const auto& g : f.ref["greedy"]) {
     const std::string id = "g" + std::to_string(i++);
     std::vector<int32_t> want = g["generated"].get<std::vector<int32_t>>();
     const double margin = g["min_top2_margin"].get<double>();
     size_t same = 0;
     while (same < want.size() && same < got[id].size() && got[id][same] == want[same]) ++same;
-    std::printf("%s: min_top2_margin %.4f, first %zu/%zu tokens identical\n", id.c_str(), margin,
-                same, want.size());
+    const auto one = g["generated_one_token_steps"].get<std::vector<int32_t>>();
+    size_t same_one = 0;
+    while (same_one < one.size() && same_one < got[id].size() &&
+           got[id][same_one] == one[same_one]) {
+      ++same_one;
+    }
+    std::printf(
+        "%s: min_top2_margin %.4f, first %zu/%zu tokens identical (llama.cpp one-token steps: "
+        "%zu)\n",
+        id.c_str(), margin, same, want.size(), same_one);
     if (margin > kFlipMargin) {
+      ++eligible;
       EXPECT_EQ(got[id], want) << id;
-      ++checked;
+      if (got[id] == want) ++checked;
     }
   }
-  std::printf("greedy prompts asserted identical: %d\n", checked);
+  std::printf("greedy prompts asserted identical: %d of %d eligible\n", checked, eligible);
+  EXPECT_GT(eligible, 0);
 }
 
 }  // namespace
