@@ -453,56 +453,6 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   ExpectGreedyMatchesEngine(cluster->http_port());
 }
 
-// Killing one rank of a TP decode group mid-stream: the group's requests end
-// with an error within 10 s, the other group's complete, and the cluster
-// keeps serving with the group it has left.
-TEST_F(ClusterTest, TensorParallelRankKilledMidStream) {
-  auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
-  ASSERT_NE(cluster, nullptr);
-  const uint16_t port = cluster->http_port();
-  constexpr int kRequests = 4;
-  constexpr int kTokens = 300;
-  std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < kRequests; ++i) {
-    prompts.push_back(ref_->Encode("Tale " + std::to_string(i) + ": long ago, beyond the hills"));
-  }
-  std::vector<StreamOutcome> results(kRequests);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kRequests; ++i) {
-    threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
-  }
-  bool both = WaitFor(
-      [&] {
-        auto running = WorkerGauge(port, "kvrelay_worker_running");
-        return running["decode-0"] >= 1 && running["decode-1"] >= 1;
-      },
-      milliseconds(60'000));
-  const pid_t victim = cluster->processes().Pid("decode-0-tp1");  // a follower rank
-  ASSERT_GT(victim, 0);
-  const auto killed_at = Clock::now();
-  if (both) kill(victim, SIGKILL);
-  for (auto& t : threads) t.join();
-  ASSERT_TRUE(both) << "the router did not spread 4 requests over both decode groups";
-  int errored = 0, completed = 0;
-  for (int i = 0; i < kRequests; ++i) {
-    const StreamOutcome& r = results[i];
-    if (!r.error.empty()) {
-      ++errored;
-      double after_kill = std::chrono::duration<double>(r.ended - killed_at).count();
-      EXPECT_LT(after_kill, 10.0) << "request " << i << " ended " << after_kill
-                                  << " s after the kill: " << r.error;
-    } else {
-      ++completed;
-      EXPECT_TRUE(r.done) << "request " << i;
-    }
-  }
-  EXPECT_GE(errored, 1);
-  EXPECT_GE(completed, 1);
-  CompletionOutcome after = Complete(port, prompts[0], 8);
-  EXPECT_EQ(after.http_status, 200) << after.error;
-  EXPECT_EQ(after.completion_tokens, 8);
-}
-
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   const std::string gauge = "kvrelay_worker_kv_utilization";
   auto all_idle = [&] {
@@ -660,37 +610,38 @@ TEST_F(DisaggregatedTest, ConcurrentStreamsEqualSoloOutputs) {
   }
 }
 
-// Killing a decode worker mid-stream: its requests end with an error within
-// 10 s; requests on the other decode worker complete; new requests are served.
-TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
-  auto cluster = StartCluster(1, 2, 0);
-  ASSERT_NE(cluster, nullptr);
-  const uint16_t port = cluster->http_port();
+// Four long streams spread over two decode groups; SIGKILL of `victim` (a
+// process of decode group 0) mid-stream: the requests on that group end with
+// an error within 10 s, the other group's complete, and new requests are
+// still served.
+void ExpectKillFailsOnlyItsGroup(Reference* ref, deploy::LocalLauncher& cluster,
+                                 const std::string& victim_name) {
+  const uint16_t port = cluster.http_port();
   constexpr int kRequests = 4;
   constexpr int kTokens = 300;
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < kRequests; ++i) {
     prompts.push_back(
-        ref_->Encode("Story number " + std::to_string(i) + ": once upon a time in a faraway land"));
+        ref->Encode("Story number " + std::to_string(i) + ": once upon a time in a faraway land"));
   }
   std::vector<StreamOutcome> results(kRequests);
   std::vector<std::thread> threads;
   for (int i = 0; i < kRequests; ++i) {
     threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
   }
-  // Both decode workers are decoding something.
+  // Both decode groups are decoding something.
   bool both = WaitFor(
       [&] {
         auto running = WorkerGauge(port, "kvrelay_worker_running");
         return running["decode-0"] >= 1 && running["decode-1"] >= 1;
       },
       milliseconds(60'000));
-  const pid_t victim = cluster->processes().Pid("decode-0");
+  const pid_t victim = cluster.processes().Pid(victim_name);
   ASSERT_GT(victim, 0);
   const auto killed_at = Clock::now();
   if (both) kill(victim, SIGKILL);
   for (auto& t : threads) t.join();
-  ASSERT_TRUE(both) << "the router did not spread 4 requests over both decode workers";
+  ASSERT_TRUE(both) << "the router did not spread 4 requests over both decode groups";
   int errored = 0, completed = 0;
   for (int i = 0; i < kRequests; ++i) {
     const StreamOutcome& r = results[i];
@@ -707,10 +658,24 @@ TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
   }
   EXPECT_GE(errored, 1);
   EXPECT_GE(completed, 1);
-  // The surviving decode worker takes new requests.
+  // The surviving group takes new requests.
   CompletionOutcome after = Complete(port, prompts[0], 8);
   EXPECT_EQ(after.http_status, 200) << after.error;
   EXPECT_EQ(after.completion_tokens, 8);
+}
+
+TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
+  auto cluster = StartCluster(1, 2, 0);
+  ASSERT_NE(cluster, nullptr);
+  ExpectKillFailsOnlyItsGroup(ref_, *cluster, "decode-0");
+}
+
+// A TP = 2 group loses a follower rank: the whole group fails its requests
+// (it cannot compute without that rank) and leaves; the other group goes on.
+TEST_F(ClusterTest, TensorParallelRankKilledMidStream) {
+  auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  ExpectKillFailsOnlyItsGroup(ref_, *cluster, "decode-0-tp1");
 }
 
 // A prefill worker that stops answering (SIGSTOP: its connection stays open,
