@@ -155,7 +155,6 @@ void MpiTransport::ProgressLoop() {
   std::list<std::unique_ptr<Active>> active;
   auto sleep = options_.idle_sleep_min;
   TimePoint last_progress = Clock::now();
-  TimePoint last_yield = last_progress;
   std::vector<OpPtr> new_sends;
 
   auto finish = [&](Active& a) {
@@ -263,16 +262,10 @@ void MpiTransport::ProgressLoop() {
       last_progress = Clock::now();
       continue;
     }
-    const TimePoint now = Clock::now();
-    if (!active.empty() || now - last_progress < options_.spin_after_progress) {
+    if (!active.empty() || Clock::now() - last_progress < options_.spin_after_progress) {
       // A message is moving: MPI only advances (e.g. shared-memory fragments)
-      // inside MPI_Test, so keep testing. Yield only now and then: under CFS a
-      // yield with a competing task on this core hands it the rest of a time
-      // slice (milliseconds), which stalls a transfer needing many MPI_Tests.
-      if (now - last_yield >= options_.yield_interval) {
-        std::this_thread::yield();
-        last_yield = Clock::now();
-      }
+      // inside MPI_Test, so keep testing; yield so oversubscribed ranks run.
+      std::this_thread::yield();
       continue;
     }
     std::unique_lock lock(domain_->mu);

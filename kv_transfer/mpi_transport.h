@@ -17,8 +17,8 @@
 //
 // Progress policy: while a message is actually moving (an MPI request of a
 // send or of a matched payload is active) the progress thread keeps calling
-// MPI_Test (yielding at most every yield_interval), because MPI advances
-// large transfers only inside those calls. After any progress it keeps polling the same way for
+// MPI_Test, yielding between calls, because MPI advances large transfers only
+// inside those calls. After any progress it keeps polling the same way for
 // spin_after_progress (the next header of a stream, or the reply to what was
 // just sent, usually follows within microseconds). Otherwise it sleeps on a
 // condition variable with exponential backoff between header polls, woken at
@@ -59,8 +59,6 @@ class MpiTransport final : public TransportBase {
     std::chrono::microseconds idle_sleep_max{1000};
     std::chrono::microseconds posted_sleep_max{200};
     std::chrono::microseconds spin_after_progress{200};
-    // While polling, sched_yield at most this often (see the progress policy).
-    std::chrono::microseconds yield_interval{1000};
     std::chrono::milliseconds cancel_drain_timeout{5000};
   };
   static Result<std::unique_ptr<MpiTransport>> Create(Options options);
