@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/logging.h"
@@ -125,7 +126,11 @@ Status LocalLauncher::Start() {
     RETURN_IF_ERROR(spawn_worker("kvrelay-worker", "worker-" + std::to_string(i)));
   }
 
-  // Ready when /health answers 200; a child that exits meanwhile fails the start.
+  // Ready when /health answers 200 and lists every worker (a decode group
+  // registers once, through its rank 0); a child that exits meanwhile fails
+  // the start.
+  const size_t expected =
+      static_cast<size_t>(options_.prefill + options_.decode + options_.colocated);
   Deadline deadline = Deadline::After(std::chrono::milliseconds(options_.ready_timeout_ms));
   while (!deadline.Expired()) {
     auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
@@ -136,7 +141,10 @@ Status LocalLauncher::Start() {
     spec.target = "/health";
     spec.timeout_ms = 1000;
     auto r = coordinator::HttpCall(spec);
-    if (r.ok() && r->status == 200) {
+    const auto body = r.ok() ? nlohmann::json::parse(r->body, nullptr, false) : nlohmann::json();
+    const bool all_registered = body.is_object() && body.contains("workers") &&
+                                body["workers"].is_array() && body["workers"].size() >= expected;
+    if (r.ok() && r->status == 200 && all_registered) {
       LOG_INFO << "cluster ready on http://" << options_.host << ":" << http_port_;
       return Status::Ok();
     }

@@ -34,7 +34,9 @@ if ! [ "$T" -ge 1 ] 2>/dev/null; then
   exit 2
 fi
 
-args=(--allow-run-as-root --oversubscribe)
+# --bind-to none: a worker runs an engine thread pool and transport threads; the
+# default one-core-per-rank binding would put them all on one core.
+args=(--allow-run-as-root --oversubscribe --bind-to none)
 [ -n "$HOSTFILE" ] && args+=(--hostfile "$HOSTFILE")
 # Workers listen for KV on all interfaces when spread over hosts.
 KVHOST=127.0.0.1
