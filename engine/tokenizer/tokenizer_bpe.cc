@@ -2,6 +2,7 @@
 // merge adjacent pairs by rank. Mirrors llama.cpp's llm_tokenizer_bpe_session.
 #include <queue>
 
+#include "engine/tokenizer/merge_symbols.h"
 #include "engine/tokenizer/pre_tokenizer.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "engine/tokenizer/utf8.h"
@@ -9,12 +10,7 @@
 namespace kvrelay::engine {
 namespace {
 
-struct Symbol {
-  size_t start;  // byte offset into the encoded word
-  size_t len;    // 0 once merged into its left neighbour
-  int prev;
-  int next;
-};
+using merge::Symbol;
 
 struct Bigram {
   int32_t rank;
@@ -60,15 +56,7 @@ void Tokenizer::BpeWord(std::string_view word, std::vector<int32_t>* out) const 
     }
   }
 
-  std::vector<Symbol> symbols;
-  symbols.reserve(word.size());
-  for (size_t pos = 0; pos < enc.size();) {
-    const size_t len =
-        std::min(enc.size() - pos, utf8::SequenceLength(static_cast<unsigned char>(enc[pos])));
-    const int idx = static_cast<int>(symbols.size());
-    symbols.push_back({pos, len, idx - 1, pos + len == enc.size() ? -1 : idx + 1});
-    pos += len;
-  }
+  std::vector<Symbol> symbols = merge::SplitChars(enc);
 
   std::priority_queue<Bigram, std::vector<Bigram>, BigramAfter> queue;
   auto text_of = [&](const Symbol& s) { return std::string_view(enc).substr(s.start, s.len); };
@@ -91,10 +79,7 @@ void Tokenizer::BpeWord(std::string_view word, std::vector<int32_t>* out) const 
         MergeRank(text_of(left), text_of(right)) != b.rank) {
       continue;
     }
-    left.len += right.len;
-    right.len = 0;
-    left.next = right.next;
-    if (left.next >= 0) symbols[left.next].prev = b.left;
+    merge::MergeWithNext(symbols, b.left);
     add_bigram(left.prev, b.left);
     add_bigram(b.left, left.next);
   }

@@ -4,18 +4,14 @@
 // Mirrors llama.cpp's llm_tokenizer_spm_session.
 #include <queue>
 
+#include "engine/tokenizer/merge_symbols.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "engine/tokenizer/utf8.h"
 
 namespace kvrelay::engine {
 namespace {
 
-struct Symbol {
-  size_t start;
-  size_t len;  // 0 once merged into its left neighbour
-  int prev;
-  int next;
-};
+using merge::Symbol;
 
 struct Bigram {
   float score;
@@ -43,14 +39,7 @@ void Tokenizer::EncodeSpm(std::string_view raw, std::vector<int32_t>* out) const
     }
   }
 
-  std::vector<Symbol> symbols;
-  for (size_t pos = 0; pos < text.size();) {
-    const size_t len =
-        std::min(text.size() - pos, utf8::SequenceLength(static_cast<unsigned char>(text[pos])));
-    const int idx = static_cast<int>(symbols.size());
-    symbols.push_back({pos, len, idx - 1, pos + len == text.size() ? -1 : idx + 1});
-    pos += len;
-  }
+  std::vector<Symbol> symbols = merge::SplitChars(text);
   auto text_of = [&](const Symbol& s) { return std::string_view(text).substr(s.start, s.len); };
 
   std::priority_queue<Bigram, std::vector<Bigram>, BigramBefore> queue;
@@ -71,10 +60,7 @@ void Tokenizer::EncodeSpm(std::string_view raw, std::vector<int32_t>* out) const
     if (left.len == 0 || left.next < 0) continue;
     Symbol& right = symbols[left.next];
     if (right.len == 0 || left.len + right.len != b.size) continue;
-    left.len += right.len;
-    right.len = 0;
-    left.next = right.next;
-    if (left.next >= 0) symbols[left.next].prev = b.left;
+    merge::MergeWithNext(symbols, b.left);
     add_bigram(left.prev, b.left);
     add_bigram(b.left, left.next);
   }
