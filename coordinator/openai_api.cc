@@ -438,40 +438,50 @@ nlohmann::json UsageJson(const UsageCounts& u) {
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::string& text, FinishReason finish,
                                       const UsageCounts& usage) {
-  json choice;
-  if (endpoint == Endpoint::kChatCompletions) {
-    choice = json{{"index", 0},
-                  {"message", {{"role", "assistant"}, {"content", text}}},
-                  {"logprobs", nullptr},
-                  {"finish_reason", FinishReasonJson(finish)}};
-  } else {
-    choice = json{{"index", 0},
-                  {"text", text},
-                  {"logprobs", nullptr},
-                  {"finish_reason", FinishReasonJson(finish)}};
+  return CompletionResponseJson(endpoint, ident, std::vector<ChoiceResult>{{text, finish}}, usage);
+}
+
+nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
+                                      const std::vector<ChoiceResult>& choices,
+                                      const UsageCounts& usage) {
+  json array = json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceResult& c = choices[i];
+    if (endpoint == Endpoint::kChatCompletions) {
+      array.push_back(json{{"index", i},
+                           {"message", {{"role", "assistant"}, {"content", c.text}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", FinishReasonJson(c.finish)}});
+    } else {
+      array.push_back(json{{"index", i},
+                           {"text", c.text},
+                           {"logprobs", nullptr},
+                           {"finish_reason", FinishReasonJson(c.finish)}});
+    }
   }
   return json{
       {"id", ident.id},
       {"object", endpoint == Endpoint::kChatCompletions ? "chat.completion" : "text_completion"},
       {"created", ident.created},
       {"model", ident.model},
-      {"choices", json::array({choice})},
+      {"choices", array},
       {"usage", UsageJson(usage)}};
 }
 
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
-                               const std::string& delta, bool first, FinishReason finish) {
+                               const std::string& delta, bool first, FinishReason finish,
+                               int index) {
   json choice;
   if (endpoint == Endpoint::kChatCompletions) {
     json d = json::object();
     if (first) d["role"] = "assistant";
     if (!delta.empty() || (first && finish == FinishReason::kNone)) d["content"] = delta;
-    choice = json{{"index", 0},
+    choice = json{{"index", index},
                   {"delta", d},
                   {"logprobs", nullptr},
                   {"finish_reason", FinishReasonJson(finish)}};
   } else {
-    choice = json{{"index", 0},
+    choice = json{{"index", index},
                   {"text", delta},
                   {"logprobs", nullptr},
                   {"finish_reason", FinishReasonJson(finish)}};

@@ -36,7 +36,7 @@ struct ApiLimits {
   int max_tokens_limit = 4096;   // a larger max_tokens is a 400
   int max_stop_strings = 4;      // as OpenAI
   int max_stop_string_bytes = 256;
-  int max_n = 1;  // n > max_n is a 400 (n > 1 not supported yet)
+  int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
 };
 
 // A validated generation request, before tokenization.
@@ -86,13 +86,23 @@ struct ResponseIdentity {
   std::string model;
 };
 
-// Full non-streaming body.
+// Full non-streaming body with one choice ...
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::string& text, FinishReason finish,
                                       const UsageCounts& usage);
-// One streaming chunk with a text delta; `first` adds role:"assistant" for chat.
+// ... or with n (choice i has "index": i).
+struct ChoiceResult {
+  std::string text;
+  FinishReason finish = FinishReason::kNone;
+};
+nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
+                                      const std::vector<ChoiceResult>& choices,
+                                      const UsageCounts& usage);
+// One streaming chunk with a text delta of choice `index`; `first` adds
+// role:"assistant" for chat.
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
-                               const std::string& delta, bool first, FinishReason finish);
+                               const std::string& delta, bool first, FinishReason finish,
+                               int index = 0);
 // The final usage-only chunk (choices: []), for stream_options.include_usage.
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                               const UsageCounts& usage);

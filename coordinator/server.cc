@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
@@ -135,6 +136,7 @@ struct RequestState {
   std::shared_ptr<Core> core;
   std::shared_ptr<Session> session;  // guarded by core->mutex; reset when the request ends
   uint64_t id = 0;
+  int index = 0;  // which of the request's n choices
   CompletionParams params;
   GenerationRequest generation;
   ResponseIdentity ident;
@@ -236,9 +238,25 @@ class Session : public std::enable_shared_from_this<Session> {
   http::request<http::string_body> req_;
   std::string endpoint_label_ = "other";
 
-  std::shared_ptr<RequestState> active_;  // the generation in progress, if any
-  bool watching_ = false;                 // a disconnect-watch read is pending
-  bool resume_read_ = false;              // start the next request read when the watch returns
+  // The choices (n of them, in index order) of the generation in progress;
+  // empty when none. A choice leaves the list when it ends.
+  std::vector<std::shared_ptr<RequestState>> active_;
+  std::vector<ChoiceResult> results_;  // per choice, for the non-streaming answer
+  UsageCounts total_usage_;            // summed over the finished choices
+  bool stream_started_ = false;        // the SSE header is queued
+  bool IsActive(const std::shared_ptr<RequestState>& r) const {
+    return std::find(active_.begin(), active_.end(), r) != active_.end();
+  }
+  // Drops r from active_ and detaches it from this session.
+  void Forget(const std::shared_ptr<RequestState>& r) {
+    std::erase(active_, r);
+    r->DetachSession();
+  }
+  // Ends every other choice: cancels those in the backend (their final events
+  // are then ignored), unqueues the queued ones.
+  void AbortOthers(const std::shared_ptr<RequestState>& r);
+  bool watching_ = false;     // a disconnect-watch read is pending
+  bool resume_read_ = false;  // start the next request read when the watch returns
   bool client_gone_ = false;
   bool closed_ = false;
 
@@ -483,29 +501,68 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   r->decoder = core_->codec->NewDecoder();
   r->matcher.emplace(p.stop);
   if (endpoint == Endpoint::kCompletions && p.echo) r->text = p.prompt_is_tokens ? "" : p.prompt;
+  // Every request gets a seed here (when the client gave none), so that
+  // sampling differs between requests and between the n choices of one.
+  if (!g.sampling.has_seed) {
+    g.sampling.has_seed = true;
+    g.sampling.seed =
+        (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }
+  std::vector<std::shared_ptr<RequestState>> choices = {r};
+  for (int i = 1; i < p.n; ++i) {
+    auto c = std::make_shared<RequestState>();
+    c->core = core_;
+    c->arrived = r->arrived;
+    c->params = r->params;
+    c->ident = r->ident;
+    c->index = i;
+    c->id = core_->next_id.fetch_add(1);
+    c->generation = r->generation;
+    c->generation.id = c->id;
+    c->generation.sampling.seed = g.sampling.seed + static_cast<uint64_t>(i);
+    c->usage.prompt_tokens = r->usage.prompt_tokens;
+    c->decoder = core_->codec->NewDecoder();
+    c->matcher.emplace(p.stop);
+    c->text = r->text;
+    choices.push_back(std::move(c));
+  }
   {
     std::lock_guard<std::mutex> lock(core_->mutex);
-    r->session = shared_from_this();
+    for (auto& c : choices) c->session = shared_from_this();
   }
-  active_ = r;
+  active_ = choices;
+  results_.assign(choices.size(), ChoiceResult{});
+  total_usage_ = UsageCounts{};
+  total_usage_.prompt_tokens = r->usage.prompt_tokens;
+  stream_started_ = false;
   stream_keep_alive_ = req_.keep_alive();
 
-  std::weak_ptr<RequestState> weak = r;
-  Status st = core_->admission.Enqueue(r->id, [weak] {
-    auto req = weak.lock();
-    if (!req) return;  // cannot happen while queued: the session holds it
-    req->slot_held.store(true);
-    auto s = req->GetSession();
-    if (!s) {
-      req->ReleaseSlot();
-      return;
-    }
-    net::post(s->executor(), [s, req] { s->StartGeneration(req); });
-  });
+  Status st;
+  for (auto& c : choices) {
+    std::weak_ptr<RequestState> weak = c;
+    st = core_->admission.Enqueue(c->id, [weak] {
+      auto req = weak.lock();
+      if (!req) return;  // cannot happen while queued: the session holds it
+      req->slot_held.store(true);
+      auto s = req->GetSession();
+      if (!s) {
+        req->ReleaseSlot();
+        return;
+      }
+      net::post(s->executor(), [s, req] { s->StartGeneration(req); });
+    });
+    if (!st.ok()) break;
+  }
   core_->UpdateAdmissionGauges();
   if (!st.ok()) {
-    active_.reset();
-    r->DetachSession();
+    // Unqueue the choices queued so far; one whose start is already posted
+    // finds itself inactive in StartGeneration and gives its slot back.
+    for (auto& c : choices) {
+      core_->admission.Remove(c->id);
+      c->DetachSession();
+    }
+    active_.clear();
+    core_->UpdateAdmissionGauges();
     ApiError e;
     e.http_status = 429;
     e.type = "rate_limit_exceeded";
@@ -521,12 +578,11 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
 
 void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
   core_->queue_wait->Observe(SecondsSince(r->arrived));
-  if (r != active_ || client_gone_ || closed_) {
+  if (!IsActive(r) || client_gone_ || closed_) {
     r->ReleaseSlot();
-    if (r == active_) {
-      active_.reset();
-      r->DetachSession();
-      Close();
+    if (IsActive(r)) {
+      Forget(r);
+      if (active_.empty()) Close();
     }
     return;
   }
@@ -549,8 +605,8 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
       core_->in_backend.erase(r->id);
       core_->drained.notify_all();
     }
-    active_.reset();
-    r->DetachSession();
+    AbortOthers(r);
+    Forget(r);
     ApiError e;
     bool busy =
         st.code() == StatusCode::kResourceExhausted || st.code() == StatusCode::kUnavailable;
@@ -567,7 +623,8 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
                                                                          .retry_after_seconds)}}
              : std::vector<std::pair<std::string, std::string>>{});
   }
-  if (r->params.stream) {
+  if (r->params.stream && !stream_started_) {
+    stream_started_ = true;
     stream_header_ =
         std::make_shared<http::response<http::empty_body>>(http::status::ok, req_.version());
     stream_header_->set(http::field::content_type, "text/event-stream");
@@ -585,14 +642,14 @@ void Session::Emit(RequestState& r, const std::string& piece) {
     r.text += piece;
     return;
   }
-  QueueOut(
-      {OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece,
-                                                          r.first_chunk, FinishReason::kNone)))});
+  QueueOut({OutItem::kChunk,
+            SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece, r.first_chunk,
+                                              FinishReason::kNone, r.index)))});
   r.first_chunk = false;
 }
 
 void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& ev, TimePoint at) {
-  if (r != active_ || r->done) return;
+  if (!IsActive(r) || r->done) return;
   if (ev.prompt_tokens > 0) r->usage.prompt_tokens = ev.prompt_tokens;
   if (ev.cached_tokens > 0) r->usage.cached_tokens = ev.cached_tokens;
   if (ev.token >= 0 && !r->stopped) {
@@ -635,12 +692,19 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
           "Finished generation requests by endpoint and finish reason.",
           {{"endpoint", EndpointName(r->params.endpoint)}, {"finish_reason", FinishName(finish)}})
       ->Increment();
-  active_.reset();
-  r->DetachSession();
-  if (client_gone_) return Close();
+  Forget(r);
+  total_usage_.completion_tokens += r->usage.completion_tokens;
+  total_usage_.cached_tokens = std::max(total_usage_.cached_tokens, r->usage.cached_tokens);
+  if (r->usage.prompt_tokens > 0) total_usage_.prompt_tokens = r->usage.prompt_tokens;
+  if (client_gone_) {
+    if (active_.empty()) Close();
+    return;
+  }
 
   const CompletionParams& p = r->params;
   if (finish == FinishReason::kError) {
+    // One failed choice fails the response: the others are cancelled.
+    AbortOthers(r);
     // The backend validates what the coordinator cannot (token ids against
     // the vocabulary, prompt + max_tokens against the pool): those are the
     // client's or capacity errors, not the server's.
@@ -662,19 +726,36 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     e.message = "generation failed: " + ev.error.ToString();
     if (!p.stream) return SendError(e);
     QueueOut({OutItem::kChunk, SseEvent(DumpJson(ErrorToJson(e)))});
-  } else if (!p.stream) {
+    QueueOut({OutItem::kChunk, std::string(kSseDone)});
+    QueueOut({OutItem::kLast, ""});
+    return;
+  }
+  results_[r->index] = {r->text, finish};
+  if (p.stream) {
+    QueueOut({OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(
+                                   p.endpoint, r->ident, "", r->first_chunk, finish, r->index)))});
+  }
+  if (!active_.empty()) return;  // other choices still running
+  if (!p.stream) {
     return SendJson(http::status::ok,
-                    CompletionResponseJson(p.endpoint, r->ident, r->text, finish, r->usage));
-  } else {
-    QueueOut({OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(p.endpoint, r->ident, "",
-                                                                 r->first_chunk, finish)))});
-    if (p.include_usage) {
-      QueueOut(
-          {OutItem::kChunk, SseEvent(DumpJson(UsageChunkJson(p.endpoint, r->ident, r->usage)))});
-    }
+                    CompletionResponseJson(p.endpoint, r->ident, results_, total_usage_));
+  }
+  if (p.include_usage) {
+    QueueOut(
+        {OutItem::kChunk, SseEvent(DumpJson(UsageChunkJson(p.endpoint, r->ident, total_usage_)))});
   }
   QueueOut({OutItem::kChunk, std::string(kSseDone)});
   QueueOut({OutItem::kLast, ""});
+}
+
+void Session::AbortOthers(const std::shared_ptr<RequestState>& r) {
+  for (auto& c : std::vector<std::shared_ptr<RequestState>>(active_)) {
+    if (c == r) continue;
+    if (c->submitted && !c->done) core_->backend->Cancel(c->id);
+    if (!c->submitted) core_->admission.Remove(c->id);
+    Forget(c);
+  }
+  core_->UpdateAdmissionGauges();
 }
 
 void Session::QueueOut(OutItem item) {
@@ -782,25 +863,30 @@ void Session::OnWatch(beast::error_code ec, size_t n) {
     resume_read_ = false;
     return DoRead();
   }
-  if (active_) StartWatch();
+  if (!active_.empty()) StartWatch();
 }
 
 void Session::ClientGone() {
   if (client_gone_) return;
   client_gone_ = true;
-  if (active_ && !active_->done) {
-    if (active_->submitted) {
-      core_->backend->Cancel(active_->id);  // its final event ends the request
-      out_.clear();
-      out_bytes_ = 0;
-      return;
+  bool waiting = false;  // a choice in the backend still owes its final event
+  for (auto& c : std::vector<std::shared_ptr<RequestState>>(active_)) {
+    if (c->done) continue;
+    if (c->submitted) {
+      core_->backend->Cancel(c->id);  // its final event ends the choice
+      waiting = true;
+      continue;
     }
-    if (core_->admission.Remove(active_->id)) {
+    if (core_->admission.Remove(c->id)) {
       core_->UpdateAdmissionGauges();
-      active_->DetachSession();
-      active_.reset();
+      Forget(c);
     }
     // else: its start is already posted; StartGeneration sees client_gone_.
+  }
+  if (waiting) {
+    out_.clear();
+    out_bytes_ = 0;
+    return;
   }
   Close();
 }

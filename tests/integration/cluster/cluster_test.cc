@@ -429,6 +429,26 @@ TEST_F(DisaggregatedTest, EndOfGenerationTokenIsNotText) {
   EXPECT_EQ(text.find("<|im_end|>"), std::string::npos) << text;
 }
 
+// n = 3 through the cluster: three requests, one response; greedy, so every
+// choice is the engine's greedy output.
+TEST_F(DisaggregatedTest, NChoicesEachEqualTheEngine) {
+  const std::vector<int32_t> prompt = ref_->Encode("The three primary colours are");
+  const std::string want = ref_->Text(ref_->Greedy(prompt, 12));
+  json body = CompletionBody(prompt, 12, false);
+  body["n"] = 3;
+  auto r = coordinator::HttpCall(Post(port_, "/v1/completions", body));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->status, 200) << r->body;
+  json j = json::parse(r->body);
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], want) << "choice " << i;
+  }
+  EXPECT_EQ(j["usage"]["completion_tokens"], 36);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], static_cast<int>(prompt.size()));
+}
+
 // presence_penalty / frequency_penalty travel from the API through the
 // coordinator and the prefill and decode workers to the sampler: the cluster's
 // greedy output equals the engine's with the same penalties, and differs from
@@ -577,6 +597,10 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
   EXPECT_EQ(j["models"], json::array({name}));
   EXPECT_EQ(j["unknown_model"]["status"], 404);
   EXPECT_EQ(j["bad_max_tokens"]["status"], 400);
+  // n = 2, greedy: two choices, indexes 0 and 1, the same text.
+  EXPECT_EQ(j["n_choices"]["indexes"], json::array({0, 1}));
+  EXPECT_EQ(j["n_choices"]["same"], true);
+  EXPECT_EQ(j["n_choices"]["completion_tokens"], 8);
 }
 
 // Last on the shared cluster: a failure here (a lost worker) must not fail the

@@ -57,6 +57,12 @@ def main() -> int:
 
     out["models"] = [m.id for m in client.models.list().data]
 
+    multi = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=4, temperature=0, n=2)
+    out["n_choices"] = {"indexes": [c.index for c in multi.choices],
+                        "same": multi.choices[0].message.content == multi.choices[1].message.content,
+                        "completion_tokens": multi.usage.completion_tokens}
+
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
         out["unknown_model"] = "accepted"

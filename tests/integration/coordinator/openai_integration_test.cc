@@ -186,6 +186,10 @@ TEST_F(OpenAiIntegrationTest, OfficialPythonClient) {
   EXPECT_EQ(j["models"], json::array({"smollm2"}));
   EXPECT_EQ(j["unknown_model"]["status"], 404);
   EXPECT_EQ(j["bad_max_tokens"]["status"], 400);
+  // n = 2, greedy: two choices, indexes 0 and 1, the same text.
+  EXPECT_EQ(j["n_choices"]["indexes"], json::array({0, 1}));
+  EXPECT_EQ(j["n_choices"]["same"], true);
+  EXPECT_EQ(j["n_choices"]["completion_tokens"], 8);
   EXPECT_EQ(j["bad_max_tokens"]["param"], "max_tokens");
 }
 

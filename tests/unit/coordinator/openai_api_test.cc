@@ -137,7 +137,7 @@ TEST(OpenAiApiTest, EachErrorNamesTheField) {
       {Endpoint::kChatCompletions,
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"seed":"s"})", "seed", "integer"},
       {Endpoint::kChatCompletions,
-       R"({"model":"m","messages":[{"role":"user","content":"x"}],"n":2})", "n", "not supported"},
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"n":17})", "n", "not supported"},
       {Endpoint::kChatCompletions,
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"stop":5})", "stop", "string"},
       {Endpoint::kChatCompletions,

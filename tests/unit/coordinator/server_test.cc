@@ -3,10 +3,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 #include <future>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "coordinator/http_client.h"
@@ -168,6 +171,79 @@ TEST_F(ServerTest, NonStreamingChatAndCompletion) {
   EXPECT_EQ(sub[1].sampling.seed, 7u);
 }
 
+// n > 1: one backend request per choice (seeds s, s+1, ...), one response
+// with choices indexed 0..n-1, completion tokens summed, prompt counted once.
+TEST_F(ServerTest, NChoicesNonStreaming) {
+  StartServer();
+  json body = Chat("hi");
+  body["n"] = 3;
+  body["seed"] = 100;
+  json r = CallJson("/v1/chat/completions", body, 200);
+  ASSERT_EQ(r["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(r["choices"][i]["index"], i);
+    EXPECT_EQ(r["choices"][i]["message"]["content"], "Hello, world!");
+    EXPECT_EQ(r["choices"][i]["finish_reason"], "stop");
+  }
+  EXPECT_EQ(r["usage"]["prompt_tokens"], 20);
+  EXPECT_EQ(r["usage"]["completion_tokens"], 3 * 13);
+  auto sub = backend_->submitted();
+  ASSERT_EQ(sub.size(), 3u);
+  std::set<uint64_t> seeds, ids;
+  for (const auto& g : sub) {
+    EXPECT_TRUE(g.sampling.has_seed);
+    seeds.insert(g.sampling.seed);
+    ids.insert(g.id);
+  }
+  EXPECT_EQ(seeds, (std::set<uint64_t>{100, 101, 102}));
+  EXPECT_EQ(ids.size(), 3u);
+}
+
+TEST_F(ServerTest, NChoicesStreamingIndexesEveryChunkAndEndsOnce) {
+  StartServer();
+  json body = Chat("hi");
+  body["n"] = 2;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
+  HttpCallResult raw;
+  auto events = CallStream("/v1/chat/completions", body, &raw);
+  EXPECT_EQ(raw.status, 200);
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_EQ(std::count(events.begin(), events.end(), "[DONE]"), 1);
+  std::map<int, std::string> text;
+  std::map<int, int> finishes;
+  for (size_t i = 0; i + 2 < events.size(); ++i) {
+    json e = json::parse(events[i]);
+    ASSERT_EQ(e["choices"].size(), 1u) << events[i];
+    const int index = e["choices"][0]["index"];
+    if (e["choices"][0]["delta"].contains("content")) {
+      text[index] += e["choices"][0]["delta"]["content"].get<std::string>();
+    }
+    if (!e["choices"][0]["finish_reason"].is_null()) ++finishes[index];
+  }
+  EXPECT_EQ(text[0], "Hello, world!");
+  EXPECT_EQ(text[1], "Hello, world!");
+  EXPECT_EQ(finishes[0], 1);
+  EXPECT_EQ(finishes[1], 1);
+  json usage = json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 26);
+}
+
+// Without a seed every request still gets one, so a cluster backend (which
+// would otherwise use seed 0) samples differently per request.
+TEST_F(ServerTest, UnseededRequestsGetDistinctSeeds) {
+  StartServer();
+  CallJson("/v1/chat/completions", Chat("a"), 200);
+  CallJson("/v1/chat/completions", Chat("b"), 200);
+  auto sub = backend_->submitted();
+  ASSERT_EQ(sub.size(), 2u);
+  EXPECT_TRUE(sub[0].sampling.has_seed);
+  EXPECT_TRUE(sub[1].sampling.has_seed);
+  EXPECT_NE(sub[0].sampling.seed, sub[1].sampling.seed);
+}
+
 TEST_F(ServerTest, StopStringEndsGenerationAndCancelsBackend) {
   StartServer();
   json body = Chat("hi");
@@ -283,6 +359,34 @@ TEST_F(ServerTest, ClientDisconnectMidStreamCancelsRequest) {
   backend_->SetHang(false);
   json r = CallJson("/v1/chat/completions", Chat("again", 2), 200);
   EXPECT_EQ(r["choices"][0]["message"]["content"], "He");
+}
+
+// A client that leaves while 3 choices run cancels all of them, and their
+// admission slots come back (max_running = 3, then a new request is served).
+TEST_F(ServerTest, ClientDisconnectCancelsEveryChoice) {
+  ServerOptions o;
+  o.max_running = 3;
+  StartServer(o);
+  backend_->SetHang(true);
+  json body = Chat("hi");
+  body["n"] = 3;
+  auto sock = SendRaw("/v1/chat/completions", body);
+  ASSERT_TRUE(backend_->WaitForSubmits(3));
+  sock->close();
+  for (const auto& g : backend_->submitted()) ASSERT_TRUE(backend_->WaitForCancel(g.id));
+  backend_->SetHang(false);
+  json r = CallJson("/v1/chat/completions", Chat("again", 2), 200);
+  EXPECT_EQ(r["choices"][0]["message"]["content"], "He");
+}
+
+// One choice failing fails the response and cancels the other choices.
+TEST_F(ServerTest, OneFailedChoiceFailsTheResponse) {
+  StartServer();
+  backend_->SetFailAfter(3);
+  json body = Chat("hi");
+  body["n"] = 2;
+  json r = CallJson("/v1/chat/completions", body, 500);
+  EXPECT_TRUE(r.contains("error")) << r.dump();
 }
 
 TEST_F(ServerTest, ClientDisconnectDuringNonStreamingRequestCancels) {
