@@ -308,7 +308,11 @@ TEST_F(FramedConnectionTest, GatherSendCompletesEveryQueuedFrameOnceWhenThePeerC
     }
     failed = failed || !s.ok();
   }
-  EXPECT_TRUE(failed) << "the peer closed, so the last frame cannot have been written";
+  // The close must surface: as a failed callback, or (when it was seen before
+  // the loop ended) as a refused SendGatherWait. Frames written into the socket
+  // buffers before the close succeed legitimately.
+  EXPECT_TRUE(failed || sent < kFrames)
+      << "the peer closed, yet all " << kFrames << " frames were accepted and reported written";
   EXPECT_EQ(server_side->WaitClosed(Deadline::AfterMs(5000)).code(),
             StatusCode::kResourceExhausted);
 }
