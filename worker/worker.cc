@@ -1010,6 +1010,15 @@ Status Worker::Impl::Run(const std::atomic<bool>& stop) {
       }
     }
     FlushCacheEvents();
+    if (tp_group_ != nullptr) {
+      // A follower that died while the group was idle shows up as a closed
+      // link here: leave now rather than fail the next request.
+      LeaderPollFollowers();
+      if (!tp_group_->status().ok()) {
+        result = tp_group_->status().WithContext("tensor-parallel group broken");
+        break;
+      }
+    }
     if (Clock::now() >= next_heartbeat_) SendHeartbeat();
   }
   ReleaseAll();

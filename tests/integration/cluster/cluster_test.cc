@@ -702,6 +702,42 @@ TEST_F(ClusterTest, TensorParallelRankKilledMidStream) {
   ExpectKillFailsOnlyItsGroup(ref_, *cluster, "decode-0-tp1");
 }
 
+// A TP follower that dies while its group is idle: rank 0 notices the closed
+// link and leaves, the coordinator drops the group, and requests are served by
+// the other group (none of them fails).
+TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
+  auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  auto registered = [&](const std::string& id) {
+    coordinator::HttpCallSpec spec;
+    spec.port = port;
+    spec.target = "/health";
+    spec.timeout_ms = 1000;
+    auto r = coordinator::HttpCall(spec);
+    if (!r.ok()) return false;
+    json j = json::parse(r->body, nullptr, false);
+    if (!j.is_object()) return false;
+    for (const auto& w : j["workers"]) {
+      if (w["id"] == id) return true;
+    }
+    return false;
+  };
+  ASSERT_TRUE(registered("decode-1"));
+  const pid_t victim = cluster->processes().Pid("decode-1-tp1");
+  ASSERT_GT(victim, 0);
+  kill(victim, SIGKILL);
+  EXPECT_TRUE(WaitFor([&] { return !registered("decode-1"); }, milliseconds(10'000)))
+      << "the broken group is still registered 10 s after losing a rank";
+  const std::vector<int32_t> prompt = ref_->Encode("A short question about rivers");
+  const std::string want = ref_->Text(ref_->Greedy(prompt, 8));
+  for (int i = 0; i < 4; ++i) {
+    CompletionOutcome got = Complete(port, prompt, 8);
+    EXPECT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, want);
+  }
+}
+
 // A prefill worker that stops answering (SIGSTOP: its connection stays open,
 // its heartbeats stop) while holding requests that have produced no token:
 // the coordinator notices within 3 heartbeat intervals and re-runs them on the
