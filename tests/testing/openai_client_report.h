@@ -1,0 +1,39 @@
+// What tests/integration/coordinator/openai_client_check.py (the official
+// `openai` Python client against a running coordinator) must report, whatever
+// backend serves it: response objects and roles, streaming equal to
+// non-streaming, the models list, 404 / 400 errors and n = 2 choices.
+// Shared by the coordinator and the cluster integration tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace kvrelay::testing {
+
+inline void ExpectOpenAiClientReport(const nlohmann::json& j, const std::string& model,
+                                     size_t completion_prompt_tokens) {
+  using nlohmann::json;
+  EXPECT_EQ(j["chat"]["object"], "chat.completion");
+  EXPECT_EQ(j["chat"]["role"], "assistant");
+  EXPECT_FALSE(j["chat"]["content"].get<std::string>().empty());
+  EXPECT_EQ(j["chat_stream"]["content"], j["chat"]["content"]);
+  EXPECT_EQ(j["chat_stream"]["finish_reason"], j["chat"]["finish_reason"]);
+  EXPECT_EQ(j["chat_stream"]["completion_tokens"], j["chat"]["completion_tokens"]);
+  EXPECT_EQ(j["completion"]["object"], "text_completion");
+  EXPECT_FALSE(j["completion"]["text"].get<std::string>().empty());
+  EXPECT_EQ(j["completion_stream"]["text"], j["completion"]["text"]);
+  EXPECT_EQ(j["completion"]["prompt_tokens"], completion_prompt_tokens);
+  EXPECT_EQ(j["models"], json::array({model}));
+  EXPECT_EQ(j["unknown_model"]["status"], 404);
+  EXPECT_EQ(j["bad_max_tokens"]["status"], 400);
+  EXPECT_EQ(j["bad_max_tokens"]["param"], "max_tokens");
+  // n = 2, greedy: two choices, indexes 0 and 1, the same text.
+  EXPECT_EQ(j["n_choices"]["indexes"], json::array({0, 1}));
+  EXPECT_EQ(j["n_choices"]["same"], true);
+  EXPECT_EQ(j["n_choices"]["completion_tokens"], 8);
+}
+
+}  // namespace kvrelay::testing
