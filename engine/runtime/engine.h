@@ -114,6 +114,9 @@ class Engine {
   // Cancels a queued, loading or running request: its blocks are released now
   // and the next Step emits its finished event (kCancelled). NotFound if unknown.
   Status Cancel(RequestId id);
+  // Cancels every live request (a worker that lost its coordinator); the
+  // prefix cache stays. Returns how many were cancelled.
+  int64_t CancelAll();
   // Runs one scheduling step and returns the events it produced.
   Result<std::vector<TokenEvent>> Step();
   // True while any request is queued or running or an event is pending (a
