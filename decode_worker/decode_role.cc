@@ -69,6 +69,7 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   spec.prompt.assign(m.prompt_token_ids().begin(), m.prompt_token_ids().end());
   spec.sampling = worker::FromProto(m.sampling());
   spec.mode = engine::RequestMode::kRemotePrompt;
+  spec.want_text = false;  // the coordinator detokenizes
   reserving_prefill_rank_ = m.prefill_rank();
   reserved_blocks_.clear();
   Status s = engine_->Submit(std::move(spec));
