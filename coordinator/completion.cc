@@ -3,6 +3,7 @@
 // and the answer: collected into one JSON body, or streamed as SSE.
 #include <boost/asio/post.hpp>
 #include <cstdio>
+#include <limits>
 #include <random>
 
 #include "coordinator/server_internal.h"
@@ -49,6 +50,18 @@ std::optional<std::string> NeverFits(const std::vector<WorkerInfo>& workers, int
            std::to_string(n.best) + "; shorten the prompt or lower max_tokens";
   }
   return std::nullopt;
+}
+
+// The largest KV pool (in tokens) of the workers that decode (decode or
+// colocated), or nullopt when none reports one.
+std::optional<int64_t> LargestDecodePool(const std::vector<WorkerInfo>& workers) {
+  std::optional<int64_t> best;
+  for (const auto& w : workers) {
+    if (w.role == WorkerRole::kPrefill) continue;
+    if (w.total_kv_blocks <= 0 || w.block_tokens <= 0) return std::nullopt;
+    best = std::max(best.value_or(0), w.total_kv_blocks * w.block_tokens);
+  }
+  return best;
 }
 
 }  // namespace
@@ -120,13 +133,29 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   }
   if (tokens->empty()) return SendError(BadRequest("the prompt is empty", prompt_param));
   if (static_cast<int64_t>(tokens->size()) > opt.max_prompt_tokens) {
-    ApiError e;
-    e.http_status = 413;
-    e.message = "the prompt has " + std::to_string(tokens->size()) + " tokens; at most " +
-                std::to_string(opt.max_prompt_tokens) + " are allowed";
-    e.param = prompt_param;
-    e.code = "context_length_exceeded";
-    return SendError(e);
+    // 400 as OpenAI answers context_length_exceeded (a 413 is what the
+    // official clients take for a body the proxy refused).
+    return SendError(BadRequest("the prompt has " + std::to_string(tokens->size()) +
+                                    " tokens; at most " + std::to_string(opt.max_prompt_tokens) +
+                                    " are allowed",
+                                prompt_param, "context_length_exceeded"));
+  }
+  const std::vector<WorkerInfo> workers = core_->backend->Workers();
+  if (!p.max_tokens_given) {
+    // No max_tokens: the default, lowered to what fits (never refused for
+    // it); a default of 0 means all the room left (as vLLM).
+    const int64_t n = static_cast<int64_t>(tokens->size());
+    int64_t room = std::numeric_limits<int32_t>::max();
+    if (opt.max_context_tokens > 0) room = opt.max_context_tokens - n;
+    if (auto pool = LargestDecodePool(workers)) room = std::min(room, *pool - n);
+    const int64_t want = opt.limits.max_tokens_default > 0 ? opt.limits.max_tokens_default : room;
+    if (room < 1) {
+      return SendError(BadRequest("the prompt (" + std::to_string(n) +
+                                      " tokens) leaves no room to generate in the context of " +
+                                      std::to_string(opt.max_context_tokens) + " tokens",
+                                  prompt_param, "context_length_exceeded"));
+    }
+    r->params.max_tokens = static_cast<int>(std::min(want, room));
   }
   if (opt.max_context_tokens > 0 &&
       static_cast<int64_t>(tokens->size()) + p.max_tokens > opt.max_context_tokens) {
@@ -136,7 +165,7 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
                                     std::to_string(opt.max_context_tokens),
                                 "max_tokens", "context_length_exceeded"));
   }
-  if (auto reason = NeverFits(core_->backend->Workers(), static_cast<int64_t>(tokens->size()),
+  if (auto reason = NeverFits(workers, static_cast<int64_t>(tokens->size()),
                               p.max_tokens, opt.max_context_tokens)) {
     return SendError(BadRequest(*reason, "max_tokens", "context_length_exceeded"));
   }

@@ -40,7 +40,7 @@ struct ServerOptions {
   std::string model_name = "kvrelay";  // the only model served; others get 404
   size_t max_body_bytes = 1 << 20;     // larger bodies get 413
   size_t max_header_bytes = 16 << 10;
-  int max_prompt_tokens = 8192;               // longer prompts get 413
+  int max_prompt_tokens = 8192;               // longer prompts get 400 context_length_exceeded
   int max_context_tokens = 0;                 // prompt + max_tokens cap; 0 = unchecked
   int header_timeout_ms = 10'000;             // to read one request (and keep-alive idle)
   int request_timeout_ms = 600'000;           // for one generation, end to end

@@ -304,8 +304,14 @@ def main():
                  param="logprobs")
     expect_error(post("/v1/chat/completions", chat("hi", model="gpt-4")), 404, "unknown model",
                  code="model_not_found", param="model")
-    expect_error(post("/v1/chat/completions", chat("word " * 600)), 413, "prompt over max_prompt_tokens",
+    expect_error(post("/v1/chat/completions", chat("word " * 600)), 400, "prompt over max_prompt_tokens",
                  code="context_length_exceeded")
+    expect_error(post("/v1/completions", completion("x", suffix="y")), 400, "suffix", param="suffix")
+    expect_error(post("/v1/chat/completions", chat("x", logit_bias={"1": 5})), 400, "logit_bias",
+                 param="logit_bias")
+    r = post("/v1/chat/completions", chat("x", frobnicate=1, tool_choice="auto"))
+    expect_error(r, 400, "unknown fields", code="unsupported_parameter")
+    check("frobnicate" in r.body.decode() and "tool_choice" in r.body.decode(), "unknown fields named")
     expect_error(post("/v1/completions", completion("hi", max_tokens=4096, ignore_eos=True)), 400,
                  "prompt + max_tokens that can never fit the KV pool", code="context_length_exceeded")
     expect_error(post("/v1/completions", completion("x", max_tokens=-1)), 400, "max_tokens < 1",

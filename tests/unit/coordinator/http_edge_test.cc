@@ -353,6 +353,48 @@ TEST_F(HttpEdgeTest, PredictedQueueDelayOverTheBoundIs429) {
   backend_->SetHang(false);
 }
 
+// #18: without max_tokens a request gets what fits (the default, lowered to
+// the room left in the context and the KV pool; 0 = all of it, as vLLM),
+// instead of being refused.
+TEST_F(HttpEdgeTest, NoMaxTokensGetsWhatFits) {
+  ServerOptions o;
+  o.max_context_tokens = 1000;
+  o.limits.max_tokens_default = 0;  // all the room
+  StartServer(o);  // the fake worker holds 1600 tokens: the context is the bound
+  HttpCallSpec spec;
+  spec.method = "POST";
+  spec.port = server_->port();
+  spec.target = "/v1/completions";
+  spec.body = json{{"model", "test-model"}, {"prompt", std::string(900, 'x')}}.dump();
+  auto r = HttpCall(spec);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200) << r->body;
+  ASSERT_EQ(backend_->submitted().size(), 1u);
+  EXPECT_EQ(backend_->submitted()[0].sampling.max_new_tokens, 100);
+  // A prompt that fills the context leaves no room: 400.
+  spec.body = json{{"model", "test-model"}, {"prompt", std::string(1000, 'x')}}.dump();
+  r = HttpCall(spec);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 400) << r->body;
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "context_length_exceeded");
+}
+
+TEST_F(HttpEdgeTest, NoMaxTokensDefaultIsLoweredToTheKvPool) {
+  ServerOptions o;
+  o.limits.max_tokens_default = 256;
+  StartServer(o);  // 1600-token pool, no context bound
+  HttpCallSpec spec;
+  spec.method = "POST";
+  spec.port = server_->port();
+  spec.target = "/v1/completions";
+  spec.body = json{{"model", "test-model"}, {"prompt", std::string(1500, 'x')}}.dump();
+  auto r = HttpCall(spec);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->status, 200) << r->body;
+  ASSERT_EQ(backend_->submitted().size(), 1u);
+  EXPECT_EQ(backend_->submitted()[0].sampling.max_new_tokens, 100);
+}
+
 TEST(AdmissionDelayTest, PredictsFromHoldTimesAndComputesRetryAfter) {
   TimePoint now{};
   AdmissionQueue q({/*max_running=*/2, /*max_queue=*/10, /*max_queue_delay_ms=*/3000,

@@ -492,7 +492,8 @@ TEST_F(ServerTest, ClientErrors) {
 
   HttpCallResult big = Call("POST", "/v1/chat/completions", Chat(std::string(4096, 'x')).dump());
   EXPECT_EQ(big.status, 413);
-  json prompt_big = CallJson("/v1/chat/completions", Chat(std::string(100, 'x')), 413);
+  // #18: a context overflow is a 400 (context_length_exceeded), as OpenAI answers it.
+  json prompt_big = CallJson("/v1/chat/completions", Chat(std::string(100, 'x')), 400);
   EXPECT_EQ(prompt_big["error"]["code"], "context_length_exceeded");
 
   HttpCallResult malformed = Call("POST", "/v1/chat/completions", "{\"model\": ");
