@@ -375,7 +375,8 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
       ->GetCounter(
           "kvrelay_requests_finished_total",
           "Finished generation requests by endpoint and finish reason.",
-          {{"endpoint", EndpointName(r->params.endpoint)}, {"finish_reason", FinishName(finish)}})
+          core_->Labels({{"endpoint", EndpointName(r->params.endpoint)},
+                         {"finish_reason", FinishName(finish)}}))
       ->Increment();
   Forget(r);
   total_usage_.completion_tokens += r->usage.completion_tokens;

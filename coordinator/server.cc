@@ -52,34 +52,53 @@ Core::Core(ServerOptions o, Backend* b, const TextCodec* c, MetricsRegistry* m)
       admission(AdmissionQueue::Options{options.max_running, options.max_queue,
                                         options.max_queue_delay_ms, options.retry_after_seconds,
                                         nullptr}) {
+  const MetricLabels l = Labels();
   ttft = m->GetHistogram("kvrelay_time_to_first_token_seconds",
-                         "Time from request arrival to the first generated token.");
+                         "Time from request arrival to the first generated token.", l);
   itl = m->GetHistogram("kvrelay_inter_token_latency_seconds",
-                        "Time between consecutive generated tokens of a request.");
+                        "Time between consecutive generated tokens of a request.", l);
   e2e = m->GetHistogram("kvrelay_e2e_request_latency_seconds",
-                        "Time from request arrival to its last token.");
+                        "Time from request arrival to its last token.", l);
   queue_wait =
-      m->GetHistogram("kvrelay_queue_wait_seconds", "Time a request waited for admission.");
+      m->GetHistogram("kvrelay_queue_wait_seconds", "Time a request waited for admission.", l);
   prompt_tokens =
-      m->GetCounter("kvrelay_prompt_tokens_total", "Prompt tokens of finished requests.");
-  generation_tokens = m->GetCounter("kvrelay_generation_tokens_total", "Generated tokens.");
+      m->GetCounter("kvrelay_prompt_tokens_total", "Prompt tokens of finished requests.", l);
+  generation_tokens = m->GetCounter("kvrelay_generation_tokens_total", "Generated tokens.", l);
   cached_tokens = m->GetCounter("kvrelay_prefix_cache_hit_tokens_total",
-                                "Prompt tokens served from a prefix cache.");
-  queue_depth = m->GetGauge("kvrelay_queue_depth", "Requests waiting for admission.");
-  running = m->GetGauge("kvrelay_running_requests", "Requests admitted to the backend.");
-  open_connections = m->GetGauge("kvrelay_open_connections", "Open HTTP connections.");
+                                "Prompt tokens served from a prefix cache.", l);
+  queue_depth = m->GetGauge("kvrelay_queue_depth", "Requests waiting for admission.", l);
+  running = m->GetGauge("kvrelay_running_requests", "Requests admitted to the backend.", l);
+  open_connections = m->GetGauge("kvrelay_open_connections", "Open HTTP connections.", l);
   refused_connections =
       m->GetCounter("kvrelay_refused_connections_total",
-                    "Connections refused on accept (server or per-client connection limit).");
+                    "Connections refused on accept (server or per-client connection limit).", l);
   std::random_device rd;
   nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+MetricLabels Core::Labels(MetricLabels extra) const {
+  extra.push_back({"model_name", options.model_name});
+  return extra;
 }
 
 void Core::CountRequest(const std::string& endpoint, int status) {
   registry
       ->GetCounter("kvrelay_http_requests_total", "HTTP requests by endpoint and status code.",
-                   {{"endpoint", endpoint}, {"code", std::to_string(status)}})
+                   Labels({{"endpoint", endpoint}, {"code", std::to_string(status)}}))
       ->Increment();
+}
+
+void Core::AdvanceWorkerCounter(const std::string& name, const std::string& help,
+                                const std::string& worker, double total) {
+  double delta = 0;
+  {
+    std::lock_guard<std::mutex> lock(worker_totals_mutex);
+    double& last = worker_totals[name + '\0' + worker];
+    // A worker that restarted reports from 0 again: all of it is new.
+    delta = total >= last ? total - last : total;
+    last = total;
+  }
+  registry->GetCounter(name, help, Labels({{"worker", worker}}))->Increment(delta);
 }
 
 void Core::UpdateAdmissionGauges() {

@@ -46,7 +46,13 @@ int64_t UnixSeconds();
 struct Core {
   Core(ServerOptions o, Backend* b, const TextCodec* c, MetricsRegistry* m);
 
+  // Every series carries model_name (as vLLM's), after `extra`.
+  MetricLabels Labels(MetricLabels extra = {}) const;
   void CountRequest(const std::string& endpoint, int status);
+  // Counts a worker's cumulative figure (from its snapshot) into counter
+  // `name`: the increase since the last scrape.
+  void AdvanceWorkerCounter(const std::string& name, const std::string& help,
+                            const std::string& worker, double total);
   void UpdateAdmissionGauges();
 
   // Per-client connection accounting (client = remote IP address). Acquire
@@ -73,6 +79,9 @@ struct Core {
   uint64_t nonce = 0;
   std::atomic<uint64_t> next_id{1};
   std::atomic<int> connections{0};
+
+  std::mutex worker_totals_mutex;
+  std::map<std::string, double> worker_totals;  // guarded: last cumulative value per series
 
   std::mutex clients_mutex;
   std::map<std::string, int> clients;  // guarded by clients_mutex: open connections per client

@@ -270,7 +270,7 @@ void Session::HandleHealth() {
 void Session::HandleMetrics() {
   MetricsRegistry* m = core_->registry;
   for (const auto& w : core_->backend->Workers()) {
-    MetricLabels l = {{"worker", w.id}};
+    const MetricLabels l = core_->Labels({{"worker", w.id}});
     double util = w.total_kv_blocks > 0 ? 1.0 - static_cast<double>(w.free_kv_blocks) /
                                                     static_cast<double>(w.total_kv_blocks)
                                         : 0.0;
@@ -280,16 +280,18 @@ void Session::HandleMetrics() {
         ->Set(static_cast<double>(w.running));
     m->GetGauge("kvrelay_worker_queued_tokens", "Prompt tokens queued at the worker.", l)
         ->Set(static_cast<double>(w.queued_tokens));
-    m->GetGauge("kvrelay_worker_prefix_hit_tokens",
-                "Prompt tokens the worker served from its prefix cache (cumulative).", l)
-        ->Set(static_cast<double>(w.prefix_hit_tokens));
-    m->GetGauge("kvrelay_worker_transfer_bytes", "KV bytes the worker transferred (cumulative).", l)
-        ->Set(static_cast<double>(w.transfer_bytes));
-    m->GetGauge("kvrelay_worker_transfer_seconds",
-                "Seconds the worker spent in KV transfer (cumulative).", l)
-        ->Set(w.transfer_seconds);
     m->GetGauge("kvrelay_worker_healthy", "1 when the worker is healthy.", l)
         ->Set(w.healthy ? 1 : 0);
+    // Cumulative figures are counters (#18), fed from the snapshots.
+    core_->AdvanceWorkerCounter("kvrelay_worker_prefix_hit_tokens_total",
+                                "Prompt tokens the worker served from its prefix cache.", w.id,
+                                static_cast<double>(w.prefix_hit_tokens));
+    core_->AdvanceWorkerCounter("kvrelay_worker_transfer_bytes_total",
+                                "KV bytes the worker transferred.", w.id,
+                                static_cast<double>(w.transfer_bytes));
+    core_->AdvanceWorkerCounter("kvrelay_worker_transfer_seconds_total",
+                                "Seconds the worker spent in KV transfer.", w.id,
+                                w.transfer_seconds);
   }
   core_->UpdateAdmissionGauges();
   SendText(http::status::ok, m->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8",

@@ -4,12 +4,14 @@
 // fit, and admission by predicted queue wait. Real sockets on 127.0.0.1
 // (and 127.0.0.2 as a second client), the fake backend of fakes.h.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -291,7 +293,8 @@ TEST_F(HttpEdgeTest, OneClientCannotTakeEveryConnection) {
   EXPECT_EQ(health.status, 200);
   Send(*other, Post("/v1/chat/completions", Chat("hi", 2).dump()));
   EXPECT_EQ(Read(*other, buf).status, 200);
-  EXPECT_EQ(metrics_.GetCounter("kvrelay_refused_connections_total", "")->value(), 2);
+  EXPECT_EQ(metrics_.GetCounter("kvrelay_refused_connections_total", "",
+                                         {{"model_name", "test-model"}})->value(), 2);
 }
 
 // #14: a prompt that can never fit the KV pool of any worker is the client's
@@ -393,6 +396,50 @@ TEST_F(HttpEdgeTest, NoMaxTokensDefaultIsLoweredToTheKvPool) {
   EXPECT_EQ(r->status, 200) << r->body;
   ASSERT_EQ(backend_->submitted().size(), 1u);
   EXPECT_EQ(backend_->submitted()[0].sampling.max_new_tokens, 100);
+}
+
+// #18: the /metrics exposition passes Prometheus' own linter: counters end in
+// _total, every series has HELP and TYPE, names and units as it expects.
+TEST_F(HttpEdgeTest, MetricsPassPromtool) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "promtool not installed (scripts/install-deps.sh installs 'prometheus')";
+  }
+  StartServer();
+  HttpCallSpec spec;
+  spec.method = "POST";
+  spec.port = server_->port();
+  spec.target = "/v1/chat/completions";
+  spec.body = Chat("hi", 4).dump();
+  ASSERT_EQ(HttpCall(spec)->status, 200);
+  spec.method = "GET";
+  spec.target = "/metrics";
+  spec.body.clear();
+  auto metrics = HttpCall(spec);
+  ASSERT_TRUE(metrics.ok());
+  ASSERT_EQ(metrics->status, 200);
+  char path[] = "/tmp/kvrelay-metrics-XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(write(fd, metrics->body.data(), metrics->body.size()),
+            static_cast<ssize_t>(metrics->body.size()));
+  close(fd);
+  std::string out;
+  FILE* p = popen(("promtool check metrics < " + std::string(path) + " 2>&1").c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  const int rc = pclose(p);
+  unlink(path);
+  EXPECT_EQ(rc, 0) << out << "\n" << metrics->body;
+  EXPECT_EQ(out, "") << metrics->body;
+  for (const char* counter : {"kvrelay_worker_prefix_hit_tokens_total{",
+                              "kvrelay_worker_transfer_bytes_total{",
+                              "kvrelay_worker_transfer_seconds_total{"}) {
+    EXPECT_NE(metrics->body.find(counter), std::string::npos) << counter;
+  }
+  EXPECT_NE(metrics->body.find("# TYPE kvrelay_worker_transfer_bytes_total counter"),
+            std::string::npos);
 }
 
 TEST(AdmissionDelayTest, PredictsFromHoldTimesAndComputesRetryAfter) {
