@@ -239,8 +239,8 @@ def expect_closing_error(data, status, what, method="POST"):
 
 def running_requests(conn):
     for line in conn.call("GET", "/metrics").body.decode().splitlines():
-        if line.startswith("kvrelay_running_requests "):
-            return float(line.split()[1])
+        if line.startswith("kvrelay_running_requests{") or line.startswith("kvrelay_running_requests "):
+            return float(line.rsplit(" ", 1)[1])
     return -1
 
 
