@@ -170,12 +170,24 @@ for name in ("time_to_first_token", "inter_token_latency", "request_latency",
 files = glob.glob(d + "/**/server_metrics_export.json", recursive=True)
 if not files:
     sys.exit("aiperf wrote no server_metrics_export.json: server-metrics collection was off")
-text = open(files[0]).read()
-sm = json.loads(text)
-names = sorted({n for n in __import__("re").findall(r'"(kvrelay_[a-z_]+)"', text)})
-print("aiperf server metrics (%s): %d kvrelay metrics scraped" % (files[0].split("/")[-1], len(names)))
+sm = json.load(open(files[0]))
+names = sorted(n for n in sm.get("metrics", {}) if n.startswith("kvrelay_"))
+fetches = sum(e.get("total_fetches", 0) for e in sm["summary"]["endpoint_info"].values())
+print("aiperf server metrics (%s): %d kvrelay metrics, %d scrapes of %s"
+      % (files[0].split("/")[-1], len(names), fetches, ", ".join(sm["summary"]["endpoint_info"])))
 for n in names:
-    print("  " + n)
+    m = sm["metrics"][n]
+    for series in m["series"]:
+        st = series["stats"]
+        labels = ",".join("%s=%s" % kv for kv in sorted(series["labels"].items()) if kv[0] != "model_name")
+        if m["type"] == "counter":
+            value = "total %g, rate %.2f/s" % (st.get("total", 0), st.get("rate", 0))
+        elif m["type"] == "histogram":
+            value = "count %d, avg %.4g, p50 %.4g" % (st.get("count", 0), st.get("avg") or 0,
+                                                      st.get("p50_estimate") or 0)
+        else:
+            value = "avg %.4g, max %.4g" % (st.get("avg", 0), st.get("max", 0))
+        print("  %-44s %-9s %-22s %s" % (n, m["type"], labels, value))
 if not names:
     sys.exit("no kvrelay_ metric in aiperf's server-metrics export")
 EOF
