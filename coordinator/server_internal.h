@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/beast/core.hpp>
@@ -174,6 +175,9 @@ class Session : public std::enable_shared_from_this<Session> {
   template <typename Response>
   void WriteResponse(std::shared_ptr<Response> res, bool keep_alive);
   void AfterResponse(bool keep_alive);
+  // After a response with Connection: close: reads and drops what the client
+  // still sends (bounded in time and bytes), then closes.
+  void Linger();
 
   void StartWatch();
   void OnWatch(beast::error_code ec, size_t n);
@@ -218,6 +222,9 @@ class Session : public std::enable_shared_from_this<Session> {
   bool resume_read_ = false;           // start the next request read when the watch returns
   bool client_gone_ = false;
   bool closed_ = false;
+
+  std::array<char, 4096> linger_buffer_;
+  size_t lingered_ = 0;
 
   std::deque<OutItem> out_;
   size_t out_bytes_ = 0;

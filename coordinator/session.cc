@@ -2,11 +2,9 @@
 // routing them, and writing responses by RFC 9110 / 9112 (no content in a
 // response to HEAD or in a 1xx / 204; Allow on 405; Connection: close exactly
 // when the server closes afterwards).
-#include <array>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/write.hpp>
 #include <chrono>
-#include <functional>
 #include <string_view>
 
 #include "common/logging.h"
@@ -364,19 +362,8 @@ void Session::AfterResponse(bool keep_alive) {
     stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
     if (ec) return Close();
     stream_.expires_after(std::chrono::milliseconds(kLingerMs));
-    auto drained = std::make_shared<size_t>(0);
-    auto scratch = std::make_shared<std::array<char, 4096>>();
-    auto drain = std::make_shared<std::function<void(beast::error_code, size_t)>>();
-    *drain = [self = shared_from_this(), drained, scratch, drain](beast::error_code rec,
-                                                                  size_t n) {
-      *drained += n;
-      if (rec || *drained > kLingerBytes) {
-        *drain = nullptr;  // breaks the self-reference
-        return self->Close();
-      }
-      self->stream_.async_read_some(net::buffer(*scratch), *drain);
-    };
-    return (*drain)({}, 0);
+    lingered_ = 0;
+    return Linger();
   }
   stream_.expires_after(std::chrono::milliseconds(core_->options.header_timeout_ms));
   if (watching_) {
@@ -384,6 +371,15 @@ void Session::AfterResponse(bool keep_alive) {
   } else {
     DoRead();
   }
+}
+
+void Session::Linger() {
+  stream_.async_read_some(net::buffer(linger_buffer_),
+                          [self = shared_from_this()](beast::error_code ec, size_t n) {
+                            self->lingered_ += n;
+                            if (ec || self->lingered_ > kLingerBytes) return self->Close();
+                            self->Linger();
+                          });
 }
 
 void Session::StartWatch() {
