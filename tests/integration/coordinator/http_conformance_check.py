@@ -388,7 +388,7 @@ def main():
     # --- 429: another connection's stream (n = 2) holds both slots; then it is cancelled ---
     side = Conn()
     side.send_request("POST", "/v1/completions", AUTH + JSON,
-                      completion("Once upon a time", max_tokens=2000, ignore_eos=True, stream=True, n=2))
+                      completion("Once upon a time", max_tokens=1000, ignore_eos=True, stream=True, n=2))
     got_token = side.read_response(on_data=lambda b: b"data: " not in b)  # stop at the first event
     check(got_token is None, "side stream produced no event")
     r = post("/v1/chat/completions", chat("hi"))
