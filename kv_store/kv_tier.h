@@ -38,6 +38,29 @@ struct TierStats {
   int64_t expired = 0;     // entries removed because their TTL passed
   int64_t entries = 0;     // entries held now
   int64_t used_bytes = 0;  // bytes held now (values only)
+  // Asynchronous tiers (RocksDbTier) only:
+  int64_t written = 0;         // values the background writer stored
+  int64_t written_bytes = 0;   // ... and their bytes
+  int64_t write_failures = 0;  // values lost to a failed write, or refused because the
+                               // store is read-only / suspended after a failure (disk full)
+  int64_t get_batches = 0;     // GetBatch calls (each one RocksDB MultiGet)
+};
+
+// Where a block lives, for stored/evicted events (the router's prefix index
+// learns which worker holds a prefix and in which tier).
+enum class BlockTier : uint8_t { kPool = 0, kHostRam = 1, kDisk = 2 };
+std::string_view BlockTierName(BlockTier t);  // "pool", "ram", "disk"
+
+// One change of what a tier holds.
+struct TierEvent {
+  enum class Kind : uint8_t { kStored, kEvicted };
+  Kind kind = Kind::kStored;
+  BlockTier tier = BlockTier::kPool;
+  BlockHash hash{};
+  // After this event, does any tier of this worker (pool, RAM, disk) still
+  // hold the block? A router that keeps one set per worker removes the block
+  // on kEvicted only when this is false.
+  bool held_anywhere = true;
 };
 
 class KvTier {
