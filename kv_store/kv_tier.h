@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
 
@@ -93,6 +94,19 @@ class KvTier {
   // implementations loop; a tier may group the work.
   virtual std::vector<Status> PutBatch(std::vector<std::pair<BlockHash, std::string>> items);
   virtual std::vector<Result<std::string>> GetBatch(std::span<const BlockHash> hashes);
+
+  // Asynchronous tiers: whether a Put of `bytes` would be queued now (not
+  // dropped for a full queue); waiting until what was accepted is written
+  // (Flush) or durable (WaitDurable); and the stored/evicted events since the
+  // last call (`*overflowed`, may be null, is set when some were dropped).
+  // The defaults suit a synchronous tier that keeps no events.
+  virtual bool HasQueueRoom(int64_t bytes) const { return true; }
+  virtual Status Flush(Deadline deadline) { return Status::Ok(); }
+  virtual Status WaitDurable(Deadline deadline) { return Status::Ok(); }
+  virtual std::vector<TierEvent> TakeEvents(bool* overflowed) {
+    if (overflowed != nullptr) *overflowed = false;
+    return {};
+  }
 
   // Byte budget for values, and bytes of values held now.
   virtual int64_t capacity_bytes() const = 0;

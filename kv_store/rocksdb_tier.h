@@ -182,11 +182,11 @@ class RocksDbTier final : public KvTier {
 
   // Waits until every Put/Erase accepted before this call is written to the
   // database (visible to a reopened DB after a clean close, not yet synced).
-  Status Flush(Deadline deadline);
+  Status Flush(Deadline deadline) override;
   // Waits until every Put accepted before this call is durable (see the file
   // comment). DeadlineExceeded when the deadline passes first; the error of a
   // failed write when a write in that range failed.
-  Status WaitDurable(Deadline deadline);
+  Status WaitDurable(Deadline deadline) override;
 
   const OpenReport& open_report() const { return open_report_; }
   // True when opened read-only (full disk): reads only, every Put refused.
@@ -197,10 +197,10 @@ class RocksDbTier final : public KvTier {
   std::vector<BlockHash> KeysLruOrder() const;
   // Values in the spill queue now, and whether a value of `bytes` would fit.
   int64_t queued_blocks() const;
-  bool HasQueueRoom(int64_t bytes) const;
+  bool HasQueueRoom(int64_t bytes) const override;
   // Stored/evicted events since the last call, oldest first. `*overflowed`
   // (may be null) is set when events were dropped since the last call.
-  std::vector<TierEvent> TakeEvents(bool* overflowed);
+  std::vector<TierEvent> TakeEvents(bool* overflowed) override;
   // Test hook: while paused the writer takes no work, so the queue fills.
   void SetWriterPausedForTesting(bool paused);
 
