@@ -23,6 +23,7 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
+  if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
   return Status::Ok();
 }
 
@@ -95,6 +96,10 @@ Status LocalLauncher::Start() {
                                      std::to_string(world),
                                      "--kv-host",
                                      options_.host};
+    if (options_.kv_timeout_ms > 0) {
+      argv.push_back("--kv-timeout-ms");
+      argv.push_back(std::to_string(options_.kv_timeout_ms));
+    }
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

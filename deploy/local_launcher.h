@@ -31,6 +31,10 @@ struct LaunchOptions {
   // (RocksDB allows one process per database, so workers never share one);
   // empty = none. `kvrelay launch` defaults it to "kvstore" (--no-kv-store: off).
   std::string kv_store_dir;
+  // Workers' --kv-timeout-ms (how long a decode worker waits for a request's
+  // KV, among others); 0 = the workers' default (30 s). A cold prefill of a
+  // long prompt on a loaded CPU can take longer.
+  int64_t kv_timeout_ms = 0;
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
