@@ -42,9 +42,11 @@ stop_cluster() {
 trap stop_cluster EXIT
 
 start_cluster() {  # start_cluster LOGNAME
-  # --kv-timeout-ms: on a shared 2-core machine a cold 3,000-token prefill can
-  # outlast the decode worker's default 30 s wait for the KV.
+  # On a shared 2-core machine a cold 3,000-token prefill can outlast the decode
+  # worker's default 30 s wait for the KV (--kv-timeout-ms), and one layer of a
+  # 512-token chunk can outlast 3 heartbeats of 500 ms (--heartbeat-ms).
   ./scripts/serve.sh --port "$PORT" --kv-store "$STORE" --kv-timeout-ms 600000 \
+    --heartbeat-ms 3000 \
     >"$OUT/$1.log" 2>&1 &
   SERVE_PID=$!
   for _ in $(seq 1 3000); do  # up to 300 s (serve.sh may build first)
@@ -70,6 +72,22 @@ phase cold 1
 phase ram 2
 stop_cluster
 du -sh "$STORE" | sed 's/^/[bench] store after shutdown: /'
+# A restart on a machine that rebooted finds no store page in the page cache:
+# drop this store's pages (posix_fadvise DONTNEED; nothing else is touched).
+"$VENV/bin/python" - "$STORE" <<'EOF'
+import os, sys
+n = 0
+for root, _, files in os.walk(sys.argv[1]):
+    for f in files:
+        fd = os.open(os.path.join(root, f), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+print(f"[bench] dropped the page cache of {n} store files")
+EOF
 start_cluster serve2
 phase restart 3
 stop_cluster

@@ -21,7 +21,7 @@ const std::vector<std::string> kLaunchFlags = {
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
     "demo",         "max-tokens",     "tp-mode",
-    "kv-timeout-ms"};
+    "kv-timeout-ms", "heartbeat-ms"};
 const std::vector<std::string> kLaunchSwitches = {"no-kv-store"};
 // The RocksDB prefix tier is on by default, one directory per worker under
 // this one (relative to the working directory; scripts/serve.sh runs from the
@@ -50,6 +50,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   ASSIGN_OR_RETURN(int64_t cap, flags.GetInt("kv-capacity-mb", 256));
   ASSIGN_OR_RETURN(int64_t ready, flags.GetInt("ready-timeout-ms", 120000));
   ASSIGN_OR_RETURN(o.kv_timeout_ms, flags.GetInt("kv-timeout-ms", 0));
+  ASSIGN_OR_RETURN(o.heartbeat_ms, flags.GetInt("heartbeat-ms", 0));
   o.prefill = static_cast<int>(prefill);
   o.decode = static_cast<int>(decode);
   o.tp = static_cast<int>(tp);

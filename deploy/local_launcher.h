@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "deploy/process_group.h"
@@ -35,6 +36,9 @@ struct LaunchOptions {
   // KV, among others); 0 = the workers' default (30 s). A cold prefill of a
   // long prompt on a loaded CPU can take longer.
   int64_t kv_timeout_ms = 0;
+  // The coordinator's --heartbeat-ms (a worker is lost after 3 missed
+  // intervals); 0 = its default (500 ms).
+  int64_t heartbeat_ms = 0;
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
@@ -60,6 +64,9 @@ class LocalLauncher {
   const ProcessGroup& processes() const { return group_; }
 
  private:
+  std::vector<std::string> CoordinatorArgv(const std::string& bin, uint16_t http,
+                                           uint16_t control) const;
+
   LaunchOptions options_;
   ProcessGroup group_;
   uint16_t http_port_ = 0;
