@@ -42,19 +42,23 @@ TieredCache::~TieredCache() {
   }
 }
 
-void TieredCache::Attach(engine::KvBlockPool* pool, EventListener listener) {
+void TieredCache::Attach(engine::KvBlockPool* pool, EventListener listener,
+                         bool own_pool_listener) {
   Detach();
   pool_ = pool;
   listener_ = std::move(listener);
+  own_pool_listener_ = own_pool_listener;
   pool_->SetSpillHook(
       [this](const BlockHash& hash, engine::BlockId block) { OnSpill(hash, block); });
-  pool_->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+  if (own_pool_listener_) {
+    pool_->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+  }
 }
 
 void TieredCache::Detach() {
   if (pool_ != nullptr) {
     pool_->SetSpillHook(nullptr);
-    pool_->SetEventListener(nullptr);
+    if (own_pool_listener_) pool_->SetEventListener(nullptr);
   }
   pool_ = nullptr;
   listener_ = nullptr;
@@ -501,7 +505,7 @@ Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<cons
   if (swap) {
     if (attached != nullptr) {
       attached->SetSpillHook(nullptr);
-      attached->SetEventListener(nullptr);
+      if (own_pool_listener_) attached->SetEventListener(nullptr);
     }
     pool_ = pool;
     listener_ = nullptr;
@@ -545,7 +549,9 @@ Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<cons
     if (attached != nullptr) {
       attached->SetSpillHook(
           [this](const BlockHash& hash, engine::BlockId block) { OnSpill(hash, block); });
-      attached->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+      if (own_pool_listener_) {
+        attached->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+      }
     }
   }
   return out;

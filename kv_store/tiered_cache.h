@@ -10,8 +10,9 @@
 //   cache.Attach(pool, [&](const TierEvent& e) { /* to the coordinator */ });
 //   // (Attach installs the pool's spill hook AND its event listener: pool
 //   //  kStored/kEvicted reach the listener as TierEvents with tier kPool,
-//   //  disk writes/evictions with tier kDisk. Do not call
-//   //  pool->SetEventListener yourself while attached.)
+//   //  disk writes/evictions with tier kDisk. If the shell owns the pool's
+//   //  listener, Attach(pool, listener, /*own_pool_listener=*/false) and call
+//   //  cache.OnPoolEvent(ev) from it.)
 //   cache.AnnounceAll();  // after (re)registering: kStored for all on disk/RAM
 //
 //   // Admission (connector: "how many tokens can be loaded from outside"):
@@ -174,12 +175,19 @@ class TieredCache {
   TieredCache(const TieredCache&) = delete;
   TieredCache& operator=(const TieredCache&) = delete;
 
-  // Installs the spill hook and the event listener on `pool` (replacing any
-  // other). `listener` (may be null) receives every TierEvent on the owner
-  // thread: pool events as they happen, disk events from Pump(). The pool
-  // must stay alive until Detach() or this cache's destruction.
-  void Attach(engine::KvBlockPool* pool, EventListener listener = nullptr);
+  // Installs the spill hook and (with own_pool_listener) the event listener
+  // on `pool`, replacing any other. `listener` (may be null) receives every
+  // TierEvent on the owner thread: pool events as they happen, disk events
+  // from Pump(). When something else must own the pool's listener (the
+  // worker shell), pass own_pool_listener = false and call OnPoolEvent from
+  // that listener for every pool event: write-through needs the kStored ones.
+  // The pool must stay alive until Detach() or this cache's destruction.
+  void Attach(engine::KvBlockPool* pool, EventListener listener = nullptr,
+              bool own_pool_listener = true);
   void Detach();
+  // One pool event (owner thread); see Attach. Forwards it to the listener as
+  // a TierEvent (tier kPool) and queues committed blocks for write-through.
+  void OnPoolEvent(const engine::KvEvent& ev);
 
   // Queues kStored events for every block the disk and RAM tiers hold
   // (delivered by the next Pump), e.g. after registering with a coordinator.
@@ -253,7 +261,6 @@ class TieredCache {
     std::vector<int32_t> tokens;
   };
   void OnSpill(const BlockHash& hash, engine::BlockId block);
-  void OnPoolEvent(const engine::KvEvent& ev);
   void Emit(const TierEvent& ev);
   void NoteLocked(const BlockHash& hash, Note note);
   // Encodes and stores one block; returns true if some tier accepted it.
@@ -269,6 +276,7 @@ class TieredCache {
   HostRamTier* const ram_;
   KvTier* const disk_;
   engine::KvBlockPool* pool_ = nullptr;  // attached pool, owner thread only
+  bool own_pool_listener_ = true;        // Attach installed the pool's listener
   EventListener listener_;               // owner thread only
   // Write-through backlog (owner thread only): committed, not yet written.
   std::deque<BlockHash> backlog_;

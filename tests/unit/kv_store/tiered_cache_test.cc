@@ -404,6 +404,32 @@ TEST_P(TieredCacheTest, WriteThroughToAFullQueueWaitsAndDrainFinishesIt) {
   cache.Detach();
 }
 
+TEST_P(TieredCacheTest, PublishMetricsExportsWriteThroughRestoreAndDiskCounters) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(11);
+  const auto tokens = Tokens(3 * 8, 24);
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 8);
+  cache.Attach(pool.get());
+  (void)cache.Match(tokens, model, kSalt);
+  Prefill(pool.get(), tokens, model, kSalt);
+  ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  MetricsRegistry registry;
+  cache.PublishMetrics(&registry, {{"worker", "prefill-0"}});
+  cache.PublishMetrics(&registry, {{"worker", "prefill-0"}});  // no double counting
+  const std::string text = registry.RenderPrometheus();
+  EXPECT_NE(text.find("kvrelay_kvstore_write_through_blocks_total{worker=\"prefill-0\"} 3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvrelay_kvstore_disk_written_blocks_total{worker=\"prefill-0\"} 3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvrelay_kvstore_disk_entries{worker=\"prefill-0\"} 3"), std::string::npos)
+      << text;
+  cache.Detach();
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, TieredCacheTest,
                          ::testing::Values(engine::KvDtype::kF32, engine::KvDtype::kF16),
                          [](const auto& info) {
