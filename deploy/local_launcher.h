@@ -12,6 +12,7 @@
 
 #include "common/status.h"
 #include "deploy/process_group.h"
+#include "engine/kv_cache/kv_cache.h"
 
 namespace kvrelay::deploy {
 
@@ -26,7 +27,7 @@ struct LaunchOptions {
   std::string tp_mode = "exact";  // exact | reduce (engine::TpMode)
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
-  std::string kv_dtype = "f32";
+  std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
   int64_t kv_capacity_mb = 256;
   // RocksDB prefix tier per prefill/colocated worker, in <kv_store_dir>/<worker id>
   // (RocksDB allows one process per database, so workers never share one);
