@@ -16,9 +16,14 @@
 // which the request was NOT admitted make its restored blocks evictable, so
 // the restore can be wasted and recomputed; that costs time, not a request.)
 //
-// The connector contract that avoids it, tested second: load a request's
-// blocks when the engine is about to admit it, and keep the references only
-// until the engine has taken its own (the request produced its first event).
+// The connector contract that avoids it (engine/runtime/kv_connector.h, on
+// main since the roles restructuring), tested second: the engine asks the
+// connector for a request's missing prefix blocks when it admits the request
+// (KvConnector::LoadPrefix), so restored blocks belong to that request's block
+// table from the moment they are allocated, and nothing is pinned for a
+// request that is not being admitted. Here the connector is TieredCache's
+// admission + load API (Match, StartLoad, FinishLoad), with all three
+// requests submitted between two steps as in the failing case.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -27,7 +32,9 @@
 #include <string>
 #include <vector>
 
+#include "engine/kv_cache/block_table.h"
 #include "engine/runtime/engine.h"
+#include "engine/runtime/kv_connector.h"
 #include "engine/runtime/model.h"
 #include "kv_store/rocksdb_tier.h"
 #include "kv_store/tiered_cache.h"
@@ -65,7 +72,7 @@ class RestoreRaceTest : public ::testing::Test {
     for (int r = 0; r < 3; ++r) {
       prompts_.push_back(Prompt(e->model().config().vocab, 100 + static_cast<uint32_t>(r)));
       (void)cache.Match(prompts_.back(), e->model().fingerprint(), kSalt);
-      ASSERT_TRUE(e->Submit(Spec("warm" + std::to_string(r), prompts_.back())).ok());
+      ASSERT_TRUE(e->Submit(Spec(100 + static_cast<engine::RequestId>(r), prompts_.back())).ok());
       while (e->HasWork()) {
         auto ev = e->Step();
         ASSERT_TRUE(ev.ok()) << ev.status().ToString();
@@ -95,7 +102,7 @@ class RestoreRaceTest : public ::testing::Test {
     EXPECT_EQ((*e)->pool()->total_blocks(), kPoolBlocks);
     return std::move(e).value();
   }
-  static engine::RequestSpec Spec(const std::string& id, const std::vector<int32_t>& prompt) {
+  static engine::RequestSpec Spec(engine::RequestId id, const std::vector<int32_t>& prompt) {
     engine::RequestSpec spec;
     spec.id = id;
     spec.prompt = prompt;
@@ -121,9 +128,9 @@ TEST_F(RestoreRaceTest, PinningEveryArrivalsRestoreAcrossAStepFailsARequest) {
     ASSERT_TRUE(
         cache.RestorePrefix(e->pool(), prompts_[r], e->model().fingerprint(), kSalt, &table).ok());
     restore_refs.insert(restore_refs.end(), table.begin(), table.end());
-    ASSERT_TRUE(e->Submit(Spec("r" + std::to_string(r), prompts_[r])).ok());
+    ASSERT_TRUE(e->Submit(Spec(static_cast<engine::RequestId>(r), prompts_[r])).ok());
   }
-  std::map<std::string, Status> errors;
+  std::map<engine::RequestId, Status> errors;
   bool first_step = true;
   while (e->HasWork()) {
     auto events = e->Step();
@@ -139,61 +146,72 @@ TEST_F(RestoreRaceTest, PinningEveryArrivalsRestoreAcrossAStepFailsARequest) {
   }
   // The oldest request is failed although every block it needs is restorable.
   ASSERT_EQ(errors.size(), 1u);
-  EXPECT_TRUE(errors.count("r0"));
+  EXPECT_TRUE(errors.count(0));
   EXPECT_NE(errors.begin()->second.message().find("no KV blocks available"), std::string::npos)
       << errors.begin()->second.ToString();
   cache.Detach();
 }
 
-TEST_F(RestoreRaceTest, LoadingAtAdmissionAndHoldingUntilAdmittedServesAllThree) {
+// The admission side of a KV connector over the tiers: what the prefill
+// role's LoadPrefix does with TieredCache.
+class TierConnector final : public engine::KvConnector {
+ public:
+  TierConnector(TieredCache* cache, engine::Engine* e) : cache_(cache), engine_(e) {}
+  void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
+                  engine::BlockTable& loaded) override {
+    PrefixMatch m =
+        cache_->Match(request.prompt, engine_->model().fingerprint(), request.tenant_salt);
+    // The engine's pool hits end where `missing` starts.
+    EXPECT_EQ(static_cast<size_t>(m.pool_blocks), m.hashes.size() - missing.size());
+    engine::BlockTable dst(loaded.pool());
+    for (int k = 0; k < m.external_blocks; ++k) {
+      auto b = loaded.pool()->Allocate();
+      if (!b.ok()) break;  // the pool is full: load what fits
+      dst.Adopt(*b);
+    }
+    auto load = cache_->StartLoad(m, request.prompt, engine_->model().fingerprint(),
+                                  request.tenant_salt, static_cast<int>(dst.size()));
+    auto n = cache_->FinishLoad(*load, dst.span(), Deadline::AfterMs(30000));
+    dst.Truncate(n.ok() ? *n : 0);
+    loaded.Append(std::move(dst));
+    ++loads_;
+  }
+  int loads_ = 0;
+
+ private:
+  TieredCache* cache_;
+  engine::Engine* engine_;
+};
+
+TEST_F(RestoreRaceTest, LoadingAtAdmissionThroughTheConnectorServesAllThree) {
   auto e = MakeEngine();
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({}, nullptr, disk.get());
   cache.Attach(e->pool());
-  std::map<std::string, int64_t> cached;
-  std::map<std::string, Status> errors;
-  auto collect = [&](const std::vector<engine::TokenEvent>& events) {
-    for (const auto& ev : events) {
-      if (ev.finish_reason == engine::FinishReason::kError) errors[ev.id] = ev.error;
-      if (!cached.count(ev.id)) cached[ev.id] = ev.cached_prompt_tokens;
-    }
-  };
+  TierConnector connector(&cache, e.get());
+  e->SetKvConnector(&connector);
+  // Three tasks arrive between two steps, as in the failing case.
   for (int r = 0; r < 3; ++r) {
-    const std::string id = "r" + std::to_string(r);
-    // Admission: how much can the store supply? Load it into blocks we hold.
-    PrefixMatch m = cache.Match(prompts_[r], e->model().fingerprint(), kSalt);
-    EXPECT_EQ(m.pool_blocks + m.external_blocks, 6);
-    std::vector<engine::BlockId> dst;
-    for (int k = 0; k < m.external_blocks; ++k) {
-      auto b = e->pool()->Allocate();
-      if (!b.ok()) break;
-      dst.push_back(*b);
-    }
-    auto load = cache.StartLoad(m, prompts_[r], e->model().fingerprint(), kSalt,
-                                static_cast<int>(dst.size()));
-    auto n = cache.FinishLoad(*load, dst, Deadline::AfterMs(30000));
-    ASSERT_TRUE(n.ok()) << n.status().ToString();
-    ASSERT_TRUE(e->Submit(Spec(id, prompts_[r])).ok());
-    // Hold the references until the engine has admitted the request (its
-    // first event), then hand them back: the engine holds its own now.
-    while (!cached.count(id) && e->HasWork()) {
-      auto events = e->Step();
-      ASSERT_TRUE(events.ok()) << events.status().ToString();
-      collect(*events);
-      cache.Pump();
-    }
-    for (engine::BlockId b : dst) e->pool()->Release(b);
+    ASSERT_TRUE(e->Submit(Spec(static_cast<engine::RequestId>(r), prompts_[r])).ok());
   }
+  std::map<engine::RequestId, int64_t> cached;
+  std::map<engine::RequestId, Status> errors;
   while (e->HasWork()) {
     auto events = e->Step();
     ASSERT_TRUE(events.ok()) << events.status().ToString();
-    collect(*events);
+    cache.Pump();
+    for (const auto& ev : *events) {
+      if (ev.finish_reason == engine::FinishReason::kError) errors[ev.id] = ev.error;
+      if (!cached.count(ev.id)) cached[ev.id] = ev.cached_prompt_tokens;
+    }
   }
   EXPECT_TRUE(errors.empty()) << errors.begin()->first << ": " << errors.begin()->second.ToString();
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_EQ(cached["r" + std::to_string(r)], 96) << "request " << r;
-  }
+  for (engine::RequestId r = 0; r < 3; ++r) EXPECT_EQ(cached[r], 96) << "request " << r;
+  // Every block was read from disk once (a re-admission after a failed
+  // allocation finds the loaded blocks in the pool's prefix cache).
   EXPECT_EQ(cache.stats().restored_blocks_disk, 18);
+  EXPECT_GE(connector.loads_, 3);
+  e->SetKvConnector(nullptr);
   cache.Detach();
 }
 
