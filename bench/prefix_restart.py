@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+import openai
 from openai import OpenAI
 
 TOPICS = ["astronomy", "botany", "chemistry", "geology", "history", "linguistics", "music",
@@ -45,16 +46,29 @@ def main() -> int:
         sys.argv[4]), int(sys.argv[5])
     client = OpenAI(base_url=base, api_key="unused", timeout=900, max_retries=0)
     for i in range(prefixes):
-        t0 = time.perf_counter()
-        ttft = None
-        usage = None
-        text = []
-        stream = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "system", "content": system_prompt(i)},
-                      {"role": "user", "content": question(seed, i)}],
-            max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True})
+        # A 503 ("no decode worker has room") right after the previous request:
+        # the coordinator's view of the decode pool is refreshed by heartbeats.
+        # Retry after a second; TTFT counts from the attempt that was served.
+        retries = 0
+        while True:
+            t0 = time.perf_counter()
+            ttft = None
+            usage = None
+            text = []
+            try:
+                stream = client.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "system", "content": system_prompt(i)},
+                              {"role": "user", "content": question(seed, i)}],
+                    max_tokens=8, temperature=0, stream=True,
+                    stream_options={"include_usage": True})
+            except openai.InternalServerError as e:
+                if e.status_code == 503 and retries < 30:
+                    retries += 1
+                    time.sleep(1.0)
+                    continue
+                raise
+            break
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 if ttft is None:
@@ -69,7 +83,7 @@ def main() -> int:
         print(json.dumps({
             "phase": phase, "prefix": i, "ttft_s": ttft if ttft is not None else total,
             "total_s": total, "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": cached, "text": "".join(text)}), flush=True)
+            "cached_tokens": cached, "retries_503": retries, "text": "".join(text)}), flush=True)
     return 0
 
 

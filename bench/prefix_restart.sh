@@ -44,9 +44,11 @@ trap stop_cluster EXIT
 start_cluster() {  # start_cluster LOGNAME
   # On a shared 2-core machine a cold 3,000-token prefill can outlast the decode
   # worker's default 30 s wait for the KV (--kv-timeout-ms), and one layer of a
-  # 512-token chunk can outlast 3 heartbeats of 500 ms (--heartbeat-ms).
+  # 512-token chunk can outlast 3 heartbeats of 500 ms (--heartbeat-ms; longer
+  # heartbeats make the coordinator's view of free decode blocks staler, so
+  # prefix_restart.py retries a 503 "no decode worker has room").
   ./scripts/serve.sh --port "$PORT" --kv-store "$STORE" --kv-timeout-ms 600000 \
-    --heartbeat-ms 3000 \
+    --heartbeat-ms 1000 \
     >"$OUT/$1.log" 2>&1 &
   SERVE_PID=$!
   for _ in $(seq 1 3000); do  # up to 300 s (serve.sh may build first)
