@@ -27,7 +27,18 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
     tiered_ = std::make_unique<kv_store::TieredCache>(kv_store::TieredCache::Options(),
                                                       ram_tier_.get(), disk_tier_.get());
-    tiered_->Attach(engine_->pool());
+    tiered_->Attach(
+        engine_->pool(),
+        [this](const kv_store::TierEvent& e) {
+          // The router keeps one set per worker: stored in any tier, evicted
+          // only when no tier of this worker holds the block any more.
+          if (e.kind == kv_store::TierEvent::Kind::kStored) {
+            ctx_.control->OnKvEvent({engine::KvEvent::Kind::kStored, e.hash});
+          } else if (!e.held_anywhere) {
+            ctx_.control->OnKvEvent({engine::KvEvent::Kind::kEvicted, e.hash});
+          }
+        },
+        /*own_pool_listener=*/false);
   }
   engine_->SetKvConnector(this);
   return Status::Ok();
@@ -35,7 +46,11 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
 
 void PrefillRole::Shutdown() {
   outgoing_.clear();  // cancels unfinished sends before their blocks go back
-  if (tiered_) tiered_->Detach();
+  if (tiered_) {
+    Status d = tiered_->Drain(Deadline::After(std::chrono::seconds(10)));
+    if (!d.ok()) LOG_WARNING << "prefix store drain: " << d.ToString();
+    tiered_->Detach();
+  }
 }
 
 Status PrefillRole::OnControlFrame(const protocols::Frame& frame) {

@@ -46,6 +46,18 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
   void OnDisconnected() override { outgoing_.clear(); }
   void Shutdown() override;
+  // A (re)registered coordinator learns every prefix this worker's store holds.
+  void OnRegistered() override {
+    if (tiered_) tiered_->AnnounceAll();
+  }
+  void Progress() override {
+    if (tiered_) tiered_->Pump();
+  }
+  bool OnPoolEvent(const engine::KvEvent& ev) override {
+    if (!tiered_) return false;
+    tiered_->OnPoolEvent(ev);
+    return true;
+  }
 
   // --- engine::KvConnector ---
   void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
