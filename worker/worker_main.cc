@@ -18,6 +18,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
                                                         "coordinator",
                                                         "model",
                                                         "kv-dtype",
+                                                        "device",
                                                         "kv-capacity-mb",
                                                         "block-tokens",
                                                         "threads",
@@ -50,6 +51,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f32")));
+  o.engine.device = flags.Get("device", "cpu");  // cpu | cuda[:N]; checked by Engine::Create
   ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
   o.engine.kv_capacity_bytes = cap_mb << 20;
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
@@ -113,7 +115,7 @@ int WorkerMain(Role role, int argc, char** argv) {
     std::fprintf(
         stderr,
         "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-        "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
+        "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] [--threads N] [--rank R "
         "--world-size W] [--kv-host H --kv-port P] [--kv-store DIR] [--tp-size T --tp-rank R "
         "--tp-leader HOST:PORT --tp-mode exact|reduce]\n",
         std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
