@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "engine/cuda/sample_params.h"
+
 namespace kvrelay::engine::cuda {
 
 // A weight matrix as it sits in device memory: the GGUF bytes unchanged.
@@ -86,5 +88,10 @@ int AttentionSplits(int64_t max_len, int split_tokens);
 // Row gather: out[r] = x[rows[r]] (d floats).
 void LaunchGatherRows(const float* x, const int32_t* rows, int64_t R, int d, float* out,
                       cudaStream_t stream);
+
+// One CTA per row (sample_kernel.cu); scratch as CudaSampler lays it out.
+void LaunchSample(const float* logits, int64_t rows, int vocab, const DeviceSampleParams* params,
+                  float* work, float* cand_v, int32_t* cand_id, double* probs, int32_t* out,
+                  cudaStream_t stream);
 
 }  // namespace kvrelay::engine::cuda
