@@ -358,6 +358,10 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   const bool exact_tp = shard.size > 1 && shard.mode == TpMode::kExact;
   const bool reduce_tp = shard.size > 1 && shard.mode == TpMode::kReduce;
   const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim(), L = c.n_layers;
+  const bool mirror = options_.mirror_kv_to_host;
+  if (!mirror && layer_hook) {
+    return FailedPrecondition("a layer hook reads the host pool, which this backend does not mirror");
+  }
 
   // Step metadata, packed: tokens, seq, rows (int32), then tables, then pos
   // and table offsets (int64).
@@ -426,7 +430,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   RETURN_IF_ERROR(gate_.Reserve(T * c.ffn_dim * f));
   RETURN_IF_ERROR(up_.Reserve(T * c.ffn_dim * f));
   RETURN_IF_ERROR(partials_.Reserve(static_cast<size_t>(T) * c.n_heads * splits * (c.head_dim + 2) * f));
-  RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
+  if (mirror) RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
   if (exact_tp) {
     RETURN_IF_ERROR(full_.Reserve(T * std::max(model_.full_config().q_dim(), model_.full_config().ffn_dim) * f));
   }
@@ -458,9 +462,11 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
                c.rope_dim, c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
     if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
     LaunchWriteKv(kv, l, k_.as<float>(), v_.as<float>(), d_seq, d_pos, T, st);
-    float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
-    KVR_CUDA_RETURN(cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
-    KVR_CUDA_RETURN(cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+    if (mirror) {
+      float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
+      KVR_CUDA_RETURN(cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+      KVR_CUDA_RETURN(cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+    }
     LaunchAttention(kv, l, q_.as<float>(), d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
                     max_len, options_.attention_split_tokens, partials_.as<float>(),
                     attn_.as<float>(), st);
@@ -501,9 +507,11 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
                                     cudaMemcpyDeviceToHost, st));
   }
-  RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
-  KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
-                                  cudaMemcpyDeviceToHost, st));
+  if (mirror) {
+    RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
+    KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
+                                    cudaMemcpyDeviceToHost, st));
+  }
   KVR_CUDA_RETURN(cudaGetLastError());  // launch failures
   KVR_CUDA_RETURN(cudaStreamSynchronize(st));
   if (R > 0) {
@@ -511,7 +519,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     std::memcpy(out->logits.data(), h_logits_.as<void>(), R * c.vocab * f);
   }
   // Mirror the step's K/V into the host pool (layer order, hook after each).
-  for (int l = 0; l < L; ++l) {
+  for (int l = 0; mirror && l < L; ++l) {
     const float* ks = h_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
     const float* vs = ks + T * kvd;
     for (int64_t t = 0; t < T; ++t) {

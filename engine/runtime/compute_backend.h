@@ -75,6 +75,10 @@ struct ComputeBackendOptions {
   int gemm_min_tokens = 16;
   // CUDA: positions per attention split (flash-decoding) for long contexts.
   int attention_split_tokens = 256;
+  // CUDA: copy each step's K/V back into the host pool (what the engine
+  // needs: exports, spills, the layer hook read host bytes). Off only for a
+  // device-only run (benchmarks); Run then refuses a layer hook.
+  bool mirror_kv_to_host = true;
 };
 
 // The backend for options.device. `model`, `pool` and `threads` must outlive
