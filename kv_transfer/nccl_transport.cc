@@ -49,6 +49,8 @@ Result<std::unique_ptr<NcclTransport>> NcclTransport::Create(const NcclTransport
   return std::unique_ptr<NcclTransport>(new NcclTransport(options));
 }
 
+NcclTransport::NcclTransport(const NcclTransportOptions& options) : options_(options) {}
+
 NcclTransport::~NcclTransport() {
   std::lock_guard<std::mutex> lock(mu_);
   ops_.clear();  // each Op synchronises its stream (the communicator's deadline bounds it)

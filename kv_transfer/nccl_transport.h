@@ -56,7 +56,7 @@ class NcclTransport final : public Transport {
 
  private:
   struct Op;
-  explicit NcclTransport(const NcclTransportOptions& options) : options_(options) {}
+  explicit NcclTransport(const NcclTransportOptions& options);
   Result<TransferHandle> Post(const TransferDesc& desc, bool is_send);
   // Done: scatter / header check for receives. mu_ held.
   Status FinishLocked(Op& op);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,7 @@ class CudaBackend final : public ComputeBackend {
   CudaBackend(const ComputeBackendOptions& options, const Model& model, KvBlockPool* pool)
       : options_(options), model_(model), pool_(pool) {}
   ~CudaBackend() override {
+    for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
     for (void* p : allocations_) cudaFree(p);
   }
@@ -67,7 +69,9 @@ class CudaBackend final : public ComputeBackend {
   // Y (+)= W X for T tokens; `xq_ready` says x is already quantized in xq_.
   Status MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias, bool accumulate,
                 float* y, bool* xq_ready);
-  Status UploadInvalidBlocks(const std::vector<int32_t>& blocks);
+  // Uploads the invalid blocks among `needed` (holding cached positions);
+  // `fresh` blocks (only positions this step writes) become valid as they are.
+  Status UploadInvalidBlocks(const std::vector<int32_t>& needed, const std::vector<int32_t>& fresh);
   // kExact TP: all ranks' [T x w_r] blocks of `local` -> [T x full] in `full`.
   Status GatherColumns(const float* local, const std::vector<UnitRange>& widths, int64_t T,
                        float* full);
@@ -92,6 +96,9 @@ class CudaBackend final : public ComputeBackend {
   DeviceBuffer meta_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, partials_, logits_,
       kv_stash_, xq_q_, xq_d_, xq_s_, xh_, wh_, gathered_, full_;
   PinnedBuffer h_meta_, h_logits_, h_stash_, h_upload_, h_tp_;
+  // Decode-step graphs by step shape (see Run); seen_ counts uncaptured runs.
+  std::map<std::string, cudaGraphExec_t> graphs_;
+  std::map<std::string, int> seen_;
   std::vector<float> tp_host_, tp_host2_;
 };
 
@@ -238,7 +245,9 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
   return Status::Ok();
 }
 
-Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks) {
+Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
+                                        const std::vector<int32_t>& fresh) {
+  for (int32_t b : fresh) valid_[b] = 1;  // every position read is written first
   std::vector<int32_t> todo;
   for (int32_t b : blocks) {
     if (!valid_[b]) {
@@ -317,6 +326,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   if (kl.layers != c.n_layers || kl.kv_heads != c.n_kv_heads || kl.head_dim != c.head_dim) {
     return InvalidArgument("KV pool layout does not match the model");
   }
+  // The device is per host thread; steps may run on another thread than Init.
+  KVR_CUDA_RETURN(cudaSetDevice(options_.device.index));
   const int B = kl.block_tokens;
   // Validation: the CPU ForwardPass's rules and messages.
   int64_t T = 0, max_len = 0;
@@ -365,7 +376,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
 
   // Step metadata, packed: tokens, seq, rows (int32), then tables, then pos
   // and table offsets (int64).
-  std::vector<int32_t> tokens, seq_of, tables, rows;
+  std::vector<int32_t> tokens, seq_of, tables, rows, cached_blocks, fresh_blocks;
   std::vector<int64_t> pos, table_off;
   tokens.reserve(T);
   seq_of.reserve(T);
@@ -374,7 +385,10 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     const ForwardSeq& q = seqs[s];
     const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
     table_off.push_back(static_cast<int64_t>(tables.size()));
-    for (int64_t b = 0; b < (len + B - 1) / B; ++b) tables.push_back(q.blocks[b]);
+    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
+      tables.push_back(q.blocks[b]);
+      (b * B < q.cache_len ? cached_blocks : fresh_blocks).push_back(q.blocks[b]);
+    }
     const int64_t first = static_cast<int64_t>(tokens.size());
     for (size_t i = 0; i < q.tokens.size(); ++i) {
       tokens.push_back(q.tokens[i]);
@@ -414,8 +428,9 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   const int64_t* d_pos = reinterpret_cast<const int64_t*>(meta_.as<int32_t>() + n32_padded);
   const int64_t* d_table_off = d_pos + T;
 
-  const bool uploads = std::any_of(tables.begin(), tables.end(), [&](int32_t b) { return !valid_[b]; });
-  RETURN_IF_ERROR(UploadInvalidBlocks(tables));
+  const bool uploads =
+      std::any_of(cached_blocks.begin(), cached_blocks.end(), [&](int32_t b) { return !valid_[b]; });
+  RETURN_IF_ERROR(UploadInvalidBlocks(cached_blocks, fresh_blocks));
 
   // Scratch.
   const size_t f = sizeof(float);
@@ -450,67 +465,116 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   float* x = x_.as<float>();
   float* xn = xn_.as<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  LaunchEmbed(embd_, d_tokens, T, x, st);
-  for (int l = 0; l < L; ++l) {
-    const DevLayer& w = layers_[l];
-    LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, st);
-    bool xq = false;
-    RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, q_.as<float>(), &xq));
-    RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, k_.as<float>(), &xq));
-    RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, v_.as<float>(), &xq));
-    LaunchRope(q_.as<float>(), k_.as<float>(), d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim,
-               c.rope_dim, c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
-    if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
-    LaunchWriteKv(kv, l, k_.as<float>(), v_.as<float>(), d_seq, d_pos, T, st);
+  auto enqueue = [&]() -> Status {
+    LaunchEmbed(embd_, d_tokens, T, x, st);
+    for (int l = 0; l < L; ++l) {
+      const DevLayer& w = layers_[l];
+      LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, st);
+      bool xq = false;
+      RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, q_.as<float>(), &xq));
+      RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, k_.as<float>(), &xq));
+      RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, v_.as<float>(), &xq));
+      LaunchRope(q_.as<float>(), k_.as<float>(), d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim,
+                 c.rope_dim, c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
+      if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
+      LaunchWriteKv(kv, l, k_.as<float>(), v_.as<float>(), d_seq, d_pos, T, st);
+      if (mirror) {
+        float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
+        KVR_CUDA_RETURN(cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+        KVR_CUDA_RETURN(cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+      }
+      LaunchAttention(kv, l, q_.as<float>(), d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
+                      max_len, options_.attention_split_tokens, partials_.as<float>(),
+                      attn_.as<float>(), st);
+      bool aq = false;
+      if (exact_tp) {
+        RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>()).WithContext("attention"));
+        RETURN_IF_ERROR(MatMul(w.wo, full_.as<float>(), T, nullptr, true, x, &aq));
+      } else if (reduce_tp) {
+        RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, false, proj_.as<float>(), &aq));
+        RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("attention"));
+        LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
+      } else {
+        RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, true, x, &aq));
+      }
+      LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, st);
+      bool fq = false;
+      RETURN_IF_ERROR(MatMul(w.gate, xn, T, nullptr, false, gate_.as<float>(), &fq));
+      RETURN_IF_ERROR(MatMul(w.up, xn, T, nullptr, false, up_.as<float>(), &fq));
+      LaunchSiluMul(gate_.as<float>(), up_.as<float>(), T, c.ffn_dim, st);
+      bool dq = false;
+      if (exact_tp) {
+        RETURN_IF_ERROR(GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
+        RETURN_IF_ERROR(MatMul(w.down, full_.as<float>(), T, nullptr, true, x, &dq));
+      } else if (reduce_tp) {
+        RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, false, proj_.as<float>(), &dq));
+        RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("ffn"));
+        LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
+      } else {
+        RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, true, x, &dq));
+      }
+    }
+    if (R > 0) {
+      LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, st);
+      RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
+      bool lq = false;
+      RETURN_IF_ERROR(MatMul(lm_head_, xn, R, nullptr, false, logits_.as<float>(), &lq));
+      RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
+      KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
+                                      cudaMemcpyDeviceToHost, st));
+    }
     if (mirror) {
-      float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
-      KVR_CUDA_RETURN(cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
-      KVR_CUDA_RETURN(cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+      RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
+      KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
+                                      cudaMemcpyDeviceToHost, st));
     }
-    LaunchAttention(kv, l, q_.as<float>(), d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
-                    max_len, options_.attention_split_tokens, partials_.as<float>(),
-                    attn_.as<float>(), st);
-    bool aq = false;
-    if (exact_tp) {
-      RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>()).WithContext("attention"));
-      RETURN_IF_ERROR(MatMul(w.wo, full_.as<float>(), T, nullptr, true, x, &aq));
-    } else if (reduce_tp) {
-      RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, false, proj_.as<float>(), &aq));
-      RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("attention"));
-      LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
-    } else {
-      RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, true, x, &aq));
-    }
-    LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, st);
-    bool fq = false;
-    RETURN_IF_ERROR(MatMul(w.gate, xn, T, nullptr, false, gate_.as<float>(), &fq));
-    RETURN_IF_ERROR(MatMul(w.up, xn, T, nullptr, false, up_.as<float>(), &fq));
-    LaunchSiluMul(gate_.as<float>(), up_.as<float>(), T, c.ffn_dim, st);
-    bool dq = false;
-    if (exact_tp) {
-      RETURN_IF_ERROR(GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
-      RETURN_IF_ERROR(MatMul(w.down, full_.as<float>(), T, nullptr, true, x, &dq));
-    } else if (reduce_tp) {
-      RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, false, proj_.as<float>(), &dq));
-      RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("ffn"));
-      LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
-    } else {
-      RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, true, x, &dq));
+    return Status::Ok();
+  };
+  // Decode steps replay a CUDA graph of everything above (and the meta H2D
+  // copy) once a step of the same shape ran uncaptured (so every buffer is
+  // already reserved and no allocation happens while capturing). The shape
+  // key holds every value baked into the graph: sizes that pick grids and
+  // offsets, and the buffer addresses.
+  const bool graphable = options_.cuda_graphs && !uploads && shard.size == 1 &&
+                         T < options_.gemm_min_tokens && R > 0;
+  std::string key;
+  if (graphable) {
+    key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
+          std::to_string(tables.size()) + "/" + std::to_string(splits) + "/" + std::to_string(mirror);
+    for (const void* p : {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(),
+                          gate_.get(), up_.get(), partials_.get(), logits_.get(), kv_stash_.get(),
+                          xq_q_.get(), xq_d_.get(), xq_s_.get(), h_logits_.as<void>(), h_stash_.as<void>(),
+                          h_meta_.as<void>()}) {
+      key += "/" + std::to_string(reinterpret_cast<uintptr_t>(p));
     }
   }
-  if (R > 0) {
-    LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, st);
-    RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
-    bool lq = false;
-    RETURN_IF_ERROR(MatMul(lm_head_, xn, R, nullptr, false, logits_.as<float>(), &lq));
-    RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
-    KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
-                                    cudaMemcpyDeviceToHost, st));
-  }
-  if (mirror) {
-    RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
-    KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
-                                    cudaMemcpyDeviceToHost, st));
+  auto g = graphable ? graphs_.find(key) : graphs_.end();
+  if (g != graphs_.end()) {
+    KVR_CUDA_RETURN(cudaGraphLaunch(g->second, st));
+  } else if (graphable && seen_[key]++ >= 1) {
+    if (graphs_.size() >= 256) {
+      for (auto& [k, e] : graphs_) cudaGraphExecDestroy(e);
+      graphs_.clear();
+      seen_.clear();
+    }
+    // The meta copy was enqueued before capture; capture it too so a replay
+    // reads this step's pinned metadata.
+    KVR_CUDA_RETURN(cudaStreamSynchronize(st));
+    KVR_CUDA_RETURN(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    Status cs = CudaStatus(cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes,
+                                           cudaMemcpyHostToDevice, st), "meta");
+    if (cs.ok()) cs = enqueue();
+    cudaGraph_t graph = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(st, &graph);
+    if (cs.ok()) cs = CudaStatus(end, "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    if (cs.ok()) cs = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    RETURN_IF_ERROR(cs.WithContext("capturing the decode step"));
+    graphs_[key] = exec;
+    KVR_CUDA_RETURN(cudaGraphLaunch(exec, st));
+  } else {
+    RETURN_IF_ERROR(enqueue());
   }
   KVR_CUDA_RETURN(cudaGetLastError());  // launch failures
   KVR_CUDA_RETURN(cudaStreamSynchronize(st));

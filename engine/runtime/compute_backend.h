@@ -79,6 +79,10 @@ struct ComputeBackendOptions {
   // needs: exports, spills, the layer hook read host bytes). Off only for a
   // device-only run (benchmarks); Run then refuses a layer hook.
   bool mirror_kv_to_host = true;
+  // CUDA: replay decode steps (fewer than gemm_min_tokens tokens, no KV
+  // upload, no tensor parallelism) from CUDA graphs captured per step shape,
+  // which removes the per-kernel launch cost that dominates small models.
+  bool cuda_graphs = true;
 };
 
 // The backend for options.device. `model`, `pool` and `threads` must outlive
