@@ -40,15 +40,16 @@ configure_and_build() {
               -DCMAKE_CUDA_ARCHITECTURES=90 -DKVRELAY_WERROR=ON)
   [ -d "$DEPS/lib" ] && args+=(-DKVRELAY_DEPS_PREFIX="$DEPS")
   command -v ccache >/dev/null && args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  mkdir -p "$BUILD"
   if [ ! -f "$BUILD/build.ninja" ]; then
     say "configuring $BUILD (KVRELAY_MINIMAL_GPU=ON)"
-    cmake -S . -B "$BUILD" "${args[@]}" > "$BUILD.configure.log" 2>&1 || {
-      cat "$BUILD.configure.log"; return 1; }
-    grep -E "kvrelay: CUDA" "$BUILD.configure.log"
+    cmake -S . -B "$BUILD" "${args[@]}" > "$BUILD/gpu-check-configure.log" 2>&1 || {
+      cat "$BUILD/gpu-check-configure.log"; return 1; }
+    grep -E "kvrelay: CUDA" "$BUILD/gpu-check-configure.log"
   fi
   say "building kvrelay_gpu_check (-j $JOBS)"
-  cmake --build "$BUILD" --target kvrelay_gpu_check -j "$JOBS" > "$BUILD.build.log" 2>&1 || {
-    tail -40 "$BUILD.build.log"; return 1; }
+  cmake --build "$BUILD" --target kvrelay_gpu_check -j "$JOBS" > "$BUILD/gpu-check-build.log" 2>&1 || {
+    tail -40 "$BUILD/gpu-check-build.log"; return 1; }
 }
 
 if [ "${1:-}" = "--prepare" ]; then
