@@ -20,7 +20,8 @@ const std::vector<std::string> kLaunchFlags = {
     "tp",           "colocated",      "threads-per-worker",
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
-    "demo",         "max-tokens",     "tp-mode"};
+    "demo",         "max-tokens",     "tp-mode",
+    "decode-device"};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
@@ -55,6 +56,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
+  o.decode_device = flags.Get("decode-device", o.decode_device);
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -177,7 +179,8 @@ int RunLaunch(const std::vector<std::string>& args) {
 KVRELAY_COMMAND(
     launch, "launch",
     "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
-    "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR] [--demo PROMPT]",
+    "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR] [--decode-device cpu|cuda[:N]] "
+    "[--demo PROMPT]",
     RunLaunch);
 
 }  // namespace kvrelay::cli

@@ -95,6 +95,10 @@ Status LocalLauncher::Start() {
                                      std::to_string(world),
                                      "--kv-host",
                                      options_.host};
+    if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {
+      argv.push_back("--device");
+      argv.push_back(options_.decode_device);
+    }
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

@@ -26,6 +26,7 @@ struct LaunchOptions {
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
   std::string kv_dtype = "f32";
+  std::string decode_device = "cpu";  // --device of the decode workers: cpu | cuda[:N]
   int64_t kv_capacity_mb = 256;
   std::string kv_store_dir;  // RocksDB tier per worker under this directory; empty = none
   std::string router = "prefix_aware";

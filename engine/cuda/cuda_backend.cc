@@ -65,6 +65,8 @@ class CudaBackend final : public ComputeBackend {
  private:
   Status UploadMatrix(const GgufTensor* t, DevMatrix* out);
   Status UploadFloats(const std::vector<float>& v, float** out);
+  // fp16 copies of every matrix when they fit (fp16_weight_cache_fraction).
+  Status BuildFp16Cache();
   Status Alloc(size_t bytes, void** out);
   // Y (+)= W X for T tokens; `xq_ready` says x is already quantized in xq_.
   Status MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias, bool accumulate,
@@ -142,6 +144,31 @@ Status CudaBackend::UploadFloats(const std::vector<float>& v, float** out) {
   return Status::Ok();
 }
 
+Status CudaBackend::BuildFp16Cache() {
+  std::vector<DevMatrix*> all;
+  for (DevLayer& l : layers_) {
+    for (DevMatrix* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down}) all.push_back(m);
+  }
+  all.push_back(&lm_head_);
+  size_t bytes = 0;
+  for (const DevMatrix* m : all) bytes += static_cast<size_t>(m->rows * m->cols) * sizeof(__half);
+  size_t free_b = 0, total_b = 0;
+  RETURN_IF_ERROR(DeviceMemory(&free_b, &total_b));
+  if (options_.fp16_weight_cache_fraction <= 0 ||
+      static_cast<double>(bytes) > options_.fp16_weight_cache_fraction * static_cast<double>(free_b)) {
+    return Status::Ok();
+  }
+  for (DevMatrix* m : all) {
+    void* p = nullptr;
+    RETURN_IF_ERROR(Alloc(static_cast<size_t>(m->rows * m->cols) * sizeof(__half), &p));
+    LaunchDequantF16(*m, static_cast<__half*>(p), stream_.get());
+    m->f16 = static_cast<const __half*>(p);
+  }
+  if (lm_head_.data == embd_.data) embd_.f16 = lm_head_.f16;
+  KVR_CUDA_RETURN(cudaStreamSynchronize(stream_.get()));
+  return Status::Ok();
+}
+
 Status CudaBackend::Init() {
   std::string desc;
   RETURN_IF_ERROR(UseDevice(options_.device.index, &desc).WithContext("cuda backend"));
@@ -196,6 +223,7 @@ Status CudaBackend::Init() {
                                    " blocks"));
   kv_pool_ = static_cast<uint8_t*>(p);
   valid_.assign(pool_->total_blocks(), 0);
+  RETURN_IF_ERROR(BuildFp16Cache());  // after the pool: it takes a share of what is left
   layer_ready_.resize(c.n_layers);
   for (Event& e : layer_ready_) RETURN_IF_ERROR(e.Create());
   theta_scale_ = std::pow(c.rope_base, -2.0f / static_cast<float>(c.rope_dim));
@@ -217,13 +245,19 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
   cudaStream_t s = stream_.get();
   if (T >= options_.gemm_min_tokens) {
     // Tensor cores: fp16 tiles of W and X, fp32 accumulation.
-    RETURN_IF_ERROR(wh_.Reserve(static_cast<size_t>(w.rows * w.cols) * sizeof(__half)));
+    if (w.f16 == nullptr) {
+      RETURN_IF_ERROR(wh_.Reserve(static_cast<size_t>(w.rows * w.cols) * sizeof(__half)));
+    }
     RETURN_IF_ERROR(xh_.Reserve(static_cast<size_t>(T * w.cols) * sizeof(__half)));
-    LaunchDequantF16(w, wh_.as<__half>(), s);
+    const __half* wf16 = w.f16;
+    if (wf16 == nullptr) {
+      LaunchDequantF16(w, wh_.as<__half>(), s);
+      wf16 = wh_.as<__half>();
+    }
     LaunchFloatToHalf(x, T * w.cols, xh_.as<__half>(), s);
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     KVR_CUBLAS_RETURN(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows),
-                                   static_cast<int>(T), static_cast<int>(w.cols), &alpha, wh_.get(),
+                                   static_cast<int>(T), static_cast<int>(w.cols), &alpha, wf16,
                                    CUDA_R_16F, static_cast<int>(w.cols), xh_.get(), CUDA_R_16F,
                                    static_cast<int>(w.cols), &beta, y, CUDA_R_32F,
                                    static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,

@@ -20,6 +20,7 @@ struct DevMatrix {
   int64_t cols = 0;
   int64_t row_bytes = 0;
   const uint8_t* data = nullptr;
+  const __half* f16 = nullptr;  // optional fp16 copy [rows][cols] for the tensor-core path
 };
 
 // Activations quantized per 32-block, as engine/kernels/quant_blocks.h

@@ -83,6 +83,12 @@ struct ComputeBackendOptions {
   // upload, no tensor parallelism) from CUDA graphs captured per step shape,
   // which removes the per-kernel launch cost that dominates small models.
   bool cuda_graphs = true;
+  // CUDA: also keep an fp16 copy of every matrix for the tensor-core path
+  // when all copies fit in this fraction of the free device memory (0: never;
+  // then each large step dequantizes each matrix into a scratch tile). The
+  // quantized weights stay and serve every decode step below gemm_min_tokens;
+  // the copy saves a full dequantization pass per large batch / prefill step.
+  double fp16_weight_cache_fraction = 0.5;
 };
 
 // The backend for options.device. `model`, `pool` and `threads` must outlive

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "engine/runtime/engine.h"
 #include "tests/testing/synthetic_model.h"
@@ -68,6 +69,46 @@ TEST(ComputeBackendTest, CpuBackendIsTheForwardPass) {
   ASSERT_EQ(a.logits.size(), b.logits.size());
   EXPECT_EQ(0, std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)));
   EXPECT_EQ(a.row_begin, b.row_begin);
+}
+
+// Records what a device mirror would be told.
+class RecordingBackend final : public ComputeBackend {
+ public:
+  DeviceSpec device() const override { return {DeviceKind::kCuda, 0}; }
+  Status Run(std::span<const ForwardSeq>, ForwardOutput*, const std::function<void(int)>&) override {
+    return Unimplemented("recording only");
+  }
+  void SetCollective(TpCollective*) override {}
+  void InvalidateBlock(BlockId b) override { invalidated.push_back(b); }
+  std::vector<BlockId> invalidated;
+};
+
+TEST(ComputeBackendTest, TrackingPoolReportsEveryHostWriteTheBackendDidNotMake) {
+  auto model = Synthetic();
+  HostWriteTrackingPool pool(testutil::MakePool(*model, 8));
+  RecordingBackend backend;
+  pool.SetBackend(&backend);
+  const BlockId a = *pool.Allocate(), b = *pool.Allocate();
+  std::vector<float> k(model->config().kv_dim(), 1.0f), v(k.size(), 2.0f);
+  pool.WriteToken(a, 0, 0, k.data(), v.data());  // the backend's own mirror path
+  EXPECT_TRUE(backend.invalidated.empty());
+  auto ro = std::as_const(pool).LayerData(a, 1);  // reading: no invalidation
+  EXPECT_EQ(static_cast<int64_t>(ro.size()), pool.layout().LayerBytes());
+  EXPECT_TRUE(backend.invalidated.empty());
+  auto rw = pool.LayerData(b, 1);  // an importer writes block b
+  rw[0] = 7;
+  EXPECT_EQ(backend.invalidated, std::vector<BlockId>{b});
+  pool.CopyBlock(a, b);  // copy-on-write lands in b
+  EXPECT_EQ(backend.invalidated, (std::vector<BlockId>{b, b}));
+  // Everything else reaches the wrapped pool unchanged.
+  std::vector<float> k2(16 * model->config().head_dim), v2(k2.size());
+  pool.ReadHead(b, 0, 0, 1, k2.data(), v2.data());
+  EXPECT_EQ(k2[0], 1.0f);
+  EXPECT_EQ(v2[0], 2.0f);
+  EXPECT_EQ(pool.refcount(a), 1);
+  pool.Release(a);
+  pool.Release(b);
+  EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
 }
 
 TEST(ComputeBackendTest, EngineWithCudaDeviceRefusesClearlyWithoutAGpu) {
