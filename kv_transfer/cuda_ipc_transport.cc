@@ -190,9 +190,9 @@ Result<TransferHandle> CudaIpcTransport::Post(const TransferDesc& desc, bool is_
     return ResourceExhausted("cuda_ipc: " + std::to_string(ops_.size()) + " transfers in flight");
   }
   auto& table = is_send ? sends_ : recvs_;
-  if (table.count(op->key) > 0 || (!is_send && offers_.count(op->key) > 0 &&
-                                   std::any_of(copying_.begin(), copying_.end(),
-                                               [&](const auto& o) { return o->key == op->key; }))) {
+  const bool copying = std::any_of(copying_.begin(), copying_.end(),
+                                   [&](const auto& o) { return o->key == op->key; });
+  if (table.count(op->key) > 0 || (!is_send && copying)) {
     return AlreadyExists("cuda_ipc: request " + std::to_string(desc.request_id) + " tag " +
                          std::to_string(desc.tag) + " is already posted");
   }

@@ -145,21 +145,26 @@ Result<bool> NcclTransport::Poll(TransferHandle handle) {
 }
 
 Status NcclTransport::Wait(TransferHandle handle, Deadline deadline) {
-  cudaStream_t stream = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = ops_.find(handle);
-    if (it == ops_.end()) return NotFound("nccl transport: unknown handle " + std::to_string(handle));
-    stream = it->second->stream;
+  // Polls under the mutex (NCCL communicators are not thread-safe) so other
+  // threads can post meanwhile; at the deadline the communicator is aborted
+  // (NCCL cannot cancel one operation).
+  for (;;) {
+    Result<bool> done = Poll(handle);
+    if (!done.ok()) return done.status();
+    if (*done) return Status::Ok();
+    if (deadline.Expired()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = ops_.find(handle);
+      Status st = DeadlineExceeded("nccl transfer did not finish by its deadline");
+      if (it != ops_.end()) {
+        st = options_.comm->Wait(it->second->stream, Deadline::AfterMs(0));  // aborts
+        if (st.ok()) st = FinishLocked(*it->second);
+        ops_.erase(it);
+      }
+      return st;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
-  // Aborts the communicator at the deadline (NCCL cannot cancel one operation).
-  Status st = options_.comm->Wait(stream, deadline);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = ops_.find(handle);
-  if (it == ops_.end()) return st.ok() ? Status::Ok() : st;
-  if (st.ok()) st = FinishLocked(*it->second);
-  ops_.erase(it);
-  return st;
 }
 
 Status NcclTransport::Cancel(TransferHandle handle) {

@@ -281,7 +281,6 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
 
 Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
                                         const std::vector<int32_t>& fresh) {
-  for (int32_t b : fresh) valid_[b] = 1;  // every position read is written first
   std::vector<int32_t> todo;
   for (int32_t b : blocks) {
     if (!valid_[b]) {
@@ -289,6 +288,7 @@ Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
       valid_[b] = 1;  // the copies below are ordered before any read of it
     }
   }
+  for (int32_t b : fresh) valid_[b] = 1;  // every position read is written first
   const KvLayout& kl = pool_->layout();
   const int64_t lb = kl.LayerBytes();
   const int L = model_.config().n_layers;
@@ -393,6 +393,10 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   out->logits.clear();
   out->row_begin.assign(1, 0);
   if (T == 0) return Status::Ok();
+  if (T > 65535) {
+    return InvalidArgument("cuda backend: " + std::to_string(T) +
+                           " tokens in one step (at most 65535: one attention grid row per token)");
+  }
   const TensorParallelShard& shard = model_.shard();
   if (shard.size > 1 && (collective_ == nullptr || collective_->size() != shard.size ||
                          collective_->rank() != shard.rank)) {
@@ -438,29 +442,36 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     out->row_begin.push_back(static_cast<int64_t>(rows.size()));
   }
   const int64_t R = static_cast<int64_t>(rows.size());
-  const size_t n32 = tokens.size() + seq_of.size() + rows.size() + tables.size();
+  // Layout of meta_: int32 tokens [T], seq [T], rows [R] (padded to 8 bytes),
+  // int64 pos [T], table_off [S], then the int32 tables padded to a multiple
+  // of 64 entries. Only the tables' length changes as sequences grow, and it
+  // is last, so a decode step's graph (keyed by the padded length) stays
+  // valid for 64 block-table entries.
+  const size_t n32 = tokens.size() + seq_of.size() + rows.size();
   const size_t n32_padded = (n32 + 1) & ~size_t{1};
-  const size_t meta_bytes = n32_padded * 4 + (pos.size() + table_off.size()) * 8;
+  const size_t tables_padded = (tables.size() + 63) & ~size_t{63};
+  const size_t meta_bytes = n32_padded * 4 + (pos.size() + table_off.size()) * 8 + tables_padded * 4;
   RETURN_IF_ERROR(h_meta_.Reserve(meta_bytes));
   RETURN_IF_ERROR(meta_.Reserve(meta_bytes));
   {
     int32_t* h = h_meta_.as<int32_t>();
     h = std::copy(tokens.begin(), tokens.end(), h);
     h = std::copy(seq_of.begin(), seq_of.end(), h);
-    h = std::copy(rows.begin(), rows.end(), h);
-    std::copy(tables.begin(), tables.end(), h);
+    std::copy(rows.begin(), rows.end(), h);
     int64_t* h64 = reinterpret_cast<int64_t*>(h_meta_.as<int32_t>() + n32_padded);
     h64 = std::copy(pos.begin(), pos.end(), h64);
-    std::copy(table_off.begin(), table_off.end(), h64);
+    h64 = std::copy(table_off.begin(), table_off.end(), h64);
+    int32_t* ht = reinterpret_cast<int32_t*>(h64);
+    std::fill(std::copy(tables.begin(), tables.end(), ht), ht + tables_padded, 0);
   }
   cudaStream_t st = stream_.get();
   KVR_CUDA_RETURN(cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st));
   const int32_t* d_tokens = meta_.as<int32_t>();
   const int32_t* d_seq = d_tokens + T;
   const int32_t* d_rows = d_seq + T;
-  const int32_t* d_tables = d_rows + R;
   const int64_t* d_pos = reinterpret_cast<const int64_t*>(meta_.as<int32_t>() + n32_padded);
   const int64_t* d_table_off = d_pos + T;
+  const int32_t* d_tables = reinterpret_cast<const int32_t*>(d_table_off + seqs.size());
 
   const bool uploads =
       std::any_of(cached_blocks.begin(), cached_blocks.end(), [&](int32_t b) { return !valid_[b]; });
@@ -574,7 +585,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   std::string key;
   if (graphable) {
     key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
-          std::to_string(tables.size()) + "/" + std::to_string(splits) + "/" + std::to_string(mirror);
+          std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" + std::to_string(mirror);
     for (const void* p : {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(),
                           gate_.get(), up_.get(), partials_.get(), logits_.get(), kv_stash_.get(),
                           xq_q_.get(), xq_d_.get(), xq_s_.get(), h_logits_.as<void>(), h_stash_.as<void>(),
@@ -583,6 +594,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     }
   }
   auto g = graphable ? graphs_.find(key) : graphs_.end();
+  if (graphable && g == graphs_.end() && seen_.size() >= 4096) seen_.clear();  // bounded
   if (g != graphs_.end()) {
     KVR_CUDA_RETURN(cudaGraphLaunch(g->second, st));
   } else if (graphable && seen_[key]++ >= 1) {
