@@ -82,7 +82,7 @@ struct CudaIpcTransport::Op {
   Key key;
   std::vector<Region> regions;
   size_t total = 0;
-  std::vector<Piece> pieces;   // sends: what was offered
+  std::vector<Piece> pieces;    // sends: what was offered
   cudaEvent_t event = nullptr;  // receives: the copies' completion
   bool copying = false;
   bool sender_cancelled = false;
@@ -92,13 +92,15 @@ struct CudaIpcTransport::Op {
 
 Result<std::unique_ptr<CudaIpcTransport>> CudaIpcTransport::Create(
     const CudaIpcTransportOptions& options) {
-  if (options.rank != 0 && options.rank != 1) return InvalidArgument("cuda_ipc rank must be 0 or 1");
+  if (options.rank != 0 && options.rank != 1)
+    return InvalidArgument("cuda_ipc rank must be 0 or 1");
   if (options.control_fd < 0) return InvalidArgument("cuda_ipc needs a connected control_fd");
   if (options.max_inflight < 1) return InvalidArgument("cuda_ipc max_inflight must be >= 1");
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
   std::unique_ptr<CudaIpcTransport> t(new CudaIpcTransport(options));
   cudaStream_t s = nullptr;
-  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
   t->stream_ = s;
   t->reader_ = std::thread([p = t.get()] { p->ReaderLoop(); });
   return t;
@@ -130,7 +132,8 @@ CudaIpcTransport::~CudaIpcTransport() {
 Status CudaIpcTransport::RegisterMemory(const void* base, size_t bytes) {
   if (base == nullptr || bytes == 0) return InvalidArgument("cuda_ipc RegisterMemory: empty range");
   cudaIpcMemHandle_t h;
-  RETURN_IF_ERROR(CudaStatus(cudaIpcGetMemHandle(&h, const_cast<void*>(base)), "cudaIpcGetMemHandle"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaIpcGetMemHandle(&h, const_cast<void*>(base)), "cudaIpcGetMemHandle"));
   Registered r;
   r.base = reinterpret_cast<uintptr_t>(base);
   r.bytes = bytes;
@@ -168,8 +171,12 @@ Status CudaIpcTransport::SendMessageLocked(uint32_t type, const Key& key, uint64
   return st;
 }
 
-Result<TransferHandle> CudaIpcTransport::PostSend(const TransferDesc& desc) { return Post(desc, true); }
-Result<TransferHandle> CudaIpcTransport::PostRecv(const TransferDesc& desc) { return Post(desc, false); }
+Result<TransferHandle> CudaIpcTransport::PostSend(const TransferDesc& desc) {
+  return Post(desc, true);
+}
+Result<TransferHandle> CudaIpcTransport::PostRecv(const TransferDesc& desc) {
+  return Post(desc, false);
+}
 
 Result<TransferHandle> CudaIpcTransport::Post(const TransferDesc& desc, bool is_send) {
   RETURN_IF_ERROR(ValidateDesc(desc, 2));
@@ -204,8 +211,9 @@ Result<TransferHandle> CudaIpcTransport::Post(const TransferDesc& desc, bool is_
         if (a >= g.base && a + r.bytes <= g.base + g.bytes) reg = &g;
       }
       if (reg == nullptr) {
-        return InvalidArgument("cuda_ipc send: a slice lies outside registered device memory "
-                               "(RegisterMemory the pool slab first)");
+        return InvalidArgument(
+            "cuda_ipc send: a slice lies outside registered device memory "
+            "(RegisterMemory the pool slab first)");
       }
       op->pieces.push_back({reg->handle, a - reg->base, r.bytes});
     }
@@ -264,7 +272,8 @@ void CudaIpcTransport::StartCopyLocked(const std::shared_ptr<Op>& op, const Offe
     while (left > 0 && st.ok()) {
       const Region& r = op->regions[ri];
       const size_t n = std::min<size_t>(left, r.bytes - rin);
-      st = CudaStatus(cudaMemcpyAsync(r.data + rin, src, n, cudaMemcpyDefault, s), "cudaMemcpyAsync");
+      st = CudaStatus(cudaMemcpyAsync(r.data + rin, src, n, cudaMemcpyDefault, s),
+                      "cudaMemcpyAsync");
       src += n;
       left -= n;
       rin += n;
@@ -275,7 +284,9 @@ void CudaIpcTransport::StartCopyLocked(const std::shared_ptr<Op>& op, const Offe
     }
     if (!st.ok()) break;
   }
-  if (st.ok()) st = CudaStatus(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate");
+  if (st.ok())
+    st =
+        CudaStatus(cudaEventCreateWithFlags(&op->event, cudaEventDisableTiming), "cudaEventCreate");
   if (st.ok()) st = CudaStatus(cudaEventRecord(op->event, s), "cudaEventRecord");
   if (!st.ok()) {
     // Copies already enqueued must land before the buffers are released.
@@ -393,11 +404,13 @@ void CudaIpcTransport::ReaderLoop() {
       if (it != sends_.end()) {
         std::shared_ptr<Op> op = it->second;
         FinishLocked(op, h.code == 0 ? Status::Ok()
-                                     : Status(static_cast<StatusCode>(h.code), "cuda_ipc receiver: " + text));
+                                     : Status(static_cast<StatusCode>(h.code),
+                                              "cuda_ipc receiver: " + text));
       }
     } else if (h.type == kCancelOffer) {
       if (offers_.erase(key) > 0) {
-        static_cast<void>(SendMessageLocked(kDone, key, 0, Cancelled("receive not posted yet"), {}));
+        static_cast<void>(
+            SendMessageLocked(kDone, key, 0, Cancelled("receive not posted yet"), {}));
       } else {
         bool copying = false;
         for (auto& op : copying_) {
@@ -406,7 +419,8 @@ void CudaIpcTransport::ReaderLoop() {
             copying = true;
           }
         }
-        if (!copying) static_cast<void>(SendMessageLocked(kDone, key, 0, Cancelled("nothing to cancel"), {}));
+        if (!copying)
+          static_cast<void>(SendMessageLocked(kDone, key, 0, Cancelled("nothing to cancel"), {}));
       }
     }
   }
@@ -415,7 +429,8 @@ void CudaIpcTransport::ReaderLoop() {
 Result<bool> CudaIpcTransport::Poll(TransferHandle handle) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = ops_.find(handle);
-  if (it == ops_.end()) return NotFound("cuda_ipc: unknown transfer handle " + std::to_string(handle));
+  if (it == ops_.end())
+    return NotFound("cuda_ipc: unknown transfer handle " + std::to_string(handle));
   ProgressLocked();
   std::shared_ptr<Op> op = it->second;
   if (!op->done) return false;
@@ -443,7 +458,8 @@ Status CudaIpcTransport::Wait(TransferHandle handle, Deadline deadline) {
 Status CudaIpcTransport::Cancel(TransferHandle handle) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = ops_.find(handle);
-  if (it == ops_.end()) return NotFound("cuda_ipc: unknown transfer handle " + std::to_string(handle));
+  if (it == ops_.end())
+    return NotFound("cuda_ipc: unknown transfer handle " + std::to_string(handle));
   std::shared_ptr<Op> op = it->second;
   if (!op->done) {
     if (op->is_send) {
@@ -451,7 +467,8 @@ Status CudaIpcTransport::Cancel(TransferHandle handle) {
       // its answer before the buffers count as released.
       if (SendMessageLocked(kCancelOffer, op->key, 0, Status::Ok(), {}).ok()) {
         const Deadline d = Deadline::After(options_.cancel_timeout);
-        while (!op->done && lost_.ok() && !d.Expired()) cv_.wait_for(lock, std::chrono::milliseconds(1));
+        while (!op->done && lost_.ok() && !d.Expired())
+          cv_.wait_for(lock, std::chrono::milliseconds(1));
       }
       if (!op->done) {
         PeerLostLocked(DeadlineExceeded("no answer to a cancel"));
@@ -462,7 +479,8 @@ Status CudaIpcTransport::Cancel(TransferHandle handle) {
         cudaEventSynchronize(op->event);  // device copies finish; then drop the data
         copying_.erase(std::remove(copying_.begin(), copying_.end(), op), copying_.end());
         op->copying = false;
-        static_cast<void>(SendMessageLocked(kDone, op->key, 0, Cancelled("receiver cancelled"), {}));
+        static_cast<void>(
+            SendMessageLocked(kDone, op->key, 0, Cancelled("receiver cancelled"), {}));
       }
       FinishLocked(op, Cancelled("cancelled"));
     }

@@ -44,7 +44,8 @@ struct NcclTransport::Op {
 
 Result<std::unique_ptr<NcclTransport>> NcclTransport::Create(const NcclTransportOptions& options) {
   if (options.comm == nullptr) return InvalidArgument("NcclTransportOptions.comm is null");
-  if (options.max_inflight < 1) return InvalidArgument("NcclTransportOptions.max_inflight must be >= 1");
+  if (options.max_inflight < 1)
+    return InvalidArgument("NcclTransportOptions.max_inflight must be >= 1");
   RETURN_IF_ERROR(options.comm->health());
   return std::unique_ptr<NcclTransport>(new NcclTransport(options));
 }
@@ -56,8 +57,12 @@ NcclTransport::~NcclTransport() {
   ops_.clear();  // each Op synchronises its stream (the communicator's deadline bounds it)
 }
 
-Result<TransferHandle> NcclTransport::PostSend(const TransferDesc& desc) { return Post(desc, true); }
-Result<TransferHandle> NcclTransport::PostRecv(const TransferDesc& desc) { return Post(desc, false); }
+Result<TransferHandle> NcclTransport::PostSend(const TransferDesc& desc) {
+  return Post(desc, true);
+}
+Result<TransferHandle> NcclTransport::PostRecv(const TransferDesc& desc) {
+  return Post(desc, false);
+}
 
 Result<TransferHandle> NcclTransport::Post(const TransferDesc& desc, bool is_send) {
   RETURN_IF_ERROR(ValidateDesc(desc, world_size()));
@@ -67,7 +72,8 @@ Result<TransferHandle> NcclTransport::Post(const TransferDesc& desc, bool is_sen
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(options_.comm->health());
   if (static_cast<int>(ops_.size()) >= options_.max_inflight) {
-    return ResourceExhausted("nccl transport: " + std::to_string(ops_.size()) + " transfers in flight");
+    return ResourceExhausted("nccl transport: " + std::to_string(ops_.size()) +
+                             " transfers in flight");
   }
   auto op = std::make_unique<Op>();
   op->is_send = is_send;
@@ -75,18 +81,22 @@ Result<TransferHandle> NcclTransport::Post(const TransferDesc& desc, bool is_sen
   op->regions = ResolveRegions(desc);
   op->total = TotalBytes(op->regions);
   op->staged = op->regions.size() > 1;
-  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&op->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&op->stream, cudaStreamNonBlocking),
+                             "cudaStreamCreate"));
   const size_t staging = sizeof(WireHeader) + (op->staged ? op->total : 0);
   RETURN_IF_ERROR(CudaStatus(cudaMalloc(&op->staging, staging), "cudaMalloc(nccl staging)"));
   uint8_t* payload = op->staged ? op->staging + sizeof(WireHeader)
                                 : (op->regions.empty() ? nullptr : op->regions[0].data);
   if (is_send) {
     WireHeader h{desc.request_id, desc.tag, 0, op->total};
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(op->staging, &h, sizeof(h), cudaMemcpyHostToDevice, op->stream), "header"));
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(op->staging, &h, sizeof(h), cudaMemcpyHostToDevice, op->stream), "header"));
     if (op->staged) {
       size_t off = 0;
       for (const Region& r : op->regions) {
-        RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(payload + off, r.data, r.bytes, cudaMemcpyDeviceToDevice, op->stream), "gather"));
+        RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpyAsync(payload + off, r.data, r.bytes, cudaMemcpyDeviceToDevice, op->stream),
+            "gather"));
         off += r.bytes;
       }
     }
@@ -112,18 +122,21 @@ Status NcclTransport::FinishLocked(Op& op) {
   if (op.is_send) return op.status = Status::Ok();
   WireHeader h{};
   Status st = CudaStatus(cudaMemcpy(&h, op.staging, sizeof(h), cudaMemcpyDeviceToHost), "header");
-  if (st.ok() && (h.request_id != op.desc.request_id || h.tag != op.desc.tag || h.bytes != op.total)) {
-    st = DataLoss("nccl transfer from peer " + std::to_string(op.desc.peer) + ": expected request " +
-                  std::to_string(op.desc.request_id) + " tag " + std::to_string(op.desc.tag) + " (" +
-                  std::to_string(op.total) + " bytes), got request " + std::to_string(h.request_id) +
-                  " tag " + std::to_string(h.tag) + " (" + std::to_string(h.bytes) +
-                  " bytes): posts out of order");
+  if (st.ok() &&
+      (h.request_id != op.desc.request_id || h.tag != op.desc.tag || h.bytes != op.total)) {
+    st =
+        DataLoss("nccl transfer from peer " + std::to_string(op.desc.peer) + ": expected request " +
+                 std::to_string(op.desc.request_id) + " tag " + std::to_string(op.desc.tag) + " (" +
+                 std::to_string(op.total) + " bytes), got request " + std::to_string(h.request_id) +
+                 " tag " + std::to_string(h.tag) + " (" + std::to_string(h.bytes) +
+                 " bytes): posts out of order");
   }
   if (st.ok() && op.staged) {
     size_t off = 0;
     for (const Region& r : op.regions) {
       st = CudaStatus(cudaMemcpyAsync(r.data, op.staging + sizeof(WireHeader) + off, r.bytes,
-                                      cudaMemcpyDeviceToDevice, op.stream), "scatter");
+                                      cudaMemcpyDeviceToDevice, op.stream),
+                      "scatter");
       if (!st.ok()) break;
       off += r.bytes;
     }

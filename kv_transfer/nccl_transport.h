@@ -63,7 +63,7 @@ class NcclTransport final : public Transport {
 
   const NcclTransportOptions options_;
   mutable std::mutex mu_;
-  TransferHandle next_handle_ = 1;                    // guarded by mu_
+  TransferHandle next_handle_ = 1;                     // guarded by mu_
   std::map<TransferHandle, std::unique_ptr<Op>> ops_;  // guarded by mu_
 };
 

@@ -95,8 +95,8 @@ class CudaBackend final : public ComputeBackend {
   float theta_scale_ = 1.0f;
   std::vector<UnitRange> q_cols_, ffn_cols_;
   // Per-step scratch.
-  DeviceBuffer meta_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, partials_, logits_,
-      kv_stash_, xq_q_, xq_d_, xq_s_, xh_, wh_, gathered_, full_;
+  DeviceBuffer meta_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, partials_, logits_, kv_stash_,
+      xq_q_, xq_d_, xq_s_, xh_, wh_, gathered_, full_;
   PinnedBuffer h_meta_, h_logits_, h_stash_, h_upload_, h_tp_;
   // Decode-step graphs by step shape (see Run); seen_ counts uncaptured runs.
   std::map<std::string, cudaGraphExec_t> graphs_;
@@ -155,7 +155,8 @@ Status CudaBackend::BuildFp16Cache() {
   size_t free_b = 0, total_b = 0;
   RETURN_IF_ERROR(DeviceMemory(&free_b, &total_b));
   if (options_.fp16_weight_cache_fraction <= 0 ||
-      static_cast<double>(bytes) > options_.fp16_weight_cache_fraction * static_cast<double>(free_b)) {
+      static_cast<double>(bytes) >
+          options_.fp16_weight_cache_fraction * static_cast<double>(free_b)) {
     return Status::Ok();
   }
   for (DevMatrix* m : all) {
@@ -178,8 +179,8 @@ Status CudaBackend::Init() {
     return Unimplemented("cuda backend: KV dtype " + std::string(KvDtypeName(kl.dtype)) +
                          " is not supported on the device (use f32 or f16)");
   }
-  if (c.head_dim % 32 != 0 || c.head_dim / 32 > 8 || c.head_dim / 32 == 5 ||
-      c.head_dim / 32 == 6 || c.head_dim / 32 == 7) {
+  if (c.head_dim % 32 != 0 || c.head_dim / 32 > 8 || c.head_dim / 32 == 5 || c.head_dim / 32 == 6 ||
+      c.head_dim / 32 == 7) {
     return Unimplemented("cuda backend: head_dim " + std::to_string(c.head_dim) +
                          " is not supported (32, 64, 96, 128 or 256)");
   }
@@ -218,9 +219,9 @@ Status CudaBackend::Init() {
   RETURN_IF_ERROR(UploadFloats(model_.output_norm(), &output_norm_));
   // The device pool: same block count and layout as the host pool.
   void* p = nullptr;
-  RETURN_IF_ERROR(Alloc(static_cast<size_t>(pool_->total_blocks() * kl.BlockBytes()), &p)
-                      .WithContext("device KV pool of " + std::to_string(pool_->total_blocks()) +
-                                   " blocks"));
+  RETURN_IF_ERROR(
+      Alloc(static_cast<size_t>(pool_->total_blocks() * kl.BlockBytes()), &p)
+          .WithContext("device KV pool of " + std::to_string(pool_->total_blocks()) + " blocks"));
   kv_pool_ = static_cast<uint8_t*>(p);
   valid_.assign(pool_->total_blocks(), 0);
   RETURN_IF_ERROR(BuildFp16Cache());  // after the pool: it takes a share of what is left
@@ -256,12 +257,11 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
     }
     LaunchFloatToHalf(x, T * w.cols, xh_.as<__half>(), s);
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    KVR_CUBLAS_RETURN(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows),
-                                   static_cast<int>(T), static_cast<int>(w.cols), &alpha, wf16,
-                                   CUDA_R_16F, static_cast<int>(w.cols), xh_.get(), CUDA_R_16F,
-                                   static_cast<int>(w.cols), &beta, y, CUDA_R_32F,
-                                   static_cast<int>(w.rows), CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
+    KVR_CUBLAS_RETURN(cublasGemmEx(
+        cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(T),
+        static_cast<int>(w.cols), &alpha, wf16, CUDA_R_16F, static_cast<int>(w.cols), xh_.get(),
+        CUDA_R_16F, static_cast<int>(w.cols), &beta, y, CUDA_R_32F, static_cast<int>(w.rows),
+        CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (bias != nullptr) LaunchAddBias(y, bias, T, w.rows, s);
     return Status::Ok();
   }
@@ -367,7 +367,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   int64_t T = 0, max_len = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const ForwardSeq& q = seqs[s];
-    if (q.tokens.empty()) return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
+    if (q.tokens.empty())
+      return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
     if (q.cache_len < 0) return InvalidArgument("negative cache length");
     const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
     if (static_cast<int64_t>(q.blocks.size()) * B < len) {
@@ -409,7 +410,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim(), L = c.n_layers;
   const bool mirror = options_.mirror_kv_to_host;
   if (!mirror && layer_hook) {
-    return FailedPrecondition("a layer hook reads the host pool, which this backend does not mirror");
+    return FailedPrecondition(
+        "a layer hook reads the host pool, which this backend does not mirror");
   }
 
   // Step metadata, packed: tokens, seq, rows (int32), then tables, then pos
@@ -450,7 +452,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   const size_t n32 = tokens.size() + seq_of.size() + rows.size();
   const size_t n32_padded = (n32 + 1) & ~size_t{1};
   const size_t tables_padded = (tables.size() + 63) & ~size_t{63};
-  const size_t meta_bytes = n32_padded * 4 + (pos.size() + table_off.size()) * 8 + tables_padded * 4;
+  const size_t meta_bytes =
+      n32_padded * 4 + (pos.size() + table_off.size()) * 8 + tables_padded * 4;
   RETURN_IF_ERROR(h_meta_.Reserve(meta_bytes));
   RETURN_IF_ERROR(meta_.Reserve(meta_bytes));
   {
@@ -465,7 +468,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     std::fill(std::copy(tables.begin(), tables.end(), ht), ht + tables_padded, 0);
   }
   cudaStream_t st = stream_.get();
-  KVR_CUDA_RETURN(cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st));
+  KVR_CUDA_RETURN(
+      cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st));
   const int32_t* d_tokens = meta_.as<int32_t>();
   const int32_t* d_seq = d_tokens + T;
   const int32_t* d_rows = d_seq + T;
@@ -473,8 +477,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   const int64_t* d_table_off = d_pos + T;
   const int32_t* d_tables = reinterpret_cast<const int32_t*>(d_table_off + seqs.size());
 
-  const bool uploads =
-      std::any_of(cached_blocks.begin(), cached_blocks.end(), [&](int32_t b) { return !valid_[b]; });
+  const bool uploads = std::any_of(cached_blocks.begin(), cached_blocks.end(),
+                                   [&](int32_t b) { return !valid_[b]; });
   RETURN_IF_ERROR(UploadInvalidBlocks(cached_blocks, fresh_blocks));
 
   // Scratch.
@@ -489,10 +493,12 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   RETURN_IF_ERROR(proj_.Reserve(T * d * f));
   RETURN_IF_ERROR(gate_.Reserve(T * c.ffn_dim * f));
   RETURN_IF_ERROR(up_.Reserve(T * c.ffn_dim * f));
-  RETURN_IF_ERROR(partials_.Reserve(static_cast<size_t>(T) * c.n_heads * splits * (c.head_dim + 2) * f));
+  RETURN_IF_ERROR(
+      partials_.Reserve(static_cast<size_t>(T) * c.n_heads * splits * (c.head_dim + 2) * f));
   if (mirror) RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
   if (exact_tp) {
-    RETURN_IF_ERROR(full_.Reserve(T * std::max(model_.full_config().q_dim(), model_.full_config().ffn_dim) * f));
+    RETURN_IF_ERROR(full_.Reserve(
+        T * std::max(model_.full_config().q_dim(), model_.full_config().ffn_dim) * f));
   }
 
   DevKvView kv;
@@ -525,15 +531,18 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
       LaunchWriteKv(kv, l, k_.as<float>(), v_.as<float>(), d_seq, d_pos, T, st);
       if (mirror) {
         float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
-        KVR_CUDA_RETURN(cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
-        KVR_CUDA_RETURN(cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+        KVR_CUDA_RETURN(
+            cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+        KVR_CUDA_RETURN(
+            cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
       }
       LaunchAttention(kv, l, q_.as<float>(), d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
                       max_len, options_.attention_split_tokens, partials_.as<float>(),
                       attn_.as<float>(), st);
       bool aq = false;
       if (exact_tp) {
-        RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>()).WithContext("attention"));
+        RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>())
+                            .WithContext("attention"));
         RETURN_IF_ERROR(MatMul(w.wo, full_.as<float>(), T, nullptr, true, x, &aq));
       } else if (reduce_tp) {
         RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, false, proj_.as<float>(), &aq));
@@ -549,10 +558,12 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
       LaunchSiluMul(gate_.as<float>(), up_.as<float>(), T, c.ffn_dim, st);
       bool dq = false;
       if (exact_tp) {
-        RETURN_IF_ERROR(GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
+        RETURN_IF_ERROR(
+            GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
         RETURN_IF_ERROR(MatMul(w.down, full_.as<float>(), T, nullptr, true, x, &dq));
       } else if (reduce_tp) {
-        RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, false, proj_.as<float>(), &dq));
+        RETURN_IF_ERROR(
+            MatMul(w.down, gate_.as<float>(), T, nullptr, false, proj_.as<float>(), &dq));
         RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("ffn"));
         LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
       } else {
@@ -580,16 +591,17 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   // already reserved and no allocation happens while capturing). The shape
   // key holds every value baked into the graph: sizes that pick grids and
   // offsets, and the buffer addresses.
-  const bool graphable = options_.cuda_graphs && !uploads && shard.size == 1 &&
-                         T < options_.gemm_min_tokens && R > 0;
+  const bool graphable =
+      options_.cuda_graphs && !uploads && shard.size == 1 && T < options_.gemm_min_tokens && R > 0;
   std::string key;
   if (graphable) {
     key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
-          std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" + std::to_string(mirror);
-    for (const void* p : {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(),
-                          gate_.get(), up_.get(), partials_.get(), logits_.get(), kv_stash_.get(),
-                          xq_q_.get(), xq_d_.get(), xq_s_.get(), h_logits_.as<void>(), h_stash_.as<void>(),
-                          h_meta_.as<void>()}) {
+          std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" +
+          std::to_string(mirror);
+    for (const void* p :
+         {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(), gate_.get(),
+          up_.get(), partials_.get(), logits_.get(), kv_stash_.get(), xq_q_.get(), xq_d_.get(),
+          xq_s_.get(), h_logits_.as<void>(), h_stash_.as<void>(), h_meta_.as<void>()}) {
       key += "/" + std::to_string(reinterpret_cast<uintptr_t>(p));
     }
   }
@@ -607,8 +619,9 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     // reads this step's pinned metadata.
     KVR_CUDA_RETURN(cudaStreamSynchronize(st));
     KVR_CUDA_RETURN(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    Status cs = CudaStatus(cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes,
-                                           cudaMemcpyHostToDevice, st), "meta");
+    Status cs = CudaStatus(
+        cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st),
+        "meta");
     if (cs.ok()) cs = enqueue();
     cudaGraph_t graph = nullptr;
     const cudaError_t end = cudaStreamEndCapture(st, &graph);
@@ -647,7 +660,8 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
 Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const ComputeBackendOptions& options,
                                                           const Model& model, KvBlockPool* pool) {
   if (options.gemm_min_tokens < 1 || options.attention_split_tokens < 1) {
-    return InvalidArgument("ComputeBackendOptions: gemm_min_tokens and attention_split_tokens must be >= 1");
+    return InvalidArgument(
+        "ComputeBackendOptions: gemm_min_tokens and attention_split_tokens must be >= 1");
   }
   auto backend = std::make_unique<CudaBackend>(options, model, pool);
   RETURN_IF_ERROR(backend->Init().WithContext("cuda:" + std::to_string(options.device.index)));

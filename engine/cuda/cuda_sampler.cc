@@ -25,7 +25,8 @@ Status CudaSampler::Sample(const float* d_logits, int64_t rows, int vocab,
       return Unimplemented("device sampling needs top_k in [1, " + std::to_string(kMaxDeviceTopK) +
                            "] (got " + std::to_string(p.top_k) + "); sample on the host");
     }
-    if (!(p.uniform >= 0.0 && p.uniform < 1.0)) return InvalidArgument("CudaSampler: uniform not in [0, 1)");
+    if (!(p.uniform >= 0.0 && p.uniform < 1.0))
+      return InvalidArgument("CudaSampler: uniform not in [0, 1)");
   }
   auto align = [](size_t n) { return (n + 255) & ~size_t{255}; };
   const size_t params_b = align(rows * sizeof(DeviceSampleParams));
@@ -54,7 +55,8 @@ Status CudaSampler::Sample(const float* d_logits, int64_t rows, int vocab,
                                   cudaMemcpyHostToDevice, s));
   LaunchSample(d_logits, rows, vocab, d_params, d_work, d_cv, d_ci, d_pr, d_out, s);
   KVR_CUDA_RETURN(cudaGetLastError());
-  KVR_CUDA_RETURN(cudaMemcpyAsync(tokens, d_out, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  KVR_CUDA_RETURN(
+      cudaMemcpyAsync(tokens, d_out, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
   KVR_CUDA_RETURN(cudaStreamSynchronize(s));
   return Status::Ok();
 }

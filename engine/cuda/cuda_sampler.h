@@ -16,7 +16,6 @@
 
 namespace kvrelay::engine::cuda {
 
-
 class CudaSampler {
  public:
   CudaSampler() = default;

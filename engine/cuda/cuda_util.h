@@ -18,7 +18,8 @@ namespace kvrelay::engine::cuda {
 // machine cannot run this), out-of-memory ResourceExhausted, others Internal.
 inline Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::Ok();
-  std::string m = std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+  std::string m =
+      std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
   switch (e) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
@@ -33,11 +34,11 @@ inline Status CudaStatus(cudaError_t e, const char* what) {
   }
 }
 
-#define KVR_CUDA_RETURN(expr)                                                   \
-  do {                                                                          \
-    const cudaError_t kvr_cuda_err_ = (expr);                                   \
-    if (kvr_cuda_err_ != cudaSuccess)                                           \
-      return ::kvrelay::engine::cuda::CudaStatus(kvr_cuda_err_, #expr);         \
+#define KVR_CUDA_RETURN(expr)                                           \
+  do {                                                                  \
+    const cudaError_t kvr_cuda_err_ = (expr);                           \
+    if (kvr_cuda_err_ != cudaSuccess)                                   \
+      return ::kvrelay::engine::cuda::CudaStatus(kvr_cuda_err_, #expr); \
   } while (0)
 
 // Device memory that grows on demand (contents are not kept on growth).
@@ -47,7 +48,8 @@ class DeviceBuffer {
   ~DeviceBuffer() { Free(); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept
+      : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
 
   Status Reserve(size_t bytes) {
     if (bytes <= bytes_) return Status::Ok();
@@ -64,7 +66,9 @@ class DeviceBuffer {
     bytes_ = 0;
   }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   void* get() const { return ptr_; }
   size_t bytes() const { return bytes_; }
 
@@ -96,7 +100,9 @@ class PinnedBuffer {
     bytes_ = 0;
   }
   template <typename T>
-  T* as() const { return static_cast<T*>(ptr_); }
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -112,7 +118,10 @@ class Stream {
   }
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
-  Status Create() { KVR_CUDA_RETURN(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); return Status::Ok(); }
+  Status Create() {
+    KVR_CUDA_RETURN(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+    return Status::Ok();
+  }
   cudaStream_t get() const { return s_; }
 
  private:

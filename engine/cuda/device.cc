@@ -24,8 +24,8 @@ Status UseDevice(int index, std::string* description) {
                        (e != cudaSuccess ? std::string(" (") + cudaGetErrorString(e) + ")" : ""));
   }
   if (index < 0 || index >= n) {
-    return Unavailable("CUDA device " + std::to_string(index) + " does not exist (this machine has " +
-                       std::to_string(n) + ")");
+    return Unavailable("CUDA device " + std::to_string(index) +
+                       " does not exist (this machine has " + std::to_string(n) + ")");
   }
   KVR_CUDA_RETURN(cudaSetDevice(index));
   if (description != nullptr) {

@@ -98,7 +98,8 @@ KVR_HD uint16_t FloatToHalf(float f) {
   const uint32_t x = FloatBits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   const uint32_t abs = x & 0x7FFFFFFFu;
-  if (abs >= 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0u));
+  if (abs >= 0x7F800000u)
+    return static_cast<uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0u));
   if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);
   const int32_t exp = static_cast<int32_t>(abs >> 23) - 127;
   if (exp < -14) {
@@ -256,8 +257,8 @@ KVR_HD float BlockTermQ8_0(const uint8_t* blk, const int8_t* xq, float dx) {
 // ---- element dequantization (embeddings, fp16 tiles for prefill, the
 // float-activation path of K-quants) ----
 // Type codes are ggml's (engine/gguf/ggml_type.h).
-inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3,
-                          kTypeQ8_0 = 8, kTypeQ4_K = 12, kTypeQ6_K = 14;
+inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ8_0 = 8,
+                          kTypeQ4_K = 12, kTypeQ6_K = 14;
 inline constexpr int kQ4_KBytes = 144, kQ6_KBytes = 210;
 
 // The 6-bit (scale, min) pair j of a Q4_K super-block's 12 scale bytes.
@@ -318,10 +319,18 @@ KVR_HD float DequantElem(uint32_t type, const uint8_t* row, int64_t c) {
       const float d = HalfToFloat(Load16(b + 208));
       int q;
       switch (quarter) {
-        case 0: q = (ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4); break;
-        case 1: q = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4); break;
-        case 2: q = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4); break;
-        default: q = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4); break;
+        case 0:
+          q = (ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4);
+          break;
+        case 1:
+          q = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+          break;
+        case 2:
+          q = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+          break;
+        default:
+          q = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+          break;
       }
       const int is = l / 16 + 2 * quarter;
       return d * static_cast<float>(scales[is]) * static_cast<float>(q - 32);

@@ -63,8 +63,7 @@ __global__ void GemvKernel(DevMatrix w, const float* __restrict__ x, DevQ8 xq, i
   float acc[kTok];
 #pragma unroll
   for (int t = 0; t < kTok; ++t) acc[t] = 0.0f;
-  if constexpr (kType == math::kTypeQ4_0 || kType == math::kTypeQ4_1 ||
-                kType == math::kTypeQ8_0) {
+  if constexpr (kType == math::kTypeQ4_0 || kType == math::kTypeQ4_1 || kType == math::kTypeQ8_0) {
     const int64_t nb = w.cols / 32;
     constexpr int kBytes = kType == math::kTypeQ4_0   ? math::kQ4_0Bytes
                            : kType == math::kTypeQ4_1 ? math::kQ4_1Bytes
@@ -116,7 +115,8 @@ __global__ void DequantF16Kernel(DevMatrix w, __half* __restrict__ out) {
   }
 }
 
-__global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t n, __half* __restrict__ out) {
+__global__ void FloatToHalfKernel(const float* __restrict__ x, int64_t n,
+                                  __half* __restrict__ out) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = __float2half_rn(x[i]);
@@ -131,7 +131,8 @@ __global__ void AddBiasKernel(float* __restrict__ y, const float* __restrict__ b
   }
 }
 
-__global__ void EmbedKernel(DevMatrix w, const int32_t* __restrict__ tokens, float* __restrict__ out) {
+__global__ void EmbedKernel(DevMatrix w, const int32_t* __restrict__ tokens,
+                            float* __restrict__ out) {
   const int64_t t = blockIdx.x;
   const uint8_t* row = w.data + static_cast<int64_t>(tokens[t]) * w.row_bytes;
   for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
@@ -157,11 +158,13 @@ __global__ void RmsNormKernel(const float* __restrict__ x, const int32_t* __rest
     __syncthreads();
   }
   const float scale = math::RmsScale(part[0], d, eps);
-  for (int i = threadIdx.x; i < d; i += blockDim.x) y[r * d + i] = math::RmsApply(xr[i], scale, w[i]);
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    y[r * d + i] = math::RmsApply(xr[i], scale, w[i]);
 }
 
-__global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k, const int64_t* __restrict__ pos,
-                           int n_q, int n_kv, int hd, int rope_dim, bool neox, float theta_scale) {
+__global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k,
+                           const int64_t* __restrict__ pos, int n_q, int n_kv, int hd, int rope_dim,
+                           bool neox, float theta_scale) {
   const int64_t t = blockIdx.x;
   const int half = rope_dim / 2;
   const int pairs = (n_q + n_kv) * half;
@@ -255,12 +258,14 @@ __global__ void AttentionKernel(DevKvView kv, int layer, const float* __restrict
     const int64_t base = static_cast<int64_t>(off) * hd;
     float dot = 0.0f;
 #pragma unroll
-    for (int e = 0; e < kE; ++e) dot = math::Fma(qv[e], LoadKv(ks, kv.f16, base + lane + kWarp * e), dot);
+    for (int e = 0; e < kE; ++e)
+      dot = math::Fma(qv[e], LoadKv(ks, kv.f16, base + lane + kWarp * e), dot);
     const float s = WarpSum(dot) * scale;
     float sa, pw;
     st = math::PushSoftmax(st, s, &sa, &pw);
 #pragma unroll
-    for (int e = 0; e < kE; ++e) acc[e] = acc[e] * sa + pw * LoadKv(vs, kv.f16, base + lane + kWarp * e);
+    for (int e = 0; e < kE; ++e)
+      acc[e] = acc[e] * sa + pw * LoadKv(vs, kv.f16, base + lane + kWarp * e);
   }
   __shared__ float sm[kAttnWarps], sl[kAttnWarps];
   __shared__ float sacc[kAttnWarps][kE * kWarp];
@@ -308,10 +313,11 @@ __global__ void AttentionMergeKernel(const float* __restrict__ partials, int n_h
   out[(t * n_heads + head) * hd + e] = m.l > 0.0f ? acc / m.l : 0.0f;
 }
 
-__global__ void GatherRowsKernel(const float* __restrict__ x, const int32_t* __restrict__ rows, int d,
-                                 float* __restrict__ out) {
+__global__ void GatherRowsKernel(const float* __restrict__ x, const int32_t* __restrict__ rows,
+                                 int d, float* __restrict__ out) {
   const int64_t r = blockIdx.x;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) out[r * d + i] = x[static_cast<int64_t>(rows[r]) * d + i];
+  for (int i = threadIdx.x; i < d; i += blockDim.x)
+    out[r * d + i] = x[static_cast<int64_t>(rows[r]) * d + i];
 }
 
 int GridFor(int64_t n, int threads) {
@@ -324,7 +330,8 @@ int GridFor(int64_t n, int threads) {
 void LaunchQuantizeQ8(const float* x, int64_t T, int64_t cols, DevQ8 out, cudaStream_t stream) {
   const int64_t warps = T * (cols / 32);
   if (warps == 0) return;
-  QuantizeQ8Kernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(x, T, cols, out);
+  QuantizeQ8Kernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(
+      x, T, cols, out);
 }
 
 void LaunchGemv(const DevMatrix& w, const float* x, const DevQ8& xq, int64_t T, const float* bias,
@@ -380,8 +387,8 @@ void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* ou
   EmbedKernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(w, tokens, out);
 }
 
-void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w,
-                   float eps, float* y, cudaStream_t stream) {
+void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
+                   float* y, cudaStream_t stream) {
   if (R == 0) return;
   RmsNormKernel<<<static_cast<unsigned>(R), kNormThreads, 0, stream>>>(x, rows, d, w, eps, y);
 }
@@ -414,29 +421,35 @@ void LaunchAttention(const DevKvView& kv, int layer, const float* q, const int32
                      cudaStream_t stream) {
   if (T == 0) return;
   const int splits = AttentionSplits(max_len, split_tokens);
-  const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(T), static_cast<unsigned>(splits));
+  const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(T),
+                  static_cast<unsigned>(splits));
   const int threads = kAttnWarps * kWarp;
   switch (kv.head_dim / kWarp) {
     case 1:
-      AttentionKernel<1><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window, scale, split_tokens, partials);
+      AttentionKernel<1><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+                                                       scale, split_tokens, partials);
       break;
     case 2:
-      AttentionKernel<2><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window, scale, split_tokens, partials);
+      AttentionKernel<2><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+                                                       scale, split_tokens, partials);
       break;
     case 3:
-      AttentionKernel<3><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window, scale, split_tokens, partials);
+      AttentionKernel<3><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+                                                       scale, split_tokens, partials);
       break;
     case 4:
-      AttentionKernel<4><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window, scale, split_tokens, partials);
+      AttentionKernel<4><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+                                                       scale, split_tokens, partials);
       break;
     case 8:
-      AttentionKernel<8><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window, scale, split_tokens, partials);
+      AttentionKernel<8><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+                                                       scale, split_tokens, partials);
       break;
     default:
       return;  // refused at backend creation (SupportedHeadDim)
   }
-  AttentionMergeKernel<<<dim3(static_cast<unsigned>(n_heads), static_cast<unsigned>(T)), kv.head_dim, 0, stream>>>(
-      partials, n_heads, kv.head_dim, splits, out);
+  AttentionMergeKernel<<<dim3(static_cast<unsigned>(n_heads), static_cast<unsigned>(T)),
+                         kv.head_dim, 0, stream>>>(partials, n_heads, kv.head_dim, splits, out);
 }
 
 void LaunchGatherRows(const float* x, const int32_t* rows, int64_t R, int d, float* out,

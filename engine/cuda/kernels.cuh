@@ -51,8 +51,8 @@ void LaunchAddBias(float* y, const float* bias, int64_t T, int64_t rows, cudaStr
 void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* out,
                  cudaStream_t stream);
 // y[r] = RMSNorm(x[rows[r]]) * w over d floats; rows may be null (identity).
-void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w,
-                   float eps, float* y, cudaStream_t stream);
+void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
+                   float* y, cudaStream_t stream);
 // RoPE in place on q [T][n_q * hd] and k [T][n_kv * hd] at positions pos[t].
 void LaunchRope(float* q, float* k, const int64_t* pos, int64_t T, int n_q, int n_kv, int hd,
                 int rope_dim, bool neox, float theta_scale, cudaStream_t stream);
@@ -68,8 +68,8 @@ struct DevKvView {
   int block_tokens = 0;
   int kv_heads = 0;
   int head_dim = 0;
-  bool f16 = false;                  // slab elements: fp16 (else f32)
-  const int32_t* tables = nullptr;   // all sequences' block ids
+  bool f16 = false;                    // slab elements: fp16 (else f32)
+  const int32_t* tables = nullptr;     // all sequences' block ids
   const int64_t* table_off = nullptr;  // per sequence: first entry in tables
 };
 // Writes k/v [T][kv_heads * hd] of token t to (seq[t], pos[t]) of `layer`.

@@ -161,8 +161,8 @@ Status NcclCommunicator::AllReduceSumDevice(float* data, int64_t n, void* stream
 Status NcclCommunicator::AllGatherDevice(const float* local, int64_t n_local, float* out,
                                          void* stream) {
   RETURN_IF_ERROR(broken_);
-  const ncclResult_t r = ncclAllGather(local, out, static_cast<size_t>(n_local), ncclFloat32,
-                                       Comm(comm_), S(stream));
+  const ncclResult_t r =
+      ncclAllGather(local, out, static_cast<size_t>(n_local), ncclFloat32, Comm(comm_), S(stream));
   if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclAllGather"));
   return Wait(stream, Deadline::After(options_.timeout));
 }
@@ -189,7 +189,8 @@ Status NcclCommunicator::AllGather(const float* local, int64_t n_local, float* o
     // NCCL's all-gather needs equal pieces; uneven TP splits are padded by
     // the caller or use the TCP group.
     return InvalidArgument("NCCL AllGather needs equal pieces: n_out " + std::to_string(n_out) +
-                           " != " + std::to_string(options_.size) + " x " + std::to_string(n_local));
+                           " != " + std::to_string(options_.size) + " x " +
+                           std::to_string(n_local));
   }
   const size_t in_bytes = static_cast<size_t>(n_local) * sizeof(float);
   const size_t bytes = in_bytes + static_cast<size_t>(n_out) * sizeof(float);

@@ -44,9 +44,10 @@ __device__ Best BlockBest(Best mine, Best* shared) {
 // One CTA per row. Greedy: one argmax. Sampling: top_k rounds of argmax over
 // a copy of the row (a chosen entry becomes NaN), then thread 0 picks.
 __global__ void SampleKernel(const float* __restrict__ logits, int vocab,
-                             const DeviceSampleParams* __restrict__ params, float* __restrict__ work,
-                             float* __restrict__ cand_v, int32_t* __restrict__ cand_id,
-                             double* __restrict__ probs, int32_t* __restrict__ out) {
+                             const DeviceSampleParams* __restrict__ params,
+                             float* __restrict__ work, float* __restrict__ cand_v,
+                             int32_t* __restrict__ cand_id, double* __restrict__ probs,
+                             int32_t* __restrict__ out) {
   __shared__ Best shared[32];
   const int64_t r = blockIdx.x;
   const float* row = logits + r * vocab;

@@ -3,13 +3,12 @@
 // ForwardPass on synthetic models, the host->device KV path (blocks written
 // into the host pool, then decoded on the device), the engine end to end with
 // --device cuda, and the device sampler.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <random>
-
-#include <cuda_runtime.h>
 
 #include "engine/cuda/cuda_sampler.h"
 #include "engine/cuda/device.h"
@@ -22,14 +21,15 @@
 namespace kvrelay::engine {
 namespace {
 
-#define REQUIRE_GPU()                                                                  \
-  do {                                                                                 \
-    std::string why;                                                                   \
-    Status s = cuda::UseDevice(0, &why);                                               \
-    if (!s.ok()) GTEST_SKIP() << "needs a CUDA GPU: " << s.message();                  \
+#define REQUIRE_GPU()                                                 \
+  do {                                                                \
+    std::string why;                                                  \
+    Status s = cuda::UseDevice(0, &why);                              \
+    if (!s.ok()) GTEST_SKIP() << "needs a CUDA GPU: " << s.message(); \
   } while (0)
 
-std::shared_ptr<const Model> Synthetic(GgmlType matrix, GgmlType embd, const std::string& arch = "llama") {
+std::shared_ptr<const Model> Synthetic(GgmlType matrix, GgmlType embd,
+                                       const std::string& arch = "llama") {
   testing::SyntheticModelOptions o;
   o.arch = arch;
   o.layers = 3;
@@ -57,7 +57,8 @@ std::vector<int32_t> Tokens(int n, int vocab, uint64_t seed) {
 }
 
 // Logits of a prefill of `n` tokens then `steps` single-token steps.
-std::vector<float> RunSteps(const Model& m, KvBlockPool* pool, ComputeBackend* be, int n, int steps) {
+std::vector<float> RunSteps(const Model& m, KvBlockPool* pool, ComputeBackend* be, int n,
+                            int steps) {
   std::vector<int32_t> tokens = Tokens(n + steps, m.config().vocab, 3);
   std::vector<BlockId> blocks;
   for (int i = 0; i < (n + steps + 15) / 16; ++i) blocks.push_back(*pool->Allocate());
@@ -67,7 +68,8 @@ std::vector<float> RunSteps(const Model& m, KvBlockPool* pool, ComputeBackend* b
   EXPECT_TRUE(be->Run(std::span<const ForwardSeq>(&s, 1), &out).ok());
   all = out.logits;
   for (int i = 0; i < steps; ++i) {
-    ForwardSeq d{blocks, n + i, std::span<const int32_t>(tokens.data() + n + i, 1), ForwardSeq::Logits::kLast};
+    ForwardSeq d{blocks, n + i, std::span<const int32_t>(tokens.data() + n + i, 1),
+                 ForwardSeq::Logits::kLast};
     EXPECT_TRUE(be->Run(std::span<const ForwardSeq>(&d, 1), &out).ok());
     all.insert(all.end(), out.logits.begin(), out.logits.end());
   }
@@ -80,7 +82,8 @@ TEST(CudaBackendGpuTest, ForwardMatchesTheCpuForEveryWeightType) {
   for (GgmlType t : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0, GgmlType::kF16}) {
     for (KvDtype kv : {KvDtype::kF32, KvDtype::kF16}) {
       auto m = Synthetic(t, GgmlType::kQ8_0, t == GgmlType::kQ8_0 ? "qwen2" : "llama");
-      auto cpu_pool = testutil::MakePool(*m, 16, 16, kv), gpu_pool = testutil::MakePool(*m, 16, 16, kv);
+      auto cpu_pool = testutil::MakePool(*m, 16, 16, kv),
+           gpu_pool = testutil::MakePool(*m, 16, 16, kv);
       auto cpu = CreateComputeBackend({}, *m, cpu_pool.get(), nullptr);
       ComputeBackendOptions o;
       o.device = {DeviceKind::kCuda, 0};
@@ -129,13 +132,15 @@ TEST(CudaBackendGpuTest, KvWrittenIntoTheHostPoolIsUploadedBeforeUse) {
   ASSERT_TRUE((*cpu)->Run(std::span<const ForwardSeq>(&dc, 1), &want).ok());
   ASSERT_TRUE((*gpu)->Run(std::span<const ForwardSeq>(&dg, 1), &out).ok());
   double max_d = 0;
-  for (size_t i = 0; i < want.logits.size(); ++i) max_d = std::max(max_d, std::fabs(double(want.logits[i]) - out.logits[i]));
+  for (size_t i = 0; i < want.logits.size(); ++i)
+    max_d = std::max(max_d, std::fabs(double(want.logits[i]) - out.logits[i]));
   EXPECT_LT(max_d, 0.05);
   // And the device's new K/V came back into the host pool.
   std::vector<float> k(16 * m->config().head_dim), v(k.size()), k2(k.size()), v2(k.size());
   cpu_pool->ReadHead(cb[2], 1, 0, 8, k.data(), v.data());
   tracked->ReadHead(gb[2], 1, 0, 8, k2.data(), v2.data());
-  for (int i = 7 * m->config().head_dim; i < 8 * m->config().head_dim; ++i) EXPECT_NEAR(k[i], k2[i], 1e-2);
+  for (int i = 7 * m->config().head_dim; i < 8 * m->config().head_dim; ++i)
+    EXPECT_NEAR(k[i], k2[i], 1e-2);
 }
 
 TEST(CudaBackendGpuTest, EngineGeneratesOnTheDeviceLikeOnTheCpu) {
@@ -196,7 +201,8 @@ TEST(CudaBackendGpuTest, DeviceSamplerPicksWhatTheCpuSamplerPicks) {
     std::vector<float> row(logits.begin() + r * vocab, logits.begin() + (r + 1) * vocab);
     want[r] = s.Sample(row.data(), vocab, {}, 0);
     std::mt19937_64 u(sp.seed);
-    params[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p, double(u() >> 11) * (1.0 / 9007199254740992.0)};
+    params[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                 double(u() >> 11) * (1.0 / 9007199254740992.0)};
   }
   cuda::CudaSampler sampler;
   ASSERT_TRUE(sampler.Sample(d, rows, vocab, params, got.data(), nullptr).ok());

@@ -12,6 +12,7 @@
 //
 // Every figure printed is measured in this run on the device it names; the
 // script records nothing when there is no GPU.
+#include <cuda_runtime.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -28,8 +29,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "common/thread_pool.h"
 #include "engine/cuda/cuda_sampler.h"
@@ -66,7 +65,9 @@ struct Args {
   int64_t Int(const std::string& k, int64_t def) const {
     return Has(k) ? std::atoll(kv.at(k).c_str()) : def;
   }
-  double Num(const std::string& k, double def) const { return Has(k) ? std::atof(kv.at(k).c_str()) : def; }
+  double Num(const std::string& k, double def) const {
+    return Has(k) ? std::atof(kv.at(k).c_str()) : def;
+  }
 };
 
 Args ParseArgs(int argc, char** argv, int from) {
@@ -91,7 +92,8 @@ int Fail(const Status& s, const char* what) {
 
 int Threads(const Args& a) {
   const int64_t t = a.Int("threads", 0);
-  return t > 0 ? static_cast<int>(t) : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return t > 0 ? static_cast<int>(t)
+               : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 Result<std::shared_ptr<const Model>> LoadModel(const std::string& path) {
@@ -101,7 +103,8 @@ Result<std::shared_ptr<const Model>> LoadModel(const std::string& path) {
   return std::shared_ptr<const Model>(std::move(m));
 }
 
-Result<std::unique_ptr<KvBlockPool>> MakePool(const Model& m, engine::KvDtype dtype, int64_t blocks) {
+Result<std::unique_ptr<KvBlockPool>> MakePool(const Model& m, engine::KvDtype dtype,
+                                              int64_t blocks) {
   KvBlockPool::Options o;
   o.layout = m.MakeKvLayout(dtype, 16);
   o.capacity_bytes = blocks * o.layout.BlockBytes();
@@ -145,7 +148,8 @@ int Probe() {
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
   std::printf("gpu: %s, %d device(s), %.1f GiB free, driver %d, runtime %d\n", desc.c_str(),
-              engine::cuda::DeviceCount(), static_cast<double>(free_b) / (1ull << 30), driver, runtime);
+              engine::cuda::DeviceCount(), static_cast<double>(free_b) / (1ull << 30), driver,
+              runtime);
   return 0;
 }
 
@@ -250,23 +254,27 @@ int Agree(const Args& a) {
   const double max_d = std::max({ph[0].max_d, ph[1].max_d, ph[2].max_d});
   int64_t close = 0;
   for (double gap : gaps) close += gap < max_d;
-  const char* names[3] = {"prefill (fp16 GEMM)", "greedy decode (GEMV)", "random-token decode (GEMV)"};
+  const char* names[3] = {"prefill (fp16 GEMM)", "greedy decode (GEMV)",
+                          "random-token decode (GEMV)"};
   for (int i = 0; i < 3; ++i) {
     std::printf("agree: %-27s top-1 %3lld/%-3lld  max |dlogit| %.4f\n", names[i],
                 static_cast<long long>(ph[i].agree), static_cast<long long>(ph[i].n), ph[i].max_d);
   }
-  const std::string diff = first_diff < 0 ? "" : " (first difference at step " + std::to_string(first_diff) + ")";
-  std::printf("agree: greedy tokens %s over %lld steps%s; mean |dlogit| %.5f, max |logit| %.2f, "
-              "%lld/%zu close calls (top-2 gap < max |dlogit|)\n",
-              first_diff < 0 ? "identical" : "differ", static_cast<long long>(steps), diff.c_str(),
-              sum_d / static_cast<double>(n_d), max_abs, static_cast<long long>(close), gaps.size());
+  const std::string diff =
+      first_diff < 0 ? "" : " (first difference at step " + std::to_string(first_diff) + ")";
+  std::printf(
+      "agree: greedy tokens %s over %lld steps%s; mean |dlogit| %.5f, max |logit| %.2f, "
+      "%lld/%zu close calls (top-2 gap < max |dlogit|)\n",
+      first_diff < 0 ? "identical" : "differ", static_cast<long long>(steps), diff.c_str(),
+      sum_d / static_cast<double>(n_d), max_abs, static_cast<long long>(close), gaps.size());
   const int64_t agree = ph[0].agree + ph[1].agree + ph[2].agree, n = ph[0].n + ph[1].n + ph[2].n;
   const double frac = static_cast<double>(agree) / static_cast<double>(n);
   const double tol = a.Num("max-dlogit", 1.5);
   const bool pass = frac >= 0.99 && max_d <= tol;
-  std::printf("%s agree: top-1 agreement %.2f%% of %lld positions (need >= 99%%), max |dlogit| %.4f "
-              "(tolerance %.2f)\n",
-              pass ? "PASS" : "FAIL", 100.0 * frac, static_cast<long long>(n), max_d, tol);
+  std::printf(
+      "%s agree: top-1 agreement %.2f%% of %lld positions (need >= 99%%), max |dlogit| %.4f "
+      "(tolerance %.2f)\n",
+      pass ? "PASS" : "FAIL", 100.0 * frac, static_cast<long long>(n), max_d, tol);
   return pass ? 0 : 1;
 }
 
@@ -297,7 +305,8 @@ int Cpu(const Args& a) {
     tokens.push_back(static_cast<int32_t>(Argmax(o.Row(0, vocab), vocab)));
     out += " " + std::to_string(tokens.back());
   }
-  std::printf("cpu: %s\ncpu: greedy tokens%s (%.2f s)\n", m.config().DebugString().c_str(), out.c_str(),
+  std::printf("cpu: %s\ncpu: greedy tokens%s (%.2f s)\n", m.config().DebugString().c_str(),
+              out.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return 0;
 }
@@ -348,10 +357,12 @@ int Bench(const Args& a) {
   if (!gpu.ok()) return Fail(gpu.status(), "bench: cuda backend");
   const int64_t wbytes = WeightBytes(m);
   const double kv_per_token = pool->get()->layout().BytesPerToken();
-  std::printf("bench: %s, weights %.2f GB read per step, KV %s %.1f KiB/token, HBM roofline %.1f TB/s, "
-              "host KV mirror %s, fp16 GEMM from %d tokens\n",
-              m.full_config().DebugString().c_str(), wbytes / 1e9, std::string(engine::KvDtypeName(*dtype)).c_str(),
-              kv_per_token / 1024, hbm / 1e12, bo.mirror_kv_to_host ? "on" : "off", bo.gemm_min_tokens);
+  std::printf(
+      "bench: %s, weights %.2f GB read per step, KV %s %.1f KiB/token, HBM roofline %.1f TB/s, "
+      "host KV mirror %s, fp16 GEMM from %d tokens\n",
+      m.full_config().DebugString().c_str(), wbytes / 1e9,
+      std::string(engine::KvDtypeName(*dtype)).c_str(), kv_per_token / 1024, hbm / 1e12,
+      bo.mirror_kv_to_host ? "on" : "off", bo.gemm_min_tokens);
   double batch1 = 0;
   for (int64_t b : batches) {
     std::vector<std::vector<BlockId>> tables;
@@ -383,7 +394,8 @@ int Bench(const Args& a) {
       }
       const auto t0 = std::chrono::steady_clock::now();
       Status st = (*gpu)->Run(seqs, &out);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!st.ok()) return Fail(st, "bench: decode");
       if (step >= warm) times.push_back(dt);
     }
@@ -393,10 +405,14 @@ int Bench(const Args& a) {
     const double roof = bytes / hbm;
     const double tps = static_cast<double>(b) / step_s;
     if (b == 1) batch1 = tps;
-    std::printf("decode batch %4lld: %9.1f tok/s  step %7.3f ms  %.2f GB read/step  roofline %.3f ms  "
-                "-> %5.1f%% of HBM roofline%s\n",
-                static_cast<long long>(b), tps, step_s * 1e3, bytes / 1e9, roof * 1e3, 100.0 * roof / step_s,
-                batch1 > 0 && b > 1 ? (" (" + std::to_string(tps / batch1).substr(0, 5) + "x batch 1)").c_str() : "");
+    std::printf(
+        "decode batch %4lld: %9.1f tok/s  step %7.3f ms  %.2f GB read/step  roofline %.3f ms  "
+        "-> %5.1f%% of HBM roofline%s\n",
+        static_cast<long long>(b), tps, step_s * 1e3, bytes / 1e9, roof * 1e3,
+        100.0 * roof / step_s,
+        batch1 > 0 && b > 1
+            ? (" (" + std::to_string(tps / batch1).substr(0, 5) + "x batch 1)").c_str()
+            : "");
     for (auto& t : tables) {
       for (BlockId id : t) pool->get()->Release(id);
     }
@@ -411,12 +427,14 @@ int Bench(const Args& a) {
       ForwardSeq s{*t, 0, tokens, ForwardSeq::Logits::kLast};
       const auto t0 = std::chrono::steady_clock::now();
       Status st = (*gpu)->Run(std::span<const ForwardSeq>(&s, 1), &out);
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!st.ok()) return Fail(st, "bench: prefill");
       if (rep > 0) times.push_back(dt);
     }
-    std::printf("prefill %lld tokens: %.1f tok/s (median of 3, %.2f ms)\n", static_cast<long long>(prefill),
-                static_cast<double>(prefill) / Median(times), Median(times) * 1e3);
+    std::printf("prefill %lld tokens: %.1f tok/s (median of 3, %.2f ms)\n",
+                static_cast<long long>(prefill), static_cast<double>(prefill) / Median(times),
+                Median(times) * 1e3);
   }
   return 0;
 }
@@ -428,7 +446,8 @@ int Sample() {
   std::normal_distribution<float> dist(0.0f, 2.0f);
   for (float& x : logits) x = dist(rng);
   float* d = nullptr;
-  if (cudaMalloc(&d, logits.size() * sizeof(float)) != cudaSuccess) return Fail(Internal("cudaMalloc"), "sample");
+  if (cudaMalloc(&d, logits.size() * sizeof(float)) != cudaSuccess)
+    return Fail(Internal("cudaMalloc"), "sample");
   cudaMemcpy(d, logits.data(), logits.size() * sizeof(float), cudaMemcpyHostToDevice);
   std::vector<engine::cuda::DeviceSampleParams> params(rows);
   std::vector<int32_t> want(rows);
@@ -442,7 +461,8 @@ int Sample() {
       sp.min_p = r == 4 ? 0.05f : 0.0f;
     }
     engine::Sampler sampler(sp);
-    std::vector<float> row(logits.begin() + static_cast<int64_t>(r) * vocab, logits.begin() + static_cast<int64_t>(r + 1) * vocab);
+    std::vector<float> row(logits.begin() + static_cast<int64_t>(r) * vocab,
+                           logits.begin() + static_cast<int64_t>(r + 1) * vocab);
     want[r] = sampler.Sample(row.data(), vocab, {}, 0);
     std::mt19937_64 u(sp.seed);
     params[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
@@ -455,8 +475,10 @@ int Sample() {
   if (!st.ok()) return Fail(st, "sample");
   int same = 0;
   for (int r = 0; r < rows; ++r) same += got[r] == want[r];
-  std::printf("%s sample: device picks equal the CPU Sampler's on %d/%d rows (greedy, top-k, top-p, min-p)\n",
-              same == rows ? "PASS" : "FAIL", same, rows);
+  std::printf(
+      "%s sample: device picks equal the CPU Sampler's on %d/%d rows (greedy, top-k, top-p, "
+      "min-p)\n",
+      same == rows ? "PASS" : "FAIL", same, rows);
   return same == rows ? 0 : 1;
 }
 
@@ -467,12 +489,14 @@ constexpr int kIpcHeads = 2;
 constexpr int64_t kIpcSlab = 4096;
 uint8_t Pattern(size_t i) { return static_cast<uint8_t>((i * 131 + 7) ^ (i >> 9)); }
 
-kv_transfer::TransferDesc IpcDesc(uint8_t* base, int64_t layers_total, int layers_per_slice, bool device) {
+kv_transfer::TransferDesc IpcDesc(uint8_t* base, int64_t layers_total, int layers_per_slice,
+                                  bool device) {
   kv_transfer::TransferDesc d;
   d.peer = 0;
   d.request_id = 77;
   d.tag = 1;
-  d.layout = {kIpcHeads, kIpcSlab, device ? kv_transfer::MemoryKind::kDevice : kv_transfer::MemoryKind::kHost};
+  d.layout = {kIpcHeads, kIpcSlab,
+              device ? kv_transfer::MemoryKind::kDevice : kv_transfer::MemoryKind::kHost};
   const int64_t layer_bytes = 2 * kIpcHeads * kIpcSlab;
   for (int64_t l = 0; l < layers_total; l += layers_per_slice) {
     kv_transfer::KvSlice s;
@@ -497,7 +521,8 @@ int IpcChild(int fd, int64_t layers) {
   uint8_t* d = nullptr;
   if (cudaMalloc(&d, bytes) != cudaSuccess) return Fail(Internal("cudaMalloc"), "ipc child");
   cudaMemset(d, 0, bytes);
-  kv_transfer::TransferDesc desc = IpcDesc(d, layers, 7, true);  // other slice boundaries than the sender's
+  kv_transfer::TransferDesc desc =
+      IpcDesc(d, layers, 7, true);  // other slice boundaries than the sender's
   auto h = (*t)->PostRecv(desc);
   if (!h.ok()) return Fail(h.status(), "ipc child recv");
   Status st = (*t)->Wait(*h, Deadline::AfterMs(20000));
@@ -522,8 +547,8 @@ int Ipc(const Args& a, const char* self) {
   if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return Fail(Internal("socketpair"), "ipc");
   // The child is a fresh exec of this binary (a forked CUDA context is unusable).
   const std::string fd_s = std::to_string(sv[1]), layers_s = std::to_string(layers);
-  char* argv[] = {const_cast<char*>(self), const_cast<char*>("ipc-child"), const_cast<char*>(fd_s.c_str()),
-                  const_cast<char*>(layers_s.c_str()), nullptr};
+  char* argv[] = {const_cast<char*>(self), const_cast<char*>("ipc-child"),
+                  const_cast<char*>(fd_s.c_str()), const_cast<char*>(layers_s.c_str()), nullptr};
   pid_t pid = 0;
   if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, environ) != 0) {
     return Fail(Internal("posix_spawn"), "ipc");
@@ -563,9 +588,11 @@ int Ipc(const Args& a, const char* self) {
   cudaFree(d);
   if (!st.ok()) return Fail(st, "ipc send wait");
   const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  std::printf("%s cuda_ipc: %lld MiB device->device between two processes in %.2f ms (%.1f GB/s incl. "
-              "handle open), child verified every byte: %s\n",
-              ok ? "PASS" : "FAIL", static_cast<long long>(mib), dt * 1e3, bytes / dt / 1e9, ok ? "yes" : "no");
+  std::printf(
+      "%s cuda_ipc: %lld MiB device->device between two processes in %.2f ms (%.1f GB/s incl. "
+      "handle open), child verified every byte: %s\n",
+      ok ? "PASS" : "FAIL", static_cast<long long>(mib), dt * 1e3, bytes / dt / 1e9,
+      ok ? "yes" : "no");
   return ok ? 0 : 1;
 }
 
@@ -608,9 +635,10 @@ int Nccl1() {
   cudaFree(dst);
   if (!st.ok()) return Fail(st, "nccl1 transfer");
   ok = ok && back == host;
-  std::printf("%s nccl1: 1-rank communicator all-reduce/all-gather exact, nccl transport self send/recv "
-              "with re-cut slices: %s\n",
-              ok ? "PASS" : "FAIL", back == host ? "bytes equal" : "bytes DIFFER");
+  std::printf(
+      "%s nccl1: 1-rank communicator all-reduce/all-gather exact, nccl transport self send/recv "
+      "with re-cut slices: %s\n",
+      ok ? "PASS" : "FAIL", back == host ? "bytes equal" : "bytes DIFFER");
   return ok ? 0 : 1;
 #else
   std::printf("SKIP nccl1: built without NCCL\n");
@@ -624,7 +652,8 @@ int Nccl1() {
 int main(int argc, char** argv) {
   using namespace kvrelay::gpucheck;
   if (argc < 2) {
-    std::fprintf(stderr, "usage: kvrelay_gpu_check probe|gen|agree|bench|sample|ipc|nccl1 [flags]\n");
+    std::fprintf(stderr,
+                 "usage: kvrelay_gpu_check probe|gen|agree|bench|sample|ipc|nccl1 [flags]\n");
     return 2;
   }
   const std::string cmd = argv[1];

@@ -140,20 +140,24 @@ Status WriteShapeModel(const std::string& path, const ShapeOptions& o, int threa
     w.AddTensor(name, type, {cols, rows}, RandomMatrix(rows, cols, scale, type, ++seed, threads));
   };
   matrix("token_embd.weight", o.d_model, o.vocab, 1.0f, o.embedding_type);
-  w.AddTensor("output_norm.weight", GgmlType::kF32, {o.d_model}, RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
+  w.AddTensor("output_norm.weight", GgmlType::kF32, {o.d_model},
+              RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
   if (!o.tied_embeddings) matrix("output.weight", o.d_model, o.vocab, in_scale, o.output_type);
   for (int l = 0; l < o.layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
-    w.AddTensor(p + "attn_norm.weight", GgmlType::kF32, {o.d_model}, RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
+    w.AddTensor(p + "attn_norm.weight", GgmlType::kF32, {o.d_model},
+                RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
     // Q/K larger than 1/sqrt(d) so attention is not uniform (as synthetic_model.cc).
     matrix(p + "attn_q.weight", o.d_model, o.heads * head_dim, 2 * in_scale, o.matrix_type);
     matrix(p + "attn_k.weight", o.d_model, o.kv_heads * head_dim, 2 * in_scale, o.matrix_type);
     matrix(p + "attn_v.weight", o.d_model, o.kv_heads * head_dim, in_scale, o.matrix_type);
     matrix(p + "attn_output.weight", o.heads * head_dim, o.d_model, in_scale, o.matrix_type);
-    w.AddTensor(p + "ffn_norm.weight", GgmlType::kF32, {o.d_model}, RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
+    w.AddTensor(p + "ffn_norm.weight", GgmlType::kF32, {o.d_model},
+                RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
     matrix(p + "ffn_gate.weight", o.d_model, o.ffn, in_scale, o.matrix_type);
     matrix(p + "ffn_up.weight", o.d_model, o.ffn, in_scale, o.matrix_type);
-    matrix(p + "ffn_down.weight", o.ffn, o.d_model, 1.0f / std::sqrt(static_cast<float>(o.ffn)), o.matrix_type);
+    matrix(p + "ffn_down.weight", o.ffn, o.d_model, 1.0f / std::sqrt(static_cast<float>(o.ffn)),
+           o.matrix_type);
   }
   return w.WriteFile(path);
 }

@@ -19,7 +19,9 @@ struct PreTokenizer::Patterns {};
 PreTokenizer::~PreTokenizer() = default;
 Tokenizer::~Tokenizer() = default;
 
-Result<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile&) { return Unimplemented(kWhy); }
+Result<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile&) {
+  return Unimplemented(kWhy);
+}
 
 Result<ChatTemplate> ChatTemplate::FromGguf(const GgufFile&) { return Unimplemented(kWhy); }
 

@@ -46,9 +46,12 @@ TEST(KernelMathTest, HalfConversionsMatchTheGgufCodec) {
     }
   }
   std::mt19937 rng(7);
-  std::vector<float> xs = {0.0f, -0.0f, 65504.0f, 65520.0f, 1e-8f, 5.96e-8f, 2.98e-8f, 6.1e-5f,
-                           -3.1e-5f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, INFINITY};
-  for (int i = 0; i < 200000; ++i) xs.push_back(std::ldexp(std::uniform_real_distribution<float>(-1, 1)(rng), static_cast<int>(rng() % 40) - 28));
+  std::vector<float> xs = {
+      0.0f,    -0.0f,    65504.0f,           65520.0f,           1e-8f,   5.96e-8f, 2.98e-8f,
+      6.1e-5f, -3.1e-5f, 1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048, INFINITY};
+  for (int i = 0; i < 200000; ++i)
+    xs.push_back(std::ldexp(std::uniform_real_distribution<float>(-1, 1)(rng),
+                            static_cast<int>(rng() % 40) - 28));
   for (float x : xs) ASSERT_EQ(math::FloatToHalf(x), Fp32ToFp16(x)) << x;
 }
 
@@ -93,7 +96,8 @@ TEST(KernelMathTest, RopeMatchesTheCpuBitForBit) {
         const int a = neox ? i : 2 * i, b = neox ? i + rope_dim / 2 : 2 * i + 1;
         math::RopePair(&x[a], &x[b], std::cos(theta), std::sin(theta));
       }
-      for (int i = 0; i < hd; ++i) ASSERT_EQ(Bits(x[i]), Bits(want[i])) << "pos " << pos << " i " << i;
+      for (int i = 0; i < hd; ++i)
+        ASSERT_EQ(Bits(x[i]), Bits(want[i])) << "pos " << pos << " i " << i;
     }
   }
 }
@@ -135,11 +139,14 @@ TEST(KernelMathTest, QuantizedBlockDotsEqualTheCpuScalarKernel) {
           float d, s;
           math::QuantizeBlockQ8(x.data() + t * cols + b * 32, q, &d, &s);
           const uint8_t* row = bytes.data() + r * row_bytes;
-          if (type == GgmlType::kQ4_0) acc += math::BlockTermQ4_0(row + b * math::kQ4_0Bytes, q, d, s);
-          if (type == GgmlType::kQ4_1) acc += math::BlockTermQ4_1(row + b * math::kQ4_1Bytes, q, d, s);
+          if (type == GgmlType::kQ4_0)
+            acc += math::BlockTermQ4_0(row + b * math::kQ4_0Bytes, q, d, s);
+          if (type == GgmlType::kQ4_1)
+            acc += math::BlockTermQ4_1(row + b * math::kQ4_1Bytes, q, d, s);
           if (type == GgmlType::kQ8_0) acc += math::BlockTermQ8_0(row + b * math::kQ8_0Bytes, q, d);
         }
-        ASSERT_EQ(Bits(acc), Bits(want[t * rows + r])) << "type " << static_cast<int>(type) << " t " << t << " r " << r;
+        ASSERT_EQ(Bits(acc), Bits(want[t * rows + r]))
+            << "type " << static_cast<int>(type) << " t " << t << " r " << r;
       }
     }
   }
@@ -150,7 +157,8 @@ TEST(KernelMathTest, Dp4aIsASignedByteDot) {
   for (int i = 0; i < 10000; ++i) {
     const uint32_t a = rng(), b = rng();
     int want = 5;
-    for (int k = 0; k < 4; ++k) want += static_cast<int8_t>(a >> (8 * k)) * static_cast<int8_t>(b >> (8 * k));
+    for (int k = 0; k < 4; ++k)
+      want += static_cast<int8_t>(a >> (8 * k)) * static_cast<int8_t>(b >> (8 * k));
     ASSERT_EQ(math::Dp4a(a, b, 5), want);
   }
 }
@@ -229,7 +237,8 @@ TEST(KernelMathTest, SplitOnlineSoftmaxAttentionMatchesTheCpuRow) {
             for (int e = 0; e < hd; ++e) dot = std::fma(q[e], k[j * hd + e], dot);
             float sa, p;
             ws[w] = math::PushSoftmax(ws[w], dot * scale, &sa, &p);
-            for (int e = 0; e < hd; ++e) wacc[w * hd + e] = wacc[w * hd + e] * sa + p * v[j * hd + e];
+            for (int e = 0; e < hd; ++e)
+              wacc[w * hd + e] = wacc[w * hd + e] * sa + p * v[j * hd + e];
           }
         }
         math::SoftmaxState m = ws[0];
@@ -259,8 +268,11 @@ TEST(KernelMathTest, PickSortedReproducesTheSeededCpuSampler) {
   for (uint64_t seed = 1; seed <= 40; ++seed) {
     std::vector<float> logits = RandomFloats(vocab, 2.0f, seed * 7);
     logits[17] = logits[18] = 9.0f;  // a tie at the top (broken by id)
-    for (const auto& [k, p, mp, temp] : std::vector<std::tuple<int, float, float, float>>{
-             {40, 1.0f, 0.0f, 0.8f}, {0, 0.9f, 0.0f, 1.0f}, {100, 0.5f, 0.05f, 1.3f}, {1, 1.0f, 0.0f, 0.7f}}) {
+    for (const auto& [k, p, mp, temp] :
+         std::vector<std::tuple<int, float, float, float>>{{40, 1.0f, 0.0f, 0.8f},
+                                                           {0, 0.9f, 0.0f, 1.0f},
+                                                           {100, 0.5f, 0.05f, 1.3f},
+                                                           {1, 1.0f, 0.0f, 0.7f}}) {
       SamplingParams sp;
       sp.temperature = temp;
       sp.top_k = k;
@@ -282,7 +294,8 @@ TEST(KernelMathTest, PickSortedReproducesTheSeededCpuSampler) {
       std::mt19937_64 rng(seed);
       const double u = static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
       std::vector<double> probs(keep);
-      EXPECT_EQ(math::PickSorted(sorted.data(), ids.data(), keep, temp, mp, p, u, probs.data()), want)
+      EXPECT_EQ(math::PickSorted(sorted.data(), ids.data(), keep, temp, mp, p, u, probs.data()),
+                want)
           << "seed " << seed << " top_k " << k;
       ++checked;
     }
