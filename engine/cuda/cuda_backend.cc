@@ -13,6 +13,9 @@
 #include "engine/cuda/device.h"
 #include "engine/cuda/kernel_math.h"
 #include "engine/cuda/kernels.cuh"
+#if KVRELAY_WITH_NCCL
+#include "engine/cuda/nccl_communicator.h"
+#endif
 
 namespace kvrelay::engine::cuda {
 namespace {
@@ -317,7 +320,13 @@ Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
 }
 
 Status CudaBackend::AllReduce(float* data, int64_t n) {
-  // Staged through host memory for any TpCollective.
+#if KVRELAY_WITH_NCCL
+  // An NCCL group reduces the device buffer in place.
+  if (auto* nccl = dynamic_cast<NcclCommunicator*>(collective_)) {
+    return nccl->AllReduceSumDevice(data, n, stream_.get());
+  }
+#endif
+  // Any other TpCollective: staged through host memory.
   tp_host_.resize(n);
   KVR_CUDA_RETURN(cudaMemcpyAsync(tp_host_.data(), data, n * sizeof(float), cudaMemcpyDeviceToHost,
                                   stream_.get()));
@@ -332,6 +341,24 @@ Status CudaBackend::GatherColumns(const float* local, const std::vector<UnitRang
                                   int64_t T, float* full) {
   const int64_t total = widths.back().end;
   const int64_t mine = widths[model_.shard().rank].size();
+#if KVRELAY_WITH_NCCL
+  // NCCL all-gathers equal pieces on the device; rank r's [T x w] block then
+  // lands in columns [r.begin, r.end) of every row with one 2-D copy.
+  auto* nccl = dynamic_cast<NcclCommunicator*>(collective_);
+  const bool equal = std::all_of(widths.begin(), widths.end(),
+                                 [&](const UnitRange& r) { return r.size() == mine; });
+  if (nccl != nullptr && equal) {
+    RETURN_IF_ERROR(gathered_.Reserve(static_cast<size_t>(T * total) * sizeof(float)));
+    float* g = gathered_.as<float>();
+    RETURN_IF_ERROR(nccl->AllGatherDevice(local, T * mine, g, stream_.get()));
+    for (const UnitRange& r : widths) {
+      KVR_CUDA_RETURN(cudaMemcpy2DAsync(full + r.begin, total * sizeof(float), g + T * r.begin,
+                                        mine * sizeof(float), mine * sizeof(float), T,
+                                        cudaMemcpyDeviceToDevice, stream_.get()));
+    }
+    return Status::Ok();
+  }
+#endif
   tp_host_.resize(T * mine);
   tp_host2_.resize(T * total);
   KVR_CUDA_RETURN(cudaMemcpyAsync(tp_host_.data(), local, T * mine * sizeof(float),

@@ -16,8 +16,10 @@
 // f16 (the same slab bytes as the CPU pool, so blocks move between the two
 // with plain copies).
 //
-// Tensor parallelism: a sharded model works with any TpCollective (the
-// partial / gathered activations are staged through host memory for it).
+// Tensor parallelism: a sharded model works with any TpCollective. With an
+// NcclCommunicator the all-reduce (and the all-gather, when every rank's
+// piece has the same width) run on device buffers; any other collective gets
+// the activations staged through host memory.
 #pragma once
 
 #include <memory>
