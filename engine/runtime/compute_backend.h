@@ -72,7 +72,9 @@ struct ComputeBackendOptions {
   DeviceSpec device;
   // CUDA: prefill chunks of at least this many tokens use the fp16 tensor-core
   // path (dequantize + cuBLAS); smaller steps use the quantized GEMV.
-  int gemm_min_tokens = 16;
+  // 32: below it the GEMV reads the quantized weights at most 4 times (once
+  // per 8 tokens), about what one pass over the fp16 copies costs.
+  int gemm_min_tokens = 32;
   // CUDA: positions per attention split (flash-decoding) for long contexts.
   int attention_split_tokens = 256;
   // CUDA: copy each step's K/V back into the host pool (what the engine

@@ -5,7 +5,7 @@
 //   cpu --model PATH [--prompt 16] [--steps 4]   the CPU forward alone (no GPU needed)
 //   agree --model PATH [--prompt 32] [--steps 64] [--threads N] [--max-dlogit 1.5]
 //   bench --model PATH [--batches 1,16,64,256] [--prompt 64] [--steps 16]
-//         [--prefill 512] [--hbm-tbps 4.8] [--kv f16|f32] [--gemm-min-tokens 16] [--mirror]
+//         [--prefill 512] [--hbm-tbps 4.8] [--kv f16|f32] [--gemm-min-tokens 32] [--mirror]
 //   sample                         device sampler vs the CPU Sampler
 //   ipc [--mib 64]                 cuda_ipc between this process and a child
 //   nccl1                          a 1-rank NCCL communicator and the nccl transport
@@ -13,6 +13,7 @@
 // Every figure printed is measured in this run on the device it names; the
 // script records nothing when there is no GPU.
 #include <cuda_runtime.h>
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -169,7 +170,7 @@ int Gen(const Args& a) {
 // CUDA vs CPU on the same model and tokens, positions compared on identical
 // contexts (each step feeds both backends the same token):
 //   1. a prefill of --prompt random tokens, logits of every position (the
-//      fp16 tensor-core path when the prompt has >= 16 tokens);
+//      fp16 tensor-core path when the prompt has >= gemm_min_tokens = 32);
 //   2. --steps greedy decode steps fed the CPU's argmax (the quantized GEMV
 //      path): the greedy sequences are identical iff every step agrees;
 //   3. --steps decode steps fed random tokens (random weights make greedy
@@ -351,7 +352,7 @@ int Bench(const Args& a) {
   if (!pool.ok()) return Fail(pool.status(), "bench: pool");
   engine::ComputeBackendOptions bo;
   bo.device = {engine::DeviceKind::kCuda, 0};
-  bo.gemm_min_tokens = static_cast<int>(a.Int("gemm-min-tokens", 16));
+  bo.gemm_min_tokens = static_cast<int>(a.Int("gemm-min-tokens", 32));
   bo.mirror_kv_to_host = a.Has("mirror");
   auto gpu = engine::CreateComputeBackend(bo, m, pool->get(), nullptr);
   if (!gpu.ok()) return Fail(gpu.status(), "bench: cuda backend");
@@ -545,6 +546,7 @@ int Ipc(const Args& a, const char* self) {
   const int64_t layers = mib * (1 << 20) / layer_bytes;
   int sv[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) return Fail(Internal("socketpair"), "ipc");
+  ::fcntl(sv[0], F_SETFD, FD_CLOEXEC);  // only the child's end is inherited
   // The child is a fresh exec of this binary (a forked CUDA context is unusable).
   const std::string fd_s = std::to_string(sv[1]), layers_s = std::to_string(layers);
   char* argv[] = {const_cast<char*>(self), const_cast<char*>("ipc-child"),
@@ -624,8 +626,13 @@ int Nccl1() {
   cudaMemcpy(src, host.data(), bytes, cudaMemcpyHostToDevice);
   cudaMemset(dst, 0, bytes);
   kv_transfer::TransferDesc sd = IpcDesc(src, 8, 4, true), rd = IpcDesc(dst, 8, 3, true);
+  // A send to ourselves and its receive must be in one NCCL group (groups nest).
+  st = (*comm)->GroupStart();
+  if (!st.ok()) return Fail(st, "nccl1 group");
   auto hs = (*tr)->PostSend(sd);
   auto hr = hs.ok() ? (*tr)->PostRecv(rd) : Result<kv_transfer::TransferHandle>(hs.status());
+  st = (*comm)->GroupEnd();
+  if (!st.ok()) return Fail(st, "nccl1 group end");
   if (!hr.ok()) return Fail(hr.status(), "nccl1 post");
   st = (*tr)->Wait(*hr, Deadline::AfterMs(20000));
   if (st.ok()) st = (*tr)->Wait(*hs, Deadline::AfterMs(20000));
