@@ -58,7 +58,7 @@ class CudaBackend final : public ComputeBackend {
 
   Status Init();
   DeviceSpec device() const override { return options_.device; }
-  Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+  Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook) override;
   void SetCollective(TpCollective* collective) override { collective_ = collective; }
   void InvalidateBlock(BlockId block) override {
@@ -380,7 +380,7 @@ Status CudaBackend::GatherColumns(const float* local, const std::vector<UnitRang
   return Status::Ok();
 }
 
-Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
                         const std::function<void(int layer)>& layer_hook) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
@@ -393,7 +393,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   // Validation: the CPU ForwardPass's rules and messages.
   int64_t T = 0, max_len = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
-    const ForwardSeq& q = seqs[s];
+    const SeqStep& q = seqs[s];
     if (q.tokens.empty())
       return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
     if (q.cache_len < 0) return InvalidArgument("negative cache length");
@@ -449,7 +449,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   seq_of.reserve(T);
   pos.reserve(T);
   for (size_t s = 0; s < seqs.size(); ++s) {
-    const ForwardSeq& q = seqs[s];
+    const SeqStep& q = seqs[s];
     const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
     table_off.push_back(static_cast<int64_t>(tables.size()));
     for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
@@ -463,9 +463,9 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
       pos.push_back(q.cache_len + static_cast<int64_t>(i));
     }
     const int64_t n = static_cast<int64_t>(q.tokens.size());
-    if (q.logits == ForwardSeq::Logits::kAll) {
+    if (q.logits == LogitRows::kAll) {
       for (int64_t i = 0; i < n; ++i) rows.push_back(static_cast<int32_t>(first + i));
-    } else if (q.logits == ForwardSeq::Logits::kLast) {
+    } else if (q.logits == LogitRows::kLast) {
       rows.push_back(static_cast<int32_t>(first + n - 1));
     }
     out->row_begin.push_back(static_cast<int64_t>(rows.size()));
@@ -673,7 +673,7 @@ Status CudaBackend::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     const float* ks = h_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
     const float* vs = ks + T * kvd;
     for (int64_t t = 0; t < T; ++t) {
-      const ForwardSeq& q = seqs[seq_of[t]];
+      const SeqStep& q = seqs[seq_of[t]];
       pool_->WriteToken(q.blocks[pos[t] / B], l, static_cast<int>(pos[t] % B), ks + t * kvd,
                         vs + t * kvd);
     }

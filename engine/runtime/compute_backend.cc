@@ -15,7 +15,7 @@ class CpuBackend final : public ComputeBackend {
   CpuBackend(const Model& model, KvBlockPool* pool, ThreadPool* threads)
       : forward_(model, pool, threads) {}
   DeviceSpec device() const override { return {}; }
-  Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+  Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook) override {
     return forward_.Run(seqs, out, layer_hook);
   }

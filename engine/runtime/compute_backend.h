@@ -59,7 +59,7 @@ class ComputeBackend {
   // ForwardPass::Run's contract (forward.h), including the layer hook: it is
   // called in layer order, each call after that layer's K/V of every
   // sequence is in the host pool.
-  virtual Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+  virtual Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
                      const std::function<void(int layer)>& layer_hook = {}) = 0;
   // ForwardPass::SetCollective.
   virtual void SetCollective(TpCollective* collective) = 0;

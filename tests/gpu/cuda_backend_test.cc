@@ -63,14 +63,14 @@ std::vector<float> RunSteps(const Model& m, KvBlockPool* pool, ComputeBackend* b
   std::vector<BlockId> blocks;
   for (int i = 0; i < (n + steps + 15) / 16; ++i) blocks.push_back(*pool->Allocate());
   std::vector<float> all;
-  ForwardSeq s{blocks, 0, std::span<const int32_t>(tokens.data(), n), ForwardSeq::Logits::kAll};
+  SeqStep s = MakeSeqStep(blocks, 0, std::span<const int32_t>(tokens.data(), n), LogitRows::kAll);
   ForwardOutput out;
-  EXPECT_TRUE(be->Run(std::span<const ForwardSeq>(&s, 1), &out).ok());
+  EXPECT_TRUE(be->Run(std::span<const SeqStep>(&s, 1), &out).ok());
   all = out.logits;
   for (int i = 0; i < steps; ++i) {
-    ForwardSeq d{blocks, n + i, std::span<const int32_t>(tokens.data() + n + i, 1),
-                 ForwardSeq::Logits::kLast};
-    EXPECT_TRUE(be->Run(std::span<const ForwardSeq>(&d, 1), &out).ok());
+    SeqStep d = MakeSeqStep(blocks, n + i, std::span<const int32_t>(tokens.data() + n + i, 1),
+                 LogitRows::kLast);
+    EXPECT_TRUE(be->Run(std::span<const SeqStep>(&d, 1), &out).ok());
     all.insert(all.end(), out.logits.begin(), out.logits.end());
   }
   for (BlockId b : blocks) pool->Release(b);
@@ -117,9 +117,9 @@ TEST(CudaBackendGpuTest, KvWrittenIntoTheHostPoolIsUploadedBeforeUse) {
   std::vector<int32_t> tokens = Tokens(40, m->config().vocab, 9);
   std::vector<BlockId> cb = {*cpu_pool->Allocate(), *cpu_pool->Allocate(), *cpu_pool->Allocate()};
   std::vector<BlockId> gb = {*tracked->Allocate(), *tracked->Allocate(), *tracked->Allocate()};
-  ForwardSeq p{cb, 0, std::span<const int32_t>(tokens.data(), 39), ForwardSeq::Logits::kNone};
+  SeqStep p = MakeSeqStep(cb, 0, std::span<const int32_t>(tokens.data(), 39), LogitRows::kNone);
   ForwardOutput out, want;
-  ASSERT_TRUE((*cpu)->Run(std::span<const ForwardSeq>(&p, 1), &out).ok());
+  ASSERT_TRUE((*cpu)->Run(std::span<const SeqStep>(&p, 1), &out).ok());
   for (size_t i = 0; i < cb.size(); ++i) {
     for (int l = 0; l < m->config().n_layers; ++l) {
       auto src = std::as_const(*cpu_pool).LayerData(cb[i], l);
@@ -127,10 +127,10 @@ TEST(CudaBackendGpuTest, KvWrittenIntoTheHostPoolIsUploadedBeforeUse) {
       std::copy(src.begin(), src.end(), dst.begin());
     }
   }
-  ForwardSeq dc{cb, 39, std::span<const int32_t>(tokens.data() + 39, 1), ForwardSeq::Logits::kLast};
-  ForwardSeq dg{gb, 39, std::span<const int32_t>(tokens.data() + 39, 1), ForwardSeq::Logits::kLast};
-  ASSERT_TRUE((*cpu)->Run(std::span<const ForwardSeq>(&dc, 1), &want).ok());
-  ASSERT_TRUE((*gpu)->Run(std::span<const ForwardSeq>(&dg, 1), &out).ok());
+  SeqStep dc = MakeSeqStep(cb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
+  SeqStep dg = MakeSeqStep(gb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
+  ASSERT_TRUE((*cpu)->Run(std::span<const SeqStep>(&dc, 1), &want).ok());
+  ASSERT_TRUE((*gpu)->Run(std::span<const SeqStep>(&dg, 1), &out).ok());
   double max_d = 0;
   for (size_t i = 0; i < want.logits.size(); ++i)
     max_d = std::max(max_d, std::fabs(double(want.logits[i]) - out.logits[i]));
@@ -154,7 +154,7 @@ TEST(CudaBackendGpuTest, EngineGeneratesOnTheDeviceLikeOnTheCpu) {
     auto e = Engine::Create(eo, m);
     ASSERT_TRUE(e.ok()) << dev << ": " << e.status().ToString();
     RequestSpec r;
-    r.id = "a";
+    r.id = 1;
     r.prompt = Tokens(20, m->config().vocab, 4);
     r.sampling.max_tokens = 16;
     r.sampling.ignore_eos = true;

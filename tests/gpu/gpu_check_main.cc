@@ -52,7 +52,9 @@ namespace {
 
 using engine::BlockId;
 using engine::ForwardOutput;
-using engine::ForwardSeq;
+using engine::LogitRows;
+using engine::MakeSeqStep;
+using engine::SeqStep;
 using engine::KvBlockPool;
 using engine::Model;
 
@@ -227,17 +229,17 @@ int Agree(const Args& a) {
     ++p.n;
     return ok;
   };
-  auto step = [&](int64_t cache_len, std::span<const int32_t> toks, ForwardSeq::Logits lg,
+  auto step = [&](int64_t cache_len, std::span<const int32_t> toks, LogitRows lg,
                   ForwardOutput* co, ForwardOutput* go) {
-    ForwardSeq c{*cb, cache_len, toks, lg};
-    ForwardSeq g{*gb, cache_len, toks, lg};
-    Status st = cpu.Run(std::span<const ForwardSeq>(&c, 1), co);
-    if (st.ok()) st = (*gpu)->Run(std::span<const ForwardSeq>(&g, 1), go);
+    SeqStep c = MakeSeqStep(*cb, cache_len, toks, lg);
+    SeqStep g = MakeSeqStep(*gb, cache_len, toks, lg);
+    Status st = cpu.Run(std::span<const SeqStep>(&c, 1), co);
+    if (st.ok()) st = (*gpu)->Run(std::span<const SeqStep>(&g, 1), go);
     return st;
   };
   std::vector<int32_t> prompt = RandomTokens(P, vocab, 42);
   ForwardOutput co, go;
-  Status st = step(0, prompt, ForwardSeq::Logits::kAll, &co, &go);
+  Status st = step(0, prompt, LogitRows::kAll, &co, &go);
   if (!st.ok()) return Fail(st, "agree: prefill");
   for (int64_t r = 0; r < P; ++r) compare(ph[0], co.Row(r, vocab), go.Row(r, vocab));
   int32_t token = static_cast<int32_t>(Argmax(co.Row(P - 1, vocab), vocab));
@@ -246,7 +248,7 @@ int Agree(const Args& a) {
   for (int64_t s = 0; s < 2 * steps; ++s) {
     const bool greedy = s < steps;
     std::vector<int32_t> one = {greedy ? token : random[s - steps]};
-    st = step(P + s, one, ForwardSeq::Logits::kLast, &co, &go);
+    st = step(P + s, one, LogitRows::kLast, &co, &go);
     if (!st.ok()) return Fail(st, "agree: decode");
     const bool ok = compare(ph[greedy ? 1 : 2], co.Row(0, vocab), go.Row(0, vocab));
     if (greedy && !ok && first_diff < 0) first_diff = s;
@@ -299,9 +301,9 @@ int Cpu(const Args& a) {
   for (int64_t s = 0; s <= steps; ++s) {
     const int64_t begin = s == 0 ? 0 : P + s - 1;
     std::span<const int32_t> step(tokens.data() + begin, s == 0 ? P : 1);
-    ForwardSeq q{*blocks, begin, step, ForwardSeq::Logits::kLast};
+    SeqStep q = MakeSeqStep(*blocks, begin, step, LogitRows::kLast);
     ForwardOutput o;
-    Status st = cpu.Run(std::span<const ForwardSeq>(&q, 1), &o);
+    Status st = cpu.Run(std::span<const SeqStep>(&q, 1), &o);
     if (!st.ok()) return Fail(st, "cpu: forward");
     tokens.push_back(static_cast<int32_t>(Argmax(o.Row(0, vocab), vocab)));
     out += " " + std::to_string(tokens.back());
@@ -377,10 +379,10 @@ int Bench(const Args& a) {
     // Prefill in groups of at most 4096 tokens.
     ForwardOutput out;
     for (int64_t s0 = 0; s0 < b;) {
-      std::vector<ForwardSeq> seqs;
+      std::vector<SeqStep> seqs;
       int64_t tok = 0;
       for (; s0 < b && tok + P <= 4096; ++s0, tok += P) {
-        seqs.push_back({tables[s0], 0, prompts[s0], ForwardSeq::Logits::kNone});
+        seqs.push_back(MakeSeqStep(tables[s0], 0, prompts[s0], LogitRows::kNone));
       }
       Status st = (*gpu)->Run(seqs, &out);
       if (!st.ok()) return Fail(st, "bench: prefill");
@@ -388,10 +390,10 @@ int Bench(const Args& a) {
     std::vector<double> times;
     std::vector<std::vector<int32_t>> next(b, std::vector<int32_t>(1, 1));
     for (int64_t step = 0; step < warm + steps; ++step) {
-      std::vector<ForwardSeq> seqs;
+      std::vector<SeqStep> seqs;
       for (int64_t s = 0; s < b; ++s) {
         next[s][0] = static_cast<int32_t>((s * 31 + step * 7) % vocab);
-        seqs.push_back({tables[s], P + step, next[s], ForwardSeq::Logits::kLast});
+        seqs.push_back(MakeSeqStep(tables[s], P + step, next[s], LogitRows::kLast));
       }
       const auto t0 = std::chrono::steady_clock::now();
       Status st = (*gpu)->Run(seqs, &out);
@@ -425,9 +427,9 @@ int Bench(const Args& a) {
     std::vector<double> times;
     ForwardOutput out;
     for (int rep = 0; rep < 4; ++rep) {
-      ForwardSeq s{*t, 0, tokens, ForwardSeq::Logits::kLast};
+      SeqStep s = MakeSeqStep(*t, 0, tokens, LogitRows::kLast);
       const auto t0 = std::chrono::steady_clock::now();
-      Status st = (*gpu)->Run(std::span<const ForwardSeq>(&s, 1), &out);
+      Status st = (*gpu)->Run(std::span<const SeqStep>(&s, 1), &out);
       const double dt =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (!st.ok()) return Fail(st, "bench: prefill");

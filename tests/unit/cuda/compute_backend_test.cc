@@ -59,12 +59,12 @@ TEST(ComputeBackendTest, CpuBackendIsTheForwardPass) {
   std::vector<int32_t> tokens = {1, 50, 7, 200, 3, 9, 11};
   std::vector<BlockId> blocks = {*pool_a->Allocate()};
   std::vector<BlockId> blocks_b = {*pool_b->Allocate()};
-  ForwardSeq sa{blocks, 0, tokens, ForwardSeq::Logits::kAll};
-  ForwardSeq sb{blocks_b, 0, tokens, ForwardSeq::Logits::kAll};
+  SeqStep sa = MakeSeqStep(blocks, 0, tokens, LogitRows::kAll);
+  SeqStep sb = MakeSeqStep(blocks_b, 0, tokens, LogitRows::kAll);
   ForwardOutput a, b;
   int hooks = 0;
-  ASSERT_TRUE((*backend)->Run(std::span<const ForwardSeq>(&sa, 1), &a, [&](int) { ++hooks; }).ok());
-  ASSERT_TRUE(fwd.Run(std::span<const ForwardSeq>(&sb, 1), &b).ok());
+  ASSERT_TRUE((*backend)->Run(std::span<const SeqStep>(&sa, 1), &a, [&](int) { ++hooks; }).ok());
+  ASSERT_TRUE(fwd.Run(std::span<const SeqStep>(&sb, 1), &b).ok());
   EXPECT_EQ(hooks, model->config().n_layers);
   ASSERT_EQ(a.logits.size(), b.logits.size());
   EXPECT_EQ(0, std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)));
@@ -75,7 +75,7 @@ TEST(ComputeBackendTest, CpuBackendIsTheForwardPass) {
 class RecordingBackend final : public ComputeBackend {
  public:
   DeviceSpec device() const override { return {DeviceKind::kCuda, 0}; }
-  Status Run(std::span<const ForwardSeq>, ForwardOutput*,
+  Status Run(std::span<const SeqStep>, ForwardOutput*,
              const std::function<void(int)>&) override {
     return Unimplemented("recording only");
   }

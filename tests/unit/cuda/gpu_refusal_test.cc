@@ -102,10 +102,10 @@ TEST(GpuRefusalTest, ShapeGeneratorWritesALoadableModel) {
   auto pool = engine::testutil::MakePool(**m, 4);
   std::vector<engine::BlockId> blocks = {*pool->Allocate()};
   std::vector<int32_t> tokens = {1, 2, 3, 40000};
-  engine::ForwardSeq s{blocks, 0, tokens, engine::ForwardSeq::Logits::kLast};
+  engine::SeqStep s = engine::MakeSeqStep(blocks, 0, tokens, engine::LogitRows::kLast);
   engine::ForwardOutput out;
   engine::ForwardPass fwd(**m, pool.get(), nullptr);
-  ASSERT_TRUE(fwd.Run(std::span<const engine::ForwardSeq>(&s, 1), &out).ok());
+  ASSERT_TRUE(fwd.Run(std::span<const engine::SeqStep>(&s, 1), &out).ok());
   ASSERT_EQ(out.logits.size(), 49152u);
   for (float v : out.logits) ASSERT_TRUE(std::isfinite(v));
 }
