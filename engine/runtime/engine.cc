@@ -251,7 +251,9 @@ class Engine::Impl {
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
     seq->sampler = std::make_unique<Sampler>(spec.sampling);
-    seq->text = std::make_unique<TextStream>(model_->tokenizer(), spec.sampling.stop);
+    const bool text = spec.want_text || !spec.sampling.stop.empty();
+    seq->text = std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr,
+                                             spec.sampling.stop);
     seq->spec = std::move(spec);
     return seq;
   }

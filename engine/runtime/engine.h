@@ -76,6 +76,10 @@ struct RequestSpec {
   SamplingParams sampling;
   std::string tenant_salt;  // isolates prefix-cache hits per tenant
   RequestMode mode = RequestMode::kFull;
+  // TokenEvent::text is filled (the engine detokenizes) only when set or when
+  // sampling.stop is not empty. Serving leaves it off: the coordinator
+  // detokenizes and matches stop strings itself.
+  bool want_text = true;
 };
 
 enum class FinishReason : uint8_t {

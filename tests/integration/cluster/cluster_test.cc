@@ -490,6 +490,38 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   ExpectGreedyMatchesEngine(cluster->http_port());
 }
 
+// Prompts longer than one KV stream segment (worker/kv_streams.h: 32 blocks
+// of 16 tokens) are prefilled in several chunks and streamed segment by
+// segment as each chunk completes one, to both ranks of a TP = 2 group. Two
+// of them at once share the step budget, so chunk ends fall inside segments.
+// Every answer equals the single-process engine's.
+TEST_F(ClusterTest, LongPromptsStreamInSegmentsAcrossChunks) {
+  auto cluster = StartCluster(1, 1, 0, "round_robin", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 2; ++i) {
+    std::string text = "Log of the river gauges, station " + std::to_string(i) + ". ";
+    for (int day = 0; day < 90; ++day) {
+      text += "Day " + std::to_string(day) + ": level " + std::to_string((day * 37 + i) % 90) +
+              " cm, flow steady. ";
+    }
+    text += "The highest level was on day";
+    prompts.push_back(ref_->Encode(text));
+    ASSERT_GT(prompts.back().size(), 2u * 512) << "the prompt must span 3 segments";
+  }
+  std::vector<CompletionOutcome> got(prompts.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = Complete(port, prompts[i], 12); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].http_status, 200) << got[i].error;
+    EXPECT_EQ(got[i].text, ref_->Text(ref_->Greedy(prompts[i], 12))) << "prompt " << i;
+  }
+}
+
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
   const std::string gauge = "kvrelay_worker_kv_utilization";
   auto all_idle = [&] {
