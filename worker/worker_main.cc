@@ -165,7 +165,8 @@ int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& 
   if (!options.ok()) {
     std::fprintf(stderr,
                  "%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-                 "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] [--threads N] [--rank R "
+                 "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] "
+                 "[--threads N] [--rank R "
                  "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
                  "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
                  "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto]\n",
