@@ -21,7 +21,7 @@ const std::vector<std::string> kLaunchFlags = {
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
     "demo",         "max-tokens",     "tp-mode",
-    "kv-timeout-ms", "heartbeat-ms"};
+    "kv-timeout-ms", "heartbeat-ms",   "decode-device"};
 const std::vector<std::string> kLaunchSwitches = {"no-kv-store"};
 // The RocksDB prefix tier is on by default, one directory per worker under
 // this one (relative to the working directory; scripts/serve.sh runs from the
@@ -66,6 +66,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
+  o.decode_device = flags.Get("decode-device", o.decode_device);
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -195,7 +196,7 @@ KVRELAY_COMMAND(
     launch, "launch",
     "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
     "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR (default kvstore) | "
-    "--no-kv-store] [--demo PROMPT]",
+    "--no-kv-store] [--decode-device cpu|cuda[:N]] [--demo PROMPT]",
     RunLaunch);
 
 }  // namespace kvrelay::cli

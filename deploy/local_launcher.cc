@@ -120,6 +120,10 @@ Status LocalLauncher::Start() {
       argv.push_back("--kv-timeout-ms");
       argv.push_back(std::to_string(options_.kv_timeout_ms));
     }
+    if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {
+      argv.push_back("--device");
+      argv.push_back(options_.decode_device);
+    }
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

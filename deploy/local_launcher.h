@@ -28,6 +28,7 @@ struct LaunchOptions {
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
   std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
+  std::string decode_device = "cpu";  // --device of the decode workers: cpu | cuda[:N]
   int64_t kv_capacity_mb = 256;
   // RocksDB prefix tier per prefill/colocated worker, in <kv_store_dir>/<worker id>
   // (RocksDB allows one process per database, so workers never share one);

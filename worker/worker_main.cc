@@ -20,6 +20,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
                                                         "coordinator",
                                                         "model",
                                                         "kv-dtype",
+                                                        "device",
                                                         "kv-capacity-mb",
                                                         "block-tokens",
                                                         "threads",
@@ -55,6 +56,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
+  o.engine.device = flags.Get("device", "cpu");  // cpu | cuda[:N]; checked by Engine::Create
   ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
   o.engine.kv_capacity_bytes = cap_mb << 20;
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
@@ -163,7 +165,8 @@ int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& 
   if (!options.ok()) {
     std::fprintf(stderr,
                  "%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-                 "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
+                 "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] "
+                 "[--threads N] [--rank R "
                  "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
                  "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
                  "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto]\n",

@@ -51,6 +51,10 @@ struct EngineOptions {
   int max_running = 64;       // sequences in the running batch
   // Longest prompt + generation accepted (0 = the model's context length).
   int64_t max_context = 0;
+  // Where the forward pass runs: "cpu" (default) or "cuda" / "cuda:N"
+  // (engine/runtime/compute_backend.h). Create fails with Unavailable when
+  // no CUDA device is found, Unimplemented in a build without CUDA.
+  std::string device = "cpu";
 
   Status Validate() const;
 };
