@@ -96,6 +96,7 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
+  in.started = Clock::now();
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
   ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
                                      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
@@ -153,6 +154,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
       continue;
     }
     ctx_.counters->transfer_bytes += ctx_.layout.BlockBytes() * in.blocks;
+    ctx_.counters->transfer_seconds += SecondsSince(in.started);
     done.push_back({id, Status::Ok(), in.first_token});
     it = incoming_.erase(it);
   }
