@@ -1,3 +1,6 @@
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +14,29 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
+
+bool IsWildcard(const std::string& host) {
+  return host == "0.0.0.0" || host == "::" || host == "[::]" || host.empty();
+}
+
+// --advertise-host takes an IP or a name; the KV listener needs an IP literal,
+// so a name is resolved once here (the first address getaddrinfo returns).
+Result<std::string> ResolveAdvertiseHost(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    return InvalidArgument("--advertise-host '" + host + "' does not resolve: " + gai_strerror(rc));
+  }
+  char ip[NI_MAXHOST] = {};
+  const int nrc =
+      getnameinfo(found->ai_addr, found->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST);
+  freeaddrinfo(found);
+  if (nrc != 0) return InvalidArgument("--advertise-host '" + host + "': " + gai_strerror(nrc));
+  return std::string(ip);
+}
 
 Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(cli::Flags flags, cli::Flags::Parse(args,
@@ -26,6 +52,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
                                                         "rank",
                                                         "world-size",
                                                         "kv-host",
+                                                        "advertise-host",
                                                         "kv-port",
                                                         "kv-store",
                                                         "kv-store-capacity-mb",
@@ -68,7 +95,23 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   o.rank = static_cast<int>(rank);
   o.world_size = static_cast<int>(world);
   if (o.worker_id.empty()) o.worker_id = std::string(RoleName(role)) + "-" + std::to_string(rank);
+  // The KV address is both where this worker listens and what it registers
+  // for its peers to dial, so it must be one they can reach: a wildcard would
+  // make a peer on another host dial itself. --advertise-host names it (an IP
+  // or a name resolved here); --kv-host stays for compatibility.
   o.kv_host = flags.Get("kv-host", "127.0.0.1");
+  if (flags.Has("advertise-host")) {
+    ASSIGN_OR_RETURN(std::string advertised, ResolveAdvertiseHost(flags.Get("advertise-host")));
+    if (flags.Has("kv-host") && !IsWildcard(o.kv_host) && o.kv_host != advertised) {
+      return InvalidArgument("--kv-host " + o.kv_host + " and --advertise-host " + advertised +
+                             " differ (the KV listener is the advertised address)");
+    }
+    o.kv_host = advertised;
+  } else if (IsWildcard(o.kv_host)) {
+    return InvalidArgument("--kv-host '" + o.kv_host +
+                           "' is a wildcard, which peers cannot dial; pass --advertise-host "
+                           "ADDRESS (this host's address on the network its peers share)");
+  }
   ASSIGN_OR_RETURN(int64_t kv_port, flags.GetInt("kv-port", 0));
   if (kv_port < 0 || kv_port > 65535) return InvalidArgument("--kv-port out of range");
   o.kv_port = static_cast<uint16_t>(kv_port);
@@ -114,7 +157,7 @@ int WorkerMain(Role role, int argc, char** argv) {
         stderr,
         "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
         "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
-        "--world-size W] [--kv-host H --kv-port P] [--kv-store DIR] [--tp-size T --tp-rank R "
+        "--world-size W] [--advertise-host H] [--kv-host H --kv-port P] [--kv-store DIR] [--tp-size T --tp-rank R "
         "--tp-leader HOST:PORT --tp-mode exact|reduce]\n",
         std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
     return 2;
