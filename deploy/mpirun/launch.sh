@@ -97,7 +97,7 @@ exec mpirun "${args[@]}" \
     --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
-    exec "$@" --advertise-host "$a"' prefill \
+    exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --advertise-host "$a"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'

@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""Multi-node tests of kvrelay on emulated hosts (see testbed.py, cluster.py).
+
+  multinode.py scaling [--quick]   1P+1D, 2P+2D, 4P+4D hosts, same CPU budget each,
+                                   one fixed open-loop workload (kvrelay bench serve);
+                                   greedy outputs checked against the single-process
+                                   engine; ends with `scaling efficiency at 4+4: X.XX`
+  multinode.py faults [--quick]    kill -9 a decode host's worker, a TP follower; cut
+                                   the path between a prefill and a decode host
+                                   mid-transfer, and a decode host's link
+  multinode.py mpirun              launch.sh across hosts, TP groups inside a host
+  multinode.py k8s                 the Kubernetes manifests: validated offline, and
+                                   each container's command run on its host
+Common flags: --bin-dir --cli --model --workdir --json OUT.
+Exit 0 = passed, 1 = failed, 77 = skipped (not root, no namespaces, no binaries).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import cluster  # noqa: E402
+import testbed  # noqa: E402
+from cluster import log  # noqa: E402
+
+SKIP = 77
+
+
+class Check:
+    """Collects pass/fail lines; a test fails when any check failed."""
+
+    def __init__(self):
+        self.failures = []
+
+    def expect(self, cond, what):
+        log(("ok   " if cond else "FAIL ") + what)
+        if not cond:
+            self.failures.append(what)
+        return cond
+
+
+def compare(check, results, reference, what):
+    bad = []
+    for i, (r, ref) in enumerate(zip(results, reference)):
+        if not r["ok"]:
+            bad.append("request %d failed: %s" % (i, r["error"]))
+        elif r["text"] != ref:
+            bad.append("request %d: text differs from the engine (%r vs %r)"
+                       % (i, r["text"][:60], ref[:60]))
+    check.expect(not bad, "%s: %d/%d greedy outputs equal the single-process engine%s"
+                 % (what, len(results) - len(bad), len(results),
+                    ("; " + "; ".join(bad[:3])) if bad else ""))
+
+
+# ------------------------------------------------------------------ scaling
+
+def run_bench(bed, env, url, a, tag):
+    out = os.path.join(env.workdir, tag + ".bench.json")
+    cmd = [env.cli, "bench", "serve", "--url", url, "--model", cluster.MODEL_NAME,
+           "--rate", str(a.rate), "--num-prompts", str(a.num_prompts),
+           "--input-len", str(a.input_len), "--output-len", str(a.output_len),
+           "--seed", str(a.seed), "--max-concurrency", "512", "--timeout-s", "600",
+           "--json", out]
+    log("  " + " ".join(cmd[1:]))
+    r = bed.run("launcher", cmd, timeout=900, check=False)
+    sys.stdout.write(r.stdout)
+    if not os.path.exists(out):
+        raise RuntimeError("bench serve wrote no report (rc %d): %s" % (r.returncode, r.stderr))
+    with open(out) as f:
+        return json.load(f)
+
+
+def scaling(a, env):
+    check = Check()
+    sizes = [1, 2, 4] if not a.quick else [1, 4]
+    prompts = cluster.random_prompts(a.seed + 1, a.check_prompts, a.input_len)
+    rows = []
+    reference = None
+    for n in sizes:
+        tag = "scale%d" % n
+        log("=== %dP+%dD, %.2f core per host, links %s, %s launch" % (n, n, a.cpu, a.link, a.launch))
+        with testbed.Testbed(cluster.make_hosts(n, n, a.cpu, a.coord_cpu), rate=a.link) as bed:
+            if reference is None:
+                reference = cluster.reference_texts(bed, env, prompts, a.output_len)
+            c = cluster.Cluster(bed, env, a.launch, n, n, tp=a.tp, threads=1, tag=tag)
+            try:
+                c.start()
+                c.wait_ready()
+                cluster.complete(bed, env, c.url, prompts[:1], 4, 1, tag + ".warmup")
+                rep = run_bench(bed, env, c.url, a, tag)
+                res = cluster.complete(bed, env, c.url, prompts, a.output_len, len(prompts),
+                                       tag + ".check")
+                compare(check, res, reference, "%dP+%dD" % (n, n))
+                check.expect(rep["failed"] == 0, "%dP+%dD: bench serve %d/%d completed (%s)"
+                             % (n, n, rep["completed"], rep["num_prompts"],
+                                "; ".join(rep.get("errors", []))[:300]))
+                throttled = {}
+                for h in bed.hosts:
+                    if h.cpu:
+                        throttled[h.name] = cpu_throttled_s(h)
+                rows.append({"size": n, "report": rep, "throttled_s": throttled})
+            except Exception:
+                log(c.tail_logs())
+                raise
+            finally:
+                c.stop()
+    base = rows[0]["report"]["request_throughput"]
+    print()
+    print("| hosts | req/s | out tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
+          "| efficiency |")
+    print("|---|---|---|---|---|---|")
+    eff = {}
+    for row in rows:
+        rep, n = row["report"], row["size"]
+        eff[n] = rep["request_throughput"] / (n * base) if base > 0 else 0.0
+        t, p = rep["ttft_ms"], rep["tpot_ms"]
+        print("| %dP+%dD | %.3f | %.1f | %.0f / %.0f / %.0f | %.1f / %.1f / %.1f | %.2f |"
+              % (n, n, rep["request_throughput"], rep["output_token_throughput"], t["p50"],
+                 t["p90"], t["p99"], p["p50"], p["p90"], p["p99"], eff[n]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "rows": rows, "efficiency": eff}, f, indent=2)
+    print("scaling efficiency at 4+4: %.2f" % eff.get(4, 0.0), flush=True)
+    return check
+
+
+def cpu_throttled_s(host):
+    """Seconds the host's cgroup was throttled by its quota (cgroup v1 cpu.stat)."""
+    try:
+        with open(os.path.join(host.cgroup, "cpu.stat")) as f:
+            for line in f:
+                k, v = line.split()
+                if k == "throttled_time":
+                    return int(v) / 1e9
+                if k == "throttled_usec":
+                    return int(v) / 1e6
+    except OSError:
+        pass
+    return None
+
+
+# ------------------------------------------------------------------ faults
+
+class Background:
+    """client.py complete on the launcher host, in a thread."""
+
+    def __init__(self, bed, env, url, prompts, max_tokens, name):
+        self.result, self.error = None, None
+
+        def run():
+            try:
+                self.result = cluster.complete(bed, env, url, prompts, max_tokens, len(prompts),
+                                               name)
+            except Exception as e:  # reported by join()
+                self.error = e
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def join(self, timeout):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError("client still running after %d s" % timeout)
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def wait_until(cond, timeout_s, step=0.05):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    return None
+
+
+def tx_bytes(bed, host):
+    r = subprocess.run(["ip", "-n", bed.host(host).ns, "-j", "-s", "link", "show", "eth0"],
+                       capture_output=True, text=True, timeout=10)
+    return json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"]
+
+
+def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, reference_cache):
+    """One fault on a fresh 2P+2D cluster. fault(bed, c) -> (t_fault, description,
+    restore_fn or None). Returns a dict of measurements."""
+    hb_ms = a.heartbeat_ms
+    log("=== fault: %s (2P+2D, TP %d, links %s, heartbeat %d ms)" % (name, tp, link, hb_ms))
+    n_req = 4
+    prompts = cluster.random_prompts(a.seed + 7 + prompt_len, n_req, prompt_len)
+    after_prompts = cluster.random_prompts(a.seed + 99, 2, 64)
+    out = {"case": name}
+    with testbed.Testbed(cluster.make_hosts(2, 2, a.cpu, a.coord_cpu), rate=link) as bed:
+        key = (prompt_len, max_tokens)
+        if key not in reference_cache:
+            reference_cache[key] = cluster.reference_texts(bed, env, prompts, max_tokens,
+                                                           name="ref-%d" % prompt_len)
+            reference_cache[("after",)] = cluster.reference_texts(bed, env, after_prompts, 8,
+                                                                  name="ref-after")
+        ref, ref_after = reference_cache[key], reference_cache[("after",)]
+        c = cluster.Cluster(bed, env, a.launch, 2, 2, tp=tp, threads=1, heartbeat_ms=hb_ms,
+                            tag="fault-" + name.replace(" ", "-"))
+        try:
+            c.start()
+            c.wait_ready()
+            base = cluster.client_state(bed, c.url)
+            bg = Background(bed, env, c.url, prompts, max_tokens, c.tag + ".load")
+            t_fault, what, restore = fault(bed, c)
+            out["fault"] = what
+            res = bg.join(600)
+            affected = [r for r in res if not r["ok"]]
+            fine = [(r, e) for r, e in zip(res, ref) if r["ok"]]
+            lat = [r["end"] - t_fault for r in affected]
+            out["affected"] = len(affected)
+            out["completed"] = len(fine)
+            out["final_status_s"] = [round(x, 3) for x in lat]
+            out["errors"] = sorted(set((r["error"] or "")[:120] for r in affected))
+            check.expect(len(affected) >= 1, "%s: %d of %d requests affected (%s)"
+                         % (name, len(affected), n_req, "; ".join(out["errors"])))
+            limit = 2 * hb_ms / 1000.0
+            check.expect(bool(lat) and max(lat) <= limit,
+                         "%s: every affected request had a final status within 2 heartbeat "
+                         "intervals (%.1f s): measured %s s after the fault"
+                         % (name, limit, out["final_status_s"]))
+            check.expect(all(r["text"] == e for r, e in fine),
+                         "%s: the %d unaffected requests finished with the engine's tokens"
+                         % (name, len(fine)))
+            if restore:
+                restore()
+            t0 = time.time()
+            after = cluster.complete(bed, env, c.url, after_prompts, 8, 2, c.tag + ".after",
+                                     timeout_s=120)
+            out["after_s"] = round(time.time() - t0, 2)
+            compare(check, after, ref_after, "%s: the cluster keeps serving" % name)
+            settled = wait_until(lambda: settled_state(bed, c.url, base), 10 * hb_ms / 1000.0,
+                                 step=hb_ms / 1000.0)
+            out["kv_after"] = settled or cluster.client_state(bed, c.url)["gauges"]
+            check.expect(bool(settled), "%s: no sequence left running and KV use back to its "
+                         "baseline on every remaining worker (%s)"
+                         % (name, json.dumps(out["kv_after"])[:300]))
+        except Exception:
+            log(c.tail_logs())
+            raise
+        finally:
+            c.stop()
+    return out
+
+
+def settled_state(bed, url, base):
+    st = cluster.client_state(bed, url)
+    g = st.get("gauges", {})
+    alive = {w["id"] for w in st.get("workers", [])}
+    for wid in alive:
+        if wid not in g or g[wid].get("running", 1) != 0:
+            return None
+        b = base["gauges"].get(wid, {}).get("kv_utilization", 0.0)
+        # Finished prompts stay as prefix cache; what must not stay is
+        # anything held by a request that no longer exists (running == 0
+        # above), so allow the cached blocks of the prompts just served.
+        if g[wid].get("kv_utilization", 0.0) > b + 0.25:
+            return None
+    return g
+
+
+def kill_fault(host, tp_rank, wait_workers):
+    def fault(bed, c):
+        # Mid-stream: every decode group is decoding something.
+        ok = wait_until(lambda: all(cluster.client_state(bed, c.url)["gauges"].get(w, {})
+                                    .get("running", 0) >= 1 for w in wait_workers), 120, 0.1)
+        if not ok:
+            raise RuntimeError("the load never reached every decode group")
+        pid = c.worker_pid(host, tp_rank)
+        if pid is None:
+            raise RuntimeError("no worker on %s" % host)
+        t = time.time()
+        os.kill(pid, 9)
+        return t, "kill -9 pid %d on %s (tp rank %s)" % (pid, host, tp_rank), None
+    return fault
+
+
+def cut_fault(prefill, decode, pair_only):
+    """Cuts prefill<->decode while the prefill host is sending KV. pair_only: a
+    blackhole route on each side for the other's address (100% loss between
+    the two, both keep their link to the coordinator); else the decode host's
+    link goes down (its switch-side veth)."""
+    def fault(bed, c):
+        start = tx_bytes(bed, prefill)
+        # Mid-transfer: the prefill host has sent > 1 MiB of KV (its tx counter).
+        if not wait_until(lambda: tx_bytes(bed, prefill) - start > (1 << 20), 120, 0.02):
+            raise RuntimeError("no KV transfer seen from %s" % prefill)
+        t = time.time()
+        p, d = bed.host(prefill), bed.host(decode)
+        if pair_only:
+            subprocess.run(["ip", "-n", p.ns, "route", "add", "blackhole", d.ip + "/32"],
+                           check=True)
+            subprocess.run(["ip", "-n", d.ns, "route", "add", "blackhole", p.ip + "/32"],
+                           check=True)
+
+            def restore():
+                subprocess.run(["ip", "-n", p.ns, "route", "del", "blackhole", d.ip + "/32"])
+                subprocess.run(["ip", "-n", d.ns, "route", "del", "blackhole", p.ip + "/32"])
+            return t, "blackhole %s <-> %s after %d KiB sent" % (
+                prefill, decode, (tx_bytes(bed, prefill) - start) >> 10), restore
+        bed.set_link(decode, False)
+        return t, "link of %s down" % decode, None
+    return fault
+
+
+def faults(a, env):
+    check = Check()
+    results = []
+    cache = {}
+    cases = [
+        ("decode worker kill -9", 1, a.link,
+         kill_fault("d0", None, ["decode-0", "decode-1"]), 64, 200),
+        ("TP follower kill -9", 2, a.link,
+         kill_fault("d0", 1, ["decode-0", "decode-1"]), 64, 200),
+        # Slow links so a transfer lasts long enough to be cut in the middle.
+        ("prefill-decode path cut", 1, a.cut_link,
+         cut_fault("p0", "d0", pair_only=True), 512, 32),
+        ("decode host link down", 1, a.cut_link,
+         cut_fault("p0", "d0", pair_only=False), 512, 32),
+    ]
+    if a.quick:
+        cases = [cases[0], cases[2]]
+    for case in cases:
+        try:
+            results.append(fault_case(a, env, check, *case, reference_cache=cache))
+        except Exception as e:
+            check.expect(False, "%s: %s" % (case[0], e))
+            results.append({"case": case[0], "error": str(e)})
+    print()
+    print("| fault | affected | final status after the fault (s) | completed correctly | "
+          "serving after |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print("| %s | error: %s | | | |" % (r["case"], r["error"][:100]))
+            continue
+        print("| %s | %d | %s | %d | %.2f s for 2 requests |"
+              % (r["fault"], r["affected"], ", ".join("%.2f" % x for x in r["final_status_s"]),
+                 r["completed"], r["after_s"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "cases": results}, f, indent=2)
+    return check
+
+
+# ------------------------------------------------------------------ mpirun
+
+def mpirun_topology(a, env):
+    """launch.sh across hosts: 1 prefill host, 2 decode hosts with a TP = 2
+    group each (TP inside a host), greedy outputs checked."""
+    check = Check()
+    prompts = cluster.random_prompts(a.seed + 3, 6, 48)
+    for mode in ("mpirun", "direct"):
+        with testbed.Testbed(cluster.make_hosts(1, 2, a.cpu, a.coord_cpu), rate=a.link) as bed:
+            ref = cluster.reference_texts(bed, env, prompts, 12)
+            c = cluster.Cluster(bed, env, mode, 1, 2, tp=2, threads=1, tag="topo-" + mode)
+            try:
+                c.start()
+                st = c.wait_ready()
+                hosts_of = {}
+                for host in ("p0", "d0", "d1"):
+                    for pid in bed.pids_on(host):
+                        try:
+                            with open("/proc/%d/cmdline" % pid, "rb") as f:
+                                argv = f.read().split(b"\0")
+                        except OSError:
+                            continue
+                        if b"--id" in argv:
+                            hosts_of[argv[argv.index(b"--id") + 1].decode()] = host
+                check.expect(hosts_of == {"prefill-0": "p0",
+                                          "decode-0": "d0", "decode-0-tp1": "d0",
+                                          "decode-1": "d1", "decode-1-tp1": "d1"},
+                             "%s: prefill on its own host, each TP group inside one host: %s"
+                             % (mode, hosts_of))
+                addrs = []
+                for path in c.logs:
+                    with open(path, errors="replace") as f:
+                        addrs += [line.split("kv data on ")[1].split()[0].rstrip(")") for line in f
+                                  if "kv data on " in line]
+                check.expect(bool(addrs) and all(x.startswith(testbed.SUBNET + ".") for x in addrs),
+                             "%s: workers advertise their hosts' addresses: %s" % (mode, addrs))
+                res = cluster.complete(bed, env, c.url, prompts, 12, len(prompts), c.tag)
+                compare(check, res, ref, "%s across hosts (%d workers)" % (mode, len(st["workers"])))
+            except Exception:
+                log(c.tail_logs())
+                raise
+            finally:
+                c.stop()
+    return check
+
+
+# ------------------------------------------------------------------ main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("what", choices=["scaling", "faults", "mpirun", "k8s"])
+    ap.add_argument("--quick", action="store_true", help="the short form CI runs")
+    ap.add_argument("--bin-dir", default=os.path.join(cluster.SRC, "build/bin"))
+    ap.add_argument("--cli", default=os.path.join(cluster.SRC, "build/cli/kvrelay"))
+    ap.add_argument("--model", default=os.path.join(cluster.SRC,
+                                                    "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None, help="write the measurements here")
+    ap.add_argument("--launch", choices=["mpirun", "direct"], default="mpirun")
+    ap.add_argument("--cpu", type=float, default=0.25, help="cores per worker host")
+    ap.add_argument("--coord-cpu", type=float, default=1.0, help="cores for the coordinator host")
+    ap.add_argument("--link", default="1gbit", help="tc tbf rate of every link")
+    ap.add_argument("--cut-link", default="40mbit", help="link rate in the cut-link cases")
+    ap.add_argument("--tp", type=int, default=1, help="decode TP size in the scaling test")
+    ap.add_argument("--rate", type=float, default=None, help="bench serve --rate (req/s)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--check-prompts", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--heartbeat-ms", type=int, default=500)
+    a = ap.parse_args()
+    if a.num_prompts is None:
+        a.num_prompts = 32 if a.quick else 96
+    if a.rate is None:
+        a.rate = 16.0 * a.cpu / 0.25  # above what 4P+4D serve: the workload saturates every size
+
+    why = testbed.missing_requirements()
+    workdir = a.workdir or tempfile.mkdtemp(prefix="kvrelay-multinode-")
+    env = cluster.Env(a.bin_dir, a.cli, a.model, workdir)
+    why = why or env.missing()
+    if why:
+        print("SKIPPED: " + why, flush=True)
+        return SKIP
+    testbed.cleanup_stale()
+    log("workdir %s" % workdir)
+    t0 = time.time()
+    if a.what == "scaling":
+        check = scaling(a, env)
+    elif a.what == "faults":
+        check = faults(a, env)
+    elif a.what == "mpirun":
+        check = mpirun_topology(a, env)
+    else:
+        import k8s_manifests
+        check = k8s_manifests.run(a, env, Check)
+    log("%s: %s in %.0f s" % (a.what, "FAILED (%d)" % len(check.failures) if check.failures
+                              else "passed", time.time() - t0))
+    for f in check.failures:
+        log("  failed: " + f)
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
