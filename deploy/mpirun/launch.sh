@@ -11,6 +11,7 @@
 #   deploy/mpirun/launch.sh [-P prefill] [-D decode] [-T tp] [-H hostfile] [-c coordinator-host]
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
+#                           [-K cluster-key-file]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -27,6 +28,11 @@
 # OMPI_MCA_plm_rsh_agent (tests/multinode uses one that enters a network
 # namespace).
 #
+# Cluster key: when the binaries take --cluster-key-file (the coordinator is
+# asked), every process gets -K FILE, or a fresh key written (mode 0600) for
+# this launch and removed when it ends; across hosts -K must name a file that
+# exists on every host.
+#
 # The job runs with --enable-recovery: a rank that dies (a worker killed, a
 # host lost) does not end the others; the coordinator learns of it from the
 # control plane (closed connection, missed heartbeats) and routes around it.
@@ -36,15 +42,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500
+P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:B:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
     C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
+    K) KEYFILE=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
-            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms]" >&2; exit 2 ;;
+            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" >&2
+       exit 2 ;;
   esac
 done
 for v in P D T; do
@@ -89,17 +97,36 @@ kvr_addr() {
 }
 EOF
 
-exec mpirun "${args[@]}" \
+key=()
+if "$BIN/kvrelay-coordinator" --cluster-key-file /dev/null --help >/dev/null 2>&1; then
+  if [ -z "$KEYFILE" ]; then
+    KEYFILE=$(mktemp "${TMPDIR:-/tmp}/kvrelay-launch-key.XXXXXX")  # mode 0600
+    trap 'rm -f "$KEYFILE"' EXIT
+    od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$KEYFILE"
+  fi
+  key=(--cluster-key-file "$(realpath "$KEYFILE")")
+elif [ -n "$KEYFILE" ]; then
+  echo "launch.sh: -K given but $BIN/kvrelay-coordinator has no --cluster-key-file" >&2
+  exit 2
+fi
+
+# mpirun runs as a child (not exec) so the EXIT trap can remove a generated
+# key. It gets its own session: a TERM/INT for this script (or its process
+# group, as Ctrl-C sends) reaches mpirun exactly once, through the trap; a
+# second signal within 5 s would make mpirun exit at once and orphan its ranks.
+# Its exit status is ours.
+trap 'kill -TERM "$mpirun_pid" 2>/dev/null' TERM INT
+setsid mpirun "${args[@]}" \
   -np 1 /bin/bash -c "$ADDR"'
     a=$(kvr_addr coordinator) || exit 1
     exec "$@" --host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
-    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" : \
+    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --advertise-host "$a"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
-    --kv-dtype "$KV" --threads "$THREADS" : \
+    --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
@@ -107,4 +134,12 @@ exec mpirun "${args[@]}" \
     tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
     exec "$@" --id "$id" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
     "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
-    --kv-dtype "$KV" --threads "$THREADS"
+    --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" &
+mpirun_pid=$!
+# wait returns early when a trapped signal arrives; wait again for the real end.
+rc=0
+while :; do
+  wait "$mpirun_pid" && rc=0 || rc=$?
+  kill -0 "$mpirun_pid" 2>/dev/null || break
+done
+exit "$rc"

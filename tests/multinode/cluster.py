@@ -38,6 +38,23 @@ class Env:
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
 
+    def key_args(self):
+        """--cluster-key-file FILE when the binaries take it (a key written for
+        this run, mode 0600), else nothing: only flags the binaries accept."""
+        if not hasattr(self, "_key_args"):
+            probe = subprocess.run([os.path.join(self.bin_dir, "kvrelay-coordinator"),
+                                    "--cluster-key-file", "/dev/null", "--help"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._key_args = []
+            if probe.returncode == 0:
+                path = os.path.join(self.workdir, "cluster.key")
+                if not os.path.exists(path):
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    os.write(fd, os.urandom(32).hex().encode())
+                    os.close(fd)
+                self._key_args = ["--cluster-key-file", path]
+        return self._key_args
+
     def missing(self):
         for b in ("kvrelay-coordinator", "kvrelay-prefill", "kvrelay-decode"):
             if not os.access(os.path.join(self.bin_dir, b), os.X_OK):
@@ -91,7 +108,7 @@ def complete(bed, env, url, prompts, max_tokens, concurrency, name, timeout_s=30
         return json.load(f)["results"]
 
 
-def reference_texts(bed, env, prompts, max_tokens, name="reference"):
+def reference_texts(bed, env, prompts, max_tokens, name="reference", kv_dtype="f32"):
     """Greedy texts from the single-process engine: kvrelay-coordinator in local
     mode (one process, colocated engine) on the launcher host's loopback, one
     request at a time, same KV dtype as the cluster."""
@@ -99,7 +116,7 @@ def reference_texts(bed, env, prompts, max_tokens, name="reference"):
     logf = os.path.join(env.workdir, name + ".log")
     p = bed.spawn("launcher", [os.path.join(env.bin_dir, "kvrelay-coordinator"), "--model",
                                env.model, "--host", "127.0.0.1", "--port", str(port),
-                               "--kv-dtype", "f32"], logf)
+                               "--kv-dtype", kv_dtype], logf)
     try:
         url = "http://127.0.0.1:%d" % port
         if client(bed, ["wait", url, "60"], timeout=90).returncode != 0:
@@ -190,12 +207,13 @@ class Cluster:
         b = self.env.bin_dir
         common = ["--model", self.env.model, "--kv-dtype", "f32", "--threads", str(self.threads),
                   "--world-size", str(world), "--coordinator", "coord:%d" % CONTROL_PORT]
+        common += self.env.key_args()
         coord_ip = self.bed.host("coord").ip
         self.spawn("coord", "coordinator",
                    [os.path.join(b, "kvrelay-coordinator"), "--model", self.env.model,
                     "--host", coord_ip, "--port", str(HTTP_PORT), "--control-port",
                     str(CONTROL_PORT), "--kv-dtype", "f32", "--heartbeat-ms",
-                    str(self.heartbeat_ms)])
+                    str(self.heartbeat_ms)] + self.env.key_args())
         rank = 1
         for i in range(self.n_prefill):
             h = "p%d" % i

@@ -205,10 +205,6 @@ class Testbed:
         self._ns(self.switch, "link", "set", "lo", "up")
         self._ns(self.switch, "link", "add", "br0", "type", "bridge")
         self._ns(self.switch, "link", "set", "br0", "up")
-        hosts_lines = ["127.0.0.1 localhost"]
-        for h in self.hosts:
-            hosts_lines.append(" ".join([h.ip, h.name] + h.aliases))
-        hosts_text = "\n".join(hosts_lines) + "\n"
         for h in self.hosts:
             _run(["ip", "netns", "add", h.ns])
             self._created_ns.append(h.ns)
@@ -227,8 +223,6 @@ class Testbed:
             etc = os.path.join("/etc/netns", h.ns)
             os.makedirs(etc, exist_ok=True)
             self._created_etc.append(etc)
-            with open(os.path.join(etc, "hosts"), "w") as f:
-                f.write(hosts_text)
             cg = os.path.join(self.cgroup_root, h.ns)
             os.makedirs(cg, exist_ok=True)
             self._created_cg.append(cg)
@@ -242,7 +236,24 @@ class Testbed:
             else:
                 with open(os.path.join(cg, "cpu.max"), "w") as f:
                     f.write("%d 100000" % int(h.cpu * 100000) if h.cpu else "max 100000")
+        self.write_hosts_files()
         self._write_hostexec()
+
+    def write_hosts_files(self):
+        """(Re)writes every host's /etc/hosts from the hosts' names and aliases.
+        Rewritten in place, so hosts already running see the change (their
+        /etc/hosts is a bind mount of this file)."""
+        lines = ["127.0.0.1 localhost"]
+        for h in self.hosts:
+            lines.append(" ".join([h.ip, h.name] + h.aliases))
+        text = "\n".join(lines) + "\n"
+        for h in self.hosts:
+            with open(os.path.join("/etc/netns", h.ns, "hosts"), "w") as f:
+                f.write(text)
+
+    def add_alias(self, host, alias):
+        self.host(host).aliases.append(alias)
+        self.write_hosts_files()
 
     def _write_hostexec(self):
         cases = []
