@@ -446,6 +446,8 @@ def main():
     ap.add_argument("--check-prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--heartbeat-ms", type=int, default=500)
+    ap.add_argument("--venv", default=None,
+                    help="venv for kubernetes-validate (created when missing; default: in workdir)")
     ap.add_argument("--strict", action="store_true",
                     help="missed goals (a final status within 2 heartbeats) fail the run")
     a = ap.parse_args()
