@@ -124,6 +124,19 @@ def cleanup_stale():
         shutil.rmtree(os.path.join("/etc/netns", name), ignore_errors=True)
 
 
+def leftovers(pid=None):
+    """Namespaces, cgroups and /etc/netns entries of run `pid` (default: this
+    process) that still exist."""
+    tag = "%s%d-" % (PREFIX, pid or os.getpid())
+    r = _run(["ip", "netns", "list"], check=False)
+    found = [line.split()[0] for line in r.stdout.splitlines() if line.startswith(tag)]
+    root, _ = _cgroup_root()
+    for d in (root, "/etc/netns"):
+        if d and os.path.isdir(d):
+            found += [os.path.join(d, n) for n in os.listdir(d) if n.startswith(tag)]
+    return found
+
+
 class Host:
     def __init__(self, bed, index, name, cpu, aliases):
         self.bed = bed
