@@ -249,9 +249,11 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
             hang = [r for r in affected if (r["error"] or "").startswith("TimeoutError")]
             check.expect(not hang, "%s: no request hangs (%d got no final status within the "
                          "client's %d s)" % (name, len(hang), FAULT_CLIENT_TIMEOUT_S))
-            check.expect(all(r["text"] == e for r, e in fine),
-                         "%s: the %d unaffected requests finished with the engine's tokens"
-                         % (name, len(fine)))
+            wrong = [i for i, (r, e) in enumerate(zip(res, ref)) if r["ok"] and r["text"] != e]
+            out["wrong_tokens"] = len(wrong)
+            check.expect(not wrong, "%s: every request that completed (%d, re-runs included) has "
+                         "the engine's tokens%s" % (name, len(fine), "" if not wrong else
+                                                    ": requests %s differ" % wrong))
             if restore:
                 restore()
             t0 = time.time()
@@ -341,9 +343,9 @@ def faults(a, env):
     cache = {}
     cases = [
         ("decode worker kill -9", 1, a.link,
-         kill_fault("d0", None, ["decode-0", "decode-1"]), 64, 200),
+         kill_fault("d0", None, ["decode-0", "decode-1"]), 64, 96),
         ("TP follower kill -9", 2, a.link,
-         kill_fault("d0", 1, ["decode-0", "decode-1"]), 64, 200),
+         kill_fault("d0", 1, ["decode-0", "decode-1"]), 64, 96),
         # Slow links so a transfer lasts long enough to be cut in the middle.
         ("prefill-decode path cut", 1, a.cut_link,
          cut_fault("p0", "d0", pair_only=True), 512, 32),
@@ -359,16 +361,16 @@ def faults(a, env):
             check.expect(False, "%s: %s" % (case[0], e))
             results.append({"case": case[0], "error": str(e)})
     print()
-    print("| fault | affected | final status after the fault (s) | completed correctly | "
+    print("| fault | affected | final status after the fault (s) | completed | wrong tokens | "
           "serving after |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print("| %s | error: %s | | | |" % (r["case"], r["error"][:100]))
+            print("| %s | error: %s | | | | |" % (r["case"], r["error"][:100]))
             continue
-        print("| %s | %d | %s | %d | %.2f s for 2 requests |"
+        print("| %s | %d | %s | %d | %d | %.2f s for 2 requests |"
               % (r["fault"], r["affected"], ", ".join("%.2f" % x for x in r["final_status_s"]),
-                 r["completed"], r["after_s"]))
+                 r["completed"], r["wrong_tokens"], r["after_s"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "cases": results}, f, indent=2)
@@ -382,9 +384,10 @@ def mpirun_topology(a, env):
     group each (TP inside a host), greedy outputs checked."""
     check = Check(a.strict)
     prompts = cluster.random_prompts(a.seed + 3, 6, 48)
+    ref = None
     for mode in ("mpirun", "direct"):
         with testbed.Testbed(cluster.make_hosts(1, 2, a.cpu, a.coord_cpu), rate=a.link) as bed:
-            ref = cluster.reference_texts(bed, env, prompts, 12)
+            ref = ref or cluster.reference_texts(bed, env, prompts, 12)
             c = cluster.Cluster(bed, env, mode, 1, 2, tp=2, threads=1, tag="topo-" + mode)
             try:
                 c.start()
@@ -452,7 +455,7 @@ def main():
                     help="missed goals (a final status within 2 heartbeats) fail the run")
     a = ap.parse_args()
     if a.num_prompts is None:
-        a.num_prompts = 32 if a.quick else 96
+        a.num_prompts = 24 if a.quick else 96
     if a.rate is None:
         a.rate = 16.0 * a.cpu / 0.25  # above what 4P+4D serve: the workload saturates every size
 
