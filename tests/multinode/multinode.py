@@ -110,10 +110,13 @@ def scaling(a, env):
                 c.start()
                 c.wait_ready()
                 cluster.complete(bed, env, c.url, prompts[:1], 4, 1, tag + ".warmup")
+                # The check requests run alongside the benchmark, so they are
+                # batched with its requests as any request would be.
+                checker = Background(bed, env, c.url, prompts, a.output_len, tag + ".check",
+                                     timeout_s=900)
                 rep = run_bench(bed, env, c.url, a, tag)
-                res = cluster.complete(bed, env, c.url, prompts, a.output_len, len(prompts),
-                                       tag + ".check")
-                compare(check, res, reference, "%dP+%dD" % (n, n))
+                res = checker.join(900)
+                compare(check, res, reference, "%dP+%dD (under the benchmark's load)" % (n, n))
                 check.expect(rep["failed"] == 0, "%dP+%dD: bench serve %d/%d completed (%s)"
                              % (n, n, rep["completed"], rep["num_prompts"],
                                 "; ".join(rep.get("errors", []))[:300]))
@@ -167,13 +170,14 @@ def cpu_throttled_s(host):
 class Background:
     """client.py complete on the launcher host, in a thread."""
 
-    def __init__(self, bed, env, url, prompts, max_tokens, name):
+    def __init__(self, bed, env, url, prompts, max_tokens, name,
+                 timeout_s=FAULT_CLIENT_TIMEOUT_S):
         self.result, self.error = None, None
 
         def run():
             try:
                 self.result = cluster.complete(bed, env, url, prompts, max_tokens, len(prompts),
-                                               name, timeout_s=FAULT_CLIENT_TIMEOUT_S)
+                                               name, timeout_s=timeout_s)
             except Exception as e:  # reported by join()
                 self.error = e
 
