@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/thread_pool.h"
 #include "engine/kernels/matmul.h"
 #include "engine/kv_cache/kv_cache.h"
@@ -30,7 +30,9 @@ namespace {
 using engine::BlockId;
 using engine::ForwardOutput;
 using engine::ForwardPass;
-using engine::ForwardSeq;
+using engine::LogitRows;
+using engine::MakeSeqStep;
+using engine::SeqStep;
 
 struct Stats {
   double median = 0, min = 0, max = 0;
@@ -78,9 +80,9 @@ class Bench {
   // Seconds for one prompt of n tokens in one step.
   Result<double> Prefill(int64_t n) {
     const std::vector<int32_t> toks = RandomTokens(n);
-    ForwardSeq s{blocks_[0], 0, toks, ForwardSeq::Logits::kLast};
+    SeqStep s = MakeSeqStep(blocks_[0], 0, toks, LogitRows::kLast);
     const double t0 = Now();
-    RETURN_IF_ERROR(fwd_.Run(std::span<const ForwardSeq>(&s, 1), &out_));
+    RETURN_IF_ERROR(fwd_.Run(std::span<const SeqStep>(&s, 1), &out_));
     return Now() - t0;
   }
 
@@ -88,11 +90,11 @@ class Bench {
   Result<double> Decode(int batch, int steps) {
     std::vector<std::vector<int32_t>> toks(batch);
     for (auto& t : toks) t = RandomTokens(1);
-    std::vector<ForwardSeq> seqs(batch);
+    std::vector<SeqStep> seqs(batch);
     const double t0 = Now();
     for (int step = 0; step < steps; ++step) {
       for (int b = 0; b < batch; ++b) {
-        seqs[b] = ForwardSeq{blocks_[b], step, toks[b], ForwardSeq::Logits::kLast};
+        seqs[b] = MakeSeqStep(blocks_[b], step, toks[b], LogitRows::kLast);
       }
       RETURN_IF_ERROR(fwd_.Run(seqs, &out_));
       // Greedy next token keeps the data path realistic (logits are read).

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/forward.h"
@@ -38,7 +38,9 @@ namespace {
 using engine::BlockId;
 using engine::ForwardOutput;
 using engine::ForwardPass;
-using engine::ForwardSeq;
+using engine::LogitRows;
+using engine::MakeSeqStep;
+using engine::SeqStep;
 using engine::KvBlockPool;
 using engine::KvDtype;
 
@@ -95,9 +97,9 @@ Status Perplexity(const engine::Model& model, KvDtype dtype, ThreadPool* threads
     ASSIGN_OR_RETURN(OneSeq s, OneSeq::Make(model, dtype, 16, ctx));
     ForwardPass fwd(model, s.pool.get(), threads);
     std::span<const int32_t> tokens(text.data() + c * ctx, static_cast<size_t>(ctx));
-    ForwardSeq seq{s.blocks, 0, tokens, ForwardSeq::Logits::kAll};
+    SeqStep seq = MakeSeqStep(s.blocks, 0, tokens, LogitRows::kAll);
     ForwardOutput out;
-    RETURN_IF_ERROR(fwd.Run(std::span<const ForwardSeq>(&seq, 1), &out));
+    RETURN_IF_ERROR(fwd.Run(std::span<const SeqStep>(&seq, 1), &out));
     for (int64_t i = ctx / 2; i + 1 < ctx; ++i) {
       const float* r = out.Row(i, vocab);
       const float mx = *std::max_element(r, r + vocab);
@@ -123,8 +125,8 @@ Status Decode(const engine::Model& model, KvDtype dtype, ThreadPool* threads,
                    OneSeq::Make(model, dtype, 16, static_cast<int64_t>(prompt.size()) + gen));
   ForwardPass fwd(model, s.pool.get(), threads);
   ForwardOutput out;
-  ForwardSeq seq{s.blocks, 0, prompt, ForwardSeq::Logits::kLast};
-  RETURN_IF_ERROR(fwd.Run(std::span<const ForwardSeq>(&seq, 1), &out));
+  SeqStep seq = MakeSeqStep(s.blocks, 0, prompt, LogitRows::kLast);
+  RETURN_IF_ERROR(fwd.Run(std::span<const SeqStep>(&seq, 1), &out));
   int64_t cache = static_cast<int64_t>(prompt.size());
   row->agree = 0;
   row->gen = gen;
@@ -143,8 +145,8 @@ Status Decode(const engine::Model& model, KvDtype dtype, ThreadPool* threads,
       }
     }
     if (i + 1 == gen) break;
-    ForwardSeq step{s.blocks, cache, std::span<const int32_t>(&next, 1), ForwardSeq::Logits::kLast};
-    RETURN_IF_ERROR(fwd.Run(std::span<const ForwardSeq>(&step, 1), &out));
+    SeqStep step = MakeSeqStep(s.blocks, cache, std::span<const int32_t>(&next, 1), LogitRows::kLast);
+    RETURN_IF_ERROR(fwd.Run(std::span<const SeqStep>(&step, 1), &out));
     ++cache;
   }
   return Status::Ok();

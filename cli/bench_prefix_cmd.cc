@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "kv_store/host_ram_tier.h"
@@ -54,7 +54,7 @@ struct FirstToken {
 
 // Submits `prompt` (greedy, one token) and steps until its first token.
 Result<FirstToken> RunToFirstToken(engine::Engine* e, const std::vector<int32_t>& prompt,
-                                   const std::string& id, const std::string& salt) {
+                                   engine::RequestId id, const std::string& salt) {
   engine::RequestSpec spec;
   spec.id = id;
   spec.prompt = prompt;
@@ -171,7 +171,7 @@ int Run(const std::vector<std::string>& args) {
     {
       auto e = new_engine();
       if (!e.ok()) return fail(e.status());
-      auto r = RunToFirstToken(e->get(), earlier, "earlier", salt);
+      auto r = RunToFirstToken(e->get(), earlier, 1, salt);
       if (!r.ok()) return fail(r.status());
       auto disk = kv_store::RocksDbTier::Open(disk_opts);
       if (!disk.ok()) return fail(disk.status());
@@ -189,7 +189,7 @@ int Run(const std::vector<std::string>& args) {
       auto e = new_engine();
       if (!e.ok()) return fail(e.status());
       const double t0 = Now();
-      auto r = RunToFirstToken(e->get(), prompt, "a", salt);
+      auto r = RunToFirstToken(e->get(), prompt, 2, salt);
       ttft_a.push_back(Now() - t0);
       if (!r.ok()) return fail(r.status());
       ref = *r;
@@ -205,7 +205,7 @@ int Run(const std::vector<std::string>& args) {
       if (!restored.ok()) return fail(restored.status());
       for (BlockId b : table) (*e)->pool()->Release(b);
       restore_b.push_back(Now() - t0);
-      auto r = RunToFirstToken(e->get(), prompt, "b", salt);
+      auto r = RunToFirstToken(e->get(), prompt, 3, salt);
       ttft_b.push_back(Now() - t0);
       if (!r.ok()) return fail(r.status());
       if (*restored != *seen_tokens || r->cached < *restored || r->token != ref.token) {
@@ -231,7 +231,7 @@ int Run(const std::vector<std::string>& args) {
       if (!restored.ok()) return fail(restored.status());
       for (BlockId b : table) (*e)->pool()->Release(b);
       restore_c.push_back(Now() - t0);
-      auto r = RunToFirstToken(e->get(), prompt, "c", salt);
+      auto r = RunToFirstToken(e->get(), prompt, 4, salt);
       ttft_c.push_back(Now() - t0);
       if (!r.ok()) return fail(r.status());
       if (*restored != *seen_tokens || r->cached < *restored || r->token != ref.token) {

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/clock.h"
 #include "coordinator/http_client.h"
 #include "coordinator/sse.h"

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/clock.h"
 #include "common/logging.h"
 #include "engine/runtime/engine.h"
@@ -42,6 +42,22 @@
 
 namespace kvrelay::cli {
 namespace {
+
+// The save side of the engine's KV connector for the overlap benchmark:
+// forwards each saved layer to `on_layer` (layer-wise mode) and keeps a
+// finished request's prompt blocks (send-after-prefill mode).
+class BenchConnector : public engine::KvConnector {
+ public:
+  void SaveLayer(int layer, const engine::StepPlan& plan) override {
+    if (on_layer) on_layer(layer, plan);
+  }
+  bool RequestFinished(const engine::TokenEvent&, engine::BlockTable& blocks) override {
+    kept = std::move(blocks);
+    return true;
+  }
+  std::function<void(int, const engine::StepPlan&)> on_layer;
+  engine::BlockTable kept;
+};
 
 using kv_transfer::BufferLayout;
 using kv_transfer::KvSlice;
@@ -450,6 +466,8 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
     std::exit(2);
   }
   std::unique_ptr<engine::Engine> eng = std::move(created).value();
+  BenchConnector connector;
+  eng->SetKvConnector(&connector);
   const engine::KvLayout layout = eng->pool()->layout();
   const int blocks = (kTokens + layout.block_tokens - 1) / layout.block_tokens;
   res.layers = layout.layers;
@@ -489,9 +507,9 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   // Runs one prefill-only request to completion; returns its id.
   auto prefill = [&]() {
     engine::RequestSpec rs;
-    rs.id = "overlap-" + std::to_string(request++);
+    rs.id = static_cast<engine::RequestId>(++request);
     for (int i = 0; i < kTokens; ++i) rs.prompt.push_back(static_cast<int32_t>(rng() % vocab));
-    rs.tenant_salt = rs.id;  // no prefix-cache hits between runs
+    rs.tenant_salt = std::to_string(rs.id);  // no prefix-cache hits between runs
     rs.sampling.max_tokens = 1;
     rs.mode = engine::RequestMode::kPrefillOnly;
     Status st = eng->Submit(rs);
@@ -527,21 +545,18 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
       }
       sig->Take();
       std::unique_ptr<kv_transfer::LayerStreamSender> tx;
-      std::string id;
       if (mode == 0) {
         const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
-        id = prefill();
+        prefill();
         times[0].push_back(SecondsSince(t0));
         cpu[0].push_back(ProcessCpuSeconds() - cpu0);
         sig->Take();
       } else if (mode == 1) {
-        id = prefill();
-        auto ids = eng->ExportBlocks(id);
-        if (!ids.ok()) LOG_ERROR << ids.status().ToString();
+        prefill();
         const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
-        tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec, tx_buffers(*ids));
+        tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec, tx_buffers(connector.kept.ids()));
         for (int l = 0; l < layout.layers; ++l) {
           Status st = tx->SendLayer(l);
           if (!st.ok()) LOG_ERROR << st.ToString();
@@ -550,18 +565,18 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
         times[1].push_back(SecondsSince(t0));
         transfer_cpu.push_back(ProcessCpuSeconds() - cpu0);
       } else {
-        eng->SetLayerHook([&](int layer, std::span<const engine::StepSequence> seqs) {
-          if (seqs.empty()) return;
+        connector.on_layer = [&](int layer, const engine::StepPlan& plan) {
+          if (plan.seqs.empty()) return;
           if (!tx) {
-            tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec,
-                                                                  tx_buffers(seqs[0].blocks));
+            tx = std::make_unique<kv_transfer::LayerStreamSender>(
+                t, 1, spec, tx_buffers(plan.seqs[0].blocks));
           }
           Status st = tx->SendLayer(layer);
           if (!st.ok()) LOG_ERROR << st.ToString();
-        });
+        };
         const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
-        id = prefill();
+        prefill();
         const double prefill_s = SecondsSince(t0);
         sig->Take();
         times[2].push_back(SecondsSince(t0));
@@ -574,13 +589,13 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
         cpu_extra.push_back(cpu[2].back() - cpu[0].back());
         lw_prefill.push_back(prefill_s);
         tails.push_back(times[2].back() - prefill_s);
-        eng->SetLayerHook(nullptr);
+        connector.on_layer = nullptr;
       }
       if (tx) {
         Status st = tx->Finish(Deadline::AfterMs(60000));
         if (!st.ok()) LOG_ERROR << "engine overlap send: " << st.ToString();
       }
-      (void)eng->ReleaseRequest(id);
+      connector.kept.Release();
     }
   }
   res.compute_s = Median(times[0]);

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/clock.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -67,7 +67,7 @@ int RunGenerate(const std::vector<std::string>& args) {
     text = *rendered;
   }
   RequestSpec spec;
-  spec.id = "generate";
+  spec.id = 1;
   spec.prompt = tok.Encode(text, /*add_special=*/!f.Has("chat"), /*parse_special=*/f.Has("chat"));
   if (spec.prompt.empty()) return Fail(InvalidArgument("--prompt tokenizes to nothing"));
   spec.sampling.max_tokens = static_cast<int>(*max_tokens);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/hash.h"
 #include "engine/gguf/fingerprint.h"
 #include "engine/gguf/gguf.h"

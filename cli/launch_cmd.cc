@@ -3,7 +3,7 @@
 #include <cstdio>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/logging.h"
 #include "coordinator/http_client.h"
 #include "deploy/local_launcher.h"

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "cli/command.h"
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/clock.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
@@ -22,7 +22,9 @@ namespace {
 using engine::BlockId;
 using engine::ForwardOutput;
 using engine::ForwardPass;
-using engine::ForwardSeq;
+using engine::LogitRows;
+using engine::MakeSeqStep;
+using engine::SeqStep;
 using engine::KvBlockPool;
 using engine::Model;
 
@@ -94,14 +96,14 @@ int RunPerplexity(const std::vector<std::string>& args) {
     const int32_t* chunk = tokens.data() + c * n_ctx;
     for (int64_t done = 0; done < n_ctx; done += sub) {
       const int64_t len = std::min(sub, n_ctx - done);
-      ForwardSeq s;
-      s.blocks = table;
+      SeqStep s;
+      s.blocks.assign(table.begin(), table.end());
       s.cache_len = done;
-      s.tokens = std::span<const int32_t>(chunk + done, len);
-      s.logits = done + len > first ? ForwardSeq::Logits::kAll : ForwardSeq::Logits::kNone;
+      s.tokens.assign(chunk + done, chunk + done + len);
+      s.logits = done + len > first ? LogitRows::kAll : LogitRows::kNone;
       ForwardOutput out;
-      if (Status st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out); !st.ok()) return Fail(st);
-      if (s.logits == ForwardSeq::Logits::kNone) continue;
+      if (Status st = fwd.Run(std::span<const SeqStep>(&s, 1), &out); !st.ok()) return Fail(st);
+      if (s.logits == LogitRows::kNone) continue;
       for (int64_t i = 0; i < len; ++i) {
         const int64_t pos = done + i;  // logits at pos predict token pos + 1
         if (pos < first || pos + 1 >= n_ctx) continue;

@@ -203,7 +203,7 @@ struct ClusterBackend::State {
       d->info.free_kv_blocks -=
           (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
           std::max<int64_t>(1, d->info.block_tokens);
-      SendDecodeAdmission(id, r, -1);
+      SendReserveBlocks(id, r);
     }
     return Status::Ok();
   }
@@ -233,17 +233,23 @@ struct ClusterBackend::State {
     SendTo(p ? p->conn : nullptr, MessageType::kPrefillTask, task);
   }
 
-  void SendDecodeAdmission(uint64_t rid, RequestEntry& r, int32_t first_token) {
+  void SendReserveBlocks(uint64_t rid, RequestEntry& r) {
     WorkerEntry* d = FindWorker(r.decode_id);
     WorkerEntry* p = FindWorker(r.prefill_id);
-    proto::DecodeAdmission a;
-    a.set_request_id(rid);
-    for (int32_t t : r.request.prompt) a.add_prompt_token_ids(t);
-    ToProto(r.request.sampling, a.mutable_sampling());
-    for (int32_t b : r.decode_blocks) a.add_block_ids(b);
-    a.set_prefill_rank(p ? p->rank : 0);
-    a.set_first_token(first_token);
-    SendTo(d ? d->conn : nullptr, MessageType::kDecodeAdmission, a);
+    proto::ReserveBlocks m;
+    m.set_request_id(rid);
+    for (int32_t t : r.request.prompt) m.add_prompt_token_ids(t);
+    ToProto(r.request.sampling, m.mutable_sampling());
+    m.set_prefill_rank(p ? p->rank : 0);
+    SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
+  }
+
+  void SendStartDecode(uint64_t rid, RequestEntry& r, int32_t first_token) {
+    WorkerEntry* d = FindWorker(r.decode_id);
+    proto::StartDecode m;
+    m.set_request_id(rid);
+    m.set_first_token(first_token);
+    SendTo(d ? d->conn : nullptr, MessageType::kStartDecode, m);
   }
 
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
@@ -383,8 +389,8 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       }
       break;
     }
-    case MessageType::kBlockReservationReply: {
-      proto::BlockReservationReply rep;
+    case MessageType::kReserveBlocksReply: {
+      proto::ReserveBlocksReply rep;
       s = protocols::DecodeMessage(frame, type, &rep);
       if (!s.ok()) break;
       auto it = requests.find(rep.request_id());
@@ -431,7 +437,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       out.emplace_back(r.sink, e);
       r.phase = Phase::kDecoding;
       if (r.decode_id != r.prefill_id)
-        SendDecodeAdmission(done.request_id(), r, done.first_token());
+        SendStartDecode(done.request_id(), r, done.first_token());
       break;
     }
     case MessageType::kTokenChunk: {

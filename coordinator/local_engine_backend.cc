@@ -113,7 +113,7 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
   }
   for (auto& p : submits) {
     engine::RequestSpec spec;
-    spec.id = std::to_string(p.request.id);
+    spec.id = p.request.id;
     spec.prompt = std::move(p.request.prompt);
     spec.tenant_salt = p.request.tenant_salt;
     const SamplingParams& s = p.request.sampling;
@@ -140,7 +140,7 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
   }
   for (uint64_t id : cancels) {
     if (!live_.count(id)) continue;  // already finished, or never submitted
-    Status st = engine_->Cancel(std::to_string(id));
+    Status st = engine_->Cancel(id);
     if (st.ok()) {
       *step_needed = true;  // the next Step emits the final kCancelled event
     } else {
@@ -188,14 +188,14 @@ void LocalEngineBackend::Loop() {
         ev.finish_reason = FinishReason::kError;
         ev.error = events.status();
         live.sink(ev);
-        (void)engine_->Cancel(std::to_string(id));
+        (void)engine_->Cancel(id);
       }
       live_.clear();
       UpdateSnapshot();
       break;
     }
     for (const engine::TokenEvent& e : *events) {
-      uint64_t id = std::strtoull(e.id.c_str(), nullptr, 10);
+      const uint64_t id = e.id;
       auto it = live_.find(id);
       if (it == live_.end()) continue;
       TokenEvent ev;
@@ -218,7 +218,7 @@ void LocalEngineBackend::Loop() {
   }
   // Shutdown: every live request gets its final event.
   for (auto& [id, live] : live_) {
-    (void)engine_->Cancel(std::to_string(id));
+    (void)engine_->Cancel(id);
     TokenEvent ev;
     ev.finished = true;
     ev.finish_reason = FinishReason::kCancelled;

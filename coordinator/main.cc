@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "cli/flags.h"
+#include "common/flags.h"
+#include "kv_transfer/mpi_session.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "coordinator/cluster_backend.h"
@@ -25,7 +26,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: kvrelay-coordinator --model PATH [--host 127.0.0.1] [--port 8080] [--model-name NAME]\n"
     "         [--api-keys FILE] [--max-queue 256] [--max-running 64] [--router prefix_aware]\n"
-    "         [--threads 2] [--engine-threads 0] [--kv-dtype f16] [--kv-capacity-mb 0]\n"
+    "         [--threads 2] [--engine-threads 0] [--kv-dtype f32] [--kv-capacity-mb 0]\n"
     "         [--block-tokens 16] [--max-step-tokens 512] [--max-prompt-tokens 8192]\n"
     "         [--max-body-bytes 1048576] [--request-timeout-ms 600000] [--default-max-tokens "
     "256]\n";
@@ -37,7 +38,7 @@ std::string ModelNameFromPath(const std::string& path) {
 }
 
 Status Run(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(auto flags, cli::Flags::Parse(args,
+  ASSIGN_OR_RETURN(auto flags, Flags::Parse(args,
                                                  {"host",
                                                   "port",
                                                   "model",
@@ -112,7 +113,7 @@ Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t kv_mb, flags.GetInt("kv-capacity-mb", 0));
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
   ASSIGN_OR_RETURN(int64_t max_step_tokens, flags.GetInt("max-step-tokens", 512));
-  ASSIGN_OR_RETURN(eo.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f16")));
+  ASSIGN_OR_RETURN(eo.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
   eo.threads = static_cast<int>(engine_threads);
   eo.kv_capacity_bytes = kv_mb << 20;
   eo.block_tokens = static_cast<int>(block_tokens);
@@ -185,6 +186,13 @@ Status Run(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   kvrelay::SetLogTag("coordinator");
+  // Under mpirun every process of the job initialises MPI (the coordinator
+  // only idles in it); see kv_transfer/mpi_session.h.
+  auto mpi = kvrelay::kv_transfer::MpiSession::Start(&argc, &argv);
+  if (!mpi.ok()) {
+    std::fprintf(stderr, "kvrelay-coordinator: %s\n", mpi.status().ToString().c_str());
+    return 1;
+  }
   std::vector<std::string> args(argv + 1, argv + argc);
   kvrelay::Status st = kvrelay::coordinator::Run(args);
   if (!st.ok()) {

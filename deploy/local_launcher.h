@@ -11,6 +11,7 @@
 
 #include "common/status.h"
 #include "deploy/process_group.h"
+#include "engine/kv_cache/kv_cache.h"
 
 namespace kvrelay::deploy {
 
@@ -25,7 +26,7 @@ struct LaunchOptions {
   std::string tp_mode = "exact";  // exact | reduce (engine::TpMode)
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
-  std::string kv_dtype = "f32";
+  std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
   int64_t kv_capacity_mb = 256;
   std::string kv_store_dir;  // RocksDB tier per worker under this directory; empty = none
   std::string router = "prefix_aware";

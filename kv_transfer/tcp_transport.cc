@@ -1,5 +1,7 @@
 #include "kv_transfer/tcp_transport.h"
 
+#include <charconv>
+
 #include <pthread.h>
 
 #include <boost/asio/post.hpp>
@@ -254,6 +256,11 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::Create(Options options) {
     return InvalidArgument("tcp transport: listen address '" + options.listen_host +
                            "' is not an IP address");
   }
+  if (address.is_unspecified() && options.advertise_host.empty()) {
+    return InvalidArgument("tcp transport: listening on the wildcard address '" +
+                           options.listen_host +
+                           "' needs an advertise host (the address peers dial)");
+  }
   tcp::endpoint endpoint(address, options.listen_port);
   t->acceptor_ = std::make_unique<tcp::acceptor>(t->io_.context());
   t->acceptor_->open(endpoint.protocol(), ec);
@@ -370,6 +377,36 @@ Status TcpTransport::ConnectPeer(int peer, const std::string& host, uint16_t por
   if (auto old = out_conns_[peer]) old->Close(Cancelled("replaced by a new connection"));
   out_conns_[peer] = conn;
   PeerBackLocked(peer);
+  return Status::Ok();
+}
+
+std::string TcpTransport::conn_info() const {
+  const std::string& host =
+      options_.advertise_host.empty() ? options_.listen_host : options_.advertise_host;
+  return host + ":" + std::to_string(port_);
+}
+
+Status TcpTransport::ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) {
+  const size_t colon = conn_info.rfind(':');
+  uint32_t port = 0;
+  const char* end = conn_info.data() + conn_info.size();
+  if (colon == std::string_view::npos || colon == 0 ||
+      std::from_chars(conn_info.data() + colon + 1, end, port).ptr != end || port == 0 ||
+      port > 65535) {
+    return InvalidArgument("tcp transport: peer " + std::to_string(peer) + " connection info '" +
+                           std::string(conn_info) + "' is not host:port");
+  }
+  {
+    std::lock_guard lock(domain_->mu);
+    auto it = out_conns_.find(peer);
+    if (it != out_conns_.end() && !it->second->closed() && out_info_[peer] == conn_info) {
+      return Status::Ok();
+    }
+  }
+  RETURN_IF_ERROR(ConnectPeer(peer, std::string(conn_info.substr(0, colon)),
+                              static_cast<uint16_t>(port), deadline));
+  std::lock_guard lock(domain_->mu);
+  out_info_[peer] = std::string(conn_info);
   return Status::Ok();
 }
 

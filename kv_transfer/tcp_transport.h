@@ -44,6 +44,9 @@ class TcpTransport final : public TransportBase {
     int world_size = 2;
     std::string listen_host = "127.0.0.1";
     uint16_t listen_port = 0;  // 0: ephemeral, see port()
+    // The host peers dial (conn_info()); empty = listen_host, which must then
+    // not be a wildcard (0.0.0.0 / ::) — peers on other hosts would dial themselves.
+    std::string advertise_host;
     size_t chunk_bytes = 1 << 20;
     // Per connection: frames queued for writing (they reference caller memory).
     size_t send_queue_frames = 8;
@@ -66,6 +69,10 @@ class TcpTransport final : public TransportBase {
   // Opens the data connection for sends to `peer`, listening at host:port,
   // retrying with backoff until `deadline`.
   Status ConnectPeer(int peer, const std::string& host, uint16_t port, Deadline deadline);
+  // "advertise_host:port".
+  std::string conn_info() const override;
+  // conn_info is "host:port"; see Transport::ConnectPeer.
+  Status ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) override;
   // Closes every connection and joins the threads; unfinished transfers fail.
   // Idempotent. Called by the destructor.
   void Shutdown();
@@ -96,6 +103,7 @@ class TcpTransport final : public TransportBase {
   // Guarded by domain_->mu.
   bool stopping_ = false;
   std::unordered_map<int, std::shared_ptr<protocols::FramedConnection>> out_conns_;
+  std::unordered_map<int, std::string> out_info_;  // conn_info each out_conns_ entry was made from
   std::deque<OpPtr> send_queue_;
   std::vector<std::weak_ptr<Inbound>> inbound_;
   // Receive handle -> the connection whose read is writing into it (bound ops only).

@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -85,6 +86,25 @@ class Transport {
   virtual int max_inflight() const = 0;
   virtual int rank() const = 0;        // this endpoint's peer index
   virtual int world_size() const = 0;  // number of peer indices
+
+  // --- peers (connection info travels inside the contract, as NIXL's
+  //     getConnInfo / loadRemoteConnInfo) ---
+  // How peers reach this endpoint: an opaque string the control plane carries
+  // (tcp: "host:port" of the advertised address; mpi and local: empty, the
+  // rank is the address).
+  virtual std::string conn_info() const { return {}; }
+  // Makes `peer` reachable for sends, given its conn_info(), retrying until
+  // `deadline`. Idempotent: a peer already connected with the same info and a
+  // live connection returns OK at once; new info (a restarted peer) reconnects.
+  virtual Status ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) {
+    (void)conn_info;
+    (void)deadline;
+    if (peer < 0 || peer >= world_size()) {
+      return InvalidArgument("peer " + std::to_string(peer) + " is outside world size " +
+                             std::to_string(world_size()));
+    }
+    return Status::Ok();
+  }
 
   // --- data movement ---
   // Starts sending / receiving. InvalidArgument for a malformed desc (names

@@ -1,83 +1,76 @@
-// The worker process shell shared by the three roles:
-//   prefill    runs prompts (kPrefillOnly) and streams each layer's KV to the
-//              decode worker named in the task, then reports the first token;
-//   decode     reserves blocks, receives and verifies KV layer by layer,
-//              admits the sequence into its continuous batch and streams tokens;
-//   colocated  does both in one engine (the baseline, and small deployments).
-// See coordinator/cluster_backend.h for the message flow.
+// The worker process shell every role shares.
 //
-// One Worker owns: an engine::Engine (its KV pool), an optional TieredCache
-// over a RocksDB tier (prefix KV survives restarts), a TCP KV transport, and
-// the control connection to the coordinator. Everything runs on the thread
-// that calls Run(); the loop sleeps in the control connection's Receive when
-// there is nothing to compute, so an idle worker uses no CPU.
+// A Worker loads the model, creates the KV data plane by name
+// (kv_transfer/transport_factory.h), connects to the coordinator
+// (ControlLink: handshake, registration, heartbeats, cache events) and runs
+// the loop that feeds control frames to its Role, steps the role's engine
+// and reports the engine's events (EventReporter). What a worker DOES is its
+// role: prefill_worker/ (prefill, and colocated = prefill to completion),
+// decode_worker/ (decode, and the TP group: rank 0 is a decode role, ranks
+// 1.. run a TpFollower with its own loop and no coordinator link).
+//
+// Threading: everything runs on the thread that calls Run(); the loop sleeps
+// in the control connection's Receive when there is nothing to compute, so an
+// idle worker uses no CPU.
 #pragma once
 
 #include <atomic>
-#include <chrono>
+#include <functional>
 #include <memory>
-#include <string>
 
 #include "common/status.h"
-#include "engine/runtime/engine.h"
-#include "engine/runtime/model.h"
+#include "kv_transfer/transport.h"
+#include "worker/role.h"
+#include "worker/worker_options.h"
 
 namespace kvrelay::worker {
 
-enum class Role { kPrefill, kDecode, kColocated };
-Result<Role> ParseRole(std::string_view name);  // "prefill" | "decode" | "colocated"
-std::string_view RoleName(Role role);
-
-struct WorkerOptions {
-  std::string worker_id;  // unique in the cluster, e.g. "prefill-0"
-  Role role = Role::kColocated;
-  std::string coordinator_host = "127.0.0.1";
-  uint16_t coordinator_port = 9000;
-  engine::EngineOptions engine;
-  // KV data plane (TCP): this worker's peer index and the number of indices.
-  int rank = 0;
-  int world_size = 2;
-  std::string kv_host = "127.0.0.1";
-  uint16_t kv_port = 0;  // 0 = ephemeral
-  // RocksDB prefix tier; empty = none. Blocks evicted from the pool are
-  // spilled there and restored on a later prefix hit, across restarts.
-  std::string kv_store_path;
-  int64_t kv_store_capacity_bytes = 2ll << 30;
-  int64_t kv_ram_tier_bytes = 256ll << 20;
-  // Tensor-parallel decode group (role decode only): this process is rank
-  // tp_rank of tp_size. Rank 0 registers with the coordinator for the whole
-  // group and listens on tp_host:tp_port; the others connect there and follow
-  // its step plans (engine/runtime/tensor_parallel.h, worker/tp_group.h).
-  int tp_size = 1;
-  int tp_rank = 0;
-  std::string tp_host = "127.0.0.1";
-  uint16_t tp_port = 0;
-  engine::TpMode tp_mode = engine::TpMode::kExact;
-  std::chrono::milliseconds connect_timeout{30000};
-  std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
-
-  Status Validate() const;
+// What every process of a cluster needs before its role starts: the model
+// (this rank's shard under TP), the layout of its pool, the handshake config
+// and the KV transport.
+struct ProcessBase {
+  std::shared_ptr<const engine::Model> model;
+  engine::KvLayout layout;
+  protocols::PeerConfig peer_config;
+  std::unique_ptr<kv_transfer::Transport> transport;
 };
+Result<ProcessBase> LoadProcessBase(const WorkerOptions& options);
 
 class Worker {
  public:
-  static Result<std::unique_ptr<Worker>> Create(WorkerOptions options);
+  static Result<std::unique_ptr<Worker>> Create(WorkerOptions options, std::unique_ptr<Role> role);
   ~Worker();
 
-  // Connects, handshakes, registers and serves until `stop` becomes true or
-  // the coordinator goes away (returns Unavailable then). Every request still
-  // held is released before it returns.
+  // Connects, registers and serves until `stop` becomes true or the
+  // coordinator goes away (Unavailable then). Every request still held is
+  // released before it returns.
   Status Run(const std::atomic<bool>& stop);
 
-  class Impl;
-
  private:
-  explicit Worker(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  Worker(WorkerOptions options, std::unique_ptr<Role> role);
+  Status Init();
+  proto::RegisterWorker Registration() const;
+  void FillHeartbeat(proto::Heartbeat* hb) const;
+  // The loop sleeps until this: at once with compute, ~1 ms while polling,
+  // else until the next heartbeat; at most 100 ms (to notice `stop`).
+  std::chrono::nanoseconds Idle() const;
+
+  WorkerOptions options_;
+  ProcessBase base_;
+  WorkerCounters counters_;
+  std::unique_ptr<ControlLink> control_;
+  std::unique_ptr<EventReporter> events_;
+  WorkerContext ctx_;
+  std::unique_ptr<Role> role_;  // destroyed first: it holds the engine and uses the rest
 };
 
-// main() of kvrelay-prefill / kvrelay-decode / kvrelay-worker: parses flags,
-// installs SIGINT/SIGTERM handlers, runs a Worker of `role`.
-int WorkerMain(Role role, int argc, char** argv);
+// A process that runs `role` (the mains of kvrelay-prefill / -decode / -worker):
+// parses flags, installs SIGINT/SIGTERM handlers. `make_role` picks the role
+// from the parsed options; it returns null for a TP follower, which runs
+// `run_follower` instead (a loop of its own, no coordinator link).
+using RoleFactory = std::function<std::unique_ptr<Role>(const WorkerOptions&)>;
+using FollowerMain = std::function<Status(const WorkerOptions&, const std::atomic<bool>& stop)>;
+int WorkerMain(RoleKind kind, const RoleFactory& make_role, const FollowerMain& run_follower,
+               int argc, char** argv);
 
 }  // namespace kvrelay::worker

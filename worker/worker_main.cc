@@ -1,12 +1,11 @@
-#include <netdb.h>
-#include <sys/socket.h>
-
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 
-#include "cli/flags.h"
+#include "common/flags.h"
 #include "common/logging.h"
+#include "kv_transfer/mpi_session.h"
+#include "kv_transfer/transport_factory.h"
 #include "worker/worker.h"
 
 namespace kvrelay::worker {
@@ -15,31 +14,8 @@ namespace {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
-bool IsWildcard(const std::string& host) {
-  return host == "0.0.0.0" || host == "::" || host == "[::]" || host.empty();
-}
-
-// --advertise-host takes an IP or a name; the KV listener needs an IP literal,
-// so a name is resolved once here (the first address getaddrinfo returns).
-Result<std::string> ResolveAdvertiseHost(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found);
-  if (rc != 0 || found == nullptr) {
-    return InvalidArgument("--advertise-host '" + host + "' does not resolve: " + gai_strerror(rc));
-  }
-  char ip[NI_MAXHOST] = {};
-  const int nrc =
-      getnameinfo(found->ai_addr, found->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST);
-  freeaddrinfo(found);
-  if (nrc != 0) return InvalidArgument("--advertise-host '" + host + "': " + gai_strerror(nrc));
-  return std::string(ip);
-}
-
-Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(cli::Flags flags, cli::Flags::Parse(args,
+Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args,
                                                        {"id",
                                                         "coordinator",
                                                         "model",
@@ -51,6 +27,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
                                                         "max-running",
                                                         "rank",
                                                         "world-size",
+                                                        "kv-transport",
                                                         "kv-host",
                                                         "advertise-host",
                                                         "kv-port",
@@ -76,7 +53,7 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
     return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
-  ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", "f32")));
+  ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
   ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
   o.engine.kv_capacity_bytes = cap_mb << 20;
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
@@ -94,24 +71,12 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", mpi_size ? std::atoll(mpi_size) : 2));
   o.rank = static_cast<int>(rank);
   o.world_size = static_cast<int>(world);
-  if (o.worker_id.empty()) o.worker_id = std::string(RoleName(role)) + "-" + std::to_string(rank);
-  // The KV address is both where this worker listens and what it registers
-  // for its peers to dial, so it must be one they can reach: a wildcard would
-  // make a peer on another host dial itself. --advertise-host names it (an IP
-  // or a name resolved here); --kv-host stays for compatibility.
-  o.kv_host = flags.Get("kv-host", "127.0.0.1");
-  if (flags.Has("advertise-host")) {
-    ASSIGN_OR_RETURN(std::string advertised, ResolveAdvertiseHost(flags.Get("advertise-host")));
-    if (flags.Has("kv-host") && !IsWildcard(o.kv_host) && o.kv_host != advertised) {
-      return InvalidArgument("--kv-host " + o.kv_host + " and --advertise-host " + advertised +
-                             " differ (the KV listener is the advertised address)");
-    }
-    o.kv_host = advertised;
-  } else if (IsWildcard(o.kv_host)) {
-    return InvalidArgument("--kv-host '" + o.kv_host +
-                           "' is a wildcard, which peers cannot dial; pass --advertise-host "
-                           "ADDRESS (this host's address on the network its peers share)");
+  if (o.worker_id.empty()) {
+    o.worker_id = std::string(RoleKindName(role)) + "-" + std::to_string(rank);
   }
+  o.kv_transport = flags.Get("kv-transport", "auto");
+  o.kv_host = flags.Get("kv-host", "127.0.0.1");
+  o.advertise_host = flags.Get("advertise-host", "");
   ASSIGN_OR_RETURN(int64_t kv_port, flags.GetInt("kv-port", 0));
   if (kv_port < 0 || kv_port > 65535) return InvalidArgument("--kv-port out of range");
   o.kv_port = static_cast<uint16_t>(kv_port);
@@ -147,37 +112,59 @@ Result<WorkerOptions> ParseWorkerFlags(Role role, const std::vector<std::string>
   return o;
 }
 
-}  // namespace
-
-int WorkerMain(Role role, int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
+// Parses, creates and serves; the process's exit status.
+int Serve(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
+          const std::vector<std::string>& args) {
   auto options = ParseWorkerFlags(role, args);
   if (!options.ok()) {
     std::fprintf(
         stderr,
         "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
         "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
-        "--world-size W] [--advertise-host H] [--kv-host H --kv-port P] [--kv-store DIR] [--tp-size T --tp-rank R "
+        "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
+        "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
         "--tp-leader HOST:PORT --tp-mode exact|reduce]\n",
-        std::string(RoleName(role)).c_str(), options.status().ToString().c_str());
+        std::string(RoleKindName(role)).c_str(), options.status().ToString().c_str());
     return 2;
   }
   SetLogTag(options->worker_id);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGPIPE, SIG_IGN);
-  auto worker = Worker::Create(*options);
-  if (!worker.ok()) {
-    LOG_ERROR << "cannot start: " << worker.status().ToString();
-    return 1;
+  Status s;
+  if (options->tp_follower()) {
+    s = run_follower(*options, g_stop);
+  } else {
+    auto worker = Worker::Create(*options, make_role(*options));
+    if (!worker.ok()) {
+      LOG_ERROR << "cannot start: " << worker.status().ToString();
+      return 1;
+    }
+    s = (*worker)->Run(g_stop);
   }
-  Status s = (*worker)->Run(g_stop);
   if (!s.ok() && !g_stop.load()) {
     LOG_ERROR << "stopped: " << s.ToString();
     return 1;
   }
   LOG_INFO << "stopped";
   return 0;
+}
+
+}  // namespace
+
+int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
+               int argc, char** argv) {
+  // Under mpirun every process of the job initialises MPI (the KV data plane
+  // is then MPI with --kv-transport auto); see kv_transfer/mpi_session.h.
+  auto mpi = kv_transfer::MpiSession::Start(&argc, &argv);
+  if (!mpi.ok()) {
+    std::fprintf(stderr, "kvrelay-%s: %s\n", std::string(RoleKindName(role)).c_str(),
+                 mpi.status().ToString().c_str());
+    return 1;
+  }
+  const int rc = Serve(role, make_role, run_follower, std::vector<std::string>(argv + 1, argv + argc));
+  mpi->set_exit_code(rc);
+  return rc;
 }
 
 }  // namespace kvrelay::worker

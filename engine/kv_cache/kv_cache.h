@@ -30,6 +30,9 @@ namespace kvrelay::engine {
 
 enum class KvDtype : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kInt8 = 3, kKivi4 = 4, kKivi2 = 5 };
 
+// The KV dtype of every component that does not say otherwise (coordinator,
+// workers, launchers, manifests): peers must agree at the handshake.
+inline constexpr KvDtype kDefaultKvDtype = KvDtype::kF32;
 std::string_view KvDtypeName(KvDtype d);  // "f32", "f16", "bf16", "int8", "kivi4", "kivi2"
 Result<KvDtype> ParseKvDtype(std::string_view name);
 

@@ -53,7 +53,7 @@ struct Sequence {
   int64_t n_prompt = 0;
   int64_t n_generated = 0;
   int64_t n_computed = 0;         // leading tokens whose K/V are in `blocks`
-  std::vector<BlockId> blocks;    // block table; one reference held per entry
+  BlockTable blocks;              // one reference held per entry
   int64_t n_committed = 0;        // leading blocks registered in the prefix cache
   std::vector<BlockHash> hashes;  // chain hashes of the leading full blocks
   int64_t cached_prompt_tokens = 0;
@@ -80,28 +80,28 @@ class Engine::Impl {
   }
 
   ~Impl() {
-    // Return every block still held.
-    for (auto& s : running_) ReleaseBlocks(*s);
-    for (auto& s : waiting_) ReleaseBlocks(*s);
-    for (auto& [id, s] : kept_) ReleaseBlocks(*s);
+    // The connector stops writing loading blocks before they go back; every
+    // block table returns its references as the sequences are destroyed.
+    if (connector_ != nullptr) {
+      for (auto& [id, s] : loading_) connector_->CancelRemoteLoad(id);
+    }
   }
 
   Status CheckSpec(const RequestSpec& spec) const {
-    if (spec.id.empty()) return InvalidArgument("request id is empty");
-    if (Exists(spec.id)) return AlreadyExists("request id '" + spec.id + "' is already live");
-    if (spec.prompt.empty())
-      return InvalidArgument("request '" + spec.id + "' has an empty prompt");
+    const std::string name = "request " + std::to_string(spec.id);
+    if (Exists(spec.id)) return AlreadyExists(name + " is already live");
+    if (spec.prompt.empty()) return InvalidArgument(name + " has an empty prompt");
     const int vocab = model_->config().vocab;
     for (int32_t t : spec.prompt) {
       if (t < 0 || t >= vocab) {
-        return InvalidArgument("request '" + spec.id + "': token id " + std::to_string(t) +
+        return InvalidArgument(name + ": token id " + std::to_string(t) +
                                " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
       }
     }
-    RETURN_IF_ERROR(spec.sampling.Validate().WithContext("request '" + spec.id + "'"));
+    RETURN_IF_ERROR(spec.sampling.Validate().WithContext(name));
     const int64_t n = static_cast<int64_t>(spec.prompt.size());
     if (n >= max_context_) {
-      return ResourceExhausted("request '" + spec.id + "': prompt of " + std::to_string(n) +
+      return ResourceExhausted(name + ": prompt of " + std::to_string(n) +
                                " tokens does not fit the context of " +
                                std::to_string(max_context_) + " tokens");
     }
@@ -109,7 +109,7 @@ class Engine::Impl {
     const int64_t max_len = std::min<int64_t>(n + spec.sampling.max_tokens, max_context_) - 1;
     const int64_t need = BlocksFor(std::max<int64_t>(max_len, n));
     if (need > pool_->total_blocks()) {
-      return ResourceExhausted("request '" + spec.id + "' needs " + std::to_string(need) +
+      return ResourceExhausted(name + " needs " + std::to_string(need) +
                                " KV blocks but the pool has only " +
                                std::to_string(pool_->total_blocks()));
     }
@@ -119,36 +119,33 @@ class Engine::Impl {
   Status Submit(RequestSpec spec) {
     RETURN_IF_ERROR(CheckSpec(spec));
     auto seq = NewSequence(std::move(spec));
-    waiting_.push_back(std::move(seq));
+    if (seq->spec.mode != RequestMode::kRemotePrompt) {
+      waiting_.push_back(std::move(seq));
+      return Status::Ok();
+    }
+    // Decode side: the prompt's blocks are reserved now, held by the request,
+    // and filled by the connector.
+    if (connector_ == nullptr) {
+      return FailedPrecondition("request " + std::to_string(seq->spec.id) +
+                                " needs remote KV but the engine has no connector");
+    }
+    ASSIGN_OR_RETURN(seq->blocks, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
+    RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
+    const RequestId id = seq->spec.id;
+    loading_[id] = std::move(seq);
     return Status::Ok();
   }
 
-  Status AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks) {
-    Status st = CheckSpec(spec);
-    const int64_t n = static_cast<int64_t>(spec.prompt.size());
-    if (st.ok() && (first_token < 0 || first_token >= model_->config().vocab)) {
-      st = InvalidArgument("first token " + std::to_string(first_token) +
-                           " is outside the vocabulary");
+  // A remote prompt arrived: the sequence decodes on from `first_token`.
+  void AdmitLoaded(std::unique_ptr<Sequence> seq, int32_t first_token) {
+    if (first_token < 0 || first_token >= model_->config().vocab) {
+      pending_events_.push_back(FinishEvent(
+          *seq, FinishReason::kError,
+          InvalidArgument("first token " + std::to_string(first_token) +
+                          " is outside the vocabulary")));
+      return;
     }
-    if (st.ok() && static_cast<int64_t>(blocks.size()) != BlocksFor(n)) {
-      st = InvalidArgument("request '" + spec.id + "': " + std::to_string(blocks.size()) +
-                           " blocks given for a prompt of " + std::to_string(n) +
-                           " tokens (expected " + std::to_string(BlocksFor(n)) + ")");
-    }
-    for (BlockId b : blocks) {
-      if (st.ok() && (b < 0 || b >= pool_->total_blocks() || pool_->refcount(b) < 1)) {
-        st = InvalidArgument("block " + std::to_string(b) + " is not a live block of this pool");
-      }
-    }
-    if (!st.ok()) {
-      for (BlockId b : blocks) {
-        if (b >= 0 && b < pool_->total_blocks() && pool_->refcount(b) > 0) pool_->Release(b);
-      }
-      return st;
-    }
-    auto seq = NewSequence(std::move(spec));
-    seq->blocks = std::move(blocks);
-    seq->n_computed = n;
+    seq->n_computed = seq->n_prompt;
     bool ignored = false;
     (void)seq->text->Push(first_token, &ignored);  // the prefill side emitted its text
     seq->tokens.push_back(first_token);
@@ -156,16 +153,29 @@ class Engine::Impl {
     stats_.generated_tokens += 1;
     TokenEvent ev;
     if (CheckFinished(*seq, first_token, &ev, /*emit_text=*/false)) {
-      ReleaseBlocks(*seq);
       ev.token = -1;
       pending_events_.push_back(std::move(ev));
-      return Status::Ok();
+      return;  // the blocks go back with seq
     }
     running_.push_back(std::move(seq));
-    return Status::Ok();
   }
 
-  Status Cancel(const std::string& id) {
+  void PollLoads() {
+    if (loading_.empty()) return;
+    for (auto& done : connector_->PollRemoteLoads()) {
+      auto it = loading_.find(done.request);
+      if (it == loading_.end()) continue;  // cancelled meanwhile
+      std::unique_ptr<Sequence> seq = std::move(it->second);
+      loading_.erase(it);
+      if (!done.status.ok()) {
+        pending_events_.push_back(FinishEvent(*seq, FinishReason::kError, done.status));
+        continue;
+      }
+      AdmitLoaded(std::move(seq), done.first_token);
+    }
+  }
+
+  Status Cancel(RequestId id) {
     for (auto* list : {&waiting_, &running_}) {
       for (auto it = list->begin(); it != list->end(); ++it) {
         if ((*it)->spec.id == id) {
@@ -176,31 +186,18 @@ class Engine::Impl {
         }
       }
     }
-    auto kit = kept_.find(id);
-    if (kit != kept_.end()) {
-      ReleaseBlocks(*kit->second);
-      kept_.erase(kit);
+    if (auto it = loading_.find(id); it != loading_.end()) {
+      connector_->CancelRemoteLoad(id);  // before the blocks go back
+      pending_events_.push_back(FinishEvent(*it->second, FinishReason::kCancelled, Status::Ok()));
+      loading_.erase(it);
       return Status::Ok();
     }
-    return NotFound("no live request '" + id + "'");
-  }
-
-  Result<std::vector<BlockId>> ExportBlocks(const std::string& id) const {
-    auto it = kept_.find(id);
-    if (it == kept_.end()) return NotFound("no kept prefill-only request '" + id + "'");
-    return it->second->blocks;
-  }
-
-  Status ReleaseRequest(const std::string& id) {
-    auto it = kept_.find(id);
-    if (it == kept_.end()) return NotFound("no kept prefill-only request '" + id + "'");
-    ReleaseBlocks(*it->second);
-    kept_.erase(it);
-    return Status::Ok();
+    return NotFound("no live request " + std::to_string(id));
   }
 
   int64_t running_count() const { return static_cast<int64_t>(running_.size()); }
   int64_t queued_count() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t loading_count() const { return static_cast<int64_t>(loading_.size()); }
   bool HasWork() const {
     return !waiting_.empty() || !running_.empty() || !pending_events_.empty();
   }
@@ -213,9 +210,9 @@ class Engine::Impl {
   ThreadPool threads_;
   ForwardPass forward_;
   int64_t max_context_ = 0;
-  LayerHook layer_hook_;
-  TensorParallelHooks tp_;                        // publish empty unless rank 0 of a TP group
-  std::vector<StepPlan::BlockCopy> step_copies_;  // CopyBlock calls of the current step
+  KvConnector* connector_ = nullptr;     // not owned; may be null
+  TensorParallelHooks tp_;               // publish empty unless rank 0 of a TP group
+  std::vector<BlockCopy> step_copies_;   // CopyBlock calls of the current step
   Stats stats_;
 
  private:
@@ -224,17 +221,18 @@ class Engine::Impl {
     return (positions + B - 1) / B;
   }
 
-  bool Exists(const std::string& id) const {
+  bool Exists(RequestId id) const {
     for (const auto* list : {&waiting_, &running_}) {
       for (const auto& s : *list) {
         if (s->spec.id == id) return true;
       }
     }
-    return kept_.count(id) > 0;
+    return loading_.count(id) > 0;
   }
 
   std::unique_ptr<Sequence> NewSequence(RequestSpec spec) {
     auto seq = std::make_unique<Sequence>();
+    seq->blocks = BlockTable(pool_.get());
     seq->arrival = next_arrival_++;
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
@@ -245,8 +243,7 @@ class Engine::Impl {
   }
 
   void ReleaseBlocks(Sequence& s) {
-    for (BlockId b : s.blocks) pool_->Release(b);
-    s.blocks.clear();
+    s.blocks.Release();
     s.n_computed = 0;
     s.n_committed = 0;
   }
@@ -298,14 +295,14 @@ class Engine::Impl {
   bool EnsureBlocks(Sequence& s, int64_t chunk) {
     const int B = options_.block_tokens;
     const int64_t need = BlocksFor(s.n_computed + chunk);
-    while (static_cast<int64_t>(s.blocks.size()) < need) {
+    while (s.blocks.size() < need) {
       auto b = pool_->Allocate();
       if (!b.ok()) return false;
-      s.blocks.push_back(*b);
+      s.blocks.Adopt(*b);
     }
     // Copy-on-write: the block that receives the first new position may be
-    // shared (prefix cache hit covering the whole prompt, or a block handed
-    // over by AdmitPrefilled that someone else also references).
+    // shared (a prefix cache hit covering the whole prompt, or a loaded
+    // block that someone else also references).
     const int64_t first = s.n_computed / B;
     for (int64_t i = first; i < need; ++i) {
       if (pool_->refcount(s.blocks[i]) > 1 || i < s.n_committed) {
@@ -313,8 +310,7 @@ class Engine::Impl {
         if (!b.ok()) return false;
         pool_->CopyBlock(s.blocks[i], *b);
         if (tp_.publish) step_copies_.push_back({s.blocks[i], *b});
-        pool_->Release(s.blocks[i]);
-        s.blocks[i] = *b;
+        s.blocks.Replace(i, *b);
         if (i < s.n_committed) s.n_committed = i;
       }
     }
@@ -327,15 +323,31 @@ class Engine::Impl {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), n), B,
                                 model_->fingerprint(), s.spec.tenant_salt);
-    std::vector<BlockId> hit = pool_->MatchPrefix(s.hashes);
-    s.blocks = std::move(hit);
-    s.n_committed = static_cast<int64_t>(s.blocks.size());
+    s.blocks.Adopt(pool_->MatchPrefix(s.hashes));
+    s.n_committed = s.blocks.size();
+    LoadExternalPrefix(s);
     // At least the last token is computed again: its logits are needed.
     s.n_computed = std::min<int64_t>(s.n_committed * B, n - 1);
     if (s.n_generated == 0) {
       s.cached_prompt_tokens = s.n_computed;
       stats_.prompt_tokens_cached += s.n_computed;
     }
+  }
+
+  // Blocks the pool does not hold but a lower tier does (connector admission
+  // side): loaded into fresh blocks owned by `s` from the start, committed.
+  void LoadExternalPrefix(Sequence& s) {
+    if (connector_ == nullptr) return;
+    const int64_t hits = s.n_committed;
+    if (hits >= static_cast<int64_t>(s.hashes.size())) return;
+    BlockTable loaded(pool_.get());
+    connector_->LoadPrefix(s.spec, std::span<const BlockHash>(s.hashes).subspan(hits), loaded);
+    const int64_t n = std::min<int64_t>(loaded.size(),
+                                        static_cast<int64_t>(s.hashes.size()) - hits);
+    loaded.Truncate(n);
+    for (int64_t i = 0; i < n; ++i) pool_->Commit(loaded[i], s.hashes[hits + i]);
+    s.blocks.Append(std::move(loaded));
+    s.n_committed = s.blocks.size();
   }
 
   // Registers every newly full block in the prefix cache.
@@ -382,7 +394,7 @@ class Engine::Impl {
 
   std::deque<std::unique_ptr<Sequence>> waiting_;          // FCFS by arrival
   std::deque<std::unique_ptr<Sequence>> running_;          // in admission order
-  std::map<std::string, std::unique_ptr<Sequence>> kept_;  // finished kPrefillOnly
+  std::map<RequestId, std::unique_ptr<Sequence>> loading_;  // kRemotePrompt, KV on its way
   std::vector<TokenEvent> pending_events_;
   uint64_t next_arrival_ = 0;
 };
@@ -452,6 +464,7 @@ void Engine::Impl::Schedule() {
 }
 
 Result<std::vector<TokenEvent>> Engine::Impl::Step() {
+  PollLoads();
   std::vector<TokenEvent> events;
   events.swap(pending_events_);
   step_copies_.clear();
@@ -474,35 +487,28 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     return events;
   }
   ++stats_.steps;
-  std::vector<ForwardSeq> fseqs(batch.size());
-  std::vector<StepSequence> step_seqs(batch.size());
+  StepPlan plan;
+  plan.copies.swap(step_copies_);
+  plan.seqs.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& s = *batch[i];
-    fseqs[i].blocks = s.blocks;
-    fseqs[i].cache_len = s.n_computed;
-    fseqs[i].tokens = std::span<const int32_t>(s.tokens.data() + s.n_computed, s.chunk);
-    const bool last = s.n_computed + s.chunk == static_cast<int64_t>(s.tokens.size());
-    fseqs[i].logits = last ? ForwardSeq::Logits::kLast : ForwardSeq::Logits::kNone;
-    step_seqs[i] = {&s.spec.id, s.n_computed, s.n_computed + s.chunk, s.blocks};
+    SeqStep& q = plan.seqs[i];
+    q.request = s.spec.id;
+    q.cache_len = s.n_computed;
+    q.tokens.assign(s.tokens.begin() + s.n_computed, s.tokens.begin() + s.n_computed + s.chunk);
+    q.blocks.assign(s.blocks.ids().begin(), s.blocks.ids().begin() + BlocksFor(q.end()));
+    const bool last = q.end() == static_cast<int64_t>(s.tokens.size());
+    q.logits = last ? LogitRows::kLast : LogitRows::kNone;
     if (s.n_generated == 0) stats_.prompt_tokens_computed += s.chunk;
   }
   ForwardOutput out;
   std::function<void(int)> hook;
-  if (layer_hook_) hook = [&](int layer) { layer_hook_(layer, step_seqs); };
+  if (connector_ != nullptr) hook = [&](int layer) { connector_->SaveLayer(layer, plan); };
   Status st;
   if (tp_.publish) {
-    StepPlan plan;
-    plan.copies.swap(step_copies_);
-    plan.seqs.resize(fseqs.size());
-    for (size_t i = 0; i < fseqs.size(); ++i) {
-      const int64_t len = fseqs[i].cache_len + static_cast<int64_t>(fseqs[i].tokens.size());
-      plan.seqs[i].blocks.assign(fseqs[i].blocks.begin(), fseqs[i].blocks.begin() + BlocksFor(len));
-      plan.seqs[i].cache_len = fseqs[i].cache_len;
-      plan.seqs[i].tokens.assign(fseqs[i].tokens.begin(), fseqs[i].tokens.end());
-    }
     st = tp_.publish(plan).WithContext("publishing the step to the tensor-parallel group");
   }
-  if (st.ok()) st = forward_.Run(fseqs, &out, hook);
+  if (st.ok()) st = forward_.Run(plan.seqs, &out, hook);
   if (!st.ok()) {
     LOG_ERROR << "forward step failed: " << st.ToString();
     for (Sequence* s : batch) {
@@ -521,7 +527,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     s.n_computed += s.chunk;
     s.chunk = 0;
     CommitFullBlocks(s);
-    if (fseqs[i].logits == ForwardSeq::Logits::kNone) continue;
+    if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
     const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated);
     s.tokens.push_back(token);
@@ -536,14 +542,13 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
         std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; });
     std::unique_ptr<Sequence> seq = std::move(*it);
     running_.erase(it);
-    if (seq->spec.mode == RequestMode::kPrefillOnly) {
-      // Keep exactly the prompt's blocks (the first token is not in the KV).
-      const int64_t keep = BlocksFor(seq->n_prompt);
-      for (size_t b = keep; b < seq->blocks.size(); ++b) pool_->Release(seq->blocks[b]);
-      seq->blocks.resize(std::min<size_t>(keep, seq->blocks.size()));
-      kept_[seq->spec.id] = std::move(seq);
-    } else {
-      ReleaseBlocks(*seq);
+    if (seq->spec.mode == RequestMode::kPrefillOnly && connector_ != nullptr) {
+      // Exactly the prompt's blocks (the first token is not in the KV); the
+      // connector may keep them, e.g. until their stream is sent.
+      seq->blocks.Truncate(BlocksFor(seq->n_prompt));
+      const auto ev = std::find_if(events.begin(), events.end(),
+                                   [&](const TokenEvent& e) { return e.id == seq->spec.id; });
+      (void)connector_->RequestFinished(*ev, seq->blocks);
     }
   }
   return events;
@@ -578,17 +583,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
 }
 
 Status Engine::Submit(RequestSpec spec) { return impl_->Submit(std::move(spec)); }
-Status Engine::Cancel(const std::string& id) { return impl_->Cancel(id); }
+Status Engine::Cancel(RequestId id) { return impl_->Cancel(id); }
 Result<std::vector<TokenEvent>> Engine::Step() { return impl_->Step(); }
 bool Engine::HasWork() const { return impl_->HasWork(); }
-Result<std::vector<BlockId>> Engine::ExportBlocks(const std::string& id) const {
-  return impl_->ExportBlocks(id);
-}
-Status Engine::ReleaseRequest(const std::string& id) { return impl_->ReleaseRequest(id); }
-Status Engine::AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks) {
-  return impl_->AdmitPrefilled(std::move(spec), first_token, std::move(blocks));
-}
-void Engine::SetLayerHook(LayerHook hook) { impl_->layer_hook_ = std::move(hook); }
+void Engine::SetKvConnector(KvConnector* connector) { impl_->connector_ = connector; }
+int64_t Engine::loading() const { return impl_->loading_count(); }
 Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   if (hooks.collective == nullptr || !hooks.publish) {
     return InvalidArgument("SetTensorParallel needs a collective and a publish function");

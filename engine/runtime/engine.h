@@ -3,13 +3,14 @@
 // build on; keep it stable (extend additively).
 //
 // Threading: an Engine is thread-compatible. One owner thread calls Submit,
-// Cancel, Step, ExportBlocks, ReleaseRequest and AdmitPrefilled; Step uses the
-// engine's own ThreadPool internally and returns when the step is complete.
+// Cancel and Step; Step uses the engine's own ThreadPool internally and returns
+// when the step is complete. The KvConnector is called on that thread.
 //
 // Scheduling (inside Step):
 //  * FCFS admission while fewer than max_running sequences run and the pool
 //    has the blocks for the next chunk; prefix-cache reuse at admission
-//    (pool->MatchPrefix on the chain hashes of the prompt's full blocks).
+//    (pool->MatchPrefix on the chain hashes of the prompt's full blocks, then
+//    the connector's lower tiers for the blocks the pool does not hold).
 //  * Continuous batching with chunked prefill: one step holds one decode token
 //    per running sequence plus prefill chunks, at most max_step_tokens tokens.
 //  * Full blocks are committed to the prefix cache as they fill; a shared
@@ -30,7 +31,9 @@
 
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/kv_connector.h"
 #include "engine/runtime/sampler.h"
+#include "engine/runtime/step_plan.h"
 
 namespace kvrelay::engine {
 
@@ -55,12 +58,16 @@ struct EngineOptions {
 enum class RequestMode : uint8_t {
   kFull = 0,         // prefill, then decode until a stop condition
   kPrefillOnly = 1,  // prefill, sample the first token, finish with kPrefilled
-                     // (or kStop / kLength when that token already ends it) and
-                     // KEEP the prompt's blocks until ReleaseRequest (disaggregation)
+                     // (or kStop / kLength when that token already ends it);
+                     // the connector may keep the prompt's blocks
+                     // (KvConnector::RequestFinished) — the prefill role
+  kRemotePrompt = 2, // the prompt's KV (and its first token) come from the
+                     // connector (KvConnector::StartRemoteLoad); decoding
+                     // starts when the load is done — the decode role
 };
 
 struct RequestSpec {
-  std::string id;               // unique among live requests
+  RequestId id = 0;             // unique among live requests
   std::vector<int32_t> prompt;  // token ids, non-empty
   SamplingParams sampling;
   std::string tenant_salt;  // isolates prefix-cache hits per tenant
@@ -73,32 +80,21 @@ enum class FinishReason : uint8_t {
   kLength = 2,     // max_tokens or context length reached
   kCancelled = 3,  // Cancel(id)
   kError = 4,      // see TokenEvent::error
-  kPrefilled = 5,  // kPrefillOnly request done; blocks kept for ExportBlocks
+  kPrefilled = 5,  // kPrefillOnly request done; its blocks went to the connector
 };
 std::string_view FinishReasonName(FinishReason r);  // "stop", "length", ...
 
 // One event per request per Step that produced something for it.
 struct TokenEvent {
-  std::string id;
+  RequestId id = 0;
   int32_t token = -1;  // -1 when no token comes with the event (cancel, error)
   std::string text;    // detokenized text released by this token (stop-string safe)
   bool finished = false;
   FinishReason finish_reason = FinishReason::kNone;
   Status error;  // set when finish_reason == kError
   int64_t prompt_tokens = 0;
-  int64_t cached_prompt_tokens = 0;  // prompt tokens reused from the prefix cache
+  int64_t cached_prompt_tokens = 0;  // prompt tokens reused from the prefix cache or a tier
 };
-
-// Describes one sequence's part of the step being computed, for the layer hook.
-struct StepSequence {
-  const std::string* id;            // valid during the hook call
-  int64_t begin;                    // first position written in this step
-  int64_t end;                      // one past the last position written
-  std::span<const BlockId> blocks;  // the sequence's block table
-};
-// Called during Step right after layer `layer`'s K/V of every sequence in the
-// step is written to the pool (layer-wise KV streaming). Runs on the Step thread.
-using LayerHook = std::function<void(int layer, std::span<const StepSequence> seqs)>;
 
 class Engine {
  public:
@@ -115,28 +111,22 @@ class Engine {
   // of vocab, duplicate id, bad sampling params); ResourceExhausted if it can
   // never fit (prompt + max_tokens over the context or over the whole pool).
   Status Submit(RequestSpec spec);
-  // Cancels a queued or running request: its blocks are released now and the
-  // next Step emits its finished event (kCancelled). NotFound if unknown.
-  Status Cancel(const std::string& id);
+  // Cancels a queued, loading or running request: its blocks are released now
+  // and the next Step emits its finished event (kCancelled). NotFound if unknown.
+  Status Cancel(RequestId id);
   // Runs one scheduling step and returns the events it produced.
   Result<std::vector<TokenEvent>> Step();
-  // True while any request is queued or running.
+  // True while any request is queued or running or an event is pending (a
+  // Step computes). Loading requests are not work: see loading().
   bool HasWork() const;
 
-  // --- disaggregation ---
-  // The block table of a finished kPrefillOnly request (covering its prompt),
-  // valid until ReleaseRequest. NotFound if there is no such kept request.
-  Result<std::vector<BlockId>> ExportBlocks(const std::string& id) const;
-  // Drops a kept request's block references. NotFound if unknown.
-  Status ReleaseRequest(const std::string& id);
-  // Decode side: the prompt's KV is already in `blocks` of this pool
-  // (ceil(prompt/B) blocks; the engine takes over ONE reference of each), and
-  // `first_token` was sampled by the prefill side. Decoding continues from
-  // there; the first event carries the second generated token. On error the
-  // references are released.
-  Status AdmitPrefilled(RequestSpec spec, int32_t first_token, std::vector<BlockId> blocks);
+  // --- disaggregation and tiers ---
+  // Installs the KV connector (kv_connector.h; not owned, must outlive the
+  // engine, may be null). Call before the first Submit.
+  void SetKvConnector(KvConnector* connector);
+  // kRemotePrompt requests whose KV is still being loaded.
+  int64_t loading() const;
 
-  void SetLayerHook(LayerHook hook);
   // Makes this engine rank 0 of a tensor-parallel group (tensor_parallel.h):
   // its model must be a shard, every step's plan is published before the
   // forward and partial projections are all-reduced. Call before the first

@@ -63,7 +63,7 @@ ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* thre
   }
 }
 
-Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
                         const std::function<void(int layer)>& layer_hook) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
@@ -75,7 +75,7 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   // Validate and lay out tokens.
   int64_t T = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
-    const ForwardSeq& q = seqs[s];
+    const SeqStep& q = seqs[s];
     if (q.tokens.empty())
       return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
     if (q.cache_len < 0) return InvalidArgument("negative cache length");
@@ -136,7 +136,7 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   // Embeddings.
   {
     int64_t t = 0;
-    for (const ForwardSeq& q : seqs) {
+    for (const SeqStep& q : seqs) {
       for (int32_t tok : q.tokens) GetRow(model_.token_embd(), tok, x_.data() + (t++) * d);
     }
   }
@@ -168,7 +168,7 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
     // K/V of the new tokens into the pool (owner thread only: the pool is
     // thread-compatible).
     for (int64_t t = 0; t < T; ++t) {
-      const ForwardSeq& q = seqs[tok_seq_[t]];
+      const SeqStep& q = seqs[tok_seq_[t]];
       const int64_t pos = tok_pos_[t];
       pool_->WriteToken(q.blocks[pos / B], l, static_cast<int>(pos % B), k_.data() + t * kvd,
                         v_.data() + t * kvd);
@@ -217,11 +217,11 @@ Status ForwardPass::Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
   std::vector<int64_t> rows;
   {
     int64_t t = 0;
-    for (const ForwardSeq& q : seqs) {
+    for (const SeqStep& q : seqs) {
       const int64_t n = static_cast<int64_t>(q.tokens.size());
-      if (q.logits == ForwardSeq::Logits::kAll) {
+      if (q.logits == LogitRows::kAll) {
         for (int64_t i = 0; i < n; ++i) rows.push_back(t + i);
-      } else if (q.logits == ForwardSeq::Logits::kLast) {
+      } else if (q.logits == LogitRows::kLast) {
         rows.push_back(t + n - 1);
       }
       t += n;
@@ -256,7 +256,7 @@ Status ForwardPass::GatherColumns(const float* local, const std::vector<UnitRang
   return Status::Ok();
 }
 
-void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
+void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   const ModelConfig& c = model_.config();
   const int B = pool_->layout().block_tokens;
   const int hd = c.head_dim, kvh = c.n_kv_heads, group = c.n_heads / c.n_kv_heads;
@@ -283,7 +283,7 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
     for (int64_t item = a; item < b; ++item) {
       const size_t s = item / kvh;
       const int h = static_cast<int>(item % kvh);
-      const ForwardSeq& q = seqs[s];
+      const SeqStep& q = seqs[s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
       const int64_t nb = (len + B - 1) / B;
       const float** kp = kptr_.data() + ptr_off[s] + h * nb;
@@ -326,7 +326,7 @@ void ForwardPass::Attention(int layer, std::span<const ForwardSeq> seqs) {
     std::vector<float> acc(8 * hd);
     for (int64_t it = a; it < b; ++it) {
       const Item& item = items[it];
-      const ForwardSeq& q = seqs[item.s];
+      const SeqStep& q = seqs[item.s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
       const int kv_head = item.head / group;
       const int64_t nb = (len + B - 1) / B;

@@ -20,16 +20,10 @@
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/model.h"
+#include "engine/runtime/step_plan.h"
 #include "engine/runtime/tp_collective.h"
 
 namespace kvrelay::engine {
-
-struct ForwardSeq {
-  std::span<const BlockId> blocks;  // covers at least cache_len + tokens.size() positions
-  int64_t cache_len = 0;            // positions already in the KV cache
-  std::span<const int32_t> tokens;  // new tokens (>= 1)
-  enum class Logits : uint8_t { kNone, kLast, kAll } logits = Logits::kLast;
-};
 
 struct ForwardOutput {
   // Logit rows (vocab floats each) for every requested position, sequences in
@@ -47,7 +41,7 @@ class ForwardPass {
   // Runs the step. `layer_hook` (may be empty) is called after layer l's K/V
   // of all sequences are written. InvalidArgument for a bad sequence (token
   // out of vocab, block table too short, pool layout mismatch).
-  Status Run(std::span<const ForwardSeq> seqs, ForwardOutput* out,
+  Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook = {});
 
   // Tensor parallelism: the model is a shard (model.h) and `collective` (which
@@ -56,7 +50,7 @@ class ForwardPass {
   void SetCollective(TpCollective* collective) { collective_ = collective; }
 
  private:
-  void Attention(int layer, std::span<const ForwardSeq> seqs);
+  void Attention(int layer, std::span<const SeqStep> seqs);
 
   const Model& model_;
   KvBlockPool* pool_;

@@ -143,13 +143,8 @@ class TpFollower::Impl {
     }
     // ForwardPass::Run validates block tables and tokens before writing.
     for (const auto& c : plan.copies) pool_->CopyBlock(c.src, c.dst);
-    std::vector<ForwardSeq> seqs(plan.seqs.size());
-    for (size_t i = 0; i < plan.seqs.size(); ++i) {
-      seqs[i].blocks = plan.seqs[i].blocks;
-      seqs[i].cache_len = plan.seqs[i].cache_len;
-      seqs[i].tokens = plan.seqs[i].tokens;
-      seqs[i].logits = ForwardSeq::Logits::kNone;  // rank 0 samples
-    }
+    std::vector<SeqStep> seqs = plan.seqs;
+    for (SeqStep& s : seqs) s.logits = LogitRows::kNone;  // rank 0 samples
     ForwardOutput out;
     return forward_.Run(seqs, &out);
   }

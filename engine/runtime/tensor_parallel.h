@@ -29,26 +29,12 @@
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/engine.h"
+#include "engine/runtime/step_plan.h"
 #include "engine/runtime/tp_collective.h"
 
 namespace kvrelay::engine {
 
 class Model;
-
-// What rank 0 did in one step, in order: block copies, then one forward.
-struct StepPlan {
-  struct BlockCopy {
-    BlockId src = 0;
-    BlockId dst = 0;
-  };
-  struct Seq {
-    std::vector<BlockId> blocks;  // the sequence's block table
-    int64_t cache_len = 0;        // positions already in the KV
-    std::vector<int32_t> tokens;  // computed in this step
-  };
-  std::vector<BlockCopy> copies;
-  std::vector<Seq> seqs;
-};
 
 // Rank 0: installed with Engine::SetTensorParallel.
 struct TensorParallelHooks {

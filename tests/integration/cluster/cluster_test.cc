@@ -67,7 +67,7 @@ struct Reference {
   std::vector<int32_t> Greedy(const std::vector<int32_t>& prompt, int max_tokens,
                               float presence_penalty = 0, float frequency_penalty = 0) {
     engine::RequestSpec spec;
-    spec.id = "ref-" + std::to_string(next_id++);
+    spec.id = static_cast<engine::RequestId>(++next_id);
     spec.prompt = prompt;
     spec.sampling.temperature = 0;
     spec.sampling.presence_penalty = presence_penalty;

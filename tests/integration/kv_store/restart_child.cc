@@ -35,7 +35,7 @@ std::vector<int32_t> Prompt(int vocab) {
 Status Generate(engine::Engine* e, const std::vector<int32_t>& prompt, std::vector<int32_t>* out,
                 int64_t* cached) {
   engine::RequestSpec spec;
-  spec.id = "r";
+  spec.id = 1;
   spec.prompt = prompt;
   spec.sampling.max_tokens = kGenerate;
   spec.tenant_salt = kSalt;

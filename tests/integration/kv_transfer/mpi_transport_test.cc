@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <random>
 
-#include "kv_transfer/fault_injecting_transport.h"
+#include "tests/testing/fault_injecting_transport.h"
 #include "kv_transfer/layer_stream.h"
 
 namespace kvrelay::kv_transfer {

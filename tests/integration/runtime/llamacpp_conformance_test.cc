@@ -156,14 +156,14 @@ TEST(LlamaCppConformance, GreedyContinuations) {
   int i = 0;
   for (const auto& g : f.ref["greedy"]) {
     RequestSpec spec;
-    spec.id = "g" + std::to_string(i++);
+    spec.id = static_cast<RequestId>(++i);
     spec.prompt = g["prompt_ids"].get<std::vector<int32_t>>();
     std::vector<int32_t> want = g["generated"].get<std::vector<int32_t>>();
     spec.sampling.max_tokens = static_cast<int>(want.size());
     spec.sampling.ignore_eos = true;
     ASSERT_TRUE((*engine)->Submit(spec).ok());
   }
-  std::map<std::string, std::vector<int32_t>> got;
+  std::map<RequestId, std::vector<int32_t>> got;
   while ((*engine)->HasWork()) {
     auto ev = (*engine)->Step();
     ASSERT_TRUE(ev.ok());
@@ -172,7 +172,7 @@ TEST(LlamaCppConformance, GreedyContinuations) {
   i = 0;
   int checked = 0, eligible = 0;
   for (const auto& g : f.ref["greedy"]) {
-    const std::string id = "g" + std::to_string(i++);
+    const RequestId id = static_cast<RequestId>(++i);
     std::vector<int32_t> want = g["generated"].get<std::vector<int32_t>>();
     const double margin = g["min_top2_margin"].get<double>();
     size_t same = 0;
@@ -186,7 +186,7 @@ TEST(LlamaCppConformance, GreedyContinuations) {
     std::printf(
         "%s: min_top2_margin %.4f, first %zu/%zu tokens identical (llama.cpp one-token steps: "
         "%zu)\n",
-        id.c_str(), margin, same, want.size(), same_one);
+        ("g" + std::to_string(id - 1)).c_str(), margin, same, want.size(), same_one);
     if (margin > kFlipMargin) {
       ++eligible;
       EXPECT_EQ(got[id], want) << id;

@@ -81,7 +81,7 @@ std::pair<double, std::string> Chat(const std::string& question, FinishReason* r
   auto e = Engine::Create(o, m);
   EXPECT_TRUE(e.ok());
   RequestSpec spec;
-  spec.id = "chat";
+  spec.id = 1;
   spec.prompt = prompt;
   spec.sampling.max_tokens = 40;
   EXPECT_TRUE((*e)->Submit(spec).ok());

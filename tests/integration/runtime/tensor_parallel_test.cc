@@ -108,12 +108,12 @@ TEST(TensorParallel, ShardedForwardMatchesWholeModel) {
         for (int64_t i = 0; i < (n + 15) / 16; ++i) blocks.push_back(*p->Allocate());
         ForwardPass fwd(*shard, p.get(), &t);
         fwd.SetCollective(group.rank(r));
-        ForwardSeq s;
-        s.blocks = blocks;
-        s.tokens = ids;
-        s.logits = r == 0 ? ForwardSeq::Logits::kAll : ForwardSeq::Logits::kNone;
+        SeqStep s;
+        s.blocks.assign(blocks.begin(), blocks.end());
+        s.tokens.assign(ids.begin(), ids.end());
+        s.logits = r == 0 ? LogitRows::kAll : LogitRows::kNone;
         ForwardOutput out;
-        status[r] = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+        status[r] = fwd.Run(std::span<const SeqStep>(&s, 1), &out);
         got[r] = std::move(out.logits);
         for (BlockId b : blocks) p->Release(b);
       });
@@ -220,9 +220,9 @@ class TpHarness {
   std::vector<std::thread> threads_;
 };
 
-std::map<std::string, std::vector<int32_t>> RunAll(Engine& e,
+std::map<RequestId, std::vector<int32_t>> RunAll(Engine& e,
                                                    const std::vector<RequestSpec>& reqs) {
-  std::map<std::string, std::vector<int32_t>> out;
+  std::map<RequestId, std::vector<int32_t>> out;
   for (const auto& r : reqs) EXPECT_TRUE(e.Submit(r).ok());
   for (int steps = 0; e.HasWork() && steps < 10000; ++steps) {
     auto ev = e.Step();
@@ -248,7 +248,7 @@ TEST(TensorParallel, EngineGeneratesTheSameTokensAsOneRank) {
                            "def fibonacci(n):", "Water boils at a temperature of"};
   for (int i = 0; i < 3; ++i) {
     RequestSpec r;
-    r.id = "r" + std::to_string(i);
+    r.id = static_cast<RequestId>(i + 1);
     r.prompt = whole->tokenizer()->Encode(prompts[i], false, false);
     r.sampling.max_tokens = 24;
     r.sampling.ignore_eos = true;
@@ -295,7 +295,7 @@ TEST(TensorParallel, RefusesWhatItCannotMirror) {
   bad.copies.push_back({0, 100});
   EXPECT_EQ((*follower)->Execute(bad).code(), StatusCode::kInvalidArgument);
   StepPlan bad_seq;
-  bad_seq.seqs.push_back({{7, 1000}, 16, {1, 2}});
+  bad_seq.seqs.push_back({0, {7, 1000}, 16, {1, 2}});
   EXPECT_EQ((*follower)->Execute(bad_seq).code(), StatusCode::kInvalidArgument);
 }
 

@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "kv_transfer/fault_injecting_transport.h"
+#include "tests/testing/fault_injecting_transport.h"
 #include "kv_transfer/head_sharding.h"
 #include "transport_pair.h"
 

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <random>
 
@@ -39,9 +40,23 @@ std::vector<int32_t> RandomPrompt(int n, uint64_t seed) {
   return t;
 }
 
+// Tests name requests by string; the engine numbers them (1, 2, ... in order
+// of first use).
+std::vector<std::string>& Names() {
+  static std::vector<std::string> names;
+  return names;
+}
+RequestId Id(const std::string& name) {
+  auto& names = Names();
+  auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) it = names.insert(names.end(), name);
+  return static_cast<RequestId>(it - names.begin()) + 1;
+}
+const std::string& Name(RequestId id) { return Names().at(id - 1); }
+
 RequestSpec Spec(const std::string& id, std::vector<int32_t> prompt, int max_tokens) {
   RequestSpec s;
-  s.id = id;
+  s.id = Id(id);
   s.prompt = std::move(prompt);
   s.sampling.max_tokens = max_tokens;
   s.sampling.ignore_eos = true;  // fixed lengths make comparisons exact
@@ -77,7 +92,7 @@ std::map<std::string, Outcome> RunToEnd(Engine& e, std::map<std::string, Outcome
     EXPECT_TRUE(events.ok()) << events.status().ToString();
     if (!events.ok()) break;
     for (const TokenEvent& ev : *events) {
-      Outcome& o = acc[ev.id];
+      Outcome& o = acc[Name(ev.id)];
       if (ev.token >= 0) o.tokens.push_back(ev.token);
       if (ev.finished) o.reason = ev.finish_reason;
       o.cached = ev.cached_prompt_tokens;
@@ -152,7 +167,7 @@ TEST(EngineTest, InterleavedAndBatchedEqualAlone) {
     for (int i = 0; i < 4; ++i) {
       auto ev = e->Step();
       ASSERT_TRUE(ev.ok());
-      for (auto& t : *ev) acc[t.id].tokens.push_back(t.token);
+      for (auto& t : *ev) acc[Name(t.id)].tokens.push_back(t.token);
     }
     ASSERT_TRUE(e->Submit(Spec("y", prompts[5], 10)).ok());
     auto r = RunToEnd(*e, acc);
@@ -225,15 +240,57 @@ TEST(EngineTest, CancelReturnsBlocks) {
   ASSERT_TRUE(e->Submit(Spec("queued", RandomPrompt(3, 7), 50)).ok());
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(e->Step().ok());
   EXPECT_LT(e->pool()->available_blocks(), e->pool()->total_blocks());
-  ASSERT_TRUE(e->Cancel("a").ok());
-  ASSERT_TRUE(e->Cancel("queued").ok());
-  EXPECT_EQ(e->Cancel("nope").code(), StatusCode::kNotFound);
+  ASSERT_TRUE(e->Cancel(Id("a")).ok());
+  ASSERT_TRUE(e->Cancel(Id("queued")).ok());
+  EXPECT_EQ(e->Cancel(Id("nope")).code(), StatusCode::kNotFound);
   auto r = RunToEnd(*e);
   EXPECT_EQ(r["a"].reason, FinishReason::kCancelled);
   EXPECT_EQ(r["queued"].reason, FinishReason::kCancelled);
   EXPECT_EQ(r["b"].reason, FinishReason::kLength);
   ExpectAllBlocksReturned(*e);
 }
+
+// The prefill role's side of the connector, as a test sees it: counts the
+// layers it is asked to save and keeps the finished request's prompt blocks.
+class KeepingConnector : public KvConnector {
+ public:
+  void SaveLayer(int layer, const StepPlan& plan) override {
+    EXPECT_EQ(layer, layers_saved % SharedModel()->config().n_layers);
+    EXPECT_EQ(plan.seqs.size(), 1u);
+    ++layers_saved;
+  }
+  bool RequestFinished(const TokenEvent& ev, BlockTable& blocks) override {
+    EXPECT_EQ(ev.finish_reason, FinishReason::kPrefilled);
+    kept = std::move(blocks);
+    return true;
+  }
+  int layers_saved = 0;
+  BlockTable kept;
+};
+
+// The decode role's side: records where the prompt's KV must go; the test
+// fills those blocks and then reports the load done.
+class LoadingConnector : public KvConnector {
+ public:
+  Status StartRemoteLoad(const RequestSpec& request, std::span<const BlockId> blocks) override {
+    id = request.id;
+    dst.assign(blocks.begin(), blocks.end());
+    return Status::Ok();
+  }
+  std::vector<RemoteLoadDone> PollRemoteLoads() override {
+    ++polls;
+    std::vector<RemoteLoadDone> out;
+    if (first_token >= 0) out.push_back({id, Status::Ok(), first_token});
+    first_token = -1;
+    return out;
+  }
+  void CancelRemoteLoad(RequestId r) override { cancelled.push_back(r); }
+  RequestId id = 0;
+  std::vector<BlockId> dst;
+  int32_t first_token = -1;
+  int polls = 0;
+  std::vector<RequestId> cancelled;
+};
 
 TEST(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
   auto prompt = RandomPrompt(27, 9);
@@ -243,13 +300,10 @@ TEST(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
 
   auto prefill = MakeEngine(Options());
   auto decode = MakeEngine(Options());
-  int hook_calls = 0, last_layer = -1;
-  prefill->SetLayerHook([&](int layer, std::span<const StepSequence> seqs) {
-    EXPECT_EQ(layer, last_layer + 1 == SharedModel()->config().n_layers ? 0 : last_layer + 1);
-    last_layer = layer;
-    ++hook_calls;
-    EXPECT_EQ(seqs.size(), 1u);
-  });
+  KeepingConnector saver;
+  LoadingConnector loader;
+  prefill->SetKvConnector(&saver);
+  decode->SetKvConnector(&loader);
   auto spec = Spec("p", prompt, 12);
   spec.mode = RequestMode::kPrefillOnly;
   ASSERT_TRUE(prefill->Submit(spec).ok());
@@ -257,30 +311,123 @@ TEST(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
   ASSERT_EQ(pr.tokens.size(), 1u);
   EXPECT_EQ(pr.reason, FinishReason::kPrefilled);
   EXPECT_EQ(pr.tokens[0], want[0]);
-  EXPECT_GT(hook_calls, 0);
-  EXPECT_EQ(hook_calls % SharedModel()->config().n_layers, 0);
-  auto blocks = prefill->ExportBlocks("p");
-  ASSERT_TRUE(blocks.ok());
-  ASSERT_EQ(blocks->size(), 4u);  // ceil(27 / 8)
+  EXPECT_GT(saver.layers_saved, 0);
+  EXPECT_EQ(saver.layers_saved % SharedModel()->config().n_layers, 0);
+  ASSERT_EQ(saver.kept.size(), 4);  // ceil(27 / 8)
+
+  // The decode side reserves the prompt's blocks at Submit.
+  auto remote = Spec("p", prompt, 12);
+  remote.mode = RequestMode::kRemotePrompt;
+  const int64_t before = decode->pool()->available_blocks();
+  ASSERT_TRUE(decode->Submit(remote).ok());
+  ASSERT_EQ(loader.dst.size(), 4u);
+  EXPECT_EQ(decode->pool()->available_blocks(), before - 4);
+  EXPECT_EQ(decode->loading(), 1);
+  EXPECT_FALSE(decode->HasWork());
+  // Nothing is decoded before the load reports done.
+  ASSERT_TRUE(decode->Step().ok());
+  EXPECT_EQ(decode->loading(), 1);
   // "Transfer": copy every layer of every block into the decode pool.
-  std::vector<BlockId> dst;
-  for (BlockId b : *blocks) {
-    BlockId d = *decode->pool()->Allocate();
+  for (int64_t i = 0; i < saver.kept.size(); ++i) {
     for (int l = 0; l < SharedModel()->config().n_layers; ++l) {
-      auto src = prefill->pool()->LayerData(b, l);
-      auto out = decode->pool()->LayerData(d, l);
+      auto src = prefill->pool()->LayerData(saver.kept[i], l);
+      auto out = decode->pool()->LayerData(loader.dst[i], l);
       std::copy(src.begin(), src.end(), out.begin());
     }
-    dst.push_back(d);
   }
-  ASSERT_TRUE(prefill->ReleaseRequest("p").ok());
-  EXPECT_EQ(prefill->ReleaseRequest("p").code(), StatusCode::kNotFound);
+  saver.kept.Release();
   ExpectAllBlocksReturned(*prefill);
-  ASSERT_TRUE(decode->AdmitPrefilled(Spec("p", prompt, 12), pr.tokens[0], dst).ok());
-  auto got = RunToEnd(*decode)["p"].tokens;
+  loader.first_token = pr.tokens[0];
+  auto admitted = decode->Step();  // admits the loaded request and decodes its next token
+  ASSERT_TRUE(admitted.ok());
+  EXPECT_EQ(decode->loading(), 0);
+  std::vector<int32_t> got;
+  for (const TokenEvent& ev : *admitted) {
+    if (ev.token >= 0) got.push_back(ev.token);
+  }
+  auto rest = RunToEnd(*decode)["p"].tokens;
+  got.insert(got.end(), rest.begin(), rest.end());
   got.insert(got.begin(), pr.tokens[0]);
   EXPECT_EQ(got, want);
+  EXPECT_TRUE(loader.cancelled.empty());
   ExpectAllBlocksReturned(*decode);
+}
+
+TEST(EngineTest, CancelWhileLoadingStopsTheLoadAndReturnsTheBlocks) {
+  auto decode = MakeEngine(Options());
+  LoadingConnector loader;
+  decode->SetKvConnector(&loader);
+  auto remote = Spec("l", RandomPrompt(20, 3), 4);
+  remote.mode = RequestMode::kRemotePrompt;
+  ASSERT_TRUE(decode->Submit(remote).ok());
+  ASSERT_TRUE(decode->Cancel(Id("l")).ok());
+  EXPECT_EQ(loader.cancelled, std::vector<RequestId>{Id("l")});
+  auto r = RunToEnd(*decode);
+  EXPECT_EQ(r["l"].reason, FinishReason::kCancelled);
+  ExpectAllBlocksReturned(*decode);
+  // Without a connector a remote prompt is refused, nothing held.
+  auto bare = MakeEngine(Options());
+  auto again = Spec("l2", RandomPrompt(20, 3), 4);
+  again.mode = RequestMode::kRemotePrompt;
+  EXPECT_EQ(bare->Submit(again).code(), StatusCode::kFailedPrecondition);
+  ExpectAllBlocksReturned(*bare);
+}
+
+// A lower tier that holds every block of one earlier prompt (bytes copied
+// from another engine's pool): admission loads them instead of computing.
+class TierConnector : public KvConnector {
+ public:
+  void LoadPrefix(const RequestSpec&, std::span<const BlockHash> missing,
+                  BlockTable& loaded) override {
+    for (const BlockHash& h : missing) {
+      auto it = store.find(h);
+      if (it == store.end()) break;
+      auto b = loaded.pool()->Allocate();
+      if (!b.ok()) break;
+      for (size_t l = 0; l < it->second.size(); ++l) {
+        auto out = loaded.pool()->LayerData(*b, static_cast<int>(l));
+        std::copy(it->second[l].begin(), it->second[l].end(), out.begin());
+      }
+      loaded.Adopt(*b);
+      ++this->loaded;
+    }
+  }
+  std::map<BlockHash, std::vector<std::vector<uint8_t>>> store;
+  int64_t loaded = 0;
+};
+
+TEST(EngineTest, PrefixLoadedFromATierAtAdmissionEqualsComputed) {
+  auto prompt = RandomPrompt(35, 21);
+  auto first = MakeEngine(Options());
+  ASSERT_TRUE(first->Submit(Spec("t1", prompt, 6)).ok());
+  auto want = RunToEnd(*first)["t1"];
+  // Copy the first engine's cached prompt blocks into the "tier".
+  TierConnector tier;
+  const auto hashes = HashPrefixBlocks(prompt, 8, SharedModel()->fingerprint(), "");
+  ASSERT_EQ(hashes.size(), 4u);  // 35 / 8
+  auto held = first->pool()->MatchPrefix(hashes);
+  ASSERT_EQ(held.size(), 4u);
+  for (size_t i = 0; i < held.size(); ++i) {
+    auto& layers = tier.store[hashes[i]];
+    for (int l = 0; l < SharedModel()->config().n_layers; ++l) {
+      auto d = first->pool()->LayerData(held[i], l);
+      layers.emplace_back(d.begin(), d.end());
+    }
+    first->pool()->Release(held[i]);
+  }
+  auto second = MakeEngine(Options());
+  second->SetKvConnector(&tier);
+  ASSERT_TRUE(second->Submit(Spec("t2", prompt, 6)).ok());
+  auto got = RunToEnd(*second)["t2"];
+  EXPECT_EQ(tier.loaded, 4);
+  EXPECT_EQ(got.cached, 32);
+  EXPECT_EQ(got.tokens, want.tokens);
+  ExpectAllBlocksReturned(*second);
+  // Loaded blocks were committed: a third request hits them in the pool.
+  tier.loaded = 0;
+  ASSERT_TRUE(second->Submit(Spec("t3", prompt, 6)).ok());
+  EXPECT_EQ(RunToEnd(*second)["t3"].tokens, want.tokens);
+  EXPECT_EQ(tier.loaded, 0);
 }
 
 TEST(EngineTest, SubmitRejectsBadRequests) {

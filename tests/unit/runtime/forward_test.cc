@@ -230,11 +230,11 @@ TEST_P(ForwardTest, BatchEqualsAlone) {
   }
   // Together in one step.
   std::vector<std::vector<BlockId>> tables(prompts.size());
-  std::vector<ForwardSeq> seqs(prompts.size());
+  std::vector<SeqStep> seqs(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     for (size_t b = 0; b < (prompts[i].size() + 3) / 4; ++b) tables[i].push_back(*pool->Allocate());
-    seqs[i].blocks = tables[i];
-    seqs[i].tokens = prompts[i];
+    seqs[i].blocks.assign(tables[i].begin(), tables[i].end());
+    seqs[i].tokens.assign(prompts[i].begin(), prompts[i].end());
   }
   ForwardPass fwd(*m, pool.get(), &threads);
   ForwardOutput out;
@@ -286,16 +286,16 @@ TEST(ForwardErrors, RejectsBadInput) {
   BlockId b = *pool->Allocate();
   std::vector<BlockId> table{b};
   std::vector<int32_t> bad_token{1, 100000};
-  ForwardSeq s;
-  s.blocks = table;
-  s.tokens = bad_token;
+  SeqStep s;
+  s.blocks.assign(table.begin(), table.end());
+  s.tokens.assign(bad_token.begin(), bad_token.end());
   ForwardOutput out;
-  Status st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+  Status st = fwd.Run(std::span<const SeqStep>(&s, 1), &out);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("100000"), std::string::npos) << st.message();
   std::vector<int32_t> too_long(5, 1);  // 5 positions, one block of 4
-  s.tokens = too_long;
-  st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+  s.tokens.assign(too_long.begin(), too_long.end());
+  st = fwd.Run(std::span<const SeqStep>(&s, 1), &out);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   pool->Release(b);
 }

@@ -48,13 +48,13 @@ inline Result<std::vector<float>> ChunkedLogits(const Model& m, KvBlockPool* poo
   Status st;
   while (done < n && st.ok()) {
     const int64_t len = std::min(n - done, done == 0 ? first : step);
-    ForwardSeq s;
-    s.blocks = blocks;
+    SeqStep s;
+    s.blocks.assign(blocks.begin(), blocks.end());
     s.cache_len = done;
-    s.tokens = std::span<const int32_t>(tokens.data() + done, len);
-    s.logits = ForwardSeq::Logits::kAll;
+    s.tokens.assign(tokens.data() + done, tokens.data() + done + len);
+    s.logits = LogitRows::kAll;
     ForwardOutput out;
-    st = fwd.Run(std::span<const ForwardSeq>(&s, 1), &out);
+    st = fwd.Run(std::span<const SeqStep>(&s, 1), &out);
     all.insert(all.end(), out.logits.begin(), out.logits.end());
     done += len;
   }

@@ -31,7 +31,7 @@
 #include "common/status.h"
 #include "engine/runtime/tp_collective.h"
 
-namespace kvrelay::worker {
+namespace kvrelay::decode_worker {
 
 enum class TpMsg : uint32_t {
   kHello = 1,     // proto::TpHello, follower -> rank 0
@@ -145,4 +145,4 @@ class TcpTpGroup : public engine::TpCollective {
   std::vector<float> scratch_;
 };
 
-}  // namespace kvrelay::worker
+}  // namespace kvrelay::decode_worker

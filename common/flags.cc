@@ -1,9 +1,9 @@
-#include "cli/flags.h"
+#include "common/flags.h"
 
 #include <algorithm>
 #include <cstdlib>
 
-namespace kvrelay::cli {
+namespace kvrelay {
 
 Result<Flags> Flags::Parse(const std::vector<std::string>& args,
                            const std::vector<std::string>& known_values,
@@ -69,4 +69,4 @@ Result<double> Flags::GetDouble(const std::string& name, double fallback) const 
   return v;
 }
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay

@@ -9,7 +9,7 @@
 
 #include "common/status.h"
 
-namespace kvrelay::cli {
+namespace kvrelay {
 
 class Flags {
  public:
@@ -29,4 +29,4 @@ class Flags {
   std::vector<std::string> positional_;
 };
 
-}  // namespace kvrelay::cli
+}  // namespace kvrelay

@@ -1,4 +1,4 @@
-#include "worker/tp_group.h"
+#include "decode_worker/tp_group.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,7 +16,7 @@
 
 #include "common/logging.h"
 
-namespace kvrelay::worker {
+namespace kvrelay::decode_worker {
 namespace {
 
 constexpr uint32_t kMagic = 0x5054564B;  // "KVTP" little-endian
@@ -369,4 +369,4 @@ Status TcpTpGroup::AllGather(const float* local, int64_t n_local, float* out, in
   return Collective(local, n_local, out, n_out, /*reduce=*/false);
 }
 
-}  // namespace kvrelay::worker
+}  // namespace kvrelay::decode_worker

@@ -30,6 +30,10 @@ class FaultInjectingTransport final : public Transport {
   int max_inflight() const override { return inner_->max_inflight(); }
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
+  std::string conn_info() const override { return inner_->conn_info(); }
+  Status ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) override {
+    return inner_->ConnectPeer(peer, conn_info, deadline);
+  }
 
   Result<TransferHandle> PostSend(const TransferDesc& desc) override;
   Result<TransferHandle> PostRecv(const TransferDesc& desc) override {

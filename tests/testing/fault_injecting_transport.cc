@@ -1,4 +1,4 @@
-#include "kv_transfer/fault_injecting_transport.h"
+#include "tests/testing/fault_injecting_transport.h"
 
 #include "kv_transfer/regions.h"
 

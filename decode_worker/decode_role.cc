@@ -1,0 +1,176 @@
+#include "decode_worker/decode_role.h"
+
+#include "common/logging.h"
+#include "protocols/messages.h"
+#include "worker/kv_streams.h"
+
+namespace kvrelay::decode_worker {
+
+using engine::BlockId;
+using engine::RequestId;
+using protocols::MessageType;
+
+DecodeRole::~DecodeRole() {
+  Shutdown();
+  engine_.reset();
+}
+
+Status DecodeRole::Init(worker::WorkerContext& ctx) {
+  ctx_ = ctx;
+  const worker::WorkerOptions& o = *ctx_.options;
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
+  engine_->SetKvConnector(this);
+  if (o.tp_size > 1) {
+    ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(),
+                                          o.rank, engine_.get()));
+  }
+  return Status::Ok();
+}
+
+void DecodeRole::DescribeRegistration(proto::RegisterWorker* reg) const {
+  if (tp_ == nullptr) return;
+  for (uint32_t r : tp_->data_ranks()) reg->add_tp_ranks(r);
+  for (const std::string& a : tp_->kv_conn_infos()) reg->add_tp_kv_addresses(a);
+}
+
+Status DecodeRole::OnControlFrame(const protocols::Frame& frame) {
+  const auto type = static_cast<MessageType>(frame.type);
+  switch (type) {
+    case MessageType::kReserveBlocks: {
+      proto::ReserveBlocks m;
+      RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &m));
+      OnReserveBlocks(m);
+      return Status::Ok();
+    }
+    case MessageType::kStartDecode: {
+      proto::StartDecode m;
+      RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &m));
+      auto it = incoming_.find(m.request_id());
+      if (it != incoming_.end()) it->second.first_token = m.first_token();
+      return Status::Ok();  // (cancelled or failed meanwhile otherwise)
+    }
+    case MessageType::kCancel: {
+      proto::Cancel c;
+      RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &c));
+      // A load in flight is cancelled through us (CancelRemoteLoad).
+      if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
+      return Status::Ok();
+    }
+    default:
+      return InvalidArgument("a decode worker does not take control frames of type " +
+                             std::to_string(frame.type));
+  }
+}
+
+void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
+  const RequestId id = m.request_id();
+  engine::RequestSpec spec;
+  spec.id = id;
+  spec.prompt.assign(m.prompt_token_ids().begin(), m.prompt_token_ids().end());
+  spec.sampling = worker::FromProto(m.sampling());
+  spec.mode = engine::RequestMode::kRemotePrompt;
+  reserving_prefill_rank_ = m.prefill_rank();
+  reserved_blocks_.clear();
+  Status s = engine_->Submit(std::move(spec));
+  proto::ReserveBlocksReply reply;
+  reply.set_request_id(id);
+  reply.set_ok(s.ok());
+  if (s.ok()) {
+    for (BlockId b : reserved_blocks_) reply.add_block_ids(b);
+  } else {
+    reply.set_reason(s.ToString());
+  }
+  ctx_.control->Send(MessageType::kReserveBlocksReply, reply);
+}
+
+Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
+                                   std::span<const BlockId> blocks) {
+  const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
+                                   ctx_.model->kv_head_range().end};
+  Incoming in;
+  in.blocks = static_cast<int64_t>(blocks.size());
+  in.deadline = Deadline::After(ctx_.options->kv_timeout);
+  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
+      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
+      worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), request.id, blocks, own),
+      worker::MakeStreamBuffers(engine_->pool(), blocks, {0, own.size()}));
+  RETURN_IF_ERROR(in.receiver->Start());
+  if (tp_ != nullptr) {
+    RETURN_IF_ERROR(tp_->ExpectKv(request.id, reserving_prefill_rank_, blocks));
+    in.follower_acks_pending = ctx_.options->tp_size - 1;
+  }
+  reserved_blocks_.assign(blocks.begin(), blocks.end());
+  incoming_[request.id] = std::move(in);
+  ctx_.events->ExpectDecodeOnly(request.id);
+  return Status::Ok();
+}
+
+void DecodeRole::ApplyFollowerAcks() {
+  if (tp_ == nullptr) return;
+  for (const TpLeader::KvAck& ack : tp_->PollAcks()) {
+    auto it = incoming_.find(ack.request);
+    if (it == incoming_.end()) continue;  // cancelled meanwhile
+    if (!ack.status.ok()) {
+      it->second.follower_error = ack.status;
+    } else {
+      --it->second.follower_acks_pending;
+    }
+  }
+}
+
+std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
+  ApplyFollowerAcks();
+  std::vector<RemoteLoadDone> done;
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    const RequestId id = it->first;
+    Incoming& in = it->second;
+    Status s = in.receiver->Progress();
+    if (s.ok()) s = in.follower_error;
+    const bool all_here = in.receiver->complete() && in.follower_acks_pending == 0;
+    if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
+      s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
+                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+    }
+    if (!s.ok()) {
+      in.receiver.reset();  // cancels outstanding receives before the blocks go back
+      if (tp_ != nullptr) tp_->CancelKv(id);
+      done.push_back({id, s.WithContext("receiving KV"), -1});
+      it = incoming_.erase(it);
+      continue;
+    }
+    if (!all_here || in.first_token < 0) {
+      ++it;
+      continue;
+    }
+    ctx_.counters->transfer_bytes += ctx_.layout.BlockBytes() * in.blocks;
+    done.push_back({id, Status::Ok(), in.first_token});
+    it = incoming_.erase(it);
+  }
+  return done;
+}
+
+void DecodeRole::CancelRemoteLoad(RequestId id) {
+  auto it = incoming_.find(id);
+  if (it == incoming_.end()) return;
+  it->second.receiver.reset();  // no write into the blocks after this
+  if (tp_ != nullptr) tp_->CancelKv(id);
+  incoming_.erase(it);
+}
+
+void DecodeRole::Progress() {
+  // A follower that died while the group was idle shows up as a closed link
+  // (health() then fails and the worker leaves).
+  if (tp_ != nullptr && incoming_.empty()) ApplyFollowerAcks();
+}
+
+Status DecodeRole::health() const {
+  if (tp_ == nullptr) return Status::Ok();
+  return tp_->status().WithContext("tensor-parallel group broken");
+}
+
+void DecodeRole::Shutdown() {
+  for (auto& [id, in] : incoming_) in.receiver.reset();
+  if (tp_ != nullptr) tp_->Shutdown();  // followers stop with their rank 0
+}
+
+}  // namespace kvrelay::decode_worker

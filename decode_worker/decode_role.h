@@ -1,0 +1,75 @@
+// The decode role: receives prompt KV from prefill workers and decodes in a
+// continuous batch; rank 0 of a tensor-parallel group also leads the group.
+//
+// The message flow for one request (coordinator/cluster_backend.h):
+//   ReserveBlocks  -> the role submits a kRemotePrompt request; the engine
+//                     reserves the prompt's blocks (held by the request from
+//                     now on) and calls StartRemoteLoad, where the role posts
+//                     a layer-stream receive of its own heads (and has every
+//                     TP follower post one for theirs); the reply names the
+//                     blocks so the prefill side can address them.
+//   StartDecode    -> the prefill side's first token.
+//   (KV arrives)   -> PollRemoteLoads reports the load done once every layer
+//                     of every rank is verified and the first token is known;
+//                     the engine then decodes it with the running batch.
+// A deadline (kv_timeout), a cancel or a broken TP link fails the load; the
+// engine's request owns the blocks, so they go back on every path.
+#pragma once
+
+#include <map>
+#include <memory>
+
+#include "common/clock.h"
+#include "decode_worker/tp_leader.h"
+#include "engine/runtime/kv_connector.h"
+#include "kv_transfer/layer_stream.h"
+#include "worker/role.h"
+
+namespace kvrelay::decode_worker {
+
+class DecodeRole final : public worker::Role, public engine::KvConnector {
+ public:
+  DecodeRole() = default;
+  ~DecodeRole() override;
+
+  // --- worker::Role ---
+  Status Init(worker::WorkerContext& ctx) override;
+  engine::Engine* engine() override { return engine_.get(); }
+  void DescribeRegistration(proto::RegisterWorker* reg) const override;
+  Status OnControlFrame(const protocols::Frame& frame) override;
+  void Progress() override;
+  bool polling() const override { return !incoming_.empty(); }
+  Status health() const override;
+  void Shutdown() override;
+
+  // --- engine::KvConnector (load side) ---
+  Status StartRemoteLoad(const engine::RequestSpec& request,
+                         std::span<const engine::BlockId> blocks) override;
+  std::vector<RemoteLoadDone> PollRemoteLoads() override;
+  void CancelRemoteLoad(engine::RequestId id) override;
+
+ private:
+  // A remote prompt on its way into blocks the engine reserved.
+  struct Incoming {
+    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    int64_t blocks = 0;
+    int32_t first_token = -1;
+    Deadline deadline;
+    int follower_acks_pending = 0;  // TP: followers still receiving their heads
+    Status follower_error;
+  };
+
+  void OnReserveBlocks(const proto::ReserveBlocks& m);
+  void ApplyFollowerAcks();
+
+  worker::WorkerContext ctx_;
+  std::unique_ptr<TpLeader> tp_;  // TP size > 1 only
+  std::map<engine::RequestId, Incoming> incoming_;
+  uint32_t reserving_prefill_rank_ = 0;          // set around the Submit of a ReserveBlocks
+  std::vector<engine::BlockId> reserved_blocks_;  // what StartRemoteLoad was given
+  // Declared last, destroyed first: the engine cancels its loads through
+  // this connector while incoming_ is still alive.
+  std::unique_ptr<engine::Engine> engine_;
+};
+
+}  // namespace kvrelay::decode_worker

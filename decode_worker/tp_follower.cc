@@ -1,0 +1,178 @@
+#include "decode_worker/tp_follower.h"
+
+#include <map>
+
+#include "common/logging.h"
+#include "decode_worker/tp_group.h"
+#include "decode_worker/tp_plan_codec.h"
+#include "engine/runtime/tensor_parallel.h"
+#include "kv_transfer/layer_stream.h"
+#include "protocols/control.pb.h"
+#include "worker/kv_streams.h"
+#include "worker/worker.h"
+
+namespace kvrelay::decode_worker {
+namespace {
+
+using engine::BlockId;
+
+class Follower {
+ public:
+  Follower(const worker::WorkerOptions& options, worker::ProcessBase base)
+      : options_(options), base_(std::move(base)) {}
+
+  Status Join();
+  Status Run(const std::atomic<bool>& stop);
+
+ private:
+  // Heads of one request's KV arriving from a prefill worker.
+  struct Incoming {
+    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    Deadline deadline;
+  };
+  void ExpectKv(const proto::TpExpectKv& m);
+  void Progress();
+  void Ack(engine::RequestId id, const Status& s);
+
+  const worker::WorkerOptions& options_;
+  worker::ProcessBase base_;
+  std::unique_ptr<TcpTpGroup> group_;
+  std::unique_ptr<engine::TpFollower> follower_;
+  std::map<engine::RequestId, Incoming> incoming_;  // destroyed before follower_'s pool
+};
+
+Status Follower::Join() {
+  TpGroupOptions g;
+  g.tp_rank = options_.tp_rank;
+  g.tp_size = options_.tp_size;
+  g.leader_host = options_.tp_host;
+  g.leader_port = options_.tp_port;
+  g.timeout = options_.kv_timeout;
+  const Deadline deadline = Deadline::After(options_.connect_timeout);
+  proto::TpHello hello;
+  hello.set_tp_rank(static_cast<uint32_t>(options_.tp_rank));
+  hello.set_tp_size(static_cast<uint32_t>(options_.tp_size));
+  protocols::ToProto(base_.peer_config, hello.mutable_config());
+  hello.set_kv_address(base_.transport->conn_info());
+  hello.set_data_rank(static_cast<uint32_t>(options_.rank));
+  hello.set_tp_mode(static_cast<uint32_t>(options_.tp_mode));
+  ASSIGN_OR_RETURN(group_, TcpTpGroup::Connect(g, hello.SerializeAsString(), deadline));
+  ASSIGN_OR_RETURN(TpMessage m, group_->ReceiveFromLeader(deadline));
+  proto::TpSetup setup;
+  if (m.type != TpMsg::kSetup || !setup.ParseFromString(m.payload)) {
+    return DataLoss("TP rank 0 did not answer with a setup message");
+  }
+  if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
+  ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(
+                                  options_.engine, base_.model,
+                                  static_cast<int64_t>(setup.total_blocks()), group_.get()));
+  LOG_INFO << "joined TP group as rank " << options_.tp_rank << " of " << options_.tp_size
+           << " (kv heads [" << base_.model->kv_head_range().begin << ", "
+           << base_.model->kv_head_range().end << "), kv data " << base_.transport->conn_info()
+           << ")";
+  return Status::Ok();
+}
+
+void Follower::Ack(engine::RequestId id, const Status& s) {
+  proto::TpKvDone done;
+  done.set_request_id(id);
+  done.set_tp_rank(static_cast<uint32_t>(options_.tp_rank));
+  done.set_ok(s.ok());
+  if (!s.ok()) done.set_error(s.ToString());
+  (void)group_->SendToLeader(TpMsg::kKvDone, done.SerializeAsString());
+}
+
+void Follower::ExpectKv(const proto::TpExpectKv& m) {
+  const engine::RequestId id = m.request_id();
+  std::vector<BlockId> blocks(m.block_ids().begin(), m.block_ids().end());
+  for (BlockId b : blocks) {
+    if (b < 0 || b >= follower_->pool()->total_blocks()) {
+      Ack(id, InvalidArgument("block id " + std::to_string(b) + " is outside the pool"));
+      return;
+    }
+  }
+  const kv_transfer::HeadRange own{base_.model->kv_head_range().begin,
+                                   base_.model->kv_head_range().end};
+  Incoming in;
+  in.deadline = Deadline::After(options_.kv_timeout);
+  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
+      base_.transport.get(), static_cast<int>(m.prefill_rank()),
+      worker::MakeStreamSpec(base_.layout, base_.model->fingerprint(), id, blocks, own),
+      worker::MakeStreamBuffers(follower_->pool(), blocks, {0, own.size()}));
+  if (Status s = in.receiver->Start(); !s.ok()) {
+    Ack(id, s);
+    return;
+  }
+  incoming_[id] = std::move(in);
+}
+
+void Follower::Progress() {
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    Incoming& in = it->second;
+    Status s = in.receiver->Progress();
+    if (s.ok() && !in.receiver->complete() && in.deadline.Expired()) {
+      s = DeadlineExceeded("KV heads did not arrive within " +
+                           std::to_string(options_.kv_timeout.count()) + " ms");
+    }
+    if (s.ok() && !in.receiver->complete()) {
+      ++it;
+      continue;
+    }
+    in.receiver.reset();
+    Ack(it->first, s);
+    it = incoming_.erase(it);
+  }
+}
+
+Status Follower::Run(const std::atomic<bool>& stop) {
+  while (!stop.load()) {
+    const auto wait =
+        incoming_.empty() ? std::chrono::milliseconds(100) : std::chrono::milliseconds(1);
+    auto m = group_->ReceiveFromLeader(Deadline::After(wait));
+    if (!m.ok()) {
+      if (m.status().code() != StatusCode::kDeadlineExceeded) {
+        return Unavailable("TP rank 0 is gone: " + m.status().message());
+      }
+      Progress();
+      continue;
+    }
+    switch (m->type) {
+      case TpMsg::kPlan: {
+        proto::TpStepPlan pm;
+        if (!pm.ParseFromString(m->payload)) return DataLoss("unparseable TP step plan");
+        // A failed step means the group has diverged or a link broke: stop.
+        RETURN_IF_ERROR(follower_->Execute(FromProto(pm)).WithContext("TP follower step"));
+        break;
+      }
+      case TpMsg::kExpectKv: {
+        proto::TpExpectKv e;
+        if (!e.ParseFromString(m->payload)) return DataLoss("unparseable TP KV expectation");
+        ExpectKv(e);
+        break;
+      }
+      case TpMsg::kCancelKv: {
+        proto::TpCancelKv c;
+        if (c.ParseFromString(m->payload)) incoming_.erase(c.request_id());
+        break;
+      }
+      case TpMsg::kShutdown:
+        return Status::Ok();
+      default:
+        return DataLoss("unexpected TP message type " +
+                        std::to_string(static_cast<uint32_t>(m->type)));
+    }
+    Progress();
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunTpFollower(const worker::WorkerOptions& options, const std::atomic<bool>& stop) {
+  ASSIGN_OR_RETURN(worker::ProcessBase base, worker::LoadProcessBase(options));
+  Follower f(options, std::move(base));
+  RETURN_IF_ERROR(f.Join());
+  return f.Run(stop);
+}
+
+}  // namespace kvrelay::decode_worker

@@ -1,0 +1,105 @@
+#include "decode_worker/tp_leader.h"
+
+#include "common/logging.h"
+#include "decode_worker/tp_plan_codec.h"
+#include "engine/runtime/tensor_parallel.h"
+#include "protocols/control.pb.h"
+
+namespace kvrelay::decode_worker {
+
+Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& options,
+                                                  const protocols::PeerConfig& config,
+                                                  const std::string& kv_conn_info, int data_rank,
+                                                  engine::Engine* engine) {
+  TpGroupOptions g;
+  g.tp_rank = 0;
+  g.tp_size = options.tp_size;
+  g.leader_host = options.tp_host;
+  g.leader_port = options.tp_port;
+  g.timeout = options.kv_timeout;
+  ASSIGN_OR_RETURN(std::unique_ptr<TcpTpGroup> group, TcpTpGroup::Listen(g));
+  std::unique_ptr<TpLeader> leader(new TpLeader(std::move(group)));
+  leader->kv_conn_infos_.assign(options.tp_size, "");
+  leader->data_ranks_.assign(options.tp_size, 0);
+  leader->kv_conn_infos_[0] = kv_conn_info;
+  leader->data_ranks_[0] = static_cast<uint32_t>(data_rank);
+  LOG_INFO << "TP rank 0 waiting for " << options.tp_size - 1 << " follower(s) on "
+           << options.tp_host << ":" << leader->group_->port();
+  const int64_t total_blocks = engine->pool()->total_blocks();
+  TpLeader* self = leader.get();
+  auto check = [&](const std::string& payload) -> Result<TcpTpGroup::SetupAnswer> {
+    proto::TpHello hello;
+    if (!hello.ParseFromString(payload)) return InvalidArgument("unparseable TP hello");
+    ASSIGN_OR_RETURN(protocols::PeerConfig peer, protocols::FromProto(hello.config()));
+    protocols::CompatibilityOptions compat;
+    compat.require_same_tp = true;
+    protocols::PeerConfig mine = config;
+    mine.tp_rank = peer.tp_rank;  // ranks differ by design
+    RETURN_IF_ERROR(protocols::CheckPeerCompatible(mine, peer, compat));
+    if (hello.tp_mode() != static_cast<uint32_t>(options.tp_mode)) {
+      return FailedPrecondition(
+          "TP mode mismatch: rank 0 uses " + std::to_string(static_cast<int>(options.tp_mode)) +
+          ", rank " + std::to_string(hello.tp_rank()) + " uses " + std::to_string(hello.tp_mode()));
+    }
+    const int r = static_cast<int>(hello.tp_rank());
+    if (r >= 1 && r < options.tp_size) {
+      self->kv_conn_infos_[r] = hello.kv_address();
+      self->data_ranks_[r] = hello.data_rank();
+    }
+    proto::TpSetup setup;
+    setup.set_accepted(true);
+    setup.set_total_blocks(static_cast<uint64_t>(total_blocks));
+    return TcpTpGroup::SetupAnswer{r, setup.SerializeAsString()};
+  };
+  auto refusal = [](const Status& why) {
+    proto::TpSetup setup;
+    setup.set_accepted(false);
+    setup.set_reason(why.ToString());
+    return setup.SerializeAsString();
+  };
+  RETURN_IF_ERROR(leader->group_->Accept(Deadline::After(options.connect_timeout), check, refusal)
+                      .status());
+  engine::TensorParallelHooks hooks;
+  hooks.collective = leader->group_.get();
+  hooks.publish = [self](const engine::StepPlan& plan) {
+    return self->group_->Broadcast(TpMsg::kPlan, ToProto(plan).SerializeAsString());
+  };
+  RETURN_IF_ERROR(engine->SetTensorParallel(hooks));
+  LOG_INFO << "TP group of " << options.tp_size << " ranks is complete";
+  return leader;
+}
+
+Status TpLeader::ExpectKv(engine::RequestId id, uint32_t prefill_rank,
+                          std::span<const engine::BlockId> blocks) {
+  proto::TpExpectKv e;
+  e.set_request_id(id);
+  e.set_prefill_rank(prefill_rank);
+  for (engine::BlockId b : blocks) e.add_block_ids(b);
+  return group_->Broadcast(TpMsg::kExpectKv, e.SerializeAsString());
+}
+
+void TpLeader::CancelKv(engine::RequestId id) {
+  proto::TpCancelKv c;
+  c.set_request_id(id);
+  (void)group_->Broadcast(TpMsg::kCancelKv, c.SerializeAsString());
+}
+
+std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
+  std::vector<KvAck> acks;
+  while (true) {
+    auto m = group_->PollFollowers(Deadline::After(std::chrono::nanoseconds(0)));
+    if (!m.ok() || !m->has_value()) break;  // a broken link shows in status()
+    auto& [rank, msg] = **m;
+    if (msg.type != TpMsg::kKvDone) continue;
+    proto::TpKvDone done;
+    if (!done.ParseFromString(msg.payload)) continue;
+    acks.push_back({done.request_id(), rank,
+                    done.ok() ? Status::Ok()
+                              : Unavailable("TP rank " + std::to_string(rank) + ": " + done.error())});
+  }
+  return acks;
+}
+
+void TpLeader::Shutdown() { (void)group_->Broadcast(TpMsg::kShutdown, ""); }
+
+}  // namespace kvrelay::decode_worker

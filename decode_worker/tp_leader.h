@@ -1,0 +1,59 @@
+// Rank 0's side of a tensor-parallel decode group: accepts the followers
+// (each TpHello checked against rank 0's configuration, naming a mismatch),
+// wires the engine to publish every step's plan and to use the group's
+// collective, tells followers which KV to expect for a request and collects
+// their acknowledgements. Used on the worker's run thread only.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "decode_worker/tp_group.h"
+#include "engine/runtime/engine.h"
+#include "protocols/handshake.h"
+#include "worker/worker_options.h"
+
+namespace kvrelay::decode_worker {
+
+class TpLeader {
+ public:
+  // Listens on options.tp_host:tp_port, accepts the tp_size - 1 followers
+  // within connect_timeout and installs the TP hooks on `engine`.
+  static Result<std::unique_ptr<TpLeader>> Start(const worker::WorkerOptions& options,
+                                                 const protocols::PeerConfig& config,
+                                                 const std::string& kv_conn_info, int data_rank,
+                                                 engine::Engine* engine);
+
+  // Every rank's data-plane peer index and KV conn info, in TP order.
+  const std::vector<uint32_t>& data_ranks() const { return data_ranks_; }
+  const std::vector<std::string>& kv_conn_infos() const { return kv_conn_infos_; }
+
+  // Every follower receives its heads of request `id` from `prefill_rank`
+  // into the same block ids.
+  Status ExpectKv(engine::RequestId id, uint32_t prefill_rank,
+                  std::span<const engine::BlockId> blocks);
+  void CancelKv(engine::RequestId id);
+  struct KvAck {
+    engine::RequestId request = 0;
+    int tp_rank = 0;
+    Status status;
+  };
+  // Acknowledgements that arrived (never blocks). A broken link shows in status().
+  std::vector<KvAck> PollAcks();
+  // OK while every follower's link works.
+  Status status() const { return group_->status(); }
+  // Tells the followers to stop (best effort: a broken link is fine).
+  void Shutdown();
+
+ private:
+  explicit TpLeader(std::unique_ptr<TcpTpGroup> group) : group_(std::move(group)) {}
+
+  std::unique_ptr<TcpTpGroup> group_;
+  std::vector<uint32_t> data_ranks_;
+  std::vector<std::string> kv_conn_infos_;
+};
+
+}  // namespace kvrelay::decode_worker

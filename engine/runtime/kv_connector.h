@@ -1,0 +1,84 @@
+// KvConnector: where the engine meets everything outside its own KV pool —
+// disaggregation (a prefill role saving KV for a decode group, a decode role
+// loading it) and the prefix tiers below the pool (host RAM, RocksDB).
+//
+// After vLLM's v1 KV connector, in two halves:
+//  * admission side, called by the scheduler when a request enters the batch:
+//    the prompt blocks the pool lacks but a lower tier holds are loaded
+//    (LoadPrefix); and, for a request whose whole prompt KV is
+//    computed elsewhere (RequestMode::kRemotePrompt), starting that load
+//    (StartRemoteLoad) and reporting when it finished (PollRemoteLoads).
+//    Loaded blocks belong to the request's block table from the moment they
+//    are allocated, so nothing can evict them before the request runs.
+//  * step side: SaveLayer after each layer's K/V of a step is in the pool
+//    (layer-wise streaming of every prefill chunk), and RequestFinished, where
+//    the connector may take over a finished request's prompt blocks (a
+//    prefill stream that is still being sent).
+//
+// Threading: every method is called on the engine's owner thread, inside
+// Engine::Submit, Engine::Step or Engine::Cancel. A connector must not call
+// back into the engine from them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/kv_cache/block_table.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/step_plan.h"
+
+namespace kvrelay::engine {
+
+struct RequestSpec;
+struct TokenEvent;
+
+class KvConnector {
+ public:
+  virtual ~KvConnector() = default;
+
+  // --- admission side: prefix blocks from a lower tier ---
+  // `missing` are the chain hashes of the request's full prompt blocks that
+  // follow the ones the pool already holds. Loads as many LEADING ones as it
+  // can (verified) into blocks it takes from loaded.pool(), appending each to
+  // `loaded` in order; the engine commits them to the prefix cache and they
+  // belong to the request's block table from then on. An error or a shorter
+  // result just means the rest is computed.
+  virtual void LoadPrefix(const RequestSpec& /*request*/, std::span<const BlockHash> /*missing*/,
+                          BlockTable& /*loaded*/) {}
+
+  // --- admission side: a prompt whose KV is computed elsewhere ---
+  // Called by Engine::Submit for a kRemotePrompt request after it allocated
+  // `blocks` (ceil(prompt / B), held by the request until it ends). The
+  // connector starts receiving the prompt's KV into them. An error fails the
+  // Submit (the blocks go back).
+  virtual Status StartRemoteLoad(const RequestSpec& request, std::span<const BlockId> blocks) {
+    (void)request;
+    (void)blocks;
+    return FailedPrecondition("this engine's connector cannot load remote KV");
+  }
+  struct RemoteLoadDone {
+    RequestId request = 0;
+    Status status;             // not OK: the request fails with it
+    int32_t first_token = -1;  // sampled by the prefill side; required when OK
+  };
+  // Loads finished since the last call (KV complete and verified, first token
+  // known). Polled at the start of every Step while any load is pending.
+  virtual std::vector<RemoteLoadDone> PollRemoteLoads() { return {}; }
+  // The request was cancelled or is being dropped: stop writing its blocks.
+  // When this returns, the connector never touches them again.
+  virtual void CancelRemoteLoad(RequestId /*request*/) {}
+
+  // --- step side ---
+  // Layer `layer`'s K/V of every sequence in `plan` has been written.
+  virtual void SaveLayer(int /*layer*/, const StepPlan& /*plan*/) {}
+  // A kPrefillOnly request finished (event `ev`, its first token sampled or
+  // an error). `prompt_blocks` holds exactly the prompt's blocks; return true
+  // after moving them out to keep them (e.g. until a KV stream is sent).
+  virtual bool RequestFinished(const TokenEvent& /*ev*/, BlockTable& /*prompt_blocks*/) {
+    return false;
+  }
+};
+
+}  // namespace kvrelay::engine

@@ -1,0 +1,216 @@
+#include "prefill_worker/prefill_role.h"
+
+#include "common/logging.h"
+#include "kv_transfer/head_sharding.h"
+#include "protocols/messages.h"
+#include "worker/kv_streams.h"
+
+namespace kvrelay::prefill_worker {
+
+using engine::BlockId;
+using engine::RequestId;
+using protocols::MessageType;
+
+PrefillRole::~PrefillRole() { Shutdown(); }
+
+Status PrefillRole::Init(worker::WorkerContext& ctx) {
+  ctx_ = ctx;
+  const worker::WorkerOptions& o = *ctx_.options;
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
+  if (!o.kv_store_path.empty()) {
+    kv_store::HostRamTier::Options ram;
+    ram.capacity_bytes = o.kv_ram_tier_bytes;
+    ASSIGN_OR_RETURN(ram_tier_, kv_store::HostRamTier::Create(ram));
+    kv_store::RocksDbTier::Options disk;
+    disk.path = o.kv_store_path;
+    disk.capacity_bytes = o.kv_store_capacity_bytes;
+    ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
+    tiered_ = std::make_unique<kv_store::TieredCache>(kv_store::TieredCache::Options(),
+                                                      ram_tier_.get(), disk_tier_.get());
+    tiered_->Attach(engine_->pool());
+  }
+  engine_->SetKvConnector(this);
+  return Status::Ok();
+}
+
+void PrefillRole::Shutdown() {
+  outgoing_.clear();  // cancels unfinished sends before their blocks go back
+  if (tiered_) tiered_->Detach();
+}
+
+Status PrefillRole::OnControlFrame(const protocols::Frame& frame) {
+  const auto type = static_cast<MessageType>(frame.type);
+  switch (type) {
+    case MessageType::kPrefillTask: {
+      proto::PrefillTask task;
+      RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &task));
+      OnPrefillTask(task);
+      return Status::Ok();
+    }
+    case MessageType::kCancel: {
+      proto::Cancel c;
+      RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &c));
+      OnCancel(c);
+      return Status::Ok();
+    }
+    default:
+      return InvalidArgument("a prefill worker does not take control frames of type " +
+                             std::to_string(frame.type));
+  }
+}
+
+Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out) {
+  if (target.ranks_size() == 0) return InvalidArgument("decode target has no ranks");
+  for (int i = 0; i < target.ranks_size(); ++i) {
+    const int peer = static_cast<int>(target.ranks(i));
+    const std::string& info =
+        i < target.kv_addresses_size() ? target.kv_addresses(i) : target.kv_address();
+    RETURN_IF_ERROR(
+        ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_timeout))
+            .WithContext("connecting to decode rank " + std::to_string(peer)));
+    out->decode_ranks.push_back(peer);
+  }
+  return Status::Ok();
+}
+
+void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
+  const RequestId id = task.request_id();
+  engine::RequestSpec spec;
+  spec.id = id;
+  spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
+  spec.sampling = worker::FromProto(task.sampling());
+  spec.tenant_salt = task.tenant_salt();
+  spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
+  if (task.has_decode()) {
+    Outgoing out;
+    Status s = ConnectDecodeGroup(task.decode(), &out);
+    out.dst_blocks.assign(task.decode().block_ids().begin(), task.decode().block_ids().end());
+    out.prompt_tokens = static_cast<int64_t>(spec.prompt.size());
+    const int64_t B = ctx_.layout.block_tokens;
+    const int64_t need = (out.prompt_tokens + B - 1) / B;
+    if (s.ok() && static_cast<int64_t>(out.dst_blocks.size()) != need) {
+      s = InvalidArgument("decode target has " + std::to_string(out.dst_blocks.size()) +
+                          " blocks, the prompt needs " + std::to_string(need));
+    }
+    if (!s.ok()) {
+      ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
+      return;
+    }
+    outgoing_[id] = std::move(out);
+  }
+  const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
+  if (Status s = engine_->Submit(std::move(spec)); !s.ok()) {
+    outgoing_.erase(id);
+    ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
+    return;
+  }
+  ctx_.counters->queued_tokens += prompt_tokens;
+}
+
+void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
+                             std::span<const engine::BlockHash> missing,
+                             engine::BlockTable& loaded) {
+  if (!tiered_ || missing.empty()) return;
+  std::vector<BlockId> table;
+  auto restored = tiered_->RestorePrefix(engine_->pool(), request.prompt, ctx_.model->fingerprint(),
+                                         request.tenant_salt, &table);
+  if (!restored.ok()) {
+    LOG_WARNING << "prefix restore failed: " << restored.status().ToString();
+    for (BlockId b : table) engine_->pool()->Release(b);
+    return;
+  }
+  // `table` = the pool's own hits (the engine already holds references to
+  // them) followed by the blocks restored from the tiers.
+  const size_t from_tiers = static_cast<size_t>(*restored / ctx_.layout.block_tokens);
+  const size_t hits = table.size() - std::min(from_tiers, table.size());
+  for (size_t i = 0; i < table.size(); ++i) {
+    if (i < hits) {
+      engine_->pool()->Release(table[i]);
+    } else {
+      loaded.Adopt(table[i]);
+    }
+  }
+}
+
+void PrefillRole::StartSenders(RequestId id, Outgoing& out, std::span<const BlockId> blocks) {
+  // Decode rank r of a TP group of T receives only its heads.
+  const int tp = static_cast<int>(out.decode_ranks.size());
+  for (int r = 0; r < tp; ++r) {
+    auto heads = kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, r);
+    if (!heads.ok()) {
+      LOG_ERROR << "request " << id << ": " << heads.status().ToString();
+      out.senders.clear();
+      return;
+    }
+    out.senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
+        ctx_.transport, out.decode_ranks[r],
+        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, out.dst_blocks, *heads),
+        worker::MakeStreamBuffers(engine_->pool(), blocks, *heads)));
+  }
+}
+
+void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
+  // A long step (a big prefill chunk) must not look like a dead worker:
+  // heartbeats are due every interval even in the middle of a step.
+  ctx_.control->HeartbeatIfDue();
+  for (const engine::SeqStep& seq : plan.seqs) {
+    auto it = outgoing_.find(seq.request);
+    if (it == outgoing_.end()) continue;
+    Outgoing& out = it->second;
+    if (seq.end() < out.prompt_tokens) continue;  // not the prompt's last chunk yet
+    if (out.senders.empty()) {
+      const size_t n = out.dst_blocks.size();
+      if (seq.blocks.size() < n) {
+        LOG_ERROR << "request " << seq.request << " holds " << seq.blocks.size()
+                  << " blocks, expected " << n;
+        continue;
+      }
+      StartSenders(seq.request, out, std::span<const BlockId>(seq.blocks.data(), n));
+    }
+    for (auto& sender : out.senders) {
+      Status s = sender->SendLayer(layer);
+      if (!s.ok()) {
+        LOG_WARNING << "KV layer " << layer << " of request " << seq.request << ": "
+                    << s.ToString();
+      }
+    }
+    ctx_.counters->transfer_bytes +=
+        ctx_.layout.LayerBytes() * static_cast<int64_t>(out.dst_blocks.size());
+  }
+}
+
+bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) {
+  auto it = outgoing_.find(ev.id);
+  if (it == outgoing_.end()) return false;
+  it->second.blocks = std::move(prompt_blocks);  // read by the senders until HandOver
+  return true;
+}
+
+std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
+  auto it = outgoing_.find(id);
+  if (it == outgoing_.end()) return std::nullopt;
+  if (!deliver) {
+    outgoing_.erase(it);  // cancels unfinished sends, then frees the blocks
+    return Status::Ok();
+  }
+  Outgoing& out = it->second;
+  const auto start = Clock::now();
+  const Deadline deadline = Deadline::After(ctx_.options->kv_timeout);
+  Status s = out.senders.empty() ? Internal("no KV was streamed for request " + std::to_string(id))
+                                 : Status::Ok();
+  for (auto& sender : out.senders) {
+    Status f = sender->Finish(deadline);
+    if (s.ok()) s = f;
+  }
+  ctx_.counters->transfer_seconds += SecondsSince(start);
+  if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
+  outgoing_.erase(it);  // senders first, then the blocks (Outgoing's member order)
+  return s;
+}
+
+void PrefillRole::OnCancel(const proto::Cancel& c) {
+  outgoing_.erase(c.request_id());  // cancels unfinished sends, then frees the blocks
+  if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
+}
+
+}  // namespace kvrelay::prefill_worker

@@ -1,0 +1,79 @@
+// The prefill role: runs prompts and hands their KV to decode groups.
+//
+// A PrefillTask with a decode target runs as a kPrefillOnly request: the
+// role is the engine's KvConnector, so after each layer of the prompt's last
+// chunk it streams that layer to every rank of the decode group (each rank
+// gets only its KV heads; kv_transfer/layer_stream.h) — the save side. When
+// the first token is sampled the engine hands the prompt's blocks to the
+// role (RequestFinished), which keeps them until the streams are delivered
+// (HandOver) and only then reports the first token, so the decode side is
+// told to start only when its KV is on the wire.
+//
+// A task without a decode target runs to completion here: that is the
+// colocated worker (kvrelay-worker), the same role.
+//
+// With --kv-store the role is also the load side for the prefix tiers (host
+// RAM, RocksDB): at admission the engine asks it for the prompt blocks the
+// pool lacks, and restored blocks belong to the request from the start.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "engine/kv_cache/block_table.h"
+#include "engine/runtime/kv_connector.h"
+#include "kv_store/host_ram_tier.h"
+#include "kv_store/rocksdb_tier.h"
+#include "kv_store/tiered_cache.h"
+#include "kv_transfer/layer_stream.h"
+#include "worker/role.h"
+
+namespace kvrelay::prefill_worker {
+
+class PrefillRole final : public worker::Role, public engine::KvConnector {
+ public:
+  PrefillRole() = default;
+  ~PrefillRole() override;
+
+  // --- worker::Role ---
+  Status Init(worker::WorkerContext& ctx) override;
+  engine::Engine* engine() override { return engine_.get(); }
+  Status OnControlFrame(const protocols::Frame& frame) override;
+  std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
+  void Shutdown() override;
+
+  // --- engine::KvConnector ---
+  void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
+                  engine::BlockTable& loaded) override;
+  void SaveLayer(int layer, const engine::StepPlan& plan) override;
+  bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
+
+ private:
+  // A prefill-only request whose KV goes to a decode group: one stream per
+  // decode TP rank, each carrying that rank's heads.
+  struct Outgoing {
+    // Declared first, destroyed last: the senders read these blocks until
+    // they are finished or cancelled.
+    engine::BlockTable blocks;  // the prompt's blocks, once the engine finished the request
+    std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>> senders;
+    std::vector<int> decode_ranks;  // data-plane peers, in TP order
+    std::vector<engine::BlockId> dst_blocks;
+    int64_t prompt_tokens = 0;
+  };
+
+  void OnPrefillTask(const proto::PrefillTask& task);
+  // Connects the data plane to every rank of `target`; fills out->decode_ranks.
+  Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
+  void StartSenders(engine::RequestId id, Outgoing& out, std::span<const engine::BlockId> blocks);
+  void OnCancel(const proto::Cancel& c);
+
+  worker::WorkerContext ctx_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<kv_store::HostRamTier> ram_tier_;
+  std::unique_ptr<kv_store::RocksDbTier> disk_tier_;
+  std::unique_ptr<kv_store::TieredCache> tiered_;
+  std::map<engine::RequestId, Outgoing> outgoing_;
+};
+
+}  // namespace kvrelay::prefill_worker

@@ -1,0 +1,120 @@
+#include "worker/control_link.h"
+
+namespace kvrelay::worker {
+
+using protocols::MessageType;
+
+proto::Finish::Reason ToProto(engine::FinishReason r) {
+  switch (r) {
+    case engine::FinishReason::kStop:
+      return proto::Finish::REASON_STOP;
+    case engine::FinishReason::kLength:
+      return proto::Finish::REASON_LENGTH;
+    case engine::FinishReason::kCancelled:
+      return proto::Finish::REASON_CANCELLED;
+    default:
+      return proto::Finish::REASON_ERROR;
+  }
+}
+
+engine::SamplingParams FromProto(const proto::SamplingParams& s) {
+  engine::SamplingParams p;
+  p.temperature = s.temperature();
+  p.top_p = s.top_p() > 0 ? s.top_p() : 1.0f;
+  p.top_k = static_cast<int>(s.top_k());
+  p.seed = s.seed();
+  p.max_tokens = static_cast<int>(s.max_tokens());
+  p.ignore_eos = s.ignore_eos();
+  p.min_p = s.min_p();
+  p.repetition_penalty = s.repetition_penalty() > 0 ? s.repetition_penalty() : 1.0f;
+  p.presence_penalty = s.presence_penalty();
+  p.frequency_penalty = s.frequency_penalty();
+  return p;
+}
+
+ControlLink::ControlLink(Options options)
+    : options_(std::move(options)), io_(std::make_unique<protocols::IoThread>("worker-ctl")) {}
+
+ControlLink::~ControlLink() { Close(Cancelled("worker stopping")); }
+
+Status ControlLink::Connect(const proto::RegisterWorker& reg) {
+  const Deadline deadline = Deadline::After(options_.connect_timeout);
+  protocols::ConnectionOptions copts;
+  copts.name = "coordinator";
+  ASSIGN_OR_RETURN(conn_, protocols::FramedConnection::Connect(*io_, options_.host, options_.port,
+                                                               copts, deadline));
+  // Connect() has already started reading; a second Start() would run two
+  // concurrent reads on one socket and corrupt the frame stream under load.
+  RETURN_IF_ERROR(
+      protocols::ClientHandshake(*conn_, options_.worker_id, options_.peer_config, {}, deadline)
+          .status());
+  Send(MessageType::kRegisterWorker, reg);
+  ASSIGN_OR_RETURN(protocols::Frame frame, conn_->Receive(deadline));
+  proto::RegisterReply reply;
+  RETURN_IF_ERROR(protocols::DecodeMessage(frame, MessageType::kRegisterReply, &reply));
+  if (!reply.accepted()) {
+    return FailedPrecondition("coordinator refused registration: " + reply.reason());
+  }
+  if (reply.heartbeat_interval_ms() > 0) {
+    heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
+  }
+  return Status::Ok();
+}
+
+void ControlLink::Close(const Status& why) {
+  if (conn_) conn_->Close(why);
+  conn_.reset();
+}
+
+Result<protocols::Frame> ControlLink::Receive(Deadline deadline) {
+  if (!conn_) return Unavailable("not connected to the coordinator");
+  return conn_->Receive(deadline);
+}
+
+void ControlLink::SendFinish(engine::RequestId id, proto::Finish::Reason reason,
+                             const Status& error, int64_t prompt_tokens,
+                             int64_t completion_tokens) {
+  proto::Finish f;
+  f.set_request_id(id);
+  f.set_reason(reason);
+  if (!error.ok()) {
+    f.set_status_code(static_cast<uint32_t>(error.code()));
+    f.set_message(error.message());
+  }
+  f.set_prompt_tokens(static_cast<uint32_t>(prompt_tokens));
+  f.set_completion_tokens(static_cast<uint32_t>(completion_tokens));
+  Send(MessageType::kFinish, f);
+}
+
+void ControlLink::SetHeartbeatSource(std::function<void(proto::Heartbeat*)> source) {
+  heartbeat_source_ = std::move(source);
+}
+
+void ControlLink::SendHeartbeat() {
+  proto::Heartbeat hb;
+  hb.set_worker_id(options_.worker_id);
+  if (heartbeat_source_) heartbeat_source_(&hb);
+  Send(MessageType::kHeartbeat, hb);
+  next_heartbeat_ = Clock::now() + heartbeat_interval_;
+}
+
+void ControlLink::OnKvEvent(const engine::KvEvent& ev) {
+  std::string h(ev.hash.begin(), ev.hash.end());
+  if (ev.kind == engine::KvEvent::Kind::kStored) {
+    cache_events_.add_stored_block_hashes(std::move(h));
+  } else {
+    cache_events_.add_evicted_block_hashes(std::move(h));
+  }
+}
+
+void ControlLink::FlushCacheEvents() {
+  if (cache_events_.stored_block_hashes_size() == 0 &&
+      cache_events_.evicted_block_hashes_size() == 0) {
+    return;
+  }
+  cache_events_.set_worker_id(options_.worker_id);
+  Send(MessageType::kPrefixCacheEvent, cache_events_);
+  cache_events_.Clear();
+}
+
+}  // namespace kvrelay::worker

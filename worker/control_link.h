@@ -1,0 +1,85 @@
+// ControlLink: a worker's connection to the coordinator — handshake,
+// registration, heartbeats, prefix-cache events, and the protobuf messages
+// the roles send. It never carries KV (that is the Transport's job), so the
+// death of either side is a closed connection or a missed heartbeat here.
+//
+// Threading: owned by the worker shell and used only on its run thread
+// (roles call it from their hooks, which run there too).
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "common/clock.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/engine.h"
+#include "protocols/control.pb.h"
+#include "protocols/framed_connection.h"
+#include "protocols/handshake.h"
+#include "protocols/peer_handshake.h"
+#include "protocols/io_thread.h"
+#include "protocols/messages.h"
+
+namespace kvrelay::worker {
+
+class ControlLink {
+ public:
+  struct Options {
+    std::string worker_id;
+    std::string host = "127.0.0.1";
+    uint16_t port = 9000;
+    protocols::PeerConfig peer_config;
+    std::chrono::milliseconds connect_timeout{30000};
+  };
+  explicit ControlLink(Options options);
+  ~ControlLink();
+
+  // Connects, handshakes and sends `reg`; OK once the coordinator accepted it.
+  Status Connect(const proto::RegisterWorker& reg);
+  void Close(const Status& why);
+
+  template <typename Message>
+  void Send(protocols::MessageType type, const Message& m) {
+    std::string payload;
+    m.SerializeToString(&payload);
+    Status s = conn_ ? conn_->Send(type, payload) : Unavailable("not connected");
+    if (!s.ok()) LOG_WARNING << "control send failed: " << s.ToString();
+  }
+  // The request ended here (or failed): one Finish frame.
+  void SendFinish(engine::RequestId id, proto::Finish::Reason reason, const Status& error,
+                  int64_t prompt_tokens = 0, int64_t completion_tokens = 0);
+  Result<protocols::Frame> Receive(Deadline deadline);
+
+  // Heartbeats carry what `source` fills in; due every interval the
+  // coordinator asked for, also in the middle of a long step.
+  void SetHeartbeatSource(std::function<void(proto::Heartbeat*)> source);
+  void SendHeartbeat();
+  void HeartbeatIfDue() {
+    if (Clock::now() >= next_heartbeat_) SendHeartbeat();
+  }
+  TimePoint next_heartbeat() const { return next_heartbeat_; }
+
+  // Prefix-cache events of the pool, batched until FlushCacheEvents.
+  void OnKvEvent(const engine::KvEvent& ev);
+  void FlushCacheEvents();
+
+ private:
+  Options options_;
+  std::unique_ptr<protocols::IoThread> io_;
+  std::shared_ptr<protocols::FramedConnection> conn_;
+  std::function<void(proto::Heartbeat*)> heartbeat_source_;
+  std::chrono::milliseconds heartbeat_interval_{500};
+  TimePoint next_heartbeat_;
+  proto::PrefixCacheEvent cache_events_;
+};
+
+// engine::FinishReason as the protocol names it.
+proto::Finish::Reason ToProto(engine::FinishReason r);
+// The protocol's sampling parameters as the engine's (unset = the engine's default).
+engine::SamplingParams FromProto(const proto::SamplingParams& s);
+
+}  // namespace kvrelay::worker

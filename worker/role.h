@@ -1,0 +1,71 @@
+// Role: what a worker process does with its engine — the seam between the
+// process shell (worker.h: model, transport, control link, run loop) and the
+// prefill role (prefill_worker/), the decode role and its TP group
+// (decode_worker/). A role owns its engine and the KvConnector it installs on
+// it; the shell calls the hooks below, all on its run thread.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "common/status.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/model.h"
+#include "kv_transfer/transport.h"
+#include "protocols/control.pb.h"
+#include "protocols/frame_codec.h"
+#include "protocols/handshake.h"
+#include "worker/control_link.h"
+#include "worker/event_reporter.h"
+#include "worker/worker_options.h"
+
+namespace kvrelay::worker {
+
+// Cumulative figures a role adds to; the heartbeat reports them.
+struct WorkerCounters {
+  int64_t transfer_bytes = 0;    // KV bytes sent or received
+  double transfer_seconds = 0;   // spent waiting for KV transfers
+  int64_t queued_tokens = 0;     // prompt tokens accepted but not yet prefilled
+};
+
+// What the shell gives a role. Everything outlives the role.
+struct WorkerContext {
+  const WorkerOptions* options = nullptr;
+  std::shared_ptr<const engine::Model> model;  // this process's model (its shard under TP)
+  engine::KvLayout layout;                     // of this process's pool
+  protocols::PeerConfig peer_config;           // what peers must match
+  kv_transfer::Transport* transport = nullptr;  // the KV data plane
+  ControlLink* control = nullptr;               // null on a TP follower
+  EventReporter* events = nullptr;              // null on a TP follower
+  WorkerCounters* counters = nullptr;
+};
+
+class Role {
+ public:
+  virtual ~Role() = default;
+
+  // Creates the engine and whatever else the role needs (TP group, tiers).
+  virtual Status Init(WorkerContext& ctx) = 0;
+  virtual engine::Engine* engine() = 0;
+  // Registration details beyond the shell's (TP ranks and their KV addresses).
+  virtual void DescribeRegistration(proto::RegisterWorker* /*reg*/) const {}
+  // A control frame from the coordinator (work, cancel).
+  virtual Status OnControlFrame(const protocols::Frame& frame) = 0;
+  // Work outside engine steps (followers' acknowledgements); every loop turn.
+  virtual void Progress() {}
+  // True while Progress or the connector has something to poll soon: the
+  // loop then wakes every millisecond instead of sleeping to the heartbeat.
+  virtual bool polling() const { return false; }
+  // The request's first token was sampled here and its KV is handed to a
+  // decode group: finish the hand-over (deliver), or drop it because the
+  // request failed (nullopt: not such a request).
+  virtual std::optional<Status> HandOver(engine::RequestId /*id*/, bool /*deliver*/) {
+    return std::nullopt;
+  }
+  // Not OK: this worker must leave the cluster (a broken TP group).
+  virtual Status health() const { return Status::Ok(); }
+  // The worker is stopping: let go of every request (before the engine goes).
+  virtual void Shutdown() {}
+};
+
+}  // namespace kvrelay::worker

@@ -1,0 +1,56 @@
+#include "worker/worker_options.h"
+
+#include "engine/runtime/tensor_parallel.h"
+
+namespace kvrelay::worker {
+
+Result<RoleKind> ParseRoleKind(std::string_view name) {
+  if (name == "prefill") return RoleKind::kPrefill;
+  if (name == "decode") return RoleKind::kDecode;
+  if (name == "colocated") return RoleKind::kColocated;
+  return InvalidArgument("unknown worker role '" + std::string(name) +
+                         "' (expected prefill, decode or colocated)");
+}
+
+std::string_view RoleKindName(RoleKind role) {
+  switch (role) {
+    case RoleKind::kPrefill:
+      return "prefill";
+    case RoleKind::kDecode:
+      return "decode";
+    case RoleKind::kColocated:
+      return "colocated";
+  }
+  return "?";
+}
+
+Status WorkerOptions::Validate() const {
+  if (worker_id.empty()) return InvalidArgument("worker id is empty");
+  if (rank < 0 || rank >= world_size) {
+    return InvalidArgument("rank " + std::to_string(rank) + " is outside world size " +
+                           std::to_string(world_size));
+  }
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size) {
+    return InvalidArgument("TP rank " + std::to_string(tp_rank) + " is outside TP size " +
+                           std::to_string(tp_size));
+  }
+  if (tp_size > 1) {
+    if (role != RoleKind::kDecode) {
+      return InvalidArgument("tensor parallelism (--tp-size " + std::to_string(tp_size) +
+                             ") is for decode workers only");
+    }
+    if (!kv_store_path.empty()) {
+      return InvalidArgument(
+          "a tensor-parallel decode group cannot use --kv-store (the prefix "
+          "tier lives on prefill workers)");
+    }
+    if (tp_rank > 0 && tp_port == 0) {
+      return InvalidArgument("TP rank " + std::to_string(tp_rank) +
+                             " needs --tp-leader HOST:PORT of rank 0");
+    }
+    RETURN_IF_ERROR(engine::CheckTensorParallelDtype(engine.kv_dtype));
+  }
+  return engine.Validate();
+}
+
+}  // namespace kvrelay::worker
