@@ -18,9 +18,9 @@
 # Across hosts (-H): rank 0 (the coordinator) lands on the hostfile's first
 # host and -c must name that host as the workers can resolve it. The
 # coordinator listens on the address -c resolves to on its own host; each
-# worker advertises the address of its interface that routes to the
-# coordinator (--advertise-host), never a wildcard, so peers on other hosts can
-# dial its KV port. Placement follows the hostfile's slots in order
+# worker listens on and advertises the address of its interface that routes
+# to the coordinator (--kv-host, --advertise-host), never a wildcard, so peers
+# on other hosts can dial its KV port. Placement follows the hostfile's slots in order
 # (coordinator, prefill ranks, then the decode ranks group by group), so a
 # hostfile "c slots=1 / p0 slots=1 / d0 slots=T" puts prefill and decode on
 # different hosts and each TP group inside one. How mpirun reaches the hosts
@@ -124,7 +124,7 @@ setsid mpirun "${args[@]}" \
     --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
-    exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --advertise-host "$a"' prefill \
+    exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --kv-host "$a" --advertise-host "$a"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'
@@ -132,7 +132,7 @@ setsid mpirun "${args[@]}" \
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
     id="decode-$g"; [ "$r" -gt 0 ] && id="$id-tp$r"
     tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
-    exec "$@" --id "$id" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
+    exec "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
     "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" &
 mpirun_pid=$!

@@ -219,7 +219,8 @@ class Cluster:
             h = "p%d" % i
             self.spawn(h, "prefill-%d" % i,
                        [os.path.join(b, "kvrelay-prefill"), "--id", "prefill-%d" % i,
-                        "--rank", str(rank), "--advertise-host", h] + common)
+                        "--rank", str(rank), "--kv-host", self.bed.host(h).ip,
+                        "--advertise-host", h] + common)
             rank += 1
         for g in range(self.n_decode):
             h = "d%d" % g
@@ -228,7 +229,8 @@ class Cluster:
                 tp = ["--tp-size", str(self.tp), "--tp-rank", str(r), "--tp-leader",
                       "127.0.0.1:9200"] if self.tp > 1 else []
                 self.spawn(h, wid, [os.path.join(b, "kvrelay-decode"), "--id", wid, "--rank",
-                                    str(rank), "--advertise-host", h] + tp + common)
+                                    str(rank), "--kv-host", self.bed.host(h).ip,
+                                    "--advertise-host", h] + tp + common)
                 rank += 1
 
     def spawn(self, host, name, cmd, env=None):
