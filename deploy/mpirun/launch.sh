@@ -11,7 +11,7 @@
 #   deploy/mpirun/launch.sh [-P prefill] [-D decode] [-T tp] [-H hostfile] [-c coordinator-host]
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
-#                           [-K cluster-key-file]
+#                           [-K cluster-key-file] [-X kv-transport]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -33,6 +33,9 @@
 # this launch and removed when it ends; across hosts -K must name a file that
 # exists on every host.
 #
+# -X passes --kv-transport to the workers (tcp | mpi | auto; without -X the
+# binaries choose: auto = MPI when started by mpirun and MPI is initialised).
+#
 # The job runs with --enable-recovery: a rank that dies (a worker killed, a
 # host lost) does not end the others; the coordinator learns of it from the
 # control plane (closed connection, missed heartbeats) and routes around it.
@@ -42,16 +45,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE=""
+P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
     C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
-    K) KEYFILE=$OPTARG ;;
+    K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
-            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" >&2
+            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
+            "[-X tcp|mpi|auto]" >&2
        exit 2 ;;
   esac
 done
@@ -110,6 +114,10 @@ elif [ -n "$KEYFILE" ]; then
   exit 2
 fi
 
+transport=()
+[ -n "$TRANSPORT" ] && transport=(--kv-transport "$TRANSPORT")
+wargs=("${key[@]}" "${transport[@]}")
+
 # mpirun runs as a child (not exec) so the EXIT trap can remove a generated
 # key. It gets its own session: a TERM/INT for this script (or its process
 # group, as Ctrl-C sends) reaches mpirun exactly once, through the trap; a
@@ -126,7 +134,7 @@ setsid mpirun "${args[@]}" \
     a=$(kvr_addr worker) || exit 1
     exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --kv-host "$a" --advertise-host "$a"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
-    --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" : \
+    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
@@ -134,7 +142,7 @@ setsid mpirun "${args[@]}" \
     tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
     exec "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
     "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
-    --kv-dtype "$KV" --threads "$THREADS" "${key[@]}" &
+    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" &
 mpirun_pid=$!
 # wait returns early when a trapped signal arrives; wait again for the real end.
 rc=0

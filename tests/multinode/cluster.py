@@ -162,10 +162,11 @@ class Cluster:
     ranks) on `d<g>`."""
 
     def __init__(self, bed, env, mode, n_prefill, n_decode, tp=1, threads=1, heartbeat_ms=500,
-                 tag="cluster"):
+                 tag="cluster", kv_transport=None):
         self.bed, self.env, self.mode = bed, env, mode
         self.n_prefill, self.n_decode, self.tp = n_prefill, n_decode, tp
         self.threads, self.heartbeat_ms, self.tag = threads, heartbeat_ms, tag
+        self.kv_transport = kv_transport
         self.url = "http://coord:%d" % HTTP_PORT
         self.procs = []
         self.logs = []
@@ -199,6 +200,8 @@ class Cluster:
                "-T", str(self.tp), "-b", self.env.bin_dir, "-m", self.env.model,
                "-p", str(HTTP_PORT), "-C", str(CONTROL_PORT), "-k", "f32",
                "-t", str(self.threads), "-B", str(self.heartbeat_ms)]
+        if self.kv_transport:
+            cmd += ["-X", self.kv_transport]
         self.procs.append(("mpirun", self.bed.spawn("launcher", cmd, self._log("mpirun"),
                                                      env=env)))
 
@@ -208,6 +211,8 @@ class Cluster:
         common = ["--model", self.env.model, "--kv-dtype", "f32", "--threads", str(self.threads),
                   "--world-size", str(world), "--coordinator", "coord:%d" % CONTROL_PORT]
         common += self.env.key_args()
+        if self.kv_transport:
+            common += ["--kv-transport", self.kv_transport]
         coord_ip = self.bed.host("coord").ip
         self.spawn("coord", "coordinator",
                    [os.path.join(b, "kvrelay-coordinator"), "--model", self.env.model,
