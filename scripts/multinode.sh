@@ -9,7 +9,7 @@
 #
 #   scripts/multinode.sh [--quick] [--build-dir DIR] [--out DIR] [-- flags for multinode.py]
 #     --quick   the short form CI runs (under ~5 minutes): scaling 1+1 and 4+4 only,
-#               two fault cases
+#               two fault cases, the mpirun topology without its host-by-host twin
 #   e.g. scripts/multinode.sh -- --cpu 0.25 --link 1gbit
 # The last line is `scaling efficiency at 4+4: X.XX`.
 set -uo pipefail
@@ -54,7 +54,7 @@ run() {  # name, multinode.py args...
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ] || failed+=("$name (exit $rc)")
 }
-run mpirun mpirun
+run mpirun mpirun $QUICK
 run k8s k8s
 run faults faults $QUICK
 run scaling scaling $QUICK

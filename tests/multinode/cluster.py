@@ -162,11 +162,12 @@ class Cluster:
     ranks) on `d<g>`."""
 
     def __init__(self, bed, env, mode, n_prefill, n_decode, tp=1, threads=1, heartbeat_ms=500,
-                 tag="cluster", kv_transport=None):
+                 tag="cluster", kv_transport=None, kv_timeout_ms=None):
         self.bed, self.env, self.mode = bed, env, mode
         self.n_prefill, self.n_decode, self.tp = n_prefill, n_decode, tp
         self.threads, self.heartbeat_ms, self.tag = threads, heartbeat_ms, tag
         self.kv_transport = kv_transport
+        self.kv_timeout_ms = kv_timeout_ms
         self.url = "http://coord:%d" % HTTP_PORT
         self.procs = []
         self.logs = []
@@ -202,6 +203,8 @@ class Cluster:
                "-t", str(self.threads), "-B", str(self.heartbeat_ms)]
         if self.kv_transport:
             cmd += ["-X", self.kv_transport]
+        if self.kv_timeout_ms:
+            cmd += ["-W", str(self.kv_timeout_ms)]
         self.procs.append(("mpirun", self.bed.spawn("launcher", cmd, self._log("mpirun"),
                                                      env=env)))
 
@@ -213,6 +216,8 @@ class Cluster:
         common += self.env.key_args()
         if self.kv_transport:
             common += ["--kv-transport", self.kv_transport]
+        if self.kv_timeout_ms:
+            common += ["--kv-timeout-ms", str(self.kv_timeout_ms)]
         coord_ip = self.bed.host("coord").ip
         self.spawn("coord", "coordinator",
                    [os.path.join(b, "kvrelay-coordinator"), "--model", self.env.model,
