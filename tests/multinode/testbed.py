@@ -305,7 +305,7 @@ exec nsenter --net="/run/netns/$ns" unshare --mount --uts /bin/sh -c \
 
     def spawn(self, host, cmd, log_path, env=None):
         """Starts cmd on host (stdout+stderr to log_path). Returns the Popen."""
-        log = open(log_path, "ab")
+        log = open(log_path, "wb")
         try:
             return subprocess.Popen(self.host(host).argv(cmd), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
