@@ -531,7 +531,7 @@ def main():
         a.rate = 8.0 * a.cpu / 0.25
 
     why = testbed.missing_requirements()
-    workdir = a.workdir or tempfile.mkdtemp(prefix="kvrelay-multinode-")
+    workdir = a.workdir or tempfile.mkdtemp(prefix="kvrelay-multinode-run-")
     env = cluster.Env(a.bin_dir, a.cli, a.model, workdir)
     why = why or env.missing()
     if why:

@@ -178,7 +178,8 @@ class Testbed:
         self.cgroup_root, self.cgroup_version = _cgroup_root()
         self.hosts = [Host(self, i, n, c, a) for i, (n, c, a) in enumerate(hosts)]
         self.by_name = {h.name: h for h in self.hosts}
-        self.workdir = workdir or tempfile.mkdtemp(prefix="kvrelay-multinode-")
+        self._own_workdir = workdir is None
+        self.workdir = workdir or tempfile.mkdtemp(prefix="kvrelay-multinode-bed-")
         self.hostexec = os.path.join(self.workdir, "hostexec")
         self._closed = False
         self._created_ns = []
@@ -344,6 +345,8 @@ exec nsenter --net="/run/netns/$ns" unshare --mount --uts /bin/sh -c \
                     time.sleep(0.1)
         for etc in self._created_etc:
             shutil.rmtree(etc, ignore_errors=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
         for sig, old in self._old_handlers.items():
             try:
                 signal.signal(sig, old)
