@@ -110,7 +110,8 @@ def scaling(a, env):
             # workers' default 30 s KV deadline (which counts prefill queueing);
             # a capacity measurement waits instead of failing those requests.
             c = cluster.Cluster(bed, env, a.launch, n, n, tp=a.tp, threads=1, tag=tag,
-                                kv_transport=a.kv_transport, kv_timeout_ms=300000)
+                                heartbeat_ms=a.heartbeat_ms, kv_transport=a.kv_transport,
+                                kv_timeout_ms=300000)
             try:
                 c.start()
                 c.wait_ready()
