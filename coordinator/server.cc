@@ -23,7 +23,7 @@
 #include "common/logging.h"
 #include "coordinator/admission.h"
 #include "coordinator/sse.h"
-#include "coordinator/stop_matcher.h"
+#include "common/stop_matcher.h"
 
 namespace kvrelay::coordinator {
 namespace {

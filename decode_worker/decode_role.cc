@@ -1,6 +1,7 @@
 #include "decode_worker/decode_role.h"
 
 #include "common/logging.h"
+#include "kv_transfer/mpi_session.h"
 #include "protocols/messages.h"
 #include "worker/kv_streams.h"
 
@@ -21,8 +22,13 @@ Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
+    if (o.tp_over_mpi()) {
+      ASSIGN_OR_RETURN(mpi_collective_,
+                       MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), o.kv_timeout));
+    }
     ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(),
-                                          o.rank, engine_.get()));
+                                          o.rank, engine_.get(), mpi_collective_.get()));
+    LOG_INFO << "TP collectives over " << (mpi_collective_ ? "the MPI sub-communicator" : "TCP");
   }
   return Status::Ok();
 }
@@ -69,6 +75,7 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   spec.prompt.assign(m.prompt_token_ids().begin(), m.prompt_token_ids().end());
   spec.sampling = worker::FromProto(m.sampling());
   spec.mode = engine::RequestMode::kRemotePrompt;
+  spec.want_text = false;  // the coordinator detokenizes
   reserving_prefill_rank_ = m.prefill_rank();
   reserved_blocks_.clear();
   Status s = engine_->Submit(std::move(spec));

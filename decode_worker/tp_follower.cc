@@ -3,7 +3,9 @@
 #include <map>
 
 #include "common/logging.h"
+#include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_group.h"
+#include "kv_transfer/mpi_session.h"
 #include "decode_worker/tp_plan_codec.h"
 #include "engine/runtime/tensor_parallel.h"
 #include "kv_transfer/layer_stream.h"
@@ -37,6 +39,7 @@ class Follower {
   const worker::WorkerOptions& options_;
   worker::ProcessBase base_;
   std::unique_ptr<TcpTpGroup> group_;
+  std::unique_ptr<MpiTpCollective> mpi_;  // TP over MPI only
   std::unique_ptr<engine::TpFollower> follower_;
   std::map<engine::RequestId, Incoming> incoming_;  // destroyed before follower_'s pool
 };
@@ -63,9 +66,15 @@ Status Follower::Join() {
     return DataLoss("TP rank 0 did not answer with a setup message");
   }
   if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
+  engine::TpCollective* collective = group_.get();
+  if (options_.tp_over_mpi()) {
+    ASSIGN_OR_RETURN(mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                   options_.kv_timeout));
+    collective = mpi_.get();
+  }
   ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(
                                   options_.engine, base_.model,
-                                  static_cast<int64_t>(setup.total_blocks()), group_.get()));
+                                  static_cast<int64_t>(setup.total_blocks()), collective));
   LOG_INFO << "joined TP group as rank " << options_.tp_rank << " of " << options_.tp_size
            << " (kv heads [" << base_.model->kv_head_range().begin << ", "
            << base_.model->kv_head_range().end << "), kv data " << base_.transport->conn_info()

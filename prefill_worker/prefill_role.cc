@@ -80,6 +80,7 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
   spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
   spec.sampling = worker::FromProto(task.sampling());
   spec.tenant_salt = task.tenant_salt();
+  spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
   if (task.has_decode()) {
     Outgoing out;

@@ -41,6 +41,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
   std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
+  void OnDisconnected() override { outgoing_.clear(); }
   void Shutdown() override;
 
   // --- engine::KvConnector ---

@@ -64,7 +64,12 @@ class Role {
   }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
+  // The coordinator link is gone (it forgets this worker's requests): let go
+  // of what the role holds outside the engine; the shell then cancels every
+  // engine request. The engine's prefix cache stays for the next registration.
+  virtual void OnDisconnected() {}
   // The worker is stopping: let go of every request (before the engine goes).
+  // Called again by the destructor: must be idempotent.
   virtual void Shutdown() {}
 };
 

@@ -195,6 +195,16 @@ class Engine::Impl {
     return NotFound("no live request " + std::to_string(id));
   }
 
+  int64_t CancelAll() {
+    std::vector<RequestId> ids;
+    for (const auto* list : {&waiting_, &running_}) {
+      for (const auto& q : *list) ids.push_back(q->spec.id);
+    }
+    for (const auto& [id, q] : loading_) ids.push_back(id);
+    for (RequestId id : ids) (void)Cancel(id);
+    return static_cast<int64_t>(ids.size());
+  }
+
   int64_t running_count() const { return static_cast<int64_t>(running_.size()); }
   int64_t queued_count() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t loading_count() const { return static_cast<int64_t>(loading_.size()); }
@@ -237,7 +247,9 @@ class Engine::Impl {
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
     seq->sampler = std::make_unique<Sampler>(spec.sampling);
-    seq->text = std::make_unique<TextStream>(model_->tokenizer(), spec.sampling.stop);
+    const bool text = spec.want_text || !spec.sampling.stop.empty();
+    seq->text = std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr,
+                                             spec.sampling.stop);
     seq->spec = std::move(spec);
     return seq;
   }
@@ -584,6 +596,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
 
 Status Engine::Submit(RequestSpec spec) { return impl_->Submit(std::move(spec)); }
 Status Engine::Cancel(RequestId id) { return impl_->Cancel(id); }
+int64_t Engine::CancelAll() { return impl_->CancelAll(); }
 Result<std::vector<TokenEvent>> Engine::Step() { return impl_->Step(); }
 bool Engine::HasWork() const { return impl_->HasWork(); }
 void Engine::SetKvConnector(KvConnector* connector) { impl_->connector_ = connector; }

@@ -72,6 +72,10 @@ struct RequestSpec {
   SamplingParams sampling;
   std::string tenant_salt;  // isolates prefix-cache hits per tenant
   RequestMode mode = RequestMode::kFull;
+  // TokenEvent::text is filled (the engine detokenizes) only when set or when
+  // sampling.stop is not empty. Serving leaves it off: the coordinator
+  // detokenizes and matches stop strings itself.
+  bool want_text = true;
 };
 
 enum class FinishReason : uint8_t {
@@ -114,6 +118,9 @@ class Engine {
   // Cancels a queued, loading or running request: its blocks are released now
   // and the next Step emits its finished event (kCancelled). NotFound if unknown.
   Status Cancel(RequestId id);
+  // Cancels every live request (a worker that lost its coordinator); the
+  // prefix cache stays. Returns how many were cancelled.
+  int64_t CancelAll();
   // Runs one scheduling step and returns the events it produced.
   Result<std::vector<TokenEvent>> Step();
   // True while any request is queued or running or an event is pending (a

@@ -279,6 +279,22 @@ std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name
 }
 
 // Polls `cond` until it holds or `timeout` passes.
+// True when the coordinator's /health lists worker `id`.
+bool Registered(uint16_t port, const std::string& id) {
+  coordinator::HttpCallSpec spec;
+  spec.port = port;
+  spec.target = "/health";
+  spec.timeout_ms = 1000;
+  auto r = coordinator::HttpCall(spec);
+  if (!r.ok()) return false;
+  json j = json::parse(r->body, nullptr, false);
+  if (!j.is_object()) return false;
+  for (const auto& w : j["workers"]) {
+    if (w["id"] == id) return true;
+  }
+  return false;
+}
+
 bool WaitFor(const std::function<bool()>& cond, milliseconds timeout) {
   Deadline deadline = Deadline::After(timeout);
   while (!deadline.Expired()) {
@@ -696,20 +712,7 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
   auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
   ASSERT_NE(cluster, nullptr);
   const uint16_t port = cluster->http_port();
-  auto registered = [&](const std::string& id) {
-    coordinator::HttpCallSpec spec;
-    spec.port = port;
-    spec.target = "/health";
-    spec.timeout_ms = 1000;
-    auto r = coordinator::HttpCall(spec);
-    if (!r.ok()) return false;
-    json j = json::parse(r->body, nullptr, false);
-    if (!j.is_object()) return false;
-    for (const auto& w : j["workers"]) {
-      if (w["id"] == id) return true;
-    }
-    return false;
-  };
+  auto registered = [&](const std::string& id) { return Registered(port, id); };
   ASSERT_TRUE(registered("decode-1"));
   const pid_t victim = cluster->processes().Pid("decode-1-tp1");
   ASSERT_GT(victim, 0);
@@ -723,6 +726,34 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
     EXPECT_EQ(got.http_status, 200) << got.error;
     EXPECT_EQ(got.text, want);
   }
+}
+
+// A worker that stalls past the heartbeat deadline (SIGSTOP) is dropped by
+// the coordinator; when it resumes it finds its link closed, reconnects,
+// registers again and serves, so the cluster does not lose it for good.
+// (Before: the worker exited on the lost link and, being the only prefill
+// worker, every later request failed.)
+TEST_F(ClusterTest, StalledWorkerReconnectsAndServesAgain) {
+  auto cluster = StartCluster(1, 1, 0, "round_robin");
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  const std::vector<int32_t> prompt = ref_->Encode("Why do rivers flow to the sea?");
+  const std::string want = ref_->Text(ref_->Greedy(prompt, 8));
+  ASSERT_EQ(Complete(port, prompt, 8).text, want);
+  const pid_t stalled = cluster->processes().Pid("prefill-0");
+  ASSERT_GT(stalled, 0);
+  ASSERT_EQ(kill(stalled, SIGSTOP), 0);
+  const bool dropped = WaitFor([&] { return !Registered(port, "prefill-0"); }, milliseconds(10'000));
+  ASSERT_EQ(kill(stalled, SIGCONT), 0);
+  ASSERT_TRUE(dropped) << "the coordinator kept a stalled worker registered for 10 s";
+  EXPECT_TRUE(WaitFor([&] { return Registered(port, "prefill-0"); }, milliseconds(10'000)))
+      << "the resumed worker did not register again within 10 s";
+  for (int i = 0; i < 2; ++i) {
+    CompletionOutcome got = Complete(port, prompt, 8);
+    EXPECT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, want);
+  }
+  EXPECT_EQ(cluster->processes().Pid("prefill-0"), stalled) << "the worker was restarted, not resumed";
 }
 
 // A prefill worker that stops answering (SIGSTOP: its connection stays open,
