@@ -482,6 +482,18 @@ def mpirun_topology(a, env):
                         ok = ok and plane == "mpi" and mode == "mpirun"
                 check.expect(ok, "%s: workers register a KV data plane their peers reach (tcp: "
                              "their host's name or address; mpi under mpirun): %s" % (mode, planes))
+                tp_comm = {}
+                for path in c.logs:
+                    with open(path, errors="replace") as f:
+                        for line in f:
+                            m = re.search(r" (decode-\d+) \S+\] TP collectives over (.*)", line)
+                            if m:
+                                tp_comm[m.group(1)] = m.group(2).strip()
+                want_comm = "the MPI sub-communicator" if all(
+                    p == "mpi" for p, _ in planes.values()) else "TCP"
+                check.expect(sorted(tp_comm) == ["decode-0", "decode-1"] and
+                             all(v == want_comm for v in tp_comm.values()),
+                             "%s: TP groups' collectives over %s: %s" % (mode, want_comm, tp_comm))
                 res = cluster.complete(bed, env, c.url, prompts, 12, len(prompts), c.tag)
                 compare(check, res, ref, "%s across hosts (%d workers)" % (mode, len(st["workers"])))
             except Exception:
