@@ -97,11 +97,10 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
-      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
-      worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), request.id, blocks, own),
-      worker::MakeStreamBuffers(engine_->pool(), blocks, {0, own.size()}));
-  RETURN_IF_ERROR(in.receiver->Start());
+  ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
+                                     ctx_.transport, static_cast<int>(reserving_prefill_rank_),
+                                     engine_->pool(), ctx_.model->fingerprint(), request.id,
+                                     blocks, own));
   if (tp_ != nullptr) {
     RETURN_IF_ERROR(tp_->ExpectKv(request.id, reserving_prefill_rank_, blocks));
     in.follower_acks_pending = ctx_.options->tp_size - 1;
@@ -131,15 +130,19 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     const RequestId id = it->first;
     Incoming& in = it->second;
-    Status s = in.receiver->Progress();
+    Status s;
+    bool all_here = in.follower_acks_pending == 0;
+    for (auto& receiver : in.receivers) {
+      if (s.ok()) s = receiver->Progress();
+      all_here = all_here && receiver->complete();
+    }
     if (s.ok()) s = in.follower_error;
-    const bool all_here = in.receiver->complete() && in.follower_acks_pending == 0;
     if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
     }
     if (!s.ok()) {
-      in.receiver.reset();  // cancels outstanding receives before the blocks go back
+      in.receivers.clear();  // cancels outstanding receives before the blocks go back
       if (tp_ != nullptr) tp_->CancelKv(id);
       done.push_back({id, s.WithContext("receiving KV"), -1});
       it = incoming_.erase(it);
@@ -159,7 +162,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
 void DecodeRole::CancelRemoteLoad(RequestId id) {
   auto it = incoming_.find(id);
   if (it == incoming_.end()) return;
-  it->second.receiver.reset();  // no write into the blocks after this
+  it->second.receivers.clear();  // no write into the blocks after this
   if (tp_ != nullptr) tp_->CancelKv(id);
   incoming_.erase(it);
 }
@@ -176,7 +179,7 @@ Status DecodeRole::health() const {
 }
 
 void DecodeRole::Shutdown() {
-  for (auto& [id, in] : incoming_) in.receiver.reset();
+  for (auto& [id, in] : incoming_) in.receivers.clear();
   if (tp_ != nullptr) tp_->Shutdown();  // followers stop with their rank 0
 }
 

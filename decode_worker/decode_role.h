@@ -52,7 +52,8 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
  private:
   // A remote prompt on its way into blocks the engine reserved.
   struct Incoming {
-    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    // One per segment of the prompt's blocks (worker/kv_streams.h).
+    std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
     int64_t blocks = 0;
     int32_t first_token = -1;
     Deadline deadline;

@@ -29,7 +29,7 @@ class Follower {
  private:
   // Heads of one request's KV arriving from a prefill worker.
   struct Incoming {
-    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;  // per segment
     Deadline deadline;
   };
   void ExpectKv(const proto::TpExpectKv& m);
@@ -104,30 +104,35 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
                                    base_.model->kv_head_range().end};
   Incoming in;
   in.deadline = Deadline::After(options_.kv_timeout);
-  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
-      base_.transport.get(), static_cast<int>(m.prefill_rank()),
-      worker::MakeStreamSpec(base_.layout, base_.model->fingerprint(), id, blocks, own),
-      worker::MakeStreamBuffers(follower_->pool(), blocks, {0, own.size()}));
-  if (Status s = in.receiver->Start(); !s.ok()) {
-    Ack(id, s);
+  auto receivers = worker::StartSegmentReceivers(
+      base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
+      base_.model->fingerprint(), id, blocks, own);
+  if (!receivers.ok()) {
+    Ack(id, receivers.status());
     return;
   }
+  in.receivers = std::move(receivers).value();
   incoming_[id] = std::move(in);
 }
 
 void Follower::Progress() {
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     Incoming& in = it->second;
-    Status s = in.receiver->Progress();
-    if (s.ok() && !in.receiver->complete() && in.deadline.Expired()) {
+    Status s;
+    bool complete = true;
+    for (auto& receiver : in.receivers) {
+      if (s.ok()) s = receiver->Progress();
+      complete = complete && receiver->complete();
+    }
+    if (s.ok() && !complete && in.deadline.Expired()) {
       s = DeadlineExceeded("KV heads did not arrive within " +
                            std::to_string(options_.kv_timeout.count()) + " ms");
     }
-    if (s.ok() && !in.receiver->complete()) {
+    if (s.ok() && !complete) {
       ++it;
       continue;
     }
-    in.receiver.reset();
+    in.receivers.clear();
     Ack(it->first, s);
     it = incoming_.erase(it);
   }

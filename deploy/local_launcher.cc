@@ -23,6 +23,8 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
+  if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
+  if (heartbeat_ms < 0) return InvalidArgument("--heartbeat-ms must be >= 0");
   return Status::Ok();
 }
 
@@ -42,6 +44,28 @@ Result<uint16_t> PickFreePort() {
   uint16_t port = ntohs(addr.sin_port);
   close(fd);
   return port;
+}
+
+std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, uint16_t http,
+                                                        uint16_t control) const {
+  std::vector<std::string> argv = {bin + "/kvrelay-coordinator",
+                                   "--model",
+                                   options_.model_path,
+                                   "--host",
+                                   options_.host,
+                                   "--port",
+                                   std::to_string(http),
+                                   "--control-port",
+                                   std::to_string(control),
+                                   "--kv-dtype",
+                                   options_.kv_dtype,
+                                   "--router",
+                                   options_.router};
+  if (options_.heartbeat_ms > 0) {
+    argv.push_back("--heartbeat-ms");
+    argv.push_back(std::to_string(options_.heartbeat_ms));
+  }
+  return argv;
 }
 
 Status LocalLauncher::Start() {
@@ -68,10 +92,7 @@ Status LocalLauncher::Start() {
 
   RETURN_IF_ERROR(group_.Spawn(
       {"coordinator",
-       {bin + "/kvrelay-coordinator", "--model", options_.model_path, "--host", options_.host,
-        "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
-        "--kv-dtype", options_.kv_dtype, "--router", options_.router},
-       {}}));
+       CoordinatorArgv(bin, http_port_, control), {}}));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
@@ -95,6 +116,10 @@ Status LocalLauncher::Start() {
                                      std::to_string(world),
                                      "--kv-host",
                                      options_.host};
+    if (options_.kv_timeout_ms > 0) {
+      argv.push_back("--kv-timeout-ms");
+      argv.push_back(std::to_string(options_.kv_timeout_ms));
+    }
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

@@ -13,7 +13,8 @@ PACKAGES=(
   nlohmann-json3-dev libxxhash-dev libssl-dev
   libicu-dev
   python3 python3-venv python3-yaml
-  iproute2 util-linux
+  iproute2 util-linux  # ip, tc, nsenter, unshare: tests/multinode's emulated hosts
+  prometheus  # promtool: the coordinator's /metrics is checked with `promtool check metrics`
 )
 
 missing=()

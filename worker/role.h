@@ -53,6 +53,10 @@ class Role {
   virtual Status OnControlFrame(const protocols::Frame& frame) = 0;
   // Work outside engine steps (followers' acknowledgements); every loop turn.
   virtual void Progress() {}
+  // The coordinator accepted this worker's (re)registration.
+  virtual void OnRegistered() {}
+  // A pool event; true when the role forwards it itself (its prefix store).
+  virtual bool OnPoolEvent(const engine::KvEvent& /*ev*/) { return false; }
   // True while Progress or the connector has something to poll soon: the
   // loop then wakes every millisecond instead of sleeping to the heartbeat.
   virtual bool polling() const { return false; }

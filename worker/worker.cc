@@ -93,7 +93,9 @@ Status Worker::Init() {
   ctx_.counters = &counters_;
   RETURN_IF_ERROR(role_->Init(ctx_));
   engine::Engine* engine = role_->engine();
-  engine->pool()->SetEventListener([this](const engine::KvEvent& ev) { control_->OnKvEvent(ev); });
+  engine->pool()->SetEventListener([this](const engine::KvEvent& ev) {
+    if (!role_->OnPoolEvent(ev)) control_->OnKvEvent(ev);
+  });
   control_->SetHeartbeatSource([this](proto::Heartbeat* hb) { FillHeartbeat(hb); });
   return Status::Ok();
 }
@@ -211,6 +213,7 @@ Status Worker::Run(const std::atomic<bool>& stop) {
   for (bool first = true; !stop.load(); first = false) {
     result = Register(stop, first);
     if (!result.ok()) break;
+    role_->OnRegistered();
     LOG_INFO << "registered as " << options_.worker_id << " (" << RoleKindName(options_.role)
              << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
     bool link_lost = false;

@@ -62,7 +62,7 @@ TEST(AdmissionTest, RunsQueuesAndRefuses) {
   EXPECT_EQ(q.queued(), 1);
   Status full = q.Enqueue(4, [&] { started.push_back(4); });
   EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
-  q.Release();  // 1 finishes -> 3 starts
+  q.Release(1);  // 1 finishes -> 3 starts
   EXPECT_EQ(started, (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(q.running(), 2);
   EXPECT_EQ(q.queued(), 0);
@@ -70,8 +70,8 @@ TEST(AdmissionTest, RunsQueuesAndRefuses) {
   ASSERT_TRUE(q.Enqueue(5, [&] { started.push_back(5); }).ok());
   EXPECT_TRUE(q.Remove(5));
   EXPECT_FALSE(q.Remove(5));
-  q.Release();
-  q.Release();
+  q.Release(2);
+  q.Release(3);
   EXPECT_EQ(started, (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(q.running(), 0);
 }
@@ -80,7 +80,7 @@ TEST(AdmissionTest, FifoOrderUnderRelease) {
   AdmissionQueue q({1, 10});
   std::vector<int> started;
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(q.Enqueue(i, [&, i] { started.push_back(i); }).ok());
-  for (int i = 0; i < 5; ++i) q.Release();
+  for (int i = 0; i < 5; ++i) q.Release(i);
   EXPECT_EQ(started, (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
