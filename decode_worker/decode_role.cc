@@ -54,6 +54,7 @@ Status DecodeRole::OnControlFrame(const protocols::Frame& frame) {
       auto it = incoming_.find(m.request_id());
       if (it != incoming_.end()) {
         it->second.first_token = m.first_token();
+        it->second.first_token_at = Clock::now();
         it->second.deadline = Deadline::After(ctx_.options->kv_timeout);
       }
       return Status::Ok();  // (cancelled or failed meanwhile otherwise)
@@ -99,7 +100,6 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
-  in.started = Clock::now();
   in.deadline = Deadline::After(ctx_.options->kv_timeout * kReservationTimeoutFactor);
   ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
                                      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
@@ -162,7 +162,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
       continue;
     }
     ctx_.counters->transfer_bytes += ctx_.layout.BlockBytes() * in.blocks;
-    ctx_.counters->transfer_seconds += SecondsSince(in.started);
+    ctx_.counters->transfer_seconds += SecondsSince(in.first_token_at);
     done.push_back({id, Status::Ok(), in.first_token});
     it = incoming_.erase(it);
   }

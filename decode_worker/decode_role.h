@@ -61,7 +61,7 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
     int64_t blocks = 0;
     int32_t first_token = -1;
-    TimePoint started;  // reservation: the KV wait is measured from here
+    TimePoint first_token_at;  // StartDecode: the KV wait left after the prefill counts from here
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;

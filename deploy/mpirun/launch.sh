@@ -12,6 +12,7 @@
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
 #                           [-K cluster-key-file] [-X kv-transport] [-W kv-timeout-ms]
+#                           [-M tp-comm]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -35,8 +36,11 @@
 #
 # -X passes --kv-transport to the workers (tcp | mpi | auto; without -X the
 # binaries choose: auto = MPI when started by mpirun and MPI is initialised).
+# -M passes --tp-comm to the workers (tcp | mpi | auto: a decode group's
+# collectives on its TCP link or its MPI sub-communicator; auto = MPI when the
+# KV data plane is MPI).
 # -W passes --kv-timeout-ms (how long a decode worker waits for a request's KV
-# after reserving its blocks, prefill queueing included; default 30 s).
+# after its first token; the wait before it is capped at 10x; default 30 s).
 #
 # The job runs with --enable-recovery: a rank that dies (a worker killed, a
 # host lost) does not end the others; the coordinator learns of it from the
@@ -47,17 +51,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT=""
+P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
     C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
-    K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;; W) KVTIMEOUT=$OPTARG ;;
+    K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;; W) KVTIMEOUT=$OPTARG ;; M) TPCOMM=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
-            "[-X tcp|mpi|auto] [-W kv-timeout-ms]" >&2
+            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto]" >&2
        exit 2 ;;
   esac
 done
@@ -119,6 +123,7 @@ fi
 transport=()
 [ -n "$TRANSPORT" ] && transport=(--kv-transport "$TRANSPORT")
 [ -n "$KVTIMEOUT" ] && transport+=(--kv-timeout-ms "$KVTIMEOUT")
+[ -n "$TPCOMM" ] && transport+=(--tp-comm "$TPCOMM")
 wargs=("${key[@]}" "${transport[@]}")
 
 # mpirun runs as a child (not exec) so the EXIT trap can remove a generated
