@@ -61,6 +61,6 @@ echo "# kvrelay MPI vs TCP, $(date -u +%FT%TZ), $(grep -m1 'model name' /proc/cp
 echo "# launch.sh -P 1 -D 1 -T 2 -t 1; bench serve --rate $RATE --num-prompts $N --input-len $IN --output-len $OUTLEN"
 for round in $(seq 1 "$ROUNDS"); do
   run mpi/mpi mpi mpi "$round"
-  run mpi/tcp mpi tcp "$round"
-  run tcp/tcp tcp tcp "$round"
+  [ -z "${ONLY_MPI:-}" ] && run mpi/tcp mpi tcp "$round"
+  [ -z "${ONLY_MPI:-}" ] && run tcp/tcp tcp tcp "$round"
 done
