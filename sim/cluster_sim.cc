@@ -33,6 +33,7 @@ Status ClusterConfig::Validate() const {
   if (coordinator_max_running < 1) return InvalidArgument("cluster: max_running must be >= 1");
   if (coordinator_max_queue < 0) return InvalidArgument("cluster: max_queue must be >= 0");
   if (store_blocks < 0) return InvalidArgument("cluster: store_blocks must be >= 0");
+  if (shared_host_cores < 0) return InvalidArgument("cluster: shared_host_cores must be >= 0");
   return Status::Ok();
 }
 
@@ -41,6 +42,11 @@ std::string ClusterConfig::Name() const {
   std::string s = std::to_string(prefill) + "P+" + std::to_string(decode) + "D";
   if (tp > 1) s += " TP" + std::to_string(tp);
   return s;
+}
+
+std::string ClusterConfig::NameWithRouter() const {
+  if (router == coordinator::RouterPolicy::kPrefixAware) return Name();
+  return Name() + " (" + std::string(coordinator::RouterPolicyName(router)) + ")";
 }
 
 namespace {
@@ -125,6 +131,7 @@ struct Worker {
   int64_t capacity_blocks = 0;
   int64_t used_blocks = 0;  // allocated + reserved
   bool stepping = false;
+  int processes = 1;  // a decode group: one per TP rank
   double step_scale = 1;
   double step_add_s = 0;
   double ttft_add_s = 0;
@@ -194,6 +201,7 @@ class Simulator {
   std::unordered_map<std::string, size_t> by_id_;
   std::vector<ReqState> reqs_;
   uint64_t next_order_ = 0;
+  int busy_processes_ = 0;  // worker processes inside a step (shared_host_cores)
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
 };
@@ -239,6 +247,7 @@ void Simulator::Setup() {
     std::snprintf(id, sizeof(id), "decode-%05d", i);
     add(Worker::Kind::kDecode, id, profile_.decode, tp.step_scale, tp.per_step_s,
         profile_.kv_pool_blocks);
+    workers_.back().processes = config_.tp;
   }
   prefill_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kPrefill);
   decode_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kDecode);
@@ -493,7 +502,11 @@ void Simulator::MaybeStep(size_t wi) {
     ReqState& st = reqs_[s.req];
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
-  const double d = profile_.step.Seconds(seqs, tokens, attn) * w.step_scale + w.step_add_s;
+  double d = profile_.step.Seconds(seqs, tokens, attn) * w.step_scale + w.step_add_s;
+  busy_processes_ += w.processes;
+  if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {
+    d *= static_cast<double>(busy_processes_) / config_.shared_host_cores;
+  }
   w.stepping = true;
   SyncInfo(w);
   events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi));
@@ -517,6 +530,7 @@ void Simulator::Commit(Worker& w, Seq& s) {
 void Simulator::OnStepEnd(size_t wi) {
   Worker& w = workers_[wi];
   w.stepping = false;
+  busy_processes_ -= w.processes;
   const double now = events_.now();
   std::vector<Seq>& still = w.running_scratch;
   still.clear();

@@ -46,11 +46,18 @@ struct ClusterConfig {
   int coordinator_max_running = 64;  // coordinator admission (the server's --max-running)
   int coordinator_max_queue = 256;   // (--max-queue)
   int64_t store_blocks = 0;          // prefix tier (RocksDB) per prefill/colocated worker; 0 = none
+  // 0: every worker (every TP rank) has a machine of its own. N > 0: all of
+  // them share one host of N cores (the single-node topologies `kvrelay sim
+  // validate` compares with): a step that starts while more worker processes
+  // are computing than there are cores takes longer by busy / N.
+  int shared_host_cores = 0;
 
   Status Validate() const;
   // Machines (one per worker, one per TP rank) the configuration occupies.
   int Nodes() const { return colocated + prefill + decode * tp; }
   std::string Name() const;  // "colocated x4", "2P+3D TP2"
+  // Name() plus the router when it is not the default prefix_aware.
+  std::string NameWithRouter() const;
 };
 
 struct RequestTiming {

@@ -94,11 +94,21 @@ Result<PlanResult> Plan(const Profile& profile, const PlanOptions& options,
   RETURN_IF_ERROR(options.Validate());
   std::vector<ClusterConfig> configs;
   if (options.include_colocated) {
-    for (int c = 1; c <= options.max_nodes; ++c) {
-      ClusterConfig k;
-      k.colocated = c;
-      k.prefill = k.decode = 0;
-      configs.push_back(k);
+    // prefix_aware scores colocated workers by queued prompt tokens only, so
+    // it piles decodes onto the lowest-id idle worker; least_loaded also
+    // looks at the running batch. The baseline gets both.
+    std::vector<coordinator::RouterPolicy> policies = {options.router};
+    if (options.router != coordinator::RouterPolicy::kLeastLoaded) {
+      policies.push_back(coordinator::RouterPolicy::kLeastLoaded);
+    }
+    for (auto policy : policies) {
+      for (int c = 1; c <= options.max_nodes; ++c) {
+        ClusterConfig k;
+        k.colocated = c;
+        k.prefill = k.decode = 0;
+        k.router = policy;
+        configs.push_back(k);
+      }
     }
   }
   if (options.include_disaggregated) {
@@ -117,7 +127,7 @@ Result<PlanResult> Plan(const Profile& profile, const PlanOptions& options,
   }
   PlanResult out;
   for (auto& k : configs) {
-    k.router = options.router;
+    if (k.colocated == 0) k.router = options.router;
     PlanCandidate c;
     c.config = k;
     ASSIGN_OR_RETURN(c.max_rate, MaxRate(profile, k, options, &out.simulations));

@@ -218,6 +218,24 @@ TEST(SimulatorTest, PrefixCacheHitsAndPrefixAwareRouting) {
   EXPECT_EQ(same->requests[1].cached_tokens, 48);
 }
 
+// Worker processes sharing one host: a step that starts while more processes
+// compute than there are cores is stretched by busy / cores (rate fixed at
+// the step's start).
+TEST(SimulatorTest, SharedHostCoresStretchSteps) {
+  Profile p = Simple(0.5);
+  ClusterConfig c = Colocated(2);
+  c.router = coordinator::RouterPolicy::kRoundRobin;
+  c.shared_host_cores = 1;
+  auto r = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->requests[0].ttft_s(), 0.5);  // alone when it started
+  EXPECT_EQ(r->requests[1].ttft_s(), 1.0);  // two processes on one core
+  c.shared_host_cores = 2;
+  auto roomy = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  ASSERT_TRUE(roomy.ok());
+  EXPECT_EQ(roomy->requests[1].ttft_s(), 0.5);
+}
+
 TEST(SimulatorTest, DeterministicForASeed) {
   Profile p = Simple(0.01, 1.0 / 4096);
   WorkloadOptions wo;
