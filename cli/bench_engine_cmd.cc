@@ -191,7 +191,7 @@ int Run(const std::vector<std::string>& args) {
   auto flags =
       Flags::Parse(args,
                    {"model", "threads", "reps", "pp", "tg", "batches", "batch-steps", "seed",
-                    "context", "json"},
+                    "context", "json", "kv-dtype"},
                    {"profile", "skip-batches"});
   if (!flags.ok()) {
     std::fprintf(stderr, "bench engine: %s\n", flags.status().ToString().c_str());
@@ -255,7 +255,12 @@ int Run(const std::vector<std::string>& args) {
       context / bt +
       std::max<int64_t>((std::max(pp, tg) + bt - 1) / bt, max_seqs * ((steps + bt - 1) / bt));
   engine::KvBlockPool::Options po;
-  po.layout = m.MakeKvLayout(engine::KvDtype::kF32, bt);
+  auto kv_dtype = engine::ParseKvDtype(flags->Get("kv-dtype", "f32"));
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "bench engine: %s\n", kv_dtype.status().ToString().c_str());
+    return 2;
+  }
+  po.layout = m.MakeKvLayout(*kv_dtype, bt);
   po.capacity_bytes = (need_blocks + 2) * po.layout.BlockBytes();
   auto kv = engine::KvBlockPool::Create(po);
   if (!kv.ok()) {
@@ -341,7 +346,7 @@ int Run(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_engine, "bench engine",
                 "bench engine --model M [--threads T] [--reps 5] [--pp 512] [--tg 128] "
-                "[--batches 4,16,64] [--batch-steps 16] [--context C] [--json OUT] [--profile]",
+                "[--batches 4,16,64] [--batch-steps 16] [--context C] [--kv-dtype f32] [--json OUT] [--profile]",
                 Run);
 
 }  // namespace kvrelay::cli

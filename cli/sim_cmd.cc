@@ -292,7 +292,7 @@ int RunSim(const std::vector<std::string>& args) {
 // ------------------------------------------------------ kvrelay sim calibrate
 
 struct Sample {
-  double seqs, tokens, attn, seconds;
+  double seqs, tokens, attn, decode_attn, seconds;
   std::string what;
 };
 
@@ -301,13 +301,13 @@ void EngineSamples(const json& j, std::vector<Sample>* out) {
   const double ctx = j.value("context", 0.0);
   if (j.contains("prefill")) {
     const double n = j["prefill"].value("tokens", 0.0);
-    out->push_back({1, n, n * ctx + n * (n + 1) / 2, j["prefill"].value("median_s", 0.0),
+    out->push_back({1, n, n * ctx + n * (n + 1) / 2, 0, j["prefill"].value("median_s", 0.0),
                     "prefill " + std::to_string(static_cast<int>(n)) + " tok, ctx " +
                         std::to_string(static_cast<int>(ctx))});
   }
   for (const auto& d : j.value("decode", json::array())) {
     const double b = d.value("batch", 1.0), k = d.value("steps", 1.0);
-    out->push_back({b, b, b * (ctx + (k + 1) / 2), d.value("median_step_s", 0.0),
+    out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), d.value("median_step_s", 0.0),
                     "decode batch " + std::to_string(static_cast<int>(b)) + ", ctx " +
                         std::to_string(static_cast<int>(ctx))});
   }
@@ -459,7 +459,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   for (const auto& r : runs) {
     const std::string path = TempPath("engine.json");
     std::vector<std::string> a = {"bench", "engine", "--model", model, "--threads", th,
-                                  "--reps", rp, "--json", path};
+                                  "--reps", rp, "--kv-dtype", kv_dtype, "--json", path};
     a.insert(a.end(), r.begin(), r.end());
     auto o = RunSelf(a, 900);
     if (!o.ok()) return fail(o.status());
@@ -469,29 +469,30 @@ int RunCalibrate(const std::vector<std::string>& args) {
     EngineSamples(*j, &samples);
     // tg: batch 1 from the context, averaged over its steps.
     const double ctx = j->value("context", 0.0), k = (*j)["tg"].value("tokens", 1.0);
-    samples.push_back({1, 1, ctx + (k + 1) / 2, (*j)["tg"].value("median_step_s", 0.0),
+    samples.push_back({1, 1, 0, ctx + (k + 1) / 2, (*j)["tg"].value("median_step_s", 0.0),
                        "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx))});
   }
   {
     std::vector<double> a, b, w;
     for (const auto& s : samples) {
-      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn});
+      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn, s.decode_attn});
       b.push_back(s.seconds);
       w.push_back(1.0 / (s.seconds * s.seconds));  // relative error
     }
-    auto x = sim::NonNegativeLeastSquares(a, 4, b, w);
+    auto x = sim::NonNegativeLeastSquares(a, 5, b, w);
     if (!x.ok()) return fail(x.status());
-    p.step = {(*x)[0], (*x)[1], (*x)[2], (*x)[3],
+    p.step = {(*x)[0], (*x)[1], (*x)[2], (*x)[3], (*x)[4],
               "kvrelay bench engine --threads " + th + " --reps " + rp +
                   " (pp 32/128/256/512 at context 0/256, decode batch 1/4/16 at context "
                   "0/256/768), non-negative least squares weighted by 1/t^2, " +
                   date + ", " + p.hardware};
-    std::printf("step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(token x position)\n",
+    std::printf("step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(prefill token x "
+                "position) + %.3g ms/(decode token x position)\n",
                 p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
-                p.step.per_attn_s * 1e3);
+                p.step.per_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
     std::printf("%-32s %12s %12s %8s\n", "measurement", "measured ms", "model ms", "error");
     for (const auto& s : samples) {
-      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn);
+      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn);
       std::printf("%-32s %12.3f %12.3f %+7.1f%%\n", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
                   100 * (m2 - s.seconds) / s.seconds);
     }
@@ -554,7 +555,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   if (!f->Has("skip-serve")) {
     const double in = static_cast<double>(*input_len), out = static_cast<double>(*output_len);
     const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
-    const double decode_s = p.step.Seconds(1, 1, in + out / 2);
+    const double decode_s = p.step.Seconds(1, 1, 0, in + out / 2);
     const std::vector<std::string> serve = {"--rate", "inf", "--max-concurrency", "1",
                                             "--num-prompts", f->Has("quick") ? "4" : "8",
                                             "--input-len", std::to_string(*input_len),

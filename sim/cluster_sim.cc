@@ -491,18 +491,20 @@ void Simulator::MaybeStep(size_t wi) {
     SyncInfo(w);
     return;
   }
-  double seqs = 0, tokens = 0, attn = 0;
+  double seqs = 0, tokens = 0, attn = 0, decode_attn = 0;
   const double now = events_.now();
   for (const auto& s : w.running) {
     if (s.chunk == 0) continue;
     seqs += 1;
     const double c = static_cast<double>(s.chunk);
     tokens += c;
-    attn += c * static_cast<double>(s.computed) + c * (c + 1) / 2;
+    (s.tokens - s.computed <= 1 ? decode_attn : attn) +=
+        c * static_cast<double>(s.computed) + c * (c + 1) / 2;
     ReqState& st = reqs_[s.req];
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
-  double d = profile_.step.Seconds(seqs, tokens, attn) * w.step_scale + w.step_add_s;
+  double d =
+      profile_.step.Seconds(seqs, tokens, attn, decode_attn) * w.step_scale + w.step_add_s;
   busy_processes_ += w.processes;
   if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {
     d *= static_cast<double>(busy_processes_) / config_.shared_host_cores;

@@ -5,10 +5,12 @@
 // section is required when the file is loaded).
 //
 // Step-time model of one engine step on one worker (TP 1), in seconds:
-//   base_s + per_seq_s * S + per_token_s * N + per_attn_s * A
+//   base_s + per_seq_s * S + per_token_s * N + per_attn_s * A + per_decode_attn_s * A_d
 // where S = sequences in the step, N = tokens computed in the step (prefill
-// chunk tokens + one per decoding sequence) and A = sum over those tokens of
-// the positions each attends to (cached context + earlier tokens + itself).
+// chunk tokens + one per decoding sequence), A = sum over the prefill chunks'
+// tokens of the positions each attends to (cached context + earlier tokens +
+// itself) and A_d the same over the decoding sequences' tokens (one-token
+// attention runs another kernel shape, so it has its own coefficient).
 // base_s is what a step costs regardless of its size (on a CPU: streaming the
 // weights once), per_seq_s the LM head and sampling of one sequence,
 // per_token_s the layer matmuls of one token, per_attn_s attention per
@@ -30,10 +32,12 @@ struct StepCost {
   double per_seq_s = 0;
   double per_token_s = 0;
   double per_attn_s = 0;
+  double per_decode_attn_s = 0;
   std::string source;
 
-  double Seconds(double seqs, double tokens, double attn) const {
-    return base_s + per_seq_s * seqs + per_token_s * tokens + per_attn_s * attn;
+  double Seconds(double seqs, double tokens, double attn, double decode_attn = 0) const {
+    return base_s + per_seq_s * seqs + per_token_s * tokens + per_attn_s * attn +
+           per_decode_attn_s * decode_attn;
   }
 };
 

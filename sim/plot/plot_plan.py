@@ -28,7 +28,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     slo = plan["slo"]
     w = plan["workload"]
-    subtitle = (f'{plan["profile"]}: {w["input_len"]} in / {w["output_len"]} out; '
+    subtitle = (f'{plan["profile"]}: {w["input_len"]} in / {w["output_len"]} out\n'
                 f'SLO TTFT p90 <= {slo["ttft_p90_ms"]:.0f} ms, TPOT p90 <= {slo["tpot_p90_ms"]:.1f} ms')
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
