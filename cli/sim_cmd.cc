@@ -248,8 +248,10 @@ int RunSim(const std::vector<std::string>& args) {
   so.ttft_slo_s = *ttft_slo / 1e3;
   so.tpot_slo_s = *tpot_slo / 1e3;
   const TimePoint t0 = Clock::now();
+  const std::clock_t c0 = std::clock();
   auto r = sim::Simulate(*profile, *config, *workload, so);
   const double wall = SecondsSince(t0);
+  const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
   if (!r.ok()) {
     std::fprintf(stderr, "sim: %s\n", r.status().ToString().c_str());
     return 1;
@@ -273,15 +275,16 @@ int RunSim(const std::vector<std::string>& args) {
     std::printf("goodput: %.3f req/s (%lld within SLO)\n", r->goodput_rps,
                 static_cast<long long>(r->good));
   }
-  std::printf("simulator: %llu events in %.2f s wall (%.2f M events/s)\n",
-              static_cast<unsigned long long>(r->events), wall,
-              static_cast<double>(r->events) / wall / 1e6);
+  std::printf("simulator: %llu events in %.2f s wall, %.2f s CPU (%.2f M events per CPU s)\n",
+              static_cast<unsigned long long>(r->events), wall, cpu,
+              static_cast<double>(r->events) / cpu / 1e6);
   if (f->Has("json")) {
     json j = SummaryJson(*r);
     j["config"] = config->Name();
     j["nodes"] = config->Nodes();
     j["requests"] = workload->size();
     j["wall_s"] = wall;
+    j["cpu_s"] = cpu;
     std::ofstream out(f->Get("json"));
     out << j.dump(2) << "\n";
     if (!out) {
@@ -591,12 +594,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
       s.replace(s.find("%s"), 2, topo);
       return s;
     };
+    // TPOT fixes the decode part's scale; TTFT (one prefill step at low load:
+    // base x step_scale + the rest x prefill_scale) then fixes the prefill's.
+    const double prefill_part = prefill_s - p.step.base_s;
     p.colocated.step_scale = std::max(0.05, pts[0].tpot_s / decode_s);
-    p.colocated.ttft_s = std::max(0.0, pts[0].ttft_s - p.colocated.step_scale * prefill_s);
+    p.colocated.prefill_scale = std::max(
+        0.05, (pts[0].ttft_s - p.colocated.step_scale * p.step.base_s) / prefill_part);
     p.colocated.source = source(Topologies(static_cast<int>(*colocated))[0].name);
-    p.prefill.step_scale = 1.0;
-    p.prefill.ttft_s = std::max(0.0, pts[1].ttft_s - prefill_s);
-    p.prefill.source = source("1P+1D") + "; step_scale 1 (the prefill alone is bench engine's)";
+    p.prefill.prefill_scale =
+        std::max(0.05, (pts[1].ttft_s - p.step.base_s) / prefill_part);
+    p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
     p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
     p.decode.source = source("1P+1D");
     p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,

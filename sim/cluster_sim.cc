@@ -132,7 +132,8 @@ struct Worker {
   int64_t used_blocks = 0;  // allocated + reserved
   bool stepping = false;
   int processes = 1;  // a decode group: one per TP rank
-  double step_scale = 1;
+  double step_scale = 1;     // fixed + decode part of a step
+  double prefill_scale = 1;  // prefill part
   double step_add_s = 0;
   double ttft_add_s = 0;
   double link_free_s = 0;  // prefill: egress link busy until
@@ -214,6 +215,7 @@ void Simulator::Setup() {
     w.id = id;
     w.capacity_blocks = capacity;
     w.step_scale = o.step_scale * scale;
+    w.prefill_scale = o.prefill_scale * scale;
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
     if (kind != Worker::Kind::kDecode) {
@@ -491,20 +493,28 @@ void Simulator::MaybeStep(size_t wi) {
     SyncInfo(w);
     return;
   }
-  double seqs = 0, tokens = 0, attn = 0, decode_attn = 0;
+  double decode_seqs = 0, prefill_seqs = 0, prefill_tokens = 0, attn = 0, decode_attn = 0;
   const double now = events_.now();
   for (const auto& s : w.running) {
     if (s.chunk == 0) continue;
-    seqs += 1;
     const double c = static_cast<double>(s.chunk);
-    tokens += c;
-    (s.tokens - s.computed <= 1 ? decode_attn : attn) +=
-        c * static_cast<double>(s.computed) + c * (c + 1) / 2;
+    const double pairs = c * static_cast<double>(s.computed) + c * (c + 1) / 2;
+    if (s.tokens - s.computed <= 1) {
+      decode_seqs += 1;
+      decode_attn += pairs;
+    } else {
+      prefill_seqs += 1;
+      prefill_tokens += c;
+      attn += pairs;
+    }
     ReqState& st = reqs_[s.req];
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
-  double d =
-      profile_.step.Seconds(seqs, tokens, attn, decode_attn) * w.step_scale + w.step_add_s;
+  const StepCost& k = profile_.step;
+  double d = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
+             w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
+                                k.per_attn_s * attn) +
+             w.step_add_s;
   busy_processes_ += w.processes;
   if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {
     d *= static_cast<double>(busy_processes_) / config_.shared_host_cores;

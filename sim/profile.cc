@@ -43,8 +43,10 @@ Status Profile::Validate() const {
     }
   }
   for (const auto* o : {&colocated, &prefill, &decode}) {
-    if (!(o->ttft_s >= 0) || !(o->step_scale > 0) || !(o->step_add_s >= 0)) {
-      return InvalidArgument("profile overheads: ttft_s >= 0, step_scale > 0, step_add_s >= 0");
+    if (!(o->ttft_s >= 0) || !(o->step_scale > 0) || !(o->prefill_scale > 0) ||
+        !(o->step_add_s >= 0)) {
+      return InvalidArgument(
+          "profile overheads: ttft_s >= 0, step_scale > 0, prefill_scale > 0, step_add_s >= 0");
     }
   }
   return Status::Ok();
@@ -66,6 +68,7 @@ json LinkJson(const LinkCost& l) {
 json OverheadJson(const ServingOverhead& o) {
   return {{"ttft_s", o.ttft_s},
           {"step_scale", o.step_scale},
+          {"prefill_scale", o.prefill_scale},
           {"step_add_s", o.step_add_s},
           {"source", o.source}};
 }
@@ -100,6 +103,7 @@ Status ReadOverhead(const json& j, const char* key, ServingOverhead* o) {
   if (!v.is_object()) return InvalidArgument("profile: " + std::string(key) + " must be an object");
   RETURN_IF_ERROR(Read(v, path, "ttft_s", &o->ttft_s, false));
   RETURN_IF_ERROR(Read(v, path, "step_scale", &o->step_scale, false));
+  RETURN_IF_ERROR(Read(v, path, "prefill_scale", &o->prefill_scale, false));
   RETURN_IF_ERROR(Read(v, path, "step_add_s", &o->step_add_s, false));
   RETURN_IF_ERROR(Read(v, path, "source", &o->source, true));
   return Status::Ok();

@@ -60,12 +60,16 @@ struct TpCost {
 // control plane, the KV hand-off), from low-load `bench serve` runs of the
 // real topologies: ttft_s is added to every TTFT (for the decode role: from the
 // KV landing to its admission into the batch); step_scale multiplies the
-// engine step time of that role (the serving process's steps are slower than
-// `bench engine`'s when the processes of a topology share cores or memory
-// bandwidth); step_add_s is added to every step of that role.
+// step's fixed and decode parts (base, and per_seq / per_token /
+// per_decode_attn of its decoding sequences) and prefill_scale its prefill
+// part (the same terms of its prefill chunks): a serving process's steps
+// differ from `bench engine`'s (other processes on the cores, the TCP
+// streaming, f16 conversions), and not by the same factor for both kinds of
+// work; step_add_s is added to every step of that role.
 struct ServingOverhead {
   double ttft_s = 0;
   double step_scale = 1.0;
+  double prefill_scale = 1.0;
   double step_add_s = 0;
   std::string source;
 };
