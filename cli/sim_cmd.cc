@@ -298,7 +298,7 @@ int RunSim(const std::vector<std::string>& args) {
 // ------------------------------------------------------ kvrelay sim calibrate
 
 struct Sample {
-  double seqs, tokens, attn, decode_attn, seconds;
+  double seqs, tokens, attn, decode_attn, ctx_attn, seconds;
   std::string what;
 };
 
@@ -307,13 +307,13 @@ void EngineSamples(const json& j, std::vector<Sample>* out) {
   const double ctx = j.value("context", 0.0);
   if (j.contains("prefill")) {
     const double n = j["prefill"].value("tokens", 0.0);
-    out->push_back({1, n, n * ctx + n * (n + 1) / 2, 0, j["prefill"].value("median_s", 0.0),
+    out->push_back({1, n, n * (n + 1) / 2, 0, n * ctx, j["prefill"].value("median_s", 0.0),
                     "prefill " + std::to_string(static_cast<int>(n)) + " tok, ctx " +
                         std::to_string(static_cast<int>(ctx))});
   }
   for (const auto& d : j.value("decode", json::array())) {
     const double b = d.value("batch", 1.0), k = d.value("steps", 1.0);
-    out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), d.value("median_step_s", 0.0),
+    out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), 0, d.value("median_step_s", 0.0),
                     "decode batch " + std::to_string(static_cast<int>(b)) + ", ctx " +
                         std::to_string(static_cast<int>(ctx))});
   }
@@ -481,30 +481,31 @@ int RunCalibrate(const std::vector<std::string>& args) {
     EngineSamples(*j, &samples);
     // tg: batch 1 from the context, averaged over its steps.
     const double ctx = j->value("context", 0.0), k = (*j)["tg"].value("tokens", 1.0);
-    samples.push_back({1, 1, 0, ctx + (k + 1) / 2, (*j)["tg"].value("median_step_s", 0.0),
+    samples.push_back({1, 1, 0, ctx + (k + 1) / 2, 0, (*j)["tg"].value("median_step_s", 0.0),
                        "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx))});
   }
   {
     std::vector<double> a, b, w;
     for (const auto& s : samples) {
-      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn, s.decode_attn});
+      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn});
       b.push_back(s.seconds);
       w.push_back(1.0 / (s.seconds * s.seconds));  // relative error
     }
-    auto x = sim::NonNegativeLeastSquares(a, 5, b, w);
+    auto x = sim::NonNegativeLeastSquares(a, 6, b, w);
     if (!x.ok()) return fail(x.status());
-    p.step = {(*x)[0], (*x)[1], (*x)[2], (*x)[3], (*x)[4],
+    p.step = {(*x)[0], (*x)[1], (*x)[2], (*x)[3], (*x)[4], (*x)[5],
               "kvrelay bench engine --threads " + th + " --reps " + rp +
-                  " (pp 32/128/256/512 at context 0/256, decode batch 1/4/16 at context "
+                  " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/4/16 at context "
                   "0/256/768), non-negative least squares weighted by 1/t^2, " +
                   date + ", " + p.hardware};
-    std::printf("step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(prefill token x "
-                "position) + %.3g ms/(decode token x position)\n",
+    std::printf("step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
+                "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
                 p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
-                p.step.per_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
+                p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3,
+                p.step.per_decode_attn_s * 1e3);
     std::printf("%-32s %12s %12s %8s\n", "measurement", "measured ms", "model ms", "error");
     for (const auto& s : samples) {
-      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn);
+      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
       std::printf("%-32s %12.3f %12.3f %+7.1f%%\n", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
                   100 * (m2 - s.seconds) / s.seconds);
     }

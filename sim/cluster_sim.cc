@@ -493,19 +493,21 @@ void Simulator::MaybeStep(size_t wi) {
     SyncInfo(w);
     return;
   }
-  double decode_seqs = 0, prefill_seqs = 0, prefill_tokens = 0, attn = 0, decode_attn = 0;
+  double decode_seqs = 0, prefill_seqs = 0, prefill_tokens = 0, attn = 0, ctx_attn = 0,
+         decode_attn = 0;
   const double now = events_.now();
   for (const auto& s : w.running) {
     if (s.chunk == 0) continue;
     const double c = static_cast<double>(s.chunk);
-    const double pairs = c * static_cast<double>(s.computed) + c * (c + 1) / 2;
+    const double cached = c * static_cast<double>(s.computed), own = c * (c + 1) / 2;
     if (s.tokens - s.computed <= 1) {
       decode_seqs += 1;
-      decode_attn += pairs;
+      decode_attn += cached + own;
     } else {
       prefill_seqs += 1;
       prefill_tokens += c;
-      attn += pairs;
+      attn += own;
+      ctx_attn += cached;
     }
     ReqState& st = reqs_[s.req];
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
@@ -513,7 +515,7 @@ void Simulator::MaybeStep(size_t wi) {
   const StepCost& k = profile_.step;
   double d = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
              w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
-                                k.per_attn_s * attn) +
+                                k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn) +
              w.step_add_s;
   busy_processes_ += w.processes;
   if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {

@@ -17,7 +17,8 @@ Status Profile::Validate() const {
   if (max_step_tokens < 1) return InvalidArgument("profile.max_step_tokens must be >= 1");
   if (max_running < 1) return InvalidArgument("profile.max_running must be >= 1");
   for (double v :
-       {step.base_s, step.per_seq_s, step.per_token_s, step.per_attn_s, step.per_decode_attn_s}) {
+       {step.base_s, step.per_seq_s, step.per_token_s, step.per_attn_s, step.per_decode_attn_s,
+        step.per_ctx_attn_s}) {
     if (!(v >= 0) || !std::isfinite(v)) return InvalidArgument("profile.step costs must be >= 0");
   }
   if (step.Seconds(1, 1, 1) <= 0) return InvalidArgument("profile.step: a step must cost > 0 s");
@@ -137,6 +138,7 @@ std::string ProfileToJson(const Profile& p) {
         {"per_token_s", p.step.per_token_s},
         {"per_attn_s", p.step.per_attn_s},
         {"per_decode_attn_s", p.step.per_decode_attn_s},
+        {"per_ctx_attn_s", p.step.per_ctx_attn_s},
         {"source", p.step.source}}},
       {"transport", p.transport},
       {"transports", transports},
@@ -174,6 +176,8 @@ Result<Profile> ProfileFromJson(const std::string& text) {
   RETURN_IF_ERROR(Read(s, "step.", "per_attn_s", &p.step.per_attn_s, true));
   p.step.per_decode_attn_s = p.step.per_attn_s;  // one coefficient unless both are given
   RETURN_IF_ERROR(Read(s, "step.", "per_decode_attn_s", &p.step.per_decode_attn_s, false));
+  p.step.per_ctx_attn_s = p.step.per_attn_s;
+  RETURN_IF_ERROR(Read(s, "step.", "per_ctx_attn_s", &p.step.per_ctx_attn_s, false));
   RETURN_IF_ERROR(Read(s, "step.", "source", &p.step.source, true));
   RETURN_IF_ERROR(Read(j, "", "transport", &p.transport, false));
   if (!j.contains("transports") || !j["transports"].is_object()) {

@@ -5,12 +5,16 @@
 // section is required when the file is loaded).
 //
 // Step-time model of one engine step on one worker (TP 1), in seconds:
-//   base_s + per_seq_s * S + per_token_s * N + per_attn_s * A + per_decode_attn_s * A_d
+//   base_s + per_seq_s * S + per_token_s * N + per_attn_s * A + per_ctx_attn_s * A_c
+//          + per_decode_attn_s * A_d
 // where S = sequences in the step, N = tokens computed in the step (prefill
-// chunk tokens + one per decoding sequence), A = sum over the prefill chunks'
-// tokens of the positions each attends to (cached context + earlier tokens +
-// itself) and A_d the same over the decoding sequences' tokens (one-token
-// attention runs another kernel shape, so it has its own coefficient).
+// chunk tokens + one per decoding sequence), A = the (token, position) pairs
+// of the prefill chunks' causal attention within the chunk (c (c + 1) / 2 per
+// chunk of c), A_c the pairs between a chunk and the context cached before
+// the step (c x cached) and A_d the pairs of the decoding sequences' one
+// token each (context + 1). The three kinds of attention run different loops
+// in the engine (measured: cached-context pairs cost more than in-chunk ones),
+// so each has its own coefficient.
 // base_s is what a step costs regardless of its size (on a CPU: streaming the
 // weights once), per_seq_s the LM head and sampling of one sequence,
 // per_token_s the layer matmuls of one token, per_attn_s attention per
@@ -33,11 +37,13 @@ struct StepCost {
   double per_token_s = 0;
   double per_attn_s = 0;
   double per_decode_attn_s = 0;
+  double per_ctx_attn_s = 0;
   std::string source;
 
-  double Seconds(double seqs, double tokens, double attn, double decode_attn = 0) const {
+  double Seconds(double seqs, double tokens, double attn, double decode_attn = 0,
+                 double ctx_attn = 0) const {
     return base_s + per_seq_s * seqs + per_token_s * tokens + per_attn_s * attn +
-           per_decode_attn_s * decode_attn;
+           per_decode_attn_s * decode_attn + per_ctx_attn_s * ctx_attn;
   }
 };
 

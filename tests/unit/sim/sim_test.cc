@@ -31,7 +31,7 @@ Profile Simple(double base, double per_token = 0) {
   p.max_step_tokens = 512;
   p.max_running = 64;
   p.layerwise_transfer = false;
-  p.step = {base, 0, per_token, 0, 0, "test"};
+  p.step = {base, 0, per_token, 0, 0, 0, "test"};
   p.transports["tcp"] = {0, 1e12, "test"};
   p.store_restore = {0, 1e12, "test"};
   p.colocated.source = p.prefill.source = p.decode.source = "test";
