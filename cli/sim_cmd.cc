@@ -570,7 +570,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
     const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
     const double decode_s = p.step.Seconds(1, 1, 0, in + out / 2);
     const std::vector<std::string> serve = {"--rate", "inf", "--max-concurrency", "1",
-                                            "--num-prompts", f->Has("quick") ? "4" : "8",
+                                            "--num-prompts", f->Has("quick") ? "4" : "12",
                                             "--input-len", std::to_string(*input_len),
                                             "--output-len", std::to_string(*output_len),
                                             "--seed", "4242"};
