@@ -188,11 +188,10 @@ double MatMulOnlySeconds(const engine::Model& model, ThreadPool* threads, int re
 }
 
 int Run(const std::vector<std::string>& args) {
-  auto flags =
-      Flags::Parse(args,
-                   {"model", "threads", "reps", "pp", "tg", "batches", "batch-steps", "seed",
-                    "context", "json", "kv-dtype"},
-                   {"profile", "skip-batches"});
+  auto flags = Flags::Parse(args,
+                            {"model", "threads", "reps", "pp", "tg", "batches", "batch-steps",
+                             "seed", "context", "json", "kv-dtype"},
+                            {"profile", "skip-batches"});
   if (!flags.ok()) {
     std::fprintf(stderr, "bench engine: %s\n", flags.status().ToString().c_str());
     return 2;
@@ -251,9 +250,8 @@ int Run(const std::vector<std::string>& args) {
   const int bt = 16;
   int64_t max_seqs = 1;
   for (int b : batches) max_seqs = std::max<int64_t>(max_seqs, b);
-  const int64_t need_blocks =
-      context / bt +
-      std::max<int64_t>((std::max(pp, tg) + bt - 1) / bt, max_seqs * ((steps + bt - 1) / bt));
+  const int64_t need_blocks = context / bt + std::max<int64_t>((std::max(pp, tg) + bt - 1) / bt,
+                                                               max_seqs * ((steps + bt - 1) / bt));
   engine::KvBlockPool::Options po;
   auto kv_dtype = engine::ParseKvDtype(flags->Get("kv-dtype", "f32"));
   if (!kv_dtype.ok()) {
@@ -278,8 +276,11 @@ int Run(const std::vector<std::string>& args) {
     return 1;
   };
   char label[64];
-  nlohmann::json report = {{"model", path}, {"threads", threads}, {"reps", reps},
-                           {"context", context}, {"decode", nlohmann::json::array()}};
+  nlohmann::json report = {{"model", path},
+                           {"threads", threads},
+                           {"reps", reps},
+                           {"context", context},
+                           {"decode", nlohmann::json::array()}};
   if (Status s = bench.SetContext(context); !s.ok()) return fail(s);
   if (Status s = bench.AllocSeqs(1, std::max(pp, tg)); !s.ok()) return fail(s);
   auto pps = Measure(reps, pp, [&] { return bench.Prefill(pp); });
@@ -300,7 +301,8 @@ int Run(const std::vector<std::string>& args) {
       auto one = Measure(reps, steps, [&] { return bench.Decode(1, steps); });
       if (!one.ok()) return fail(one.status());
       batch1 = one->median;
-      report["decode"].push_back({{"batch", 1}, {"steps", steps}, {"median_step_s", 1.0 / one->median}});
+      report["decode"].push_back(
+          {{"batch", 1}, {"steps", steps}, {"median_step_s", 1.0 / one->median}});
       std::snprintf(label, sizeof(label), "decode batch 1 x%d", steps);
       Print(label, *one);
     }
@@ -309,8 +311,7 @@ int Run(const std::vector<std::string>& args) {
     std::snprintf(label, sizeof(label), "decode batch %d x%d", b, steps);
     Print(label, *st);
     std::printf("%-22s %10.2fx\n", "  vs batch 1", st->median / batch1);
-    report["decode"].push_back(
-        {{"batch", b}, {"steps", steps}, {"median_step_s", b / st->median}});
+    report["decode"].push_back({{"batch", b}, {"steps", steps}, {"median_step_s", b / st->median}});
     bench.FreeSeqs();
   }
   if (flags->Has("profile")) {
@@ -346,7 +347,8 @@ int Run(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_engine, "bench engine",
                 "bench engine --model M [--threads T] [--reps 5] [--pp 512] [--tg 128] "
-                "[--batches 4,16,64] [--batch-steps 16] [--context C] [--kv-dtype f32] [--json OUT] [--profile]",
+                "[--batches 4,16,64] [--batch-steps 16] [--context C] [--kv-dtype f32] [--json "
+                "OUT] [--profile]",
                 Run);
 
 }  // namespace kvrelay::cli

@@ -52,7 +52,8 @@ std::string FindPlotScript() {
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   for (fs::path base : {fs::current_path(), exe.parent_path().parent_path().parent_path()}) {
-    if (fs::exists(base / "sim/plot/plot_plan.py")) return (base / "sim/plot/plot_plan.py").string();
+    if (fs::exists(base / "sim/plot/plot_plan.py"))
+      return (base / "sim/plot/plot_plan.py").string();
   }
   return "";
 }
@@ -85,9 +86,9 @@ int RunPlan(const std::vector<std::string>& args) {
   auto seed = f->GetInt("seed", 1);
   auto rpn = f->GetInt("requests-per-node", 300);
   auto top = f->GetInt("top", 10);
-  for (const Status& s : {in.status(), out.status(), shared.status(), groups.status(),
-                          ttft.status(), tpot.status(), max_nodes.status(), seed.status(),
-                          rpn.status(), top.status()}) {
+  for (const Status& s :
+       {in.status(), out.status(), shared.status(), groups.status(), ttft.status(), tpot.status(),
+        max_nodes.status(), seed.status(), rpn.status(), top.status()}) {
     if (!s.ok()) return fail(s, 2);
   }
   o.workload.prompt_tokens = *in;
@@ -111,11 +112,12 @@ int RunPlan(const std::vector<std::string>& args) {
   }
   if (Status s = o.Validate(); !s.ok()) return fail(s, 2);
 
-  std::printf("plan: profile '%s' (%s), workload %lld in / %lld out, shared prefix %lld x %lld "
-              "groups; SLO TTFT p90 <= %.0f ms, TPOT p90 <= %.1f ms; up to %d nodes\n",
-              profile->name.c_str(), profile->hardware.c_str(), static_cast<long long>(*in),
-              static_cast<long long>(*out), static_cast<long long>(*shared),
-              static_cast<long long>(*groups), *ttft, *tpot, o.max_nodes);
+  std::printf(
+      "plan: profile '%s' (%s), workload %lld in / %lld out, shared prefix %lld x %lld "
+      "groups; SLO TTFT p90 <= %.0f ms, TPOT p90 <= %.1f ms; up to %d nodes\n",
+      profile->name.c_str(), profile->hardware.c_str(), static_cast<long long>(*in),
+      static_cast<long long>(*out), static_cast<long long>(*shared),
+      static_cast<long long>(*groups), *ttft, *tpot, o.max_nodes);
   const TimePoint t0 = Clock::now();
   auto plan = sim::Plan(*profile, o);
   if (!plan.ok()) return fail(plan.status(), 1);
@@ -126,8 +128,8 @@ int RunPlan(const std::vector<std::string>& args) {
   const size_t shown = std::min<size_t>(plan->ranked.size(), static_cast<size_t>(*top));
   for (size_t i = 0; i < shown; ++i) {
     const auto& c = plan->ranked[i];
-    std::printf("%4zu  %-30s %6d %14.3f %16.3f\n", i + 1, c.config.NameWithRouter().c_str(), c.config.Nodes(),
-                c.max_rate, c.per_node);
+    std::printf("%4zu  %-30s %6d %14.3f %16.3f\n", i + 1, c.config.NameWithRouter().c_str(),
+                c.config.Nodes(), c.max_rate, c.per_node);
   }
   const sim::PlanCandidate* best_coloc = nullptr;
   const sim::PlanCandidate* best_disagg = nullptr;
@@ -206,8 +208,8 @@ int RunPlan(const std::vector<std::string>& args) {
     const std::string script = FindPlotScript();
     std::string python = f->Get("python", "");
     if (python.empty()) {
-      const fs::path venv = fs::path(script).parent_path().parent_path().parent_path() /
-                            ".venv-sim/bin/python";
+      const fs::path venv =
+          fs::path(script).parent_path().parent_path().parent_path() / ".venv-sim/bin/python";
       python = fs::exists(venv) ? venv.string() : "python3";
     }
     if (script.empty()) return fail(NotFound("sim/plot/plot_plan.py not found"), 1);

@@ -119,8 +119,8 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
   ss << f.rdbuf();
   unlink(tmpl);
   if (!WIFEXITED(status) || (WEXITSTATUS(status) != 0 && !allow_failure)) {
-    return Internal("'" + cmd + "' failed (status " + std::to_string(status) + "): " +
-                    ss.str().substr(0, 500));
+    return Internal("'" + cmd + "' failed (status " + std::to_string(status) +
+                    "): " + ss.str().substr(0, 500));
   }
   return ss.str();
 }
@@ -208,10 +208,28 @@ json SummaryJson(const sim::SimResult& r) {
 
 int RunSim(const std::vector<std::string>& args) {
   auto f = Flags::Parse(args,
-                        {"profile", "trace", "rate", "num-prompts", "input-len", "output-len",
-                         "shared-prefix", "prefix-groups", "seed", "arrivals", "colocated",
-                         "prefill", "decode", "tp", "router", "max-running", "max-queue",
-                         "store-blocks", "shared-host-cores", "ttft-slo-ms", "tpot-slo-ms", "json",
+                        {"profile",
+                         "trace",
+                         "rate",
+                         "num-prompts",
+                         "input-len",
+                         "output-len",
+                         "shared-prefix",
+                         "prefix-groups",
+                         "seed",
+                         "arrivals",
+                         "colocated",
+                         "prefill",
+                         "decode",
+                         "tp",
+                         "router",
+                         "max-running",
+                         "max-queue",
+                         "store-blocks",
+                         "shared-host-cores",
+                         "ttft-slo-ms",
+                         "tpot-slo-ms",
+                         "json",
                          "save-trace"},
                         {"help"});
   if (!f.ok()) {
@@ -219,7 +237,8 @@ int RunSim(const std::vector<std::string>& args) {
     return 2;
   }
   if (!f->Has("profile")) {
-    std::fprintf(stderr, "sim: --profile PATH is required (make one with `kvrelay sim calibrate`)\n");
+    std::fprintf(stderr,
+                 "sim: --profile PATH is required (make one with `kvrelay sim calibrate`)\n");
     return 2;
   }
   auto profile = sim::LoadProfile(f->Get("profile"));
@@ -228,10 +247,12 @@ int RunSim(const std::vector<std::string>& args) {
     return 2;
   }
   auto config = ParseTopology(*f);
-  auto workload = config.ok() ? ParseWorkload(*f) : Result<std::vector<sim::SimRequest>>(config.status());
+  auto workload =
+      config.ok() ? ParseWorkload(*f) : Result<std::vector<sim::SimRequest>>(config.status());
   auto ttft_slo = f->GetDouble("ttft-slo-ms", 0);
   auto tpot_slo = f->GetDouble("tpot-slo-ms", 0);
-  for (const Status& s : {config.status(), workload.status(), ttft_slo.status(), tpot_slo.status()}) {
+  for (const Status& s :
+       {config.status(), workload.status(), ttft_slo.status(), tpot_slo.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "sim: %s\n", s.ToString().c_str());
       return 2;
@@ -265,8 +286,8 @@ int RunSim(const std::vector<std::string>& args) {
               r->request_throughput, r->output_token_throughput, 100 * r->prefix_hit_rate(),
               static_cast<long long>(r->preemptions));
   auto line = [](const char* name, const sim::Percentiles& s) {
-    std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50,
-                s.p90, s.p99);
+    std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50, s.p90,
+                s.p99);
   };
   line("TTFT", r->ttft_ms);
   line("TPOT", r->tpot_ms);
@@ -464,14 +485,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
       {"--pp", "256", "--tg", "8", "--skip-batches", "--context", "0"}};
   if (!f->Has("quick")) {
     runs.push_back({"--pp", "512", "--tg", "8", "--skip-batches", "--context", "0"});
-    runs.push_back({"--pp", "64", "--tg", "16", "--batches", "4", "--batch-steps", "16",
-                    "--context", "768"});
+    runs.push_back(
+        {"--pp", "64", "--tg", "16", "--batches", "4", "--batch-steps", "16", "--context", "768"});
   }
   std::vector<Sample> samples;
   for (const auto& r : runs) {
     const std::string path = TempPath("engine.json");
-    std::vector<std::string> a = {"bench", "engine", "--model", model, "--threads", th,
-                                  "--reps", rp, "--kv-dtype", kv_dtype, "--json", path};
+    std::vector<std::string> a = {"bench",  "engine", "--model",    model,    "--threads", th,
+                                  "--reps", rp,       "--kv-dtype", kv_dtype, "--json",    path};
     a.insert(a.end(), r.begin(), r.end());
     auto o = RunSelf(a, 900);
     if (!o.ok()) return fail(o.status());
@@ -493,16 +514,22 @@ int RunCalibrate(const std::vector<std::string>& args) {
     }
     auto x = sim::NonNegativeLeastSquares(a, 6, b, w);
     if (!x.ok()) return fail(x.status());
-    p.step = {(*x)[0], (*x)[1], (*x)[2], (*x)[3], (*x)[4], (*x)[5],
-              "kvrelay bench engine --threads " + th + " --reps " + rp +
-                  " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/4/16 at context "
-                  "0/256/768), non-negative least squares weighted by 1/t^2, " +
-                  date + ", " + p.hardware};
-    std::printf("step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
-                "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
-                p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
-                p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3,
-                p.step.per_decode_attn_s * 1e3);
+    p.step = {
+        (*x)[0],
+        (*x)[1],
+        (*x)[2],
+        (*x)[3],
+        (*x)[4],
+        (*x)[5],
+        "kvrelay bench engine --threads " + th + " --reps " + rp +
+            " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/4/16 at context "
+            "0/256/768), non-negative least squares weighted by 1/t^2, " +
+            date + ", " + p.hardware};
+    std::printf(
+        "step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
+        "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
+        p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
+        p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
     std::printf("%-32s %12s %12s %8s\n", "measurement", "measured ms", "model ms", "error");
     for (const auto& s : samples) {
       const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
@@ -529,9 +556,11 @@ int RunCalibrate(const std::vector<std::string>& args) {
       }
     }
     if (pts.size() < 2) return fail(DataLoss("bench transfer printed no bandwidth table"));
-    auto l = FitLink(pts, "kvrelay bench transfer --backend tcp --min-bytes 65536 --max-bytes "
-                          "16777216 (forked receiver on this machine), latency + bytes/bandwidth "
-                          "fit, " + date);
+    auto l = FitLink(pts,
+                     "kvrelay bench transfer --backend tcp --min-bytes 65536 --max-bytes "
+                     "16777216 (forked receiver on this machine), latency + bytes/bandwidth "
+                     "fit, " +
+                         date);
     if (!l.ok()) return fail(l.status());
     p.transports["tcp"] = *l;
     std::printf("tcp: %.1f us + bytes / %.2f GB/s\n", l->latency_s * 1e6, l->bytes_per_s / 1e9);
@@ -542,18 +571,21 @@ int RunCalibrate(const std::vector<std::string>& args) {
     std::vector<std::pair<double, double>> pts;
     for (int seen : {256, 1024}) {
       auto o = RunSelf({"bench", "prefix", "--model", model, "--prompt-tokens",
-                        std::to_string(seen + 16), "--seen-tokens", std::to_string(seen),
-                        "--reps", "2", "--threads", th, "--kv-dtype", kv_dtype},
+                        std::to_string(seen + 16), "--seen-tokens", std::to_string(seen), "--reps",
+                        "2", "--threads", th, "--kv-dtype", kv_dtype},
                        900);
       if (!o.ok()) return fail(o.status());
       std::smatch mt;
       const std::regex re(R"(median restore only: ram ([0-9.]+) s, rocksdb ([0-9.]+) s)");
-      if (!std::regex_search(*o, mt, re)) return fail(DataLoss("bench prefix printed no restore time"));
+      if (!std::regex_search(*o, mt, re))
+        return fail(DataLoss("bench prefix printed no restore time"));
       pts.push_back({static_cast<double>(seen) * static_cast<double>(p.kv_bytes_per_token),
                      std::stod(mt[2])});
     }
-    auto l = FitLink(pts, "kvrelay bench prefix --seen-tokens 256/1024 (RocksDB after restart, "
-                          "cold page cache), latency + bytes/bandwidth fit, " + date);
+    auto l = FitLink(pts,
+                     "kvrelay bench prefix --seen-tokens 256/1024 (RocksDB after restart, "
+                     "cold page cache), latency + bytes/bandwidth fit, " +
+                         date);
     if (!l.ok()) return fail(l.status());
     p.store_restore = *l;
     std::printf("prefix store restore: %.2f ms + bytes / %.1f MB/s\n", l->latency_s * 1e3,
@@ -569,27 +601,34 @@ int RunCalibrate(const std::vector<std::string>& args) {
     const double in = static_cast<double>(*input_len), out = static_cast<double>(*output_len);
     const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
     const double decode_s = p.step.Seconds(1, 1, 0, in + out / 2);
-    const std::vector<std::string> serve = {"--rate", "inf", "--max-concurrency", "1",
-                                            "--num-prompts", f->Has("quick") ? "4" : "12",
-                                            "--input-len", std::to_string(*input_len),
-                                            "--output-len", std::to_string(*output_len),
-                                            "--seed", "4242"};
+    const std::vector<std::string> serve = {"--rate",
+                                            "inf",
+                                            "--max-concurrency",
+                                            "1",
+                                            "--num-prompts",
+                                            f->Has("quick") ? "4" : "12",
+                                            "--input-len",
+                                            std::to_string(*input_len),
+                                            "--output-len",
+                                            std::to_string(*output_len),
+                                            "--seed",
+                                            "4242"};
     std::vector<ServePoint> pts;
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, {serve});
       if (!r.ok()) return fail(r.status());
       const json& j = r->front();
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
-      std::printf("%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
-                  "model %.2f)\n",
-                  t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
-                  decode_s * 1e3);
+      std::printf(
+          "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
+          "model %.2f)\n",
+          t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
+          decode_s * 1e3);
     }
-    const std::string src = "kvrelay bench serve --max-concurrency 1 --input-len " +
-                            std::to_string(*input_len) + " --output-len " +
-                            std::to_string(*output_len) + " on kvrelay launch (%s, " + th +
-                            " thread per worker, KV " + kv_dtype + "), p50 vs the step model, " +
-                            date;
+    const std::string src =
+        "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+        " --output-len " + std::to_string(*output_len) + " on kvrelay launch (%s, " + th +
+        " thread per worker, KV " + kv_dtype + "), p50 vs the step model, " + date;
     auto source = [&](const std::string& topo) {
       std::string s = src;
       s.replace(s.find("%s"), 2, topo);
@@ -599,11 +638,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
     // base x step_scale + the rest x prefill_scale) then fixes the prefill's.
     const double prefill_part = prefill_s - p.step.base_s;
     p.colocated.step_scale = std::max(0.05, pts[0].tpot_s / decode_s);
-    p.colocated.prefill_scale = std::max(
-        0.05, (pts[0].ttft_s - p.colocated.step_scale * p.step.base_s) / prefill_part);
+    p.colocated.prefill_scale =
+        std::max(0.05, (pts[0].ttft_s - p.colocated.step_scale * p.step.base_s) / prefill_part);
     p.colocated.source = source(Topologies(static_cast<int>(*colocated))[0].name);
-    p.prefill.prefill_scale =
-        std::max(0.05, (pts[1].ttft_s - p.step.base_s) / prefill_part);
+    p.prefill.prefill_scale = std::max(0.05, (pts[1].ttft_s - p.step.base_s) / prefill_part);
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
     p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
     p.decode.source = source("1P+1D");
@@ -730,7 +768,8 @@ int RunValidate(const std::vector<std::string>& args) {
     for (int k = 0; k < 5; ++k) {
       const double err = RelErr(vals[k][1], vals[k][0]);
       max_err = std::max(max_err, err);
-      std::printf(" %7.1f/%7.1f %+5.0f%% |", vals[k][0], vals[k][1], 100 * (vals[k][1] - vals[k][0]) / vals[k][0]);
+      std::printf(" %7.1f/%7.1f %+5.0f%% |", vals[k][0], vals[k][1],
+                  100 * (vals[k][1] - vals[k][0]) / vals[k][0]);
       e[names[k]] = {{"real", vals[k][0]}, {"sim", vals[k][1]}, {"rel_err", err}};
     }
     std::printf("\n");
@@ -738,8 +777,11 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   if (f->Has("json")) {
     std::ofstream o(f->Get("json"));
-    o << json{{"profile", f->Get("profile")}, {"date", UtcNow()}, {"cpu", CpuModel()},
-              {"rows", report}, {"max_relative_error", max_err}}
+    o << json{{"profile", f->Get("profile")},
+              {"date", UtcNow()},
+              {"cpu", CpuModel()},
+              {"rows", report},
+              {"max_relative_error", max_err}}
              .dump(2)
       << "\n";
   }

@@ -131,7 +131,7 @@ struct Worker {
   int64_t capacity_blocks = 0;
   int64_t used_blocks = 0;  // allocated + reserved
   bool stepping = false;
-  int processes = 1;  // a decode group: one per TP rank
+  int processes = 1;         // a decode group: one per TP rank
   double step_scale = 1;     // fixed + decode part of a step
   double prefill_scale = 1;  // prefill part
   double step_add_s = 0;
@@ -261,8 +261,7 @@ void Simulator::Setup() {
 
 PrefixBlockHash Simulator::HashOf(uint32_t r, int64_t block) const {
   const SimRequest& q = workload_[r];
-  const bool shared =
-      q.prefix_group >= 0 && (block + 1) * profile_.block_tokens <= q.prefix_tokens;
+  const bool shared = q.prefix_group >= 0 && (block + 1) * profile_.block_tokens <= q.prefix_tokens;
   return BlockHash(shared ? static_cast<uint64_t>(q.prefix_group) : r, shared, block);
 }
 
@@ -357,8 +356,8 @@ int64_t Simulator::MatchPrefix(Worker& w, uint32_t r, int64_t prompt, double* re
   int64_t restored = 0;
   while (n + restored < max_blocks && w.store->Contains(HashOf(r, n + restored))) ++restored;
   if (restored > 0) {
-    *restore_s = profile_.store_restore.Seconds(static_cast<double>(
-        restored * profile_.block_tokens * profile_.kv_bytes_per_token));
+    *restore_s = profile_.store_restore.Seconds(
+        static_cast<double>(restored * profile_.block_tokens * profile_.kv_bytes_per_token));
     for (int64_t b = n; b < n + restored; ++b) {
       PrefixBlockHash evicted;
       PrefixBlockHash h = HashOf(r, b);
@@ -577,8 +576,8 @@ void Simulator::OnStepEnd(size_t wi) {
             }
             // KV transfer over this worker's link.
             const LinkCost& link = profile_.Link();
-            const double bytes =
-                static_cast<double>(q.prompt_tokens) * static_cast<double>(profile_.kv_bytes_per_token);
+            const double bytes = static_cast<double>(q.prompt_tokens) *
+                                 static_cast<double>(profile_.kv_bytes_per_token);
             const double busy = bytes / link.bytes_per_s;
             double done;
             if (profile_.layerwise_transfer) {

@@ -13,8 +13,8 @@
 namespace kvrelay::sim {
 
 struct Event {
-  double time = 0;   // seconds since the start of the simulation
-  uint64_t seq = 0;  // push order; ties at one time pop in this order
+  double time = 0;      // seconds since the start of the simulation
+  uint64_t seq = 0;     // push order; ties at one time pop in this order
   uint32_t kind = 0;    // what happens (the owner's enum)
   uint32_t target = 0;  // which entity (worker index, link index, ...)
   uint64_t arg = 0;     // e.g. a request index or a step generation

@@ -35,8 +35,8 @@ struct PlanOptions {
 };
 
 struct CurvePoint {
-  double rate = 0;        // offered req/s
-  double goodput = 0;     // req/s completed within both SLOs (per-request)
+  double rate = 0;     // offered req/s
+  double goodput = 0;  // req/s completed within both SLOs (per-request)
   double ttft_p90_s = 0;
   double tpot_p90_s = 0;
 };

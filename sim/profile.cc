@@ -16,9 +16,8 @@ Status Profile::Validate() const {
   if (kv_pool_blocks < 1) return InvalidArgument("profile.kv_pool_blocks must be >= 1");
   if (max_step_tokens < 1) return InvalidArgument("profile.max_step_tokens must be >= 1");
   if (max_running < 1) return InvalidArgument("profile.max_running must be >= 1");
-  for (double v :
-       {step.base_s, step.per_seq_s, step.per_token_s, step.per_attn_s, step.per_decode_attn_s,
-        step.per_ctx_attn_s}) {
+  for (double v : {step.base_s, step.per_seq_s, step.per_token_s, step.per_attn_s,
+                   step.per_decode_attn_s, step.per_ctx_attn_s}) {
     if (!(v >= 0) || !std::isfinite(v)) return InvalidArgument("profile.step costs must be >= 0");
   }
   if (step.Seconds(1, 1, 1) <= 0) return InvalidArgument("profile.step: a step must cost > 0 s");

@@ -137,9 +137,9 @@ TEST(ClosedFormTest, TransferPipelineIsTheSumOfItsStages) {
   auto r = Simulate(p, c, {{0.0, 32, 5, -1, 0}});
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   const auto& t = r->requests[0];
-  EXPECT_EQ(t.ttft_s(), 0.25 + 0.0625);               // one prefill step + hand-off
+  EXPECT_EQ(t.ttft_s(), 0.25 + 0.0625);                   // one prefill step + hand-off
   EXPECT_EQ(t.kv_ready_s, 0.25 + 0.125 + 0.5 + 0.03125);  // + latency + 32 MiB / 64 MiB/s + admit
-  EXPECT_EQ(t.finish_s, t.kv_ready_s + 4 * 0.25);     // 4 more tokens, one step each
+  EXPECT_EQ(t.finish_s, t.kv_ready_s + 4 * 0.25);         // 4 more tokens, one step each
   EXPECT_EQ(r->transfers, 1);
   EXPECT_EQ(r->transfer_bytes, 32.0 * (1 << 20));
 
