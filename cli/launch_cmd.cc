@@ -20,7 +20,8 @@ const std::vector<std::string> kLaunchFlags = {
     "tp",           "colocated",      "threads-per-worker",
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
-    "demo",         "max-tokens",     "tp-mode"};
+    "demo",         "max-tokens",     "tp-mode",
+    "cluster-key-file"};
 void OnSignal(int) { g_stop.store(true); }
 
 Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
@@ -55,6 +56,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
+  o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
   RETURN_IF_ERROR(o.Validate());
   return o;
 }

@@ -4,11 +4,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/logging.h"
 #include "coordinator/http_client.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::deploy {
 
@@ -44,8 +46,30 @@ Result<uint16_t> PickFreePort() {
   return port;
 }
 
+void LocalLauncher::Stop() {
+  group_.Stop();
+  if (!key_dir_.empty()) {
+    // The processes that read it are gone.
+    ::unlink(key_file_.c_str());
+    ::rmdir(key_dir_.c_str());
+    key_dir_.clear();
+  }
+}
+
 Status LocalLauncher::Start() {
   RETURN_IF_ERROR(options_.Validate());
+  key_file_ = options_.cluster_key_file;
+  if (key_file_.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/kvrelay-launch-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) {
+      return Unavailable("cannot create a private directory for the cluster key under " + templ);
+    }
+    key_dir_ = templ;
+    key_file_ = key_dir_ + "/cluster.key";
+    RETURN_IF_ERROR(protocols::ClusterKey::GenerateFile(key_file_));
+  }
+  RETURN_IF_ERROR(protocols::ClusterKey::LoadFile(key_file_).status());
   std::string bin = options_.bin_dir;
   if (bin.empty()) {
     // The daemons sit next to this executable, or in ../bin of a build tree
@@ -70,7 +94,8 @@ Status LocalLauncher::Start() {
       {"coordinator",
        {bin + "/kvrelay-coordinator", "--model", options_.model_path, "--host", options_.host,
         "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
-        "--kv-dtype", options_.kv_dtype, "--router", options_.router},
+        "--control-host", options_.host, "--cluster-key-file", key_file_, "--kv-dtype",
+        options_.kv_dtype, "--router", options_.router},
        {}}));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
@@ -94,7 +119,9 @@ Status LocalLauncher::Start() {
                                      "--world-size",
                                      std::to_string(world),
                                      "--kv-host",
-                                     options_.host};
+                                     options_.host,
+                                     "--cluster-key-file",
+                                     key_file_};
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

@@ -37,7 +37,8 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
                                                         "tp-size",
                                                         "tp-rank",
                                                         "tp-leader",
-                                                        "tp-mode"},
+                                                        "tp-mode",
+                                                        "cluster-key-file"},
                                                        {}));
   WorkerOptions o;
   o.role = role;
@@ -108,6 +109,10 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
   } else {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + mode + "'");
   }
+  if (!flags.Has("cluster-key-file")) {
+    return InvalidArgument("--cluster-key-file FILE is required (the coordinator's cluster key)");
+  }
+  ASSIGN_OR_RETURN(o.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -123,7 +128,7 @@ int Serve(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_f
         "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
         "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
         "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
-        "--tp-leader HOST:PORT --tp-mode exact|reduce]\n",
+        "--tp-leader HOST:PORT --tp-mode exact|reduce] --cluster-key-file FILE\n",
         std::string(RoleKindName(role)).c_str(), options.status().ToString().c_str());
     return 2;
   }
