@@ -71,6 +71,8 @@ class TransportBase : public Transport {
   Status Cancel(TransferHandle handle) override;
   int inflight() const override;
   int max_inflight() const override { return max_inflight_; }
+  // Bytes of the staging budget held now by data no receive was posted for.
+  int64_t staged_bytes() const;
 
  protected:
   TransportBase(std::shared_ptr<SyncDomain> domain, int max_inflight, int64_t max_unexpected_bytes);
@@ -109,7 +111,6 @@ class TransportBase : public Transport {
   void set_max_unexpected_age(std::chrono::milliseconds age) { max_unexpected_age_ = age; }
   // Bytes staged now (for tests and leak checks).
   int64_t StagedBytesLocked() const { return staged_bytes_; }
-  int64_t staged_bytes() const;
   bool PeerLostLocked(int peer) const { return lost_peers_.count(peer) > 0; }
 
   std::shared_ptr<SyncDomain> domain_;
