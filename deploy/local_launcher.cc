@@ -88,6 +88,7 @@ Status LocalLauncher::Start() {
   if (control == 0) {
     ASSIGN_OR_RETURN(control, PickFreePort());
   }
+  control_port_ = control;
   const std::string coord_addr = options_.host + ":" + std::to_string(control);
 
   RETURN_IF_ERROR(group_.Spawn(

@@ -50,6 +50,7 @@ class LocalLauncher {
   // Spawns every process and waits until the coordinator reports healthy.
   Status Start();
   uint16_t http_port() const { return http_port_; }
+  uint16_t control_port() const { return control_port_; }
   // Returns when a child exits (its description as the error) or `stop` is set (OK).
   Status Supervise(const std::atomic<bool>& stop);
   void Stop();
@@ -63,6 +64,7 @@ class LocalLauncher {
   LaunchOptions options_;
   ProcessGroup group_;
   uint16_t http_port_ = 0;
+  uint16_t control_port_ = 0;
   std::string key_file_;
   std::string key_dir_;  // generated: removed by Stop()
 };
