@@ -171,16 +171,18 @@ TEST(TcpSecurity, AReconnectingPeerReplacesItsOldConnection) {
 TEST(TcpSecurity, AHugeAnnouncedTotalIsRefusedWithoutAllocating) {
   // Today: total = 2^64 - 2^40 threw in vector::reserve and wrapped the
   // staging count negative, switching the staging limit off.
-  auto recv_side = Endpoint(1);
+  // The sender is an authenticated member (rank 2 of 3); rank 0 is another,
+  // well-behaved one that must not notice.
+  auto recv_side = Endpoint(1, 3);
   protocols::IoThread io("huge-io");
-  auto c = DialAuthenticated(io, recv_side->port(), 0, TestKey());
+  auto c = DialAuthenticated(io, recv_side->port(), 2, TestKey());
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  ASSERT_TRUE(SendHello(**c, 0, 2).ok());
+  ASSERT_TRUE(SendHello(**c, 2, 3).ok());
   const uint64_t huge = ~uint64_t{0} - (uint64_t{1} << 40) + 1;
   ASSERT_TRUE(SendChunk(**c, 9, 0, huge, std::string(4096, 'h')).ok());
   EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ(recv_side->staged_bytes(), 0);
-  auto send_side = Endpoint(0);
+  auto send_side = Endpoint(0, 3);
   ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
                   .ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 10);
