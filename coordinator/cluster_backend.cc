@@ -46,6 +46,7 @@ struct PeerAuth {
       : auth(key, protocols::kAuthChannelControl) {}
   protocols::AuthResponder auth;
   bool configured = false;  // the configuration Hello was accepted
+  bool refused = false;     // refused and closing: later frames are ignored
 };
 
 // Sink calls collected under the lock and made after it is released, so a
@@ -279,8 +280,10 @@ void ClusterBackend::State::OnHandshakeFrame(const std::shared_ptr<FramedConnect
                                              const protocols::Frame& frame) {
   auto [it, inserted] = peers.try_emplace(conn.get(), options.cluster_key);
   PeerAuth& peer = it->second;
+  if (peer.refused) return;  // frames that arrived with the refused one
   const auto type = static_cast<MessageType>(frame.type);
   auto refuse = [&](const Status& why) {
+    peer.refused = true;
     ++counters.auth_failures;
     LOG_WARNING << "refusing control connection " << conn->name() << ": " << why.message();
     // Only the refusal: nothing about this cluster is said to an unauthenticated peer.

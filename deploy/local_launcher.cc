@@ -89,13 +89,15 @@ Status LocalLauncher::Start() {
     ASSIGN_OR_RETURN(control, PickFreePort());
   }
   control_port_ = control;
-  const std::string coord_addr = options_.host + ":" + std::to_string(control);
+  // Everything runs on this machine: the control plane stays on loopback
+  // whatever --host the HTTP API is given.
+  const std::string coord_addr = "127.0.0.1:" + std::to_string(control);
 
   RETURN_IF_ERROR(group_.Spawn(
       {"coordinator",
        {bin + "/kvrelay-coordinator", "--model", options_.model_path, "--host", options_.host,
         "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
-        "--control-host", options_.host, "--cluster-key-file", key_file_, "--kv-dtype",
+        "--control-host", "127.0.0.1", "--cluster-key-file", key_file_, "--kv-dtype",
         options_.kv_dtype, "--router", options_.router},
        {}}));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
