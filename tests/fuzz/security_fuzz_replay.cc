@@ -6,7 +6,11 @@
 //
 //   security_fuzz_replay CORPUS_ROOT              replay
 //   security_fuzz_replay --write CORPUS_ROOT      (re)write the seed files first
+//   security_fuzz_replay --random N [--only T] CORPUS_ROOT
+//                                                 N random edits per input (an unguided
+//                                                 fuzz loop, for targets libFuzzer cannot build)
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,11 +19,24 @@
 #include <vector>
 
 #include "fuzz_targets.h"
+#include "protocols/frame_codec.h"
+
+// The frame decoder's target (tests/unit/protocols/fuzz/frame_fuzz.cc).
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 
 namespace {
 
 namespace fs = std::filesystem;
 using Fn = int (*)(const uint8_t*, size_t);
+
+std::vector<std::string> FrameSeeds() {
+  using kvrelay::protocols::EncodeFrame;
+  std::string stream;
+  for (int i = 0; i < 4; ++i) stream += *EncodeFrame(static_cast<uint16_t>(i + 1), std::string(i * 37, 'a' + i));
+  std::string over(kvrelay::protocols::kFrameHeaderBytes, '\0');
+  kvrelay::protocols::EncodeFrameHeader(100, 16u << 20, reinterpret_cast<uint8_t*>(over.data()));
+  return {stream, *EncodeFrame(16, std::string(100, 'h')), over + "partial"};
+}
 
 struct Target {
   const char* name;
@@ -30,7 +47,7 @@ struct Target {
 void RunOne(Fn fn, const std::string& s) { fn(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
 
 // Runs `input` and its mutations; returns how many inputs ran.
-long Mutate(Fn fn, const std::string& input, std::mt19937& rng) {
+long Mutate(Fn fn, const std::string& input, std::mt19937& rng, long random_edits) {
   long runs = 0;
   RunOne(fn, input);
   ++runs;
@@ -44,7 +61,7 @@ long Mutate(Fn fn, const std::string& input, std::mt19937& rng) {
       RunOne(fn, t);
     }
   }
-  for (int k = 0; k < 300 && !input.empty(); ++k, ++runs) {
+  for (long k = 0; k < random_edits && !input.empty(); ++k, ++runs) {
     std::string t = input;
     const int edits = 1 + static_cast<int>(rng() % 8);
     for (int e = 0; e < edits; ++e) t[rng() % t.size()] = static_cast<char>(rng());
@@ -57,10 +74,15 @@ long Mutate(Fn fn, const std::string& input, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   bool write = false;
-  std::string root;
+  long random_edits = 300;
+  std::string root, only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--write") == 0) {
       write = true;
+    } else if (std::strcmp(argv[i], "--random") == 0 && i + 1 < argc) {
+      random_edits = std::atol(argv[++i]);
+    } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+      only = argv[++i];
     } else {
       root = argv[i];
     }
@@ -70,12 +92,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const Target targets[] = {
+      {"frame", LLVMFuzzerTestOneInput, FrameSeeds},
       {"auth_handshake", kvrelay::fuzz::FuzzAuthHandshake, kvrelay::fuzz::AuthSeeds},
       {"block_codec", kvrelay::fuzz::FuzzBlockCodec, kvrelay::fuzz::BlockCodecSeeds},
       {"layer_manifest", kvrelay::fuzz::FuzzLayerManifest, kvrelay::fuzz::LayerManifestSeeds},
   };
   std::mt19937 rng(14);
   for (const Target& t : targets) {
+    if (!only.empty() && only != t.name) continue;
     const fs::path dir = fs::path(root) / t.name;
     std::vector<std::string> inputs = t.seeds();
     if (write) {
@@ -97,7 +121,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     long runs = 0;
-    for (const std::string& s : inputs) runs += Mutate(t.fn, s, rng);
+    for (const std::string& s : inputs) runs += Mutate(t.fn, s, rng, random_edits);
     std::printf("%s: %zu corpus files, %ld inputs run, no finding\n", t.name, files, runs);
   }
   return 0;
