@@ -207,6 +207,7 @@ void FramedConnection::DoRead() {
           }
           return;
         }
+        if (self->closed()) return;  // closed while this read completed: deliver nothing
         Status st = self->decoder_.Feed(self->read_buffer_.data(), n);
         // Frames decoded before a bad one are still delivered.
         while (auto frame = self->decoder_.Next()) {
