@@ -472,7 +472,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       proto::ReserveBlocksReply rep;
       s = protocols::DecodeMessage(frame, type, &rep);
       if (!s.ok()) break;
-      if (IsForeign(worker_id, rep.request_id(), "BlockReservationReply")) break;
+      if (IsForeign(worker_id, rep.request_id(), "ReserveBlocksReply")) break;
       auto it = requests.find(rep.request_id());
       if (it == requests.end() || it->second.phase != Phase::kReserving ||
           it->second.decode_id != worker_id) {  // (re-run elsewhere meanwhile)

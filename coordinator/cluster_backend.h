@@ -20,7 +20,7 @@
 // (protocols/cluster_auth.h) before anything else, including the
 // configuration, is said; it registers under the name it authenticated as;
 // and every frame after that is checked against what that worker owns: a
-// TokenChunk, Finish, PrefillDone or BlockReservationReply for a request
+// TokenChunk, Finish, PrefillDone or ReserveBlocksReply for a request
 // assigned to another worker is dropped and counted (security_counters()).
 // Unauthenticated connections are limited in number, in frame size and in
 // time (ServerLimits, ConnectionOptions::require_authentication).

@@ -112,7 +112,7 @@ class SecurityTest : public ::testing::Test {
   }
   static std::string Greedy(const std::vector<int32_t>& prompt, int n) {
     engine::RequestSpec spec;
-    spec.id = "ref-" + std::to_string(next_ref_++);
+    spec.id = static_cast<engine::RequestId>(1000000 + next_ref_++);
     spec.prompt = prompt;
     spec.sampling.temperature = 0;
     spec.sampling.max_tokens = n;

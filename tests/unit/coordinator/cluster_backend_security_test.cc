@@ -147,14 +147,14 @@ class ControlSecurityTest : public ::testing::Test {
     req.prompt = {1, 2, 3, 4, 5};
     req.sampling.max_new_tokens = 4;
     ASSERT_TRUE(backend_->Submit(req, events->Sink()).ok());
-    proto::DecodeAdmission reserve;
-    ASSERT_TRUE(decode.Expect(MessageType::kDecodeAdmission, &reserve).ok());
+    proto::ReserveBlocks reserve;
+    ASSERT_TRUE(decode.Expect(MessageType::kReserveBlocks, &reserve).ok());
     ASSERT_EQ(reserve.request_id(), id);
-    proto::BlockReservationReply reply;
+    proto::ReserveBlocksReply reply;
     reply.set_request_id(id);
     reply.set_ok(true);
     reply.add_block_ids(7);
-    ASSERT_TRUE(decode.Send(MessageType::kBlockReservationReply, reply).ok());
+    ASSERT_TRUE(decode.Send(MessageType::kReserveBlocksReply, reply).ok());
     proto::PrefillTask task;
     ASSERT_TRUE(prefill.Expect(MessageType::kPrefillTask, &task).ok());
     ASSERT_EQ(task.request_id(), id);
@@ -163,9 +163,9 @@ class ControlSecurityTest : public ::testing::Test {
     done.set_first_token(100);
     done.set_prompt_tokens(5);
     ASSERT_TRUE(prefill.Send(MessageType::kPrefillDone, done).ok());
-    proto::DecodeAdmission admit;
-    ASSERT_TRUE(decode.Expect(MessageType::kDecodeAdmission, &admit).ok());
-    ASSERT_EQ(admit.first_token(), 100);
+    proto::StartDecode start;
+    ASSERT_TRUE(decode.Expect(MessageType::kStartDecode, &start).ok());
+    ASSERT_EQ(start.first_token(), 100);
   }
 
   ClusterKey key_ = std::move(ClusterKey::Generate()).value();
