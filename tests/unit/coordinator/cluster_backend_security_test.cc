@@ -42,6 +42,20 @@ protocols::PeerConfig TestConfig() {
   return c;
 }
 
+// ASan keeps freed memory in its quarantine (256 MiB by default), so RSS says
+// nothing about what the code still holds there; the RSS checks are skipped.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kRssMeaningful = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kRssMeaningful = false;
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+
 int64_t RssBytes() {
   std::ifstream in("/proc/self/statm");
   int64_t pages = 0, resident = 0;
@@ -315,7 +329,9 @@ TEST_F(ControlSecurityTest, UnauthenticatedSendersCannotParkMemory) {
   peers.clear();
   malloc_trim(0);
   const int64_t grown = RssBytes() - before;
-  EXPECT_LT(grown, 48ll << 20) << "RSS grew by " << (grown >> 20) << " MiB";
+  if (kRssMeaningful) {
+    EXPECT_LT(grown, 48ll << 20) << "RSS grew by " << (grown >> 20) << " MiB";
+  }
   // Still serving.
   Peer good(io_, port());
   ASSERT_TRUE(good.Join(key_, "prefill-0", proto::WORKER_ROLE_PREFILL).ok());
@@ -349,7 +365,9 @@ TEST_F(ControlSecurityTest, AuthenticatedPartialFramesAreClosedAfterTheFrameTime
   malloc_trim(0);
   const int64_t grown = RssBytes() - before;
   // 20 x 4 MiB were buffered on the server side before the timeout.
-  EXPECT_LT(grown, 24ll << 20) << "RSS still " << (grown >> 20) << " MiB above the baseline";
+  if (kRssMeaningful) {
+    EXPECT_LT(grown, 24ll << 20) << "RSS still " << (grown >> 20) << " MiB above the baseline";
+  }
   Peer good(io_, port());
   ASSERT_TRUE(good.Join(key_, "prefill-ok", proto::WORKER_ROLE_PREFILL).ok());
 }
