@@ -21,11 +21,17 @@ const std::vector<std::string> kLaunchFlags = {
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
     "demo",         "max-tokens",     "tp-mode",
+    "kv-timeout-ms", "heartbeat-ms",   "decode-device",
     "cluster-key-file"};
+const std::vector<std::string> kLaunchSwitches = {"no-kv-store"};
+// The RocksDB prefix tier is on by default, one directory per worker under
+// this one (relative to the working directory; scripts/serve.sh runs from the
+// repository root, where /kvstore/ is git-ignored).
+constexpr char kDefaultKvStoreDir[] = "kvstore";
 void OnSignal(int) { g_stop.store(true); }
 
 Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, {}));
+  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, kLaunchSwitches));
   deploy::LaunchOptions o;
   o.model_path = flags.Get("model", o.model_path);
   o.host = flags.Get("host", o.host);
@@ -44,6 +50,8 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads-per-worker", 1));
   ASSIGN_OR_RETURN(int64_t cap, flags.GetInt("kv-capacity-mb", 256));
   ASSIGN_OR_RETURN(int64_t ready, flags.GetInt("ready-timeout-ms", 120000));
+  ASSIGN_OR_RETURN(o.kv_timeout_ms, flags.GetInt("kv-timeout-ms", 0));
+  ASSIGN_OR_RETURN(o.heartbeat_ms, flags.GetInt("heartbeat-ms", 0));
   o.prefill = static_cast<int>(prefill);
   o.decode = static_cast<int>(decode);
   o.tp = static_cast<int>(tp);
@@ -52,10 +60,14 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.kv_capacity_mb = cap;
   o.ready_timeout_ms = static_cast<int>(ready);
   o.kv_dtype = flags.Get("kv-dtype", o.kv_dtype);
-  o.kv_store_dir = flags.Get("kv-store", "");
+  if (flags.Has("no-kv-store") && flags.Has("kv-store")) {
+    return InvalidArgument("--kv-store DIR and --no-kv-store contradict each other");
+  }
+  o.kv_store_dir = flags.Has("no-kv-store") ? "" : flags.Get("kv-store", kDefaultKvStoreDir);
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
+  o.decode_device = flags.Get("decode-device", o.decode_device);
   o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
   RETURN_IF_ERROR(o.Validate());
   return o;
@@ -67,7 +79,7 @@ struct DemoFlags {
 };
 
 Result<DemoFlags> ParseDemoFlags(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, {}));
+  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, kLaunchSwitches));
   DemoFlags d;
   d.prompt = flags.Get("demo", "");
   ASSIGN_OR_RETURN(int64_t max_tokens, flags.GetInt("max-tokens", 128));
@@ -163,6 +175,12 @@ int RunLaunch(const std::vector<std::string>& args) {
   } else if (s.ok()) {
     std::printf("kvrelay cluster serving on http://%s:%u (Ctrl-C stops it)\n",
                 options->host.c_str(), launcher.http_port());
+    if (options->kv_store_dir.empty()) {
+      std::printf("prefix store: off (--no-kv-store)\n");
+    } else {
+      std::printf("prefix store: %s/<worker id> (reused after a restart; --no-kv-store turns it off)\n",
+                  options->kv_store_dir.c_str());
+    }
     std::fflush(stdout);
     s = launcher.Supervise(g_stop);
   }
@@ -179,7 +197,8 @@ int RunLaunch(const std::vector<std::string>& args) {
 KVRELAY_COMMAND(
     launch, "launch",
     "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
-    "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR] [--demo PROMPT]",
+    "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR (default kvstore) | "
+    "--no-kv-store] [--decode-device cpu|cuda[:N]] [--demo PROMPT]",
     RunLaunch);
 
 }  // namespace kvrelay::cli

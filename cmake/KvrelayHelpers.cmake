@@ -1,10 +1,15 @@
 # Shared compile settings and the helpers every component uses.
 add_library(kvrelay_warnings INTERFACE)
 # GCC 12 reports false -Wrestrict/-Wstringop-overflow on std::string at -O2 (GCC bug 105329).
-target_compile_options(kvrelay_warnings INTERFACE -Wall -Wextra -Wno-unused-parameter
-  $<$<CXX_COMPILER_ID:GNU>:-Wno-restrict -Wno-stringop-overflow>)
+# Host-compiler flags apply to C/C++ sources; CUDA sources get nvcc's own
+# warning flags and the host flags through -Xcompiler.
+target_compile_options(kvrelay_warnings INTERFACE
+  $<$<COMPILE_LANGUAGE:C,CXX>:-Wall -Wextra -Wno-unused-parameter>
+  $<$<AND:$<COMPILE_LANGUAGE:C,CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-restrict -Wno-stringop-overflow>
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter>)
 if(KVRELAY_WERROR)
-  target_compile_options(kvrelay_warnings INTERFACE -Werror)
+  target_compile_options(kvrelay_warnings INTERFACE $<$<COMPILE_LANGUAGE:C,CXX>:-Werror>
+    $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings -Xcompiler=-Werror>)
 endif()
 if(KVRELAY_SANITIZE)
   target_compile_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined -fno-omit-frame-pointer)

@@ -272,7 +272,8 @@ struct ClusterBackend::State {
   // request assigned to another worker; the frame is then dropped.
   bool IsForeign(const std::string& worker_id, uint64_t request_id, const char* what);
   void OnHello(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame);
-  void OnRegister(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame);
+  void OnRegister(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
+                  PendingEvents& out);
   void CheckHeartbeats(PendingEvents& out);
 };
 
@@ -366,7 +367,7 @@ void ClusterBackend::State::OnHello(const std::shared_ptr<FramedConnection>& con
 }
 
 void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& conn,
-                                       const protocols::Frame& frame) {
+                                       const protocols::Frame& frame, PendingEvents& out) {
   proto::RegisterWorker reg;
   proto::RegisterReply reply;
   Status s = protocols::DecodeMessage(frame, MessageType::kRegisterWorker, &reg);
@@ -378,7 +379,11 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
                            peers.at(conn.get()).auth.peer_name() + "'");
   }
   if (s.ok() && workers.count(reg.worker_id())) {
-    s = AlreadyExists("worker id '" + reg.worker_id() + "' is already registered");
+    // The same worker came back (it reconnects after losing its link, e.g.
+    // after a stall) before its old connection was noticed dead: the new
+    // registration replaces the old one, whose requests are re-run or failed.
+    DropWorker(reg.worker_id(), Unavailable("replaced by a new registration of the same worker"),
+               out);
   }
   if (s.ok() && reg.tp_size() > 1 &&
       (reg.tp_ranks_size() != static_cast<int>(reg.tp_size()) ||
@@ -424,7 +429,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
   auto wit = conn_worker.find(conn.get());
   if (wit == conn_worker.end()) {
     if (type == MessageType::kRegisterWorker) {
-      OnRegister(conn, frame);
+      OnRegister(conn, frame, out);
     } else {
       conn->Close(
           InvalidArgument("expected RegisterWorker, got type " + std::to_string(frame.type)));

@@ -114,6 +114,7 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
   for (auto& p : submits) {
     engine::RequestSpec spec;
     spec.id = p.request.id;
+    spec.want_text = false;  // the server detokenizes and matches stop strings
     spec.prompt = std::move(p.request.prompt);
     spec.tenant_salt = p.request.tenant_salt;
     const SamplingParams& s = p.request.sampling;

@@ -29,7 +29,9 @@ constexpr const char* kUsage =
     "         [--threads 2] [--engine-threads 0] [--kv-dtype f32] [--kv-capacity-mb 0]\n"
     "         [--block-tokens 16] [--max-step-tokens 512] [--max-prompt-tokens 8192]\n"
     "         [--max-body-bytes 1048576] [--request-timeout-ms 600000] [--default-max-tokens "
-    "256]\n";
+    "256]\n"
+    "         [--max-queue-delay-ms 0] [--max-connections 4096]\n"
+    "         [--max-connections-per-client 1024]\n";
 
 std::string ModelNameFromPath(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
@@ -57,6 +59,9 @@ Status Run(const std::vector<std::string>& args) {
                                                   "max-body-bytes",
                                                   "request-timeout-ms",
                                                   "default-max-tokens",
+                                                  "max-queue-delay-ms",
+                                                  "max-connections",
+                                                  "max-connections-per-client",
                                                   "control-port",
                                                   "control-host",
                                                   "cluster-key-file",
@@ -82,6 +87,16 @@ Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t max_body, flags.GetInt("max-body-bytes", 1 << 20));
   ASSIGN_OR_RETURN(int64_t timeout_ms, flags.GetInt("request-timeout-ms", 600'000));
   ASSIGN_OR_RETURN(int64_t default_max_tokens, flags.GetInt("default-max-tokens", 256));
+  ASSIGN_OR_RETURN(int64_t max_queue_delay, flags.GetInt("max-queue-delay-ms", 0));
+  ASSIGN_OR_RETURN(int64_t max_conn, flags.GetInt("max-connections", 4096));
+  ASSIGN_OR_RETURN(int64_t max_conn_client, flags.GetInt("max-connections-per-client", 1024));
+  if (max_queue_delay < 0) return InvalidArgument("--max-queue-delay-ms must be >= 0");
+  if (max_conn < 1 || max_conn_client < 1) {
+    return InvalidArgument("--max-connections and --max-connections-per-client must be >= 1");
+  }
+  so.max_queue_delay_ms = static_cast<int>(max_queue_delay);
+  so.max_connections = static_cast<int>(max_conn);
+  so.max_connections_per_client = static_cast<int>(max_conn_client);
   if (threads < 1 || threads > 256) return InvalidArgument("--threads must be 1..256");
   if (max_queue < 0) return InvalidArgument("--max-queue must be >= 0");
   if (max_running < 1) return InvalidArgument("--max-running must be >= 1");

@@ -237,6 +237,31 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
   return std::nullopt;
 }
 
+// The request fields ParseCompletionRequest understands (some only in their
+// no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
+// caller's end-user id, which OpenAI uses for abuse monitoring only: it has
+// no effect on the result, so accepting it is not a silent no-op.
+bool KnownField(Endpoint endpoint, std::string_view key) {
+  static constexpr std::string_view kCommon[] = {
+      "model",       "max_tokens",     "temperature", "top_p",       "presence_penalty",
+      "frequency_penalty", "repetition_penalty", "min_p", "top_k", "seed",
+      "n",           "stop",           "stream",      "stream_options", "ignore_eos",
+      "logit_bias",  "logprobs",       "user"};
+  static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
+                                               "response_format"};
+  static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
+  for (auto k : kCommon)
+    if (k == key) return true;
+  if (endpoint == Endpoint::kChatCompletions) {
+    for (auto k : kChat)
+      if (k == key) return true;
+  } else {
+    for (auto k : kCompletions)
+      if (k == key) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 ApiError BadRequest(std::string message, std::string param, std::string code) {
@@ -296,6 +321,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
       return err;
     if (mct) max_tokens = mct;
   }
+  out->max_tokens_given = max_tokens.has_value();
   out->max_tokens = static_cast<int>(max_tokens.value_or(limits.max_tokens_default));
 
   std::optional<double> d;
@@ -378,7 +404,17 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
       out->include_usage = iu->get<bool>();
     }
   }
+  if (const json* lb = Field(body, "logit_bias")) {
+    if (!lb->is_object() && !lb->is_null()) return WrongType("logit_bias", "an object", *lb);
+    if (lb->is_object() && !lb->empty()) {
+      return BadRequest("'logit_bias' is not supported", "logit_bias", "unsupported_value");
+    }
+  }
   if (endpoint == Endpoint::kCompletions) {
+    if (Field(body, "suffix") != nullptr && !Field(body, "suffix")->is_null()) {
+      return BadRequest("'suffix' (text insertion) is not supported", "suffix",
+                        "unsupported_value");
+    }
     if (auto err = GetBool(body, "echo", &out->echo)) return err;
     if (const json* lp = Field(body, "logprobs")) {
       if (!lp->is_number_integer()) return WrongType("logprobs", "an integer", *lp);
@@ -409,6 +445,21 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                           "response_format.type", "unsupported_value");
       }
     }
+  }
+  // Every field not understood above is refused by name, never ignored: a
+  // client that asked for something must not get a silent no-op.
+  std::string unknown;
+  std::string first;
+  for (const auto& [key, value] : body.items()) {
+    if (KnownField(endpoint, key)) continue;
+    if (first.empty()) first = key;
+    unknown += (unknown.empty() ? "'" : ", '") + key + "'";
+  }
+  if (!unknown.empty()) {
+    return BadRequest("unsupported parameter(s) " + unknown + " for " +
+                          (endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions"
+                                                                  : "/v1/completions"),
+                      first, "unsupported_parameter");
   }
   return std::nullopt;
 }

@@ -32,7 +32,10 @@ ApiError BadRequest(std::string message, std::string param = "", std::string cod
 enum class Endpoint { kChatCompletions, kCompletions };
 
 struct ApiLimits {
-  int max_tokens_default = 256;  // when the request gives none
+  // When the request gives none: this many, lowered to what fits the
+  // context and KV pool (never refused for it); 0 = all the remaining context
+  // (as vLLM).
+  int max_tokens_default = 256;
   int max_tokens_limit = 4096;   // a larger max_tokens is a 400
   int max_stop_strings = 4;      // as OpenAI
   int max_stop_string_bytes = 256;
@@ -48,6 +51,7 @@ struct CompletionParams {
   std::vector<int32_t> prompt_token_ids;  // completions, pre-tokenized prompt
   bool prompt_is_tokens = false;
   int max_tokens = 0;
+  bool max_tokens_given = false;  // false: the server may lower max_tokens to what fits
   float temperature = 1.0f;
   float top_p = 1.0f;
   int top_k = 0;                    // extension, as vLLM

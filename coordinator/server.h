@@ -2,7 +2,8 @@
 // over a Backend, with admission control, API keys and Prometheus metrics.
 //
 //   POST /v1/chat/completions, POST /v1/completions   (JSON, or SSE with stream=true)
-//   GET  /v1/models, GET /health, GET /metrics
+//   GET  /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+//   (HEAD on every GET route; OPTIONS on every route: 204 with Allow)
 //
 // Threads: one io_context run by `threads` named threads ("http-N"); each
 // connection runs on its own strand. Backend sinks post onto the strand.
@@ -39,15 +40,21 @@ struct ServerOptions {
   std::string model_name = "kvrelay";  // the only model served; others get 404
   size_t max_body_bytes = 1 << 20;     // larger bodies get 413
   size_t max_header_bytes = 16 << 10;
-  int max_prompt_tokens = 8192;               // longer prompts get 413
+  int max_prompt_tokens = 8192;               // longer prompts get 400 context_length_exceeded
   int max_context_tokens = 0;                 // prompt + max_tokens cap; 0 = unchecked
   int header_timeout_ms = 10'000;             // to read one request (and keep-alive idle)
   int request_timeout_ms = 600'000;           // for one generation, end to end
   size_t max_stream_backlog_bytes = 4 << 20;  // unsent SSE bytes before a slow client is dropped
-  int max_connections = 4096;                 // more are closed on accept
-  int retry_after_seconds = 1;                // Retry-After of a 429
+  int max_connections = 4096;                 // more are refused on accept (503)
+  // One client (remote IP address) holding more open connections is refused
+  // on accept (429), so one client cannot take every connection.
+  int max_connections_per_client = 1024;
+  int retry_after_seconds = 1;  // Retry-After of a 429 / 503 until hold times are measured
   int max_running = 64;                       // admission: concurrent requests in the backend
   int max_queue = 256;                        // admission: waiting requests; beyond: 429
+  // admission: refuse (429 + Retry-After from the queue) when the predicted
+  // queue wait exceeds this; 0 = no bound (see coordinator/admission.h).
+  int max_queue_delay_ms = 0;
   ApiLimits limits;
   ApiKeys api_keys;                   // empty: no authentication
   PrefixHasher prefix_hasher;         // optional; fills GenerationRequest::prefix_blocks

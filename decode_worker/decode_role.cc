@@ -1,6 +1,7 @@
 #include "decode_worker/decode_role.h"
 
 #include "common/logging.h"
+#include "kv_transfer/mpi_session.h"
 #include "protocols/messages.h"
 #include "worker/kv_streams.h"
 
@@ -21,8 +22,13 @@ Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
+    if (o.tp_over_mpi()) {
+      ASSIGN_OR_RETURN(mpi_collective_,
+                       MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), o.kv_timeout));
+    }
     ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(),
-                                          o.rank, engine_.get()));
+                                          o.rank, engine_.get(), mpi_collective_.get()));
+    LOG_INFO << "TP collectives over " << (mpi_collective_ ? "the MPI sub-communicator" : "TCP");
   }
   return Status::Ok();
 }
@@ -69,6 +75,7 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   spec.prompt.assign(m.prompt_token_ids().begin(), m.prompt_token_ids().end());
   spec.sampling = worker::FromProto(m.sampling());
   spec.mode = engine::RequestMode::kRemotePrompt;
+  spec.want_text = false;  // the coordinator detokenizes
   reserving_prefill_rank_ = m.prefill_rank();
   reserved_blocks_.clear();
   Status s = engine_->Submit(std::move(spec));
@@ -90,11 +97,10 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
-      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
-      worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), request.id, blocks, own),
-      worker::MakeStreamBuffers(engine_->pool(), blocks, {0, own.size()}));
-  RETURN_IF_ERROR(in.receiver->Start());
+  ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
+                                     ctx_.transport, static_cast<int>(reserving_prefill_rank_),
+                                     engine_->pool(), ctx_.model->fingerprint(), request.id,
+                                     blocks, own));
   if (tp_ != nullptr) {
     RETURN_IF_ERROR(tp_->ExpectKv(request.id, reserving_prefill_rank_, blocks));
     in.follower_acks_pending = ctx_.options->tp_size - 1;
@@ -124,15 +130,19 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     const RequestId id = it->first;
     Incoming& in = it->second;
-    Status s = in.receiver->Progress();
+    Status s;
+    bool all_here = in.follower_acks_pending == 0;
+    for (auto& receiver : in.receivers) {
+      if (s.ok()) s = receiver->Progress();
+      all_here = all_here && receiver->complete();
+    }
     if (s.ok()) s = in.follower_error;
-    const bool all_here = in.receiver->complete() && in.follower_acks_pending == 0;
     if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
     }
     if (!s.ok()) {
-      in.receiver.reset();  // cancels outstanding receives before the blocks go back
+      in.receivers.clear();  // cancels outstanding receives before the blocks go back
       if (tp_ != nullptr) tp_->CancelKv(id);
       done.push_back({id, s.WithContext("receiving KV"), -1});
       it = incoming_.erase(it);
@@ -152,7 +162,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
 void DecodeRole::CancelRemoteLoad(RequestId id) {
   auto it = incoming_.find(id);
   if (it == incoming_.end()) return;
-  it->second.receiver.reset();  // no write into the blocks after this
+  it->second.receivers.clear();  // no write into the blocks after this
   if (tp_ != nullptr) tp_->CancelKv(id);
   incoming_.erase(it);
 }
@@ -169,7 +179,7 @@ Status DecodeRole::health() const {
 }
 
 void DecodeRole::Shutdown() {
-  for (auto& [id, in] : incoming_) in.receiver.reset();
+  for (auto& [id, in] : incoming_) in.receivers.clear();
   if (tp_ != nullptr) tp_->Shutdown();  // followers stop with their rank 0
 }
 

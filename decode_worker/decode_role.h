@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "common/clock.h"
+#include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_leader.h"
 #include "engine/runtime/kv_connector.h"
 #include "kv_transfer/layer_stream.h"
@@ -51,7 +52,8 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
  private:
   // A remote prompt on its way into blocks the engine reserved.
   struct Incoming {
-    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    // One per segment of the prompt's blocks (worker/kv_streams.h).
+    std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
     int64_t blocks = 0;
     int32_t first_token = -1;
     Deadline deadline;
@@ -63,7 +65,8 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   void ApplyFollowerAcks();
 
   worker::WorkerContext ctx_;
-  std::unique_ptr<TpLeader> tp_;  // TP size > 1 only
+  std::unique_ptr<MpiTpCollective> mpi_collective_;  // TP over MPI only
+  std::unique_ptr<TpLeader> tp_;                     // TP size > 1 only
   std::map<engine::RequestId, Incoming> incoming_;
   uint32_t reserving_prefill_rank_ = 0;          // set around the Submit of a ReserveBlocks
   std::vector<engine::BlockId> reserved_blocks_;  // what StartRemoteLoad was given

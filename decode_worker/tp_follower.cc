@@ -3,7 +3,9 @@
 #include <map>
 
 #include "common/logging.h"
+#include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_group.h"
+#include "kv_transfer/mpi_session.h"
 #include "decode_worker/tp_plan_codec.h"
 #include "engine/runtime/tensor_parallel.h"
 #include "kv_transfer/layer_stream.h"
@@ -27,7 +29,7 @@ class Follower {
  private:
   // Heads of one request's KV arriving from a prefill worker.
   struct Incoming {
-    std::unique_ptr<kv_transfer::LayerStreamReceiver> receiver;
+    std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;  // per segment
     Deadline deadline;
   };
   void ExpectKv(const proto::TpExpectKv& m);
@@ -37,6 +39,7 @@ class Follower {
   const worker::WorkerOptions& options_;
   worker::ProcessBase base_;
   std::unique_ptr<TcpTpGroup> group_;
+  std::unique_ptr<MpiTpCollective> mpi_;  // TP over MPI only
   std::unique_ptr<engine::TpFollower> follower_;
   std::map<engine::RequestId, Incoming> incoming_;  // destroyed before follower_'s pool
 };
@@ -64,9 +67,15 @@ Status Follower::Join() {
     return DataLoss("TP rank 0 did not answer with a setup message");
   }
   if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
+  engine::TpCollective* collective = group_.get();
+  if (options_.tp_over_mpi()) {
+    ASSIGN_OR_RETURN(mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                   options_.kv_timeout));
+    collective = mpi_.get();
+  }
   ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(
                                   options_.engine, base_.model,
-                                  static_cast<int64_t>(setup.total_blocks()), group_.get()));
+                                  static_cast<int64_t>(setup.total_blocks()), collective));
   LOG_INFO << "joined TP group as rank " << options_.tp_rank << " of " << options_.tp_size
            << " (kv heads [" << base_.model->kv_head_range().begin << ", "
            << base_.model->kv_head_range().end << "), kv data " << base_.transport->conn_info()
@@ -96,30 +105,35 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
                                    base_.model->kv_head_range().end};
   Incoming in;
   in.deadline = Deadline::After(options_.kv_timeout);
-  in.receiver = std::make_unique<kv_transfer::LayerStreamReceiver>(
-      base_.transport.get(), static_cast<int>(m.prefill_rank()),
-      worker::MakeStreamSpec(base_.layout, base_.model->fingerprint(), id, blocks, own),
-      worker::MakeStreamBuffers(follower_->pool(), blocks, {0, own.size()}));
-  if (Status s = in.receiver->Start(); !s.ok()) {
-    Ack(id, s);
+  auto receivers = worker::StartSegmentReceivers(
+      base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
+      base_.model->fingerprint(), id, blocks, own);
+  if (!receivers.ok()) {
+    Ack(id, receivers.status());
     return;
   }
+  in.receivers = std::move(receivers).value();
   incoming_[id] = std::move(in);
 }
 
 void Follower::Progress() {
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     Incoming& in = it->second;
-    Status s = in.receiver->Progress();
-    if (s.ok() && !in.receiver->complete() && in.deadline.Expired()) {
+    Status s;
+    bool complete = true;
+    for (auto& receiver : in.receivers) {
+      if (s.ok()) s = receiver->Progress();
+      complete = complete && receiver->complete();
+    }
+    if (s.ok() && !complete && in.deadline.Expired()) {
       s = DeadlineExceeded("KV heads did not arrive within " +
                            std::to_string(options_.kv_timeout.count()) + " ms");
     }
-    if (s.ok() && !in.receiver->complete()) {
+    if (s.ok() && !complete) {
       ++it;
       continue;
     }
-    in.receiver.reset();
+    in.receivers.clear();
     Ack(it->first, s);
     it = incoming_.erase(it);
   }

@@ -1,6 +1,7 @@
 #include "decode_worker/tp_leader.h"
 
 #include "common/logging.h"
+#include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_plan_codec.h"
 #include "engine/runtime/tensor_parallel.h"
 #include "protocols/control.pb.h"
@@ -10,7 +11,8 @@ namespace kvrelay::decode_worker {
 Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& options,
                                                   const protocols::PeerConfig& config,
                                                   const std::string& kv_conn_info, int data_rank,
-                                                  engine::Engine* engine) {
+                                                  engine::Engine* engine,
+                                                  engine::TpCollective* collective) {
   TpGroupOptions g;
   g.tp_rank = 0;
   g.tp_size = options.tp_size;
@@ -61,7 +63,8 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
   RETURN_IF_ERROR(leader->group_->Accept(Deadline::After(options.connect_timeout), check, refusal)
                       .status());
   engine::TensorParallelHooks hooks;
-  hooks.collective = leader->group_.get();
+  leader->collective_ = collective != nullptr ? collective : leader->group_.get();
+  hooks.collective = leader->collective_;
   hooks.publish = [self](const engine::StepPlan& plan) {
     return self->group_->Broadcast(TpMsg::kPlan, ToProto(plan).SerializeAsString());
   };
@@ -99,6 +102,12 @@ std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
                               : Unavailable("TP rank " + std::to_string(rank) + ": " + done.error())});
   }
   return acks;
+}
+
+Status TpLeader::status() const {
+  RETURN_IF_ERROR(group_->status());
+  if (auto* mpi = dynamic_cast<const MpiTpCollective*>(collective_)) return mpi->status();
+  return Status::Ok();
 }
 
 void TpLeader::Shutdown() { (void)group_->Broadcast(TpMsg::kShutdown, ""); }

@@ -21,11 +21,15 @@ namespace kvrelay::decode_worker {
 class TpLeader {
  public:
   // Listens on options.tp_host:tp_port, accepts the tp_size - 1 followers
-  // within connect_timeout and installs the TP hooks on `engine`.
+  // within connect_timeout and installs the TP hooks on `engine`. The
+  // forward's collectives run on `collective` (the group's MPI
+  // sub-communicator; not owned, must outlive the leader) or, when null, on
+  // the TCP link itself.
   static Result<std::unique_ptr<TpLeader>> Start(const worker::WorkerOptions& options,
                                                  const protocols::PeerConfig& config,
                                                  const std::string& kv_conn_info, int data_rank,
-                                                 engine::Engine* engine);
+                                                 engine::Engine* engine,
+                                                 engine::TpCollective* collective);
 
   // Every rank's data-plane peer index and KV conn info, in TP order.
   const std::vector<uint32_t>& data_ranks() const { return data_ranks_; }
@@ -43,8 +47,8 @@ class TpLeader {
   };
   // Acknowledgements that arrived (never blocks). A broken link shows in status().
   std::vector<KvAck> PollAcks();
-  // OK while every follower's link works.
-  Status status() const { return group_->status(); }
+  // OK while every follower's link (and the MPI collective) works.
+  Status status() const;
   // Tells the followers to stop (best effort: a broken link is fine).
   void Shutdown();
 
@@ -52,6 +56,7 @@ class TpLeader {
   explicit TpLeader(std::unique_ptr<TcpTpGroup> group) : group_(std::move(group)) {}
 
   std::unique_ptr<TcpTpGroup> group_;
+  engine::TpCollective* collective_ = nullptr;  // the forward's; group_ when not MPI
   std::vector<uint32_t> data_ranks_;
   std::vector<std::string> kv_conn_infos_;
 };

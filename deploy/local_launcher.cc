@@ -25,6 +25,8 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
+  if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
+  if (heartbeat_ms < 0) return InvalidArgument("--heartbeat-ms must be >= 0");
   return Status::Ok();
 }
 
@@ -47,13 +49,41 @@ Result<uint16_t> PickFreePort() {
 }
 
 void LocalLauncher::Stop() {
-  group_.Stop();
+  group_.Stop(std::chrono::seconds(15));
   if (!key_dir_.empty()) {
     // The processes that read it are gone.
     ::unlink(key_file_.c_str());
     ::rmdir(key_dir_.c_str());
     key_dir_.clear();
   }
+}
+
+std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, uint16_t http,
+                                                        uint16_t control) const {
+  std::vector<std::string> argv = {bin + "/kvrelay-coordinator",
+                                   "--model",
+                                   options_.model_path,
+                                   "--host",
+                                   options_.host,
+                                   "--port",
+                                   std::to_string(http),
+                                   "--control-port",
+                                   std::to_string(control),
+                                   // Everything runs on this machine: the control plane
+                                   // stays on loopback whatever --host the HTTP API is given.
+                                   "--control-host",
+                                   "127.0.0.1",
+                                   "--cluster-key-file",
+                                   key_file_,
+                                   "--kv-dtype",
+                                   options_.kv_dtype,
+                                   "--router",
+                                   options_.router};
+  if (options_.heartbeat_ms > 0) {
+    argv.push_back("--heartbeat-ms");
+    argv.push_back(std::to_string(options_.heartbeat_ms));
+  }
+  return argv;
 }
 
 Status LocalLauncher::Start() {
@@ -95,11 +125,7 @@ Status LocalLauncher::Start() {
 
   RETURN_IF_ERROR(group_.Spawn(
       {"coordinator",
-       {bin + "/kvrelay-coordinator", "--model", options_.model_path, "--host", options_.host,
-        "--port", std::to_string(http_port_), "--control-port", std::to_string(control),
-        "--control-host", "127.0.0.1", "--cluster-key-file", key_file_, "--kv-dtype",
-        options_.kv_dtype, "--router", options_.router},
-       {}}));
+       CoordinatorArgv(bin, http_port_, control), {}}));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
@@ -125,6 +151,14 @@ Status LocalLauncher::Start() {
                                      options_.host,
                                      "--cluster-key-file",
                                      key_file_};
+    if (options_.kv_timeout_ms > 0) {
+      argv.push_back("--kv-timeout-ms");
+      argv.push_back(std::to_string(options_.kv_timeout_ms));
+    }
+    if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {
+      argv.push_back("--device");
+      argv.push_back(options_.decode_device);
+    }
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);

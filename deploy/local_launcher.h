@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "deploy/process_group.h"
@@ -27,8 +28,19 @@ struct LaunchOptions {
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
   std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
+  std::string decode_device = "cpu";  // --device of the decode workers: cpu | cuda[:N]
   int64_t kv_capacity_mb = 256;
-  std::string kv_store_dir;  // RocksDB tier per worker under this directory; empty = none
+  // RocksDB prefix tier per prefill/colocated worker, in <kv_store_dir>/<worker id>
+  // (RocksDB allows one process per database, so workers never share one);
+  // empty = none. `kvrelay launch` defaults it to "kvstore" (--no-kv-store: off).
+  std::string kv_store_dir;
+  // Workers' --kv-timeout-ms (how long a decode worker waits for a request's
+  // KV, among others); 0 = the workers' default (30 s). A cold prefill of a
+  // long prompt on a loaded CPU can take longer.
+  int64_t kv_timeout_ms = 0;
+  // The coordinator's --heartbeat-ms (a worker is lost after 3 missed
+  // intervals); 0 = its default (500 ms).
+  int64_t heartbeat_ms = 0;
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
@@ -53,6 +65,9 @@ class LocalLauncher {
   uint16_t control_port() const { return control_port_; }
   // Returns when a child exits (its description as the error) or `stop` is set (OK).
   Status Supervise(const std::atomic<bool>& stop);
+  // SIGTERM to every child, SIGKILL to those still running after 15 s: a
+  // worker drains its prefix store's write queue to disk on SIGTERM. Then the
+  // generated cluster key (if any) is removed.
   void Stop();
   // The key file the processes were given (generated or LaunchOptions').
   const std::string& cluster_key_file() const { return key_file_; }
@@ -61,6 +76,9 @@ class LocalLauncher {
   const ProcessGroup& processes() const { return group_; }
 
  private:
+  std::vector<std::string> CoordinatorArgv(const std::string& bin, uint16_t http,
+                                           uint16_t control) const;
+
   LaunchOptions options_;
   ProcessGroup group_;
   uint16_t http_port_ = 0;

@@ -95,6 +95,14 @@ struct DecodedBlock {
   }
 };
 
+// Where the payload of an encoded block of `layout` starts, and its total size.
+inline size_t EncodedPayloadOffset(const KvLayout& layout) {
+  return kFixedHeaderBytes + static_cast<size_t>(layout.block_tokens) * sizeof(int32_t);
+}
+inline size_t EncodedBlockBytes(const KvLayout& layout) {
+  return EncodedPayloadOffset(layout) + static_cast<size_t>(layout.BlockBytes());
+}
+
 // Verifies `encoded` against `expected` and returns its payload or the reason
 // it must not be used. Never reads outside `encoded`; never throws.
 DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected);

@@ -4,6 +4,18 @@
 
 namespace kvrelay::kv_store {
 
+std::string_view BlockTierName(BlockTier t) {
+  switch (t) {
+    case BlockTier::kPool:
+      return "pool";
+    case BlockTier::kHostRam:
+      return "ram";
+    case BlockTier::kDisk:
+      return "disk";
+  }
+  return "unknown";
+}
+
 std::vector<Status> KvTier::PutBatch(std::vector<std::pair<BlockHash, std::string>> items) {
   std::vector<Status> out;
   out.reserve(items.size());

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
 
@@ -38,6 +39,29 @@ struct TierStats {
   int64_t expired = 0;     // entries removed because their TTL passed
   int64_t entries = 0;     // entries held now
   int64_t used_bytes = 0;  // bytes held now (values only)
+  // Asynchronous tiers (RocksDbTier) only:
+  int64_t written = 0;         // values the background writer stored
+  int64_t written_bytes = 0;   // ... and their bytes
+  int64_t write_failures = 0;  // values lost to a failed write, or refused because the
+                               // store is read-only / suspended after a failure (disk full)
+  int64_t get_batches = 0;     // GetBatch calls (each one RocksDB MultiGet)
+};
+
+// Where a block lives, for stored/evicted events (the router's prefix index
+// learns which worker holds a prefix and in which tier).
+enum class BlockTier : uint8_t { kPool = 0, kHostRam = 1, kDisk = 2 };
+std::string_view BlockTierName(BlockTier t);  // "pool", "ram", "disk"
+
+// One change of what a tier holds.
+struct TierEvent {
+  enum class Kind : uint8_t { kStored, kEvicted };
+  Kind kind = Kind::kStored;
+  BlockTier tier = BlockTier::kPool;
+  BlockHash hash{};
+  // After this event, does any tier of this worker (pool, RAM, disk) still
+  // hold the block? A router that keeps one set per worker removes the block
+  // on kEvicted only when this is false.
+  bool held_anywhere = true;
 };
 
 class KvTier {
@@ -70,6 +94,19 @@ class KvTier {
   // implementations loop; a tier may group the work.
   virtual std::vector<Status> PutBatch(std::vector<std::pair<BlockHash, std::string>> items);
   virtual std::vector<Result<std::string>> GetBatch(std::span<const BlockHash> hashes);
+
+  // Asynchronous tiers: whether a Put of `bytes` would be queued now (not
+  // dropped for a full queue); waiting until what was accepted is written
+  // (Flush) or durable (WaitDurable); and the stored/evicted events since the
+  // last call (`*overflowed`, may be null, is set when some were dropped).
+  // The defaults suit a synchronous tier that keeps no events.
+  virtual bool HasQueueRoom(int64_t bytes) const { return true; }
+  virtual Status Flush(Deadline deadline) { return Status::Ok(); }
+  virtual Status WaitDurable(Deadline deadline) { return Status::Ok(); }
+  virtual std::vector<TierEvent> TakeEvents(bool* overflowed) {
+    if (overflowed != nullptr) *overflowed = false;
+    return {};
+  }
 
   // Byte budget for values, and bytes of values held now.
   virtual int64_t capacity_bytes() const = 0;

@@ -2,13 +2,19 @@
 
 #include <rocksdb/cache.h>
 #include <rocksdb/convenience.h>
+#include <pthread.h>
 #include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/file_system.h>
 #include <rocksdb/options.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdarg>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -54,6 +60,26 @@ int64_t WallMicros() {
       .count();
 }
 
+// RocksDB's info log, routed to kvrelay's log at WARN and above: no LOG /
+// LOG.old.* files pile up in the store directory, and an open on a full disk
+// does not need to create one.
+class RocksLogger final : public rocksdb::Logger {
+ public:
+  RocksLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    char buf[1024];
+    std::vsnprintf(buf, sizeof(buf), format, ap);
+    LOG_WARNING << "rocksdb: " << buf;
+  }
+};
+
+bool MentionsLock(const std::string& msg) {
+  std::string lower(msg);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return lower.find("lock") != std::string::npos;
+}
+
 rocksdb::CompressionType SstCompression() {
   for (rocksdb::CompressionType t : rocksdb::GetSupportedCompressions()) {
     if (t == rocksdb::kLZ4Compression) return t;
@@ -78,11 +104,24 @@ Status RocksDbTier::Options::Validate() const {
   if (keep_damaged_copies < 0) {
     return InvalidArgument("RocksDbTier: keep_damaged_copies must be >= 0");
   }
+  if (open_reserve_bytes < 0) {
+    return InvalidArgument("RocksDbTier: open_reserve_bytes must be >= 0");
+  }
+  if (resume_interval_ms < 0) {
+    return InvalidArgument("RocksDbTier: resume_interval_ms must be >= 0");
+  }
+  if (log_interval_seconds < 0) {
+    return InvalidArgument("RocksDbTier: log_interval_seconds must be >= 0");
+  }
+  if (max_pending_events <= 0) {
+    return InvalidArgument("RocksDbTier: max_pending_events must be > 0");
+  }
   return Status::Ok();
 }
 
 RocksDbTier::RocksDbTier(const Options& options) : options_(options) {
   if (!options_.now_us) options_.now_us = WallMicros;
+  env_ = options_.env != nullptr ? options_.env : rocksdb::Env::Default();
 }
 
 int64_t RocksDbTier::Now() const { return options_.now_us(); }
@@ -91,19 +130,39 @@ Result<std::unique_ptr<RocksDbTier>> RocksDbTier::Open(const Options& options) {
   RETURN_IF_ERROR(options.Validate());
   std::unique_ptr<RocksDbTier> tier(new RocksDbTier(options));
   RETURN_IF_ERROR(tier->OpenDb());
+  {
+    std::lock_guard<std::mutex> lock(tier->mutex_);
+    tier->open_report_.entries = static_cast<int64_t>(tier->index_.size());
+  }
   tier->writer_ = std::thread([t = tier.get()] { t->WriterLoop(); });
+  pthread_setname_np(tier->writer_.native_handle(), "kvstore-writer");
   return tier;
 }
 
-Status RocksDbTier::TryOpen(bool after_repair) {
-  rocksdb::DBOptions db_options;
+namespace {
+
+struct DbConfig {
+  rocksdb::DBOptions db;
+  std::vector<rocksdb::ColumnFamilyDescriptor> families;
+};
+
+DbConfig MakeConfig(const RocksDbTier::Options& o, rocksdb::Env* env) {
+  DbConfig c;
+  rocksdb::DBOptions& db_options = c.db;
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
   db_options.paranoid_checks = true;
-  db_options.max_total_wal_size = 4 * static_cast<uint64_t>(options_.write_buffer_bytes);
+  db_options.max_total_wal_size = 4 * static_cast<uint64_t>(o.write_buffer_bytes);
   db_options.max_background_jobs = 2;
+  db_options.env = env;
+  db_options.info_log = std::make_shared<RocksLogger>();
+  // No fallocate: a preallocated MANIFEST (4 MiB by default) or WAL reserves
+  // space that is never written, and on a nearly full disk that reservation
+  // alone fails the open.
+  db_options.allow_fallocate = false;
+  db_options.manifest_preallocation_size = 0;
 
-  auto cache = rocksdb::NewLRUCache(static_cast<size_t>(options_.block_cache_bytes));
+  auto cache = rocksdb::NewLRUCache(static_cast<size_t>(o.block_cache_bytes));
   rocksdb::BlockBasedTableOptions table;
   table.block_cache = cache;
   table.cache_index_and_filter_blocks = true;
@@ -111,10 +170,10 @@ Status RocksDbTier::TryOpen(bool after_repair) {
   rocksdb::ColumnFamilyOptions data;
   data.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   data.compression = SstCompression();
-  data.write_buffer_size = static_cast<size_t>(options_.write_buffer_bytes);
+  data.write_buffer_size = static_cast<size_t>(o.write_buffer_bytes);
   data.enable_blob_files = true;
-  data.min_blob_size = static_cast<uint64_t>(options_.min_blob_size);
-  data.blob_file_size = static_cast<uint64_t>(options_.blob_file_size);
+  data.min_blob_size = static_cast<uint64_t>(o.min_blob_size);
+  data.blob_file_size = static_cast<uint64_t>(o.blob_file_size);
   data.blob_compression_type = rocksdb::kNoCompression;
   data.enable_blob_garbage_collection = true;
   data.blob_garbage_collection_age_cutoff = 0.5;
@@ -124,15 +183,22 @@ Status RocksDbTier::TryOpen(bool after_repair) {
   meta.compression = SstCompression();
   meta.write_buffer_size = 4 << 20;
 
-  std::vector<rocksdb::ColumnFamilyDescriptor> families = {
-      {rocksdb::kDefaultColumnFamilyName, data}, {kMetaFamily, meta}};
+  c.families = {{rocksdb::kDefaultColumnFamilyName, data}, {kMetaFamily, meta}};
+  return c;
+}
+
+}  // namespace
+
+Status RocksDbTier::TryOpen(bool after_repair) {
+  DbConfig config = MakeConfig(options_, env_);
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* db = nullptr;
   if (after_repair) {
-    rocksdb::Status rs = rocksdb::RepairDB(options_.path, db_options, families);
+    rocksdb::Status rs = rocksdb::RepairDB(options_.path, config.db, config.families);
     if (!rs.ok()) return FromRocks(rs, "RepairDB " + options_.path);
   }
-  rocksdb::Status s = rocksdb::DB::Open(db_options, options_.path, families, &handles, &db);
+  rocksdb::Status s =
+      rocksdb::DB::Open(config.db, options_.path, config.families, &handles, &db);
   if (!s.ok()) return FromRocks(s, "opening " + options_.path);
   db_ = db;
   data_cf_ = handles[0];
@@ -145,20 +211,120 @@ Status RocksDbTier::TryOpen(bool after_repair) {
   return Status::Ok();
 }
 
+Status RocksDbTier::OpenReadOnly(const std::string& why) {
+  read_only_ = true;
+  open_report_.outcome = OpenOutcome::kReadOnly;
+  open_report_.detail = why;
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(options_.path) / "CURRENT", ec)) {
+    // Nothing to read: an empty store that refuses writes (never a failed start).
+    LOG_ERROR << "kv_store: " << why << "; " << options_.path
+              << " holds no database, the disk tier is off until a restart with free space";
+    return Status::Ok();
+  }
+  DbConfig config = MakeConfig(options_, env_);
+  config.db.create_if_missing = false;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(config.db, options_.path, config.families,
+                                                   &handles, &db,
+                                                   /*error_if_wal_file_exists=*/false);
+  if (!s.ok()) {
+    LOG_ERROR << "kv_store: " << why << "; read-only open of " << options_.path
+              << " failed too (" << s.ToString() << "), the disk tier is off until a restart";
+    return Status::Ok();
+  }
+  db_ = db;
+  data_cf_ = handles[0];
+  meta_cf_ = handles[1];
+  Status rebuilt = RebuildIndex(/*reconcile_values=*/false);
+  if (!rebuilt.ok()) {
+    LOG_ERROR << "kv_store: read-only " << options_.path << ": " << rebuilt.ToString()
+              << "; the disk tier is off until a restart";
+    CloseDb();
+    std::lock_guard<std::mutex> lock(mutex_);
+    lru_.clear();
+    index_.clear();
+    deletes_.clear();
+    used_ = 0;
+    return Status::Ok();
+  }
+  LOG_ERROR << "kv_store: " << why << "; opened " << options_.path
+            << " read-only: stored prefixes are served, nothing new is written";
+  return Status::Ok();
+}
+
+namespace {
+
+// Bytes of WAL files a writable open replays (and may flush to new SSTs).
+int64_t WalBytes(const std::string& dir) {
+  int64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".log") {
+      const auto size = e.file_size(ec);
+      if (!ec) total += static_cast<int64_t>(size);
+    }
+  }
+  return total;
+}
+
+}  // namespace
+
+std::string RocksDbTier::ShortOfSpace() const {
+  uint64_t free_bytes = 0;
+  rocksdb::IOStatus fs = env_->GetFileSystem()->GetFreeSpace(options_.path, rocksdb::IOOptions(),
+                                                             &free_bytes, nullptr);
+  if (!fs.ok()) return "";  // unknown: try the writable open
+  const int64_t need = options_.open_reserve_bytes + WalBytes(options_.path);
+  if (static_cast<int64_t>(free_bytes) >= need) return "";
+  return "only " + std::to_string(free_bytes) + " bytes free on the disk of " + options_.path +
+         ", a writable open needs " + std::to_string(need);
+}
+
+Status RocksDbTier::ReopenForWriting() {
+  if (std::string why = ShortOfSpace(); !why.empty()) return Unavailable(why);
+  std::unique_lock<std::shared_mutex> db_lock(db_mutex_);
+  CloseDb();
+  DbConfig config = MakeConfig(options_, env_);
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(config.db, options_.path, config.families, &handles, &db);
+  if (!s.ok()) return FromRocks(s, "reopening " + options_.path);
+  db_ = db;
+  data_cf_ = handles[0];
+  meta_cf_ = handles[1];
+  return Status::Ok();
+}
+
 Status RocksDbTier::OpenDb() {
   std::error_code ec;
   std::filesystem::create_directories(options_.path, ec);
   if (ec) return Unavailable("creating " + options_.path + ": " + ec.message());
 
-  Status s = std::filesystem::exists(std::filesystem::path(options_.path) / kDamagedMarker, ec)
-                 ? DataLoss("marked damaged by an earlier process")
-                 : TryOpen(/*after_repair=*/false);
+  auto short_of_space = [this] { return ShortOfSpace(); };
+
+  const bool marked =
+      std::filesystem::exists(std::filesystem::path(options_.path) / kDamagedMarker, ec);
+  Status s;
+  if (marked) {
+    s = DataLoss("marked damaged by an earlier process");
+  } else if (std::string why = short_of_space(); !why.empty()) {
+    return OpenReadOnly(why);
+  } else {
+    s = TryOpen(/*after_repair=*/false);
+  }
   if (s.ok()) {
     open_report_.outcome = OpenOutcome::kOpened;
   } else {
-    // Anything but a plain I/O problem (a missing device, permissions) is
-    // treated as damage: repair, then start over.
-    if (s.code() == StatusCode::kUnavailable) return s;
+    // An I/O error is not damage: a full disk, a failed fsync, a device
+    // error. Keep the data and serve it read-only. A lock held by another
+    // process is a configuration error (two workers on one directory).
+    if (s.code() == StatusCode::kUnavailable) {
+      if (MentionsLock(s.message())) return s;
+      return OpenReadOnly(s.ToString());
+    }
+    // Anything else is treated as damage: repair, then start over.
     open_report_.detail = s.ToString();
     Status repaired = s;
     if (options_.try_repair) {
@@ -178,14 +344,24 @@ Status RocksDbTier::OpenDb() {
       std::filesystem::rename(options_.path, aside, ec);
       if (ec) return Unavailable("moving damaged " + options_.path + " aside: " + ec.message());
       std::filesystem::create_directories(options_.path, ec);
-      RETURN_IF_ERROR(TryOpen(/*after_repair=*/false));
+      PruneDamagedCopies(aside);
+      if (std::string why = short_of_space(); !why.empty() && std::filesystem::exists(aside)) {
+        // A forensic copy is not worth a store that cannot open.
+        LOG_WARNING << "kv_store: " << why << "; deleting the damaged copy " << aside;
+        std::filesystem::remove_all(aside, ec);
+      }
+      if (std::string why = short_of_space(); !why.empty()) return OpenReadOnly(why);
+      s = TryOpen(/*after_repair=*/false);
+      if (!s.ok()) {
+        if (s.code() == StatusCode::kUnavailable && !MentionsLock(s.message())) {
+          return OpenReadOnly(s.ToString());
+        }
+        return s;
+      }
       open_report_.outcome = OpenOutcome::kMovedAside;
       open_report_.moved_to = aside;
-      PruneDamagedCopies(aside);
     }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  open_report_.entries = static_cast<int64_t>(index_.size());
   return Status::Ok();
 }
 
@@ -294,7 +470,57 @@ void RocksDbTier::DropEntryLocked(LruList::iterator it) {
   lru_.erase(it);
   pending_.erase(h);
   touched_.erase(h);
-  deletes_.insert(h);
+  if (!read_only_) deletes_.insert(h);
+  EmitLocked(TierEvent::Kind::kEvicted, h);
+}
+
+void RocksDbTier::EmitLocked(TierEvent::Kind kind, const BlockHash& hash) {
+  if (static_cast<int64_t>(events_.size()) >= options_.max_pending_events) {
+    events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(
+                                                         events_.size() / 2));
+    events_overflowed_ = true;
+  }
+  TierEvent e;
+  e.kind = kind;
+  e.tier = BlockTier::kDisk;
+  e.hash = hash;
+  e.held_anywhere = kind == TierEvent::Kind::kStored;
+  events_.push_back(e);
+}
+
+std::vector<TierEvent> RocksDbTier::TakeEvents(bool* overflowed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<TierEvent> out;
+  out.swap(events_);
+  if (overflowed != nullptr) *overflowed = events_overflowed_;
+  events_overflowed_ = false;
+  return out;
+}
+
+void RocksDbTier::LogWriteFailureLocked(const Status& s, int64_t lost) {
+  failures_since_log_ += lost;
+  const TimePoint now = Clock::now();
+  if (last_failure_log_ != TimePoint{} &&
+      now - last_failure_log_ < std::chrono::seconds(options_.log_interval_seconds)) {
+    return;
+  }
+  LOG_WARNING << "kv_store: " << options_.path << ": write failed (" << s.ToString() << "); "
+              << failures_since_log_ << " block(s) not stored since the last report, "
+              << stats_.write_failures << " in all; stored blocks are still served, writes "
+              << "resume in " << options_.resume_interval_ms << " ms";
+  last_failure_log_ = now;
+  failures_since_log_ = 0;
+}
+
+bool RocksDbTier::writes_suspended() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return read_only_ || needs_resume_;
+}
+
+bool RocksDbTier::HasQueueRoom(int64_t bytes) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(queue_.size()) < options_.max_queue_blocks &&
+         queued_bytes_ + bytes <= options_.max_queue_bytes;
 }
 
 void RocksDbTier::CloseDb() {
@@ -319,11 +545,15 @@ RocksDbTier::~RocksDbTier() {
   work_cv_.notify_all();
   if (writer_.joinable()) writer_.join();
   bool damaged;
+  bool failing;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     damaged = damaged_;
+    failing = needs_resume_;
   }
-  if (db_ != nullptr && !damaged) {
+  // A read-only database has nothing to flush; after a failed write (disk
+  // full) a flush would fail too, and the WAL replays at the next open.
+  if (db_ != nullptr && !damaged && !read_only_ && !failing) {
     // Flush memtables so the next Open need not replay the WAL (faster restart).
     rocksdb::FlushOptions fo;
     rocksdb::Status s = db_->Flush(fo, {data_cf_, meta_cf_});
@@ -332,7 +562,7 @@ RocksDbTier::~RocksDbTier() {
     }
   }
   CloseDb();
-  if (damaged) {
+  if (damaged && !read_only_) {
     // The next Open moves the directory aside and starts empty.
     std::ofstream marker(std::filesystem::path(options_.path) / kDamagedMarker);
     marker << "damage seen by this process; the next open discards this database\n";
@@ -345,6 +575,15 @@ Status RocksDbTier::Put(const BlockHash& hash, std::string value) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return Unavailable("RocksDbTier: shutting down");
+    if (read_only_) {
+      ++stats_.write_failures;
+      return Unavailable("RocksDbTier: opened read-only (" + open_report_.detail + ")");
+    }
+    if (needs_resume_ && Clock::now() < suspended_until_) {
+      ++stats_.write_failures;
+      return Unavailable("RocksDbTier: writes suspended after a failed write: " +
+                         last_write_error_.ToString());
+    }
     if (size > options_.capacity_bytes) {
       ++stats_.puts_dropped;
       return ResourceExhausted("RocksDbTier: value of " + std::to_string(size) +
@@ -385,36 +624,12 @@ Status RocksDbTier::Put(const BlockHash& hash, std::string value) {
 }
 
 Result<std::string> RocksDbTier::Get(const BlockHash& hash) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = index_.find(hash);
-    if (it == index_.end()) {
-      ++stats_.misses;
-      return NotFound("block not in rocksdb tier");
-    }
-    const int64_t now = Now();
-    const int64_t ttl_us = options_.ttl_seconds * 1000000;
-    if (ttl_us > 0 && now - it->second->write_us > ttl_us) {
-      ++stats_.expired;
-      ++stats_.misses;
-      DropEntryLocked(it->second);
-      work_cv_.notify_one();
-      return NotFound("block expired in rocksdb tier");
-    }
-    it->second->access_us = now;
-    lru_.splice(lru_.begin(), lru_, it->second);
-    auto p = pending_.find(hash);
-    if (p != pending_.end()) {
-      ++stats_.hits;
-      return std::string(*p->second);
-    }
-    touched_.insert(hash);
-  }
-  std::string value;
-  rocksdb::ReadOptions ro;
-  ro.verify_checksums = true;
-  rocksdb::Status s = db_->Get(ro, data_cf_, KeyOf(hash), &value);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Result<std::string>> out = GetBatch(std::span<const BlockHash>(&hash, 1));
+  return std::move(out[0]);
+}
+
+Result<std::string> RocksDbTier::FinishReadLocked(const BlockHash& hash, const rocksdb::Status& s,
+                                                  std::string value) {
   if (s.ok()) {
     ++stats_.hits;
     return value;
@@ -427,11 +642,80 @@ Result<std::string> RocksDbTier::Get(const BlockHash& hash) {
     return NotFound("block not in rocksdb tier");
   }
   ++stats_.errors;
-  if (s.IsCorruption()) damaged_ = true;
-  if (s.IsCorruption() && it != index_.end() && !pending_.count(hash)) {
-    DropEntryLocked(it->second);  // never read it again
+  if (s.IsCorruption()) {
+    if (!read_only_) damaged_ = true;
+    if (it != index_.end() && !pending_.count(hash)) {
+      DropEntryLocked(it->second);  // never read it again
+    }
   }
   return FromRocks(s, "reading a block");
+}
+
+std::vector<Result<std::string>> RocksDbTier::GetBatch(std::span<const BlockHash> hashes) {
+  std::vector<Result<std::string>> out;
+  out.reserve(hashes.size());
+  // Indices of `hashes` to read from the database.
+  std::vector<size_t> reads;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.get_batches;
+    const int64_t now = Now();
+    const int64_t ttl_us = options_.ttl_seconds * 1000000;
+    bool dropped = false;
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      const BlockHash& hash = hashes[i];
+      auto it = index_.find(hash);
+      if (it == index_.end()) {  // (a tier without a database has an empty index)
+        ++stats_.misses;
+        out.emplace_back(NotFound("block not in rocksdb tier"));
+        continue;
+      }
+      if (ttl_us > 0 && now - it->second->write_us > ttl_us) {
+        ++stats_.expired;
+        ++stats_.misses;
+        DropEntryLocked(it->second);
+        dropped = true;
+        out.emplace_back(NotFound("block expired in rocksdb tier"));
+        continue;
+      }
+      it->second->access_us = now;
+      lru_.splice(lru_.begin(), lru_, it->second);
+      auto p = pending_.find(hash);
+      if (p != pending_.end()) {
+        ++stats_.hits;
+        out.emplace_back(std::string(*p->second));
+        continue;
+      }
+      if (!read_only_) touched_.insert(hash);
+      out.emplace_back(NotFound(""));  // placeholder, filled below
+      reads.push_back(i);
+    }
+    if (dropped) work_cv_.notify_one();
+  }
+  if (reads.empty()) return out;
+  std::vector<rocksdb::Slice> keys;
+  keys.reserve(reads.size());
+  for (size_t i : reads) keys.push_back(KeyOf(hashes[i]));
+  std::vector<rocksdb::PinnableSlice> values(reads.size());
+  std::vector<rocksdb::Status> statuses(reads.size());
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  {
+    std::shared_lock<std::shared_mutex> db_lock(db_mutex_);
+    if (db_ != nullptr) {
+      db_->MultiGet(ro, data_cf_, keys.size(), keys.data(), values.data(), statuses.data(),
+                    /*sorted_input=*/false);
+    } else {
+      for (auto& st : statuses) st = rocksdb::Status::NotFound("database closed");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t k = 0; k < reads.size(); ++k) {
+    std::string value = statuses[k].ok() ? values[k].ToString() : std::string();
+    values[k].Reset();
+    out[reads[k]] = FinishReadLocked(hashes[reads[k]], statuses[k], std::move(value));
+  }
+  return out;
 }
 
 bool RocksDbTier::Contains(const BlockHash& hash) {
@@ -533,6 +817,70 @@ void RocksDbTier::WriterLoop() {
       return stop_ || !queue_.empty() || !deletes_.empty() || sync_request_ > durable_seq_ ||
              written_seq_ < next_seq_;
     });
+    // A read-only (or absent) database writes nothing: settle every request.
+    if (read_only_) {
+      for (const PendingPut& p : queue_) pending_.erase(p.hash);
+      queue_.clear();
+      queued_bytes_ = 0;
+      deletes_.clear();
+      touched_.clear();
+      written_seq_ = durable_seq_ = next_seq_;
+      done_cv_.notify_all();
+      if (stop_) break;
+      continue;
+    }
+    // After a failed write: wait out the suspension, then ask RocksDB to
+    // clear its background error before writing again.
+    if (needs_resume_) {
+      const TimePoint until = suspended_until_;
+      if (!stop_ && Clock::now() < until) {
+        // Queued values would fail again: they are lost, not retried.
+        const int64_t lost = static_cast<int64_t>(queue_.size());
+        for (const PendingPut& p : queue_) {
+          auto cur = pending_.find(p.hash);
+          if (cur != pending_.end() && cur->second == p.value) {
+            pending_.erase(cur);
+            auto idx = index_.find(p.hash);
+            if (idx != index_.end()) {
+              used_ -= idx->second->size;
+              lru_.erase(idx->second);
+              index_.erase(idx);
+            }
+          }
+        }
+        queue_.clear();
+        queued_bytes_ = 0;
+        deletes_.clear();
+        touched_.clear();
+        stats_.write_failures += lost;
+        max_failed_seq_ = std::max(max_failed_seq_, next_seq_);
+        written_seq_ = next_seq_;
+        if (sync_request_ > durable_seq_) durable_seq_ = sync_request_;  // failed, settled
+        done_cv_.notify_all();
+        work_cv_.wait_until(lock, until, [&] { return stop_; });
+        continue;
+      }
+      lock.unlock();
+      Status r = db_ != nullptr ? FromRocks(db_->Resume(), "resuming writes")
+                                : Unavailable("the database is closed");
+      if (!r.ok()) {
+        // A failed WAL append or fsync leaves RocksDB's WAL writer unusable
+        // ("Seen error"): Resume cannot clear that, a reopen can (it replays
+        // the WAL). Only with room on the disk: an open on a full disk is
+        // what must never happen.
+        Status reopened = ReopenForWriting();
+        if (reopened.ok()) r = Status::Ok();
+      }
+      lock.lock();
+      if (!r.ok()) {
+        suspended_until_ = Clock::now() + std::chrono::milliseconds(options_.resume_interval_ms);
+        LogWriteFailureLocked(r, 0);
+        if (stop_) break;
+        continue;
+      }
+      needs_resume_ = false;
+      LOG_INFO << "kv_store: " << options_.path << ": writes resumed";
+    }
     // Take one round of work.
     puts.clear();
     deletes.clear();
@@ -584,19 +932,40 @@ void RocksDbTier::WriterLoop() {
     }
 
     lock.lock();
-    for (const PendingPut& p : puts) {
+    std::vector<bool> current(puts.size());
+    for (size_t i = 0; i < puts.size(); ++i) {
+      const PendingPut& p = puts[i];
       auto cur = pending_.find(p.hash);
-      if (cur != pending_.end() && cur->second == p.value) pending_.erase(cur);
+      current[i] = cur != pending_.end() && cur->second == p.value;
+      if (current[i]) pending_.erase(cur);
+      if (s.ok()) {
+        ++stats_.written;
+        stats_.written_bytes += static_cast<int64_t>(p.value->size());
+        if (current[i] && index_.count(p.hash)) EmitLocked(TierEvent::Kind::kStored, p.hash);
+      }
     }
     if (!s.ok()) {
       ++stats_.errors;
-      // A failed write means a background error (typically a compaction that
-      // met a damaged file): the DB stays read-only until reopened.
-      damaged_ = true;
       last_write_error_ = FromRocks(s, "writing a batch");
       max_failed_seq_ = std::max<uint64_t>(max_failed_seq_, round_seq);
-      LOG_WARNING << "kv_store: " << last_write_error_.ToString();
-      for (const PendingPut& p : puts) {  // not stored: forget them
+      if (s.IsCorruption()) {
+        // A background error from a compaction that met a damaged file: the
+        // DB stays read-only until reopened, and the next open discards it.
+        damaged_ = true;
+        LOG_WARNING << "kv_store: " << last_write_error_.ToString();
+      } else {
+        // Disk full, failed fsync, device error: not damage. Writes pause,
+        // stored values stay readable, and the writer resumes later.
+        needs_resume_ = true;
+        suspended_until_ = Clock::now() + std::chrono::milliseconds(options_.resume_interval_ms);
+      }
+      stats_.write_failures += static_cast<int64_t>(puts.size());
+      if (!s.IsCorruption()) {
+        LogWriteFailureLocked(last_write_error_, static_cast<int64_t>(puts.size()));
+      }
+      for (size_t i = 0; i < puts.size(); ++i) {  // not stored: forget them
+        if (!current[i]) continue;  // a newer Put of the same hash owns the entry
+        const PendingPut& p = puts[i];
         auto idx = index_.find(p.hash);
         if (idx != index_.end()) {
           used_ -= idx->second->size;

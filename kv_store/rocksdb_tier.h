@@ -51,6 +51,35 @@
 // damaged: the destructor leaves a KVRELAY_DAMAGED file and the next Open
 // moves the directory aside, so latent damage cannot keep the tier read-only.
 //
+// Disk full and other write failures (not damage): a write that fails with an
+// I/O error (ENOSPC, EIO, a failed fsync) loses the values of that batch
+// (counted in write_failures, logged at most once per log_interval_seconds),
+// keeps every value already stored readable, and suspends writing for
+// resume_interval_ms: meanwhile Put refuses at once (Unavailable, counted in
+// write_failures), then the writer calls DB::Resume() and writes again. Such
+// a failure never marks the database damaged (only corruption does), so the
+// next Open keeps its contents.
+//
+// Open on a full disk: a writable open needs free space for RocksDB's own
+// files (MANIFEST, OPTIONS, WAL replay). Open checks the free space first (the
+// Env's FileSystem::GetFreeSpace); below open_reserve_bytes plus the bytes of
+// WAL files to replay, or when a writable open fails with an I/O error, it
+// opens the database read-only (DB::OpenForReadOnly): reads are served,
+// Put refuses (Unavailable, counted), read_only() is true. Preallocation
+// (fallocate of MANIFEST/WAL files) is off, so an open never reserves
+// megabytes it does not write. RocksDB 7.8 (Debian) asserts
+// `sync_without_flush_called_` and aborts when a file writer is reused after
+// a failed append; the free-space check keeps a full disk from reaching it.
+//
+// Events: the tier records what it stored (when the writer's batch succeeded,
+// so the block is on disk) and what it dropped (capacity, TTL, erase,
+// corruption) as TierEvents (tier = kDisk); TakeEvents() hands them to one
+// consumer (TieredCache, which forwards them on its owner thread).
+//
+// One writer process per directory: RocksDB locks the directory (LOCK file),
+// so a second process opening the same path fails with Unavailable. kvrelay
+// gives every worker its own directory (see tiered_cache.h for why).
+//
 // Thread-safety: all methods may be called concurrently.
 #pragma once
 
@@ -63,6 +92,8 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -76,6 +107,8 @@
 namespace rocksdb {
 class DB;
 class ColumnFamilyHandle;
+class Env;
+class Status;
 }  // namespace rocksdb
 
 namespace kvrelay::kv_store {
@@ -97,6 +130,19 @@ class RocksDbTier final : public KvTier {
     bool sync_every_batch = false;            // true: every batch is a synced write
     bool try_repair = false;      // run RepairDB before moving a damaged directory aside
     int keep_damaged_copies = 1;  // "<path>.corrupt-*" directories kept for forensics
+    // Free bytes a writable open needs on the directory's file system, beyond
+    // the WAL bytes it replays; with less, Open opens read-only.
+    int64_t open_reserve_bytes = 16LL << 20;
+    // After a failed write, Put refuses for this long, then the writer resumes.
+    int64_t resume_interval_ms = 5000;
+    // Write failures are logged at most once per this many seconds.
+    int64_t log_interval_seconds = 60;
+    // Events kept for TakeEvents(); beyond it the oldest are dropped and
+    // TakeEvents reports the overflow (the consumer re-announces KeysLruOrder()).
+    int64_t max_pending_events = 1 << 16;
+    // Not owned; null = rocksdb::Env::Default(). Tests pass an Env over a
+    // fault-injecting FileSystem (disk full, failed fsync).
+    rocksdb::Env* env = nullptr;
     // Wall clock in microseconds since the Unix epoch (TTL and LRU survive
     // restarts, so a steady clock will not do). Tests inject a fake.
     std::function<int64_t()> now_us;
@@ -105,10 +151,10 @@ class RocksDbTier final : public KvTier {
   };
 
   // How Open found the directory.
-  enum class OpenOutcome { kOpened, kRepaired, kMovedAside };
+  enum class OpenOutcome { kOpened, kRepaired, kMovedAside, kReadOnly };
   struct OpenReport {
     OpenOutcome outcome = OpenOutcome::kOpened;
-    std::string detail;    // the RocksDB error that triggered repair / move, if any
+    std::string detail;    // the RocksDB error that triggered repair / move / read-only
     std::string moved_to;  // for kMovedAside
     int64_t entries = 0;   // index entries after open
   };
@@ -121,9 +167,13 @@ class RocksDbTier final : public KvTier {
 
   std::string_view name() const override { return "rocksdb"; }
   // Asynchronous (see the file comment). ResourceExhausted when the queue is
-  // full or the value exceeds capacity_bytes; Unavailable after shutdown began.
+  // full or the value exceeds capacity_bytes; Unavailable after shutdown
+  // began, when read-only, or while writing is suspended after a failure.
   Status Put(const BlockHash& hash, std::string value) override;
   Result<std::string> Get(const BlockHash& hash) override;
+  // One RocksDB MultiGet for every hash not pending in the queue; results in
+  // input order, with the same meaning as Get's.
+  std::vector<Result<std::string>> GetBatch(std::span<const BlockHash> hashes) override;
   bool Contains(const BlockHash& hash) override;
   Status Erase(const BlockHash& hash) override;
   int64_t capacity_bytes() const override { return options_.capacity_bytes; }
@@ -132,17 +182,25 @@ class RocksDbTier final : public KvTier {
 
   // Waits until every Put/Erase accepted before this call is written to the
   // database (visible to a reopened DB after a clean close, not yet synced).
-  Status Flush(Deadline deadline);
+  Status Flush(Deadline deadline) override;
   // Waits until every Put accepted before this call is durable (see the file
   // comment). DeadlineExceeded when the deadline passes first; the error of a
   // failed write when a write in that range failed.
-  Status WaitDurable(Deadline deadline);
+  Status WaitDurable(Deadline deadline) override;
 
   const OpenReport& open_report() const { return open_report_; }
+  // True when opened read-only (full disk): reads only, every Put refused.
+  bool read_only() const { return read_only_; }
+  // True while writes are suspended after a failure (see the file comment).
+  bool writes_suspended() const;
   // Hashes in the index, least recently used first (tests, tools).
   std::vector<BlockHash> KeysLruOrder() const;
-  // Values in the spill queue now.
+  // Values in the spill queue now, and whether a value of `bytes` would fit.
   int64_t queued_blocks() const;
+  bool HasQueueRoom(int64_t bytes) const override;
+  // Stored/evicted events since the last call, oldest first. `*overflowed`
+  // (may be null) is set when events were dropped since the last call.
+  std::vector<TierEvent> TakeEvents(bool* overflowed) override;
   // Test hook: while paused the writer takes no work, so the queue fills.
   void SetWriterPausedForTesting(bool paused);
 
@@ -150,11 +208,23 @@ class RocksDbTier final : public KvTier {
   explicit RocksDbTier(const Options& options);
   Status OpenDb();
   Status TryOpen(bool after_repair);
+  Status OpenReadOnly(const std::string& why);
+  // Why a writable open could not fit on the disk now; empty when it can.
+  std::string ShortOfSpace() const;
+  // Writer thread only: closes and reopens the database (after a failure
+  // that Resume cannot clear). Takes db_mutex_ exclusively.
+  Status ReopenForWriting();
   Status RebuildIndex(bool reconcile_values);
   void PruneDamagedCopies(const std::filesystem::path& newest);
   void CloseDb();
   void WriterLoop();
   int64_t Now() const;
+  // Turns one value read from the DB into Get's result. Requires mutex_.
+  Result<std::string> FinishReadLocked(const BlockHash& hash, const rocksdb::Status& s,
+                                       std::string value);
+  void EmitLocked(TierEvent::Kind kind, const BlockHash& hash);
+  // Logs a write failure at most once per log_interval_seconds. Requires mutex_.
+  void LogWriteFailureLocked(const Status& s, int64_t lost);
 
   struct PendingPut {
     uint64_t seq;
@@ -174,9 +244,14 @@ class RocksDbTier final : public KvTier {
 
   Options options_;
   OpenReport open_report_;
+  rocksdb::Env* env_ = nullptr;                     // options_.env or the default
+  // db_ is replaced only by ReopenForWriting (writer thread) under db_mutex_
+  // held exclusively; readers on other threads hold it shared.
+  mutable std::shared_mutex db_mutex_;
   rocksdb::DB* db_ = nullptr;                       // owned; closed in the destructor
   rocksdb::ColumnFamilyHandle* data_cf_ = nullptr;  // owned by db_'s lifetime
   rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;
+  bool read_only_ = false;  // set during Open, constant afterwards
 
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;  // writer waits for work
@@ -196,9 +271,15 @@ class RocksDbTier final : public KvTier {
   uint64_t sync_request_ = 0;    // a WaitDurable wants durable_seq_ >= this
   uint64_t max_failed_seq_ = 0;  // highest sequence in a failed write
   Status last_write_error_;
+  TimePoint suspended_until_{};   // Put refuses until then (after a failed write)
+  bool needs_resume_ = false;     // call DB::Resume() before the next write
+  TimePoint last_failure_log_{};  // rate limit of the write-failure log line
+  int64_t failures_since_log_ = 0;
+  std::vector<TierEvent> events_;
+  bool events_overflowed_ = false;
   bool stop_ = false;
   bool paused_ = false;   // test hook
-  bool damaged_ = false;  // a read met corruption or a write failed: discard at next open
+  bool damaged_ = false;  // corruption was met (read or write): discard at next open
   TierStats stats_;
 
   std::thread writer_;  // joined in the destructor

@@ -1,10 +1,19 @@
 #include "kv_store/tiered_cache.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <cstring>
 
 #include "common/logging.h"
+#include "kv_store/rocksdb_tier.h"
 
 namespace kvrelay::kv_store {
+
+bool LoadHandle::Ready() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
 
 TieredCache::TieredCache(const Options& options, HostRamTier* ram, KvTier* disk)
     : options_(options), ram_(ram), disk_(disk) {
@@ -16,25 +25,64 @@ TieredCache::TieredCache(const Options& options, HostRamTier* ram, KvTier* disk)
       if (!ok) ++stats_.spills_dropped;
     });
   }
+  loader_ = std::thread([this] { LoaderLoop(); });
+  pthread_setname_np(loader_.native_handle(), "kvstore-loader");
 }
 
 TieredCache::~TieredCache() {
+  {
+    std::lock_guard<std::mutex> lock(load_mutex_);
+    load_stop_ = true;
+  }
+  load_cv_.notify_all();
+  if (loader_.joinable()) loader_.join();
   Detach();
   if (ram_ != nullptr && disk_ != nullptr && !options_.write_through) {
     ram_->SetEvictionCallback(nullptr);
   }
 }
 
-void TieredCache::Attach(engine::KvBlockPool* pool) {
+void TieredCache::Attach(engine::KvBlockPool* pool, EventListener listener,
+                         bool own_pool_listener) {
   Detach();
   pool_ = pool;
+  listener_ = std::move(listener);
+  own_pool_listener_ = own_pool_listener;
   pool_->SetSpillHook(
       [this](const BlockHash& hash, engine::BlockId block) { OnSpill(hash, block); });
+  if (own_pool_listener_) {
+    pool_->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+  }
 }
 
 void TieredCache::Detach() {
-  if (pool_ != nullptr) pool_->SetSpillHook(nullptr);
+  if (pool_ != nullptr) {
+    pool_->SetSpillHook(nullptr);
+    if (own_pool_listener_) pool_->SetEventListener(nullptr);
+  }
   pool_ = nullptr;
+  listener_ = nullptr;
+  backlog_.clear();
+  backlog_set_.clear();
+}
+
+void TieredCache::Emit(const TierEvent& ev) {
+  if (listener_) listener_(ev);
+}
+
+void TieredCache::AnnounceAll() {
+  auto announce = [this](BlockTier tier, const std::vector<BlockHash>& hashes) {
+    for (const BlockHash& h : hashes) {
+      TierEvent e;
+      e.kind = TierEvent::Kind::kStored;
+      e.tier = tier;
+      e.hash = h;
+      announce_.push_back(e);
+    }
+  };
+  if (auto* rocks = dynamic_cast<RocksDbTier*>(disk_); rocks != nullptr) {
+    announce(BlockTier::kDisk, rocks->KeysLruOrder());
+  }
 }
 
 void TieredCache::NoteLocked(const BlockHash& hash, Note note) {
@@ -76,15 +124,19 @@ bool TieredCache::Store(const BlockHash& hash, const Note& note, engine::KvBlock
   const int64_t bytes = static_cast<int64_t>(encoded->size());
   bool stored = false;
   bool dropped = false;
+  // A block written through at commit is on disk already: only RAM gets it.
+  const bool disk_has = disk_ != nullptr && disk_->Contains(hash);
   if (ram_ != nullptr && disk_ != nullptr && options_.write_through) {
-    Status d = disk_->Put(hash, *encoded);
-    dropped = !d.ok();
-    stored = d.ok();
-    stored = ram_->Put(hash, std::move(encoded).value()).ok() || stored;
+    if (!disk_has) {
+      Status d = disk_->Put(hash, *encoded);
+      dropped = !d.ok();
+      stored = d.ok();
+    }
+    stored = ram_->Put(hash, std::move(encoded).value()).ok() || stored || disk_has;
   } else if (ram_ != nullptr) {
     stored = ram_->Put(hash, std::move(encoded).value()).ok();
   } else if (disk_ != nullptr) {
-    stored = disk_->Put(hash, std::move(encoded).value()).ok();
+    stored = disk_has || disk_->Put(hash, std::move(encoded).value()).ok();
     dropped = !stored;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -97,6 +149,7 @@ bool TieredCache::Store(const BlockHash& hash, const Note& note, engine::KvBlock
 }
 
 void TieredCache::OnSpill(const BlockHash& hash, engine::BlockId block) {
+  backlog_set_.erase(hash);  // the spill writes it (if the disk lacks it)
   Note note;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -110,9 +163,330 @@ void TieredCache::OnSpill(const BlockHash& hash, engine::BlockId block) {
   if (pool_ != nullptr) Store(hash, note, pool_, block);
 }
 
+void TieredCache::OnPoolEvent(const engine::KvEvent& ev) {
+  TierEvent e;
+  e.tier = BlockTier::kPool;
+  e.hash = ev.hash;
+  if (ev.kind == engine::KvEvent::Kind::kStored) {
+    e.kind = TierEvent::Kind::kStored;
+    e.held_anywhere = true;
+    if (options_.write_through && disk_ != nullptr && !backlog_set_.count(ev.hash)) {
+      bool noted;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        noted = note_index_.count(ev.hash) > 0;
+      }
+      if (noted) {
+        if (static_cast<int64_t>(backlog_set_.size()) >= options_.max_write_backlog_blocks) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++stats_.write_through_dropped;
+        } else {
+          backlog_.push_back(ev.hash);
+          backlog_set_.insert(ev.hash);
+        }
+      }
+    }
+  } else {
+    e.kind = TierEvent::Kind::kEvicted;
+    e.held_anywhere = (ram_ != nullptr && ram_->Contains(ev.hash)) ||
+                      (disk_ != nullptr && disk_->Contains(ev.hash));
+  }
+  Emit(e);
+}
+
+bool TieredCache::WriteThroughOne(const BlockHash& hash) {
+  auto skipped = [this] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.write_through_skipped;
+    return true;
+  };
+  if (disk_->Contains(hash) || !pool_->IsCached(hash)) return skipped();
+  Note note;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = note_index_.find(hash);
+    if (it == note_index_.end()) {
+      ++stats_.write_through_skipped;
+      return true;
+    }
+    note = it->second->second;
+  }
+  const engine::KvLayout& layout = pool_->layout();
+  if (!disk_->HasQueueRoom(static_cast<int64_t>(EncodedBlockBytes(layout)))) return false;
+  std::vector<engine::BlockId> held = pool_->MatchPrefix(std::span<const BlockHash>(&hash, 1));
+  if (held.empty()) return skipped();
+  BlockMeta meta{note.model, layout, note.salt_hash, hash, note.tokens};
+  Result<std::string> encoded = EncodeBlock(meta, *pool_, held[0]);
+  pool_->Release(held[0]);
+  if (!encoded.ok()) {
+    LOG_WARNING << "kv_store: cannot encode block for write-through: "
+                << encoded.status().ToString();
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.write_through_dropped;
+    return true;
+  }
+  const int64_t bytes = static_cast<int64_t>(encoded->size());
+  Status s = disk_->Put(hash, std::move(encoded).value());
+  if (s.code() == StatusCode::kResourceExhausted && disk_->HasQueueRoom(0) == false) {
+    return false;  // the queue filled meanwhile: retry at the next Pump
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (s.ok()) {
+    ++stats_.write_through_blocks;
+    stats_.write_through_bytes += bytes;
+  } else {
+    ++stats_.write_through_dropped;  // read-only / suspended disk, or over capacity
+  }
+  return true;
+}
+
+void TieredCache::Pump() {
+  if (pool_ != nullptr && disk_ != nullptr) {
+    int budget = options_.max_encodes_per_pump;
+    while (!backlog_.empty() && budget > 0) {
+      const BlockHash h = backlog_.front();
+      if (!backlog_set_.count(h)) {
+        backlog_.pop_front();  // spilled (and written) meanwhile
+        continue;
+      }
+      if (!WriteThroughOne(h)) break;  // no room in the disk queue: later
+      backlog_.pop_front();
+      backlog_set_.erase(h);
+      --budget;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.write_backlog = static_cast<int64_t>(backlog_set_.size());
+  }
+  std::vector<TierEvent> announce;
+  announce.swap(announce_);
+  for (const TierEvent& e : announce) Emit(e);
+  if (disk_ != nullptr) {
+    bool overflowed = false;
+    std::vector<TierEvent> events = disk_->TakeEvents(&overflowed);
+    for (TierEvent& e : events) {
+      if (e.kind == TierEvent::Kind::kEvicted) {
+        e.held_anywhere = (pool_ != nullptr && pool_->IsCached(e.hash)) ||
+                          (ram_ != nullptr && ram_->Contains(e.hash));
+      }
+      Emit(e);
+    }
+    if (overflowed) AnnounceAll();
+  }
+}
+
+Status TieredCache::Drain(Deadline deadline) {
+  if (disk_ == nullptr) return Status::Ok();
+  while (true) {
+    Pump();
+    if (backlog_set_.empty()) break;
+    if (deadline.Expired()) {
+      return DeadlineExceeded("TieredCache::Drain: " + std::to_string(backlog_set_.size()) +
+                              " blocks not written by the deadline");
+    }
+    // Let the writer make room in its queue.
+    const auto slice = std::min<std::chrono::nanoseconds>(
+        std::chrono::milliseconds(100), std::max<std::chrono::nanoseconds>(
+                                            std::chrono::nanoseconds(0), deadline.at - Clock::now()));
+    (void)disk_->Flush(Deadline::After(slice));
+  }
+  Status s = disk_->WaitDurable(deadline);
+  Pump();  // deliver the stored events of what was just written
+  return s;
+}
+
 void TieredCache::CountMiss(MissReason r) {
   std::lock_guard<std::mutex> lock(mutex_);
   ++stats_.misses[static_cast<size_t>(r)];
+}
+
+PrefixMatch TieredCache::Match(std::span<const int32_t> tokens,
+                               const engine::ModelFingerprint& model,
+                               std::string_view tenant_salt) {
+  PrefixMatch m;
+  if (pool_ == nullptr) return m;
+  const int bt = pool_->layout().block_tokens;
+  m.block_tokens = bt;
+  m.hashes = engine::HashPrefixBlocks(tokens, bt, model, tenant_salt);
+  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < m.hashes.size(); ++i) {
+      auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+      NoteLocked(m.hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
+    }
+  }
+  size_t i = 0;
+  while (i < m.hashes.size() && pool_->IsCached(m.hashes[i])) ++i;
+  m.pool_blocks = static_cast<int>(i);
+  while (i < m.hashes.size() && ((ram_ != nullptr && ram_->Contains(m.hashes[i])) ||
+                                 (disk_ != nullptr && disk_->Contains(m.hashes[i])))) {
+    ++i;
+  }
+  m.external_blocks = static_cast<int>(i) - m.pool_blocks;
+  if (i < m.hashes.size()) CountMiss(MissReason::kNotFound);  // the stored prefix ends here
+  return m;
+}
+
+std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
+                                                   std::span<const int32_t> tokens,
+                                                   const engine::ModelFingerprint& model,
+                                                   std::string_view tenant_salt, int max_blocks) {
+  auto load = std::make_shared<LoadHandle>();
+  const engine::KvLayout layout = pool_ != nullptr ? pool_->layout() : engine::KvLayout{};
+  int n = match.external_blocks;
+  if (max_blocks >= 0) n = std::min(n, max_blocks);
+  const int bt = match.block_tokens;
+  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
+  for (int k = 0; k < n && pool_ != nullptr; ++k) {
+    const size_t i = static_cast<size_t>(match.pool_blocks + k);
+    if (i >= match.hashes.size() || (i + 1) * static_cast<size_t>(bt) > tokens.size()) break;
+    load->hashes.push_back(match.hashes[i]);
+    load->expected.push_back(BlockMeta{
+        model, layout, salt_hash, match.hashes[i],
+        std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
+                             tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt))});
+  }
+  if (load->hashes.empty()) {
+    std::lock_guard<std::mutex> lock(load->mutex_);
+    load->done_ = true;
+    return load;
+  }
+  {
+    std::lock_guard<std::mutex> lock(load_mutex_);
+    load_queue_.push_back(load);
+  }
+  load_cv_.notify_one();
+  return load;
+}
+
+void TieredCache::LoaderLoop() {
+  std::unique_lock<std::mutex> lock(load_mutex_);
+  while (true) {
+    load_cv_.wait(lock, [&] { return load_stop_ || !load_queue_.empty(); });
+    if (load_queue_.empty() && load_stop_) break;
+    std::shared_ptr<LoadHandle> load = std::move(load_queue_.front());
+    load_queue_.pop_front();
+    lock.unlock();
+    ReadLoad(*load);
+    {
+      std::lock_guard<std::mutex> done(load->mutex_);
+      load->done_ = true;
+    }
+    load->done_cv_.notify_all();
+    lock.lock();
+  }
+  // Stopping: settle what is still queued (nothing read).
+  for (auto& load : load_queue_) {
+    std::lock_guard<std::mutex> done(load->mutex_);
+    load->done_ = true;
+    load->done_cv_.notify_all();
+  }
+  load_queue_.clear();
+}
+
+void TieredCache::ReadLoad(LoadHandle& load) {
+  const size_t n = load.hashes.size();
+  std::vector<Result<std::string>> from_ram;
+  if (ram_ != nullptr) from_ram = ram_->GetBatch(load.hashes);
+  // One batched disk read for every block RAM did not have.
+  std::vector<size_t> want_disk;
+  for (size_t i = 0; i < n; ++i) {
+    if (ram_ == nullptr || !from_ram[i].ok()) want_disk.push_back(i);
+  }
+  std::vector<Result<std::string>> from_disk(n, NotFound("not read"));
+  if (disk_ != nullptr && !want_disk.empty()) {
+    std::vector<BlockHash> keys;
+    keys.reserve(want_disk.size());
+    for (size_t i : want_disk) keys.push_back(load.hashes[i]);
+    std::vector<Result<std::string>> got = disk_->GetBatch(keys);
+    for (size_t k = 0; k < want_disk.size(); ++k) from_disk[want_disk[k]] = std::move(got[k]);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.load_batches;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    int from = -1;
+    std::string value;
+    MissReason last = MissReason::kNotFound;
+    if (ram_ != nullptr && from_ram[i].ok()) {
+      DecodedBlock d = DecodeBlock(*from_ram[i], load.expected[i]);
+      if (d.ok()) {
+        from = 0;
+        value = std::move(from_ram[i]).value();
+      } else {
+        CountMiss(d.reason);
+        last = d.reason;
+        (void)ram_->Erase(load.hashes[i]);  // it will never verify
+        if (disk_ != nullptr) from_disk[i] = disk_->Get(load.hashes[i]);
+      }
+    } else if (ram_ != nullptr && from_ram[i].status().code() != StatusCode::kNotFound) {
+      last = MissReason::kStorageError;
+    }
+    if (from < 0 && disk_ != nullptr) {
+      if (from_disk[i].ok()) {
+        DecodedBlock d = DecodeBlock(*from_disk[i], load.expected[i]);
+        if (d.ok()) {
+          from = 1;
+          value = std::move(from_disk[i]).value();
+        } else {
+          CountMiss(d.reason);
+          last = d.reason;
+          (void)disk_->Erase(load.hashes[i]);
+        }
+      } else if (from_disk[i].status().code() != StatusCode::kNotFound) {
+        last = MissReason::kStorageError;
+      }
+    }
+    if (from < 0) {
+      if (last == MissReason::kNotFound || last == MissReason::kStorageError) CountMiss(last);
+      break;  // a prefix ends at its first miss
+    }
+    load.values.push_back(std::move(value));
+    load.from_tier.push_back(from);
+  }
+}
+
+Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst,
+                                    Deadline deadline) {
+  if (pool_ == nullptr) return FailedPrecondition("TieredCache::FinishLoad: no pool attached");
+  {
+    std::unique_lock<std::mutex> lock(load.mutex_);
+    if (!load.done_cv_.wait_until(lock, deadline.at, [&] { return load.done_; })) {
+      return DeadlineExceeded("TieredCache::FinishLoad: reads not done by the deadline");
+    }
+  }
+  const engine::KvLayout& layout = pool_->layout();
+  const size_t n = std::min(load.values.size(), dst.size());
+  const size_t offset = EncodedPayloadOffset(layout);
+  const size_t layer_bytes = static_cast<size_t>(layout.LayerBytes());
+  int64_t from_ram = 0, from_disk = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& v = load.values[i];
+    if (v.size() != EncodedBlockBytes(layout)) break;  // verified against this layout: cannot happen
+    for (int layer = 0; layer < layout.layers; ++layer) {
+      std::span<uint8_t> out = pool_->LayerData(dst[i], layer);
+      std::memcpy(out.data(), v.data() + offset + static_cast<size_t>(layer) * layer_bytes,
+                  layer_bytes);
+    }
+    pool_->Commit(dst[i], load.hashes[i]);
+    if (load.from_tier[i] == 1) {
+      ++from_disk;
+      if (ram_ != nullptr && options_.promote_disk_hits) {
+        (void)ram_->Put(load.hashes[i], std::move(load.values[i]));
+      }
+    } else {
+      ++from_ram;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.restored_blocks_ram += from_ram;
+  stats_.restored_blocks_disk += from_disk;
+  stats_.restored_bytes += (from_ram + from_disk) * layout.BlockBytes();
+  if (n > 0) ++stats_.restores;
+  return static_cast<int>(n);
 }
 
 Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<const int32_t> tokens,
@@ -123,72 +497,64 @@ Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<cons
     return InvalidArgument("RestorePrefix: pool and table must not be null");
   }
   table->clear();
-  const engine::KvLayout& layout = pool->layout();
-  const int bt = layout.block_tokens;
-  const std::vector<BlockHash> hashes = engine::HashPrefixBlocks(tokens, bt, model, tenant_salt);
-  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < hashes.size(); ++i) {
-      auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
-      NoteLocked(hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
+  // Match, StartLoad and FinishLoad work on the attached pool; a caller may
+  // restore into another one (tests, tools): attach it for the call.
+  engine::KvBlockPool* const attached = pool_;
+  EventListener saved_listener = listener_;
+  const bool swap = attached != pool;
+  if (swap) {
+    if (attached != nullptr) {
+      attached->SetSpillHook(nullptr);
+      if (own_pool_listener_) attached->SetEventListener(nullptr);
     }
+    pool_ = pool;
+    listener_ = nullptr;
   }
-  *table = pool->MatchPrefix(hashes);
+  PrefixMatch m = Match(tokens, model, tenant_salt);
+  *table = pool->MatchPrefix(m.hashes);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stats_.pool_hit_blocks += static_cast<int64_t>(table->size());
   }
-  KvTier* tiers[2] = {ram_, disk_};
-  int restored = 0;
-  for (size_t i = table->size(); i < hashes.size(); ++i) {
-    BlockMeta expected{
-        model, layout, salt_hash, hashes[i],
-        std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
-                             tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt))};
-    std::string value;
-    int from = -1;
-    MissReason last = MissReason::kNotFound;
-    for (int t = 0; t < 2 && from < 0; ++t) {
-      if (tiers[t] == nullptr) continue;
-      Result<std::string> got = tiers[t]->Get(hashes[i]);
-      if (!got.ok()) {
-        if (got.status().code() != StatusCode::kNotFound) last = MissReason::kStorageError;
-        continue;
-      }
-      DecodedBlock d = DecodeBlock(*got, expected);
-      if (!d.ok()) {
-        last = d.reason;
-        CountMiss(d.reason);
-        (void)tiers[t]->Erase(hashes[i]);  // it will never verify
-        continue;
-      }
-      value = std::move(got).value();
-      from = t;
+  // Pool blocks may have changed between Match and MatchPrefix only on this
+  // thread; recount the external run from what MatchPrefix found.
+  if (static_cast<int>(table->size()) != m.pool_blocks) {
+    m.pool_blocks = static_cast<int>(table->size());
+    size_t i = table->size();
+    while (i < m.hashes.size() && ((ram_ != nullptr && ram_->Contains(m.hashes[i])) ||
+                                   (disk_ != nullptr && disk_->Contains(m.hashes[i])))) {
+      ++i;
     }
-    if (from < 0) {
-      if (last == MissReason::kNotFound || last == MissReason::kStorageError) CountMiss(last);
-      break;
-    }
-    Result<engine::BlockId> block = pool->Allocate();
-    if (!block.ok()) break;                               // pool full: restore what fits
-    const DecodedBlock d = DecodeBlock(value, expected);  // verified above; recompute the view
-    for (int layer = 0; layer < layout.layers; ++layer) {
-      std::span<const uint8_t> src = d.Layer(layout, layer);
-      std::span<uint8_t> dst = pool->LayerData(*block, layer);
-      std::copy(src.begin(), src.end(), dst.begin());
-    }
-    pool->Commit(*block, hashes[i]);
-    table->push_back(*block);
-    ++restored;
-    if (from == 1 && ram_ != nullptr && options_.promote_disk_hits) {
-      (void)ram_->Put(hashes[i], std::move(value));
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    (from == 0 ? stats_.restored_blocks_ram : stats_.restored_blocks_disk) += 1;
-    stats_.restored_bytes += layout.BlockBytes();
+    m.external_blocks = static_cast<int>(i) - m.pool_blocks;
   }
-  return restored * bt;
+  Result<int> out = 0;
+  if (m.external_blocks > 0) {
+    std::vector<engine::BlockId> dst;
+    for (int k = 0; k < m.external_blocks; ++k) {
+      Result<engine::BlockId> b = pool->Allocate();
+      if (!b.ok()) break;  // pool full: restore what fits
+      dst.push_back(*b);
+    }
+    std::shared_ptr<LoadHandle> load =
+        StartLoad(m, tokens, model, tenant_salt, static_cast<int>(dst.size()));
+    Result<int> n = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
+    const size_t filled = n.ok() ? static_cast<size_t>(*n) : 0;
+    for (size_t k = filled; k < dst.size(); ++k) pool->Release(dst[k]);
+    table->insert(table->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));
+    out = n.ok() ? Result<int>(static_cast<int>(filled) * m.block_tokens) : n;
+  }
+  if (swap) {
+    pool_ = attached;
+    listener_ = std::move(saved_listener);
+    if (attached != nullptr) {
+      attached->SetSpillHook(
+          [this](const BlockHash& hash, engine::BlockId block) { OnSpill(hash, block); });
+      if (own_pool_listener_) {
+        attached->SetEventListener([this](const engine::KvEvent& ev) { OnPoolEvent(ev); });
+      }
+    }
+  }
+  return out;
 }
 
 Result<int> TieredCache::PersistPrefix(engine::KvBlockPool* pool, std::span<const int32_t> tokens,
@@ -214,6 +580,63 @@ Result<int> TieredCache::PersistPrefix(engine::KvBlockPool* pool, std::span<cons
 TieredCache::Stats TieredCache::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_;
+}
+
+void TieredCache::PublishMetrics(MetricsRegistry* registry, const MetricLabels& labels) {
+  if (registry == nullptr) return;
+  std::lock_guard<std::mutex> lock(publish_mutex_);
+  const Stats now = stats();
+  auto count = [&](const char* name, const char* help, int64_t cur, int64_t before) {
+    if (cur > before) {
+      registry->GetCounter(name, help, labels)->Increment(static_cast<double>(cur - before));
+    }
+  };
+  count("kvrelay_kvstore_restored_blocks_total", "KV blocks loaded from the RAM or disk tier",
+        now.restored_blocks_ram + now.restored_blocks_disk,
+        published_.restored_blocks_ram + published_.restored_blocks_disk);
+  count("kvrelay_kvstore_restored_disk_blocks_total", "KV blocks loaded from the disk tier",
+        now.restored_blocks_disk, published_.restored_blocks_disk);
+  count("kvrelay_kvstore_restored_bytes_total", "bytes of KV loaded from the tiers",
+        now.restored_bytes, published_.restored_bytes);
+  count("kvrelay_kvstore_restores_total", "requests that loaded KV from the tiers", now.restores,
+        published_.restores);
+  count("kvrelay_kvstore_write_through_blocks_total", "committed KV blocks queued to disk",
+        now.write_through_blocks, published_.write_through_blocks);
+  count("kvrelay_kvstore_write_through_bytes_total", "bytes of committed KV queued to disk",
+        now.write_through_bytes, published_.write_through_bytes);
+  count("kvrelay_kvstore_write_through_dropped_total",
+        "committed KV blocks not written (backlog full or disk refused)",
+        now.write_through_dropped, published_.write_through_dropped);
+  count("kvrelay_kvstore_spills_total", "KV blocks copied to a tier on pool eviction", now.spills,
+        published_.spills);
+  int64_t misses = 0, misses_before = 0;
+  for (size_t r = 1; r < now.misses.size(); ++r) {
+    misses += now.misses[r];
+    misses_before += published_.misses[r];
+  }
+  count("kvrelay_kvstore_restore_misses_total", "stored blocks not served (absent or unverified)",
+        misses, misses_before);
+  registry->GetGauge("kvrelay_kvstore_write_backlog_blocks",
+                     "committed KV blocks waiting for the disk queue", labels)
+      ->Set(static_cast<double>(now.write_backlog));
+  published_ = now;
+  if (disk_ != nullptr) {
+    const TierStats d = disk_->stats();
+    count("kvrelay_kvstore_disk_written_blocks_total", "KV blocks written by the disk writer",
+          d.written, published_disk_.written);
+    count("kvrelay_kvstore_disk_written_bytes_total", "bytes written by the disk writer",
+          d.written_bytes, published_disk_.written_bytes);
+    count("kvrelay_kvstore_disk_dropped_total", "puts dropped by a full disk queue",
+          d.puts_dropped, published_disk_.puts_dropped);
+    count("kvrelay_kvstore_disk_write_failures_total",
+          "KV blocks lost to a failed write or refused by a read-only disk tier",
+          d.write_failures, published_disk_.write_failures);
+    registry->GetGauge("kvrelay_kvstore_disk_entries", "KV blocks on disk", labels)
+        ->Set(static_cast<double>(d.entries));
+    registry->GetGauge("kvrelay_kvstore_disk_used_bytes", "bytes of KV on disk", labels)
+        ->Set(static_cast<double>(d.used_bytes));
+    published_disk_ = d;
+  }
 }
 
 }  // namespace kvrelay::kv_store

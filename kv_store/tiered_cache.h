@@ -1,41 +1,97 @@
-// TieredCache: connects a live KvBlockPool to the tiers below it.
+// TieredCache: connects a live KvBlockPool to the tiers below it (host RAM,
+// disk). It is the storage half of the engine's KV connector: the worker calls
+// it at admission (how many tokens of a request can be loaded from the tiers),
+// to load them into pool blocks, once per step (write-through and events) and
+// at a clean shutdown (drain).
 //
-// Spill path (pool -> tiers): Attach() installs the pool's spill hook. When
-// the pool is about to evict an unreferenced cached block, the hook encodes it
-// (block_codec.h) and puts it in the host-RAM tier; with write_through (the
-// default) it is also queued to the disk tier at once, so it survives a
-// restart; without it, the disk tier receives a block only when the RAM tier
-// evicts it (less disk traffic, but lost on a crash). With no RAM tier, blocks
-// go straight to disk. The disk tier's queue is bounded and drops when full:
-// the pool never waits for the disk.
+// How the worker uses it (all calls on the pool's owner thread unless noted):
 //
-// The pool's hook passes only (hash, block); encoding also needs the block's
-// token ids, model and tenant. The cache learns them from NoteSequence() and
-// RestorePrefix() (which notes every full block of the prompt it is given), in
-// a bounded table (max_tracked_blocks, LRU). A block evicted without a note is
-// not spilled (counted as spills_untracked).
+//   TieredCache cache(options, ram_tier, disk_tier);
+//   cache.Attach(pool, [&](const TierEvent& e) { /* to the coordinator */ });
+//   // (Attach installs the pool's spill hook AND its event listener: pool
+//   //  kStored/kEvicted reach the listener as TierEvents with tier kPool,
+//   //  disk writes/evictions with tier kDisk. If the shell owns the pool's
+//   //  listener, Attach(pool, listener, /*own_pool_listener=*/false) and call
+//   //  cache.OnPoolEvent(ev) from it.)
+//   cache.AnnounceAll();  // after (re)registering: kStored for all on disk/RAM
 //
-// Restore path (tiers -> pool): RestorePrefix() takes the longest prefix the
-// pool holds, then continues block by block through the tiers (RAM, then
-// disk): each value must decode against the expected model, layout, tenant,
-// chain hash and tokens, else it is a miss (counted by reason) and the
-// restore stops there.
+//   // Admission (connector: "how many tokens can be loaded from outside"):
+//   PrefixMatch m = cache.Match(tokens, model, salt);   // no I/O, no refs
+//   // m.pool_blocks leading blocks are in the pool already (the engine's own
+//   // MatchPrefix will find them); m.external_blocks more are in RAM/disk:
+//   // m.loadable_tokens() tokens. Allocate that many pool blocks (dst) and:
+//   auto load = cache.StartLoad(m, tokens, model, salt);   // reads on "kvstore-loader"
+//   // ... keep stepping other requests; load->Ready() says when to finish ...
+//   Result<int> n = cache.FinishLoad(*load, dst, Deadline::After(...));
+//   // n leading dst blocks now hold verified KV and are committed under their
+//   // hashes (the engine's MatchPrefix finds them); the caller still owns one
+//   // reference on every dst block and releases it only AFTER the engine has
+//   // admitted the request (its own MatchPrefix took a reference) or the
+//   // request ended. Releasing earlier lets the pool evict them before the
+//   // engine looks (see RestorePrefix).
 //
-// Threading: methods that take a pool run on the pool's owner thread (the
-// pool is thread-compatible and the spill hook runs there too). stats() may
-// be called from any thread.
+//   // Every engine step (after Step returns) and when idle:
+//   cache.Pump();   // write-through of newly committed blocks + disk events
+//
+//   // Clean shutdown, after the last Step, before the pool is destroyed:
+//   cache.Drain(Deadline::After(30s));   // everything served is on disk, synced
+//
+// Write-through: with write_through (the default) every full block the pool
+// commits (kStored) whose tokens are known (noted by Match / RestorePrefix /
+// NoteSequence) is queued for the disk tier: the hash goes to a backlog
+// (bounded, max_write_backlog_blocks; beyond it new blocks are dropped and
+// counted), and Pump() encodes as many as the disk tier's queue has room for
+// (an encode is one copy of the block plus a checksum, ~0.1 ms per 737 KB
+// SmolLM2 block) and hands them to the tier's writer thread, which does the
+// I/O. The request path never waits for the disk. A block the disk already
+// holds is not written again, so when the pool later evicts it only the RAM
+// copy goes (the spill hook still copies it to the host-RAM tier). A block
+// evicted before Pump reached it is written by the spill hook instead.
+// Without write_through, the disk receives a block only when the RAM tier
+// evicts it (less disk traffic, lost on a crash).
+//
+// Load (restore): Match checks the pool (IsCached) and the tiers (Contains,
+// an index lookup) without reading values. StartLoad reads the external
+// blocks on a background thread with one GetBatch per tier (RAM first, then
+// one RocksDB MultiGet for the rest) and verifies each value against the
+// expected model, layout, tenant, chain hash and tokens (block_codec.h): a
+// value that fails is a miss (counted by reason, erased from its tier), never
+// KV. FinishLoad copies the leading verified run into the caller's blocks.
+//
+// One store per worker, not one per host: RocksDB allows one writer process
+// per database (the LOCK file); sharing one store between the workers of a
+// host would need a store server process (one more hop on the restore path
+// and a single point of failure) or RocksDB secondary instances (read-only
+// followers that must replay the primary's MANIFEST to see new blocks). The
+// prefix-aware router makes sharing unnecessary for hits: the disk tier's
+// stored/evicted events tell it which worker holds a prefix, and it routes
+// the request there. A per-worker directory also fails alone (a full or
+// damaged disk tier affects one worker).
+//
+// Threading: methods that take or use the pool run on the pool's owner thread
+// (the pool is thread-compatible; its spill hook and event listener run there
+// too, and so does the TierEvent listener). stats() and LoadHandle::Ready()
+// may be called from any thread.
 #pragma once
 
 #include <array>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <list>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
+#include "common/clock.h"
+#include "common/metrics.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "kv_store/block_codec.h"
 #include "kv_store/host_ram_tier.h"
@@ -43,18 +99,55 @@
 
 namespace kvrelay::kv_store {
 
+// What Match found for a prompt: its full-block hashes, how many leading
+// blocks are in the pool, and how many blocks after those the tiers hold.
+struct PrefixMatch {
+  std::vector<BlockHash> hashes;  // every full block of the prompt
+  int block_tokens = 0;
+  int pool_blocks = 0;      // leading blocks cached in the pool now
+  int external_blocks = 0;  // blocks [pool_blocks, pool_blocks + external_blocks) in RAM/disk
+  // Tokens the connector can load from outside the pool.
+  int64_t loadable_tokens() const { return int64_t{external_blocks} * block_tokens; }
+  // Tokens that need no compute (pool + loadable).
+  int64_t matched_tokens() const { return int64_t{pool_blocks + external_blocks} * block_tokens; }
+};
+
+// A batched read in flight (StartLoad) or done. Owned by the caller through
+// a shared_ptr; the loader thread keeps its own reference while it reads.
+class LoadHandle {
+ public:
+  // True when the reads are done and FinishLoad will not block.
+  bool Ready() const;
+
+ private:
+  friend class TieredCache;
+  mutable std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;  // guarded by mutex_
+  // Inputs (set before the handle is queued, then read-only).
+  std::vector<BlockHash> hashes;  // the external blocks, in prompt order
+  std::vector<BlockMeta> expected;
+  // Outputs (written by the loader before done_; read by FinishLoad after).
+  std::vector<std::string> values;  // verified encoded blocks, leading run only
+  std::vector<int> from_tier;       // 0 = RAM, 1 = disk, per value
+};
+
 class TieredCache {
  public:
   struct Options {
-    bool write_through = true;             // spill to disk at once, not only on RAM eviction
-    bool promote_disk_hits = true;         // a block restored from disk is also put in RAM
+    bool write_through = true;             // committed blocks go to disk at once (see above)
+    bool promote_disk_hits = true;         // a block loaded from disk is also put in RAM
     int64_t max_tracked_blocks = 1 << 17;  // bound of the (hash -> tokens, tenant) table
+    int64_t max_write_backlog_blocks = 1 << 14;  // committed blocks waiting for the disk queue
+    int max_encodes_per_pump = 256;              // bound on one Pump's work
   };
 
   struct Stats {
     int64_t restored_blocks_ram = 0;
     int64_t restored_blocks_disk = 0;
     int64_t restored_bytes = 0;
+    int64_t restores = 0;         // loads that restored at least one block
+    int64_t load_batches = 0;     // StartLoad calls that read something
     int64_t pool_hit_blocks = 0;  // blocks RestorePrefix found already in the pool
     std::array<int64_t, static_cast<size_t>(MissReason::kCount)> misses{};  // by reason
     int64_t spills = 0;  // blocks encoded and handed to a tier
@@ -63,44 +156,103 @@ class TieredCache {
     int64_t spills_untracked = 0;  // evicted blocks with no noted tokens
     int64_t demotions = 0;         // RAM evictions forwarded to disk
     int64_t persisted_blocks = 0;  // written by PersistPrefix
+    // Write-through:
+    int64_t write_through_blocks = 0;   // committed blocks handed to the disk tier
+    int64_t write_through_bytes = 0;
+    int64_t write_through_dropped = 0;  // backlog full, or the disk refused the value
+    int64_t write_through_skipped = 0;  // already on disk, or gone from the pool first
+    int64_t write_backlog = 0;          // waiting now
   };
+
+  using EventListener = std::function<void(const TierEvent&)>;
 
   // `ram` and `disk` may each be null; they are not owned and must outlive
   // this cache. When both are given and write_through is false, this installs
   // the RAM tier's eviction callback.
   TieredCache(const Options& options, HostRamTier* ram, KvTier* disk);
+  // Stops the loader thread (waiting for a read in progress) and detaches.
   ~TieredCache();
   TieredCache(const TieredCache&) = delete;
   TieredCache& operator=(const TieredCache&) = delete;
 
-  // Installs the spill hook on `pool` (replacing any other). The pool must
-  // stay alive until Detach() or this cache's destruction, which removes it.
-  void Attach(engine::KvBlockPool* pool);
+  // Installs the spill hook and (with own_pool_listener) the event listener
+  // on `pool`, replacing any other. `listener` (may be null) receives every
+  // TierEvent on the owner thread: pool events as they happen, disk events
+  // from Pump(). When something else must own the pool's listener (the
+  // worker shell), pass own_pool_listener = false and call OnPoolEvent from
+  // that listener for every pool event: write-through needs the kStored ones.
+  // The pool must stay alive until Detach() or this cache's destruction.
+  void Attach(engine::KvBlockPool* pool, EventListener listener = nullptr,
+              bool own_pool_listener = true);
   void Detach();
+  // One pool event (owner thread); see Attach. Forwards it to the listener as
+  // a TierEvent (tier kPool) and queues committed blocks for write-through.
+  void OnPoolEvent(const engine::KvEvent& ev);
+
+  // Queues kStored events for every block the disk and RAM tiers hold
+  // (delivered by the next Pump), e.g. after registering with a coordinator.
+  void AnnounceAll();
 
   // Records tokens/tenant/model of every full block of `tokens` so their
-  // eviction can be spilled.
+  // commit can be written through and their eviction spilled.
   void NoteSequence(std::span<const int32_t> tokens, const engine::ModelFingerprint& model,
                     std::string_view tenant_salt);
 
-  // Fills `table` (cleared first) with the longest prefix of `tokens`' full
-  // blocks that is available: blocks already in the pool (MatchPrefix), then
-  // blocks restored from the tiers into newly allocated, committed pool
-  // blocks. Every returned block holds one reference for the caller (Release
-  // them when done). Returns the number of tokens restored from the tiers
-  // (not counting pool hits). Stops early, without error, when the pool has no
-  // free block. Also notes the sequence (NoteSequence).
+  // --- admission side ---
+  // What the pool and the tiers hold of `tokens`' full blocks. No value is
+  // read and no reference taken; also notes the sequence.
+  PrefixMatch Match(std::span<const int32_t> tokens, const engine::ModelFingerprint& model,
+                    std::string_view tenant_salt);
+
+  // --- load side ---
+  // Starts reading the external blocks of `match` (all of them, or the first
+  // `max_blocks` when >= 0) on the loader thread. Never blocks on I/O.
+  std::shared_ptr<LoadHandle> StartLoad(const PrefixMatch& match, std::span<const int32_t> tokens,
+                                        const engine::ModelFingerprint& model,
+                                        std::string_view tenant_salt, int max_blocks = -1);
+  // Waits (until `deadline`) for `load`, then copies its leading verified
+  // blocks into dst[0..] (blocks the caller allocated and holds; dst.size()
+  // may be smaller than what was read) and commits each under its hash.
+  // Returns how many dst blocks were filled; the rest are untouched.
+  // DeadlineExceeded when the reads are not done by then (nothing copied;
+  // the handle stays valid and may be finished later).
+  Result<int> FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst,
+                         Deadline deadline);
+
+  // Convenience for a synchronous caller: fills `table` (cleared first) with
+  // the longest available prefix of `tokens`' full blocks: pool hits
+  // (MatchPrefix), then blocks loaded from the tiers (Match + StartLoad +
+  // FinishLoad into newly allocated blocks). Every returned block holds one
+  // reference for the caller, who must keep it until the engine has admitted
+  // the request (or the request ended), not merely until the next step: an
+  // unreferenced restored block is evictable. Returns the number of tokens
+  // restored from the tiers (not counting pool hits). Stops early, without
+  // error, when the pool has no free block.
   Result<int> RestorePrefix(engine::KvBlockPool* pool, std::span<const int32_t> tokens,
                             const engine::ModelFingerprint& model, std::string_view tenant_salt,
                             std::vector<engine::BlockId>* table);
 
+  // --- write side ---
+  // Write-through of blocks committed since the last call (as many as the
+  // disk queue takes; the rest wait), then disk events to the listener.
+  // Cheap when there is nothing to do. Call after every engine step.
+  void Pump();
+  // Clean shutdown: writes every block still waiting (waiting for room in the
+  // disk queue), then waits until the disk tier has written and synced all it
+  // accepted. DeadlineExceeded when that does not finish in time.
+  Status Drain(Deadline deadline);
+
   // Encodes the blocks of `tokens`' prefix that are in the pool now and puts
-  // them in the tiers (as a spill would), without evicting them; e.g. before a
-  // planned shutdown. Returns the number of blocks handed to the tiers.
+  // them in the tiers (as a spill would), without evicting them. Returns the
+  // number of blocks handed to the tiers.
   Result<int> PersistPrefix(engine::KvBlockPool* pool, std::span<const int32_t> tokens,
                             const engine::ModelFingerprint& model, std::string_view tenant_salt);
 
   Stats stats() const;
+  // Adds this cache's and its tiers' counters to `registry` (as counters
+  // kvrelay_kvstore_*_total and gauges), labelled with `labels` (e.g. the
+  // worker id). Call periodically; it publishes increments since the last call.
+  void PublishMetrics(MetricsRegistry* registry, const MetricLabels& labels);
 
  private:
   struct Note {
@@ -109,16 +261,27 @@ class TieredCache {
     std::vector<int32_t> tokens;
   };
   void OnSpill(const BlockHash& hash, engine::BlockId block);
+  void Emit(const TierEvent& ev);
   void NoteLocked(const BlockHash& hash, Note note);
   // Encodes and stores one block; returns true if some tier accepted it.
   bool Store(const BlockHash& hash, const Note& note, engine::KvBlockPool* pool,
              engine::BlockId block);
+  // Writes one backlog entry; false when the disk queue has no room (retry later).
+  bool WriteThroughOne(const BlockHash& hash);
   void CountMiss(MissReason r);
+  void LoaderLoop();
+  void ReadLoad(LoadHandle& load);
 
   const Options options_;
   HostRamTier* const ram_;
   KvTier* const disk_;
   engine::KvBlockPool* pool_ = nullptr;  // attached pool, owner thread only
+  bool own_pool_listener_ = true;        // Attach installed the pool's listener
+  EventListener listener_;               // owner thread only
+  // Write-through backlog (owner thread only): committed, not yet written.
+  std::deque<BlockHash> backlog_;
+  std::unordered_set<BlockHash, BlockHashHasher> backlog_set_;
+  std::vector<TierEvent> announce_;  // owner thread only: queued by AnnounceAll
 
   mutable std::mutex mutex_;
   // LRU of notes, front = newest. Guarded by mutex_.
@@ -126,6 +289,18 @@ class TieredCache {
   std::unordered_map<BlockHash, std::list<std::pair<BlockHash, Note>>::iterator, BlockHashHasher>
       note_index_;  // guarded by mutex_
   Stats stats_;     // guarded by mutex_
+
+  // Loader thread: reads queued loads (GetBatch per tier) and verifies them.
+  std::mutex load_mutex_;
+  std::condition_variable load_cv_;
+  std::deque<std::shared_ptr<LoadHandle>> load_queue_;  // guarded by load_mutex_
+  bool load_stop_ = false;                              // guarded by load_mutex_
+  std::thread loader_;                                  // joined in the destructor
+
+  // Last values published by PublishMetrics (owner of the registry's thread).
+  std::mutex publish_mutex_;
+  Stats published_;
+  TierStats published_disk_;
 };
 
 }  // namespace kvrelay::kv_store

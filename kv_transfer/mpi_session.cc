@@ -13,14 +13,28 @@
 
 namespace kvrelay::kv_transfer {
 
-Result<MpiSession> MpiSession::Start(int* argc, char*** argv) {
+namespace {
+MPI_Comm g_tp_comm = MPI_COMM_NULL;  // set once in Start, before any other thread exists
+}  // namespace
+
+MPI_Comm MpiSession::tp_comm() { return g_tp_comm; }
+
+Result<MpiSession> MpiSession::Start(int* argc, char*** argv, int tp_color, int tp_key) {
   if (!LaunchedByMpirun()) return MpiSession(false);
   RETURN_IF_ERROR(InitMpiThreadMultiple(argc, argv));
-  return MpiSession(true);
+  MpiSession session(true);
+  const int rc = MPI_Comm_split(MPI_COMM_WORLD, tp_color < 0 ? MPI_UNDEFINED : tp_color, tp_key,
+                                &g_tp_comm);
+  if (rc != MPI_SUCCESS) return Unavailable("MPI_Comm_split of the TP groups failed");
+  return session;
 }
 
 MpiSession::~MpiSession() {
   if (!active_) return;
+  if (g_tp_comm != MPI_COMM_NULL) {
+    // Not MPI_Comm_free: it is collective and a member may be dead.
+    g_tp_comm = MPI_COMM_NULL;
+  }
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;

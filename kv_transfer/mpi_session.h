@@ -11,16 +11,29 @@
 // an exiting daemon never hangs on MPI.
 #pragma once
 
+#include <mpi.h>
+
 #include <chrono>
 
 #include "common/status.h"
 
 namespace kvrelay::kv_transfer {
 
+// Under mpirun every process joins the TP split at startup (MPI_Comm_split is
+// collective over MPI_COMM_WORLD): the ranks of one tensor-parallel decode
+// group pass the same color (the group leader's world rank) and their TP rank
+// as key; every other process passes kNoTpGroup.
+inline constexpr int kNoTpGroup = -1;
+
 class MpiSession {
  public:
-  // MPI_Init_thread(MPI_THREAD_MULTIPLE) when launched by mpirun.
-  static Result<MpiSession> Start(int* argc, char*** argv);
+  // MPI_Init_thread(MPI_THREAD_MULTIPLE) and the TP split when launched by
+  // mpirun; nothing otherwise.
+  static Result<MpiSession> Start(int* argc, char*** argv, int tp_color = kNoTpGroup,
+                                  int tp_key = 0);
+  // This process's TP sub-communicator (MPI_COMM_NULL when it is in no
+  // group or MPI is not running). Valid while the session lives.
+  static MPI_Comm tp_comm();
   MpiSession(MpiSession&& other) noexcept : active_(other.active_) { other.active_ = false; }
   MpiSession& operator=(MpiSession&&) = delete;
   ~MpiSession();

@@ -27,7 +27,18 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
     tiered_ = std::make_unique<kv_store::TieredCache>(kv_store::TieredCache::Options(),
                                                       ram_tier_.get(), disk_tier_.get());
-    tiered_->Attach(engine_->pool());
+    tiered_->Attach(
+        engine_->pool(),
+        [this](const kv_store::TierEvent& e) {
+          // The router keeps one set per worker: stored in any tier, evicted
+          // only when no tier of this worker holds the block any more.
+          if (e.kind == kv_store::TierEvent::Kind::kStored) {
+            ctx_.control->OnKvEvent({engine::KvEvent::Kind::kStored, e.hash});
+          } else if (!e.held_anywhere) {
+            ctx_.control->OnKvEvent({engine::KvEvent::Kind::kEvicted, e.hash});
+          }
+        },
+        /*own_pool_listener=*/false);
   }
   engine_->SetKvConnector(this);
   return Status::Ok();
@@ -35,7 +46,11 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
 
 void PrefillRole::Shutdown() {
   outgoing_.clear();  // cancels unfinished sends before their blocks go back
-  if (tiered_) tiered_->Detach();
+  if (tiered_) {
+    Status d = tiered_->Drain(Deadline::After(std::chrono::seconds(10)));
+    if (!d.ok()) LOG_WARNING << "prefix store drain: " << d.ToString();
+    tiered_->Detach();
+  }
 }
 
 Status PrefillRole::OnControlFrame(const protocols::Frame& frame) {
@@ -80,9 +95,11 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
   spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
   spec.sampling = worker::FromProto(task.sampling());
   spec.tenant_salt = task.tenant_salt();
+  spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
   if (task.has_decode()) {
     Outgoing out;
+    out.pinned = engine::BlockTable(engine_->pool());
     Status s = ConnectDecodeGroup(task.decode(), &out);
     out.dst_blocks.assign(task.decode().block_ids().begin(), task.decode().block_ids().end());
     out.prompt_tokens = static_cast<int64_t>(spec.prompt.size());
@@ -96,6 +113,7 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
       ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
       return;
     }
+    out.senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
     outgoing_[id] = std::move(out);
   }
   const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
@@ -132,50 +150,67 @@ void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
   }
 }
 
-void PrefillRole::StartSenders(RequestId id, Outgoing& out, std::span<const BlockId> blocks) {
-  // Decode rank r of a TP group of T receives only its heads.
-  const int tp = static_cast<int>(out.decode_ranks.size());
-  for (int r = 0; r < tp; ++r) {
-    auto heads = kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, r);
-    if (!heads.ok()) {
-      LOG_ERROR << "request " << id << ": " << heads.status().ToString();
-      out.senders.clear();
-      return;
-    }
-    out.senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
-        ctx_.transport, out.decode_ranks[r],
-        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, out.dst_blocks, *heads),
-        worker::MakeStreamBuffers(engine_->pool(), blocks, *heads)));
+Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
+                                 std::span<const BlockId> table) {
+  const worker::BlockRange r = worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
+  if (static_cast<int64_t>(table.size()) < r.first + r.count) {
+    return Internal("request " + std::to_string(id) + " holds " + std::to_string(table.size()) +
+                    " blocks, segment " + std::to_string(g) + " needs " +
+                    std::to_string(r.first + r.count));
   }
+  const auto src = table.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
+  const auto dst = std::span<const BlockId>(out.dst_blocks)
+                       .subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
+  for (BlockId b : src) {
+    engine_->pool()->Ref(b);
+    out.pinned.Adopt(b);
+  }
+  // Decode rank k of a TP group of T receives only its heads.
+  const int tp = static_cast<int>(out.decode_ranks.size());
+  auto& senders = out.senders[static_cast<size_t>(g)];
+  for (int k = 0; k < tp; ++k) {
+    ASSIGN_OR_RETURN(kv_transfer::HeadRange heads,
+                     kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, k));
+    senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
+        ctx_.transport, out.decode_ranks[k],
+        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
+        worker::MakeStreamBuffers(engine_->pool(), src, heads)));
+  }
+  return Status::Ok();
 }
 
 void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
   // A long step (a big prefill chunk) must not look like a dead worker:
   // heartbeats are due every interval even in the middle of a step.
   ctx_.control->HeartbeatIfDue();
+  const int64_t B = ctx_.layout.block_tokens;
   for (const engine::SeqStep& seq : plan.seqs) {
     auto it = outgoing_.find(seq.request);
     if (it == outgoing_.end()) continue;
     Outgoing& out = it->second;
-    if (seq.end() < out.prompt_tokens) continue;  // not the prompt's last chunk yet
-    if (out.senders.empty()) {
-      const size_t n = out.dst_blocks.size();
-      if (seq.blocks.size() < n) {
-        LOG_ERROR << "request " << seq.request << " holds " << seq.blocks.size()
-                  << " blocks, expected " << n;
-        continue;
+    const int64_t n = static_cast<int64_t>(out.dst_blocks.size());
+    for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
+      const worker::BlockRange r = worker::StreamSegment(n, g);
+      // The segment is streamed from the step whose chunk completes it.
+      if (seq.end() < std::min((r.first + r.count) * B, out.prompt_tokens)) break;
+      auto& senders = out.senders[static_cast<size_t>(g)];
+      if (senders.empty()) {
+        if (layer != 0) continue;  // became ready mid-step: impossible, the step is one chunk
+        if (Status s = StartSegment(seq.request, out, g, seq.blocks); !s.ok()) {
+          LOG_ERROR << "KV stream of request " << seq.request << ": " << s.ToString();
+          continue;
+        }
       }
-      StartSenders(seq.request, out, std::span<const BlockId>(seq.blocks.data(), n));
-    }
-    for (auto& sender : out.senders) {
-      Status s = sender->SendLayer(layer);
-      if (!s.ok()) {
-        LOG_WARNING << "KV layer " << layer << " of request " << seq.request << ": "
-                    << s.ToString();
+      if (senders.front()->layers_sent() != layer) continue;  // sent in an earlier step
+      for (auto& sender : senders) {
+        Status s = sender->SendLayer(layer);
+        if (!s.ok()) {
+          LOG_WARNING << "KV layer " << layer << " of request " << seq.request << ": "
+                      << s.ToString();
+        }
       }
+      ctx_.counters->transfer_bytes += ctx_.layout.LayerBytes() * r.count;
     }
-    ctx_.counters->transfer_bytes +=
-        ctx_.layout.LayerBytes() * static_cast<int64_t>(out.dst_blocks.size());
   }
 }
 
@@ -196,11 +231,15 @@ std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
   Outgoing& out = it->second;
   const auto start = Clock::now();
   const Deadline deadline = Deadline::After(ctx_.options->kv_timeout);
-  Status s = out.senders.empty() ? Internal("no KV was streamed for request " + std::to_string(id))
-                                 : Status::Ok();
-  for (auto& sender : out.senders) {
-    Status f = sender->Finish(deadline);
-    if (s.ok()) s = f;
+  Status s;
+  for (auto& segment : out.senders) {
+    if (segment.empty() && s.ok()) {
+      s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+    }
+    for (auto& sender : segment) {
+      Status f = sender->Finish(deadline);
+      if (s.ok()) s = f;
+    }
   }
   ctx_.counters->transfer_seconds += SecondsSince(start);
   if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();

@@ -1,9 +1,12 @@
 // The prefill role: runs prompts and hands their KV to decode groups.
 //
 // A PrefillTask with a decode target runs as a kPrefillOnly request: the
-// role is the engine's KvConnector, so after each layer of the prompt's last
-// chunk it streams that layer to every rank of the decode group (each rank
-// gets only its KV heads; kv_transfer/layer_stream.h) — the save side. When
+// role is the engine's KvConnector — the save side. The prompt's KV goes out
+// in segments of blocks (worker/kv_streams.h): as soon as a prefill chunk
+// completes a segment, each layer of that segment is streamed right after the
+// layer is computed, to every rank of the decode group (each rank gets only
+// its KV heads; kv_transfer/layer_stream.h). Every chunk is streamed while the
+// next computes, not only the prompt's last. When
 // the first token is sampled the engine hands the prompt's blocks to the
 // role (RequestFinished), which keeps them until the streams are delivered
 // (HandOver) and only then reports the first token, so the decode side is
@@ -41,7 +44,20 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
   std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
+  void OnDisconnected() override { outgoing_.clear(); }
   void Shutdown() override;
+  // A (re)registered coordinator learns every prefix this worker's store holds.
+  void OnRegistered() override {
+    if (tiered_) tiered_->AnnounceAll();
+  }
+  void Progress() override {
+    if (tiered_) tiered_->Pump();
+  }
+  bool OnPoolEvent(const engine::KvEvent& ev) override {
+    if (!tiered_) return false;
+    tiered_->OnPoolEvent(ev);
+    return true;
+  }
 
   // --- engine::KvConnector ---
   void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
@@ -54,9 +70,13 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // decode TP rank, each carrying that rank's heads.
   struct Outgoing {
     // Declared first, destroyed last: the senders read these blocks until
-    // they are finished or cancelled.
+    // they are finished or cancelled. `pinned` holds a reference on every
+    // block of a started segment, so a preemption of the request cannot
+    // free (and reuse) a block a send still reads.
+    engine::BlockTable pinned;
     engine::BlockTable blocks;  // the prompt's blocks, once the engine finished the request
-    std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>> senders;
+    // senders[segment][tp rank]; empty until the segment's blocks are computed.
+    std::vector<std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>>> senders;
     std::vector<int> decode_ranks;  // data-plane peers, in TP order
     std::vector<engine::BlockId> dst_blocks;
     int64_t prompt_tokens = 0;
@@ -65,7 +85,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void OnPrefillTask(const proto::PrefillTask& task);
   // Connects the data plane to every rank of `target`; fills out->decode_ranks.
   Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
-  void StartSenders(engine::RequestId id, Outgoing& out, std::span<const engine::BlockId> blocks);
+  // Starts segment `g`'s senders from the request's blocks `table` (its own).
+  Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g,
+                      std::span<const engine::BlockId> table);
   void OnCancel(const proto::Cancel& c);
 
   worker::WorkerContext ctx_;

@@ -13,6 +13,7 @@ PACKAGES=(
   nlohmann-json3-dev libxxhash-dev libssl-dev
   libicu-dev
   python3 python3-venv
+  prometheus  # promtool: the coordinator's /metrics is checked with `promtool check metrics`
 )
 
 missing=()

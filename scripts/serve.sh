@@ -5,6 +5,9 @@
 #   scripts/serve.sh                    serve until Ctrl-C
 #   scripts/serve.sh --demo "PROMPT"    stream one answer, then shut down
 #   scripts/serve.sh [kvrelay launch flags...]   e.g. --colocated 1 --prefill 0 --decode 0
+# The RocksDB prefix store is on: each prefill worker keeps its prefix KV in
+# kvstore/<worker id> (git-ignored), reused after a restart. --no-kv-store turns
+# it off; --kv-store DIR puts it elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

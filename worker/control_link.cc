@@ -37,8 +37,8 @@ ControlLink::ControlLink(Options options)
 
 ControlLink::~ControlLink() { Close(Cancelled("worker stopping")); }
 
-Status ControlLink::Connect(const proto::RegisterWorker& reg) {
-  const Deadline deadline = Deadline::After(options_.connect_timeout);
+Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline) {
+  Close(Cancelled("reconnecting"));
   protocols::ConnectionOptions copts;
   copts.name = "coordinator";
   ASSIGN_OR_RETURN(conn_, protocols::FramedConnection::Connect(*io_, options_.host, options_.port,

@@ -39,8 +39,10 @@ class ControlLink {
   explicit ControlLink(Options options);
   ~ControlLink();
 
-  // Connects, handshakes and sends `reg`; OK once the coordinator accepted it.
-  Status Connect(const proto::RegisterWorker& reg);
+  // Connects (retrying until `deadline`), handshakes and sends `reg`; OK once
+  // the coordinator accepted it. Replaces a previous connection.
+  Status Connect(const proto::RegisterWorker& reg, Deadline deadline);
+  bool connected() const { return conn_ != nullptr && !conn_->closed(); }
   void Close(const Status& why);
 
   template <typename Message>

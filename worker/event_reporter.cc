@@ -19,6 +19,12 @@ std::vector<engine::RequestId> EventReporter::live() const {
   return ids;
 }
 
+void EventReporter::Reset() {
+  generated_.clear();
+  silenced_.clear();
+  chunk_.Clear();
+}
+
 void EventReporter::CancelledByCoordinator(engine::RequestId id) {
   generated_.erase(id);
   ++silenced_[id];

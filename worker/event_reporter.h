@@ -34,6 +34,8 @@ class EventReporter {
   // stale event must not end the new attempt.
   void CancelledByCoordinator(engine::RequestId id);
   void Report(const std::vector<engine::TokenEvent>& events);
+  // Forgets every request (the coordinator that knew them is gone).
+  void Reset();
   // Requests with tokens still to come (the shell cancels them on shutdown).
   std::vector<engine::RequestId> live() const;
 

@@ -4,10 +4,11 @@ namespace kvrelay::worker {
 
 kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        const engine::ModelFingerprint& model, engine::RequestId id,
-                                       std::span<const engine::BlockId> dst,
+                                       int64_t segment, std::span<const engine::BlockId> dst,
                                        kv_transfer::HeadRange heads) {
   kv_transfer::StreamSpec spec;
   spec.request_id = id;
+  spec.stream_id = static_cast<uint32_t>(segment);
   spec.layers = layout.layers;
   spec.dst_blocks.assign(dst.begin(), dst.end());
   spec.global_heads = heads;
@@ -32,6 +33,23 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
     buffers.layer_stride = pool->LayerData(blocks[0], 1).data() - buffers.block_layer0[0];
   }
   return buffers;
+}
+
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::ModelFingerprint& model, engine::RequestId id,
+    std::span<const engine::BlockId> blocks, kv_transfer::HeadRange own) {
+  std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  for (int64_t g = 0; g < StreamSegments(n); ++g) {
+    const BlockRange r = StreamSegment(n, g);
+    const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
+    receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
+        transport, peer, MakeStreamSpec(pool->layout(), model, id, g, seg, own),
+        MakeStreamBuffers(pool, seg, {0, own.size()})));
+    RETURN_IF_ERROR(receivers.back()->Start());
+  }
+  return receivers;
 }
 
 }  // namespace kvrelay::worker

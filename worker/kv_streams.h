@@ -4,7 +4,10 @@
 // side), the decode role and its TP followers (load side).
 #pragma once
 
+#include <algorithm>
+#include <memory>
 #include <span>
+#include <vector>
 
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/step_plan.h"
@@ -13,12 +16,39 @@
 
 namespace kvrelay::worker {
 
-// The stream of request `id` into the decode side's blocks `dst`, carrying
-// the model KV heads `heads`.
+// A prompt's KV travels as one layer stream per SEGMENT of kStreamSegmentBlocks
+// consecutive blocks (stream_id = segment index), so the prefill side can send
+// a segment's layers as soon as the chunk that completes the segment has
+// written them — every prefill chunk is streamed while later chunks compute,
+// not only the prompt's last. Both sides derive the same segments from the
+// block count alone.
+inline constexpr int64_t kStreamSegmentBlocks = 32;
+inline int64_t StreamSegments(int64_t blocks) {
+  return (blocks + kStreamSegmentBlocks - 1) / kStreamSegmentBlocks;
+}
+// Blocks [first, first + count) of segment `g`.
+struct BlockRange {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+inline BlockRange StreamSegment(int64_t blocks, int64_t g) {
+  const int64_t first = g * kStreamSegmentBlocks;
+  return {first, std::min(kStreamSegmentBlocks, blocks - first)};
+}
+
+// Segment `segment`'s stream of request `id` into the decode side's blocks
+// `dst` (that segment's), carrying the model KV heads `heads`.
 kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        const engine::ModelFingerprint& model, engine::RequestId id,
-                                       std::span<const engine::BlockId> dst,
+                                       int64_t segment, std::span<const engine::BlockId> dst,
                                        kv_transfer::HeadRange heads);
+
+// The receivers of every segment of a prompt's KV into `blocks` of `pool`
+// (this process's heads `own`), from data-plane peer `peer`, each Started.
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::ModelFingerprint& model, engine::RequestId id,
+    std::span<const engine::BlockId> blocks, kv_transfer::HeadRange own);
 
 // Where `blocks` live in `pool`; `local` = the stream's heads within the
 // pool's own head set.

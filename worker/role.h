@@ -53,6 +53,10 @@ class Role {
   virtual Status OnControlFrame(const protocols::Frame& frame) = 0;
   // Work outside engine steps (followers' acknowledgements); every loop turn.
   virtual void Progress() {}
+  // The coordinator accepted this worker's (re)registration.
+  virtual void OnRegistered() {}
+  // A pool event; true when the role forwards it itself (its prefix store).
+  virtual bool OnPoolEvent(const engine::KvEvent& /*ev*/) { return false; }
   // True while Progress or the connector has something to poll soon: the
   // loop then wakes every millisecond instead of sleeping to the heartbeat.
   virtual bool polling() const { return false; }
@@ -64,7 +68,12 @@ class Role {
   }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
+  // The coordinator link is gone (it forgets this worker's requests): let go
+  // of what the role holds outside the engine; the shell then cancels every
+  // engine request. The engine's prefix cache stays for the next registration.
+  virtual void OnDisconnected() {}
   // The worker is stopping: let go of every request (before the engine goes).
+  // Called again by the destructor: must be idempotent.
   virtual void Shutdown() {}
 };
 

@@ -1,6 +1,7 @@
 #include "worker/worker.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "common/logging.h"
 #include "kv_transfer/transport_factory.h"
@@ -94,7 +95,9 @@ Status Worker::Init() {
   ctx_.counters = &counters_;
   RETURN_IF_ERROR(role_->Init(ctx_));
   engine::Engine* engine = role_->engine();
-  engine->pool()->SetEventListener([this](const engine::KvEvent& ev) { control_->OnKvEvent(ev); });
+  engine->pool()->SetEventListener([this](const engine::KvEvent& ev) {
+    if (!role_->OnPoolEvent(ev)) control_->OnKvEvent(ev);
+  });
   control_->SetHeartbeatSource([this](proto::Heartbeat* hb) { FillHeartbeat(hb); });
   return Status::Ok();
 }
@@ -138,13 +141,46 @@ std::chrono::nanoseconds Worker::Idle() const {
   return std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));
 }
 
-Status Worker::Run(const std::atomic<bool>& stop) {
-  RETURN_IF_ERROR(control_->Connect(Registration()));
-  LOG_INFO << "registered as " << options_.worker_id << " (" << RoleKindName(options_.role)
-           << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
-  control_->SendHeartbeat();
+Status Worker::Register(const std::atomic<bool>& stop, bool first) {
+  // The first registration waits up to connect_timeout (the coordinator may
+  // still be starting) and a refusal is final; after a lost link the worker
+  // retries with backoff until it is back or told to stop.
+  const auto started = Clock::now();
+  std::chrono::milliseconds delay(100);
+  while (!stop.load()) {
+    const auto attempt = first ? options_.connect_timeout : std::chrono::milliseconds(2000);
+    Status s = control_->Connect(Registration(), Deadline::After(attempt));
+    if (s.ok()) return s;
+    const bool retryable =
+        s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded;
+    if (!retryable || (first && Clock::now() - started >= options_.connect_timeout)) return s;
+    LOG_WARNING << "coordinator " << options_.coordinator_host << ":" << options_.coordinator_port
+                << " unreachable (" << s.message() << "); retrying in " << delay.count() << " ms";
+    const Deadline wake = Deadline::After(delay);
+    while (!stop.load() && !wake.Expired()) {
+      std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+          std::chrono::milliseconds(50), delay));
+    }
+    delay = std::min<std::chrono::milliseconds>(delay * 2, std::chrono::milliseconds(2000));
+  }
+  return Cancelled("stopped while connecting to the coordinator");
+}
+
+void Worker::DropRequests() {
+  // The coordinator has failed or will re-run whatever it had sent here.
+  role_->OnDisconnected();
   engine::Engine* engine = role_->engine();
-  Status result;
+  const int64_t n = engine->CancelAll();
+  (void)engine->Step();  // drains the cancel events nobody is waiting for
+  events_->Reset();
+  counters_.queued_tokens = 0;
+  if (n > 0) LOG_WARNING << "dropped " << n << " request(s) of the lost coordinator link";
+}
+
+Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
+  *link_lost = false;
+  engine::Engine* engine = role_->engine();
+  control_->SendHeartbeat();
   while (!stop.load()) {
     auto frame = control_->Receive(Deadline::After(Idle()));
     while (frame.ok()) {
@@ -153,30 +189,43 @@ Status Worker::Run(const std::atomic<bool>& stop) {
       frame = control_->Receive(Deadline::After(std::chrono::nanoseconds(0)));
     }
     if (frame.status().code() != StatusCode::kDeadlineExceeded) {
-      result = Unavailable("coordinator connection lost: " + frame.status().message());
-      break;
+      *link_lost = true;
+      return Unavailable("coordinator connection lost: " + frame.status().message());
     }
     role_->Progress();
     if (engine->HasWork() || engine->loading() > 0) {
       auto events = engine->Step();
       if (!events.ok()) {
         LOG_ERROR << "engine step failed: " << events.status().ToString();
-        result = events.status();
-        break;
+        return events.status();
       }
       events_->Report(*events);
     }
     control_->FlushCacheEvents();
     // A TP group cannot go on without a rank: leave so the coordinator stops
     // routing here (the step's requests have already failed).
-    if (Status h = role_->health(); !h.ok()) {
-      result = h;
-      break;
-    }
+    RETURN_IF_ERROR(role_->health());
     control_->HeartbeatIfDue();
   }
+  return Status::Ok();
+}
+
+Status Worker::Run(const std::atomic<bool>& stop) {
+  Status result;
+  for (bool first = true; !stop.load(); first = false) {
+    result = Register(stop, first);
+    if (!result.ok()) break;
+    role_->OnRegistered();
+    LOG_INFO << "registered as " << options_.worker_id << " (" << RoleKindName(options_.role)
+             << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
+    bool link_lost = false;
+    result = Serve(stop, &link_lost);
+    DropRequests();
+    if (!link_lost || stop.load()) break;
+    LOG_WARNING << result.ToString() << "; reconnecting";
+  }
+  if (stop.load()) result = Status::Ok();
   role_->Shutdown();
-  for (engine::RequestId id : events_->live()) (void)engine->Cancel(id);
   control_->Close(Cancelled("worker stopping"));
   return result;
 }

@@ -41,8 +41,11 @@ class Worker {
   static Result<std::unique_ptr<Worker>> Create(WorkerOptions options, std::unique_ptr<Role> role);
   ~Worker();
 
-  // Connects, registers and serves until `stop` becomes true or the
-  // coordinator goes away (Unavailable then). Every request still held is
+  // Connects, registers and serves until `stop` becomes true. A lost
+  // coordinator link (a coordinator restart, a stall past the heartbeat
+  // deadline) drops the requests it carried and reconnects with backoff,
+  // keeping the engine and its prefix cache; a refused registration or a
+  // broken TP group ends Run with that error. Every request still held is
   // released before it returns.
   Status Run(const std::atomic<bool>& stop);
 
@@ -50,6 +53,10 @@ class Worker {
   Worker(WorkerOptions options, std::unique_ptr<Role> role);
   Status Init();
   proto::RegisterWorker Registration() const;
+  Status Register(const std::atomic<bool>& stop, bool first);
+  // The inner loop: until `stop` (OK), a lost link (*link_lost) or a fatal error.
+  Status Serve(const std::atomic<bool>& stop, bool* link_lost);
+  void DropRequests();
   void FillHeartbeat(proto::Heartbeat* hb) const;
   // The loop sleeps until this: at once with compute, ~1 ms while polling,
   // else until the next heartbeat; at most 100 ms (to notice `stop`).

@@ -20,6 +20,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
                                                         "coordinator",
                                                         "model",
                                                         "kv-dtype",
+                                                        "device",
                                                         "kv-capacity-mb",
                                                         "block-tokens",
                                                         "threads",
@@ -38,6 +39,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
                                                         "tp-rank",
                                                         "tp-leader",
                                                         "tp-mode",
+                                                        "tp-comm",
                                                         "cluster-key-file"},
                                                        {}));
   WorkerOptions o;
@@ -55,6 +57,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
+  o.engine.device = flags.Get("device", "cpu");  // cpu | cuda[:N]; checked by Engine::Create
   ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
   o.engine.kv_capacity_bytes = cap_mb << 20;
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
@@ -101,6 +104,7 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
     o.tp_host = leader.substr(0, c);
     o.tp_port = static_cast<uint16_t>(p);
   }
+  o.tp_comm = flags.Get("tp-comm", "auto");
   const std::string mode = flags.Get("tp-mode", "exact");
   if (mode == "exact") {
     o.tp_mode = engine::TpMode::kExact;
@@ -117,30 +121,18 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
   return o;
 }
 
-// Parses, creates and serves; the process's exit status.
-int Serve(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
-          const std::vector<std::string>& args) {
-  auto options = ParseWorkerFlags(role, args);
-  if (!options.ok()) {
-    std::fprintf(
-        stderr,
-        "kvrelay-%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-        "[--kv-dtype f32|f16|bf16|int8] [--kv-capacity-mb N] [--threads N] [--rank R "
-        "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
-        "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
-        "--tp-leader HOST:PORT --tp-mode exact|reduce] --cluster-key-file FILE\n",
-        std::string(RoleKindName(role)).c_str(), options.status().ToString().c_str());
-    return 2;
-  }
-  SetLogTag(options->worker_id);
+// Creates and serves; the process's exit status.
+int Serve(const WorkerOptions& options, const RoleFactory& make_role,
+          const FollowerMain& run_follower) {
+  SetLogTag(options.worker_id);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGPIPE, SIG_IGN);
   Status s;
-  if (options->tp_follower()) {
-    s = run_follower(*options, g_stop);
+  if (options.tp_follower()) {
+    s = run_follower(options, g_stop);
   } else {
-    auto worker = Worker::Create(*options, make_role(*options));
+    auto worker = Worker::Create(options, make_role(options));
     if (!worker.ok()) {
       LOG_ERROR << "cannot start: " << worker.status().ToString();
       return 1;
@@ -159,15 +151,35 @@ int Serve(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_f
 
 int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
                int argc, char** argv) {
-  // Under mpirun every process of the job initialises MPI (the KV data plane
-  // is then MPI with --kv-transport auto); see kv_transfer/mpi_session.h.
-  auto mpi = kv_transfer::MpiSession::Start(&argc, &argv);
+  const std::string name = "kvrelay-" + std::string(RoleKindName(role));
+  auto options = ParseWorkerFlags(role, std::vector<std::string>(argv + 1, argv + argc));
+  // Under mpirun every process of the job initialises MPI and joins the TP
+  // split (also one that is about to exit on a bad flag, so the others'
+  // collective start completes); see kv_transfer/mpi_session.h.
+  int tp_color = kv_transfer::kNoTpGroup, tp_key = 0;
+  if (options.ok() && options->tp_over_mpi()) {
+    tp_color = options->rank - options->tp_rank;  // the group leader's world rank
+    tp_key = options->tp_rank;
+  }
+  auto mpi = kv_transfer::MpiSession::Start(&argc, &argv, tp_color, tp_key);
   if (!mpi.ok()) {
-    std::fprintf(stderr, "kvrelay-%s: %s\n", std::string(RoleKindName(role)).c_str(),
-                 mpi.status().ToString().c_str());
+    std::fprintf(stderr, "%s: %s\n", name.c_str(), mpi.status().ToString().c_str());
     return 1;
   }
-  const int rc = Serve(role, make_role, run_follower, std::vector<std::string>(argv + 1, argv + argc));
+  int rc = 2;
+  if (!options.ok()) {
+    std::fprintf(stderr,
+                 "%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
+                 "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] "
+                 "[--threads N] [--rank R "
+                 "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
+                 "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
+                 "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto] "
+                 "--cluster-key-file FILE\n",
+                 name.c_str(), options.status().ToString().c_str());
+  } else {
+    rc = Serve(*options, make_role, run_follower);
+  }
   mpi->set_exit_code(rc);
   return rc;
 }

@@ -1,6 +1,7 @@
 #include "worker/worker_options.h"
 
 #include "engine/runtime/tensor_parallel.h"
+#include "kv_transfer/transport_factory.h"
 
 namespace kvrelay::worker {
 
@@ -22,6 +23,12 @@ std::string_view RoleKindName(RoleKind role) {
       return "colocated";
   }
   return "?";
+}
+
+bool WorkerOptions::tp_over_mpi() const {
+  if (tp_size < 2 || !kv_transfer::LaunchedByMpirun()) return false;
+  if (tp_comm == "mpi") return true;
+  return tp_comm == "auto" && (kv_transport == "mpi" || kv_transport == "auto");
 }
 
 Status WorkerOptions::Validate() const {
@@ -52,6 +59,9 @@ Status WorkerOptions::Validate() const {
                              " needs --tp-leader HOST:PORT of rank 0");
     }
     RETURN_IF_ERROR(engine::CheckTensorParallelDtype(engine.kv_dtype));
+    if (tp_comm != "auto" && tp_comm != "tcp" && tp_comm != "mpi") {
+      return InvalidArgument("--tp-comm must be tcp, mpi or auto, got '" + tp_comm + "'");
+    }
   }
   return engine.Validate();
 }

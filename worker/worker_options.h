@@ -48,6 +48,10 @@ struct WorkerOptions {
   std::string tp_host = "127.0.0.1";
   uint16_t tp_port = 0;
   engine::TpMode tp_mode = engine::TpMode::kExact;
+  // The group's collectives: "tcp" (the star link), "mpi" (the group's MPI
+  // sub-communicator, non-blocking collectives with a deadline) or "auto"
+  // (mpi when the KV data plane is mpi).
+  std::string tp_comm = "auto";
   std::chrono::milliseconds connect_timeout{30000};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
   // The cluster secret (--cluster-key-file), proved on every internal port:
@@ -55,6 +59,8 @@ struct WorkerOptions {
   protocols::ClusterKey cluster_key;
 
   bool tp_follower() const { return tp_size > 1 && tp_rank > 0; }
+  // Whether this TP group's collectives run over MPI (see tp_comm).
+  bool tp_over_mpi() const;
   Status Validate() const;
 };
 

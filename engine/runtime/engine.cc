@@ -6,6 +6,7 @@
 
 #include "common/logging.h"
 #include "common/thread_pool.h"
+#include "engine/runtime/compute_backend.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 #include "engine/runtime/tensor_parallel.h"
@@ -40,6 +41,7 @@ Status EngineOptions::Validate() const {
   if (max_step_tokens < 1) return InvalidArgument("EngineOptions.max_step_tokens must be >= 1");
   if (max_running < 1) return InvalidArgument("EngineOptions.max_running must be >= 1");
   if (max_context < 0) return InvalidArgument("EngineOptions.max_context must be >= 0");
+  RETURN_IF_ERROR(ParseDevice(device).status().WithContext("EngineOptions.device"));
   return Status::Ok();
 }
 
@@ -195,6 +197,16 @@ class Engine::Impl {
     return NotFound("no live request " + std::to_string(id));
   }
 
+  int64_t CancelAll() {
+    std::vector<RequestId> ids;
+    for (const auto* list : {&waiting_, &running_}) {
+      for (const auto& q : *list) ids.push_back(q->spec.id);
+    }
+    for (const auto& [id, q] : loading_) ids.push_back(id);
+    for (RequestId id : ids) (void)Cancel(id);
+    return static_cast<int64_t>(ids.size());
+  }
+
   int64_t running_count() const { return static_cast<int64_t>(running_.size()); }
   int64_t queued_count() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t loading_count() const { return static_cast<int64_t>(loading_.size()); }
@@ -209,6 +221,8 @@ class Engine::Impl {
   std::unique_ptr<KvBlockPool> pool_;
   ThreadPool threads_;
   ForwardPass forward_;
+  // Set when options.device is not the CPU; then it runs every step.
+  std::unique_ptr<ComputeBackend> backend_;
   int64_t max_context_ = 0;
   KvConnector* connector_ = nullptr;     // not owned; may be null
   TensorParallelHooks tp_;               // publish empty unless rank 0 of a TP group
@@ -237,7 +251,9 @@ class Engine::Impl {
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
     seq->sampler = std::make_unique<Sampler>(spec.sampling);
-    seq->text = std::make_unique<TextStream>(model_->tokenizer(), spec.sampling.stop);
+    const bool text = spec.want_text || !spec.sampling.stop.empty();
+    seq->text = std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr,
+                                             spec.sampling.stop);
     seq->spec = std::move(spec);
     return seq;
   }
@@ -508,7 +524,9 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
   if (tp_.publish) {
     st = tp_.publish(plan).WithContext("publishing the step to the tensor-parallel group");
   }
-  if (st.ok()) st = forward_.Run(plan.seqs, &out, hook);
+  if (st.ok()) {
+    st = backend_ ? backend_->Run(plan.seqs, &out, hook) : forward_.Run(plan.seqs, &out, hook);
+  }
   if (!st.ok()) {
     LOG_ERROR << "forward step failed: " << st.ToString();
     for (Sequence* s : batch) {
@@ -578,12 +596,26 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
     po.capacity_bytes = static_cast<int64_t>(std::min(want, static_cast<double>(1LL << 30)));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvBlockPool> pool, KvBlockPool::Create(po));
-  return std::unique_ptr<Engine>(
-      new Engine(std::make_unique<Impl>(options, std::move(model), std::move(pool))));
+  ASSIGN_OR_RETURN(DeviceSpec device, ParseDevice(options.device));
+  if (device.kind == DeviceKind::kCpu) {
+    return std::unique_ptr<Engine>(
+        new Engine(std::make_unique<Impl>(options, std::move(model), std::move(pool))));
+  }
+  // A device backend mirrors the pool: host writes it did not make must reach it.
+  auto tracked = std::make_unique<HostWriteTrackingPool>(std::move(pool));
+  HostWriteTrackingPool* tracker = tracked.get();
+  auto impl = std::make_unique<Impl>(options, std::move(model), std::move(tracked));
+  ComputeBackendOptions bo;
+  bo.device = device;
+  ASSIGN_OR_RETURN(impl->backend_,
+                   CreateComputeBackend(bo, *impl->model_, impl->pool_.get(), &impl->threads_));
+  tracker->SetBackend(impl->backend_.get());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
 Status Engine::Submit(RequestSpec spec) { return impl_->Submit(std::move(spec)); }
 Status Engine::Cancel(RequestId id) { return impl_->Cancel(id); }
+int64_t Engine::CancelAll() { return impl_->CancelAll(); }
 Result<std::vector<TokenEvent>> Engine::Step() { return impl_->Step(); }
 bool Engine::HasWork() const { return impl_->HasWork(); }
 void Engine::SetKvConnector(KvConnector* connector) { impl_->connector_ = connector; }
@@ -604,6 +636,7 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   }
   impl_->tp_ = hooks;
   impl_->forward_.SetCollective(hooks.collective);
+  if (impl_->backend_) impl_->backend_->SetCollective(hooks.collective);
   return Status::Ok();
 }
 KvBlockPool* Engine::pool() { return impl_->pool_.get(); }

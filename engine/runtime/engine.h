@@ -51,6 +51,10 @@ struct EngineOptions {
   int max_running = 64;       // sequences in the running batch
   // Longest prompt + generation accepted (0 = the model's context length).
   int64_t max_context = 0;
+  // Where the forward pass runs: "cpu" (default) or "cuda" / "cuda:N"
+  // (engine/runtime/compute_backend.h). Create fails with Unavailable when
+  // no CUDA device is found, Unimplemented in a build without CUDA.
+  std::string device = "cpu";
 
   Status Validate() const;
 };
@@ -72,6 +76,10 @@ struct RequestSpec {
   SamplingParams sampling;
   std::string tenant_salt;  // isolates prefix-cache hits per tenant
   RequestMode mode = RequestMode::kFull;
+  // TokenEvent::text is filled (the engine detokenizes) only when set or when
+  // sampling.stop is not empty. Serving leaves it off: the coordinator
+  // detokenizes and matches stop strings itself.
+  bool want_text = true;
 };
 
 enum class FinishReason : uint8_t {
@@ -114,6 +122,9 @@ class Engine {
   // Cancels a queued, loading or running request: its blocks are released now
   // and the next Step emits its finished event (kCancelled). NotFound if unknown.
   Status Cancel(RequestId id);
+  // Cancels every live request (a worker that lost its coordinator); the
+  // prefix cache stays. Returns how many were cancelled.
+  int64_t CancelAll();
   // Runs one scheduling step and returns the events it produced.
   Result<std::vector<TokenEvent>> Step();
   // True while any request is queued or running or an event is pending (a

@@ -119,41 +119,4 @@ int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>
   return candidates_[keep - 1].second;
 }
 
-std::string StopMatcher::Push(const std::string& piece, bool* stopped) {
-  *stopped = false;
-  pending_ += piece;
-  // A completed stop string: release text before the earliest one.
-  size_t best = std::string::npos;
-  for (const std::string& s : stops_) {
-    const size_t at = pending_.find(s);
-    if (at != std::string::npos && at < best) best = at;
-  }
-  if (best != std::string::npos) {
-    *stopped = true;
-    std::string out = pending_.substr(0, best);
-    pending_.clear();
-    return out;
-  }
-  // Hold back the longest suffix that is a proper prefix of some stop string.
-  size_t hold = 0;
-  for (const std::string& s : stops_) {
-    const size_t max_len = std::min(s.size() - 1, pending_.size());
-    for (size_t len = max_len; len > hold; --len) {
-      if (pending_.compare(pending_.size() - len, len, s, 0, len) == 0) {
-        hold = len;
-        break;
-      }
-    }
-  }
-  std::string out = pending_.substr(0, pending_.size() - hold);
-  pending_.erase(0, pending_.size() - hold);
-  return out;
-}
-
-std::string StopMatcher::Flush() {
-  std::string out;
-  out.swap(pending_);
-  return out;
-}
-
 }  // namespace kvrelay::engine

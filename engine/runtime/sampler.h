@@ -57,22 +57,4 @@ class Sampler {
   std::vector<std::pair<float, int32_t>> candidates_;  // scratch
 };
 
-// Holds back detokenized text that could still become a stop string.
-// Feed each new piece; Push returns the text that is safe to emit now.
-class StopMatcher {
- public:
-  explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
-
-  // Appends `piece`. Returns the text that can be released. Sets *stopped
-  // when a stop string completed: the returned text then ends right before it
-  // and the rest is dropped.
-  std::string Push(const std::string& piece, bool* stopped);
-  // Releases whatever is held back (at the end of generation).
-  std::string Flush();
-
- private:
-  std::vector<std::string> stops_;
-  std::string pending_;
-};
-
 }  // namespace kvrelay::engine

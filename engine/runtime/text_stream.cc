@@ -10,15 +10,16 @@ TextStream::TextStream(const Tokenizer* tokenizer, std::vector<std::string> stop
 std::string TextStream::Push(int32_t token, bool* stopped) {
   *stopped = false;
   if (detok_ == nullptr) return "";
-  return stop_.Push(detok_->Push(token), stopped);
+  StopMatcher::Output out = stop_.Push(detok_->Push(token));
+  *stopped = out.stopped;
+  return std::move(out.text);
 }
 
 std::string TextStream::Flush() {
   if (detok_ == nullptr) return stop_.Flush();
-  bool stopped = false;
-  std::string out = stop_.Push(detok_->Flush(), &stopped);
-  if (!stopped) out += stop_.Flush();
-  return out;
+  StopMatcher::Output out = stop_.Push(detok_->Flush());
+  if (!out.stopped) out.text += stop_.Flush();
+  return std::move(out.text);
 }
 
 }  // namespace kvrelay::engine

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/stop_matcher.h"
 #include "engine/runtime/sampler.h"
 #include "engine/tokenizer/tokenizer.h"
 

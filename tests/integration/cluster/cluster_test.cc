@@ -179,6 +179,7 @@ struct CompletionOutcome {
   int http_status = 0;
   std::string text;
   int completion_tokens = -1;
+  int cached_tokens = 0;  // usage.prompt_tokens_details.cached_tokens
   std::string finish_reason;
   std::string error;  // transport error or an error event / error body
 };
@@ -203,6 +204,7 @@ CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, in
   out.text = j["choices"][0]["text"];
   out.finish_reason = j["choices"][0]["finish_reason"];
   out.completion_tokens = j["usage"]["completion_tokens"];
+  out.cached_tokens = j["usage"].value("prompt_tokens_details", json::object()).value("cached_tokens", 0);
   return out;
 }
 
@@ -279,6 +281,22 @@ std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name
 }
 
 // Polls `cond` until it holds or `timeout` passes.
+// True when the coordinator's /health lists worker `id`.
+bool Registered(uint16_t port, const std::string& id) {
+  coordinator::HttpCallSpec spec;
+  spec.port = port;
+  spec.target = "/health";
+  spec.timeout_ms = 1000;
+  auto r = coordinator::HttpCall(spec);
+  if (!r.ok()) return false;
+  json j = json::parse(r->body, nullptr, false);
+  if (!j.is_object()) return false;
+  for (const auto& w : j["workers"]) {
+    if (w["id"] == id) return true;
+  }
+  return false;
+}
+
 bool WaitFor(const std::function<bool()>& cond, milliseconds timeout) {
   Deadline deadline = Deadline::After(timeout);
   while (!deadline.Expired()) {
@@ -307,7 +325,8 @@ double CpuSeconds(pid_t pid) {
 
 std::unique_ptr<deploy::LocalLauncher> StartCluster(int prefill, int decode, int colocated,
                                                     const std::string& router = "prefix_aware",
-                                                    int tp = 1) {
+                                                    int tp = 1,
+                                                    const std::string& kv_store_dir = "") {
   deploy::LaunchOptions o;
   o.model_path = ModelPath();
   o.port = 0;
@@ -321,6 +340,7 @@ std::unique_ptr<deploy::LocalLauncher> StartCluster(int prefill, int decode, int
   o.kv_capacity_mb = 128;
   o.router = router;
   o.bin_dir = BinDir();
+  o.kv_store_dir = kv_store_dir;
   auto l = std::make_unique<deploy::LocalLauncher>(o);
   Status st = l->Start();
   EXPECT_TRUE(st.ok()) << st.ToString();
@@ -472,6 +492,38 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   auto cluster = StartCluster(1, 1, 0, "prefix_aware", /*tp=*/2);
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
+}
+
+// Prompts longer than one KV stream segment (worker/kv_streams.h: 32 blocks
+// of 16 tokens) are prefilled in several chunks and streamed segment by
+// segment as each chunk completes one, to both ranks of a TP = 2 group. Two
+// of them at once share the step budget, so chunk ends fall inside segments.
+// Every answer equals the single-process engine's.
+TEST_F(ClusterTest, LongPromptsStreamInSegmentsAcrossChunks) {
+  auto cluster = StartCluster(1, 1, 0, "round_robin", /*tp=*/2);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 2; ++i) {
+    std::string text = "Log of the river gauges, station " + std::to_string(i) + ". ";
+    for (int day = 0; day < 90; ++day) {
+      text += "Day " + std::to_string(day) + ": level " + std::to_string((day * 37 + i) % 90) +
+              " cm, flow steady. ";
+    }
+    text += "The highest level was on day";
+    prompts.push_back(ref_->Encode(text));
+    ASSERT_GT(prompts.back().size(), 2u * 512) << "the prompt must span 3 segments";
+  }
+  std::vector<CompletionOutcome> got(prompts.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    threads.emplace_back([&, i] { got[i] = Complete(port, prompts[i], 12); });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].http_status, 200) << got[i].error;
+    EXPECT_EQ(got[i].text, ref_->Text(ref_->Greedy(prompts[i], 12))) << "prompt " << i;
+  }
 }
 
 TEST_F(DisaggregatedTest, ClientDisconnectFreesBlocksOnEveryWorker) {
@@ -696,20 +748,7 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
   auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
   ASSERT_NE(cluster, nullptr);
   const uint16_t port = cluster->http_port();
-  auto registered = [&](const std::string& id) {
-    coordinator::HttpCallSpec spec;
-    spec.port = port;
-    spec.target = "/health";
-    spec.timeout_ms = 1000;
-    auto r = coordinator::HttpCall(spec);
-    if (!r.ok()) return false;
-    json j = json::parse(r->body, nullptr, false);
-    if (!j.is_object()) return false;
-    for (const auto& w : j["workers"]) {
-      if (w["id"] == id) return true;
-    }
-    return false;
-  };
+  auto registered = [&](const std::string& id) { return Registered(port, id); };
   ASSERT_TRUE(registered("decode-1"));
   const pid_t victim = cluster->processes().Pid("decode-1-tp1");
   ASSERT_GT(victim, 0);
@@ -723,6 +762,74 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
     EXPECT_EQ(got.http_status, 200) << got.error;
     EXPECT_EQ(got.text, want);
   }
+}
+
+// The prefix store survives a full restart of the cluster: a prompt served
+// before the restart is loaded from RocksDB after it instead of recomputed
+// (cached_tokens covers every full block of the shared prefix), and the answer
+// is still the engine's. Before: only blocks evicted from RAM were written and
+// a clean shutdown wrote nothing, so after a restart cached_tokens was 0.
+TEST_F(ClusterTest, PrefixStoreIsReusedAfterAFullRestart) {
+  char tmpl[] = "/tmp/kvrelay-store-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  struct RemoveOnExit {
+    std::string path;
+    ~RemoveOnExit() { std::filesystem::remove_all(path); }
+  } cleanup{dir};
+  std::string system = "You are a careful assistant for a river authority. ";
+  for (int i = 0; i < 40; ++i) {
+    system += "Rule " + std::to_string(i) + ": report the gauge level and the trend. ";
+  }
+  const std::vector<int32_t> first = ref_->Encode(system + "Question: is the Rhine high today?");
+  const std::vector<int32_t> second = ref_->Encode(system + "Question: is the Elbe low today?");
+  const std::vector<int32_t> shared = ref_->Encode(system);
+  const int full_blocks_tokens = static_cast<int>(shared.size() / 16 * 16);
+  ASSERT_GT(full_blocks_tokens, 256);
+  {
+    auto cluster = StartCluster(1, 1, 0, "prefix_aware", 1, dir);
+    ASSERT_NE(cluster, nullptr);
+    CompletionOutcome cold = Complete(cluster->http_port(), first, 4);
+    ASSERT_EQ(cold.http_status, 200) << cold.error;
+    EXPECT_EQ(cold.cached_tokens, 0);
+    cluster->Stop();
+  }
+  auto cluster = StartCluster(1, 1, 0, "prefix_aware", 1, dir);
+  ASSERT_NE(cluster, nullptr);
+  CompletionOutcome warm = Complete(cluster->http_port(), second, 8);
+  EXPECT_EQ(warm.http_status, 200) << warm.error;
+  EXPECT_GE(warm.cached_tokens, full_blocks_tokens - 16)
+      << "after the restart the shared prefix was recomputed";
+  EXPECT_EQ(warm.text, ref_->Text(ref_->Greedy(second, 8)));
+  cluster->Stop();
+}
+
+// A worker that stalls past the heartbeat deadline (SIGSTOP) is dropped by
+// the coordinator; when it resumes it finds its link closed, reconnects,
+// registers again and serves, so the cluster does not lose it for good.
+// (Before: the worker exited on the lost link and, being the only prefill
+// worker, every later request failed.)
+TEST_F(ClusterTest, StalledWorkerReconnectsAndServesAgain) {
+  auto cluster = StartCluster(1, 1, 0, "round_robin");
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  const std::vector<int32_t> prompt = ref_->Encode("Why do rivers flow to the sea?");
+  const std::string want = ref_->Text(ref_->Greedy(prompt, 8));
+  ASSERT_EQ(Complete(port, prompt, 8).text, want);
+  const pid_t stalled = cluster->processes().Pid("prefill-0");
+  ASSERT_GT(stalled, 0);
+  ASSERT_EQ(kill(stalled, SIGSTOP), 0);
+  const bool dropped = WaitFor([&] { return !Registered(port, "prefill-0"); }, milliseconds(10'000));
+  ASSERT_EQ(kill(stalled, SIGCONT), 0);
+  ASSERT_TRUE(dropped) << "the coordinator kept a stalled worker registered for 10 s";
+  EXPECT_TRUE(WaitFor([&] { return Registered(port, "prefill-0"); }, milliseconds(10'000)))
+      << "the resumed worker did not register again within 10 s";
+  for (int i = 0; i < 2; ++i) {
+    CompletionOutcome got = Complete(port, prompt, 8);
+    EXPECT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, want);
+  }
+  EXPECT_EQ(cluster->processes().Pid("prefill-0"), stalled) << "the worker was restarted, not resumed";
 }
 
 // A prefill worker that stops answering (SIGSTOP: its connection stays open,

@@ -14,7 +14,14 @@
 // that reads fine but fails verification outside a damage cycle, or any read
 // error before the first damage, fails the test.
 //
-// Cycles: KVRELAY_CRASH_CYCLES (default 50; the `slow` variant runs more).
+// Silent corruption: every kFlipEvery-th cycle the parent also flips one byte
+// of a few stored values and writes them back through the tier (so RocksDB's
+// own checksums cover the damaged bytes and cannot notice): from then on
+// every read of such a key must fail the block codec's verification, i.e. be
+// a miss, never KV.
+//
+// Cycles: KVRELAY_CRASH_CYCLES (default 120, under a minute; the `slow`
+// variant runs 1000).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -43,6 +50,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr int kDamageEvery = 5;
+constexpr int kFlipEvery = 3;
 constexpr uint64_t kIndicesPerCycle = 1'000'000;
 
 struct ChildRun {
@@ -133,7 +141,7 @@ void Damage(const fs::path& dir, std::mt19937_64& rng, int flips) {
 }
 
 TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrongKv) {
-  int cycles = 50;
+  int cycles = 120;
   if (const char* env = std::getenv("KVRELAY_CRASH_CYCLES")) cycles = std::atoi(env);
   const fs::path dir = fs::temp_directory_path() / ("kvstore_crash_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -141,12 +149,14 @@ TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrong
 
   std::unordered_map<BlockHash, uint64_t, BlockHashHasher> known;  // every hash the child may write
   std::set<uint64_t> required;  // acknowledged since the last damage
+  std::set<uint64_t> flipped;   // values the parent corrupted (since the last damage)
+  int64_t flips = 0, flips_detected = 0;
   int64_t total_acked = 0, served_checked = 0, damage_cycles = 0, repaired_or_moved = 0;
   int64_t latent_errors = 0;
   bool ever_damaged = false;
   for (int cycle = 0; cycle < cycles; ++cycle) {
     const uint64_t first = static_cast<uint64_t>(cycle + 1) * kIndicesPerCycle;
-    const int run_ms = 20 + static_cast<int>(rng() % 280);
+    const int run_ms = 10 + static_cast<int>(rng() % 140);
     ChildRun run = RunAndKill(dir.string(), first, run_ms);
     ASSERT_TRUE(run.signal == SIGKILL)
         << "cycle " << cycle << ": child exited with " << run.exit_code << " before the kill";
@@ -184,6 +194,12 @@ TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrong
       }
       const auto want = crash::Block(it->second);
       DecodedBlock d = DecodeBlock(*v, want.meta);
+      if (flipped.count(it->second)) {
+        ASSERT_FALSE(d.ok()) << "cycle " << cycle << ": block " << it->second
+                             << " was corrupted by a byte flip and still verifies";
+        ++flips_detected;
+        continue;
+      }
       if (!d.ok()) {
         // A torn or damaged value is a miss, never KV; without damage it must not happen.
         ASSERT_TRUE(damage) << "cycle " << cycle << ": block " << it->second
@@ -195,6 +211,7 @@ TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrong
     }
     if (damage) {
       required.clear();  // damage may legitimately lose acknowledged blocks
+      if (tier.open_report().outcome == RocksDbTier::OpenOutcome::kMovedAside) flipped.clear();
     } else {
       for (uint64_t i : required) {
         const auto want = crash::Block(i);
@@ -204,12 +221,34 @@ TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrong
         ASSERT_TRUE(DecodeBlock(*v, want.meta).ok()) << "cycle " << cycle << ": block " << i;
       }
     }
+    if (!damage && cycle % kFlipEvery == kFlipEvery - 1) {
+      // Flip one byte of up to two stored values and write them back.
+      std::vector<BlockHash> keys = tier.KeysLruOrder();
+      for (int k = 0; k < 2 && !keys.empty(); ++k) {
+        const BlockHash h = keys[rng() % keys.size()];
+        const uint64_t index = known.at(h);
+        if (flipped.count(index)) continue;
+        auto v = tier.Get(h);
+        if (!v.ok()) continue;
+        std::string bad = *v;
+        bad[rng() % bad.size()] ^= static_cast<char>(1u << (rng() % 8));
+        ASSERT_TRUE(tier.Put(h, bad).ok());
+        flipped.insert(index);
+        required.erase(index);
+        ++flips;
+      }
+      ASSERT_TRUE(tier.WaitDurable(Deadline::AfterMs(10000)).ok());
+    }
     opened->reset();
   }
   std::cout << "cycles " << cycles << ", acknowledged " << total_acked << ", served+verified "
             << served_checked << ", damage cycles " << damage_cycles << ", latent read errors "
-            << latent_errors << ", repaired/moved " << repaired_or_moved << "\n";
+            << latent_errors << ", repaired/moved " << repaired_or_moved << ", byte flips "
+            << flips << " (reads of flipped values rejected by the codec: " << flips_detected
+            << ")\n";
   EXPECT_GT(total_acked, 0);
+  EXPECT_GT(flips, 0);
+  EXPECT_GT(flips_detected, 0);
   std::error_code ec;
   for (auto& e : fs::directory_iterator(dir.parent_path(), ec)) {
     if (e.path().string().rfind(dir.string(), 0) == 0) fs::remove_all(e.path(), ec);

@@ -236,5 +236,43 @@ TEST(OpenAiApiTest, DumpReplacesInvalidUtf8) {
             "b\"}");
 }
 
+// #18: every field kvrelay does not implement is a 400 naming it, never a
+// silent no-op: suffix, a non-empty logit_bias, and fields it does not know.
+TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
+  CompletionParams p;
+  auto suffix = ParseCompl(R"({"model":"m","prompt":"a","suffix":"b"})", &p);
+  ASSERT_TRUE(suffix.has_value());
+  EXPECT_EQ(suffix->http_status, 400);
+  EXPECT_EQ(suffix->param, "suffix");
+  EXPECT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","suffix":null})", &p).has_value());
+  auto bias = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                            "logit_bias":{"42":-100}})",
+                        &p);
+  ASSERT_TRUE(bias.has_value());
+  EXPECT_EQ(bias->param, "logit_bias");
+  EXPECT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "logit_bias":{}})",
+                         &p)
+                   .has_value());
+  auto unknown = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                               "frobnicate":1,"tool_choice":"auto"})",
+                           &p);
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_EQ(unknown->http_status, 400);
+  EXPECT_EQ(unknown->code, "unsupported_parameter");
+  EXPECT_NE(unknown->message.find("'frobnicate'"), std::string::npos) << unknown->message;
+  EXPECT_NE(unknown->message.find("'tool_choice'"), std::string::npos) << unknown->message;
+  // A completions-only field on chat is unknown there.
+  auto echo = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"echo":true})",
+                        &p);
+  ASSERT_TRUE(echo.has_value());
+  EXPECT_EQ(echo->param, "echo");
+  // max_tokens given or not is recorded (the server fills in what fits).
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"a"})", &p).has_value());
+  EXPECT_FALSE(p.max_tokens_given);
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","max_tokens":3})", &p).has_value());
+  EXPECT_TRUE(p.max_tokens_given);
+}
+
 }  // namespace
 }  // namespace kvrelay::coordinator

@@ -23,6 +23,9 @@ using nlohmann::json;
 using testing::ByteCodec;
 using testing::FakeBackend;
 
+// Every series of the server carries the model's name (#18).
+const MetricLabels kModelLabel = {{"model_name", "test-model"}};
+
 class ServerTest : public ::testing::Test {
  protected:
   void StartServer(ServerOptions options = {}, FakeBackend::Options backend_options = {}) {
@@ -120,11 +123,13 @@ TEST_F(ServerTest, ModelsHealthAndMetrics) {
   ASSERT_EQ(metrics.status, 200);
   EXPECT_NE(metrics.headers["content-type"].find("text/plain"), std::string::npos);
   for (const char* name :
-       {"kvrelay_time_to_first_token_seconds_count 1",
-        "kvrelay_inter_token_latency_seconds_count 12",
-        "kvrelay_e2e_request_latency_seconds_count 1", "kvrelay_generation_tokens_total 13",
-        "kvrelay_queue_depth 0", "kvrelay_running_requests 0",
-        "kvrelay_worker_kv_utilization{worker=\"fake-0\"} 0.25",
+       {"kvrelay_time_to_first_token_seconds_count{model_name=\"test-model\"} 1",
+        "kvrelay_inter_token_latency_seconds_count{model_name=\"test-model\"} 12",
+        "kvrelay_e2e_request_latency_seconds_count{model_name=\"test-model\"} 1",
+        "kvrelay_generation_tokens_total{model_name=\"test-model\"} 13",
+        "kvrelay_queue_depth{model_name=\"test-model\"} 0",
+        "kvrelay_running_requests{model_name=\"test-model\"} 0",
+        "kvrelay_worker_kv_utilization{model_name=\"test-model\",worker=\"fake-0\"} 0.25",
         "kvrelay_prefix_cache_hit_tokens_total", "kvrelay_worker_transfer_bytes"}) {
     EXPECT_NE(metrics.body.find(name), std::string::npos) << name << "\n" << metrics.body;
   }
@@ -411,10 +416,10 @@ TEST_F(ServerTest, QueueFullGets429WithRetryAfterAndQueuedRequestsRun) {
     return Call("POST", "/v1/chat/completions", Chat("two", 2).dump());
   });
   // Wait until the second request is queued (bounded by the test timeout).
-  for (int i = 0; i < 500 && metrics_.GetGauge("kvrelay_queue_depth", "")->value() < 1; ++i) {
+  for (int i = 0; i < 500 && metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value() < 1; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ASSERT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "")->value(), 1);
+  ASSERT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value(), 1);
   HttpCallResult refused = Call("POST", "/v1/chat/completions", Chat("three").dump());
   EXPECT_EQ(refused.status, 429);
   EXPECT_EQ(refused.headers["retry-after"], "3");
@@ -440,7 +445,7 @@ TEST_F(ServerTest, QueuedRequestOutlivesTheHeaderTimeout) {
   });
   // Three header timeouts pass while the second request waits for a slot.
   std::this_thread::sleep_for(std::chrono::milliseconds(600));
-  EXPECT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "")->value(), 1);
+  EXPECT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value(), 1);
   backend_->SetHang(false);
   HttpCallResult second = queued.get();
   EXPECT_EQ(second.status, 200);
@@ -492,7 +497,8 @@ TEST_F(ServerTest, ClientErrors) {
 
   HttpCallResult big = Call("POST", "/v1/chat/completions", Chat(std::string(4096, 'x')).dump());
   EXPECT_EQ(big.status, 413);
-  json prompt_big = CallJson("/v1/chat/completions", Chat(std::string(100, 'x')), 413);
+  // #18: a context overflow is a 400 (context_length_exceeded), as OpenAI answers it.
+  json prompt_big = CallJson("/v1/chat/completions", Chat(std::string(100, 'x')), 400);
   EXPECT_EQ(prompt_big["error"]["code"], "context_length_exceeded");
 
   HttpCallResult malformed = Call("POST", "/v1/chat/completions", "{\"model\": ");

@@ -7,7 +7,6 @@
 #include "coordinator/admission.h"
 #include "coordinator/api_keys.h"
 #include "coordinator/sse.h"
-#include "coordinator/stop_matcher.h"
 
 namespace kvrelay::coordinator {
 namespace {
@@ -34,50 +33,6 @@ TEST(SseTest, ParserRoundTripAcrossArbitrarySplits) {
 TEST(SseTest, ParserBoundsMemory) {
   SseParser p(100);
   EXPECT_FALSE(p.Feed("data: " + std::string(200, 'x')));
-}
-
-std::string RunMatcher(std::vector<std::string> stops, const std::vector<std::string>& pieces,
-                       bool* stopped) {
-  StopMatcher m(std::move(stops));
-  std::string out;
-  *stopped = false;
-  for (const auto& p : pieces) {
-    auto o = m.Push(p);
-    out += o.text;
-    if (o.stopped) {
-      *stopped = true;
-      return out;
-    }
-  }
-  return out + m.Flush();
-}
-
-TEST(StopMatcherTest, StopsAcrossPiecesAndNeverLeaksThePrefix) {
-  bool stopped;
-  EXPECT_EQ(RunMatcher({"END"}, {"abc E", "N", "Dxyz"}, &stopped), "abc ");
-  EXPECT_TRUE(stopped);
-  // A partial match that does not complete is released.
-  EXPECT_EQ(RunMatcher({"END"}, {"E", "N", "x"}, &stopped), "ENx");
-  EXPECT_FALSE(stopped);
-  // Held-back text is released at the end of the stream.
-  EXPECT_EQ(RunMatcher({"END"}, {"abcEN"}, &stopped), "abcEN");
-  EXPECT_FALSE(stopped);
-  // Earliest of several stops wins.
-  EXPECT_EQ(RunMatcher({"zz", "b"}, {"aabzz"}, &stopped), "aa");
-  EXPECT_TRUE(stopped);
-  // No stops: everything passes straight through.
-  StopMatcher none({});
-  EXPECT_EQ(none.Push("E").text, "E");
-}
-
-TEST(StopMatcherTest, HoldsBackOnlyWhatCouldMatch) {
-  StopMatcher m({"\n\n"});
-  EXPECT_EQ(m.Push("ab\n").text, "ab");  // "\n" could start "\n\n"
-  EXPECT_EQ(m.Push("c").text, "\nc");
-  auto o = m.Push("\n\nrest");
-  EXPECT_EQ(o.text, "");
-  EXPECT_TRUE(o.stopped);
-  EXPECT_EQ(m.Push("more").text, "");
 }
 
 TEST(ApiKeysTest, ParsesAndRejectsWithLineNumbers) {
@@ -107,7 +62,7 @@ TEST(AdmissionTest, RunsQueuesAndRefuses) {
   EXPECT_EQ(q.queued(), 1);
   Status full = q.Enqueue(4, [&] { started.push_back(4); });
   EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
-  q.Release();  // 1 finishes -> 3 starts
+  q.Release(1);  // 1 finishes -> 3 starts
   EXPECT_EQ(started, (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(q.running(), 2);
   EXPECT_EQ(q.queued(), 0);
@@ -115,8 +70,8 @@ TEST(AdmissionTest, RunsQueuesAndRefuses) {
   ASSERT_TRUE(q.Enqueue(5, [&] { started.push_back(5); }).ok());
   EXPECT_TRUE(q.Remove(5));
   EXPECT_FALSE(q.Remove(5));
-  q.Release();
-  q.Release();
+  q.Release(2);
+  q.Release(3);
   EXPECT_EQ(started, (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(q.running(), 0);
 }
@@ -125,7 +80,7 @@ TEST(AdmissionTest, FifoOrderUnderRelease) {
   AdmissionQueue q({1, 10});
   std::vector<int> started;
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(q.Enqueue(i, [&, i] { started.push_back(i); }).ok());
-  for (int i = 0; i < 5; ++i) q.Release();
+  for (int i = 0; i < 5; ++i) q.Release(i);
   EXPECT_EQ(started, (std::vector<int>{0, 1, 2, 3, 4}));
 }
 

@@ -255,6 +255,181 @@ TEST_P(TieredCacheTest, WithoutWriteThroughRamEvictionsAreDemotedToDisk) {
   cache.Detach();
 }
 
+// The defect of issue 15: a prompt served before a clean restart was
+// recomputed after it, because only evicted blocks were written. Now every
+// committed block is written through (Pump) and Drain makes it durable.
+TEST_P(TieredCacheTest, CommittedBlocksAreWrittenThroughAndSurviveACleanRestart) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(8);
+  const auto tokens = Tokens(7 * 8 + 5, 21);  // 7 full blocks
+  std::vector<std::vector<std::vector<uint8_t>>> want;
+  std::vector<TierEvent> events;
+  {
+    auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+    auto disk = RocksDbTier::Open(DiskOpts()).value();
+    TieredCache cache({}, ram.get(), disk.get());
+    auto pool = MakePool(layout, 16);
+    cache.Attach(pool.get(), [&](const TierEvent& e) { events.push_back(e); });
+    PrefixMatch m = cache.Match(tokens, model, kSalt);  // admission notes the prompt
+    EXPECT_EQ(m.pool_blocks, 0);
+    EXPECT_EQ(m.external_blocks, 0);
+    want = Prefill(pool.get(), tokens, model, kSalt);  // commits 7 blocks, evicts none
+    cache.Pump();
+    ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+    const auto s = cache.stats();
+    EXPECT_EQ(s.write_through_blocks, 7);
+    EXPECT_EQ(s.write_backlog, 0);
+    EXPECT_EQ(disk->stats().entries, 7);
+    // Eviction from the pool now only copies to RAM: the disk is not written again.
+    const int64_t written = disk->stats().written;
+    EvictAll(pool.get());
+    EXPECT_EQ(ram->stats().entries, 7);
+    cache.Pump();
+    ASSERT_TRUE(disk->Flush(Deadline::AfterMs(10000)).ok());
+    EXPECT_EQ(disk->stats().written, written);
+    cache.Detach();
+  }
+  // Events name the tier: 7 stored in the pool, 7 stored on disk, 7 evicted
+  // from the pool while still held (RAM and disk).
+  int pool_stored = 0, disk_stored = 0, pool_evicted_held = 0;
+  for (const TierEvent& e : events) {
+    if (e.kind == TierEvent::Kind::kStored && e.tier == BlockTier::kPool) ++pool_stored;
+    if (e.kind == TierEvent::Kind::kStored && e.tier == BlockTier::kDisk) ++disk_stored;
+    if (e.kind == TierEvent::Kind::kEvicted && e.tier == BlockTier::kPool && e.held_anywhere) {
+      ++pool_evicted_held;
+    }
+  }
+  EXPECT_EQ(pool_stored, 7);
+  EXPECT_EQ(disk_stored, 7);
+  EXPECT_EQ(pool_evicted_held, 7);
+
+  // The restart: a new process (new tiers, new pool) loads all 7 blocks from disk.
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  EXPECT_EQ(disk->open_report().entries, 7);
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 16);
+  std::vector<TierEvent> announced;
+  cache.Attach(pool.get(), [&](const TierEvent& e) { announced.push_back(e); });
+  cache.AnnounceAll();
+  cache.Pump();
+  EXPECT_EQ(announced.size(), 7u);  // the router learns what the disk holds
+  PrefixMatch m = cache.Match(tokens, model, kSalt);
+  EXPECT_EQ(m.pool_blocks, 0);
+  EXPECT_EQ(m.external_blocks, 7);
+  EXPECT_EQ(m.loadable_tokens(), 56);
+  std::vector<BlockId> dst;
+  for (int i = 0; i < 7; ++i) dst.push_back(pool->Allocate().value());
+  auto load = cache.StartLoad(m, tokens, model, kSalt);
+  auto n = cache.FinishLoad(*load, dst, Deadline::AfterMs(10000));
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 7);
+  EXPECT_EQ(disk->stats().get_batches, 1) << "one MultiGet for the whole prefix";
+  for (size_t b = 0; b < dst.size(); ++b) {
+    for (int layer = 0; layer < layout.layers; ++layer) {
+      auto got = pool->LayerData(dst[b], layer);
+      ASSERT_EQ(std::vector<uint8_t>(got.begin(), got.end()), want[b][layer]);
+    }
+  }
+  // Committed: the engine's own prefix lookup finds them.
+  auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
+  std::vector<BlockId> hit = pool->MatchPrefix(hashes);
+  EXPECT_EQ(hit.size(), 7u);
+  for (BlockId b : hit) pool->Release(b);
+  for (BlockId b : dst) pool->Release(b);
+  // Loaded from disk, so nothing is written back.
+  cache.Pump();
+  EXPECT_EQ(cache.stats().write_through_blocks, 0);
+  cache.Detach();
+}
+
+// A value damaged on disk in a way RocksDB does not notice (a flipped byte
+// written back through the tier) is a checksum miss: never KV in the pool.
+TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(9);
+  const auto tokens = Tokens(4 * 8, 22);
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 16);
+  cache.Attach(pool.get());
+  (void)cache.Match(tokens, model, kSalt);
+  Prefill(pool.get(), tokens, model, kSalt);
+  ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
+  std::string v = *disk->Get(hashes[2]);
+  v[v.size() - 7] ^= 0x01;
+  ASSERT_TRUE(disk->Put(hashes[2], v).ok());
+  ASSERT_TRUE(disk->Flush(Deadline::AfterMs(10000)).ok());
+  cache.Detach();
+
+  auto pool2 = MakePool(layout, 16);
+  TieredCache cache2({}, nullptr, disk.get());
+  cache2.Attach(pool2.get());
+  PrefixMatch m = cache2.Match(tokens, model, kSalt);
+  EXPECT_EQ(m.external_blocks, 4);  // the index cannot know
+  std::vector<BlockId> dst;
+  for (int i = 0; i < 4; ++i) dst.push_back(pool2->Allocate().value());
+  auto load = cache2.StartLoad(m, tokens, model, kSalt);
+  EXPECT_EQ(*cache2.FinishLoad(*load, dst, Deadline::AfterMs(10000)), 2);
+  EXPECT_EQ(cache2.stats().misses[static_cast<size_t>(MissReason::kChecksum)], 1);
+  EXPECT_FALSE(pool2->IsCached(hashes[2]));
+  EXPECT_FALSE(disk->Contains(hashes[2])) << "a value that never verifies is erased";
+  for (BlockId b : dst) pool2->Release(b);
+  cache2.Detach();
+}
+
+// A burst of commits larger than the disk queue waits in the backlog (the
+// request path never blocks), and Drain writes all of it.
+TEST_P(TieredCacheTest, WriteThroughToAFullQueueWaitsAndDrainFinishesIt) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(10);
+  const auto tokens = Tokens(12 * 8, 23);
+  RocksDbTier::Options o = DiskOpts();
+  o.max_queue_blocks = 2;  // far fewer than the 12 blocks committed at once
+  auto disk = RocksDbTier::Open(o).value();
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 16);
+  cache.Attach(pool.get());
+  (void)cache.Match(tokens, model, kSalt);
+  disk->SetWriterPausedForTesting(true);
+  Prefill(pool.get(), tokens, model, kSalt);
+  cache.Pump();
+  EXPECT_EQ(cache.stats().write_through_blocks, 2);
+  EXPECT_EQ(cache.stats().write_backlog, 10) << "the rest waits; nothing is dropped";
+  disk->SetWriterPausedForTesting(false);
+  ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  EXPECT_EQ(cache.stats().write_through_blocks, 12);
+  EXPECT_EQ(cache.stats().write_through_dropped, 0);
+  EXPECT_EQ(disk->stats().entries, 12);
+  cache.Detach();
+}
+
+TEST_P(TieredCacheTest, PublishMetricsExportsWriteThroughRestoreAndDiskCounters) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(11);
+  const auto tokens = Tokens(3 * 8, 24);
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({}, nullptr, disk.get());
+  auto pool = MakePool(layout, 8);
+  cache.Attach(pool.get());
+  (void)cache.Match(tokens, model, kSalt);
+  Prefill(pool.get(), tokens, model, kSalt);
+  ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  MetricsRegistry registry;
+  cache.PublishMetrics(&registry, {{"worker", "prefill-0"}});
+  cache.PublishMetrics(&registry, {{"worker", "prefill-0"}});  // no double counting
+  const std::string text = registry.RenderPrometheus();
+  EXPECT_NE(text.find("kvrelay_kvstore_write_through_blocks_total{worker=\"prefill-0\"} 3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvrelay_kvstore_disk_written_blocks_total{worker=\"prefill-0\"} 3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvrelay_kvstore_disk_entries{worker=\"prefill-0\"} 3"), std::string::npos)
+      << text;
+  cache.Detach();
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, TieredCacheTest,
                          ::testing::Values(engine::KvDtype::kF32, engine::KvDtype::kF16),
                          [](const auto& info) {

@@ -102,20 +102,5 @@ TEST(SamplerTest, ValidateNamesTheField) {
   EXPECT_NE(p.Validate().message().find("max_tokens"), std::string::npos);
 }
 
-TEST(StopMatcherTest, HoldsBackPossiblePrefixAndCutsAtStop) {
-  StopMatcher m({"</end>", "STOP"});
-  bool stopped = false;
-  EXPECT_EQ(m.Push("hello <", &stopped), "hello ");
-  EXPECT_FALSE(stopped);
-  EXPECT_EQ(m.Push("/e", &stopped), "");
-  EXPECT_EQ(m.Push("x", &stopped), "</ex");  // no longer a prefix
-  EXPECT_EQ(m.Push(" ST", &stopped), " ");
-  EXPECT_EQ(m.Push("OP and more", &stopped), "");
-  EXPECT_TRUE(stopped);
-  StopMatcher n({"ab"});
-  EXPECT_EQ(n.Push("xa", &stopped), "x");
-  EXPECT_EQ(n.Flush(), "a");
-}
-
 }  // namespace
 }  // namespace kvrelay::engine

@@ -1,8 +1,8 @@
-#include "coordinator/stop_matcher.h"
+#include "common/stop_matcher.h"
 
 #include <algorithm>
 
-namespace kvrelay::coordinator {
+namespace kvrelay {
 
 StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {
   stops_.erase(std::remove(stops_.begin(), stops_.end(), std::string()), stops_.end());
@@ -53,4 +53,4 @@ std::string StopMatcher::Flush() {
   return out;
 }
 
-}  // namespace kvrelay::coordinator
+}  // namespace kvrelay

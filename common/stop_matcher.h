@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-namespace kvrelay::coordinator {
+namespace kvrelay {
 
 class StopMatcher {
  public:
@@ -28,4 +28,4 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
-}  // namespace kvrelay::coordinator
+}  // namespace kvrelay

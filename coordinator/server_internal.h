@@ -1,0 +1,237 @@
+// Internals of the coordinator's HTTP server, shared by its translation units:
+//   server.cc      the listener (accept, connection limits), Create/Start/Stop
+//   session.cc     one connection: reading and framing requests, routing,
+//                  writing responses (HEAD, 1xx, 204, Connection: close)
+//   completion.cc  one generation request: admission, the n-choice fan-out
+//                  over the backend, streaming or collecting the answer
+// Not a public header: only those three files include it.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/metrics.h"
+#include "coordinator/admission.h"
+#include "coordinator/http_errors.h"
+#include "coordinator/server.h"
+#include "common/stop_matcher.h"
+
+namespace kvrelay::coordinator::internal {
+
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+std::string EndpointName(Endpoint e);
+std::string FinishName(FinishReason r);
+int64_t UnixSeconds();
+
+// State shared by the listener, every session and every request. Holds no
+// I/O objects, so a request can outlive its connection safely.
+struct Core {
+  Core(ServerOptions o, Backend* b, const TextCodec* c, MetricsRegistry* m);
+
+  // Every series carries model_name (as vLLM's), after `extra`.
+  MetricLabels Labels(MetricLabels extra = {}) const;
+  void CountRequest(const std::string& endpoint, int status);
+  // Counts a worker's cumulative figure (from its snapshot) into counter
+  // `name`: the increase since the last scrape.
+  void AdvanceWorkerCounter(const std::string& name, const std::string& help,
+                            const std::string& worker, double total);
+  void UpdateAdmissionGauges();
+
+  // Per-client connection accounting (client = remote IP address). Acquire
+  // returns false when the client already holds max_connections_per_client.
+  bool AcquireClientSlot(const std::string& client);
+  void ReleaseClientSlot(const std::string& client);
+
+  const ServerOptions options;
+  Backend* const backend;
+  const TextCodec* const codec;
+  MetricsRegistry* const registry;
+  AdmissionQueue admission;
+  Histogram* ttft;
+  Histogram* itl;
+  Histogram* e2e;
+  Histogram* queue_wait;
+  Counter* prompt_tokens;
+  Counter* generation_tokens;
+  Counter* cached_tokens;
+  Gauge* queue_depth;
+  Gauge* running;
+  Gauge* open_connections;
+  Counter* refused_connections;
+  uint64_t nonce = 0;
+  std::atomic<uint64_t> next_id{1};
+  std::atomic<int> connections{0};
+
+  std::mutex worker_totals_mutex;
+  std::map<std::string, double> worker_totals;  // guarded: last cumulative value per series
+
+  std::mutex clients_mutex;
+  std::map<std::string, int> clients;  // guarded by clients_mutex: open connections per client
+
+  // Requests submitted to the backend whose final event has not arrived.
+  std::mutex mutex;
+  std::condition_variable drained;
+  bool open = true;               // guarded by mutex; false once Stop() began
+  std::set<uint64_t> in_backend;  // guarded by mutex
+};
+
+class Session;
+
+// One generation request (one of its n choices). Created and mostly touched
+// on its session's strand; OnBackendEvent runs on a backend thread.
+struct RequestState {
+  std::shared_ptr<Core> core;
+  std::shared_ptr<Session> session;  // guarded by core->mutex; reset when the request ends
+  uint64_t id = 0;
+  int index = 0;  // which of the request's n choices
+  CompletionParams params;
+  GenerationRequest generation;
+  ResponseIdentity ident;
+  TimePoint arrived;
+  std::atomic<bool> slot_held{false};
+
+  // Strand-only state.
+  bool submitted = false;
+  bool stopped = false;  // a stop string matched
+  bool done = false;
+  bool first_chunk = true;
+  std::unique_ptr<StreamDecoder> decoder;
+  std::optional<StopMatcher> matcher;
+  std::string text;  // non-streaming: the whole completion
+  UsageCounts usage;
+  std::optional<TimePoint> last_token_at;
+
+  // `session` is read on backend threads: take and drop it under core->mutex.
+  std::shared_ptr<Session> GetSession();
+  void DetachSession();
+  void ReleaseSlot();
+  // Backend thread: events arrive in order, one at a time.
+  void OnBackendEvent(const std::shared_ptr<RequestState>& self, const TokenEvent& ev);
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, std::shared_ptr<Core> core, std::string client);
+  ~Session();
+
+  void Run();
+  net::any_io_executor executor() { return stream_.get_executor(); }
+
+  // Strand: the admission queue let `r` start.
+  void StartGeneration(const std::shared_ptr<RequestState>& r);
+  // Strand: one backend event of `r`, stamped when the backend produced it.
+  void OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& ev, TimePoint at);
+
+ private:
+  struct OutItem {
+    enum Kind { kHeader, kChunk, kLast } kind;
+    std::string data;
+  };
+  // What the response must know about the request it answers.
+  struct RequestInfo {
+    unsigned version = 11;
+    bool keep_alive = false;
+    bool head = false;  // HEAD: the response carries no content
+  };
+
+  // --- session.cc: the connection ---
+  void DoRead();
+  void OnHeader(beast::error_code ec);
+  void OnRead(beast::error_code ec);
+  // Framing checks RFC 9112 asks of a server; the error to answer (and close
+  // after) when the request cannot be trusted.
+  std::optional<HttpError> CheckFraming();
+  void Handle();
+  std::optional<std::string> Authenticate();  // tenant, or nullopt after answering 401
+  void HandleMetrics();
+  void HandleHealth();
+
+  void SendJson(http::status status, const nlohmann::json& body, bool keep_alive = true,
+                HttpHeaders headers = {});
+  void SendText(http::status status, std::string body, std::string content_type, bool keep_alive,
+                HttpHeaders headers = {});
+  void SendNoContent(HttpHeaders headers);
+  void SendError(const HttpError& e);
+  void SendError(const ApiError& e) { SendError(HttpError{e, {}, false}); }
+  template <typename Response>
+  void WriteResponse(std::shared_ptr<Response> res, bool keep_alive);
+  void AfterResponse(bool keep_alive);
+  // After a response with Connection: close: reads and drops what the client
+  // still sends (bounded in time and bytes), then closes.
+  void Linger();
+
+  void StartWatch();
+  void OnWatch(beast::error_code ec, size_t n);
+  void ClientGone();
+
+  void QueueOut(OutItem item);
+  void PumpWrites();
+  void Close();
+
+  // --- completion.cc: one generation and its n choices ---
+  void HandleCompletion(Endpoint endpoint, std::string tenant);
+  void Emit(RequestState& r, const std::string& piece);
+  void Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& ev);
+  bool IsActive(const std::shared_ptr<RequestState>& r) const {
+    return std::find(active_.begin(), active_.end(), r) != active_.end();
+  }
+  // Drops r from active_ and detaches it from this session.
+  void Forget(const std::shared_ptr<RequestState>& r) {
+    std::erase(active_, r);
+    r->DetachSession();
+  }
+  // Ends every other choice: cancels those in the backend (their final events
+  // are then ignored), unqueues the queued ones.
+  void AbortOthers(const std::shared_ptr<RequestState>& r);
+
+  beast::tcp_stream stream_;
+  std::shared_ptr<Core> core_;
+  const std::string client_;  // remote address, for the per-client connection limit
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  http::request<http::string_body> req_;
+  RequestInfo info_;
+  std::string endpoint_label_ = "other";
+
+  // The choices (n of them, in index order) of the generation in progress;
+  // empty when none. A choice leaves the list when it ends.
+  std::vector<std::shared_ptr<RequestState>> active_;
+  std::vector<ChoiceResult> results_;  // per choice, for the non-streaming answer
+  UsageCounts total_usage_;            // summed over the finished choices
+  bool stream_started_ = false;        // the SSE header is queued
+  bool watching_ = false;              // a disconnect-watch read is pending
+  bool resume_read_ = false;           // start the next request read when the watch returns
+  bool client_gone_ = false;
+  bool closed_ = false;
+
+  std::array<char, 4096> linger_buffer_;
+  size_t lingered_ = 0;
+
+  std::deque<OutItem> out_;
+  size_t out_bytes_ = 0;
+  bool writing_ = false;
+  bool stream_keep_alive_ = false;
+  std::shared_ptr<http::response<http::empty_body>> stream_header_;
+  std::shared_ptr<http::response_serializer<http::empty_body>> stream_serializer_;
+};
+
+}  // namespace kvrelay::coordinator::internal

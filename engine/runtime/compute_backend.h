@@ -1,0 +1,162 @@
+// The compute-backend seam: where the forward pass of one engine runs.
+//
+// The engine keeps one model loading, one KvBlockPool (block ids, refcounts,
+// prefix cache, the bytes every other component reads) and one scheduler;
+// only ForwardPass::Run moves behind this interface. The CPU backend is
+// ForwardPass itself (the default; bit-identical to calling it directly). The
+// CUDA backend (engine/cuda/cuda_backend.h) keeps the weights quantized in
+// device memory and a device mirror of the pool with the same block layout:
+//
+//   * host -> device: a block whose host bytes changed behind the backend's
+//     back (KV imported by a decode worker, restored from the store, a
+//     copy-on-write copy) is re-uploaded per layer from pinned staging before
+//     the first step that reads it. The engine learns of such writes through
+//     the pool wrapper TrackHostWrites() returns, which it installs as its pool.
+//   * device -> host: the K/V a step computes is copied back into the host
+//     pool (one copy per step), so exports, the layer hook, spills and
+//     transfers read exactly what they read with the CPU backend.
+//
+// Not thread-safe, like ForwardPass: one owner thread per backend.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "common/thread_pool.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/forward.h"
+#include "engine/runtime/model.h"
+#include "engine/runtime/tp_collective.h"
+
+namespace kvrelay::engine {
+
+enum class DeviceKind : uint8_t { kCpu = 0, kCuda = 1 };
+
+struct DeviceSpec {
+  DeviceKind kind = DeviceKind::kCpu;
+  int index = 0;  // CUDA device ordinal
+  bool operator==(const DeviceSpec&) const = default;
+};
+
+// "cpu", "cuda" (= cuda:0) or "cuda:N". InvalidArgument naming the text otherwise.
+Result<DeviceSpec> ParseDevice(std::string_view text);
+std::string DeviceName(const DeviceSpec& device);  // "cpu", "cuda:0"
+
+// True when this binary was built with the CUDA backend (KVRELAY_WITH_CUDA).
+bool CudaBackendBuilt();
+
+class ComputeBackend {
+ public:
+  virtual ~ComputeBackend() = default;
+  virtual DeviceSpec device() const = 0;
+  // ForwardPass::Run's contract (forward.h), including the layer hook: it is
+  // called in layer order, each call after that layer's K/V of every
+  // sequence is in the host pool.
+  virtual Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
+                     const std::function<void(int layer)>& layer_hook = {}) = 0;
+  // ForwardPass::SetCollective.
+  virtual void SetCollective(TpCollective* collective) = 0;
+  // The bytes of `block` in the host pool changed (all layers): a device
+  // mirror must re-read them. The CPU backend ignores it.
+  virtual void InvalidateBlock(BlockId block) = 0;
+};
+
+struct ComputeBackendOptions {
+  DeviceSpec device;
+  // CUDA: prefill chunks of at least this many tokens use the fp16 tensor-core
+  // path (dequantize + cuBLAS); smaller steps use the quantized GEMV.
+  // 32: below it the GEMV reads the quantized weights at most 4 times (once
+  // per 8 tokens), about what one pass over the fp16 copies costs.
+  int gemm_min_tokens = 32;
+  // CUDA: positions per attention split (flash-decoding) for long contexts.
+  int attention_split_tokens = 256;
+  // CUDA: copy each step's K/V back into the host pool (what the engine
+  // needs: exports, spills, the layer hook read host bytes). Off only for a
+  // device-only run (benchmarks); Run then refuses a layer hook.
+  bool mirror_kv_to_host = true;
+  // CUDA: replay decode steps (fewer than gemm_min_tokens tokens, no KV
+  // upload, no tensor parallelism) from CUDA graphs captured per step shape,
+  // which removes the per-kernel launch cost that dominates small models.
+  bool cuda_graphs = true;
+  // CUDA: also keep an fp16 copy of every matrix for the tensor-core path
+  // when all copies fit in this fraction of the free device memory (0: never;
+  // then each large step dequantizes each matrix into a scratch tile). The
+  // quantized weights stay and serve every decode step below gemm_min_tokens;
+  // the copy saves a full dequantization pass per large batch / prefill step.
+  double fp16_weight_cache_fraction = 0.5;
+};
+
+// The backend for options.device. `model`, `pool` and `threads` must outlive
+// it (threads may be null). CUDA: Unimplemented when built without CUDA,
+// Unavailable naming the problem when no CUDA device is found (or the ordinal
+// is out of range), Unimplemented for a weight type or KV dtype the kernels
+// do not cover; the model's weights are copied to the device here.
+Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
+                                                             const Model& model, KvBlockPool* pool,
+                                                             ThreadPool* threads);
+
+// Wraps `pool` so that every write to block bytes that does not come from the
+// backend (mutable LayerData, CopyBlock's destination) calls
+// backend->InvalidateBlock first. `backend` must outlive the wrapper's use;
+// set it after creating the backend on the wrapped pool (SetBackend).
+class HostWriteTrackingPool : public KvBlockPool {
+ public:
+  explicit HostWriteTrackingPool(std::unique_ptr<KvBlockPool> inner) : inner_(std::move(inner)) {}
+  void SetBackend(ComputeBackend* backend) { backend_ = backend; }
+  KvBlockPool* inner() { return inner_.get(); }
+
+  const KvLayout& layout() const override { return inner_->layout(); }
+  int64_t total_blocks() const override { return inner_->total_blocks(); }
+  int64_t free_blocks() const override { return inner_->free_blocks(); }
+  int64_t available_blocks() const override { return inner_->available_blocks(); }
+  Result<BlockId> Allocate() override { return inner_->Allocate(); }
+  void Ref(BlockId id) override { inner_->Ref(id); }
+  void Release(BlockId id) override { inner_->Release(id); }
+  int refcount(BlockId id) const override { return inner_->refcount(id); }
+  int64_t staging_slots_free() const override { return inner_->staging_slots_free(); }
+  // The backend's own write path (it mirrors device K/V here): no invalidation.
+  void WriteToken(BlockId id, int layer, int offset, const float* k, const float* v) override {
+    inner_->WriteToken(id, layer, offset, k, v);
+  }
+  void ReadHead(BlockId id, int layer, int head, int n, float* k, float* v) const override {
+    inner_->ReadHead(id, layer, head, n, k, v);
+  }
+  const float* HeadSlabF32(BlockId id, int layer, bool value, int head) const override {
+    return inner_->HeadSlabF32(id, layer, value, head);
+  }
+  std::span<uint8_t> LayerData(BlockId id, int layer) override {
+    if (backend_ != nullptr) backend_->InvalidateBlock(id);
+    return inner_->LayerData(id, layer);
+  }
+  std::span<const uint8_t> LayerData(BlockId id, int layer) const override {
+    return std::as_const(*inner_).LayerData(id, layer);
+  }
+  void CopyBlock(BlockId src, BlockId dst) override {
+    if (backend_ != nullptr) backend_->InvalidateBlock(dst);
+    inner_->CopyBlock(src, dst);
+  }
+  void Commit(BlockId id, const BlockHash& hash) override { inner_->Commit(id, hash); }
+  std::vector<BlockId> MatchPrefix(std::span<const BlockHash> hashes) override {
+    return inner_->MatchPrefix(hashes);
+  }
+  bool IsCached(const BlockHash& hash) const override { return inner_->IsCached(hash); }
+  void SetSpillHook(std::function<void(const BlockHash&, BlockId)> hook) override {
+    inner_->SetSpillHook(std::move(hook));
+  }
+  void SetEventListener(std::function<void(const KvEvent&)> listener) override {
+    inner_->SetEventListener(std::move(listener));
+  }
+
+ private:
+  std::unique_ptr<KvBlockPool> inner_;
+  ComputeBackend* backend_ = nullptr;
+};
+
+}  // namespace kvrelay::engine

@@ -1,0 +1,46 @@
+// Synthetic GGUF models with the shapes of real ones, for the GPU check and
+// the gpu tests: random weights quantized by the project's reference
+// quantizers (engine/gguf/quantize.h) and written with GgufWriter, any
+// vocabulary size, no tokenizer (load them with load_tokenizer = false).
+// Rows are generated and quantized on several threads, so a 7B-shaped file
+// (~3.8 GB of Q4_0) takes seconds on a 16-core machine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "engine/gguf/ggml_type.h"
+
+namespace kvrelay::gpucheck {
+
+struct ShapeOptions {
+  std::string name;
+  int layers = 0;
+  int d_model = 0;
+  int heads = 0;
+  int kv_heads = 0;
+  int ffn = 0;
+  int vocab = 0;
+  int context_length = 4096;
+  float rope_base = 10000.0f;
+  float rms_eps = 1e-5f;
+  engine::GgmlType matrix_type = engine::GgmlType::kQ4_0;
+  engine::GgmlType embedding_type = engine::GgmlType::kQ8_0;
+  bool tied_embeddings = true;
+  engine::GgmlType output_type = engine::GgmlType::kQ8_0;  // when untied
+  uint64_t seed = 1;
+};
+
+// SmolLM2-135M-Instruct.Q4_1 (the default model): 30 layers, d 576, 9 heads /
+// 3 KV heads, FFN 1536, vocab 49152, Q4_1 matrices, tied Q8_0 embeddings.
+ShapeOptions DefaultModelShape();
+// Llama-2-7B: 32 layers, d 4096, 32 heads (MHA), FFN 11008, vocab 32000,
+// Q4_0 matrices and embeddings, untied Q8_0 output.
+ShapeOptions Llama7BShape();
+// "default" / "smol", "7b"; `layers` > 0 overrides the layer count.
+Result<ShapeOptions> ShapeByName(const std::string& name, int layers);
+
+Status WriteShapeModel(const std::string& path, const ShapeOptions& shape, int threads);
+
+}  // namespace kvrelay::gpucheck
