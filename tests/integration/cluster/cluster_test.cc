@@ -750,11 +750,14 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
   const uint16_t port = cluster->http_port();
   auto registered = [&](const std::string& id) { return Registered(port, id); };
   ASSERT_TRUE(registered("decode-1"));
+  ASSERT_EQ(WorkerGauge(port, "kvrelay_worker_healthy")["decode-1"], 1);
   const pid_t victim = cluster->processes().Pid("decode-1-tp1");
   ASSERT_GT(victim, 0);
   kill(victim, SIGKILL);
   EXPECT_TRUE(WaitFor([&] { return !registered("decode-1"); }, milliseconds(10'000)))
       << "the broken group is still registered 10 s after losing a rank";
+  // /metrics no longer reports the dead group healthy (it kept 1 before).
+  EXPECT_EQ(WorkerGauge(port, "kvrelay_worker_healthy")["decode-1"], 0);
   const std::vector<int32_t> prompt = ref_->Encode("A short question about rivers");
   const std::string want = ref_->Text(ref_->Greedy(prompt, 8));
   for (int i = 0; i < 4; ++i) {
