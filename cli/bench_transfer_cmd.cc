@@ -408,6 +408,7 @@ struct Config {
   std::string kv_dtype;
   int threads;
   bool raw;  // also measure the plain-call ceiling (RawChannel)
+  protocols::ClusterKey cluster_key;  // shared by both ranks (generated once, then forked/broadcast)
 };
 
 kv_transfer::TcpTransport::Options TcpOptions(const Config& cfg, int rank) {
@@ -415,6 +416,7 @@ kv_transfer::TcpTransport::Options TcpOptions(const Config& cfg, int rank) {
   o.rank = rank;
   o.chunk_bytes = cfg.tcp_chunk_bytes;
   o.socket_buffer_bytes = cfg.tcp_socket_buffer;
+  o.cluster_key = cfg.cluster_key;
   return o;
 }
 
@@ -745,7 +747,14 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
     (*t)->Shutdown();
   }
   if (tcp) {
-    auto t = std::move(kv_transfer::TcpTransport::Create(TcpOptions(cfg, rank))).value();
+    // Both ranks use rank 0's freshly generated cluster key.
+    Config keyed = cfg;
+    char secret[64] = {};
+    if (rank == 0) std::memcpy(secret, cfg.cluster_key.secret().data(), sizeof(secret));
+    MPI_Bcast(secret, sizeof(secret), MPI_CHAR, 0, MPI_COMM_WORLD);
+    keyed.cluster_key =
+        std::move(protocols::ClusterKey::FromSecret(std::string(secret, sizeof(secret)))).value();
+    auto t = std::move(kv_transfer::TcpTransport::Create(TcpOptions(keyed, rank))).value();
     int port = t->port(), peer_port = 0;
     MPI_Sendrecv(&port, 1, MPI_INT, 1 - rank, 98, &peer_port, 1, MPI_INT, 1 - rank, 98,
                  MPI_COMM_WORLD, MPI_STATUS_IGNORE);
@@ -789,6 +798,14 @@ int BenchTransfer(const std::vector<std::string>& args) {
     return 2;
   }
   Config cfg;
+  {
+    auto key = protocols::ClusterKey::Generate();
+    if (!key.ok()) {
+      std::fprintf(stderr, "bench transfer: %s\n", key.status().ToString().c_str());
+      return 1;
+    }
+    cfg.cluster_key = std::move(key).value();
+  }
   auto lo = flags->GetInt("min-bytes", 64 << 10);
   auto hi = flags->GetInt("max-bytes", 256 << 20);
   // Default compute per layer: the default model's layer for 1,024 tokens is

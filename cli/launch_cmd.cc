@@ -21,7 +21,8 @@ const std::vector<std::string> kLaunchFlags = {
     "kv-dtype",     "kv-capacity-mb", "kv-store",
     "router",       "bin-dir",        "ready-timeout-ms",
     "demo",         "max-tokens",     "tp-mode",
-    "kv-timeout-ms", "heartbeat-ms",   "decode-device"};
+    "kv-timeout-ms", "heartbeat-ms",   "decode-device",
+    "cluster-key-file"};
 const std::vector<std::string> kLaunchSwitches = {"no-kv-store"};
 // The RocksDB prefix tier is on by default, one directory per worker under
 // this one (relative to the working directory; scripts/serve.sh runs from the
@@ -67,6 +68,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& a
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
   o.decode_device = flags.Get("decode-device", o.decode_device);
+  o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
   RETURN_IF_ERROR(o.Validate());
   return o;
 }

@@ -15,6 +15,18 @@ if(KVRELAY_SANITIZE)
   target_compile_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined -fno-omit-frame-pointer)
   target_link_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined)
 endif()
+if(KVRELAY_TSAN)
+  # GCC's -Wtsan flags Boost.Asio's std::atomic_thread_fence (TSan cannot model
+  # fences); it is a warning about the tool, not the code, so -Werror must not stop on it.
+  target_compile_options(kvrelay_warnings INTERFACE -fsanitize=thread -fno-omit-frame-pointer
+    $<$<CXX_COMPILER_ID:GNU>:-Wno-tsan>)
+  target_link_options(kvrelay_warnings INTERFACE -fsanitize=thread)
+endif()
+# Sanitizer reports fail the test (a UBSan report alone would only print).
+set(KVRELAY_SANITIZER_ENV
+  "ASAN_OPTIONS=abort_on_error=1:detect_leaks=1"
+  "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1"
+  "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1")
 
 # kvrelay_add_library(<name> SOURCES ... [DEPS ...] [PRIVATE_DEPS ...])
 # One static library per component; include root is the repository root so
@@ -50,5 +62,5 @@ function(kvrelay_add_test name)
     set(ARG_TIMEOUT 300)
   endif()
   set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
-    ENVIRONMENT "KVRELAY_SOURCE_DIR=${PROJECT_SOURCE_DIR};KVRELAY_BINARY_DIR=${PROJECT_BINARY_DIR}")
+    ENVIRONMENT "KVRELAY_SOURCE_DIR=${PROJECT_SOURCE_DIR};KVRELAY_BINARY_DIR=${PROJECT_BINARY_DIR};${KVRELAY_SANITIZER_ENV}")
 endfunction()

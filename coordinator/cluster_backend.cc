@@ -39,6 +39,16 @@ struct RequestEntry {
   int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
 };
 
+// Where one control connection stands before it may act as a worker: the
+// cluster-key challenge-response, then the configuration Hello.
+struct PeerAuth {
+  explicit PeerAuth(const protocols::ClusterKey& key)
+      : auth(key, protocols::kAuthChannelControl) {}
+  protocols::AuthResponder auth;
+  bool configured = false;  // the configuration Hello was accepted
+  bool refused = false;     // refused and closing: later frames are ignored
+};
+
 // Sink calls collected under the lock and made after it is released, so a
 // sink may call Cancel without deadlocking.
 using PendingEvents = std::vector<std::pair<TokenSink, TokenEvent>>;
@@ -105,7 +115,8 @@ struct ClusterBackend::State {
   bool shut_down = false;                                      // guarded by mu
   std::map<std::string, WorkerEntry> workers;                  // guarded by mu
   std::map<const FramedConnection*, std::string> conn_worker;  // guarded by mu
-  std::map<const FramedConnection*, bool> handshaken;          // guarded by mu
+  std::map<const FramedConnection*, PeerAuth> peers;           // guarded by mu
+  ControlSecurityCounters counters;                            // guarded by mu
   std::map<uint64_t, RequestEntry> requests;                   // guarded by mu
   std::unique_ptr<boost::asio::steady_timer> timer;            // io thread only
 
@@ -260,11 +271,78 @@ struct ClusterBackend::State {
 
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
                PendingEvents& out);
+  // Security: the frames of a connection before it is a configured peer.
+  void OnHandshakeFrame(const std::shared_ptr<FramedConnection>& conn,
+                        const protocols::Frame& frame);
+  // Security: true (and counted, logged) when `worker_id` reports on a live
+  // request assigned to another worker; the frame is then dropped.
+  bool IsForeign(const std::string& worker_id, uint64_t request_id, const char* what);
   void OnHello(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame);
   void OnRegister(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
                   PendingEvents& out);
   void CheckHeartbeats(PendingEvents& out);
 };
+
+void ClusterBackend::State::OnHandshakeFrame(const std::shared_ptr<FramedConnection>& conn,
+                                             const protocols::Frame& frame) {
+  auto [it, inserted] = peers.try_emplace(conn.get(), options.cluster_key);
+  PeerAuth& peer = it->second;
+  if (peer.refused) return;  // frames that arrived with the refused one
+  const auto type = static_cast<MessageType>(frame.type);
+  auto refuse = [&](const Status& why) {
+    peer.refused = true;
+    ++counters.auth_failures;
+    LOG_WARNING << "refusing control connection " << conn->name() << ": " << why.message();
+    // Only the refusal: nothing about this cluster is said to an unauthenticated peer.
+    SendTo(conn, MessageType::kAuthProof, [] {
+      proto::AuthProof p;
+      p.set_error("authentication failed");
+      return p;
+    }());
+    conn->CloseAfterFlush(why);
+  };
+  if (!peer.auth.authenticated()) {
+    if (type == MessageType::kAuthHello) {
+      auto challenge = peer.auth.OnHello(frame);
+      if (!challenge.ok()) return refuse(challenge.status());
+      Status s = conn->Send(MessageType::kAuthChallenge, *challenge);
+      if (!s.ok()) conn->Close(s);
+      return;
+    }
+    if (type == MessageType::kAuthProof) {
+      auto mine = peer.auth.OnProof(frame);
+      if (!mine.ok()) return refuse(mine.status());
+      Status s = conn->Send(MessageType::kAuthProof, *mine);
+      if (!s.ok()) return conn->Close(s);
+      conn->MarkAuthenticated();
+      return;
+    }
+    return refuse(FailedPrecondition(
+        "authentication failed: frame type " + std::to_string(frame.type) +
+        " before the cluster-key challenge-response (a worker without --cluster-key-file?)"));
+  }
+  if (type != MessageType::kHello) {
+    conn->Close(InvalidArgument("first control frame after authentication must be Hello, got type " +
+                                std::to_string(frame.type)));
+    return;
+  }
+  OnHello(conn, frame);
+}
+
+bool ClusterBackend::State::IsForeign(const std::string& worker_id, uint64_t request_id,
+                                      const char* what) {
+  auto it = requests.find(request_id);
+  if (it == requests.end()) return false;  // finished or cancelled meanwhile: stale, not foreign
+  const RequestEntry& r = it->second;
+  if (r.prefill_id == worker_id || r.decode_id == worker_id) return false;
+  const uint64_t n = ++counters.foreign_frames;
+  if (n <= 10 || n % 1000 == 0) {
+    LOG_WARNING << "dropping " << what << " from worker " << worker_id << " for request "
+                << request_id << ", which is assigned to " << r.prefill_id << " / " << r.decode_id
+                << " (" << n << " foreign frames so far)";
+  }
+  return true;
+}
 
 void ClusterBackend::State::OnHello(const std::shared_ptr<FramedConnection>& conn,
                                     const protocols::Frame& frame) {
@@ -287,7 +365,7 @@ void ClusterBackend::State::OnHello(const std::shared_ptr<FramedConnection>& con
   protocols::ToProto(options.config, reply.mutable_config());
   SendTo(conn, MessageType::kHelloReply, reply);
   if (s.ok()) {
-    handshaken[conn.get()] = true;
+    peers.at(conn.get()).configured = true;
   } else {
     LOG_WARNING << "refusing peer " << hello.peer_name() << ": " << s.ToString();
     conn->CloseAfterFlush(s);
@@ -300,6 +378,12 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
   proto::RegisterReply reply;
   Status s = protocols::DecodeMessage(frame, MessageType::kRegisterWorker, &reg);
   if (s.ok() && reg.worker_id().empty()) s = InvalidArgument("RegisterWorker.worker_id is empty");
+  if (s.ok() && reg.worker_id() != peers.at(conn.get()).auth.peer_name()) {
+    // A worker acts under the name it proved, never another's.
+    s = FailedPrecondition("RegisterWorker.worker_id '" + reg.worker_id() +
+                           "' differs from the authenticated name '" +
+                           peers.at(conn.get()).auth.peer_name() + "'");
+  }
   if (s.ok() && workers.count(reg.worker_id())) {
     // The same worker came back (it reconnects after losing its link, e.g.
     // after a stall) before its old connection was noticed dead: the new
@@ -344,13 +428,8 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
 void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& conn,
                                     const protocols::Frame& frame, PendingEvents& out) {
   const auto type = static_cast<MessageType>(frame.type);
-  if (!handshaken.count(conn.get())) {
-    if (type != MessageType::kHello) {
-      conn->Close(InvalidArgument("first control frame must be Hello, got type " +
-                                  std::to_string(frame.type)));
-      return;
-    }
-    OnHello(conn, frame);
+  if (auto p = peers.find(conn.get()); p == peers.end() || !p->second.configured) {
+    OnHandshakeFrame(conn, frame);
     return;
   }
   auto wit = conn_worker.find(conn.get());
@@ -404,6 +483,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       proto::ReserveBlocksReply rep;
       s = protocols::DecodeMessage(frame, type, &rep);
       if (!s.ok()) break;
+      if (IsForeign(worker_id, rep.request_id(), "ReserveBlocksReply")) break;
       auto it = requests.find(rep.request_id());
       if (it == requests.end() || it->second.phase != Phase::kReserving ||
           it->second.decode_id != worker_id) {  // (re-run elsewhere meanwhile)
@@ -426,6 +506,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       proto::PrefillDone done;
       s = protocols::DecodeMessage(frame, type, &done);
       if (!s.ok()) break;
+      if (IsForeign(worker_id, done.request_id(), "PrefillDone")) break;
       auto it = requests.find(done.request_id());
       if (it == requests.end() || it->second.prefill_id != worker_id) break;
       RequestEntry& r = it->second;
@@ -458,6 +539,13 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       for (const auto& entry : chunk.entries()) {
         auto it = requests.find(entry.request_id());
         if (it == requests.end()) continue;
+        // Tokens come from the request's decode side (== prefill when colocated).
+        if (it->second.decode_id != worker_id) {
+          if (!IsForeign(worker_id, entry.request_id(), "TokenChunk")) {
+            ++counters.foreign_frames;  // its prefill worker: not the one that streams tokens
+          }
+          continue;
+        }
         for (int32_t t : entry.token_ids()) {
           TokenEvent e;
           e.token = t;
@@ -472,6 +560,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       proto::Finish fin;
       s = protocols::DecodeMessage(frame, type, &fin);
       if (!s.ok()) break;
+      if (IsForeign(worker_id, fin.request_id(), "Finish")) break;
       auto it = requests.find(fin.request_id());
       if (it == requests.end()) break;
       RequestEntry& r = it->second;
@@ -523,12 +612,20 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
   if (options.heartbeat_interval.count() <= 0 || options.missed_heartbeats < 1) {
     return InvalidArgument("heartbeat_interval and missed_heartbeats must be positive");
   }
+  if (options.cluster_key.empty()) {
+    return InvalidArgument(
+        "cluster_key is required: every worker proves the cluster secret before it may join "
+        "(--cluster-key-file)");
+  }
   std::unique_ptr<ClusterBackend> b(new ClusterBackend(options));
   b->state_ = std::make_shared<State>(options);
   b->io_ = std::make_unique<protocols::IoThread>("coord-control");
   std::weak_ptr<State> weak = b->state_;
   protocols::ConnectionOptions conn_options;
   conn_options.name = "worker";
+  conn_options.require_authentication = true;
+  conn_options.auth_timeout = options.auth_timeout;
+  conn_options.frame_timeout = options.frame_timeout;
   auto on_accept = [weak](std::shared_ptr<FramedConnection> conn) {
     std::weak_ptr<FramedConnection> weak_conn = conn;
     conn->Start(
@@ -551,7 +648,7 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
             std::lock_guard<std::mutex> lock(state->mu);
             auto c = weak_conn.lock();
             const FramedConnection* key = c.get();
-            state->handshaken.erase(key);
+            state->peers.erase(key);
             auto it = state->conn_worker.find(key);
             if (it != state->conn_worker.end()) {
               state->DropWorker(it->second, reason.ok() ? Unavailable("connection closed") : reason,
@@ -563,7 +660,7 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
   };
   ASSIGN_OR_RETURN(b->server_,
                    protocols::FramedServer::Listen(*b->io_, options.host, options.control_port,
-                                                   conn_options, on_accept));
+                                                   conn_options, on_accept, options.limits));
   b->port_ = b->server_->port();
   // Heartbeat watchdog on the io thread.
   b->state_->timer = std::make_unique<boost::asio::steady_timer>(b->io_->context());
@@ -607,6 +704,7 @@ void ClusterBackend::Shutdown() {
     for (auto& [id, w] : state_->workers) conns.push_back(w.conn);
     state_->workers.clear();
     state_->conn_worker.clear();
+    state_->peers.clear();
   }
   Deliver(out);
   for (auto& c : conns) {
@@ -670,6 +768,16 @@ Status ClusterBackend::Health() {
   if (prefill && decode) return Status::Ok();
   return Unavailable(std::string("cluster not ready: ") + (prefill ? "" : "no prefill worker ") +
                      (decode ? "" : "no decode worker"));
+}
+
+ControlSecurityCounters ClusterBackend::security_counters() const {
+  ControlSecurityCounters c;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    c = state_->counters;
+  }
+  if (server_) c.refused_connections = server_->refused_connections();
+  return c;
 }
 
 std::vector<WorkerInfo> ClusterBackend::Workers() {

@@ -15,6 +15,16 @@
 //      TokenChunks, then a Finish.
 // A colocated worker takes a PrefillTask without a DecodeTarget and does both.
 //
+// Security: the control port (bound to `host`, loopback by default) is an
+// internal port. A connection must pass the cluster-key challenge-response
+// (protocols/cluster_auth.h) before anything else, including the
+// configuration, is said; it registers under the name it authenticated as;
+// and every frame after that is checked against what that worker owns: a
+// TokenChunk, Finish, PrefillDone or ReserveBlocksReply for a request
+// assigned to another worker is dropped and counted (security_counters()).
+// Unauthenticated connections are limited in number, in frame size and in
+// time (ServerLimits, ConnectionOptions::require_authentication).
+//
 // Failure: a worker whose connection closes, or that misses
 // `missed_heartbeats` heartbeat intervals, is dropped; each of its requests
 // ends with an error event (UNAVAILABLE) and its peer worker is told to
@@ -32,6 +42,7 @@
 
 #include "coordinator/backend.h"
 #include "coordinator/router.h"
+#include "protocols/cluster_auth.h"
 #include "protocols/framed_connection.h"
 #include "protocols/handshake.h"
 #include "protocols/io_thread.h"
@@ -39,6 +50,8 @@
 namespace kvrelay::coordinator {
 
 struct ClusterBackendOptions {
+  // The control plane's listen address (kvrelay-coordinator --control-host),
+  // not the HTTP API's: the control port is internal.
   std::string host = "127.0.0.1";
   uint16_t control_port = 0;  // 0 = ephemeral, see control_port()
   std::chrono::milliseconds heartbeat_interval{500};
@@ -46,6 +59,20 @@ struct ClusterBackendOptions {
   RouterOptions router;
   // What every worker must agree with (handshake); tp fields are ignored.
   protocols::PeerConfig config;
+  // The cluster secret every worker must prove (required).
+  protocols::ClusterKey cluster_key;
+  // An unauthenticated connection is closed after this long; a started frame
+  // must complete within frame_timeout.
+  std::chrono::milliseconds auth_timeout{5000};
+  std::chrono::milliseconds frame_timeout{10000};
+  protocols::ServerLimits limits;
+};
+
+// What the control plane refused, for tests and metrics.
+struct ControlSecurityCounters {
+  uint64_t auth_failures = 0;        // connections that failed the challenge-response
+  uint64_t refused_connections = 0;  // closed at accept (ServerLimits)
+  uint64_t foreign_frames = 0;       // frames about a request the sender does not own, dropped
 };
 
 class ClusterBackend final : public Backend {
@@ -59,6 +86,7 @@ class ClusterBackend final : public Backend {
   void Cancel(uint64_t id) override;
   Status Health() override;
   std::vector<WorkerInfo> Workers() override;
+  ControlSecurityCounters security_counters() const;
 
   // Stops serving: fails live requests, closes worker connections, joins the io thread.
   void Shutdown();

@@ -63,6 +63,8 @@ Status Run(const std::vector<std::string>& args) {
                                                   "max-connections",
                                                   "max-connections-per-client",
                                                   "control-port",
+                                                  "control-host",
+                                                  "cluster-key-file",
                                                   "heartbeat-ms"},
                                                  {"help"}));
   if (flags.Has("help")) {
@@ -147,7 +149,14 @@ Status Run(const std::vector<std::string>& args) {
     if (control_port < 0 || control_port > 65535)
       return InvalidArgument("--control-port must be 0..65535");
     ClusterBackendOptions co;
-    co.host = so.host;
+    // The control plane is internal: loopback unless asked, whatever --host the HTTP API uses.
+    co.host = flags.Get("control-host", "127.0.0.1");
+    if (!flags.Has("cluster-key-file")) {
+      return InvalidArgument(
+          "--cluster-key-file FILE is required with --control-port: workers must prove the "
+          "cluster secret to join (create one with: (umask 077; openssl rand -hex 32 > FILE))");
+    }
+    ASSIGN_OR_RETURN(co.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
     co.control_port = static_cast<uint16_t>(control_port);
     co.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
     co.router.policy = policy;

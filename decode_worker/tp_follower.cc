@@ -51,6 +51,7 @@ Status Follower::Join() {
   g.leader_host = options_.tp_host;
   g.leader_port = options_.tp_port;
   g.timeout = options_.kv_timeout;
+  g.cluster_key = options_.cluster_key;
   const Deadline deadline = Deadline::After(options_.connect_timeout);
   proto::TpHello hello;
   hello.set_tp_rank(static_cast<uint32_t>(options_.tp_rank));

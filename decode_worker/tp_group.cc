@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::decode_worker {
 namespace {
@@ -57,6 +58,83 @@ Result<sockaddr_in> Resolve(const std::string& host, uint16_t port) {
   ::freeaddrinfo(res);
   addr.sin_port = htons(port);
   return addr;
+}
+
+}  // namespace
+
+// --- authentication of a TP link (security) ----------------------------------
+// The cluster-key challenge-response (protocols/cluster_auth.h, channel "tp")
+// runs first on every link: each auth message travels as one kHello
+// (follower -> rank 0) or kSetup (rank 0 -> follower) whose payload is a
+// protocols frame. A follower authenticates as "tp-rank-<r>" and must then
+// say hello as that rank.
+namespace {
+
+std::string TpAuthName(int rank) { return "tp-rank-" + std::to_string(rank); }
+
+Status SendAuth(TpLink& link, TpMsg type, protocols::MessageType inner, const std::string& payload,
+                Deadline deadline) {
+  ASSIGN_OR_RETURN(std::string frame, protocols::EncodeFrame(static_cast<uint16_t>(inner), payload,
+                                                             protocols::kMaxUnauthenticatedPayload));
+  return link.Send(type, frame, deadline);
+}
+
+Result<protocols::Frame> ReceiveAuth(TpLink& link, TpMsg type, Deadline deadline) {
+  ASSIGN_OR_RETURN(TpMessage m, link.Receive(deadline));
+  if (m.type != type || m.payload.size() < protocols::kFrameHeaderBytes) {
+    return FailedPrecondition("authentication failed: TP peer sent message type " +
+                              std::to_string(static_cast<uint32_t>(m.type)) +
+                              " instead of the cluster-key challenge-response");
+  }
+  ASSIGN_OR_RETURN(protocols::FrameHeader h,
+                   protocols::ParseFrameHeader(
+                       std::span<const uint8_t, protocols::kFrameHeaderBytes>(
+                           reinterpret_cast<const uint8_t*>(m.payload.data()),
+                           protocols::kFrameHeaderBytes),
+                       protocols::kMaxUnauthenticatedPayload));
+  if (h.length != m.payload.size() - protocols::kFrameHeaderBytes) {
+    return FailedPrecondition("authentication failed: TP auth message with a bad length");
+  }
+  protocols::Frame f;
+  f.type = h.type;
+  f.payload = m.payload.substr(protocols::kFrameHeaderBytes);
+  return f;
+}
+
+Status AuthenticateToLeader(TpLink& link, const protocols::ClusterKey& key, int tp_rank,
+                            Deadline deadline) {
+  using protocols::MessageType;
+  protocols::AuthInitiator auth(key, protocols::kAuthChannelTp, TpAuthName(tp_rank));
+  ASSIGN_OR_RETURN(std::string hello, auth.Hello());
+  RETURN_IF_ERROR(SendAuth(link, TpMsg::kHello, MessageType::kAuthHello, hello, deadline));
+  ASSIGN_OR_RETURN(protocols::Frame challenge, ReceiveAuth(link, TpMsg::kSetup, deadline));
+  ASSIGN_OR_RETURN(std::string proof, auth.OnChallenge(challenge));
+  RETURN_IF_ERROR(SendAuth(link, TpMsg::kHello, MessageType::kAuthProof, proof, deadline));
+  ASSIGN_OR_RETURN(protocols::Frame result, ReceiveAuth(link, TpMsg::kSetup, deadline));
+  return auth.OnResult(result);
+}
+
+// Rank 0's side; returns the name the follower authenticated as.
+Result<std::string> AuthenticateFollower(TpLink& link, const protocols::ClusterKey& key,
+                                         Deadline deadline) {
+  using protocols::MessageType;
+  protocols::AuthResponder auth(key, protocols::kAuthChannelTp);
+  auto run = [&]() -> Status {
+    ASSIGN_OR_RETURN(protocols::Frame hello, ReceiveAuth(link, TpMsg::kHello, deadline));
+    ASSIGN_OR_RETURN(std::string challenge, auth.OnHello(hello));
+    RETURN_IF_ERROR(
+        SendAuth(link, TpMsg::kSetup, MessageType::kAuthChallenge, challenge, deadline));
+    ASSIGN_OR_RETURN(protocols::Frame proof, ReceiveAuth(link, TpMsg::kHello, deadline));
+    ASSIGN_OR_RETURN(std::string mine, auth.OnProof(proof));
+    return SendAuth(link, TpMsg::kSetup, MessageType::kAuthProof, mine, deadline);
+  };
+  Status st = run();
+  if (!st.ok()) {
+    (void)SendAuth(link, TpMsg::kSetup, MessageType::kAuthProof,
+                   protocols::AuthResponder::RefusalPayload("authentication failed"), deadline);
+    return st;
+  }
+  return auth.peer_name();
 }
 
 }  // namespace
@@ -193,9 +271,22 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
     const int fd = ::accept(listen_fd_, nullptr, nullptr);
     if (fd < 0) continue;
     auto link = std::make_unique<TpLink>(fd);
+    // A connection that cannot prove the cluster key is dropped, not joined,
+    // and does not stop the group from forming.
+    auto peer_name = AuthenticateFollower(
+        *link, options_.cluster_key,
+        Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
+    if (!peer_name.ok()) {
+      LOG_WARNING << "TP group: dropping a connection: " << peer_name.status().message();
+      continue;
+    }
     ASSIGN_OR_RETURN(TpMessage hello, link->Receive(deadline));
     if (hello.type != TpMsg::kHello) return InvalidArgument("TP follower did not say hello first");
     auto answer = setup(hello.payload);
+    if (answer.ok() && *peer_name != TpAuthName(answer->rank)) {
+      answer = FailedPrecondition("TP follower authenticated as '" + *peer_name +
+                                  "' but says it is rank " + std::to_string(answer->rank));
+    }
     if (answer.ok() &&
         (answer->rank < 1 || answer->rank >= options_.tp_size || links_[answer->rank] != nullptr)) {
       answer =
@@ -243,6 +334,8 @@ Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Connect(const TpGroupOptions& op
     std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(backoff, deadline.Remaining()));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
+  RETURN_IF_ERROR(AuthenticateToLeader(*g->links_[0], options.cluster_key, options.tp_rank, deadline)
+                      .WithContext("joining TP rank 0 (check --cluster-key-file)"));
   RETURN_IF_ERROR(g->links_[0]->Send(TpMsg::kHello, hello, deadline));
   return g;
 }

@@ -30,6 +30,7 @@
 #include "common/clock.h"
 #include "common/status.h"
 #include "engine/runtime/tp_collective.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::decode_worker {
 
@@ -85,6 +86,9 @@ struct TpGroupOptions {
   std::string leader_host = "127.0.0.1";
   uint16_t leader_port = 0;                  // rank 0 listens here (0 = ephemeral, see port())
   std::chrono::milliseconds timeout{30000};  // any single wait for a peer
+  // Followers prove it to rank 0 and rank 0 to them (protocols/cluster_auth.h)
+  // before any TP message; a connection that cannot is dropped, not joined.
+  protocols::ClusterKey cluster_key;
 };
 
 class TcpTpGroup : public engine::TpCollective {

@@ -19,6 +19,7 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
   g.leader_host = options.tp_host;
   g.leader_port = options.tp_port;
   g.timeout = options.kv_timeout;
+  g.cluster_key = options.cluster_key;
   ASSIGN_OR_RETURN(std::unique_ptr<TcpTpGroup> group, TcpTpGroup::Listen(g));
   std::unique_ptr<TpLeader> leader(new TpLeader(std::move(group)));
   leader->kv_conn_infos_.assign(options.tp_size, "");

@@ -4,11 +4,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/logging.h"
 #include "coordinator/http_client.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::deploy {
 
@@ -46,6 +48,16 @@ Result<uint16_t> PickFreePort() {
   return port;
 }
 
+void LocalLauncher::Stop() {
+  group_.Stop(std::chrono::seconds(15));
+  if (!key_dir_.empty()) {
+    // The processes that read it are gone.
+    ::unlink(key_file_.c_str());
+    ::rmdir(key_dir_.c_str());
+    key_dir_.clear();
+  }
+}
+
 std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, uint16_t http,
                                                         uint16_t control) const {
   std::vector<std::string> argv = {bin + "/kvrelay-coordinator",
@@ -57,6 +69,12 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
                                    std::to_string(http),
                                    "--control-port",
                                    std::to_string(control),
+                                   // Everything runs on this machine: the control plane
+                                   // stays on loopback whatever --host the HTTP API is given.
+                                   "--control-host",
+                                   "127.0.0.1",
+                                   "--cluster-key-file",
+                                   key_file_,
                                    "--kv-dtype",
                                    options_.kv_dtype,
                                    "--router",
@@ -70,6 +88,18 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
 
 Status LocalLauncher::Start() {
   RETURN_IF_ERROR(options_.Validate());
+  key_file_ = options_.cluster_key_file;
+  if (key_file_.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/kvrelay-launch-XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) {
+      return Unavailable("cannot create a private directory for the cluster key under " + templ);
+    }
+    key_dir_ = templ;
+    key_file_ = key_dir_ + "/cluster.key";
+    RETURN_IF_ERROR(protocols::ClusterKey::GenerateFile(key_file_));
+  }
+  RETURN_IF_ERROR(protocols::ClusterKey::LoadFile(key_file_).status());
   std::string bin = options_.bin_dir;
   if (bin.empty()) {
     // The daemons sit next to this executable, or in ../bin of a build tree
@@ -88,7 +118,10 @@ Status LocalLauncher::Start() {
   if (control == 0) {
     ASSIGN_OR_RETURN(control, PickFreePort());
   }
-  const std::string coord_addr = options_.host + ":" + std::to_string(control);
+  control_port_ = control;
+  // Everything runs on this machine: the control plane stays on loopback
+  // whatever --host the HTTP API is given.
+  const std::string coord_addr = "127.0.0.1:" + std::to_string(control);
 
   RETURN_IF_ERROR(group_.Spawn(
       {"coordinator",
@@ -115,7 +148,9 @@ Status LocalLauncher::Start() {
                                      "--world-size",
                                      std::to_string(world),
                                      "--kv-host",
-                                     options_.host};
+                                     options_.host,
+                                     "--cluster-key-file",
+                                     key_file_};
     if (options_.kv_timeout_ms > 0) {
       argv.push_back("--kv-timeout-ms");
       argv.push_back(std::to_string(options_.kv_timeout_ms));

@@ -44,6 +44,10 @@ struct LaunchOptions {
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
+  // The cluster secret every process proves on the internal ports. Empty: a
+  // fresh key is generated for this launch (mode 0600, in a private temporary
+  // directory removed by Stop()).
+  std::string cluster_key_file;
 
   Status Validate() const;
 };
@@ -52,15 +56,21 @@ class LocalLauncher {
  public:
   explicit LocalLauncher(LaunchOptions options) : options_(std::move(options)) {}
   ~LocalLauncher() { Stop(); }
+  LocalLauncher(const LocalLauncher&) = delete;
+  LocalLauncher& operator=(const LocalLauncher&) = delete;
 
   // Spawns every process and waits until the coordinator reports healthy.
   Status Start();
   uint16_t http_port() const { return http_port_; }
+  uint16_t control_port() const { return control_port_; }
   // Returns when a child exits (its description as the error) or `stop` is set (OK).
   Status Supervise(const std::atomic<bool>& stop);
   // SIGTERM to every child, SIGKILL to those still running after 15 s: a
-  // worker drains its prefix store's write queue to disk on SIGTERM.
-  void Stop() { group_.Stop(std::chrono::seconds(15)); }
+  // worker drains its prefix store's write queue to disk on SIGTERM. Then the
+  // generated cluster key (if any) is removed.
+  void Stop();
+  // The key file the processes were given (generated or LaunchOptions').
+  const std::string& cluster_key_file() const { return key_file_; }
   // Children by name: "coordinator", "prefill-<i>", "decode-<i>", "worker-<i>".
   // Not thread-safe against Supervise/Stop running concurrently.
   const ProcessGroup& processes() const { return group_; }
@@ -72,6 +82,9 @@ class LocalLauncher {
   LaunchOptions options_;
   ProcessGroup group_;
   uint16_t http_port_ = 0;
+  uint16_t control_port_ = 0;
+  std::string key_file_;
+  std::string key_dir_;  // generated: removed by Stop()
 };
 
 // A TCP port on 127.0.0.1 that was free a moment ago.

@@ -147,16 +147,7 @@ Status LayerStreamSender::SendLayer(int layer) {
     c->set_xxh3(SliceChecksum(buffers_, i, layer));
   }
   std::string& slot = manifests_[layer];
-  slot.assign(ManifestSlotBytes(spec_.dst_blocks.size()), '\0');
-  const size_t len = m.ByteSizeLong();
-  if (len + kSlotHeader > slot.size()) {
-    return Internal("layer stream: manifest larger than its slot");
-  }
-  uint32_t len32 = static_cast<uint32_t>(len);
-  std::memcpy(slot.data() + 8, &len32, 4);
-  m.SerializeToArray(slot.data() + kSlotHeader, static_cast<int>(len));
-  uint64_t sum = Xxh3_64(slot.data() + 8, slot.size() - 8);
-  std::memcpy(slot.data(), &sum, 8);
+  ASSIGN_OR_RETURN(slot, EncodeManifestSlot(m.SerializeAsString(), spec_.dst_blocks.size()));
 
   ASSIGN_OR_RETURN(TransferHandle mh,
                    transport_->PostSend(BytesDesc(
@@ -275,9 +266,33 @@ Status LayerStreamReceiver::Progress() {
 }
 
 Status LayerStreamReceiver::Verify(int l) {
-  const std::string& slot = manifests_[l];
+  return VerifyLayerManifest(manifests_[l], spec_, buffers_, l);
+}
+
+Result<std::string> EncodeManifestSlot(std::string_view manifest, size_t blocks) {
+  std::string slot(ManifestSlotBytes(blocks), '\0');
+  if (manifest.size() + kSlotHeader > slot.size()) {
+    return Internal("layer stream: manifest larger than its slot");
+  }
+  const uint32_t len32 = static_cast<uint32_t>(manifest.size());
+  std::memcpy(slot.data() + 8, &len32, 4);
+  if (!manifest.empty()) std::memcpy(slot.data() + kSlotHeader, manifest.data(), manifest.size());
+  const uint64_t sum = Xxh3_64(slot.data() + 8, slot.size() - 8);
+  std::memcpy(slot.data(), &sum, 8);
+  return slot;
+}
+
+Status VerifyLayerManifest(std::string_view slot, const StreamSpec& spec,
+                           const StreamBuffers& buffers, int l) {
+  if (l < 0 || l >= spec.layers) {
+    return InvalidArgument("layer stream: layer " + std::to_string(l) + " outside the stream");
+  }
+  if (slot.size() != ManifestSlotBytes(spec.dst_blocks.size())) {
+    return DataLoss("layer stream: manifest slot of " + std::to_string(slot.size()) +
+                    " bytes, expected " + std::to_string(ManifestSlotBytes(spec.dst_blocks.size())));
+  }
   const std::string where =
-      "request " + std::to_string(spec_.request_id) + " layer " + std::to_string(l) + ": ";
+      "request " + std::to_string(spec.request_id) + " layer " + std::to_string(l) + ": ";
   uint64_t sum = 0;
   std::memcpy(&sum, slot.data(), 8);
   if (sum != Xxh3_64(slot.data() + 8, slot.size() - 8)) {
@@ -295,39 +310,39 @@ Status LayerStreamReceiver::Verify(int l) {
     return DataLoss(where + "manifest " + name + " is " + std::to_string(got) + ", expected " +
                     std::to_string(want));
   };
-  RETURN_IF_ERROR(field("request_id", m.request_id(), spec_.request_id));
+  RETURN_IF_ERROR(field("request_id", m.request_id(), spec.request_id));
   RETURN_IF_ERROR(field("layer_begin", m.layer_begin(), static_cast<uint64_t>(l)));
   RETURN_IF_ERROR(field("layer_end", m.layer_end(), static_cast<uint64_t>(l + 1)));
-  RETURN_IF_ERROR(field("heads.begin", m.heads().begin(), spec_.global_heads.begin));
-  RETURN_IF_ERROR(field("heads.end", m.heads().end(), spec_.global_heads.end));
-  RETURN_IF_ERROR(field("block_tokens", m.block_tokens(), spec_.block_tokens));
-  RETURN_IF_ERROR(field("head_dim", m.head_dim(), spec_.head_dim));
-  RETURN_IF_ERROR(field("dtype", m.dtype(), static_cast<uint64_t>(spec_.dtype) + 1));
-  RETURN_IF_ERROR(field("byte_count", m.byte_count(), ExpectedBytes(buffers_)));
-  if (m.model_fingerprint().size() != spec_.model_fingerprint.size() ||
-      std::memcmp(m.model_fingerprint().data(), spec_.model_fingerprint.data(),
-                  spec_.model_fingerprint.size()) != 0) {
+  RETURN_IF_ERROR(field("heads.begin", m.heads().begin(), spec.global_heads.begin));
+  RETURN_IF_ERROR(field("heads.end", m.heads().end(), spec.global_heads.end));
+  RETURN_IF_ERROR(field("block_tokens", m.block_tokens(), spec.block_tokens));
+  RETURN_IF_ERROR(field("head_dim", m.head_dim(), spec.head_dim));
+  RETURN_IF_ERROR(field("dtype", m.dtype(), static_cast<uint64_t>(spec.dtype) + 1));
+  RETURN_IF_ERROR(field("byte_count", m.byte_count(), ExpectedBytes(buffers)));
+  if (m.model_fingerprint().size() != spec.model_fingerprint.size() ||
+      std::memcmp(m.model_fingerprint().data(), spec.model_fingerprint.data(),
+                  spec.model_fingerprint.size()) != 0) {
     return DataLoss(where + "manifest model_fingerprint differs from this worker's model");
   }
   RETURN_IF_ERROR(
-      field("block count", static_cast<uint64_t>(m.block_ids_size()), spec_.dst_blocks.size()));
+      field("block count", static_cast<uint64_t>(m.block_ids_size()), spec.dst_blocks.size()));
   RETURN_IF_ERROR(
-      field("checksum count", static_cast<uint64_t>(m.checksums_size()), spec_.dst_blocks.size()));
-  for (size_t i = 0; i < spec_.dst_blocks.size(); ++i) {
+      field("checksum count", static_cast<uint64_t>(m.checksums_size()), spec.dst_blocks.size()));
+  for (size_t i = 0; i < spec.dst_blocks.size(); ++i) {
     const int idx = static_cast<int>(i);
-    if (m.block_ids(idx) != spec_.dst_blocks[i] ||
-        m.checksums(idx).block_id() != spec_.dst_blocks[i] ||
+    if (m.block_ids(idx) != spec.dst_blocks[i] ||
+        m.checksums(idx).block_id() != spec.dst_blocks[i] ||
         m.checksums(idx).layer() != static_cast<uint32_t>(l)) {
       return DataLoss(where + "manifest entry " + std::to_string(i) + " names block " +
                       std::to_string(m.block_ids(idx)) + ", expected block " +
-                      std::to_string(spec_.dst_blocks[i]));
+                      std::to_string(spec.dst_blocks[i]));
     }
-    uint64_t got = SliceChecksum(buffers_, i, l);
+    uint64_t got = SliceChecksum(buffers, i, l);
     if (got != m.checksums(idx).xxh3()) {
       char buf[160];
       std::snprintf(buf, sizeof(buf),
                     "checksum mismatch in block %d: received %016llx, sent %016llx",
-                    spec_.dst_blocks[i], static_cast<unsigned long long>(got),
+                    spec.dst_blocks[i], static_cast<unsigned long long>(got),
                     static_cast<unsigned long long>(m.checksums(idx).xxh3()));
       return DataLoss(where + buf);
     }

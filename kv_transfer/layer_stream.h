@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/clock.h"
@@ -126,6 +127,16 @@ class LayerStreamReceiver {
   bool started_ = false;
   Status status_;
 };
+
+// The manifest slot of one layer: [u64 xxh3 of the rest][u32 length]
+// [serialized KvTransferManifest][zero padding], sized for `blocks` blocks.
+Result<std::string> EncodeManifestSlot(std::string_view manifest, size_t blocks);
+// Checks a received slot against what the receiver expects for `layer` and
+// the bytes that landed in `buffers` (every manifest field, every block's
+// checksum). DataLoss naming the first mismatch. Never reads outside `slot`.
+// (The receiver's own check, exposed for the manifest fuzz target.)
+Status VerifyLayerManifest(std::string_view slot, const StreamSpec& spec,
+                           const StreamBuffers& buffers, int layer);
 
 // Tag of a stream's layer transfer (exposed for tests and fault injection).
 uint32_t StreamTag(uint32_t stream_id, int layer, bool payload);

@@ -6,10 +6,13 @@
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
 #include <cstring>
 #include <future>
 
 #include "common/logging.h"
+#include "protocols/peer_handshake.h"
 
 namespace kvrelay::kv_transfer {
 namespace {
@@ -31,11 +34,20 @@ struct ChunkHeader {
 static_assert(sizeof(ChunkHeader) == 32);
 constexpr size_t kChunkHeaderBytes = sizeof(ChunkHeader);
 
-// Hello payload: the connecting endpoint's rank and world size.
+// Hello payload: the connecting endpoint's rank and world size. Sent after
+// authentication; the rank must be the one authenticated (KvAuthName).
 struct HelloPayload {
   uint32_t rank;
   uint32_t world_size;
 };
+
+std::string KvAuthName(uint32_t rank) { return "kv-rank-" + std::to_string(rank); }
+
+}  // namespace
+
+std::string TcpTransport::AuthName(int rank) { return KvAuthName(static_cast<uint32_t>(rank)); }
+
+namespace {
 
 // Op::backend_state of a receive: a chunk read into its regions is in
 // flight. Of a send: the number of its frames queued and not yet written.
@@ -62,9 +74,27 @@ std::string EncodeHead(MessageType type, const ChunkHeader& h, size_t data_bytes
 // io thread only; the transport state under the transport's mutex.
 class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
  public:
-  Inbound(TcpTransport* t, tcp::socket socket) : t_(t), socket_(std::move(socket)) {}
+  Inbound(TcpTransport* t, tcp::socket socket)
+      : t_(t),
+        socket_(std::move(socket)),
+        auth_(t->options_.cluster_key, protocols::kAuthChannelKv),
+        auth_timer_(socket_.get_executor()) {}
 
-  void Start() { ReadHeader(); }
+  void Start() {
+    if (t_->options_.auth_timeout.count() > 0) {
+      auth_timer_.expires_after(t_->options_.auth_timeout);
+      auth_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+        if (ec || self->peer_ >= 0) return;
+        self->Fail(DeadlineExceeded("kv data connection did not authenticate within " +
+                                    std::to_string(self->t_->options_.auth_timeout.count()) +
+                                    " ms"));
+      });
+    }
+    ReadHeader();
+  }
+  // Io thread.
+  bool closed() const { return closed_; }
+  bool identified() const { return peer_ >= 0; }
   // Any thread: closes the connection on the io thread (a read in flight is aborted).
   void Close(const Status& why) {
     asio::post(socket_.get_executor(), [self = shared_from_this(), why] { self->Fail(why); });
@@ -74,10 +104,18 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
     if (closed_) return;
     closed_ = true;
     boost::system::error_code ignored;
+    auth_timer_.cancel();
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
+    std::vector<uint8_t>().swap(scratch_);
     std::lock_guard lock(t_->domain_->mu);
+    // Only an identified peer's current connection speaks for that peer: an
+    // unauthenticated connection, or one a reconnect replaced, closing says
+    // nothing about the peer.
     if (t_->stopping_ || peer_ < 0) return;
+    auto cur = t_->inbound_by_peer_.find(peer_);
+    if (cur == t_->inbound_by_peer_.end() || cur->second.lock().get() != this) return;
+    t_->inbound_by_peer_.erase(cur);
     t_->PeerLostLocked(peer_, Unavailable("data connection from peer " + std::to_string(peer_) +
                                           " closed: " + why.ToString()));
   }
@@ -100,11 +138,72 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
                      });
   }
 
+  // Authentication frames: read whole (they are small), answered in turn.
+  void OnAuthHeader(const protocols::FrameHeader& fh) {
+    const auto type = static_cast<MessageType>(fh.type);
+    if (type != MessageType::kAuthHello && type != MessageType::kAuthProof) {
+      return Refuse(FailedPrecondition(
+          "authentication failed: kv data connection sent frame type " + std::to_string(fh.type) +
+          " before the cluster-key challenge-response"));
+    }
+    auth_frame_.type = fh.type;
+    auth_frame_.payload.assign(fh.length, '\0');
+    asio::async_read(socket_, asio::buffer(auth_frame_.payload),
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       if (ec) return self->OnReadError(ec);
+                       self->OnAuthFrame();
+                     });
+  }
+
+  void OnAuthFrame() {
+    const bool hello = auth_frame_.type == static_cast<uint16_t>(MessageType::kAuthHello);
+    auto reply = hello ? auth_.OnHello(auth_frame_) : auth_.OnProof(auth_frame_);
+    auth_frame_ = protocols::Frame{};
+    if (!reply.ok()) return Refuse(reply.status());
+    WriteFrame(hello ? MessageType::kAuthChallenge : MessageType::kAuthProof, *reply,
+               [self = shared_from_this()] { self->ReadHeader(); });
+  }
+
+  // Sends the refusal, then closes.
+  void Refuse(const Status& why) {
+    {
+      std::lock_guard lock(t_->domain_->mu);
+      ++t_->auth_failures_;
+    }
+    LOG_WARNING << "tcp transport: refusing a data connection: " << why.message();
+    WriteFrame(MessageType::kAuthProof,
+               protocols::AuthResponder::RefusalPayload("authentication failed"),
+               [self = shared_from_this(), why] { self->Fail(why); });
+  }
+
+  template <typename Then>
+  void WriteFrame(MessageType type, const std::string& payload, Then then) {
+    out_.assign(kFrameHeaderBytes + payload.size(), '\0');
+    protocols::EncodeFrameHeader(static_cast<uint16_t>(type),
+                                 static_cast<uint32_t>(payload.size()),
+                                 reinterpret_cast<uint8_t*>(out_.data()));
+    std::memcpy(out_.data() + kFrameHeaderBytes, payload.data(), payload.size());
+    asio::async_write(socket_, asio::buffer(out_),
+                      [self = shared_from_this(), then](const boost::system::error_code& ec,
+                                                        size_t) {
+                        if (ec) return self->OnReadError(ec);
+                        then();
+                      });
+  }
+
   void OnHeader() {
+    // Before authentication only tiny frames are accepted, so a stranger can
+    // make this connection hold at most kMaxUnauthenticatedPayload bytes.
+    const size_t max_payload = auth_.authenticated() ? kChunkHeaderBytes + kMaxChunkBytes
+                                                     : protocols::kMaxUnauthenticatedPayload;
     auto fh = protocols::ParseFrameHeader(
         std::span<const uint8_t, kFrameHeaderBytes>(head_, kFrameHeaderBytes),
-        kChunkHeaderBytes + kMaxChunkBytes);
-    if (!fh.ok()) return Fail(fh.status().WithContext("bad kv data frame"));
+        static_cast<uint32_t>(max_payload));
+    if (!fh.ok()) {
+      if (!auth_.authenticated()) return Refuse(fh.status().WithContext("unauthenticated frame"));
+      return Fail(fh.status().WithContext("bad kv data frame"));
+    }
+    if (!auth_.authenticated()) return OnAuthHeader(*fh);
     if (peer_ < 0) {
       if (fh->type != static_cast<uint16_t>(MessageType::kHello) ||
           fh->length != sizeof(HelloPayload)) {
@@ -132,10 +231,12 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
       return ReadHeader();
     }
     if (fh->type != static_cast<uint16_t>(MessageType::kKvData) || h.offset > h.total ||
-        len > h.total - h.offset) {
+        len > h.total - h.offset || h.total > t_->options_.max_transfer_bytes) {
       return Fail(InvalidArgument("kv data frame with type " + std::to_string(fh->type) +
                                   " offset " + std::to_string(h.offset) + " len " +
-                                  std::to_string(len) + " total " + std::to_string(h.total)));
+                                  std::to_string(len) + " total " + std::to_string(h.total) +
+                                  " (max transfer " +
+                                  std::to_string(t_->options_.max_transfer_bytes) + ")"));
     }
     offset_ = h.offset;
     total_ = h.total;
@@ -170,10 +271,26 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
                                   std::to_string(hello_.world_size) + " does not fit world " +
                                   std::to_string(t_->options_.world_size)));
     }
+    if (auth_.peer_name() != KvAuthName(hello_.rank)) {
+      return Fail(FailedPrecondition("kv data connection authenticated as '" +
+                                     auth_.peer_name().substr(0, 64) +
+                                     "' but says it is rank " + std::to_string(hello_.rank)));
+    }
     peer_ = static_cast<int>(hello_.rank);
+    auth_timer_.cancel();
+    std::shared_ptr<Inbound> replaced;
     {
       std::lock_guard lock(t_->domain_->mu);
+      auto& cur = t_->inbound_by_peer_[peer_];
+      replaced = cur.lock();
+      cur = weak_from_this();
       t_->PeerBackLocked(peer_);
+    }
+    if (replaced && replaced.get() != this) {
+      // The peer reconnected (restarted, or its old connection is half-dead):
+      // the new connection is the peer now.
+      LOG_INFO << "tcp transport: peer " << peer_ << " reconnected; closing its old connection";
+      replaced->Fail(Unavailable("replaced by a new connection from the same peer"));
     }
     ReadHeader();
   }
@@ -232,6 +349,10 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   int peer_ = -1;  // learned from the hello
   uint8_t head_[kFrameHeaderBytes + kChunkHeaderBytes] = {};
   HelloPayload hello_{};
+  protocols::AuthResponder auth_;
+  asio::steady_timer auth_timer_;
+  protocols::Frame auth_frame_;  // the authentication frame being read
+  std::string out_;              // the authentication frame being written
   // The frame being read.
   TransferKey key_;
   size_t offset_ = 0, total_ = 0, remaining_ = 0;
@@ -248,6 +369,9 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::Create(Options options) {
   }
   if (options.chunk_bytes == 0 || options.chunk_bytes > kMaxChunkBytes) {
     return InvalidArgument("tcp transport: chunk_bytes must be in (0, 64 MiB]");
+  }
+  if (options.cluster_key.empty()) {
+    return InvalidArgument("tcp transport: cluster_key is required (every data connection proves it)");
   }
   auto t = std::unique_ptr<TcpTransport>(new TcpTransport(options));
   boost::system::error_code ec;
@@ -285,7 +409,19 @@ TcpTransport::TcpTransport(Options options)
     : TransportBase(std::make_shared<SyncDomain>(), options.max_inflight,
                     options.max_unexpected_bytes),
       options_(std::move(options)),
-      io_("kv-tcp-io") {}
+      io_("kv-tcp-io") {
+  set_max_unexpected_age(options_.max_unexpected_age);
+}
+
+uint64_t TcpTransport::refused_connections() const {
+  std::lock_guard lock(domain_->mu);
+  return refused_connections_;
+}
+
+uint64_t TcpTransport::auth_failures() const {
+  std::lock_guard lock(domain_->mu);
+  return auth_failures_;
+}
 
 TcpTransport::~TcpTransport() { Shutdown(); }
 
@@ -304,11 +440,33 @@ void TcpTransport::AcceptLoop() {
       socket.set_option(asio::socket_base::receive_buffer_size(options_.socket_buffer_bytes),
                         ignored);
     }
+    {
+      std::lock_guard lock(domain_->mu);
+      if (stopping_) return;  // the socket closes on destruction
+      // Io thread: Inbound::closed()/identified() are safe to read here.
+      std::erase_if(inbound_, [](const auto& w) {
+        auto in = w.lock();
+        return !in || in->closed();
+      });
+      size_t strangers = 0;
+      for (const auto& w : inbound_) {
+        if (auto in = w.lock(); in && !in->identified()) ++strangers;
+      }
+      if (inbound_.size() >= options_.max_connections ||
+          strangers >= options_.max_unauthenticated) {
+        const uint64_t n = ++refused_connections_;
+        if (n <= 10 || n % 1000 == 0) {
+          LOG_WARNING << "tcp transport: refusing a data connection (" << inbound_.size()
+                      << " open, " << strangers << " unauthenticated; " << n << " refused)";
+        }
+        socket.close(ignored);
+        AcceptLoop();
+        return;
+      }
+    }
     auto in = std::make_shared<Inbound>(this, std::move(socket));
     {
       std::lock_guard lock(domain_->mu);
-      if (stopping_) return;  // the socket closes with `in`
-      std::erase_if(inbound_, [](const auto& w) { return w.expired(); });
       inbound_.push_back(in);
     }
     in->Start();
@@ -364,7 +522,13 @@ Status TcpTransport::ConnectPeer(int peer, const std::string& host, uint16_t por
   copts.name = "kv-data-out@" + std::to_string(rank()) + "->" + std::to_string(peer);
   copts.max_send_queue_frames = options_.send_queue_frames;
   copts.max_payload_bytes = static_cast<uint32_t>(options_.chunk_bytes + kChunkHeaderBytes);
+  copts.require_authentication = true;  // a stranger on that port cannot make us buffer
+  copts.auth_timeout = std::chrono::milliseconds(0);  // `deadline` bounds the handshake
   ASSIGN_OR_RETURN(auto conn, FramedConnection::Connect(io_, host, port, copts, deadline));
+  RETURN_IF_ERROR(protocols::ClientAuthenticate(*conn, options_.cluster_key,
+                                                protocols::kAuthChannelKv,
+                                                KvAuthName(static_cast<uint32_t>(rank())), deadline)
+                      .WithContext("kv data connection to peer " + std::to_string(peer)));
   conn->SetSocketBuffers(options_.socket_buffer_bytes);
   HelloPayload hello{static_cast<uint32_t>(rank()), static_cast<uint32_t>(world_size())};
   RETURN_IF_ERROR(conn->Send(

@@ -1,6 +1,14 @@
 // TCP backend over Boost.Asio. Each endpoint listens on its own data port
 // (never the control plane's) and opens one outgoing data connection per
-// peer it sends to; the first frame on a connection names the sender's rank.
+// peer it sends to. A connection first passes the cluster-key challenge-
+// response (protocols/cluster_auth.h, channel "kv", the sender authenticating
+// as "kv-rank-<rank>"); only then does its hello name the sender's rank, which
+// must be the rank it authenticated as. An unauthenticated connection never
+// takes a peer slot, can buffer at most kMaxUnauthenticatedPayload bytes and
+// is closed after auth_timeout; a peer's new authenticated connection replaces
+// its old one, and only the current connection's close counts as that peer
+// being lost. Chunk headers are bounded before anything is allocated (a
+// total above max_transfer_bytes closes the connection).
 //
 // A send is cut into kKvData frames (frame header + chunk header: request,
 // tag, offset, total) of at most chunk_bytes. No user-space copy on either
@@ -32,6 +40,7 @@
 #include <unordered_map>
 
 #include "kv_transfer/transport_base.h"
+#include "protocols/cluster_auth.h"
 #include "protocols/framed_connection.h"
 #include "protocols/io_thread.h"
 
@@ -61,11 +70,25 @@ class TcpTransport final : public TransportBase {
     int64_t max_unexpected_bytes = 1ll << 30;
     // A send that cannot queue a chunk for this long fails (peer not reading).
     std::chrono::milliseconds stall_timeout{30000};
+    // The cluster secret every data connection proves (required).
+    protocols::ClusterKey cluster_key;
+    // An accepted connection that has not authenticated by then is closed.
+    std::chrono::milliseconds auth_timeout{5000};
+    // Accepted connections open at once, and of those unauthenticated ones;
+    // more are closed at accept.
+    size_t max_connections = 256;
+    size_t max_unauthenticated = 32;
+    // Largest transfer a chunk header may announce.
+    uint64_t max_transfer_bytes = uint64_t{4} << 30;
+    // Staged (unexpected) data nobody posted a receive for is dropped after this.
+    std::chrono::milliseconds max_unexpected_age{60000};
   };
   static Result<std::unique_ptr<TcpTransport>> Create(Options options);
   ~TcpTransport() override;
 
   uint16_t port() const { return port_; }
+  // The name rank `rank` authenticates as on the data plane ("kv-rank-<rank>").
+  static std::string AuthName(int rank);
   // Opens the data connection for sends to `peer`, listening at host:port,
   // retrying with backoff until `deadline`.
   Status ConnectPeer(int peer, const std::string& host, uint16_t port, Deadline deadline);
@@ -108,6 +131,15 @@ class TcpTransport final : public TransportBase {
   std::vector<std::weak_ptr<Inbound>> inbound_;
   // Receive handle -> the connection whose read is writing into it (bound ops only).
   std::unordered_map<TransferHandle, std::weak_ptr<Inbound>> reading_;
+  // Peer -> its current authenticated incoming connection.
+  std::unordered_map<int, std::weak_ptr<Inbound>> inbound_by_peer_;
+  uint64_t refused_connections_ = 0;
+  uint64_t auth_failures_ = 0;
+
+ public:
+  // Connections closed at accept (limits) and that failed authentication.
+  uint64_t refused_connections() const;
+  uint64_t auth_failures() const;
 };
 
 }  // namespace kvrelay::kv_transfer

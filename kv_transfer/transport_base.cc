@@ -59,11 +59,12 @@ Result<TransferHandle> TransportBase::Post(const TransferDesc& desc, bool is_sen
     return op->handle;
   }
   dropping_.erase(op->key);
+  ExpireStagedLocked();
   auto staged = staged_.find(op->key);
   if (staged != staged_.end()) {
     Staged s = std::move(staged->second);
+    staged_bytes_ -= s.charged;
     staged_.erase(staged);
-    staged_bytes_ -= static_cast<int64_t>(s.total);
     if (!s.error.ok()) {
       CompleteLocked(op, s.error);
     } else if (s.total != op->total) {
@@ -147,18 +148,27 @@ void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t 
     return;
   }
   // Unexpected: stage it until the receive is posted.
+  if (!staged_.count(key)) ExpireStagedLocked();  // before the insert: it must not see itself
   auto [sit, inserted] = staged_.try_emplace(key);
   Staged& s = sit->second;
   if (inserted) {
     s.total = total;
-    staged_bytes_ += static_cast<int64_t>(total);
-    if (staged_bytes_ > max_unexpected_bytes_) {
+    s.since = Clock::now();
+    // The budget is checked against the announced total before anything is
+    // charged or allocated; unsigned arithmetic, so a hostile total (2^64 -
+    // 2^40) cannot wrap the count negative and switch the limit off.
+    const uint64_t left = static_cast<uint64_t>(std::max<int64_t>(0, max_unexpected_bytes_ -
+                                                                         staged_bytes_));
+    if (static_cast<uint64_t>(total) > left) {
       s.error = ResourceExhausted(KeyString(key) + ": " + std::to_string(total) +
                                   " unexpected bytes dropped (staging budget " +
-                                  std::to_string(max_unexpected_bytes_) + " bytes)");
+                                  std::to_string(max_unexpected_bytes_) + " bytes, " +
+                                  std::to_string(left) + " left)");
       LOG_WARNING << s.error.ToString();
     } else {
-      s.bytes.reserve(total);
+      s.charged = static_cast<int64_t>(total);
+      staged_bytes_ += s.charged;
+      // No reserve(total): memory follows the bytes that actually arrive.
     }
   }
   if (!s.error.ok()) return;
@@ -177,12 +187,50 @@ void TransportBase::AbortLocked(const TransferKey& key, const Status& why) {
     return;
   }
   auto [sit, inserted] = staged_.try_emplace(key);
+  if (inserted) sit->second.since = Clock::now();
   sit->second.error = why;
   sit->second.bytes.clear();
   sit->second.bytes.shrink_to_fit();
+  staged_bytes_ -= sit->second.charged;
+  sit->second.charged = 0;
+}
+
+void TransportBase::EraseStagedLocked(
+    std::unordered_map<TransferKey, Staged, TransferKeyHash>::iterator it) {
+  staged_bytes_ -= it->second.charged;
+  staged_.erase(it);
+}
+
+void TransportBase::ExpireStagedLocked() {
+  if (staged_.empty()) return;
+  const TimePoint now = Clock::now();
+  for (auto it = staged_.begin(); it != staged_.end();) {
+    auto next = std::next(it);
+    if (now - it->second.since > max_unexpected_age_) {
+      LOG_WARNING << KeyString(it->first) << ": " << it->second.bytes.size()
+                  << " staged bytes unclaimed for "
+                  << std::chrono::duration_cast<std::chrono::milliseconds>(max_unexpected_age_)
+                         .count()
+                  << " ms, dropped";
+      EraseStagedLocked(it);
+    }
+    it = next;
+  }
+}
+
+int64_t TransportBase::staged_bytes() const {
+  std::lock_guard lock(domain_->mu);
+  return staged_bytes_;
 }
 
 void TransportBase::PeerLostLocked(int peer, const Status& why) {
+  // Staged data from the peer that never completed can never complete now
+  // (a reconnected sender starts over): free it.
+  for (auto it = staged_.begin(); it != staged_.end();) {
+    auto next = std::next(it);
+    if (it->first.peer == peer && it->second.bytes.size() < it->second.total) EraseStagedLocked(it);
+    it = next;
+  }
   if (!lost_peers_.insert(peer).second) return;
   lost_reason_[peer] = why;
   LOG_WARNING << name() << " transport: peer " << peer << " lost: " << why.ToString();

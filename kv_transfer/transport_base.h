@@ -1,9 +1,15 @@
 // Shared machinery of the backends: handle bookkeeping (Poll/Wait/Cancel),
 // receive matching by (peer, request_id, tag), and staging of data that
-// arrives before its receive is posted (bounded by max_unexpected_bytes).
+// arrives before its receive is posted. Staging is bounded before anything
+// is allocated: a transfer whose announced total does not fit what is left
+// of max_unexpected_bytes is refused whole (never reserved), staged memory
+// grows only with bytes that arrived, staged data nobody claims within
+// max_unexpected_age is dropped, and a lost peer's incomplete staged data is
+// dropped with it.
 // Internal to kv_transfer; callers use transport.h.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -65,6 +71,8 @@ class TransportBase : public Transport {
   Status Cancel(TransferHandle handle) override;
   int inflight() const override;
   int max_inflight() const override { return max_inflight_; }
+  // Bytes of the staging budget held now by data no receive was posted for.
+  int64_t staged_bytes() const;
 
  protected:
   TransportBase(std::shared_ptr<SyncDomain> domain, int max_inflight, int64_t max_unexpected_bytes);
@@ -99,6 +107,10 @@ class TransportBase : public Transport {
   bool HasPostedRecvsLocked() const { return !posted_recvs_.empty(); }
   // A peer (re)connected: posts to/from it are allowed again.
   void PeerBackLocked(int peer) { lost_peers_.erase(peer); }
+  // How long staged (unexpected) data waits for its receive; default 60 s.
+  void set_max_unexpected_age(std::chrono::milliseconds age) { max_unexpected_age_ = age; }
+  // Bytes staged now (for tests and leak checks).
+  int64_t StagedBytesLocked() const { return staged_bytes_; }
   bool PeerLostLocked(int peer) const { return lost_peers_.count(peer) > 0; }
 
   std::shared_ptr<SyncDomain> domain_;
@@ -107,13 +119,20 @@ class TransportBase : public Transport {
   struct Staged {
     std::vector<uint8_t> bytes;
     size_t total = 0;
+    int64_t charged = 0;  // bytes of the budget this entry holds (0 when refused)
+    TimePoint since;
     Status error;  // set when dropped (over budget) or aborted
   };
+  // Drops staged entries older than max_unexpected_age_ (domain mu held).
+  void ExpireStagedLocked();
+  void EraseStagedLocked(
+      std::unordered_map<TransferKey, Staged, TransferKeyHash>::iterator it);
   Result<TransferHandle> Post(const TransferDesc& desc, bool is_send);
   void ReleaseLocked(const OpPtr& op);
 
   const int max_inflight_;
   const int64_t max_unexpected_bytes_;
+  std::chrono::milliseconds max_unexpected_age_{60000};  // guarded by domain_->mu
   // All guarded by domain_->mu.
   TransferHandle next_handle_ = 1;
   std::unordered_map<TransferHandle, OpPtr> ops_;

@@ -21,6 +21,7 @@ Result<std::unique_ptr<Transport>> CreateTransport(const TransportOptions& optio
     t.listen_host = options.listen_host;
     t.listen_port = options.listen_port;
     t.advertise_host = options.advertise_host;
+    t.cluster_key = options.cluster_key;
     ASSIGN_OR_RETURN(std::unique_ptr<TcpTransport> tcp, TcpTransport::Create(t));
     return std::unique_ptr<Transport>(std::move(tcp));
   }

@@ -16,6 +16,7 @@
 
 #include "common/status.h"
 #include "kv_transfer/transport.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::kv_transfer {
 
@@ -27,6 +28,7 @@ struct TransportOptions {
   std::string listen_host = "127.0.0.1";
   uint16_t listen_port = 0;    // 0 = ephemeral
   std::string advertise_host;  // empty = listen_host
+  protocols::ClusterKey cluster_key;  // every data connection proves it (required)
 };
 
 // Names accepted by CreateTransport, for flag help and errors.

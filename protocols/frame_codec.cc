@@ -85,7 +85,9 @@ Status FrameDecoder::Feed(const void* data, size_t size) {
       want_ = header->length;
       partial_.type = header->type;
       partial_.payload.clear();
-      partial_.payload.reserve(want_);
+      // No reserve(want_): a header only announces bytes, and an announced
+      // 16 MiB must not cost 16 MiB before they arrive. append() grows
+      // geometrically as they do.
     }
     size_t take = std::min<size_t>(size, want_ - partial_.payload.size());
     partial_.payload.append(reinterpret_cast<const char*>(p), take);
@@ -101,6 +103,15 @@ Status FrameDecoder::Feed(const void* data, size_t size) {
     }
   }
   return status_;
+}
+
+void FrameDecoder::Release() {
+  partial_ = Frame{};
+  std::deque<Frame>().swap(ready_);
+  ready_bytes_ = 0;
+  header_fill_ = 0;
+  have_header_ = false;
+  want_ = 0;
 }
 
 std::optional<Frame> FrameDecoder::Next() {

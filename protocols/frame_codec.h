@@ -4,9 +4,11 @@
 //   [magic u32 = kFrameMagic][version u16][type u16][length u32][payload: length bytes]
 // The decoder is incremental (bytes may arrive split anywhere) and safe on
 // hostile input: a bad magic, an unknown version or a length above the
-// configured maximum is an error before any payload is buffered, so memory
-// stays bounded by max_payload_bytes + one header. After an error the decoder
-// stays failed; the owner closes the connection and logs status().
+// configured maximum is an error before any payload is buffered, and a
+// frame's buffer grows with the bytes that actually arrived (nothing is
+// reserved for what a header merely announces), so memory stays bounded by
+// the bytes received, at most max_payload_bytes + one header. After an error
+// the decoder stays failed; the owner closes the connection and logs status().
 #pragma once
 
 #include <array>
@@ -44,6 +46,9 @@ enum class MessageType : uint16_t {
   kFinish = 12,
   kPrefixCacheEvent = 13,
   kPrefillDone = 15,
+  kAuthHello = 16,      // proto::AuthHello (protocols/cluster_auth.h)
+  kAuthChallenge = 17,  // proto::AuthChallenge
+  kAuthProof = 18,      // proto::AuthProof
   kKvData = 100,
   kKvAbort = 101,
 };
@@ -87,6 +92,15 @@ class FrameDecoder {
   const Status& status() const { return status_; }
   // Bytes held in partial frames (bounded by max payload + header).
   size_t buffered_bytes() const { return header_fill_ + partial_.payload.size(); }
+  // Memory reserved for the partial frame (never more than twice what arrived).
+  size_t partial_capacity() const { return partial_.payload.capacity(); }
+  // Changes the limit for headers parsed from now on (a connection raises it
+  // once its peer authenticated).
+  void set_max_payload_bytes(uint32_t max) { options_.max_payload_bytes = max; }
+  uint32_t max_payload_bytes() const { return options_.max_payload_bytes; }
+  // Drops every buffered byte and frees the memory (the decoder stays usable
+  // only if it had not failed). For a connection being closed.
+  void Release();
 
  private:
   Options options_;

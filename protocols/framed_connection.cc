@@ -3,11 +3,13 @@
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
+#include <atomic>
 #include <cstring>
 #include <future>
 #include <thread>
 
 #include "common/logging.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::protocols {
 
@@ -33,8 +35,13 @@ FramedConnection::FramedConnection(IoThread& io, tcp::socket socket, ConnectionO
       options_(std::move(options)),
       socket_(std::move(socket)),
       idle_timer_(io.context()),
-      decoder_(FrameDecoder::Options{options_.max_payload_bytes}),
-      read_buffer_(options_.read_chunk_bytes) {
+      auth_timer_(io.context()),
+      frame_timer_(io.context()),
+      decoder_(FrameDecoder::Options{
+          options_.require_authentication
+              ? std::min(options_.max_payload_bytes, kMaxUnauthenticatedPayload)
+              : options_.max_payload_bytes}),
+      authenticated_(!options_.require_authentication) {
   boost::system::error_code ignored;
   socket_.set_option(tcp::no_delay(true), ignored);
 }
@@ -110,7 +117,63 @@ void FramedConnection::Start(FrameHandler on_frame, CloseHandler on_close) {
   auto self = shared_from_this();
   asio::post(io_.context(), [self] {
     self->ArmIdleTimer();
+    self->ArmAuthTimer();
     self->DoRead();
+  });
+}
+
+void FramedConnection::ArmAuthTimer() {
+  if (authenticated() || options_.auth_timeout.count() <= 0) return;
+  auth_timer_.expires_after(options_.auth_timeout);
+  auth_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+    if (ec || self->authenticated()) return;
+    self->CloseOnIo(DeadlineExceeded("peer did not authenticate within " +
+                                     std::to_string(self->options_.auth_timeout.count()) + " ms"));
+  });
+}
+
+void FramedConnection::MarkAuthenticated() {
+  {
+    std::lock_guard lock(mutex_);
+    if (authenticated_) return;
+    authenticated_ = true;
+  }
+  auto apply = [self = shared_from_this()] {
+    self->decoder_.set_max_payload_bytes(self->options_.max_payload_bytes);
+    self->auth_timer_.cancel();
+  };
+  if (io_.InThisThread()) {
+    apply();
+  } else {
+    asio::post(io_.context(), std::move(apply));
+  }
+}
+
+bool FramedConnection::authenticated() const {
+  std::lock_guard lock(mutex_);
+  return authenticated_;
+}
+
+void FramedConnection::UpdateFrameTimer() {
+  if (options_.frame_timeout.count() <= 0) return;
+  const bool partial = decoder_.buffered_bytes() > 0;
+  if (!partial) {
+    if (frame_timer_armed_) {
+      frame_timer_armed_ = false;
+      ++frame_timer_gen_;
+      frame_timer_.cancel();
+    }
+    return;
+  }
+  if (frame_timer_armed_) return;  // the deadline runs from the frame's first byte
+  frame_timer_armed_ = true;
+  frame_timer_.expires_after(options_.frame_timeout);
+  frame_timer_.async_wait([self = shared_from_this(), gen = frame_timer_gen_](
+                              const boost::system::error_code& ec) {
+    if (ec || gen != self->frame_timer_gen_) return;
+    self->CloseOnIo(DeadlineExceeded(
+        "a frame stayed incomplete for " + std::to_string(self->options_.frame_timeout.count()) +
+        " ms (" + std::to_string(self->decoder_.buffered_bytes()) + " bytes buffered)"));
   });
 }
 
@@ -126,6 +189,11 @@ void FramedConnection::ArmIdleTimer() {
 
 void FramedConnection::DoRead() {
   if (closed()) return;
+  // Small reads until the peer authenticated: an unauthenticated connection
+  // costs a few KiB, not read_chunk_bytes. No read is in flight here.
+  const size_t chunk = authenticated() ? options_.read_chunk_bytes
+                                       : std::min<size_t>(options_.read_chunk_bytes, 4096);
+  if (read_buffer_.size() != chunk) read_buffer_.assign(chunk, 0);
   socket_.async_read_some(
       asio::buffer(read_buffer_),
       [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
@@ -139,6 +207,7 @@ void FramedConnection::DoRead() {
           }
           return;
         }
+        if (self->closed()) return;  // closed while this read completed: deliver nothing
         Status st = self->decoder_.Feed(self->read_buffer_.data(), n);
         // Frames decoded before a bad one are still delivered.
         while (auto frame = self->decoder_.Next()) {
@@ -149,6 +218,7 @@ void FramedConnection::DoRead() {
           self->CloseOnIo(st.WithContext("bad frame"));
           return;
         }
+        self->UpdateFrameTimer();
         self->ArmIdleTimer();
         self->DoRead();
       });
@@ -360,8 +430,14 @@ void FramedConnection::CloseOnIo(const Status& reason) {
   }
   boost::system::error_code ignored;
   idle_timer_.cancel();
+  auth_timer_.cancel();
+  ++frame_timer_gen_;
+  frame_timer_.cancel();
   socket_.shutdown(tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
+  // A closed connection may outlive its close (handlers, maps holding it):
+  // its buffers must not.
+  decoder_.Release();
   // The socket is closed: no write touches the dropped frames' memory any more.
   const Status dropped_why =
       reason.ok() ? Unavailable("connection " + options_.name + " closed") : reason;
@@ -406,7 +482,9 @@ struct FramedServer::State {
   IoThread& io;
   tcp::acceptor acceptor;  // io thread after Listen returns
   ConnectionOptions options;
+  ServerLimits limits;
   AcceptHandler on_accept;
+  std::atomic<uint64_t> refused{0};
   std::mutex mutex;
   bool stopped = false;                                   // guarded by mutex
   std::vector<std::weak_ptr<FramedConnection>> accepted;  // guarded by mutex
@@ -421,13 +499,15 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state);
 
 Result<std::unique_ptr<FramedServer>> FramedServer::Listen(IoThread& io, const std::string& host,
                                                            uint16_t port, ConnectionOptions options,
-                                                           AcceptHandler on_accept) {
+                                                           AcceptHandler on_accept,
+                                                           ServerLimits limits) {
   boost::system::error_code ec;
   auto address = asio::ip::make_address(host, ec);
   if (ec) return InvalidArgument("listen address '" + host + "' is not an IP address");
   auto state = std::make_shared<State>(io);
   state->options = std::move(options);
   state->on_accept = std::move(on_accept);
+  state->limits = limits;
   tcp::endpoint endpoint(address, port);
   state->acceptor.open(endpoint.protocol(), ec);
   if (!ec) state->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
@@ -452,11 +532,38 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
     }
     ConnectionOptions options = state->options;
     options.name += "#" + std::to_string(state->next_id++);
+    {
+      std::lock_guard lock(state->mutex);
+      if (state->stopped) return;  // the socket closes on destruction
+      std::erase_if(state->accepted, [](const auto& w) {
+        auto c = w.lock();
+        return !c || c->closed();
+      });
+      size_t unauthenticated = 0;
+      for (const auto& w : state->accepted) {
+        if (auto c = w.lock(); c && !c->authenticated()) ++unauthenticated;
+      }
+      const bool full = state->accepted.size() >= state->limits.max_connections;
+      const bool too_many_unauth = options.require_authentication &&
+                                   unauthenticated >= state->limits.max_unauthenticated;
+      if (full || too_many_unauth) {
+        // Refused before anything is allocated for it; the peer sees a close.
+        const uint64_t n = ++state->refused;
+        if (n <= 10 || n % 1000 == 0) {
+          LOG_WARNING << "refusing connection " << options.name << ": "
+                      << (full ? std::to_string(state->accepted.size()) + " open connections"
+                               : std::to_string(unauthenticated) + " unauthenticated connections")
+                      << " (" << n << " refused so far)";
+        }
+        boost::system::error_code ignored;
+        socket.close(ignored);
+        AcceptLoop(state);
+        return;
+      }
+    }
     auto conn = FramedConnection::Adopt(state->io, std::move(socket), options);
     {
       std::lock_guard lock(state->mutex);
-      if (state->stopped) return;  // conn's socket closes on destruction
-      std::erase_if(state->accepted, [](const auto& w) { return w.expired(); });
       state->accepted.push_back(conn);
     }
     state->on_accept(conn);
@@ -467,6 +574,8 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
 }  // namespace
 
 FramedServer::~FramedServer() { Stop(); }
+
+uint64_t FramedServer::refused_connections() const { return state_->refused.load(); }
 
 void FramedServer::Stop() {
   std::vector<std::weak_ptr<FramedConnection>> accepted;

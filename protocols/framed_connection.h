@@ -42,7 +42,23 @@ struct ConnectionOptions {
   size_t max_inbox_frames = 1024;
   // No byte received for this long closes the connection; 0 disables.
   std::chrono::milliseconds idle_timeout{0};
+  // A frame whose first byte arrived must be complete within this, or the
+  // connection is closed and its partial frame freed (a sender cannot park
+  // memory here by never finishing a frame); 0 disables.
+  std::chrono::milliseconds frame_timeout{0};
+  // Until MarkAuthenticated(): frames are limited to kMaxUnauthenticatedPayload
+  // bytes (protocols/cluster_auth.h), and the connection is closed when
+  // auth_timeout passes first. Servers of internal ports set this.
+  bool require_authentication = false;
+  std::chrono::milliseconds auth_timeout{5000};
   size_t read_chunk_bytes = 256 << 10;
+};
+
+// Limits of a FramedServer: connections over them are closed at accept.
+struct ServerLimits {
+  size_t max_connections = 1024;  // open connections accepted by this server
+  // Open connections that have not authenticated yet (with require_authentication).
+  size_t max_unauthenticated = 64;
 };
 
 // Backoff between connect attempts: initial, doubling up to max.
@@ -101,6 +117,13 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   // Sets SO_SNDBUF and SO_RCVBUF (0 leaves the kernel's autotuning). Any thread.
   void SetSocketBuffers(int bytes);
 
+  // The peer proved the cluster key: lifts the pre-authentication frame limit
+  // (to max_payload_bytes) and stops the auth timer. Any thread; takes effect
+  // before any frame sent after this call is answered (it is ordered on the
+  // io thread before later sends).
+  void MarkAuthenticated();
+  bool authenticated() const;
+
   // Next inbox frame, waiting until `deadline`. DeadlineExceeded on timeout;
   // the close reason (or Unavailable) once closed and drained.
   Result<Frame> Receive(Deadline deadline);
@@ -122,6 +145,8 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void DoRead();
   void DoWrite();                        // io thread
   void ArmIdleTimer();                   // io thread
+  void ArmAuthTimer();                   // io thread
+  void UpdateFrameTimer();               // io thread: armed while a frame is partial
   void CloseOnIo(const Status& reason);  // io thread
   void Deliver(Frame frame);             // io thread
 
@@ -129,6 +154,10 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   ConnectionOptions options_;
   boost::asio::ip::tcp::socket socket_;   // touched on the io thread only
   boost::asio::steady_timer idle_timer_;  // io thread only
+  boost::asio::steady_timer auth_timer_;  // io thread only
+  boost::asio::steady_timer frame_timer_; // io thread only
+  uint64_t frame_timer_gen_ = 0;          // io thread only: bumped when disarmed
+  bool frame_timer_armed_ = false;        // io thread only
   FrameDecoder decoder_;                  // io thread only
   std::vector<char> read_buffer_;         // io thread only
   FrameHandler on_frame_;                 // set before Start
@@ -147,6 +176,7 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   bool writing_ = false;                                  // guarded by mutex_
   bool closed_ = false;                                   // guarded by mutex_
   bool close_after_flush_ = false;                        // guarded by mutex_
+  bool authenticated_ = false;                            // guarded by mutex_
   Status flush_reason_;                                   // guarded by mutex_
   Status close_reason_;                                   // guarded by mutex_
   std::deque<Frame> inbox_;                               // guarded by mutex_
@@ -159,11 +189,14 @@ class FramedServer {
   using AcceptHandler = std::function<void(std::shared_ptr<FramedConnection>)>;
   static Result<std::unique_ptr<FramedServer>> Listen(IoThread& io, const std::string& host,
                                                       uint16_t port, ConnectionOptions options,
-                                                      AcceptHandler on_accept);
+                                                      AcceptHandler on_accept,
+                                                      ServerLimits limits = ServerLimits());
   ~FramedServer();
   uint16_t port() const { return port_; }
   // Stops accepting and closes every connection it accepted. Thread-safe, idempotent.
   void Stop();
+  // Connections refused at accept because a ServerLimits bound was reached.
+  uint64_t refused_connections() const;
 
   struct State;  // implementation detail, shared with the io thread
 

@@ -39,6 +39,7 @@ class ControlLink {
     std::string host = "127.0.0.1";
     uint16_t port = 9000;
     protocols::PeerConfig peer_config;
+    protocols::ClusterKey cluster_key;  // proved before anything else is said
     std::chrono::milliseconds connect_timeout{30000};
   };
   explicit ControlLink(Options options);

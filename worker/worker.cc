@@ -53,6 +53,7 @@ Result<ProcessBase> LoadProcessBase(const WorkerOptions& options) {
   t.listen_host = options.kv_host;
   t.listen_port = options.kv_port;
   t.advertise_host = options.advertise_host;
+  t.cluster_key = options.cluster_key;
   ASSIGN_OR_RETURN(base.transport, kv_transfer::CreateTransport(t));
   return base;
 }
@@ -78,6 +79,7 @@ Status Worker::Init() {
   c.host = options_.coordinator_host;
   c.port = options_.coordinator_port;
   c.peer_config = base_.peer_config;
+  c.cluster_key = options_.cluster_key;
   c.connect_timeout = options_.connect_timeout;
   control_ = std::make_unique<ControlLink>(c);
   events_ = std::make_unique<EventReporter>(

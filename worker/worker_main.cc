@@ -39,7 +39,8 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
                                                         "tp-rank",
                                                         "tp-leader",
                                                         "tp-mode",
-                                                        "tp-comm"},
+                                                        "tp-comm",
+                                                        "cluster-key-file"},
                                                        {}));
   WorkerOptions o;
   o.role = role;
@@ -112,6 +113,10 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::str
   } else {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + mode + "'");
   }
+  if (!flags.Has("cluster-key-file")) {
+    return InvalidArgument("--cluster-key-file FILE is required (the coordinator's cluster key)");
+  }
+  ASSIGN_OR_RETURN(o.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
@@ -169,7 +174,8 @@ int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& 
                  "[--threads N] [--rank R "
                  "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
                  "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
-                 "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto]\n",
+                 "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto] "
+                 "--cluster-key-file FILE\n",
                  name.c_str(), options.status().ToString().c_str());
   } else {
     rc = Serve(*options, make_role, run_follower);

@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::worker {
 
@@ -53,6 +54,9 @@ struct WorkerOptions {
   std::string tp_comm = "auto";
   std::chrono::milliseconds connect_timeout{30000};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
+  // The cluster secret (--cluster-key-file), proved on every internal port:
+  // the control link, the TCP KV data plane, the TP link. Required.
+  protocols::ClusterKey cluster_key;
 
   bool tp_follower() const { return tp_size > 1 && tp_rank > 0; }
   // Whether this TP group's collectives run over MPI (see tp_comm).

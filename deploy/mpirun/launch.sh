@@ -135,7 +135,7 @@ trap 'kill -TERM "$mpirun_pid" 2>/dev/null' TERM INT
 setsid mpirun "${args[@]}" \
   -np 1 /bin/bash -c "$ADDR"'
     a=$(kvr_addr coordinator) || exit 1
-    exec "$@" --host "$a"' coordinator \
+    exec "$@" --host "$a" --control-host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
     --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'

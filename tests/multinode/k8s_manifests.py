@@ -178,6 +178,22 @@ def cross_checks(check, docs, env):
 
 # ------------------------------------------------------------------ emulation
 
+def project_secret(d, secret, workdir):
+    """Writes the Secret a volume names, as the kubelet would: the cluster key
+    the kustomization generates from cluster.key (one random key per test run)."""
+    if secret.get("secretName") != "kvrelay-cluster-key":
+        raise RuntimeError("secret %s not emulated" % secret.get("secretName"))
+    src = os.path.join(workdir, "cluster.key")
+    if not os.path.exists(src):
+        with open(src, "w") as f:
+            f.write(os.urandom(32).hex())
+    path = os.path.join(d, "cluster.key")
+    if not os.path.exists(path):
+        with open(src) as f, open(path, "w") as out:
+            out.write(f.read())
+    os.chmod(path, secret.get("defaultMode", 0o644))
+
+
 def cpu_cores(q):
     q = str(q)
     return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
@@ -293,10 +309,16 @@ def run(a, env, check):
                     else:
                         raise RuntimeError("%s: env %s not emulated" % (p.name, e["name"]))
                 mounts = {}
+                secrets = {v["name"]: v["secret"] for v in p.spec.get("volumes", [])
+                           if "secret" in v}
                 for m in c.get("volumeMounts", []):
                     d = os.path.join(env.workdir, "volumes", "%s-%s" % (m["name"], p.name),
                                      m.get("subPath", ""))
                     os.makedirs(d, exist_ok=True)
+                    if m["name"] in secrets:
+                        # As the kubelet projects a Secret: one file per key,
+                        # with the volume's defaultMode (the cluster key).
+                        project_secret(d, secrets[m["name"]], env.workdir)
                     mounts[m["mountPath"]] = d
                 cmd = []
                 for word in c["command"] + c.get("args", []):

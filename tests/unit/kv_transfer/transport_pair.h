@@ -10,6 +10,7 @@
 
 #include "kv_transfer/local_transport.h"
 #include "kv_transfer/tcp_transport.h"
+#include "protocols/peer_handshake.h"
 
 namespace kvrelay::kv_transfer::testing {
 
@@ -19,6 +20,26 @@ struct TransportPair {
   std::unique_ptr<Transport> b;         // rank 1
 };
 
+// One key for every endpoint a test process creates.
+inline const protocols::ClusterKey& TestKey() {
+  static const protocols::ClusterKey key = std::move(protocols::ClusterKey::Generate()).value();
+  return key;
+}
+
+// A raw frame connection to a TcpTransport's data port that authenticated as
+// `rank` (and sent nothing else yet): for tests that play a hostile or
+// crashing sender.
+inline Result<std::shared_ptr<protocols::FramedConnection>> DialAuthenticated(
+    protocols::IoThread& io, uint16_t port, int rank, const protocols::ClusterKey& key) {
+  ASSIGN_OR_RETURN(auto conn,
+                   protocols::FramedConnection::Connect(io, "127.0.0.1", port, {},
+                                                        Deadline::AfterMs(5000)));
+  RETURN_IF_ERROR(protocols::ClientAuthenticate(*conn, key, protocols::kAuthChannelKv,
+                                                TcpTransport::AuthName(rank),
+                                                Deadline::AfterMs(5000)));
+  return conn;
+}
+
 inline TransportPair MakePair(const std::string& backend) {
   TransportPair p;
   if (backend == "local") {
@@ -27,6 +48,7 @@ inline TransportPair MakePair(const std::string& backend) {
     p.b = std::move(p.fabric->CreateEndpoint(1)).value();
   } else {
     TcpTransport::Options o;
+    o.cluster_key = TestKey();
     o.rank = 0;
     o.chunk_bytes = 64 << 10;  // small chunks: many frames per transfer
     auto a = std::move(TcpTransport::Create(o)).value();

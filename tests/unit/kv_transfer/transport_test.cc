@@ -18,6 +18,8 @@ namespace {
 
 using testing::MakePair;
 using testing::RandomBytes;
+using testing::DialAuthenticated;
+using testing::TestKey;
 
 // `blocks` contiguous blocks of `layers` layers in one buffer.
 TransferDesc Desc(int peer, uint64_t req, uint32_t tag, std::vector<uint8_t>& buf, int blocks,
@@ -237,14 +239,14 @@ TEST(TcpTransport, PeerProcessVanishingMidTransferFailsWithinDeadline) {
   // The sender is a child process that sends hello + 1 of 8 chunks and dies.
   int port_pipe[2];
   ASSERT_EQ(pipe(port_pipe), 0);
+  const protocols::ClusterKey& key = TestKey();  // before the fork: both sides hold it
   pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     uint16_t port = 0;
     if (read(port_pipe[0], &port, sizeof(port)) != sizeof(port)) _exit(2);
     protocols::IoThread io("child-io");
-    auto conn =
-        protocols::FramedConnection::Connect(io, "127.0.0.1", port, {}, Deadline::AfterMs(5000));
+    auto conn = DialAuthenticated(io, port, 0, key);
     if (!conn.ok()) _exit(3);
     uint32_t hello[2] = {0, 2};
     (void)(*conn)->Send(protocols::MessageType::kHello,
@@ -260,6 +262,7 @@ TEST(TcpTransport, PeerProcessVanishingMidTransferFailsWithinDeadline) {
   }
   close(port_pipe[0]);
   TcpTransport::Options o;
+  o.cluster_key = TestKey();
   o.rank = 1;
   auto recv_side = std::move(TcpTransport::Create(o)).value();
   uint16_t port = recv_side->port();
@@ -284,6 +287,7 @@ TEST(TcpTransport, CancelOfAReceiveStalledInsideAChunkClosesThatConnection) {
   // Rank 0 is played by a raw connection that declares a 64 KiB chunk, writes
   // 1000 bytes of it and stalls with the connection open.
   TcpTransport::Options o;
+  o.cluster_key = TestKey();
   o.rank = 1;
   o.cancel_drain_timeout = std::chrono::milliseconds(200);
   auto recv_side = std::move(TcpTransport::Create(o)).value();
@@ -291,8 +295,7 @@ TEST(TcpTransport, CancelOfAReceiveStalledInsideAChunkClosesThatConnection) {
   auto r = recv_side->PostRecv(Desc(0, 78, 0, dst, 1, 1, 1, 32768, 0, 1));
   ASSERT_TRUE(r.ok());
   protocols::IoThread io("stall-io");
-  auto conn = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
-                                                   Deadline::AfterMs(5000));
+  auto conn = DialAuthenticated(io, recv_side->port(), 0, TestKey());
   ASSERT_TRUE(conn.ok()) << conn.status().ToString();
   uint32_t hello[2] = {0, 2};
   ASSERT_TRUE((*conn)
@@ -328,6 +331,7 @@ TEST(TcpTransport, CancelOfAReceiveStalledInsideAChunkClosesThatConnection) {
 
 TEST(TcpTransport, SendWithoutConnectionIsRefused) {
   TcpTransport::Options o;
+  o.cluster_key = TestKey();
   auto t = std::move(TcpTransport::Create(o)).value();
   std::vector<uint8_t> src(64, 1);
   auto s = t->PostSend(Desc(1, 1, 0, src, 1, 1, 1, 32, 0, 1));

@@ -59,6 +59,7 @@ class FramedConnectionTest : public ::testing::Test {
   }
   IoThread io_{"test-srv-io"};
   IoThread client_io_{"test-cli-io"};
+  ClusterKey key_ = std::move(ClusterKey::Generate()).value();
   Accepted accepted_;
   std::unique_ptr<FramedServer> server_;
 };
@@ -189,10 +190,10 @@ TEST_F(FramedConnectionTest, HandshakeMismatchBothRefuseNamingField) {
   ASSERT_TRUE(server_side);
   Result<PeerConfig> server_result = InvalidArgument("not run");
   std::thread server_thread([&] {
-    server_result = ServerHandshake(*server_side, server_cfg, {}, Deadline::AfterMs(5000));
+    server_result = ServerHandshake(*server_side, key_, server_cfg, {}, Deadline::AfterMs(5000));
   });
   auto client_result =
-      ClientHandshake(*client, "decode-0", client_cfg, {}, Deadline::AfterMs(5000));
+      ClientHandshake(*client, key_, "decode-0", client_cfg, {}, Deadline::AfterMs(5000));
   server_thread.join();
   ASSERT_FALSE(server_result.ok());
   ASSERT_FALSE(client_result.ok());
@@ -219,8 +220,8 @@ TEST_F(FramedConnectionTest, HandshakeAgreement) {
   ASSERT_TRUE(server_side);
   Result<PeerConfig> server_result = InvalidArgument("not run");
   std::thread server_thread(
-      [&] { server_result = ServerHandshake(*server_side, cfg, {}, Deadline::AfterMs(5000)); });
-  auto client_result = ClientHandshake(*client, "d", client_cfg, {}, Deadline::AfterMs(5000));
+      [&] { server_result = ServerHandshake(*server_side, key_, cfg, {}, Deadline::AfterMs(5000)); });
+  auto client_result = ClientHandshake(*client, key_, "d", client_cfg, {}, Deadline::AfterMs(5000));
   server_thread.join();
   ASSERT_TRUE(server_result.ok()) << server_result.status().ToString();
   ASSERT_TRUE(client_result.ok()) << client_result.status().ToString();

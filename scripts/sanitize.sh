@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds and runs the `sanitize`-labelled tests (protocols, KV transfer, the
+# control plane's security tests, the fuzz corpus replay) under a sanitizer,
+# in its own build tree, with -Werror. A sanitizer report fails the test.
+#   scripts/sanitize.sh asan     AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)
+#   scripts/sanitize.sh tsan     ThreadSanitizer (build-tsan/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind=${1:-asan}
+case $kind in
+  asan) dir=build-asan; opt=-DKVRELAY_SANITIZE=ON ;;
+  tsan) dir=build-tsan; opt=-DKVRELAY_TSAN=ON ;;
+  *) echo "usage: $0 asan|tsan" >&2; exit 2 ;;
+esac
+args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVRELAY_WERROR=ON -DKVRELAY_WITH_CUDA=OFF "$opt")
+command -v ccache >/dev/null && args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+[ -f "$dir/build.ninja" ] || cmake -S . -B "$dir" "${args[@]}"
+targets=$(ctest --test-dir "$dir" -N -L sanitize 2>/dev/null | sed -n 's/^ *Test *#[0-9]*: //p')
+[ -n "$targets" ] || targets="protocols_test kv_transfer_test kv_transfer_security_test coordinator_security_test security_fuzz_replay"
+cmake --build "$dir" --target $targets
+ctest --test-dir "$dir" -L sanitize --output-on-failure

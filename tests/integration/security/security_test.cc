@@ -1,0 +1,317 @@
+// The findings of issue #14 against a real cluster (kvrelay launch: a
+// coordinator, one prefill and one decode worker process, a generated
+// cluster key): each attack is refused, and afterwards the cluster still
+// answers greedy requests exactly like the single-process engine.
+//
+// The attackers are this test process: without the key (a stranger on the
+// machine), or with it (a compromised worker that tries to write into a
+// request it does not own). Skips when the model file is absent.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "coordinator/engine_text_codec.h"
+#include "coordinator/http_client.h"
+#include "deploy/local_launcher.h"
+#include "engine/runtime/engine.h"
+#include "engine/runtime/model.h"
+#include "protocols/control.pb.h"
+#include "protocols/messages.h"
+#include "protocols/peer_handshake.h"
+
+namespace kvrelay {
+namespace {
+
+using nlohmann::json;
+namespace fs = std::filesystem;
+using protocols::MessageType;
+
+std::string SourceDir() { return KVRELAY_SECURITY_SOURCE_DIR; }
+std::string BinDir() { return KVRELAY_SECURITY_BIN_DIR; }
+std::string ModelPath() { return SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+
+int64_t RssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/statm");
+  int64_t pages = 0, resident = 0;
+  in >> pages >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+// TCP ports `pid` listens on, from its socket fds and /proc/net/tcp.
+std::vector<uint16_t> ListeningPorts(pid_t pid) {
+  std::set<std::string> inodes;
+  const std::string fd_dir = "/proc/" + std::to_string(pid) + "/fd";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fd_dir, ec)) {
+    auto target = fs::read_symlink(e.path(), ec).string();
+    if (target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<uint16_t> ports;
+  std::ifstream tcp("/proc/net/tcp");
+  std::string line;
+  std::getline(tcp, line);
+  while (std::getline(tcp, line)) {
+    std::istringstream in(line);
+    std::string sl, local, remote, state, queues, timer, retr, uid, timeout, inode;
+    in >> sl >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
+    if (state != "0A" || !inodes.count(inode)) continue;
+    ports.push_back(static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1), nullptr, 16)));
+  }
+  return ports;
+}
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!fs::exists(ModelPath())) return;
+    auto model = engine::Model::Load(ModelPath());
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    model_ = std::shared_ptr<const engine::Model>(std::move(*model));
+    codec_ = new coordinator::EngineTextCodec(model_->tokenizer(), model_->chat_template());
+    engine::EngineOptions eo;
+    eo.model_path = ModelPath();
+    eo.kv_dtype = engine::KvDtype::kF32;
+    eo.kv_capacity_bytes = 64 << 20;
+    eo.threads = 1;
+    auto eng = engine::Engine::Create(eo, model_);
+    ASSERT_TRUE(eng.ok()) << eng.status().ToString();
+    engine_ = eng->release();
+    deploy::LaunchOptions o;
+    o.model_path = ModelPath();
+    o.port = 0;
+    o.prefill = 1;
+    o.decode = 1;
+    o.kv_dtype = "f32";
+    o.kv_capacity_mb = 64;
+    o.bin_dir = BinDir();
+    launcher_ = new deploy::LocalLauncher(o);
+    Status st = launcher_->Start();
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  static void TearDownTestSuite() {
+    delete launcher_;
+    launcher_ = nullptr;
+    delete engine_;
+    delete codec_;
+    model_.reset();
+  }
+  void SetUp() override {
+    if (!model_) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    ASSERT_NE(launcher_, nullptr);
+  }
+
+  static std::vector<int32_t> Encode(const std::string& text) {
+    return std::move(codec_->Encode(text, true)).value();
+  }
+  static std::string Greedy(const std::vector<int32_t>& prompt, int n) {
+    engine::RequestSpec spec;
+    spec.id = static_cast<engine::RequestId>(1000000 + next_ref_++);
+    spec.prompt = prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = n;
+    spec.sampling.ignore_eos = true;
+    EXPECT_TRUE(engine_->Submit(spec).ok());
+    auto d = codec_->NewDecoder();
+    std::string text;
+    while (engine_->HasWork()) {
+      auto events = engine_->Step();
+      if (!events.ok()) break;
+      for (const auto& e : *events) {
+        if (e.token >= 0) text += d->Push(e.token);
+      }
+    }
+    return text + d->Flush();
+  }
+  // One greedy completion through the cluster: its HTTP status and text.
+  static std::pair<int, std::string> Complete(const std::vector<int32_t>& prompt, int n) {
+    coordinator::HttpCallSpec spec;
+    spec.method = "POST";
+    spec.port = launcher_->http_port();
+    spec.target = "/v1/completions";
+    spec.headers = {{"Content-Type", "application/json"}};
+    spec.body = json{{"model", fs::path(ModelPath()).stem().string()},
+                     {"prompt", prompt},
+                     {"max_tokens", n},
+                     {"temperature", 0},
+                     {"ignore_eos", true}}
+                    .dump();
+    spec.timeout_ms = 120'000;
+    auto r = coordinator::HttpCall(spec);
+    if (!r.ok()) return {0, r.status().ToString()};
+    json j = json::parse(r->body, nullptr, false);
+    if (r->status != 200 || j.is_discarded()) return {r->status, r->body};
+    return {200, j["choices"][0]["text"].get<std::string>()};
+  }
+  // The cluster still serves, exactly.
+  static void ExpectServing() {
+    const auto prompt = Encode("The capital of Japan is");
+    const std::string want = Greedy(prompt, 12);
+    auto [status, text] = Complete(prompt, 12);
+    EXPECT_EQ(status, 200) << text;
+    EXPECT_EQ(text, want);
+  }
+  static protocols::ClusterKey Key() {
+    return std::move(protocols::ClusterKey::LoadFile(launcher_->cluster_key_file())).value();
+  }
+  std::shared_ptr<protocols::FramedConnection> Dial(uint16_t port) {
+    auto c = protocols::FramedConnection::Connect(io_, "127.0.0.1", port, {},
+                                                  Deadline::AfterMs(5000));
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? *c : nullptr;
+  }
+
+  static inline std::shared_ptr<const engine::Model> model_;
+  static inline coordinator::EngineTextCodec* codec_ = nullptr;
+  static inline engine::Engine* engine_ = nullptr;
+  static inline deploy::LocalLauncher* launcher_ = nullptr;
+  static inline int next_ref_ = 0;
+  protocols::IoThread io_{"attacker-io"};
+};
+
+TEST_F(SecurityTest, ARogueWorkerWithoutTheKeyIsRefusedAndLearnsNothing) {
+  auto rogue = Dial(launcher_->control_port());
+  ASSERT_TRUE(rogue);
+  ASSERT_TRUE(rogue->Send(MessageType::kHello, "").ok());  // the empty Hello of the report
+  std::vector<protocols::Frame> said;
+  for (auto f = rogue->Receive(Deadline::AfterMs(5000)); f.ok();
+       f = rogue->Receive(Deadline::AfterMs(5000))) {
+    said.push_back(*f);
+  }
+  ASSERT_EQ(said.size(), 1u);
+  EXPECT_EQ(said[0].type, static_cast<uint16_t>(MessageType::kAuthProof));
+  proto::AuthProof refusal;
+  ASSERT_TRUE(refusal.ParseFromString(said[0].payload));
+  EXPECT_TRUE(refusal.mac().empty());
+  EXPECT_EQ(refusal.error(), "authentication failed");
+  // A worker process started with another key cannot register, and says why.
+  const std::string other = ::testing::TempDir() + "/kvrelay_other_" + std::to_string(getpid());
+  ::unlink(other.c_str());
+  ASSERT_TRUE(protocols::ClusterKey::GenerateFile(other).ok());
+  const std::string log = other + ".log";
+  const std::string cmd = BinDir() + "/kvrelay-prefill --id prefill-intruder --coordinator 127.0.0.1:" +
+                          std::to_string(launcher_->control_port()) + " --model " + ModelPath() +
+                          " --kv-dtype f32 --kv-capacity-mb 16 --threads 1 --rank 0 --world-size 2" +
+                          " --cluster-key-file " + other + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  EXPECT_NE(rc, 0);
+  std::ifstream in(log);
+  std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(out.find("authentication failed"), std::string::npos) << out;
+  EXPECT_NE(out.find("--cluster-key-file"), std::string::npos) << out;
+  ::unlink(other.c_str());
+  ::unlink(log.c_str());
+  ExpectServing();
+}
+
+TEST_F(SecurityTest, ARogueTokenSenderCannotInjectIntoAnotherUsersAnswer) {
+  // A compromised member (it holds the key) registers as a decode worker with
+  // no room (so the router never picks it) and sprays TokenChunks for every
+  // request id while a real request streams.
+  auto rogue = Dial(launcher_->control_port());
+  ASSERT_TRUE(rogue);
+  protocols::PeerConfig cfg;
+  const engine::KvLayout layout = model_->MakeKvLayout(engine::KvDtype::kF32, 16);
+  cfg.model_fingerprint = model_->fingerprint();
+  cfg.kv_dtype = layout.dtype;
+  cfg.block_tokens = layout.block_tokens;
+  cfg.layers = layout.layers;
+  cfg.kv_heads = layout.kv_heads;
+  cfg.head_dim = layout.head_dim;
+  ASSERT_TRUE(protocols::ClientHandshake(*rogue, Key(), "decode-rogue", cfg, {},
+                                         Deadline::AfterMs(5000))
+                  .ok());
+  proto::RegisterWorker reg;
+  reg.set_worker_id("decode-rogue");
+  reg.set_role(proto::WORKER_ROLE_DECODE);
+  reg.set_rank(1);
+  reg.set_tp_size(1);
+  reg.set_capacity_blocks(1);
+  protocols::ToProto(cfg, reg.mutable_config());
+  ASSERT_TRUE(rogue->Send(MessageType::kRegisterWorker, reg.SerializeAsString()).ok());
+  auto reply = rogue->Receive(Deadline::AfterMs(5000));
+  ASSERT_TRUE(reply.ok());
+  proto::TokenChunk inject;
+  for (uint64_t id = 1; id <= 256; ++id) {
+    auto* e = inject.add_entries();
+    e->set_request_id(id);
+    e->add_token_ids(Encode(" [INJECTED BY ROGUE WORKER]").back());
+  }
+  const std::string payload = inject.SerializeAsString();
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0};
+  std::thread spray([&] {
+    while (!stop.load()) {
+      if (rogue->Send(MessageType::kTokenChunk, payload).ok()) ++sent;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  const auto prompt = Encode("The capital of Japan is");
+  const std::string want = Greedy(prompt, 24);
+  for (int i = 0; i < 3; ++i) {
+    auto [status, text] = Complete(prompt, 24);
+    EXPECT_EQ(status, 200) << text;
+    EXPECT_EQ(text, want);
+  }
+  stop = true;
+  spray.join();
+  EXPECT_GT(sent.load(), 10);
+  rogue->Close(Cancelled("attack over"));
+  ExpectServing();
+}
+
+TEST_F(SecurityTest, ATwentyByteFrameToTheDecodeKvPortDoesNotStopServing) {
+  const pid_t decode = launcher_->processes().Pid("decode-0");
+  ASSERT_GT(decode, 0);
+  const auto ports = ListeningPorts(decode);
+  ASSERT_EQ(ports.size(), 1u) << "the decode worker listens on its KV port only";
+  {
+    // A hello as rank 0 (12-byte header + 8-byte payload), then a disconnect.
+    auto fake = Dial(ports[0]);
+    ASSERT_TRUE(fake);
+    const uint32_t hello[2] = {0, 2};
+    ASSERT_TRUE(fake->Send(MessageType::kHello,
+                           std::string_view(reinterpret_cast<const char*>(hello), sizeof(hello)))
+                    .ok());
+    (void)fake->WaitClosed(Deadline::AfterMs(5000));
+    fake->Close(Cancelled("gone"));
+  }
+  // Several requests: each would have failed with "peer 0 is gone".
+  for (int i = 0; i < 3; ++i) ExpectServing();
+}
+
+TEST_F(SecurityTest, PartialFramesDoNotGrowTheCoordinator) {
+  const pid_t coord = launcher_->processes().Pid("coordinator");
+  ASSERT_GT(coord, 0);
+  const int64_t before = RssBytes(coord);
+  std::string head(protocols::kFrameHeaderBytes, '\0');
+  protocols::EncodeFrameHeader(static_cast<uint16_t>(MessageType::kHello), 16u << 20,
+                               reinterpret_cast<uint8_t*>(head.data()));
+  const std::string body((16u << 20) - 1, 'x');
+  std::vector<std::shared_ptr<protocols::FramedConnection>> conns;
+  for (int i = 0; i < 20; ++i) {
+    auto c = Dial(launcher_->control_port());
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(c->SendGatherWait(head, {boost::asio::buffer(body)}, [](const Status&) {},
+                                  Deadline::AfterMs(5000))
+                    .ok());
+    conns.push_back(c);
+  }
+  for (auto& c : conns) {
+    EXPECT_NE(c->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  const int64_t grown = RssBytes(coord) - before;
+  // Today: +325 MB, never released.
+  EXPECT_LT(grown, 32ll << 20) << "coordinator RSS grew by " << (grown >> 20) << " MiB";
+  for (auto& c : conns) c->Close(Cancelled("done"));
+  ExpectServing();
+}
+
+}  // namespace
+}  // namespace kvrelay
