@@ -99,10 +99,7 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
-      if (it != incoming_.end()) {
-        it->second.first_token = m.first_token();
-        it->second.first_token_at = Clock::now();
-      }
+  in.deadline = Deadline::After(ctx_.options->kv_timeout);
   ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
                                      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
                                      engine_->pool(), ctx_.model->fingerprint(), request.id,
