@@ -4,15 +4,16 @@
 // configuration handshake (model fingerprint, KV dtype, block size, head
 // layout must equal the coordinator's), register, and heartbeat. A request
 // then goes:
-//   1. coordinator -> decode D:  DecodeAdmission (first_token = -1): reserve
-//      blocks for the prompt and post KV receives from the prefill rank;
-//      D -> coordinator:         BlockReservationReply (block ids or refusal).
-//   2. coordinator -> prefill P: PrefillTask with DecodeTarget (D's rank, data
-//      address, block ids). P prefills, streaming each layer's KV to D as soon
-//      as it is computed; P -> coordinator: PrefillDone (first token).
-//   3. coordinator -> D:         DecodeAdmission (first_token set). D admits the
-//      sequence once every layer arrived and verified, decodes, and streams
-//      TokenChunks, then a Finish.
+//   1. coordinator -> decode D:  ReserveBlocks (the prompt, sent to D once):
+//      D reserves the prompt's blocks and posts KV receives from the prefill
+//      rank; D -> coordinator:   ReserveBlocksReply (block ids or refusal).
+//   2. coordinator -> prefill P: PrefillTask with DecodeTarget (D's ranks, each
+//      rank's Transport conn info, block ids). P prefills, streaming each
+//      segment's KV layer by layer to D as chunks complete it; once the
+//      streams are delivered, P -> coordinator: PrefillDone (first token).
+//   3. coordinator -> D:         StartDecode (the first token). D decodes the
+//      sequence once every layer arrived and verified, and streams
+//      TokenChunks, then a Finish. From here the request no longer depends on P.
 // A colocated worker takes a PrefillTask without a DecodeTarget and does both.
 //
 // Security: the control port (bound to `host`, loopback by default) is an
@@ -26,9 +27,12 @@
 // time (ServerLimits, ConnectionOptions::require_authentication).
 //
 // Failure: a worker whose connection closes, or that misses
-// `missed_heartbeats` heartbeat intervals, is dropped; each of its requests
-// ends with an error event (UNAVAILABLE) and its peer worker is told to
-// cancel, which releases the blocks there.
+// `missed_heartbeats` heartbeat intervals, is dropped. Its requests that have
+// produced no token yet are re-run once on the workers left; the others end
+// with an error event (UNAVAILABLE) and the peer worker is told to cancel,
+// which releases the blocks there — except requests a lost prefill worker
+// had already handed over, which the decode side finishes. A worker that
+// registers again under the same name replaces its old entry.
 //
 // Threading: all control traffic runs on one IoThread; sinks are called there.
 // Submit/Cancel/Health/Workers are thread-safe.

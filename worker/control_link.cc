@@ -62,12 +62,22 @@ void ControlLink::StopHeartbeats() {
 
 void ControlLink::HeartbeatLoop() {
   std::unique_lock lock(hb_mu_);
+  bool stalled = false;
   while (!hb_stop_) {
-    proto::Heartbeat hb = hb_snapshot_;
-    hb.set_worker_id(options_.worker_id);
-    lock.unlock();
-    Send(MessageType::kHeartbeat, hb);  // FramedConnection::Send is thread-safe
-    lock.lock();
+    if (Clock::now() - hb_published_ > kStallWindow) {
+      if (!stalled) {
+        LOG_WARNING << "the worker loop has not run for " << kStallWindow.count()
+                    << " s: heartbeats stop until it does";
+      }
+      stalled = true;
+    } else {
+      stalled = false;
+      proto::Heartbeat hb = hb_snapshot_;
+      hb.set_worker_id(options_.worker_id);
+      lock.unlock();
+      Send(MessageType::kHeartbeat, hb);  // FramedConnection::Send is thread-safe
+      lock.lock();
+    }
     hb_cv_.wait_for(lock, heartbeat_interval_, [&] { return hb_stop_; });
   }
 }
@@ -135,6 +145,7 @@ void ControlLink::PublishHeartbeat() {
   if (heartbeat_source_) heartbeat_source_(&hb);
   std::lock_guard lock(hb_mu_);
   hb_snapshot_ = std::move(hb);
+  hb_published_ = Clock::now();
 }
 
 void ControlLink::OnKvEvent(const engine::KvEvent& ev) {

@@ -8,6 +8,10 @@
 // link's own thread ("worker-hb") sends one every interval while connected,
 // carrying the latest snapshot the run thread published, so a long step (a
 // big prefill chunk on a quarter of a core) never looks like a dead worker.
+// A run thread that has not published for kStallWindow (stuck, e.g. waiting
+// on KV sends to a peer that died) stops the heartbeats, so the coordinator
+// drops this worker and re-runs its requests elsewhere instead of routing
+// more to it.
 #pragma once
 
 #include <chrono>
@@ -77,6 +81,8 @@ class ControlLink {
   Options options_;
   std::unique_ptr<protocols::IoThread> io_;
   std::shared_ptr<protocols::FramedConnection> conn_;
+  static constexpr std::chrono::seconds kStallWindow{10};
+
   void StartHeartbeats();
   void StopHeartbeats();
   void HeartbeatLoop();
@@ -87,6 +93,7 @@ class ControlLink {
   std::condition_variable hb_cv_;
   proto::Heartbeat hb_snapshot_;  // guarded by hb_mu_
   bool hb_stop_ = false;          // guarded by hb_mu_
+  TimePoint hb_published_;        // guarded by hb_mu_: the run thread's last PublishHeartbeat
   std::thread hb_thread_;
   proto::PrefixCacheEvent cache_events_;
 };

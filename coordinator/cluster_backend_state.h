@@ -1,0 +1,295 @@
+// Internal to the cluster backend (cluster_backend.cc: request lifecycle and
+// frames; cluster_registration.cc: a worker's handshake, authentication and
+// registration). Not part of the coordinator's API.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "coordinator/cluster_backend.h"
+#include <boost/asio/steady_timer.hpp>
+#include "common/logging.h"
+#include "protocols/control.pb.h"
+#include "protocols/messages.h"
+
+namespace kvrelay::coordinator {
+namespace cluster_internal {
+
+using protocols::FramedConnection;
+using protocols::MessageType;
+
+enum class Phase { kReserving, kPrefilling, kDecoding };
+
+struct WorkerEntry {
+  WorkerInfo info;
+  std::shared_ptr<FramedConnection> conn;
+  uint32_t rank = 0;
+  std::string kv_address;
+  // A TP decode group: every rank's data-plane index and KV address, in TP order
+  // (empty for TP = 1).
+  std::vector<uint32_t> tp_ranks;
+  std::vector<std::string> tp_kv_addresses;
+  TimePoint last_seen;
+};
+
+struct RequestEntry {
+  GenerationRequest request;
+  TokenSink sink;
+  std::string prefill_id;
+  std::string decode_id;  // == prefill_id for a colocated worker
+  Phase phase = Phase::kReserving;
+  std::vector<int32_t> decode_blocks;
+  int prompt_tokens = 0;
+  int cached_tokens = 0;
+  int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
+};
+
+// Where one control connection stands before it may act as a worker: the
+// cluster-key challenge-response, then the configuration Hello.
+struct PeerAuth {
+  explicit PeerAuth(const protocols::ClusterKey& key)
+      : auth(key, protocols::kAuthChannelControl) {}
+  protocols::AuthResponder auth;
+  bool configured = false;  // the configuration Hello was accepted
+  bool refused = false;     // refused and closing: later frames are ignored
+};
+
+// Sink calls collected under the lock and made after it is released, so a
+// sink may call Cancel without deadlocking.
+using PendingEvents = std::vector<std::pair<TokenSink, TokenEvent>>;
+
+inline void Deliver(PendingEvents& events) {
+  for (auto& [sink, event] : events) sink(event);
+  events.clear();
+}
+
+inline void ToProto(const SamplingParams& s, proto::SamplingParams* out) {
+  out->set_temperature(s.temperature);
+  out->set_top_p(s.top_p);
+  out->set_top_k(static_cast<uint32_t>(std::max(0, s.top_k)));
+  out->set_seed(s.has_seed ? s.seed : 0);
+  out->set_max_tokens(static_cast<uint32_t>(s.max_new_tokens));
+  out->set_ignore_eos(s.ignore_eos);
+  out->set_min_p(s.min_p);
+  out->set_repetition_penalty(s.repetition_penalty);
+  out->set_presence_penalty(s.presence_penalty);
+  out->set_frequency_penalty(s.frequency_penalty);
+}
+
+inline FinishReason FromProto(proto::Finish::Reason r) {
+  switch (r) {
+    case proto::Finish::REASON_STOP:
+      return FinishReason::kStop;
+    case proto::Finish::REASON_LENGTH:
+      return FinishReason::kLength;
+    case proto::Finish::REASON_CANCELLED:
+      return FinishReason::kCancelled;
+    default:
+      return FinishReason::kError;
+  }
+}
+
+inline WorkerRole FromProto(proto::WorkerRole r) {
+  switch (r) {
+    case proto::WORKER_ROLE_PREFILL:
+      return WorkerRole::kPrefill;
+    case proto::WORKER_ROLE_DECODE:
+      return WorkerRole::kDecode;
+    default:
+      return WorkerRole::kColocated;
+  }
+}
+
+template <typename Message>
+void SendTo(const std::shared_ptr<FramedConnection>& conn, MessageType type, const Message& m) {
+  if (!conn) return;
+  std::string payload;
+  m.SerializeToString(&payload);
+  Status s = conn->Send(type, payload);
+  if (!s.ok()) LOG_WARNING << "control send to " << conn->name() << " failed: " << s.ToString();
+}
+
+}  // namespace cluster_internal
+
+using namespace cluster_internal;  // the State below is written in these terms
+
+struct ClusterBackend::State {
+  explicit State(ClusterBackendOptions o) : options(std::move(o)), router(options.router) {}
+
+  const ClusterBackendOptions options;
+  Router router;
+  std::mutex mu;
+  bool shut_down = false;                                      // guarded by mu
+  std::map<std::string, WorkerEntry> workers;                  // guarded by mu
+  std::map<const FramedConnection*, std::string> conn_worker;  // guarded by mu
+  std::map<const FramedConnection*, PeerAuth> peers;           // guarded by mu
+  ControlSecurityCounters counters;                            // guarded by mu
+  std::map<uint64_t, RequestEntry> requests;                   // guarded by mu
+  std::unique_ptr<boost::asio::steady_timer> timer;            // io thread only
+
+  WorkerEntry* FindWorker(const std::string& id) {
+    auto it = workers.find(id);
+    return it == workers.end() ? nullptr : &it->second;
+  }
+
+  void Fail(uint64_t id, const Status& error, PendingEvents& out) {
+    auto it = requests.find(id);
+    if (it == requests.end()) return;
+    TokenEvent e;
+    e.finished = true;
+    e.finish_reason =
+        error.code() == StatusCode::kCancelled ? FinishReason::kCancelled : FinishReason::kError;
+    e.error = error;
+    e.prompt_tokens = it->second.prompt_tokens;
+    out.emplace_back(it->second.sink, e);
+    requests.erase(it);
+  }
+
+  void SendCancel(const std::string& worker_id, uint64_t request_id, const std::string& why) {
+    WorkerEntry* w = FindWorker(worker_id);
+    if (!w) return;
+    proto::Cancel c;
+    c.set_request_id(request_id);
+    c.set_reason(why);
+    SendTo(w->conn, MessageType::kCancel, c);
+  }
+
+  void DropWorker(const std::string& worker_id, const Status& reason, PendingEvents& out) {
+    // A copy: callers pass references into `workers` / `conn_worker`, which
+    // are erased below.
+    const std::string id = worker_id;
+    auto it = workers.find(id);
+    if (it == workers.end()) return;
+    LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
+    std::shared_ptr<FramedConnection> conn = it->second.conn;
+    conn_worker.erase(conn.get());
+    workers.erase(it);
+    router.prefix_index().RemoveWorker(id);
+    std::vector<uint64_t> affected;
+    for (auto& [rid, r] : requests) {
+      if (r.prefill_id == id || r.decode_id == id) affected.push_back(rid);
+    }
+    for (uint64_t rid : affected) {
+      RequestEntry& r = requests[rid];
+      if (r.phase == Phase::kDecoding && r.prefill_id == id && r.decode_id != id) {
+        // Handed over: the prefill side reported its first token only once the
+        // KV streams were delivered to the transport, so the request no longer
+        // depends on it (a decode-side KV failure still ends it with an error).
+        continue;
+      }
+      const std::string other = r.prefill_id == id ? r.decode_id : r.prefill_id;
+      if (other != id) SendCancel(other, rid, "peer worker " + id + " lost");
+      // Nothing has reached the client yet: run it again on the workers left
+      // (once; a second loss fails it).
+      if (r.phase != Phase::kDecoding && r.reroutes < 1) {
+        ++r.reroutes;
+        Status s = Start(rid, r);
+        if (s.ok()) {
+          LOG_INFO << "request " << rid << " re-run on " << r.prefill_id << " / " << r.decode_id
+                   << " after losing " << id;
+          continue;
+        }
+        Fail(rid, s.WithContext("worker " + id + " was lost and no other can take the request"),
+             out);
+        continue;
+      }
+      Fail(rid, Unavailable("worker " + id + " was lost: " + reason.message()), out);
+    }
+    if (conn) conn->Close(reason);
+  }
+
+  // Routes r to a prefill worker (and a decode group) and starts it: a block
+  // reservation on the decode side, or straight to prefill when colocated.
+  Status Start(uint64_t id, RequestEntry& r) {
+    std::vector<WorkerInfo> infos;
+    for (auto& [wid, w] : workers) infos.push_back(w.info);
+    RouteRequest route;
+    route.prefix_blocks = r.request.prefix_blocks;
+    route.prompt_tokens = static_cast<int64_t>(r.request.prompt.size());
+    route.max_new_tokens = r.request.sampling.max_new_tokens;
+    ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
+    WorkerEntry* p = FindWorker(prefill_id);
+    std::string decode_id = prefill_id;
+    if (p->info.role != WorkerRole::kColocated) {
+      ASSIGN_OR_RETURN(decode_id, router.PickDecode(route, infos));
+    }
+    r.prefill_id = prefill_id;
+    r.decode_id = decode_id;
+    r.decode_blocks.clear();
+    r.prompt_tokens = static_cast<int>(r.request.prompt.size());
+    // Queue accounting until the next heartbeat refreshes it.
+    p->info.queued_tokens += r.prompt_tokens;
+    if (decode_id == prefill_id) {
+      SendPrefillTask(id, r);
+    } else {
+      r.phase = Phase::kReserving;
+      WorkerEntry* d = FindWorker(decode_id);
+      d->info.free_kv_blocks -=
+          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
+          std::max<int64_t>(1, d->info.block_tokens);
+      SendReserveBlocks(id, r);
+    }
+    return Status::Ok();
+  }
+
+  void SendPrefillTask(uint64_t rid, RequestEntry& r) {
+    WorkerEntry* p = FindWorker(r.prefill_id);
+    proto::PrefillTask task;
+    task.set_request_id(rid);
+    for (int32_t t : r.request.prompt) task.add_prompt_token_ids(t);
+    ToProto(r.request.sampling, task.mutable_sampling());
+    task.set_tenant_salt(r.request.tenant_salt);
+    if (r.decode_id != r.prefill_id) {
+      WorkerEntry* d = FindWorker(r.decode_id);
+      auto* target = task.mutable_decode();
+      target->set_worker_id(r.decode_id);
+      if (d != nullptr && d->tp_ranks.size() > 1) {
+        for (uint32_t rank : d->tp_ranks) target->add_ranks(rank);
+        for (const auto& a : d->tp_kv_addresses) target->add_kv_addresses(a);
+        target->set_tp_size(static_cast<uint32_t>(d->tp_ranks.size()));
+      } else {
+        target->add_ranks(d ? d->rank : 0);
+      }
+      for (int32_t b : r.decode_blocks) target->add_block_ids(b);
+      target->set_kv_address(d ? d->kv_address : "");
+    }
+    r.phase = Phase::kPrefilling;
+    SendTo(p ? p->conn : nullptr, MessageType::kPrefillTask, task);
+  }
+
+  void SendReserveBlocks(uint64_t rid, RequestEntry& r) {
+    WorkerEntry* d = FindWorker(r.decode_id);
+    WorkerEntry* p = FindWorker(r.prefill_id);
+    proto::ReserveBlocks m;
+    m.set_request_id(rid);
+    for (int32_t t : r.request.prompt) m.add_prompt_token_ids(t);
+    ToProto(r.request.sampling, m.mutable_sampling());
+    m.set_prefill_rank(p ? p->rank : 0);
+    SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
+  }
+
+  void SendStartDecode(uint64_t rid, RequestEntry& r, int32_t first_token) {
+    WorkerEntry* d = FindWorker(r.decode_id);
+    proto::StartDecode m;
+    m.set_request_id(rid);
+    m.set_first_token(first_token);
+    SendTo(d ? d->conn : nullptr, MessageType::kStartDecode, m);
+  }
+
+  void OnFrame(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
+               PendingEvents& out);
+  // Security: the frames of a connection before it is a configured peer.
+  void OnHandshakeFrame(const std::shared_ptr<FramedConnection>& conn,
+                        const protocols::Frame& frame);
+  // Security: true (and counted, logged) when `worker_id` reports on a live
+  // request assigned to another worker; the frame is then dropped.
+  bool IsForeign(const std::string& worker_id, uint64_t request_id, const char* what);
+  void OnHello(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame);
+  void OnRegister(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
+                  PendingEvents& out);
+  void CheckHeartbeats(PendingEvents& out);
+};
+
+}  // namespace kvrelay::coordinator
