@@ -33,10 +33,22 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay perplexity",
+    "Perplexity of a text file in --ctx-token chunks (llama.cpp's method).",
+    "",
+    0,
+    {{"model", "", "GGUF model path (required)"},
+     {"file", "", "text file to score (required)"},
+     {"ctx", "512", "tokens per chunk (>= 4)"},
+     {"max-chunks", "0", "score at most this many chunks (0 = all)"},
+     {"threads", "0", "compute threads (0 = all cores)"},
+     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"}}};
+
 int RunPerplexity(const std::vector<std::string>& args) {
-  auto flags =
-      Flags::Parse(args, {"model", "file", "kv-dtype", "ctx", "max-chunks", "threads"}, {});
-  if (!flags.ok()) return Fail(flags.status());
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   const Flags& f = *flags;
   if (!f.Has("model") || !f.Has("file"))
     return Fail(InvalidArgument("--model and --file are required"));

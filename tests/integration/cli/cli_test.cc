@@ -1,0 +1,115 @@
+// The command line as a user meets it: every command and daemon answers
+// --help / -h with its complete usage on stdout and exit 0 (and starts
+// nothing), stray positional arguments are errors.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs `command` through the shell with a 60 s limit (timeout(1)), stdout and
+// stderr captured separately.
+RunResult RunCmd(const std::string& command) {
+  const std::string err_path = ::testing::TempDir() + "/cli_test_stderr.txt";
+  const std::string full = "timeout -s KILL 60 " + command + " 2>" + err_path + " </dev/null";
+  RunResult r;
+  FILE* p = ::popen(full.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::ifstream e(err_path);
+  std::stringstream ss;
+  ss << e.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+const std::string kCli = KVRELAY_CLI_BIN;
+const std::string kBinDir = KVRELAY_DAEMON_BIN_DIR;
+
+const std::vector<std::string> kCommands = {"generate",     "launch",       "perplexity",
+                                            "tokenize",     "inspect",      "bench engine",
+                                            "bench kv",     "bench prefix", "bench serve",
+                                            "bench transfer"};
+
+TEST(CliHelpTest, EveryCommandPrintsItsUsageOnStdoutAndExitsZero) {
+  for (const std::string& c : kCommands) {
+    for (const char* flag : {"--help", "-h"}) {
+      RunResult r = RunCmd(kCli + " " + c + " " + flag);
+      EXPECT_EQ(r.exit_code, 0) << c << " " << flag << "\n" << r.err;
+      EXPECT_NE(r.out.find("usage: kvrelay " + c), std::string::npos) << c << ": " << r.out;
+      EXPECT_NE(r.out.find("--help"), std::string::npos) << c;
+      EXPECT_EQ(r.err, "") << c << " " << flag;
+    }
+  }
+  // `kvrelay help CMD` is the same.
+  RunResult r = RunCmd(kCli + " help generate");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("usage: kvrelay generate"), std::string::npos);
+  r = RunCmd(kCli + " --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("bench serve"), std::string::npos);
+  EXPECT_EQ(RunCmd(kCli).exit_code, 2);  // no command at all is a mistake
+}
+
+// Every value flag is listed with a default where it has one: the ones a user
+// most needs, checked literally.
+TEST(CliHelpTest, UsageShowsDefaults) {
+  RunResult g = RunCmd(kCli + " generate --help");
+  EXPECT_NE(g.out.find("--max-tokens VALUE"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("(default: 128)"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("--json"), std::string::npos);
+  RunResult l = RunCmd(kCli + " launch -h");
+  EXPECT_NE(l.out.find("--port VALUE"), std::string::npos);
+  EXPECT_NE(l.out.find("(default: 8080)"), std::string::npos) << l.out;
+  EXPECT_NE(l.out.find("--no-kv-store"), std::string::npos);
+}
+
+TEST(CliHelpTest, DaemonsPrintTheirUsage) {
+  for (const char* d : {"kvrelay-coordinator", "kvrelay-prefill", "kvrelay-decode",
+                        "kvrelay-worker"}) {
+    for (const char* flag : {"--help", "-h"}) {
+      RunResult r = RunCmd(kBinDir + "/" + d + " " + flag);
+      EXPECT_EQ(r.exit_code, 0) << d << " " << flag << "\n" << r.err;
+      // kvrelay-worker is the colocated role and names itself so.
+      EXPECT_EQ(r.out.rfind("usage: kvrelay-", 0), 0u) << d << ": " << r.out;
+      EXPECT_NE(r.out.find("(default: "), std::string::npos) << d;
+    }
+  }
+  RunResult c = RunCmd(kBinDir + "/kvrelay-coordinator --help");
+  EXPECT_NE(c.out.find("--max-connections-per-client VALUE"), std::string::npos);
+  EXPECT_NE(c.out.find("(default: 1024)"), std::string::npos);
+}
+
+TEST(CliArgsTest, StrayPositionalArgumentsAreErrors) {
+  for (const std::string& c : {std::string("generate"), std::string("launch"),
+                               std::string("bench serve"), std::string("perplexity")}) {
+    RunResult r = RunCmd(kCli + " " + c + " stray");
+    EXPECT_EQ(r.exit_code, 2) << c;
+    EXPECT_NE(r.err.find("'stray'"), std::string::npos) << c << ": " << r.err;
+  }
+  RunResult i = RunCmd(kCli + " inspect a.gguf b.gguf");
+  EXPECT_EQ(i.exit_code, 2);
+  EXPECT_NE(i.err.find("'b.gguf'"), std::string::npos) << i.err;
+  RunResult d = RunCmd(kBinDir + "/kvrelay-coordinator --model m.gguf stray");
+  EXPECT_EQ(d.exit_code, 2);
+  EXPECT_NE(d.err.find("'stray'"), std::string::npos) << d.err;
+}
+
+}  // namespace
