@@ -1,7 +1,10 @@
 // The command line as a user meets it: every command and daemon answers
 // --help / -h with its complete usage on stdout and exit 0 (and starts
 // nothing), stray positional arguments are errors.
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -110,6 +113,42 @@ TEST(CliArgsTest, StrayPositionalArgumentsAreErrors) {
   RunResult d = RunCmd(kBinDir + "/kvrelay-coordinator --model m.gguf stray");
   EXPECT_EQ(d.exit_code, 2);
   EXPECT_NE(d.err.find("'stray'"), std::string::npos) << d.err;
+}
+
+// kvrelay launch refuses a busy port and a bad --model before it starts any
+// process (ProcessGroup logs "started NAME" for each one).
+TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
+  const std::string model =
+      std::string(KVRELAY_CLI_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::ifstream(model)) GTEST_SKIP() << "no model at " << model;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  RunResult r = RunCmd(kCli + " launch --host 127.0.0.1 --port " + port +
+                       " --no-kv-store --model " + model);
+  close(fd);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("port " + port), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("in use"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
+}
+
+TEST(CliLaunchTest, BadModelFailsBeforeAnyWorkerStarts) {
+  const std::string bogus = ::testing::TempDir() + "/cli_test_not_a_model.gguf";
+  { std::ofstream(bogus) << "this is not a GGUF file"; }
+  for (const std::string& model : {std::string("/nonexistent/model.gguf"), bogus}) {
+    RunResult r = RunCmd(kCli + " launch --port 0 --no-kv-store --model " + model);
+    EXPECT_NE(r.exit_code, 0) << model;
+    EXPECT_NE(r.err.find("--model " + model), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
+  }
 }
 
 }  // namespace
