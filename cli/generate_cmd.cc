@@ -157,7 +157,11 @@ int RunGenerate(const std::vector<std::string>& args) {
     j["finish_reason"] = finish;
     std::cout << j.dump() << std::endl;
   } else {
-    std::printf("\n");
+    // The text's line is ended and flushed before the statistics go to
+    // stderr, so with both on one terminal or file (2>&1) the statistics are
+    // on a line of their own.
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
     std::fprintf(stderr, "[%zu prompt tokens, %zu generated, ttft %.1f ms, %.1f tokens/s, %s]\n",
                  prompt_ids.size(), out_ids.size(), ttft_ms, decode_tps, finish.c_str());
   }

@@ -71,6 +71,10 @@ Status ProcessGroup::Spawn(const ChildSpec& spec) {
     // The parent may have died before prctl took effect: then no signal
     // comes, so check by hand (we were reparented).
     if (e == 0 && getppid() != parent) _exit(127);
+    // A child's stdout joins the launcher's stderr: children are daemons whose
+    // output is logs, and the launcher's stdout carries only what it prints
+    // for the user (kvrelay launch --demo: the answer alone).
+    if (e == 0 && dup2(STDERR_FILENO, STDOUT_FILENO) < 0) e = errno;
     if (e == 0) {
       execve(argv[0], argv.data(), envp.data());
       e = errno;

@@ -151,4 +151,46 @@ TEST(CliLaunchTest, BadModelFailsBeforeAnyWorkerStarts) {
   }
 }
 
+std::string Model() {
+  return std::string(KVRELAY_CLI_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+// Both streams into one pipe, as a terminal or `2>&1 | tee` shows them.
+std::string RunMerged(const std::string& command) {
+  std::string out;
+  FILE* p = ::popen(("timeout -s KILL 120 " + command + " </dev/null 2>&1").c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  const std::string merged =
+      RunMerged(kCli + " generate --model " + Model() + " --prompt Hello --max-tokens 8");
+  const size_t stats = merged.find("[1 prompt tokens, 8 generated");
+  ASSERT_NE(stats, std::string::npos) << merged;
+  ASSERT_GT(stats, 0u);
+  EXPECT_EQ(merged[stats - 1], '\n') << "statistics glued to the text: " << merged;
+}
+
+// The answer alone on stdout; every log line (the launcher's and its
+// children's) on stderr.
+TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  RunResult r = RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --model " +
+                       Model());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  EXPECT_EQ(r.out.find("listening"), std::string::npos) << r.out;
+  for (const char* level : {"Z I ", "Z W ", "Z E "}) {  // no log record on stdout
+    EXPECT_EQ(r.out.find(level), std::string::npos) << r.out;
+  }
+  EXPECT_NE(r.err.find("started coordinator"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("kvrelay-coordinator listening"), std::string::npos) << r.err;
+}
+
 }  // namespace
