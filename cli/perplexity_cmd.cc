@@ -12,6 +12,7 @@
 #include "common/clock.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_codec.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -84,7 +85,16 @@ int RunPerplexity(const std::vector<std::string>& args) {
   KvBlockPool::Options po;
   po.layout = m.MakeKvLayout(*dtype, 16);
   const int64_t blocks = (n_ctx + 15) / 16;
+  // KIVI pools carve f32 staging (partially written blocks) out of
+  // capacity_bytes; by default an eighth, which left fewer blocks than one
+  // chunk needs ("KV pool exhausted"). Size it explicitly on top: every layer
+  // of one block (the chunk's tail) plus slack, as bench kv does.
   po.capacity_bytes = blocks * po.layout.BlockBytes();
+  if (engine::kvcodec::IsKivi(*dtype)) {
+    const int64_t slot = 2LL * po.layout.kv_heads * 16 * po.layout.head_dim * 4;
+    po.staging_bytes = 2 * po.layout.layers * slot;
+    po.capacity_bytes += po.staging_bytes;
+  }
   auto pool = KvBlockPool::Create(po);
   if (!pool.ok()) return Fail(pool.status());
   ThreadPool tp(*threads > 0 ? static_cast<int>(*threads) : ThreadPool::DefaultThreads(), "ppl");

@@ -193,4 +193,24 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   EXPECT_NE(r.err.find("kvrelay-coordinator listening"), std::string::npos) << r.err;
 }
 
+// KIVI pools stage partial blocks in f32 carved from the pool; perplexity
+// sizes the pool for that (before: "KV pool exhausted" for kivi4 and kivi2).
+TEST(CliPerplexityTest, WorksWithEveryKvDtypeIncludingKivi) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  const std::string text = std::string(KVRELAY_CLI_SOURCE_DIR) + "/tests/data/kjv_genesis_exodus.txt";
+  double f32 = 0;
+  for (const char* dtype : {"f32", "kivi4", "kivi2"}) {
+    RunResult r = RunCmd(kCli + " perplexity --model " + Model() + " --file " + text +
+                         " --ctx 128 --max-chunks 1 --threads 2 --kv-dtype " + dtype);
+    ASSERT_EQ(r.exit_code, 0) << dtype << ": " << r.err;
+    ASSERT_EQ(r.out.rfind("perplexity ", 0), 0u) << r.out;
+    const double ppl = std::stod(r.out.substr(11));
+    EXPECT_GT(ppl, 1.0) << dtype;
+    if (std::string(dtype) == "f32") f32 = ppl;
+    if (std::string(dtype) == "kivi4") {
+      EXPECT_LT(ppl, f32 * 1.1) << "kivi4 far from f32";
+    }
+  }
+}
+
 }  // namespace
