@@ -6,11 +6,18 @@
 // Each figure is the median of --reps timed runs after one warm-up run, in
 // tokens per second. --profile adds the matmul-only time of one decode token
 // (all layer matrices + LM head, same pool) to show where the time goes.
+// --context C starts every timed pass after C positions already in the cache
+// (computed once, untimed; decode sequences share those blocks read-only, as
+// prefix-cache hits do), so prefill and decode cost can be measured as a
+// function of cached context. --json OUT writes the medians in seconds (the
+// cluster simulator's `kvrelay sim calibrate` reads them).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <span>
 #include <string>
@@ -52,10 +59,30 @@ class Bench {
   Bench(const engine::Model& model, engine::KvBlockPool* kv, ThreadPool* threads, uint32_t seed)
       : model_(model), kv_(kv), fwd_(model, kv, threads), rng_(seed) {}
 
+  // `context` (a multiple of the block size) positions are computed once into
+  // shared blocks every sequence's table starts with; the timed passes start there.
+  Status SetContext(int64_t context) {
+    const int bt = kv_->layout().block_tokens;
+    context_ = context;
+    for (int64_t i = 0; i < context / bt; ++i) {
+      ASSIGN_OR_RETURN(BlockId id, kv_->Allocate());
+      context_blocks_.push_back(id);
+    }
+    if (context == 0) return Status::Ok();
+    const std::vector<int32_t> toks = RandomTokens(context);
+    SeqStep s = MakeSeqStep(context_blocks_, 0, toks, LogitRows::kLast);
+    return fwd_.Run(std::span<const SeqStep>(&s, 1), &out_);
+  }
+  void FreeContext() {
+    for (BlockId id : context_blocks_) kv_->Release(id);
+    context_blocks_.clear();
+  }
+
   Status AllocSeqs(int n, int64_t tokens) {
     const int bt = kv_->layout().block_tokens;
     blocks_.assign(n, {});
     for (auto& b : blocks_) {
+      b = context_blocks_;
       for (int64_t i = 0; i < (tokens + bt - 1) / bt; ++i) {
         ASSIGN_OR_RETURN(BlockId id, kv_->Allocate());
         b.push_back(id);
@@ -65,7 +92,7 @@ class Bench {
   }
   void FreeSeqs() {
     for (auto& b : blocks_) {
-      for (BlockId id : b) kv_->Release(id);
+      for (size_t i = context_blocks_.size(); i < b.size(); ++i) kv_->Release(b[i]);
     }
     blocks_.clear();
   }
@@ -80,7 +107,7 @@ class Bench {
   // Seconds for one prompt of n tokens in one step.
   Result<double> Prefill(int64_t n) {
     const std::vector<int32_t> toks = RandomTokens(n);
-    SeqStep s = MakeSeqStep(blocks_[0], 0, toks, LogitRows::kLast);
+    SeqStep s = MakeSeqStep(blocks_[0], context_, toks, LogitRows::kLast);
     const double t0 = Now();
     RETURN_IF_ERROR(fwd_.Run(std::span<const SeqStep>(&s, 1), &out_));
     return Now() - t0;
@@ -94,7 +121,7 @@ class Bench {
     const double t0 = Now();
     for (int step = 0; step < steps; ++step) {
       for (int b = 0; b < batch; ++b) {
-        seqs[b] = MakeSeqStep(blocks_[b], step, toks[b], LogitRows::kLast);
+        seqs[b] = MakeSeqStep(blocks_[b], context_ + step, toks[b], LogitRows::kLast);
       }
       RETURN_IF_ERROR(fwd_.Run(seqs, &out_));
       // Greedy next token keeps the data path realistic (logits are read).
@@ -113,6 +140,8 @@ class Bench {
   ForwardPass fwd_;
   std::mt19937 rng_;
   std::vector<std::vector<BlockId>> blocks_;
+  std::vector<BlockId> context_blocks_;
+  int64_t context_ = 0;
   ForwardOutput out_;
 };
 
@@ -174,6 +203,9 @@ const FlagSpec kSpec = {
      {"batches", "4,16,64", "batch sizes of the batched decode run"},
      {"batch-steps", "16", "decode steps per batch size"},
      {"seed", "1", "prompt seed"},
+     {"context", "0", "positions already cached before each timed pass (multiple of 16)"},
+     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+     {"json", "", "also write the medians (seconds) as JSON to this file"},
      {"skip-batches", "", "skip the batched decode run", true},
      {"profile", "", "add the matmul-only time of one decode token", true}}};
 
@@ -188,7 +220,8 @@ int Run(const std::vector<std::string>& args) {
   auto tg_f = flags->GetInt("tg", 128);
   auto steps_f = flags->GetInt("batch-steps", 16);
   auto seed_f = flags->GetInt("seed", 1);
-  for (const auto* r : {&threads_f, &reps_f, &pp_f, &tg_f, &steps_f, &seed_f}) {
+  auto context_f = flags->GetInt("context", 0);
+  for (const auto* r : {&threads_f, &reps_f, &pp_f, &tg_f, &steps_f, &seed_f, &context_f}) {
     if (!r->ok()) {
       std::fprintf(stderr, "bench engine: %s\n", r->status().ToString().c_str());
       return 2;
@@ -197,6 +230,11 @@ int Run(const std::vector<std::string>& args) {
   const int threads = static_cast<int>(*threads_f), reps = static_cast<int>(*reps_f);
   const int64_t pp = *pp_f, tg = *tg_f;
   const int steps = static_cast<int>(*steps_f);
+  const int64_t context = *context_f;
+  if (context < 0 || context % 16 != 0) {
+    std::fprintf(stderr, "bench engine: --context must be a non-negative multiple of 16\n");
+    return 2;
+  }
   if (threads < 1 || reps < 1 || pp < 1 || tg < 1 || steps < 1) {
     std::fprintf(stderr,
                  "bench engine: --threads, --reps, --pp, --tg, --batch-steps must be >= 1\n");
@@ -229,10 +267,15 @@ int Run(const std::vector<std::string>& args) {
   const int bt = 16;
   int64_t max_seqs = 1;
   for (int b : batches) max_seqs = std::max<int64_t>(max_seqs, b);
-  const int64_t need_blocks =
-      std::max<int64_t>((std::max(pp, tg) + bt - 1) / bt, max_seqs * ((steps + bt - 1) / bt));
+  const int64_t need_blocks = context / bt + std::max<int64_t>((std::max(pp, tg) + bt - 1) / bt,
+                                                               max_seqs * ((steps + bt - 1) / bt));
   engine::KvBlockPool::Options po;
-  po.layout = m.MakeKvLayout(engine::KvDtype::kF32, bt);
+  auto kv_dtype = engine::ParseKvDtype(flags->Get("kv-dtype", "f32"));
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "bench engine: %s\n", kv_dtype.status().ToString().c_str());
+    return 2;
+  }
+  po.layout = m.MakeKvLayout(*kv_dtype, bt);
   po.capacity_bytes = (need_blocks + 2) * po.layout.BlockBytes();
   auto kv = engine::KvBlockPool::Create(po);
   if (!kv.ok()) {
@@ -250,15 +293,23 @@ int Run(const std::vector<std::string>& args) {
     return 1;
   };
   char label[64];
+  nlohmann::json report = {{"model", path},
+                           {"threads", threads},
+                           {"reps", reps},
+                           {"context", context},
+                           {"decode", nlohmann::json::array()}};
+  if (Status s = bench.SetContext(context); !s.ok()) return fail(s);
   if (Status s = bench.AllocSeqs(1, std::max(pp, tg)); !s.ok()) return fail(s);
   auto pps = Measure(reps, pp, [&] { return bench.Prefill(pp); });
   if (!pps.ok()) return fail(pps.status());
   std::snprintf(label, sizeof(label), "pp%lld", static_cast<long long>(pp));
   Print(label, *pps);
+  report["prefill"] = {{"tokens", pp}, {"median_s", pp / pps->median}};
   auto tgs = Measure(reps, tg, [&] { return bench.Decode(1, static_cast<int>(tg)); });
   if (!tgs.ok()) return fail(tgs.status());
   std::snprintf(label, sizeof(label), "tg%lld", static_cast<long long>(tg));
   Print(label, *tgs);
+  report["tg"] = {{"tokens", tg}, {"median_step_s", 1.0 / tgs->median}};
   bench.FreeSeqs();
   double batch1 = 0;
   for (int b : batches) {
@@ -267,6 +318,8 @@ int Run(const std::vector<std::string>& args) {
       auto one = Measure(reps, steps, [&] { return bench.Decode(1, steps); });
       if (!one.ok()) return fail(one.status());
       batch1 = one->median;
+      report["decode"].push_back(
+          {{"batch", 1}, {"steps", steps}, {"median_step_s", 1.0 / one->median}});
       std::snprintf(label, sizeof(label), "decode batch 1 x%d", steps);
       Print(label, *one);
     }
@@ -275,6 +328,7 @@ int Run(const std::vector<std::string>& args) {
     std::snprintf(label, sizeof(label), "decode batch %d x%d", b, steps);
     Print(label, *st);
     std::printf("%-22s %10.2fx\n", "  vs batch 1", st->median / batch1);
+    report["decode"].push_back({{"batch", b}, {"steps", steps}, {"median_step_s", b / st->median}});
     bench.FreeSeqs();
   }
   if (flags->Has("profile")) {
@@ -294,6 +348,15 @@ int Run(const std::vector<std::string>& args) {
     std::printf("  weights read per token %.1f MB -> matmul-only %.2f GB/s\n", weight_bytes / 1e6,
                 weight_bytes / mm / 1e9);
   }
+  bench.FreeContext();
+  if (flags->Has("json")) {
+    std::ofstream f(flags->Get("json"));
+    f << report.dump(2) << "\n";
+    if (!f) {
+      std::fprintf(stderr, "bench engine: cannot write %s\n", flags->Get("json").c_str());
+      return 1;
+    }
+  }
   return 0;
 }
 
@@ -301,7 +364,8 @@ int Run(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_engine, "bench engine",
                 "bench engine --model M [--threads T] [--reps 5] [--pp 512] [--tg 128] "
-                "[--batches 4,16,64] [--batch-steps 16] [--profile]",
+                "[--batches 4,16,64] [--batch-steps 16] [--context C] [--kv-dtype f32] [--json "
+                "OUT] [--profile]",
                 Run);
 
 }  // namespace kvrelay::cli

@@ -351,6 +351,19 @@ int BenchServe(const std::vector<std::string>& args) {
       {"slo_attainment",
        num_prompts > 0 ? static_cast<double>(good) / static_cast<double>(num_prompts) : 0.0},
   };
+  // Per request, in workload order (the cluster simulator replays these
+  // arrival times: `kvrelay sim validate`).
+  json per_request = json::array();
+  for (const auto& o : outcomes) {
+    per_request.push_back({{"ok", o.ok},
+                           {"start_s", o.start_s},
+                           {"ttft_ms", o.ttft_s * 1000},
+                           {"e2e_ms", o.e2e_s * 1000},
+                           {"prompt_tokens", o.prompt_tokens},
+                           {"output_tokens", o.output_tokens},
+                           {"cached_tokens", o.cached_tokens}});
+  }
+  report["requests"] = std::move(per_request);
   auto line = [&](const char* name, const Stats& s) {
     std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50, s.p90,
                 s.p99);

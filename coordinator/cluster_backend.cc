@@ -153,6 +153,12 @@ struct ClusterBackend::State {
     }
     for (uint64_t rid : affected) {
       RequestEntry& r = requests[rid];
+      if (r.phase == Phase::kDecoding && r.prefill_id == id && r.decode_id != id) {
+        // Handed over: the prefill side reported its first token only once the
+        // KV streams were delivered to the transport, so the request no longer
+        // depends on it (a decode-side KV failure still ends it with an error).
+        continue;
+      }
       const std::string other = r.prefill_id == id ? r.decode_id : r.prefill_id;
       if (other != id) SendCancel(other, rid, "peer worker " + id + " lost");
       // Nothing has reached the client yet: run it again on the workers left

@@ -68,9 +68,8 @@ int64_t PrefixIndex::BlockCount(const std::string& worker) const {
   return it == by_worker_.end() ? 0 : static_cast<int64_t>(it->second.size());
 }
 
-namespace {
-
-std::vector<const WorkerInfo*> Candidates(const std::vector<WorkerInfo>& workers, WorkerRole role) {
+std::vector<const WorkerInfo*> RoutingCandidates(const std::vector<WorkerInfo>& workers,
+                                                 WorkerRole role) {
   std::vector<const WorkerInfo*> out;
   for (const auto& w : workers) {
     if (w.healthy && (w.role == role || w.role == WorkerRole::kColocated)) out.push_back(&w);
@@ -80,11 +79,18 @@ std::vector<const WorkerInfo*> Candidates(const std::vector<WorkerInfo>& workers
   return out;
 }
 
-}  // namespace
-
 Result<std::string> Router::PickPrefill(const RouteRequest& request,
                                         const std::vector<WorkerInfo>& workers) {
-  auto candidates = Candidates(workers, WorkerRole::kPrefill);
+  return PickPrefillAmong(request, RoutingCandidates(workers, WorkerRole::kPrefill));
+}
+
+Result<std::string> Router::PickDecode(const RouteRequest& request,
+                                       const std::vector<WorkerInfo>& workers) {
+  return PickDecodeAmong(request, RoutingCandidates(workers, WorkerRole::kDecode));
+}
+
+Result<std::string> Router::PickPrefillAmong(const RouteRequest& request,
+                                             std::span<const WorkerInfo* const> candidates) {
   if (candidates.empty()) return Unavailable("no healthy prefill worker");
   switch (options_.policy) {
     case RouterPolicy::kRoundRobin: {
@@ -118,9 +124,8 @@ Result<std::string> Router::PickPrefill(const RouteRequest& request,
   return Internal("unknown router policy");
 }
 
-Result<std::string> Router::PickDecode(const RouteRequest& request,
-                                       const std::vector<WorkerInfo>& workers) {
-  auto candidates = Candidates(workers, WorkerRole::kDecode);
+Result<std::string> Router::PickDecodeAmong(const RouteRequest& request,
+                                            std::span<const WorkerInfo* const> candidates) {
   if (candidates.empty()) return Unavailable("no healthy decode worker");
   const WorkerInfo* best = nullptr;
   double best_score = 0;

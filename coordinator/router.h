@@ -63,6 +63,13 @@ struct RouteRequest {
   int64_t max_new_tokens = 0;
 };
 
+// The workers Router::PickPrefill / PickDecode choose among: the healthy ones
+// of `role` or kColocated, sorted by id. Exposed so that a caller routing many
+// requests over a fixed worker set (the cluster simulator, sim/) can build the
+// list once and call the *Among overloads.
+std::vector<const WorkerInfo*> RoutingCandidates(const std::vector<WorkerInfo>& workers,
+                                                 WorkerRole role);
+
 struct RouterOptions {
   RouterPolicy policy = RouterPolicy::kPrefixAware;
 };
@@ -82,6 +89,13 @@ class Router {
   // ResourceExhausted when none has room.
   Result<std::string> PickDecode(const RouteRequest& request,
                                  const std::vector<WorkerInfo>& workers);
+
+  // The same choices over a candidate list built by RoutingCandidates (the
+  // pointed-to infos may be updated in place between calls; keep the id order).
+  Result<std::string> PickPrefillAmong(const RouteRequest& request,
+                                       std::span<const WorkerInfo* const> candidates);
+  Result<std::string> PickDecodeAmong(const RouteRequest& request,
+                                      std::span<const WorkerInfo* const> candidates);
 
  private:
   const RouterOptions options_;

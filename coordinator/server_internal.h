@@ -83,6 +83,7 @@ struct Core {
 
   std::mutex worker_totals_mutex;
   std::map<std::string, double> worker_totals;  // guarded: last cumulative value per series
+  std::set<std::string> scraped_workers;        // guarded: workers a /metrics scrape has shown
 
   std::mutex clients_mutex;
   std::map<std::string, int> clients;  // guarded by clients_mutex: open connections per client

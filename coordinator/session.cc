@@ -267,7 +267,22 @@ void Session::HandleHealth() {
 
 void Session::HandleMetrics() {
   MetricsRegistry* m = core_->registry;
-  for (const auto& w : core_->backend->Workers()) {
+  const auto now = core_->backend->Workers();
+  {
+    // A worker that left (died, or its group broke) reads unhealthy and idle,
+    // not its last values.
+    std::lock_guard<std::mutex> lock(core_->worker_totals_mutex);
+    for (const std::string& id : core_->scraped_workers) {
+      const bool present =
+          std::any_of(now.begin(), now.end(), [&](const auto& w) { return w.id == id; });
+      if (present) continue;
+      const MetricLabels l = core_->Labels({{"worker", id}});
+      m->GetGauge("kvrelay_worker_healthy", "1 when the worker is healthy.", l)->Set(0);
+      m->GetGauge("kvrelay_worker_running", "Sequences in the worker's running batch.", l)->Set(0);
+    }
+    for (const auto& w : now) core_->scraped_workers.insert(w.id);
+  }
+  for (const auto& w : now) {
     const MetricLabels l = core_->Labels({{"worker", w.id}});
     double util = w.total_kv_blocks > 0 ? 1.0 - static_cast<double>(w.free_kv_blocks) /
                                                     static_cast<double>(w.total_kv_blocks)

@@ -52,7 +52,11 @@ Status DecodeRole::OnControlFrame(const protocols::Frame& frame) {
       proto::StartDecode m;
       RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &m));
       auto it = incoming_.find(m.request_id());
-      if (it != incoming_.end()) it->second.first_token = m.first_token();
+      if (it != incoming_.end()) {
+        it->second.first_token = m.first_token();
+        it->second.first_token_at = Clock::now();
+        it->second.deadline = Deadline::After(ctx_.options->kv_timeout);
+      }
       return Status::Ok();  // (cancelled or failed meanwhile otherwise)
     }
     case MessageType::kCancel: {
@@ -96,7 +100,7 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
-  in.deadline = Deadline::After(ctx_.options->kv_timeout);
+  in.deadline = Deadline::After(ctx_.options->kv_timeout * kReservationTimeoutFactor);
   ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
                                      ctx_.transport, static_cast<int>(reserving_prefill_rank_),
                                      engine_->pool(), ctx_.model->fingerprint(), request.id,
@@ -138,8 +142,13 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
     }
     if (s.ok()) s = in.follower_error;
     if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
-      s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
-                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+      s = DeadlineExceeded(
+          in.first_token >= 0
+              ? "KV of request " + std::to_string(id) + " did not arrive within " +
+                    std::to_string(ctx_.options->kv_timeout.count()) + " ms of its first token"
+              : "request " + std::to_string(id) + " was not prefilled within " +
+                    std::to_string((ctx_.options->kv_timeout * kReservationTimeoutFactor).count()) +
+                    " ms of its reservation");
     }
     if (!s.ok()) {
       in.receivers.clear();  // cancels outstanding receives before the blocks go back
@@ -153,6 +162,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
       continue;
     }
     ctx_.counters->transfer_bytes += ctx_.layout.BlockBytes() * in.blocks;
+    ctx_.counters->transfer_seconds += SecondsSince(in.first_token_at);
     done.push_back({id, Status::Ok(), in.first_token});
     it = incoming_.erase(it);
   }

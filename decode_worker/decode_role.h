@@ -12,8 +12,13 @@
 //   (KV arrives)   -> PollRemoteLoads reports the load done once every layer
 //                     of every rank is verified and the first token is known;
 //                     the engine then decodes it with the running batch.
-// A deadline (kv_timeout), a cancel or a broken TP link fails the load; the
-// engine's request owns the blocks, so they go back on every path.
+// A deadline, a cancel or a broken TP link fails the load; the engine's
+// request owns the blocks, so they go back on every path. The deadline is
+// kv_timeout from StartDecode (the prefill side reports its first token only
+// once the KV is on the wire, so what is left is delivery). Before that the
+// prefill may still be queued behind other prompts — the coordinator cancels
+// the reservation if that worker is lost — so the wait is only capped, at
+// kReservationTimeoutFactor x kv_timeout.
 #pragma once
 
 #include <map>
@@ -56,10 +61,13 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
     int64_t blocks = 0;
     int32_t first_token = -1;
+    TimePoint first_token_at;  // StartDecode: the KV wait left after the prefill counts from here
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;
   };
+
+  static constexpr int kReservationTimeoutFactor = 10;
 
   void OnReserveBlocks(const proto::ReserveBlocks& m);
   void ApplyFollowerAcks();

@@ -3,9 +3,10 @@
 // MPI's non-blocking collectives, polled with a deadline.
 //
 // Results are bit-identical on every rank and to the TCP link's
-// (tp_group.h): the all-gather is MPI_Iallgatherv in rank order; the
-// all-reduce gathers every rank's vector and adds them in rank order on each
-// rank (MPI_Iallreduce's summation order is the library's).
+// (tp_group.h): one MPI_Iallgather per call of [count | data padded to the
+// bound], unpacked in rank order; the all-reduce gathers every rank's vector
+// and adds them in rank order on each rank (MPI_Iallreduce's summation order
+// is the library's).
 //
 // A collective with a dead member never completes and never errors (measured
 // with Open MPI 4.1, see docs/BENCHMARKS.md). So a collective that misses its
@@ -51,21 +52,20 @@ class MpiTpCollective final : public engine::TpCollective {
       : comm_(comm), rank_(rank), size_(size), timeout_(timeout) {}
   // Waits for `req` until the deadline, yielding the core while it waits.
   Status Wait(MPI_Request* req, const char* what);
-  // Gathers every rank's local[0, n_local) into gathered_ (rank order);
-  // counts_/displs_ say where each rank's part is.
-  Status Gather(const float* local, int64_t n_local);
+  // Gathers every rank's local[0, n_local) (n_local <= cap on every rank):
+  // gathered_ holds, per rank in rank order, a slot of cap + 1 floats — the
+  // count, then the data; counts_ has each rank's count.
+  Status Gather(const float* local, int64_t n_local, int64_t cap);
 
   MPI_Comm comm_;
   int rank_ = 0;
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   Status broken_;
-  std::vector<long long> n_all_;  // each rank's element count, this call
-  std::vector<int> counts_, displs_;
+  std::vector<int> counts_;  // each rank's element count, this call
   std::vector<float> send_, gathered_;
   // Buffers of abandoned collectives: MPI may still write them.
   std::vector<std::unique_ptr<std::vector<float>>> quarantine_;
-  std::vector<std::unique_ptr<std::vector<long long>>> quarantine_counts_;
   int64_t quarantined_bytes_ = 0;
 };
 

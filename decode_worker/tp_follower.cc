@@ -103,7 +103,9 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   const kv_transfer::HeadRange own{base_.model->kv_head_range().begin,
                                    base_.model->kv_head_range().end};
   Incoming in;
-  in.deadline = Deadline::After(options_.kv_timeout);
+  // Rank 0 holds the tighter deadline (from the first token, decode_role.h);
+  // this one only guarantees the follower never waits forever.
+  in.deadline = Deadline::After(options_.kv_timeout * 10);
   auto receivers = worker::StartSegmentReceivers(
       base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
       base_.model->fingerprint(), id, blocks, own);

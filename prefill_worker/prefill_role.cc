@@ -180,9 +180,9 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
 }
 
 void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
-  // A long step (a big prefill chunk) must not look like a dead worker:
-  // heartbeats are due every interval even in the middle of a step.
-  ctx_.control->HeartbeatIfDue();
+  // Heartbeats go out from the link's own thread; keep what they report fresh
+  // in the middle of a long step.
+  ctx_.control->PublishHeartbeat();
   const int64_t B = ctx_.layout.block_tokens;
   for (const engine::SeqStep& seq : plan.seqs) {
     auto it = outgoing_.find(seq.request);

@@ -12,7 +12,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libxxhash-dev libssl-dev
   libicu-dev
-  python3 python3-venv
+  python3 python3-venv python3-yaml
+  iproute2 util-linux  # ip, tc, nsenter, unshare: tests/multinode's emulated hosts
   prometheus  # promtool: the coordinator's /metrics is checked with `promtool check metrics`
 )
 

@@ -1,5 +1,7 @@
 #include "worker/control_link.h"
 
+#include <pthread.h>
+
 namespace kvrelay::worker {
 
 using protocols::MessageType;
@@ -37,6 +39,39 @@ ControlLink::ControlLink(Options options)
 
 ControlLink::~ControlLink() { Close(Cancelled("worker stopping")); }
 
+void ControlLink::StartHeartbeats() {
+  StopHeartbeats();
+  {
+    std::lock_guard lock(hb_mu_);
+    hb_stop_ = false;
+  }
+  hb_thread_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "worker-hb");
+    HeartbeatLoop();
+  });
+}
+
+void ControlLink::StopHeartbeats() {
+  {
+    std::lock_guard lock(hb_mu_);
+    hb_stop_ = true;
+  }
+  hb_cv_.notify_all();
+  if (hb_thread_.joinable()) hb_thread_.join();
+}
+
+void ControlLink::HeartbeatLoop() {
+  std::unique_lock lock(hb_mu_);
+  while (!hb_stop_) {
+    proto::Heartbeat hb = hb_snapshot_;
+    hb.set_worker_id(options_.worker_id);
+    lock.unlock();
+    Send(MessageType::kHeartbeat, hb);  // FramedConnection::Send is thread-safe
+    lock.lock();
+    hb_cv_.wait_for(lock, heartbeat_interval_, [&] { return hb_stop_; });
+  }
+}
+
 Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline) {
   Close(Cancelled("reconnecting"));
   protocols::ConnectionOptions copts;
@@ -58,10 +93,13 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   if (reply.heartbeat_interval_ms() > 0) {
     heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
   }
+  PublishHeartbeat();
+  StartHeartbeats();
   return Status::Ok();
 }
 
 void ControlLink::Close(const Status& why) {
+  StopHeartbeats();
   if (conn_) conn_->Close(why);
   conn_.reset();
 }
@@ -90,12 +128,11 @@ void ControlLink::SetHeartbeatSource(std::function<void(proto::Heartbeat*)> sour
   heartbeat_source_ = std::move(source);
 }
 
-void ControlLink::SendHeartbeat() {
+void ControlLink::PublishHeartbeat() {
   proto::Heartbeat hb;
-  hb.set_worker_id(options_.worker_id);
   if (heartbeat_source_) heartbeat_source_(&hb);
-  Send(MessageType::kHeartbeat, hb);
-  next_heartbeat_ = Clock::now() + heartbeat_interval_;
+  std::lock_guard lock(hb_mu_);
+  hb_snapshot_ = std::move(hb);
 }
 
 void ControlLink::OnKvEvent(const engine::KvEvent& ev) {

@@ -3,14 +3,20 @@
 // the roles send. It never carries KV (that is the Transport's job), so the
 // death of either side is a closed connection or a missed heartbeat here.
 //
-// Threading: owned by the worker shell and used only on its run thread
-// (roles call it from their hooks, which run there too).
+// Threading: owned by the worker shell and used on its run thread (roles
+// call it from their hooks, which run there too), except the heartbeats: the
+// link's own thread ("worker-hb") sends one every interval while connected,
+// carrying the latest snapshot the run thread published, so a long step (a
+// big prefill chunk on a quarter of a core) never looks like a dead worker.
 #pragma once
 
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <condition_variable>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "common/clock.h"
 #include "common/logging.h"
@@ -56,14 +62,11 @@ class ControlLink {
                   int64_t prompt_tokens = 0, int64_t completion_tokens = 0);
   Result<protocols::Frame> Receive(Deadline deadline);
 
-  // Heartbeats carry what `source` fills in; due every interval the
-  // coordinator asked for, also in the middle of a long step.
+  // Heartbeats carry what `source` fills in (called on the run thread).
   void SetHeartbeatSource(std::function<void(proto::Heartbeat*)> source);
-  void SendHeartbeat();
-  void HeartbeatIfDue() {
-    if (Clock::now() >= next_heartbeat_) SendHeartbeat();
-  }
-  TimePoint next_heartbeat() const { return next_heartbeat_; }
+  // Refreshes the snapshot the heartbeat thread sends (run thread; cheap,
+  // called every loop turn and from inside long steps).
+  void PublishHeartbeat();
 
   // Prefix-cache events of the pool, batched until FlushCacheEvents.
   void OnKvEvent(const engine::KvEvent& ev);
@@ -73,9 +76,17 @@ class ControlLink {
   Options options_;
   std::unique_ptr<protocols::IoThread> io_;
   std::shared_ptr<protocols::FramedConnection> conn_;
+  void StartHeartbeats();
+  void StopHeartbeats();
+  void HeartbeatLoop();
+
   std::function<void(proto::Heartbeat*)> heartbeat_source_;
   std::chrono::milliseconds heartbeat_interval_{500};
-  TimePoint next_heartbeat_;
+  std::mutex hb_mu_;
+  std::condition_variable hb_cv_;
+  proto::Heartbeat hb_snapshot_;  // guarded by hb_mu_
+  bool hb_stop_ = false;          // guarded by hb_mu_
+  std::thread hb_thread_;
   proto::PrefixCacheEvent cache_events_;
 };
 

@@ -133,8 +133,7 @@ std::chrono::nanoseconds Worker::Idle() const {
   } else if (role_->polling() || e->loading() > 0) {
     wait = std::chrono::milliseconds(1);
   } else {
-    wait = std::chrono::nanoseconds(
-        std::max<int64_t>(0, (control_->next_heartbeat() - Clock::now()).count()));
+    wait = std::chrono::milliseconds(100);
   }
   return std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));
 }
@@ -178,7 +177,6 @@ void Worker::DropRequests() {
 Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
   *link_lost = false;
   engine::Engine* engine = role_->engine();
-  control_->SendHeartbeat();
   while (!stop.load()) {
     auto frame = control_->Receive(Deadline::After(Idle()));
     while (frame.ok()) {
@@ -203,7 +201,7 @@ Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
     // A TP group cannot go on without a rank: leave so the coordinator stops
     // routing here (the step's requests have already failed).
     RETURN_IF_ERROR(role_->health());
-    control_->HeartbeatIfDue();
+    control_->PublishHeartbeat();
   }
   return Status::Ok();
 }

@@ -10,51 +10,152 @@
 #
 #   deploy/mpirun/launch.sh [-P prefill] [-D decode] [-T tp] [-H hostfile] [-c coordinator-host]
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
-#                           [-k kv-dtype] [-t threads-per-worker]
+#                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
+#                           [-K cluster-key-file] [-X kv-transport] [-W kv-timeout-ms]
+#                           [-M tp-comm]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
+#
+# Across hosts (-H): rank 0 (the coordinator) lands on the hostfile's first
+# host and -c must name that host as the workers can resolve it. The
+# coordinator listens on the address -c resolves to on its own host; each
+# worker listens on and advertises the address of its interface that routes
+# to the coordinator (--kv-host, --advertise-host), never a wildcard, so peers
+# on other hosts can dial its KV port. Placement follows the hostfile's slots in order
+# (coordinator, prefill ranks, then the decode ranks group by group), so a
+# hostfile "c slots=1 / p0 slots=1 / d0 slots=T" puts prefill and decode on
+# different hosts and each TP group inside one. How mpirun reaches the hosts
+# is Open MPI's business: ssh by default, or any agent given as
+# OMPI_MCA_plm_rsh_agent (tests/multinode uses one that enters a network
+# namespace).
+#
+# Cluster key: when the binaries take --cluster-key-file (the coordinator is
+# asked), every process gets -K FILE, or a fresh key written (mode 0600) for
+# this launch and removed when it ends; across hosts -K must name a file that
+# exists on every host.
+#
+# -X passes --kv-transport to the workers (tcp | mpi | auto; without -X the
+# binaries choose: auto = MPI when started by mpirun and MPI is initialised).
+# -M passes --tp-comm to the workers (tcp | mpi | auto: a decode group's
+# collectives on its TCP link or its MPI sub-communicator; auto = MPI when the
+# KV data plane is MPI).
+# -W passes --kv-timeout-ms (how long a decode worker waits for a request's KV
+# after its first token; the wait before it is capped at 10x; default 30 s).
+#
+# The job runs with --enable-recovery: a rank that dies (a worker killed, a
+# host lost) does not end the others; the coordinator learns of it from the
+# control plane (closed connection, missed heartbeats) and routes around it.
+#
 # Example (one machine, 2 cores): deploy/mpirun/launch.sh -P 1 -D 1
 # Example (hosts):               deploy/mpirun/launch.sh -H deploy/mpirun/hostfile.example -c node0 -P 2 -D 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1
+P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
-    C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;;
+    C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
+    K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;; W) KVTIMEOUT=$OPTARG ;; M) TPCOMM=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
-            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads]" >&2; exit 2 ;;
+            "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
+            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto]" >&2
+       exit 2 ;;
   esac
 done
-if ! [ "$T" -ge 1 ] 2>/dev/null; then
-  echo "launch.sh: -T must be a positive integer, got '$T'" >&2
+for v in P D T; do
+  if ! [ "${!v}" -ge 1 ] 2>/dev/null; then
+    echo "launch.sh: -$v must be a positive integer, got '${!v}'" >&2
+    exit 2
+  fi
+done
+if [ -n "$HOSTFILE" ] && [ ! -r "$HOSTFILE" ]; then
+  echo "launch.sh: cannot read hostfile '$HOSTFILE'" >&2
+  exit 2
+fi
+if [ -n "$HOSTFILE" ] && [ "$COORD" = 127.0.0.1 ]; then
+  echo "launch.sh: with -H, -c must name the coordinator's host (the hostfile's first host)" >&2
   exit 2
 fi
 
 # --bind-to none: a worker runs an engine thread pool and transport threads; the
 # default one-core-per-rank binding would put them all on one core.
-args=(--allow-run-as-root --oversubscribe --bind-to none)
+args=(--allow-run-as-root --oversubscribe --bind-to none --enable-recovery)
 [ -n "$HOSTFILE" ] && args+=(--hostfile "$HOSTFILE")
-# Workers listen for KV on all interfaces when spread over hosts.
-KVHOST=127.0.0.1
-[ -n "$HOSTFILE" ] && KVHOST=0.0.0.0
 
-# Exported for the decode ranks' wrapper above.
-export TP="$T" TPBASE=$((CONTROL + 1))
-args+=(-x TP -x TPBASE)
+# Exported for the per-rank wrappers below.
+export KVR_TP="$T" KVR_TPBASE=$((CONTROL + 1)) KVR_COORD="$COORD" KVR_MULTIHOST="${HOSTFILE:+1}"
+args+=(-x KVR_TP -x KVR_TPBASE -x KVR_COORD -x KVR_MULTIHOST)
 
-exec mpirun "${args[@]}" \
-  -np 1 "$BIN/kvrelay-coordinator" --model "$MODEL" --host "$COORD" --port "$PORT" --control-port "$CONTROL" \
-    --kv-dtype "$KV" : \
-  -np "$P" "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
-    --kv-dtype "$KV" --threads "$THREADS" : \
-  -np "$((D * T))" /bin/bash -c '
+# Runs on every rank's host before the binary: the address to listen on and
+# advertise. On one machine that is loopback; across hosts, the coordinator
+# binds what its name resolves to and a worker takes the source address of its
+# route to the coordinator.
+read -r -d '' ADDR <<'EOF' || true
+kvr_resolve() { getent ahostsv4 "$1" | awk '{print $1; exit}'; }
+kvr_addr() {
+  [ -z "$KVR_MULTIHOST" ] && { echo 127.0.0.1; return; }
+  local ip; ip=$(kvr_resolve "$KVR_COORD")
+  [ -z "$ip" ] && { echo "launch.sh: cannot resolve coordinator host '$KVR_COORD' on $(hostname)" >&2; return 1; }
+  if [ "$1" = coordinator ]; then echo "$ip"; return; fi
+  local src; src=$(ip -o route get "$ip" 2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p')
+  [ -z "$src" ] && src=$(hostname -I 2>/dev/null | awk '{print $1}')
+  [ -z "$src" ] && { echo "launch.sh: no address routes to $KVR_COORD on $(hostname)" >&2; return 1; }
+  echo "$src"
+}
+EOF
+
+key=()
+if "$BIN/kvrelay-coordinator" --cluster-key-file /dev/null --help >/dev/null 2>&1; then
+  if [ -z "$KEYFILE" ]; then
+    KEYFILE=$(mktemp "${TMPDIR:-/tmp}/kvrelay-launch-key.XXXXXX")  # mode 0600
+    trap 'rm -f "$KEYFILE"' EXIT
+    od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$KEYFILE"
+  fi
+  key=(--cluster-key-file "$(realpath "$KEYFILE")")
+elif [ -n "$KEYFILE" ]; then
+  echo "launch.sh: -K given but $BIN/kvrelay-coordinator has no --cluster-key-file" >&2
+  exit 2
+fi
+
+transport=()
+[ -n "$TRANSPORT" ] && transport=(--kv-transport "$TRANSPORT")
+[ -n "$KVTIMEOUT" ] && transport+=(--kv-timeout-ms "$KVTIMEOUT")
+[ -n "$TPCOMM" ] && transport+=(--tp-comm "$TPCOMM")
+wargs=("${key[@]}" "${transport[@]}")
+
+# mpirun runs as a child (not exec) so the EXIT trap can remove a generated
+# key. It gets its own session: a TERM/INT for this script (or its process
+# group, as Ctrl-C sends) reaches mpirun exactly once, through the trap; a
+# second signal within 5 s would make mpirun exit at once and orphan its ranks.
+# Its exit status is ours.
+trap 'kill -TERM "$mpirun_pid" 2>/dev/null' TERM INT
+setsid mpirun "${args[@]}" \
+  -np 1 /bin/bash -c "$ADDR"'
+    a=$(kvr_addr coordinator) || exit 1
+    exec "$@" --host "$a"' coordinator \
+    "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
+    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
+  -np "$P" /bin/bash -c "$ADDR"'
+    a=$(kvr_addr worker) || exit 1
+    exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --kv-host "$a" --advertise-host "$a"' prefill \
+    "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
+    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" : \
+  -np "$((D * T))" /bin/bash -c "$ADDR"'
+    a=$(kvr_addr worker) || exit 1
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
     id="decode-$g"; [ "$r" -gt 0 ] && id="$id-tp$r"
-    tp=(); [ "$TP" -gt 1 ] && tp=(--tp-size "$TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((TPBASE + g))")
-    exec "$@" --id "$id" "${tp[@]}"' decode "$P" "$T" \
-    "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" --kv-host "$KVHOST" \
-    --kv-dtype "$KV" --threads "$THREADS"
+    tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
+    exec "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
+    "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
+    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" &
+mpirun_pid=$!
+# wait returns early when a trapped signal arrives; wait again for the real end.
+rc=0
+while :; do
+  wait "$mpirun_pid" && rc=0 || rc=$?
+  kill -0 "$mpirun_pid" 2>/dev/null || break
+done
+exit "$rc"

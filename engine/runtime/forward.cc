@@ -72,33 +72,9 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   }
   if (c.head_dim > 1024) return Unimplemented("head_dim > 1024 is not supported");
   const int B = kl.block_tokens;
-  // Validate and lay out tokens.
-  int64_t T = 0;
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const SeqStep& q = seqs[s];
-    if (q.tokens.empty())
-      return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
-    if (q.cache_len < 0) return InvalidArgument("negative cache length");
-    const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
-    if (static_cast<int64_t>(q.blocks.size()) * B < len) {
-      return InvalidArgument("sequence " + std::to_string(s) + ": block table of " +
-                             std::to_string(q.blocks.size()) + " blocks cannot hold " +
-                             std::to_string(len) + " positions");
-    }
-    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
-      if (q.blocks[b] < 0 || q.blocks[b] >= pool_->total_blocks()) {
-        return InvalidArgument("sequence " + std::to_string(s) + ": bad block id " +
-                               std::to_string(q.blocks[b]));
-      }
-    }
-    for (int32_t t : q.tokens) {
-      if (t < 0 || t >= c.vocab) {
-        return InvalidArgument("token id " + std::to_string(t) + " is outside the vocabulary [0, " +
-                               std::to_string(c.vocab) + ")");
-      }
-    }
-    T += static_cast<int64_t>(q.tokens.size());
-  }
+  ASSIGN_OR_RETURN(const StepShape shape,
+                   CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
+  const int64_t T = shape.tokens;
   out->logits.clear();
   out->row_begin.assign(1, 0);
   if (T == 0) return Status::Ok();

@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
 
 namespace kvrelay::engine {
@@ -57,5 +58,17 @@ struct StepPlan {
   std::vector<BlockCopy> copies;
   std::vector<SeqStep> seqs;
 };
+
+// What a runner needs to size a step, once the step is known to be valid.
+struct StepShape {
+  int64_t tokens = 0;   // new tokens over all sequences
+  int64_t max_len = 0;  // longest cache_len + tokens
+};
+// The runners' (ForwardPass, the CUDA backend) shared validation of a step
+// against a pool of `total_blocks` blocks of `block_tokens` and a vocabulary:
+// InvalidArgument naming the sequence and what is wrong (no tokens, a block
+// table too short or naming a block outside the pool, a token out of vocab).
+Result<StepShape> CheckStep(std::span<const SeqStep> seqs, int block_tokens, int64_t total_blocks,
+                            int vocab);
 
 }  // namespace kvrelay::engine

@@ -750,17 +750,51 @@ TEST_F(ClusterTest, IdleTensorParallelGroupLosingARankLeavesTheCluster) {
   const uint16_t port = cluster->http_port();
   auto registered = [&](const std::string& id) { return Registered(port, id); };
   ASSERT_TRUE(registered("decode-1"));
+  ASSERT_EQ(WorkerGauge(port, "kvrelay_worker_healthy")["decode-1"], 1);
   const pid_t victim = cluster->processes().Pid("decode-1-tp1");
   ASSERT_GT(victim, 0);
   kill(victim, SIGKILL);
   EXPECT_TRUE(WaitFor([&] { return !registered("decode-1"); }, milliseconds(10'000)))
       << "the broken group is still registered 10 s after losing a rank";
+  // /metrics no longer reports the dead group healthy (it kept 1 before).
+  EXPECT_EQ(WorkerGauge(port, "kvrelay_worker_healthy")["decode-1"], 0);
   const std::vector<int32_t> prompt = ref_->Encode("A short question about rivers");
   const std::string want = ref_->Text(ref_->Greedy(prompt, 8));
   for (int i = 0; i < 4; ++i) {
     CompletionOutcome got = Complete(port, prompt, 8);
     EXPECT_EQ(got.http_status, 200) << got.error;
     EXPECT_EQ(got.text, want);
+  }
+}
+
+// Once a prefill worker has handed a request's KV to the decode side and
+// reported its first token, its death does not fail the request: here every
+// prefill worker is killed while two requests are decoding, and both still
+// finish with the engine's tokens. (Before: they failed with "worker prefill-N
+// was lost".)
+TEST_F(ClusterTest, PrefillDeathAfterHandOverDoesNotFailDecodingRequests) {
+  auto cluster = StartCluster(2, 1, 0, "round_robin");
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  constexpr int kTokens = 160;
+  std::vector<std::vector<int32_t>> prompts = {ref_->Encode("Tell me a story about a lighthouse"),
+                                               ref_->Encode("Tell me a story about a mountain")};
+  std::vector<StreamOutcome> results(prompts.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
+  }
+  const bool decoding = WaitFor(
+      [&] { return WorkerGauge(port, "kvrelay_worker_running")["decode-0"] >= 2; },
+      milliseconds(60'000));
+  if (decoding) {
+    for (const char* p : {"prefill-0", "prefill-1"}) kill(cluster->processes().Pid(p), SIGKILL);
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(decoding) << "the two requests never decoded at once";
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_TRUE(results[i].error.empty()) << "request " << i << ": " << results[i].error;
+    EXPECT_EQ(results[i].text, ref_->Text(ref_->Greedy(prompts[i], kTokens))) << "request " << i;
   }
 }
 

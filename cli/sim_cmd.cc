@@ -1,0 +1,809 @@
+// kvrelay sim: the cluster simulator (sim/cluster_sim.h) from the command line.
+//   kvrelay sim --profile P [workload] [topology]      simulate and report like bench serve
+//   kvrelay sim calibrate --model M --out P            measure this machine into a profile
+//   kvrelay sim validate --model M --profile P         real topologies vs the simulator
+// Calibration and validation run this same binary's `bench engine`,
+// `bench transfer`, `bench prefix` and `bench serve` as child processes (the
+// measurements are theirs, not re-implemented here) and read their --json
+// reports or their printed tables.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/command.h"
+#include "common/flags.h"
+#include "common/clock.h"
+#include "deploy/local_launcher.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/model.h"
+#include "sim/cluster_sim.h"
+#include "sim/profile.h"
+#include "sim/workload.h"
+
+namespace kvrelay::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// ---------------------------------------------------------------- helpers
+
+std::string UtcNow() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      auto c = line.find(':');
+      return c == std::string::npos ? line : line.substr(c + 2);
+    }
+  }
+  return "unknown CPU";
+}
+
+std::string SelfExe() {
+  std::error_code ec;
+  auto p = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? "kvrelay" : p.string();
+}
+
+// Runs this binary with `args`, stdout to a string (stderr passes through),
+// killed at the deadline. Error unless it exits 0 (or, with allow_failure,
+// unless it was killed: bench serve exits 1 when some requests failed and
+// still writes its report).
+Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
+                            bool allow_failure = false) {
+  char tmpl[] = "/tmp/kvrelay-sim-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd < 0) return Internal("mkstemp failed");
+  std::vector<std::string> argv_s = {SelfExe()};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::string cmd;
+  for (const auto& a : argv_s) cmd += a + " ";
+  std::fprintf(stderr, "sim: running %s\n", cmd.c_str());
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fd);
+    unlink(tmpl);
+    return Internal("fork failed");
+  }
+  if (pid == 0) {
+    dup2(fd, STDOUT_FILENO);
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fd);
+  const Deadline deadline = Deadline::AfterMs(static_cast<int64_t>(timeout_s) * 1000);
+  int status = 0;
+  bool exited = false;
+  while (!exited) {
+    const pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      exited = true;
+      break;
+    }
+    if (deadline.Expired()) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      unlink(tmpl);
+      return DeadlineExceeded("'" + cmd + "' ran past " + std::to_string(timeout_s) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::ifstream f(tmpl);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  unlink(tmpl);
+  if (!WIFEXITED(status) || (WEXITSTATUS(status) != 0 && !allow_failure)) {
+    return Internal("'" + cmd + "' failed (status " + std::to_string(status) +
+                    "): " + ss.str().substr(0, 500));
+  }
+  return ss.str();
+}
+
+Result<json> ReadJson(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return NotFound("cannot read " + path);
+  json j = json::parse(f, nullptr, false);
+  if (j.is_discarded()) return DataLoss(path + " is not JSON");
+  return j;
+}
+
+std::string TempPath(const std::string& name) {
+  return (fs::temp_directory_path() / ("kvrelay-sim-" + std::to_string(getpid()) + "-" + name))
+      .string();
+}
+
+// ----------------------------------------------------------- kvrelay sim
+
+Result<sim::ClusterConfig> ParseTopology(const Flags& f) {
+  sim::ClusterConfig c;
+  ASSIGN_OR_RETURN(int64_t colocated, f.GetInt("colocated", 0));
+  ASSIGN_OR_RETURN(int64_t prefill, f.GetInt("prefill", colocated > 0 ? 0 : 1));
+  ASSIGN_OR_RETURN(int64_t decode, f.GetInt("decode", colocated > 0 ? 0 : 1));
+  ASSIGN_OR_RETURN(int64_t tp, f.GetInt("tp", 1));
+  ASSIGN_OR_RETURN(int64_t max_running, f.GetInt("max-running", 64));
+  ASSIGN_OR_RETURN(int64_t max_queue, f.GetInt("max-queue", 256));
+  ASSIGN_OR_RETURN(int64_t store, f.GetInt("store-blocks", 0));
+  ASSIGN_OR_RETURN(int64_t host_cores, f.GetInt("shared-host-cores", 0));
+  c.shared_host_cores = static_cast<int>(std::clamp<int64_t>(host_cores, 0, 1 << 20));
+  for (int64_t v : {colocated, prefill, decode, tp, max_running, max_queue}) {
+    if (v < 0 || v > 1'000'000'000) return InvalidArgument("topology flags must be in [0, 1e9]");
+  }
+  c.colocated = static_cast<int>(colocated);
+  c.prefill = static_cast<int>(prefill);
+  c.decode = static_cast<int>(decode);
+  c.tp = static_cast<int>(tp);
+  c.coordinator_max_running = static_cast<int>(max_running);
+  c.coordinator_max_queue = static_cast<int>(max_queue);
+  c.store_blocks = store;
+  ASSIGN_OR_RETURN(c.router, coordinator::ParseRouterPolicy(f.Get("router", "prefix_aware")));
+  RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+Result<std::vector<sim::SimRequest>> ParseWorkload(const Flags& f) {
+  if (f.Has("trace")) return sim::LoadTrace(f.Get("trace"));
+  sim::WorkloadOptions w;
+  ASSIGN_OR_RETURN(w.rate, f.GetDouble("rate", 1.0));
+  ASSIGN_OR_RETURN(w.num_requests, f.GetInt("num-prompts", 1000));
+  ASSIGN_OR_RETURN(w.prompt_tokens, f.GetInt("input-len", 128));
+  ASSIGN_OR_RETURN(w.output_tokens, f.GetInt("output-len", 32));
+  ASSIGN_OR_RETURN(w.shared_prefix, f.GetInt("shared-prefix", 0));
+  ASSIGN_OR_RETURN(w.prefix_groups, f.GetInt("prefix-groups", 1));
+  ASSIGN_OR_RETURN(int64_t seed, f.GetInt("seed", 0));
+  w.seed = static_cast<uint64_t>(seed);
+  if (f.Get("arrivals", "poisson") == "uniform") {
+    w.arrivals = sim::WorkloadOptions::Arrivals::kUniform;
+  } else if (f.Get("arrivals", "poisson") != "poisson") {
+    return InvalidArgument("--arrivals must be poisson or uniform");
+  }
+  return sim::GenerateWorkload(w);
+}
+
+json SummaryJson(const sim::SimResult& r) {
+  auto stats = [](const sim::Percentiles& p) {
+    return json{{"mean", p.mean}, {"p50", p.p50}, {"p90", p.p90}, {"p99", p.p99}};
+  };
+  return {{"completed", r.completed},
+          {"rejected", r.rejected},
+          {"duration_s", r.duration_s},
+          {"request_throughput", r.request_throughput},
+          {"output_token_throughput", r.output_token_throughput},
+          {"ttft_ms", stats(r.ttft_ms)},
+          {"tpot_ms", stats(r.tpot_ms)},
+          {"e2e_ms", stats(r.e2e_ms)},
+          {"prefix_hit_rate", r.prefix_hit_rate()},
+          {"good_requests", r.good},
+          {"goodput_rps", r.goodput_rps},
+          {"preemptions", r.preemptions},
+          {"transfers", r.transfers},
+          {"transfer_bytes", r.transfer_bytes},
+          {"events", r.events}};
+}
+
+int RunSim(const std::vector<std::string>& args) {
+  auto f = Flags::Parse(args,
+                        {"profile",
+                         "trace",
+                         "rate",
+                         "num-prompts",
+                         "input-len",
+                         "output-len",
+                         "shared-prefix",
+                         "prefix-groups",
+                         "seed",
+                         "arrivals",
+                         "colocated",
+                         "prefill",
+                         "decode",
+                         "tp",
+                         "router",
+                         "max-running",
+                         "max-queue",
+                         "store-blocks",
+                         "shared-host-cores",
+                         "ttft-slo-ms",
+                         "tpot-slo-ms",
+                         "json",
+                         "save-trace"},
+                        {"help"});
+  if (!f.ok()) {
+    std::fprintf(stderr, "sim: %s\n", f.status().message().c_str());
+    return 2;
+  }
+  if (!f->Has("profile")) {
+    std::fprintf(stderr,
+                 "sim: --profile PATH is required (make one with `kvrelay sim calibrate`)\n");
+    return 2;
+  }
+  auto profile = sim::LoadProfile(f->Get("profile"));
+  if (!profile.ok()) {
+    std::fprintf(stderr, "sim: %s\n", profile.status().ToString().c_str());
+    return 2;
+  }
+  auto config = ParseTopology(*f);
+  auto workload =
+      config.ok() ? ParseWorkload(*f) : Result<std::vector<sim::SimRequest>>(config.status());
+  auto ttft_slo = f->GetDouble("ttft-slo-ms", 0);
+  auto tpot_slo = f->GetDouble("tpot-slo-ms", 0);
+  for (const Status& s :
+       {config.status(), workload.status(), ttft_slo.status(), tpot_slo.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "sim: %s\n", s.ToString().c_str());
+      return 2;
+    }
+  }
+  if (f->Has("save-trace")) {
+    if (Status s = sim::SaveTrace(f->Get("save-trace"), *workload); !s.ok()) {
+      std::fprintf(stderr, "sim: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  sim::SimOptions so;
+  so.keep_requests = false;
+  so.ttft_slo_s = *ttft_slo / 1e3;
+  so.tpot_slo_s = *tpot_slo / 1e3;
+  const TimePoint t0 = Clock::now();
+  const std::clock_t c0 = std::clock();
+  auto r = sim::Simulate(*profile, *config, *workload, so);
+  const double wall = SecondsSince(t0);
+  const double cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
+  if (!r.ok()) {
+    std::fprintf(stderr, "sim: %s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("simulated %s (%d nodes), profile '%s': %zu requests\n", config->Name().c_str(),
+              config->Nodes(), profile->name.c_str(), workload->size());
+  std::printf("completed %lld, rejected %lld, in %.2f simulated s\n",
+              static_cast<long long>(r->completed), static_cast<long long>(r->rejected),
+              r->duration_s);
+  std::printf("throughput: %.3f req/s, %.1f output tok/s; prefix hit %.1f%%; preemptions %lld\n",
+              r->request_throughput, r->output_token_throughput, 100 * r->prefix_hit_rate(),
+              static_cast<long long>(r->preemptions));
+  auto line = [](const char* name, const sim::Percentiles& s) {
+    std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50, s.p90,
+                s.p99);
+  };
+  line("TTFT", r->ttft_ms);
+  line("TPOT", r->tpot_ms);
+  line("E2E", r->e2e_ms);
+  if (so.ttft_slo_s > 0 || so.tpot_slo_s > 0) {
+    std::printf("goodput: %.3f req/s (%lld within SLO)\n", r->goodput_rps,
+                static_cast<long long>(r->good));
+  }
+  std::printf("simulator: %llu events in %.2f s wall, %.2f s CPU (%.2f M events per CPU s)\n",
+              static_cast<unsigned long long>(r->events), wall, cpu,
+              static_cast<double>(r->events) / cpu / 1e6);
+  if (f->Has("json")) {
+    json j = SummaryJson(*r);
+    j["config"] = config->Name();
+    j["nodes"] = config->Nodes();
+    j["requests"] = workload->size();
+    j["wall_s"] = wall;
+    j["cpu_s"] = cpu;
+    std::ofstream out(f->Get("json"));
+    out << j.dump(2) << "\n";
+    if (!out) {
+      std::fprintf(stderr, "sim: cannot write %s\n", f->Get("json").c_str());
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------ kvrelay sim calibrate
+
+struct Sample {
+  double seqs, tokens, attn, decode_attn, ctx_attn, seconds;
+  std::string what;
+};
+
+// The step model's inputs for the bench engine measurements of one --json report.
+void EngineSamples(const json& j, std::vector<Sample>* out) {
+  const double ctx = j.value("context", 0.0);
+  if (j.contains("prefill")) {
+    const double n = j["prefill"].value("tokens", 0.0);
+    out->push_back({1, n, n * (n + 1) / 2, 0, n * ctx, j["prefill"].value("median_s", 0.0),
+                    "prefill " + std::to_string(static_cast<int>(n)) + " tok, ctx " +
+                        std::to_string(static_cast<int>(ctx))});
+  }
+  for (const auto& d : j.value("decode", json::array())) {
+    const double b = d.value("batch", 1.0), k = d.value("steps", 1.0);
+    out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), 0, d.value("median_step_s", 0.0),
+                    "decode batch " + std::to_string(static_cast<int>(b)) + ", ctx " +
+                        std::to_string(static_cast<int>(ctx))});
+  }
+}
+
+// Fits latency + bytes / bandwidth through (bytes, seconds) points.
+Result<sim::LinkCost> FitLink(const std::vector<std::pair<double, double>>& pts,
+                              const std::string& source) {
+  std::vector<double> a, b, w;
+  for (const auto& [bytes, s] : pts) {
+    a.insert(a.end(), {1.0, bytes});
+    b.push_back(s);
+    w.push_back(1.0 / (s * s));
+  }
+  ASSIGN_OR_RETURN(auto x, sim::NonNegativeLeastSquares(a, 2, b, w));
+  if (x[1] <= 0) return Internal("link fit: no bandwidth term (" + source + ")");
+  return sim::LinkCost{x[0], 1.0 / x[1], source};
+}
+
+// One low-load serving measurement: requests one at a time (closed loop).
+struct ServePoint {
+  double ttft_s = 0, tpot_s = 0;
+};
+
+struct Topology {
+  std::string name;
+  int colocated = 0, prefill = 0, decode = 0, tp = 1;
+};
+
+Result<deploy::LaunchOptions> LaunchFor(const Topology& t, const std::string& model, int threads,
+                                        const std::string& kv_dtype) {
+  deploy::LaunchOptions o;
+  o.model_path = model;
+  o.port = 0;
+  o.colocated = t.colocated;
+  o.prefill = t.prefill;
+  o.decode = t.decode;
+  o.tp = t.tp;
+  o.threads_per_worker = threads;
+  o.kv_dtype = kv_dtype;
+  o.bin_dir = (fs::path(SelfExe()).parent_path().parent_path() / "bin").string();
+  if (!fs::exists(fs::path(o.bin_dir) / "kvrelay-coordinator")) o.bin_dir.clear();
+  RETURN_IF_ERROR(o.Validate());
+  return o;
+}
+
+// Starts `t`, runs `bench serve` with `serve_args` once per entry, stops it.
+Result<std::vector<json>> ServeRuns(const Topology& t, const std::string& model, int threads,
+                                    const std::string& kv_dtype,
+                                    const std::vector<std::vector<std::string>>& serve_args) {
+  ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
+  deploy::LocalLauncher launcher(opts);
+  std::fprintf(stderr, "sim: starting %s\n", t.name.c_str());
+  RETURN_IF_ERROR(launcher.Start().WithContext("starting " + t.name));
+  const std::string url = "http://127.0.0.1:" + std::to_string(launcher.http_port());
+  std::vector<json> out;
+  // Two warm-up requests (page faults, lazy init), not reported.
+  auto warm = RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", "2",
+                       "--input-len", "64", "--output-len", "4", "--seed", "999"},
+                      300);
+  if (!warm.ok()) {
+    launcher.Stop();
+    return warm.status();
+  }
+  for (size_t i = 0; i < serve_args.size(); ++i) {
+    const std::string path = TempPath("serve-" + std::to_string(i) + ".json");
+    std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
+    a.insert(a.end(), serve_args[i].begin(), serve_args[i].end());
+    auto r = RunSelf(a, 900, /*allow_failure=*/true);
+    auto j = r.ok() ? ReadJson(path) : Result<json>(r.status());
+    fs::remove(path);
+    if (j.ok() && j->value("completed", 0) == 0) j = Unavailable("no request completed");
+    if (!j.ok()) {
+      launcher.Stop();
+      return j.status().WithContext(t.name);
+    }
+    if (j->value("failed", 0) > 0) {
+      std::fprintf(stderr, "sim: warning: %d of %d requests failed on %s (%s)\n",
+                   j->value("failed", 0), j->value("num_prompts", 0), t.name.c_str(),
+                   j->value("errors", json::array()).dump().c_str());
+    }
+    out.push_back(*j);
+  }
+  launcher.Stop();
+  return out;
+}
+
+const std::vector<Topology>& Topologies(int colocated) {
+  static std::vector<Topology> t;
+  t = {{"colocated x" + std::to_string(colocated), colocated, 0, 0, 1},
+       {"1P+1D", 0, 1, 1, 1},
+       {"1P+1D TP2", 0, 1, 1, 2}};
+  return t;
+}
+
+int RunCalibrate(const std::vector<std::string>& args) {
+  auto f = Flags::Parse(args,
+                        {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
+                         "input-len", "output-len", "colocated", "name"},
+                        {"quick", "skip-serve", "skip-store", "help"});
+  if (!f.ok()) {
+    std::fprintf(stderr, "sim calibrate: %s\n", f.status().message().c_str());
+    return 2;
+  }
+  const std::string model = f->Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  const std::string out_path = f->Get("out", "sim-profile.json");
+  const std::string kv_dtype = f->Get("kv-dtype", "f16");
+  auto threads = f->GetInt("threads", 1);
+  auto reps = f->GetInt("reps", f->Has("quick") ? 2 : 3);
+  auto cap_mb = f->GetInt("kv-capacity-mb", 256);
+  auto input_len = f->GetInt("input-len", 128);
+  auto output_len = f->GetInt("output-len", 32);
+  auto colocated = f->GetInt("colocated", 2);
+  for (const Status& s : {threads.status(), reps.status(), cap_mb.status(), input_len.status(),
+                          output_len.status(), colocated.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
+      return 2;
+    }
+  }
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  auto dtype = engine::ParseKvDtype(kv_dtype);
+  if (!dtype.ok()) return fail(dtype.status());
+  engine::ModelLoadOptions lo;
+  lo.load_tokenizer = false;
+  auto m = engine::Model::Load(model, lo);
+  if (!m.ok()) return fail(m.status());
+  sim::Profile p;
+  p.name = f->Get("name", "calibrated");
+  p.hardware = CpuModel() + ", " + std::to_string(std::thread::hardware_concurrency()) + " cores";
+  p.model = fs::path(model).filename().string();
+  p.measured_at = UtcNow();
+  const engine::KvLayout layout = (*m)->MakeKvLayout(*dtype, 16);
+  p.layers = layout.layers;
+  p.block_tokens = 16;
+  p.kv_bytes_per_token = layout.BlockBytes() / 16;
+  p.kv_pool_blocks = *cap_mb * (1 << 20) / layout.BlockBytes();
+  const std::string th = std::to_string(*threads), rp = std::to_string(*reps);
+  const std::string date = p.measured_at;
+
+  // 1. Engine steps: prefill (tokens x cached context), decode (batch x context).
+  std::vector<std::vector<std::string>> runs = {
+      {"--pp", "32", "--tg", "16", "--batches", "4,16", "--batch-steps", "16", "--context", "0"},
+      {"--pp", "128", "--tg", "16", "--batches", "4,16", "--batch-steps", "16", "--context", "256"},
+      {"--pp", "256", "--tg", "8", "--skip-batches", "--context", "0"}};
+  if (!f->Has("quick")) {
+    runs.push_back({"--pp", "512", "--tg", "8", "--skip-batches", "--context", "0"});
+    runs.push_back(
+        {"--pp", "64", "--tg", "16", "--batches", "4", "--batch-steps", "16", "--context", "768"});
+  }
+  std::vector<Sample> samples;
+  for (const auto& r : runs) {
+    const std::string path = TempPath("engine.json");
+    std::vector<std::string> a = {"bench",  "engine", "--model",    model,    "--threads", th,
+                                  "--reps", rp,       "--kv-dtype", kv_dtype, "--json",    path};
+    a.insert(a.end(), r.begin(), r.end());
+    auto o = RunSelf(a, 900);
+    if (!o.ok()) return fail(o.status());
+    auto j = ReadJson(path);
+    fs::remove(path);
+    if (!j.ok()) return fail(j.status());
+    EngineSamples(*j, &samples);
+    // tg: batch 1 from the context, averaged over its steps.
+    const double ctx = j->value("context", 0.0), k = (*j)["tg"].value("tokens", 1.0);
+    samples.push_back({1, 1, 0, ctx + (k + 1) / 2, 0, (*j)["tg"].value("median_step_s", 0.0),
+                       "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx))});
+  }
+  {
+    std::vector<double> a, b, w;
+    for (const auto& s : samples) {
+      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn});
+      b.push_back(s.seconds);
+      w.push_back(1.0 / (s.seconds * s.seconds));  // relative error
+    }
+    auto x = sim::NonNegativeLeastSquares(a, 6, b, w);
+    if (!x.ok()) return fail(x.status());
+    p.step = {
+        (*x)[0],
+        (*x)[1],
+        (*x)[2],
+        (*x)[3],
+        (*x)[4],
+        (*x)[5],
+        "kvrelay bench engine --threads " + th + " --reps " + rp +
+            " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/4/16 at context "
+            "0/256/768), non-negative least squares weighted by 1/t^2, " +
+            date + ", " + p.hardware};
+    std::printf(
+        "step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
+        "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
+        p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
+        p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
+    std::printf("%-32s %12s %12s %8s\n", "measurement", "measured ms", "model ms", "error");
+    for (const auto& s : samples) {
+      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
+      std::printf("%-32s %12.3f %12.3f %+7.1f%%\n", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
+                  100 * (m2 - s.seconds) / s.seconds);
+    }
+  }
+
+  // 2. KV transfer: bytes -> seconds over the cluster's transport (tcp).
+  {
+    auto o = RunSelf({"bench", "transfer", "--backend", "tcp", "--min-bytes", "65536",
+                      "--max-bytes", "16777216", "--no-overlap", "--no-raw"},
+                     600);
+    if (!o.ok()) return fail(o.status());
+    std::vector<std::pair<double, double>> pts;
+    std::istringstream in(*o);
+    std::string line;
+    const std::regex row(R"(^\s*(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\d+%)");
+    std::smatch mt;
+    while (std::getline(in, line)) {
+      if (std::regex_search(line, mt, row)) {
+        const double n = std::stod(mt[1]), gbps = std::stod(mt[3]);
+        if (gbps > 0) pts.push_back({n, n / (gbps * 1e9)});
+      }
+    }
+    if (pts.size() < 2) return fail(DataLoss("bench transfer printed no bandwidth table"));
+    auto l = FitLink(pts,
+                     "kvrelay bench transfer --backend tcp --min-bytes 65536 --max-bytes "
+                     "16777216 (forked receiver on this machine), latency + bytes/bandwidth "
+                     "fit, " +
+                         date);
+    if (!l.ok()) return fail(l.status());
+    p.transports["tcp"] = *l;
+    std::printf("tcp: %.1f us + bytes / %.2f GB/s\n", l->latency_s * 1e6, l->bytes_per_s / 1e9);
+  }
+
+  // 3. Prefix store: RocksDB restore bytes -> seconds (after a restart, cold page cache).
+  if (!f->Has("skip-store")) {
+    std::vector<std::pair<double, double>> pts;
+    for (int seen : {256, 1024}) {
+      auto o = RunSelf({"bench", "prefix", "--model", model, "--prompt-tokens",
+                        std::to_string(seen + 16), "--seen-tokens", std::to_string(seen), "--reps",
+                        "2", "--threads", th, "--kv-dtype", kv_dtype},
+                       900);
+      if (!o.ok()) return fail(o.status());
+      std::smatch mt;
+      const std::regex re(R"(median restore only: ram ([0-9.]+) s, rocksdb ([0-9.]+) s)");
+      if (!std::regex_search(*o, mt, re))
+        return fail(DataLoss("bench prefix printed no restore time"));
+      pts.push_back({static_cast<double>(seen) * static_cast<double>(p.kv_bytes_per_token),
+                     std::stod(mt[2])});
+    }
+    auto l = FitLink(pts,
+                     "kvrelay bench prefix --seen-tokens 256/1024 (RocksDB after restart, "
+                     "cold page cache), latency + bytes/bandwidth fit, " +
+                         date);
+    if (!l.ok()) return fail(l.status());
+    p.store_restore = *l;
+    std::printf("prefix store restore: %.2f ms + bytes / %.1f MB/s\n", l->latency_s * 1e3,
+                l->bytes_per_s / 1e6);
+  } else {
+    p.store_restore = {0, 1e9, "not measured (--skip-store): placeholder, do not use"};
+  }
+
+  // 4. The serving path around the engine: low-load bench serve (one request
+  //    at a time) on each real topology; what the step model does not explain.
+  p.colocated.source = p.prefill.source = p.decode.source = "not measured (--skip-serve)";
+  if (!f->Has("skip-serve")) {
+    const double in = static_cast<double>(*input_len), out = static_cast<double>(*output_len);
+    const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
+    const double decode_s = p.step.Seconds(1, 1, 0, in + out / 2);
+    const std::vector<std::string> serve = {"--rate",
+                                            "inf",
+                                            "--max-concurrency",
+                                            "1",
+                                            "--num-prompts",
+                                            f->Has("quick") ? "4" : "12",
+                                            "--input-len",
+                                            std::to_string(*input_len),
+                                            "--output-len",
+                                            std::to_string(*output_len),
+                                            "--seed",
+                                            "4242"};
+    std::vector<ServePoint> pts;
+    for (const auto& t : Topologies(static_cast<int>(*colocated))) {
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, {serve});
+      if (!r.ok()) return fail(r.status());
+      const json& j = r->front();
+      pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
+      std::printf(
+          "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
+          "model %.2f)\n",
+          t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
+          decode_s * 1e3);
+    }
+    const std::string src =
+        "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+        " --output-len " + std::to_string(*output_len) + " on kvrelay launch (%s, " + th +
+        " thread per worker, KV " + kv_dtype + "), p50 vs the step model, " + date;
+    auto source = [&](const std::string& topo) {
+      std::string s = src;
+      s.replace(s.find("%s"), 2, topo);
+      return s;
+    };
+    // TPOT fixes the decode part's scale; TTFT (one prefill step at low load:
+    // base x step_scale + the rest x prefill_scale) then fixes the prefill's.
+    const double prefill_part = prefill_s - p.step.base_s;
+    p.colocated.step_scale = std::max(0.05, pts[0].tpot_s / decode_s);
+    p.colocated.prefill_scale =
+        std::max(0.05, (pts[0].ttft_s - p.colocated.step_scale * p.step.base_s) / prefill_part);
+    p.colocated.source = source(Topologies(static_cast<int>(*colocated))[0].name);
+    p.prefill.prefill_scale = std::max(0.05, (pts[1].ttft_s - p.step.base_s) / prefill_part);
+    p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
+    p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
+    p.decode.source = source("1P+1D");
+    p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,
+               source("1P+1D TP2") + "; TP 2 step / TP 1 step"};
+  } else {
+    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder"};
+  }
+  if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
+  std::printf("wrote %s\n", out_path.c_str());
+  return 0;
+}
+
+// ------------------------------------------------------- kvrelay sim validate
+
+struct Compared {
+  std::string topology;
+  double rate;
+  json real;
+  sim::SimResult sim;
+};
+
+double RelErr(double sim, double real) {
+  return real != 0 ? std::fabs(sim - real) / std::fabs(real) : (sim == 0 ? 0 : 1);
+}
+
+int RunValidate(const std::vector<std::string>& args) {
+  auto f = Flags::Parse(args,
+                        {"model", "profile", "rates", "num-prompts", "input-len", "output-len",
+                         "threads", "kv-dtype", "colocated", "json", "topologies"},
+                        {"help"});
+  if (!f.ok()) {
+    std::fprintf(stderr, "sim validate: %s\n", f.status().message().c_str());
+    return 2;
+  }
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "sim validate: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  const std::string model = f->Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  if (!f->Has("profile")) {
+    std::fprintf(stderr, "sim validate: --profile PATH is required (kvrelay sim calibrate)\n");
+    return 2;
+  }
+  auto profile = sim::LoadProfile(f->Get("profile"));
+  if (!profile.ok()) return fail(profile.status());
+  auto n = f->GetInt("num-prompts", 24);
+  auto in = f->GetInt("input-len", 128);
+  auto out = f->GetInt("output-len", 32);
+  auto threads = f->GetInt("threads", 1);
+  auto colocated = f->GetInt("colocated", 2);
+  for (const Status& s :
+       {n.status(), in.status(), out.status(), threads.status(), colocated.status()}) {
+    if (!s.ok()) return fail(s);
+  }
+  std::vector<double> rates;
+  {
+    std::stringstream ss(f->Get("rates", "0.5,1,1.5"));
+    std::string tok;
+    while (std::getline(ss, tok, ',')) {
+      char* end = nullptr;
+      const double r = std::strtod(tok.c_str(), &end);
+      if (end == tok.c_str() || !(r > 0)) {
+        std::fprintf(stderr, "sim validate: bad --rates entry '%s'\n", tok.c_str());
+        return 2;
+      }
+      rates.push_back(r);
+    }
+  }
+  const std::string which = f->Get("topologies", "colocated,1p1d,1p1d-tp2");
+  std::vector<Compared> rows;
+  const auto& topos = Topologies(static_cast<int>(*colocated));
+  const char* keys[] = {"colocated", "1p1d", "1p1d-tp2"};
+  for (size_t ti = 0; ti < topos.size(); ++ti) {
+    if (("," + which + ",").find("," + std::string(keys[ti]) + ",") == std::string::npos) continue;
+    const Topology& t = topos[ti];
+    std::vector<std::vector<std::string>> serve;
+    for (size_t ri = 0; ri < rates.size(); ++ri) {
+      char rate[32];
+      std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
+      serve.push_back({"--rate", rate, "--num-prompts", std::to_string(*n), "--input-len",
+                       std::to_string(*in), "--output-len", std::to_string(*out), "--seed",
+                       std::to_string(ri + 1)});
+    }
+    auto real = ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), serve);
+    if (!real.ok()) return fail(real.status());
+    for (size_t ri = 0; ri < rates.size(); ++ri) {
+      const json& j = (*real)[ri];
+      // The same requests, arriving when bench serve actually sent them.
+      std::vector<sim::SimRequest> w;
+      for (const auto& q : j["requests"]) {
+        w.push_back({q.value("start_s", 0.0), *in, *out, -1, 0});
+      }
+      std::sort(w.begin(), w.end(),
+                [](const auto& a, const auto& b) { return a.arrival_s < b.arrival_s; });
+      sim::ClusterConfig c;
+      c.colocated = t.colocated;
+      c.prefill = t.prefill;
+      c.decode = t.decode;
+      c.tp = t.tp;
+      c.shared_host_cores = static_cast<int>(std::thread::hardware_concurrency());
+      auto r = sim::Simulate(*profile, c, w);
+      if (!r.ok()) return fail(r.status());
+      rows.push_back({t.name, rates[ri], j, *r});
+    }
+  }
+  double max_err = 0;
+  std::printf("\n%-14s %5s | %-23s | %-23s | %-23s | %-23s | %-21s\n", "topology", "rate",
+              "TTFT p50 real/sim ms", "TTFT p90 real/sim ms", "TPOT p50 real/sim ms",
+              "TPOT p90 real/sim ms", "out tok/s real/sim");
+  json report = json::array();
+  for (const auto& row : rows) {
+    const json& j = row.real;
+    const double vals[5][2] = {
+        {j["ttft_ms"].value("p50", 0.0), row.sim.ttft_ms.p50},
+        {j["ttft_ms"].value("p90", 0.0), row.sim.ttft_ms.p90},
+        {j["tpot_ms"].value("p50", 0.0), row.sim.tpot_ms.p50},
+        {j["tpot_ms"].value("p90", 0.0), row.sim.tpot_ms.p90},
+        {j.value("output_token_throughput", 0.0), row.sim.output_token_throughput}};
+    std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
+    json e = {{"topology", row.topology}, {"rate", row.rate}};
+    const char* names[5] = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
+                            "output_tok_s"};
+    for (int k = 0; k < 5; ++k) {
+      const double err = RelErr(vals[k][1], vals[k][0]);
+      max_err = std::max(max_err, err);
+      std::printf(" %7.1f/%7.1f %+5.0f%% |", vals[k][0], vals[k][1],
+                  100 * (vals[k][1] - vals[k][0]) / vals[k][0]);
+      e[names[k]] = {{"real", vals[k][0]}, {"sim", vals[k][1]}, {"rel_err", err}};
+    }
+    std::printf("\n");
+    report.push_back(e);
+  }
+  if (f->Has("json")) {
+    std::ofstream o(f->Get("json"));
+    o << json{{"profile", f->Get("profile")},
+              {"date", UtcNow()},
+              {"cpu", CpuModel()},
+              {"rows", report},
+              {"max_relative_error", max_err}}
+             .dump(2)
+      << "\n";
+  }
+  std::printf("max relative error: %.3f\n", max_err);
+  return 0;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(sim, "sim",
+                "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
+                "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
+                "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]",
+                RunSim);
+KVRELAY_COMMAND(sim_calibrate, "sim calibrate",
+                "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
+                "[--quick] [--skip-serve] [--skip-store]",
+                RunCalibrate);
+KVRELAY_COMMAND(sim_validate, "sim validate",
+                "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
+                "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
+                "[--json OUT]",
+                RunValidate);
+
+}  // namespace kvrelay::cli

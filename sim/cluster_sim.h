@@ -1,0 +1,116 @@
+// The cluster simulator: a discrete-event model of one coordinator, P prefill
+// workers, D decode groups of TP T (or C colocated workers), the KV links
+// between them and each worker's prefix cache, driven by a workload and
+// costed by a Profile.
+//
+// What is the real code and what is a model:
+//  * Routing is coordinator::Router itself (the policies as implemented, its
+//    PrefixIndex fed by the simulated workers' stored/evicted block events).
+//  * Admission is coordinator::AdmissionQueue itself (max_running in the
+//    backend, max_queue waiting, the rest refused).
+//  * Each worker's engine is a model of engine::Engine's scheduler
+//    (engine/runtime/engine.cc, Schedule): every step, decoding sequences
+//    first (one token each), then prefill chunks oldest first, then FCFS
+//    admission while budget (max_step_tokens) and max_running allow; blocks
+//    reserved per chunk; youngest-first preemption with recompute when the
+//    pool runs out; prefix reuse at admission (longest cached leading run of
+//    full blocks, at least one prompt token computed). The step's duration is
+//    the Profile's step model, not a forward pass.
+//  * A KV transfer is a FIFO link per prefill worker (its NIC): with
+//    layer-wise streaming, only the last layer's share is exposed after the
+//    prefill unless the link is the bottleneck.
+//  * Worker state the router sees is exact at every decision (heartbeat
+//    staleness is not modelled).
+//
+// Deterministic: the same inputs give the same outputs, bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "coordinator/router.h"
+#include "sim/profile.h"
+#include "sim/stats.h"
+#include "sim/workload.h"
+
+namespace kvrelay::sim {
+
+struct ClusterConfig {
+  int colocated = 0;  // colocated workers (prefill + decode in one engine)
+  int prefill = 1;    // prefill workers (TP 1)
+  int decode = 1;     // decode groups
+  int tp = 1;         // ranks per decode group
+  coordinator::RouterPolicy router = coordinator::RouterPolicy::kPrefixAware;
+  int coordinator_max_running = 64;  // coordinator admission (the server's --max-running)
+  int coordinator_max_queue = 256;   // (--max-queue)
+  int64_t store_blocks = 0;          // prefix tier (RocksDB) per prefill/colocated worker; 0 = none
+  // 0: every worker (every TP rank) has a machine of its own. N > 0: all of
+  // them share one host of N cores (the single-node topologies `kvrelay sim
+  // validate` compares with): a step that starts while more worker processes
+  // are computing than there are cores takes longer by busy / N.
+  int shared_host_cores = 0;
+
+  Status Validate() const;
+  // Machines (one per worker, one per TP rank) the configuration occupies.
+  int Nodes() const { return colocated + prefill + decode * tp; }
+  std::string Name() const;  // "colocated x4", "2P+3D TP2"
+  // Name() plus the router when it is not the default prefix_aware.
+  std::string NameWithRouter() const;
+};
+
+struct RequestTiming {
+  double arrival_s = 0;
+  double start_s = -1;          // admitted by the coordinator (routed)
+  double prefill_start_s = -1;  // first chunk scheduled
+  double first_token_s = -1;    // TTFT ends (client sees the first token)
+  double kv_ready_s = -1;       // KV landed on the decode group (disaggregated)
+  double finish_s = -1;         // last token seen by the client
+  int64_t output_tokens = 0;
+  int64_t cached_tokens = 0;  // prompt tokens reused (pool or store)
+  int32_t prefill_worker = -1;
+  int32_t decode_worker = -1;
+  bool rejected = false;  // refused by admission or no room (429 / 503)
+
+  double ttft_s() const { return first_token_s - arrival_s; }
+  double e2e_s() const { return finish_s - arrival_s; }
+  // (e2e - TTFT) / (output - 1), as bench serve computes it (0 for one token).
+  double tpot_s() const {
+    return output_tokens > 1 ? (finish_s - first_token_s) / static_cast<double>(output_tokens - 1)
+                             : 0;
+  }
+};
+
+struct SimOptions {
+  bool keep_requests = true;  // fill SimResult::requests
+  double ttft_slo_s = 0;      // for goodput (0 = no limit)
+  double tpot_slo_s = 0;
+};
+
+struct SimResult {
+  int64_t completed = 0;
+  int64_t rejected = 0;
+  double duration_s = 0;  // first arrival to last finish (bench serve's wall time)
+  Percentiles ttft_ms, tpot_ms, e2e_ms;
+  double request_throughput = 0;  // completed / duration
+  double output_token_throughput = 0;
+  int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;
+  int64_t good = 0;  // completed within both SLOs
+  double goodput_rps = 0;
+  int64_t preemptions = 0;
+  int64_t transfers = 0;
+  double transfer_bytes = 0;
+  uint64_t events = 0;
+  std::vector<RequestTiming> requests;  // in workload order (when keep_requests)
+
+  double prefix_hit_rate() const {
+    return prompt_tokens > 0 ? static_cast<double>(cached_tokens) / prompt_tokens : 0;
+  }
+};
+
+Result<SimResult> Simulate(const Profile& profile, const ClusterConfig& config,
+                           const std::vector<SimRequest>& workload, const SimOptions& options = {});
+
+}  // namespace kvrelay::sim

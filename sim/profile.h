@@ -1,0 +1,123 @@
+// Cost profile of one kind of hardware + model for the cluster simulator.
+// `kvrelay sim calibrate` measures one on the machine it runs on (every number
+// records the command and date it came from); profiles for other hardware can
+// be written by hand, each number with its source (a `source` string per
+// section is required when the file is loaded).
+//
+// Step-time model of one engine step on one worker (TP 1), in seconds:
+//   base_s + per_seq_s * S + per_token_s * N + per_attn_s * A + per_ctx_attn_s * A_c
+//          + per_decode_attn_s * A_d
+// where S = sequences in the step, N = tokens computed in the step (prefill
+// chunk tokens + one per decoding sequence), A = the (token, position) pairs
+// of the prefill chunks' causal attention within the chunk (c (c + 1) / 2 per
+// chunk of c), A_c the pairs between a chunk and the context cached before
+// the step (c x cached) and A_d the pairs of the decoding sequences' one
+// token each (context + 1). The three kinds of attention run different loops
+// in the engine (measured: cached-context pairs cost more than in-chunk ones),
+// so each has its own coefficient.
+// base_s is what a step costs regardless of its size (on a CPU: streaming the
+// weights once), per_seq_s the LM head and sampling of one sequence,
+// per_token_s the layer matmuls of one token, per_attn_s attention per
+// (token, position) pair. The fit is linear least squares over `bench engine`
+// measurements of prefill (tokens x cached context) and decode (batch x context).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace kvrelay::sim {
+
+struct StepCost {
+  double base_s = 0;
+  double per_seq_s = 0;
+  double per_token_s = 0;
+  double per_attn_s = 0;
+  double per_decode_attn_s = 0;
+  double per_ctx_attn_s = 0;
+  std::string source;
+
+  double Seconds(double seqs, double tokens, double attn, double decode_attn = 0,
+                 double ctx_attn = 0) const {
+    return base_s + per_seq_s * seqs + per_token_s * tokens + per_attn_s * attn +
+           per_decode_attn_s * decode_attn + per_ctx_attn_s * ctx_attn;
+  }
+};
+
+// Bytes -> seconds of one transfer: latency_s + bytes / bytes_per_s.
+struct LinkCost {
+  double latency_s = 0;
+  double bytes_per_s = 1e9;
+  std::string source;
+  double Seconds(double bytes) const { return latency_s + bytes / bytes_per_s; }
+};
+
+// A decode group of TP size T: step time = step_scale * (TP 1 step) + per_step_s.
+struct TpCost {
+  double step_scale = 1.0;
+  double per_step_s = 0;
+  std::string source;
+};
+
+// What the serving path adds around the engine steps on this hardware (HTTP,
+// control plane, the KV hand-off), from low-load `bench serve` runs of the
+// real topologies: ttft_s is added to every TTFT (for the decode role: from the
+// KV landing to its admission into the batch); step_scale multiplies the
+// step's fixed and decode parts (base, and per_seq / per_token /
+// per_decode_attn of its decoding sequences) and prefill_scale its prefill
+// part (the same terms of its prefill chunks): a serving process's steps
+// differ from `bench engine`'s (other processes on the cores, the TCP
+// streaming, f16 conversions), and not by the same factor for both kinds of
+// work; step_add_s is added to every step of that role.
+struct ServingOverhead {
+  double ttft_s = 0;
+  double step_scale = 1.0;
+  double prefill_scale = 1.0;
+  double step_add_s = 0;
+  std::string source;
+};
+
+struct Profile {
+  std::string name;      // e.g. "this-machine" or "H100-llama8b (hand-written)"
+  std::string hardware;  // CPU / accelerator model
+  std::string model;     // the model the costs are for
+  std::string measured_at;
+  int layers = 30;
+  int block_tokens = 16;
+  int64_t kv_bytes_per_token = 0;  // K and V of one token, all layers and KV heads
+  int64_t kv_pool_blocks = 0;      // KV blocks of one worker (and of each TP rank)
+  int max_step_tokens = 512;       // the engine's chunked-prefill budget
+  int max_running = 64;            // the engine's running-batch limit
+  bool layerwise_transfer = true;  // KV streamed layer by layer during the prefill
+
+  StepCost step;
+  std::map<std::string, LinkCost> transports;  // "tcp", "mpi", ...
+  std::string transport = "tcp";               // the one the cluster uses
+  LinkCost store_restore;                      // prefix tier (RocksDB) restore
+  std::map<int, TpCost> tp;                    // by T (>= 2; T = 1 is the identity)
+  ServingOverhead colocated;
+  ServingOverhead prefill;  // the prefill role of a disaggregated topology
+  ServingOverhead decode;   // the decode role (TP 1); TP T adds tp[T]
+
+  Status Validate() const;
+  const LinkCost& Link() const;  // transports[transport]
+  TpCost Tp(int t) const;        // identity for 1; a missing T is an error at Validate
+};
+
+Result<Profile> LoadProfile(const std::string& path);
+Status SaveProfile(const std::string& path, const Profile& profile);
+// JSON text of a profile (the file format).
+std::string ProfileToJson(const Profile& profile);
+Result<Profile> ProfileFromJson(const std::string& text);
+
+// Linear least squares: the x minimising sum_i w_i (A_i . x - b_i)^2 with x >= 0
+// (coordinates that come out negative are fixed at 0 and the rest refitted).
+// A is row-major, rows x cols. InvalidArgument when under-determined.
+Result<std::vector<double>> NonNegativeLeastSquares(const std::vector<double>& a, size_t cols,
+                                                    const std::vector<double>& b,
+                                                    const std::vector<double>& w);
+
+}  // namespace kvrelay::sim

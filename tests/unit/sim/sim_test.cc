@@ -1,0 +1,374 @@
+// The cluster simulator against cases whose answer is known in closed form:
+// exact ones (deterministic arrivals, a single request through the prefill ->
+// link -> decode pipeline, continuous batching and chunked prefill with
+// dyadic costs, so every sum is exact in binary floating point) and one
+// statistical one (M/D/1 mean wait, with a tolerance the test derives from
+// its own batch means).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "sim/cluster_sim.h"
+#include "sim/event_queue.h"
+#include "sim/planner.h"
+#include "sim/profile.h"
+#include "sim/workload.h"
+
+namespace kvrelay::sim {
+namespace {
+
+// A profile whose step costs `base` seconds plus `per_token` per token.
+Profile Simple(double base, double per_token = 0) {
+  Profile p;
+  p.name = "test";
+  p.layers = 4;
+  p.block_tokens = 16;
+  p.kv_bytes_per_token = 1024;
+  p.kv_pool_blocks = 4096;
+  p.max_step_tokens = 512;
+  p.max_running = 64;
+  p.layerwise_transfer = false;
+  p.step = {base, 0, per_token, 0, 0, 0, "test"};
+  p.transports["tcp"] = {0, 1e12, "test"};
+  p.store_restore = {0, 1e12, "test"};
+  p.colocated.source = p.prefill.source = p.decode.source = "test";
+  return p;
+}
+
+ClusterConfig Colocated(int n) {
+  ClusterConfig c;
+  c.colocated = n;
+  c.prefill = c.decode = 0;
+  return c;
+}
+
+std::vector<SimRequest> Evenly(int n, double gap, int64_t prompt, int64_t output) {
+  std::vector<SimRequest> w;
+  for (int i = 0; i < n; ++i) w.push_back({gap * i, prompt, output, -1, 0});
+  return w;
+}
+
+TEST(EventQueueTest, TimeOrderThenPushOrder) {
+  EventQueue q;
+  q.Push(2.0, 1, 0, 10);
+  q.Push(1.0, 1, 0, 20);
+  q.Push(1.0, 1, 0, 30);
+  q.Push(0.5, 1, 0, 40);
+  std::vector<uint64_t> order;
+  while (!q.empty()) order.push_back(q.Pop().arg);
+  EXPECT_EQ(order, (std::vector<uint64_t>{40, 20, 30, 10}));
+  EXPECT_EQ(q.now(), 2.0);
+  q.Push(1.0, 1, 0, 50);  // in the past: clamped to now
+  EXPECT_EQ(q.Pop().time, 2.0);
+}
+
+// D/D/1: requests every a seconds, each served in D > a seconds by one
+// worker that runs one request at a time; request k waits exactly k (D - a).
+TEST(ClosedFormTest, DeterministicArrivalsQueueExactly) {
+  Profile p = Simple(0.5);
+  p.max_running = 1;
+  auto w = Evenly(40, 0.375, 32, 1);
+  auto r = Simulate(p, Colocated(1), w);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->completed, 40);
+  for (int k = 0; k < 40; ++k) {
+    const auto& t = r->requests[k];
+    EXPECT_EQ(t.prefill_start_s - t.arrival_s, k * 0.125) << k;
+    EXPECT_EQ(t.ttft_s(), k * 0.125 + 0.5) << k;
+  }
+  // Under capacity (a > D) nobody waits.
+  auto idle = Simulate(p, Colocated(1), Evenly(10, 0.625, 32, 1));
+  ASSERT_TRUE(idle.ok());
+  for (const auto& t : idle->requests) EXPECT_EQ(t.ttft_s(), 0.5);
+}
+
+// M/D/1: Poisson arrivals at rate lambda, deterministic service D, one server:
+// mean wait in queue Wq = rho D / (2 (1 - rho)). The estimate's standard error
+// comes from 20 batch means (batches of 10,000 requests are far longer than
+// the queue's correlation time at rho = 0.5, so they are close to
+// independent); the test requires the error to be within 4 standard errors
+// and the standard error itself to be under 3% of Wq (so the check is tight).
+TEST(ClosedFormTest, MD1MeanWait) {
+  const double d = 0.5, rho = 0.5;
+  Profile p = Simple(d);
+  p.max_running = 1;
+  WorkloadOptions wo;
+  wo.rate = rho / d;
+  wo.num_requests = 200'000;
+  wo.prompt_tokens = 32;
+  wo.output_tokens = 1;
+  wo.seed = 12345;
+  auto w = GenerateWorkload(wo);
+  ASSERT_TRUE(w.ok());
+  ClusterConfig c = Colocated(1);
+  c.coordinator_max_queue = 1'000'000;
+  auto r = Simulate(p, c, *w);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->completed, wo.num_requests);
+  const int batches = 20;
+  const size_t per = r->requests.size() / batches;
+  std::vector<double> means(batches, 0);
+  double mean = 0;
+  for (size_t i = 0; i < per * batches; ++i) {
+    const double wait = r->requests[i].prefill_start_s - r->requests[i].arrival_s;
+    means[i / per] += wait / static_cast<double>(per);
+    mean += wait / static_cast<double>(per * batches);
+  }
+  double var = 0;
+  for (double m : means) var += (m - mean) * (m - mean) / (batches - 1);
+  const double se = std::sqrt(var / batches);
+  const double theory = rho * d / (2 * (1 - rho));
+  EXPECT_LT(se, 0.03 * theory);
+  EXPECT_NEAR(mean, theory, 4 * se) << "se " << se;
+}
+
+// One request through prefill -> KV link -> decode: every latency is the sum
+// of its stages.
+TEST(ClosedFormTest, TransferPipelineIsTheSumOfItsStages) {
+  Profile p = Simple(0.25);
+  p.kv_bytes_per_token = 1 << 20;
+  p.transports["tcp"] = {0.125, static_cast<double>(64 << 20), "test"};  // 64 tokens: 1 s
+  p.prefill.ttft_s = 0.0625;
+  p.decode.ttft_s = 0.03125;
+  ClusterConfig c;  // 1P + 1D
+  auto r = Simulate(p, c, {{0.0, 32, 5, -1, 0}});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const auto& t = r->requests[0];
+  EXPECT_EQ(t.ttft_s(), 0.25 + 0.0625);                   // one prefill step + hand-off
+  EXPECT_EQ(t.kv_ready_s, 0.25 + 0.125 + 0.5 + 0.03125);  // + latency + 32 MiB / 64 MiB/s + admit
+  EXPECT_EQ(t.finish_s, t.kv_ready_s + 4 * 0.25);         // 4 more tokens, one step each
+  EXPECT_EQ(r->transfers, 1);
+  EXPECT_EQ(r->transfer_bytes, 32.0 * (1 << 20));
+
+  // Layer-wise streaming: the link starts with the prefill, so only the
+  // later of (prefill + latency + last layer) and (link busy + latency) is left.
+  p.layerwise_transfer = true;  // 4 layers
+  auto lw = Simulate(p, c, {{0.0, 32, 5, -1, 0}});
+  ASSERT_TRUE(lw.ok());
+  EXPECT_EQ(lw->requests[0].kv_ready_s, std::max(0.25 + 0.125 + 0.5 / 4, 0.5 + 0.125) + 0.03125);
+  p.transports["tcp"].bytes_per_s = static_cast<double>(1024ll << 20);  // a fast link: hidden
+  auto fast = Simulate(p, c, {{0.0, 32, 5, -1, 0}});
+  ASSERT_TRUE(fast.ok());
+  EXPECT_EQ(fast->requests[0].kv_ready_s, 0.25 + 0.125 + 0.03125 / 4 + 0.03125);
+}
+
+// Continuous batching: a worker starts a step as soon as it has work; what
+// arrives during a step joins the next one, and then the two share steps.
+TEST(ClosedFormTest, ContinuousBatchingSharesSteps) {
+  Profile p = Simple(0.25, 1.0 / 128);
+  std::vector<SimRequest> w = {{0.0, 16, 3, -1, 0}, {0.0625, 16, 3, -1, 0}};
+  auto r = Simulate(p, Colocated(1), w);
+  ASSERT_TRUE(r.ok());
+  const double s1 = 0.25 + 16.0 / 128;  // A's prompt
+  const double s2 = 0.25 + 17.0 / 128;  // A's 2nd token + B's prompt
+  const double s3 = 0.25 + 2.0 / 128;   // A's 3rd + B's 2nd
+  const double s4 = 0.25 + 1.0 / 128;   // B's 3rd
+  const auto& a = r->requests[0];
+  const auto& b = r->requests[1];
+  EXPECT_EQ(a.first_token_s, s1);
+  EXPECT_EQ(a.finish_s, s1 + s2 + s3);
+  EXPECT_EQ(a.tpot_s(), (s2 + s3) / 2);
+  EXPECT_EQ(b.first_token_s, s1 + s2);
+  EXPECT_EQ(b.finish_s, s1 + s2 + s3 + s4);
+}
+
+// Chunked prefill: a 1,000-token prompt is computed in chunks of what the
+// 512-token step budget leaves after the decoding sequence's one token
+// (decode first, as the engine schedules).
+TEST(ClosedFormTest, ChunkedPrefillBudget) {
+  Profile p = Simple(0.25, 1.0 / 1024);
+  std::vector<SimRequest> w = {{0.0, 16, 4, -1, 0}, {0.0, 1000, 1, -1, 0}};
+  auto r = Simulate(p, Colocated(1), w);
+  ASSERT_TRUE(r.ok());
+  const double s1 = 0.25 + 16.0 / 1024;   // A's prompt (B arrives during it)
+  const double s2 = 0.25 + 512.0 / 1024;  // A: 1, B: 511
+  const double s3 = 0.25 + 490.0 / 1024;  // A: 1, B: the last 489
+  const double s4 = 0.25 + 1.0 / 1024;    // A: 1
+  EXPECT_EQ(r->requests[0].first_token_s, s1);
+  EXPECT_EQ(r->requests[1].first_token_s, s1 + s2 + s3);
+  EXPECT_EQ(r->requests[0].finish_s, s1 + s2 + s3 + s4);
+}
+
+// Prefix reuse and the real router's prefix-aware policy: requests of one
+// group, one after another, hit the blocks the first one computed and are
+// routed to the worker that holds them.
+TEST(SimulatorTest, PrefixCacheHitsAndPrefixAwareRouting) {
+  Profile p = Simple(0.25, 1.0 / 1024);
+  std::vector<SimRequest> w;
+  for (int i = 0; i < 8; ++i) w.push_back({10.0 * i, 80, 2, i % 2, 64});
+  ClusterConfig c;
+  c.prefill = 2;
+  c.decode = 1;
+  auto r = Simulate(p, c, w);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->requests[0].cached_tokens, 0);
+  EXPECT_EQ(r->requests[1].cached_tokens, 0);
+  for (int i = 2; i < 8; ++i) {
+    EXPECT_EQ(r->requests[i].cached_tokens, 64) << i;
+    // prefix_aware keeps each group on the worker that caches it.
+    EXPECT_EQ(r->requests[i].prefill_worker, r->requests[i - 2].prefill_worker) << i;
+  }
+  // A full-prompt hit still computes the last block's tokens (16 of them, the
+  // engine keeps at least one prompt token to sample from).
+  auto same = Simulate(p, Colocated(1), {{0.0, 64, 1, 0, 64}, {10.0, 64, 1, 0, 64}});
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->requests[1].cached_tokens, 48);
+}
+
+// Worker processes sharing one host: a step that starts while more processes
+// compute than there are cores is stretched by busy / cores (rate fixed at
+// the step's start).
+TEST(SimulatorTest, SharedHostCoresStretchSteps) {
+  Profile p = Simple(0.5);
+  ClusterConfig c = Colocated(2);
+  c.router = coordinator::RouterPolicy::kRoundRobin;
+  c.shared_host_cores = 1;
+  auto r = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->requests[0].ttft_s(), 0.5);  // alone when it started
+  EXPECT_EQ(r->requests[1].ttft_s(), 1.0);  // two processes on one core
+  c.shared_host_cores = 2;
+  auto roomy = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  ASSERT_TRUE(roomy.ok());
+  EXPECT_EQ(roomy->requests[1].ttft_s(), 0.5);
+}
+
+TEST(SimulatorTest, DeterministicForASeed) {
+  Profile p = Simple(0.01, 1.0 / 4096);
+  WorkloadOptions wo;
+  wo.rate = 20;
+  wo.num_requests = 2000;
+  wo.shared_prefix = 64;
+  wo.prefix_groups = 5;
+  ClusterConfig c;
+  c.prefill = 2;
+  c.decode = 3;
+  auto run = [&](uint64_t seed) {
+    wo.seed = seed;
+    auto w = GenerateWorkload(wo);
+    EXPECT_TRUE(w.ok());
+    auto r = Simulate(p, c, *w);
+    EXPECT_TRUE(r.ok());
+    return *r;
+  };
+  SimResult a = run(7), b = run(7), other = run(8);
+  ASSERT_EQ(a.requests.size(), b.requests.size());
+  for (size_t i = 0; i < a.requests.size(); ++i) {
+    EXPECT_EQ(a.requests[i].finish_s, b.requests[i].finish_s);
+    EXPECT_EQ(a.requests[i].prefill_worker, b.requests[i].prefill_worker);
+    EXPECT_EQ(a.requests[i].decode_worker, b.requests[i].decode_worker);
+  }
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_NE(a.ttft_ms.mean, other.ttft_ms.mean);
+}
+
+TEST(SimulatorTest, AdmissionRefusesBeyondTheQueue) {
+  Profile p = Simple(1.0);
+  ClusterConfig c = Colocated(1);
+  c.coordinator_max_running = 1;
+  c.coordinator_max_queue = 2;
+  auto r = Simulate(p, c, Evenly(5, 0.0, 16, 1));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->completed, 3);
+  EXPECT_EQ(r->rejected, 2);
+  EXPECT_EQ(r->requests[2].ttft_s(), 3.0);  // served one after another
+}
+
+TEST(SimulatorTest, BadInputIsAnError) {
+  Profile p = Simple(0.25);
+  ClusterConfig c;
+  c.tp = 2;  // no tp cost in the profile
+  EXPECT_FALSE(Simulate(p, c, Evenly(1, 0, 16, 1)).ok());
+  EXPECT_FALSE(Simulate(p, ClusterConfig{.colocated = 0, .prefill = 0}, Evenly(1, 0, 16, 1)).ok());
+  EXPECT_FALSE(Simulate(p, Colocated(1), {}).ok());
+  EXPECT_FALSE(Simulate(p, Colocated(1), Evenly(1, 0, 16 * 5000, 1)).ok());  // over the pool
+}
+
+TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
+  Profile p = Simple(0.25, 0.001);
+  p.tp[2] = {0.75, 0.002, "test"};
+  auto back = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->step.per_token_s, 0.001);
+  EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
+  auto bad = ProfileFromJson(R"({"name": "x", "layers": 2})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("kv_bytes_per_token"), std::string::npos);
+  p.step.source.clear();
+  EXPECT_FALSE(ProfileFromJson(ProfileToJson(p)).ok());  // every number has a source
+}
+
+TEST(ProfileTest, NonNegativeLeastSquaresRecoversCoefficients) {
+  // b = 2 + 3 x (exact), and a column that would fit negative is fixed at 0.
+  std::vector<double> a, b, w;
+  for (int x = 0; x < 6; ++x) {
+    a.insert(a.end(), {1.0, static_cast<double>(x), x % 2 == 0 ? 1.0 : 0.0});
+    b.push_back(2 + 3.0 * x - (x % 2 == 0 ? 0.001 : 0));
+    w.push_back(1);
+  }
+  auto fit = NonNegativeLeastSquares(a, 3, b, w);
+  ASSERT_TRUE(fit.ok());
+  EXPECT_EQ((*fit)[2], 0.0);
+  EXPECT_NEAR((*fit)[1], 3.0, 1e-3);
+  EXPECT_FALSE(NonNegativeLeastSquares({1, 1}, 2, {1}, {1}).ok());
+}
+
+TEST(WorkloadTest, TraceRoundTripAndErrors) {
+  const auto dir = std::filesystem::temp_directory_path() / "kvrelay_sim_test";
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "trace.csv").string();
+  WorkloadOptions wo;
+  wo.num_requests = 50;
+  wo.shared_prefix = 32;
+  wo.prefix_groups = 3;
+  auto w = GenerateWorkload(wo);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(SaveTrace(path, *w).ok());
+  auto back = LoadTrace(path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->size(), w->size());
+  for (size_t i = 0; i < w->size(); ++i) {
+    EXPECT_NEAR((*back)[i].arrival_s, (*w)[i].arrival_s, 1e-9);
+    EXPECT_EQ((*back)[i].prefix_group, (*w)[i].prefix_group);
+  }
+  {
+    std::ofstream f(path);
+    f << "0.0,10,5\n1.0,abc,5\n";
+  }
+  auto bad = LoadTrace(path);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find(":2"), std::string::npos);
+  {
+    std::ofstream f(path);
+    f << "1.0,10,5\n0.5,10,5\n";
+  }
+  EXPECT_FALSE(LoadTrace(path).ok());  // arrivals go backwards
+  EXPECT_FALSE(LoadTrace((dir / "missing.csv").string()).ok());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PlannerTest, FindsTheRateWhereTheSloBreaks) {
+  // One colocated worker serving one request at a time in 0.25 s: TTFT p90
+  // stays under 1 s up to a rate below 4 req/s; the planner's max rate is
+  // positive, below capacity, and per node it halves for two nodes of half use.
+  Profile p = Simple(0.25);
+  p.max_running = 1;
+  PlanOptions o;
+  o.workload.prompt_tokens = 16;
+  o.workload.output_tokens = 1;
+  o.ttft_slo_s = 1.0;
+  o.tpot_slo_s = 1.0;
+  o.requests_per_node = 1000;
+  int64_t sims = 0;
+  auto rate = MaxRate(p, Colocated(1), o, &sims);
+  ASSERT_TRUE(rate.ok());
+  EXPECT_GT(*rate, 1.0);
+  EXPECT_LT(*rate, 4.0);
+  EXPECT_GT(sims, 5);
+}
+
+}  // namespace
+}  // namespace kvrelay::sim
