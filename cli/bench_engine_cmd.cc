@@ -189,15 +189,30 @@ double MatMulOnlySeconds(const engine::Model& model, ThreadPool* threads, int re
   return Summarize(total).median;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay bench engine",
+    "Prompt processing and token generation speed of the engine (llama-bench's pp/tg),\n"
+    "and batched decode throughput.",
+    "",
+    0,
+    {{"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
+     {"threads", std::to_string(ThreadPool::DefaultThreads()), "compute threads"},
+     {"reps", "5", "repetitions (median reported)"},
+     {"pp", "512", "prompt tokens"},
+     {"tg", "128", "generated tokens"},
+     {"batches", "4,16,64", "batch sizes of the batched decode run"},
+     {"batch-steps", "16", "decode steps per batch size"},
+     {"seed", "1", "prompt seed"},
+     {"context", "0", "positions already cached before each timed pass (multiple of 16)"},
+     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+     {"json", "", "also write the medians (seconds) as JSON to this file"},
+     {"skip-batches", "", "skip the batched decode run", true},
+     {"profile", "", "add the matmul-only time of one decode token", true}}};
+
 int Run(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args,
-                            {"model", "threads", "reps", "pp", "tg", "batches", "batch-steps",
-                             "seed", "context", "json", "kv-dtype"},
-                            {"profile", "skip-batches"});
-  if (!flags.ok()) {
-    std::fprintf(stderr, "bench engine: %s\n", flags.status().ToString().c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   const std::string path = flags->Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   auto threads_f = flags->GetInt("threads", ThreadPool::DefaultThreads());
   auto reps_f = flags->GetInt("reps", 5);

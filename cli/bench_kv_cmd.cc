@@ -188,14 +188,28 @@ Status MicroBench(const engine::Model& model, KvDtype dtype, Row* row) {
   return Status::Ok();
 }
 
+const FlagSpec kSpec = {
+    "kvrelay bench kv",
+    "KV cache dtypes side by side: perplexity, greedy agreement, bytes per token, speed.",
+    "",
+    0,
+    {{"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
+     {"file", "", "text file for the perplexity run (required)"},
+     {"ctx", "512", "tokens per perplexity chunk"},
+     {"chunks", "4", "perplexity chunks"},
+     {"gen", "512", "greedy tokens compared against f32"},
+     {"prompt-tokens", "64", "prompt length of the greedy run"},
+     {"dtypes", "f32,f16,bf16,int8,kivi4,kivi2", "dtypes to compare (f32 always included)"},
+     {"threads", std::to_string(ThreadPool::DefaultThreads()), "compute threads"}}};
+
 int Run(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(
-      args, {"model", "file", "ctx", "chunks", "gen", "prompt-tokens", "dtypes", "threads"}, {});
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "bench kv: %s\n", s.ToString().c_str());
     return 1;
   };
-  if (!flags.ok()) return fail(flags.status());
   const std::string path = flags->Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   const std::string file = flags->Get("file");
   if (file.empty()) return fail(InvalidArgument("--file TEXT is required"));

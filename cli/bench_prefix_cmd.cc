@@ -92,13 +92,23 @@ void DropPageCache(const fs::path& dir) {
   }
 }
 
+const FlagSpec kSpec = {
+    "kvrelay bench prefix",
+    "Prefill with and without a prefix cache hit (memory, RocksDB store cold and warm).",
+    "",
+    0,
+    {{"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
+     {"prompt-tokens", "2048", "prompt length"},
+     {"seen-tokens", "1920", "leading tokens already cached"},
+     {"reps", "3", "repetitions (median reported)"},
+     {"dir", "$TMPDIR/kvrelay_bench_prefix", "RocksDB store directory"},
+     {"threads", "0", "compute threads (0 = all cores)"},
+     {"kv-dtype", "f32", "KV cache dtype"}}};
+
 int Run(const std::vector<std::string>& args) {
-  auto flags_or = Flags::Parse(
-      args, {"model", "prompt-tokens", "seen-tokens", "reps", "dir", "threads", "kv-dtype"}, {});
-  if (!flags_or.ok()) {
-    std::fprintf(stderr, "bench prefix: %s\n", flags_or.status().ToString().c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  auto flags_or = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags_or) return exit_code;
   const Flags& flags = *flags_or;
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "bench prefix: %s\n", s.ToString().c_str());

@@ -158,17 +158,34 @@ RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_ke
   return out;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay bench serve",
+    "Load test of a running OpenAI-compatible server (random-token prompts, streamed chat\n"
+    "completions): throughput, TTFT, TPOT and goodput against the SLOs.",
+    "",
+    0,
+    {{"url", "http://127.0.0.1:8080", "server base URL"},
+     {"model", "", "model name (default: the server's first /v1/models entry)"},
+     {"api-key", "", "bearer token"},
+     {"rate", "inf", "requests per second, Poisson arrivals (inf = all at once)"},
+     {"num-prompts", "100", "requests to send"},
+     {"input-len", "128", "prompt tokens per request"},
+     {"output-len", "64", "max_tokens per request"},
+     {"shared-prefix", "0", "leading prompt tokens shared within a prefix group"},
+     {"prefix-groups", "1", "distinct shared prefixes"},
+     {"max-concurrency", "256", "requests in flight at most"},
+     {"ttft-slo-ms", "0", "TTFT objective for goodput (0 = none)"},
+     {"tpot-slo-ms", "0", "TPOT objective for goodput (0 = none)"},
+     {"timeout-s", "600", "per-request timeout"},
+     {"seed", "0", "prompt generator seed"},
+     {"vocab-min", "1000", "smallest random token id"},
+     {"vocab-max", "30000", "largest random token id (exclusive)"},
+     {"json", "", "also write the results as JSON to this file"}}};
+
 int BenchServe(const std::vector<std::string>& args) {
-  auto flags =
-      Flags::Parse(args,
-                   {"url", "rate", "num-prompts", "input-len", "output-len", "shared-prefix",
-                    "prefix-groups", "ttft-slo-ms", "tpot-slo-ms", "json", "model", "seed",
-                    "api-key", "max-concurrency", "timeout-s", "vocab-min", "vocab-max"},
-                   {"help"});
-  if (!flags.ok()) {
-    std::fprintf(stderr, "bench serve: %s\n", flags.status().message().c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   auto get_int = [&](const char* name, int64_t fallback, int64_t lo, int64_t hi) -> int64_t {
     auto v = flags->GetInt(name, fallback);
     if (!v.ok() || *v < lo || *v > hi) {

@@ -782,16 +782,30 @@ int RunUnderMpi(const Config& cfg, bool mpi, bool tcp, bool local) {
   return 0;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay bench transfer",
+    "KV transfer bandwidth and latency per backend, raw and overlapped with compute.",
+    "",
+    0,
+    {{"backend", "all", "mpi|tcp|local|all"},
+     {"min-bytes", "65536", "smallest message"},
+     {"max-bytes", "268435456", "largest message"},
+     {"layer-ms", "140", "simulated compute per layer in the overlap run"},
+     {"overlap-repeats", "3", "repeats of the overlap run"},
+     {"compute", "busy", "simulated compute: busy|sleep"},
+     {"tcp-chunk-bytes", "1048576", "TCP transport chunk size"},
+     {"tcp-socket-buffer", std::to_string(kv_transfer::TcpTransport::Options().socket_buffer_bytes),
+      "TCP socket buffer bytes"},
+     {"model", "", "measure the overlap with the real engine on this model"},
+     {"kv-dtype", "f16", "KV dtype of the model's blocks"},
+     {"threads", "0", "compute threads (0 = all cores)"},
+     {"no-overlap", "", "skip the overlap run", true},
+     {"no-raw", "", "skip the raw bandwidth run", true}}};
+
 int BenchTransfer(const std::vector<std::string>& args) {
-  auto flags =
-      Flags::Parse(args,
-                   {"backend", "min-bytes", "max-bytes", "layer-ms", "overlap-repeats", "compute",
-                    "tcp-chunk-bytes", "tcp-socket-buffer", "model", "kv-dtype", "threads"},
-                   {"no-overlap", "no-raw"});
-  if (!flags.ok()) {
-    std::fprintf(stderr, "bench transfer: %s\n", flags.status().ToString().c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   std::string backend = flags->Get("backend", "all");
   if (backend != "all" && backend != "mpi" && backend != "tcp" && backend != "local") {
     std::fprintf(stderr, "bench transfer: --backend must be mpi, tcp, local or all\n");

@@ -24,3 +24,32 @@ const std::vector<Command>& Commands();
 
 #define KVRELAY_COMMAND(id, name, usage, fn) \
   static const bool kvrelay_command_##id = ::kvrelay::cli::RegisterCommand({name, usage, fn})
+
+#include <cstdio>
+#include <optional>
+
+#include "common/flags.h"
+
+namespace kvrelay::cli {
+
+// Parses a command's arguments against its spec. Returns the flags when the
+// command should run; otherwise sets *exit_code and returns nullopt: 0 after
+// printing the complete usage to stdout for --help / -h, 2 after printing the
+// error (and a pointer to --help) to stderr.
+inline std::optional<Flags> ParseCommandFlags(const std::vector<std::string>& args,
+                                              const FlagSpec& spec, int* exit_code) {
+  auto flags = Flags::Parse(args, spec);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "%s: %s\n", spec.program.c_str(), flags.status().ToString().c_str());
+    *exit_code = 2;
+    return std::nullopt;
+  }
+  if (flags->help_requested()) {
+    std::fputs(Flags::Usage(spec).c_str(), stdout);
+    *exit_code = 0;
+    return std::nullopt;
+  }
+  return std::move(flags).value();
+}
+
+}  // namespace kvrelay::cli

@@ -26,12 +26,31 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay generate",
+    "One prompt through the in-process engine; the text is streamed to stdout, the statistics\n"
+    "line goes to stderr (or one JSON object on stdout with --json).",
+    "",
+    0,
+    {{"model", "", "GGUF model path (required)"},
+     {"prompt", "", "prompt text (required)"},
+     {"chat", "", "wrap the prompt in the model's chat template", true},
+     {"max-tokens", "128", "tokens to generate at most"},
+     {"temperature", "0", "sampling temperature (0 = greedy)"},
+     {"top-k", "0", "top-k sampling (0 = off)"},
+     {"top-p", "1", "nucleus sampling"},
+     {"min-p", "0", "min-p sampling"},
+     {"seed", "0", "sampler seed"},
+     {"repeat-penalty", "1", "repetition penalty"},
+     {"stop", "", "a stop string"},
+     {"threads", "0", "compute threads (0 = all cores)"},
+     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+     {"json", "", "print one JSON object (ids, text, timings) instead of the text", true}}};
+
 int RunGenerate(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args,
-                            {"model", "prompt", "max-tokens", "temperature", "top-k", "top-p",
-                             "min-p", "seed", "threads", "kv-dtype", "repeat-penalty", "stop"},
-                            {"chat", "json"});
-  if (!flags.ok()) return Fail(flags.status());
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   const Flags& f = *flags;
   if (!f.Has("model")) return Fail(InvalidArgument("--model is required"));
   if (!f.Has("prompt")) return Fail(InvalidArgument("--prompt is required"));
@@ -138,7 +157,11 @@ int RunGenerate(const std::vector<std::string>& args) {
     j["finish_reason"] = finish;
     std::cout << j.dump() << std::endl;
   } else {
-    std::printf("\n");
+    // The text's line is ended and flushed before the statistics go to
+    // stderr, so with both on one terminal or file (2>&1) the statistics are
+    // on a line of their own.
+    std::fputs("\n", stdout);
+    std::fflush(stdout);
     std::fprintf(stderr, "[%zu prompt tokens, %zu generated, ttft %.1f ms, %.1f tokens/s, %s]\n",
                  prompt_ids.size(), out_ids.size(), ttft_ms, decode_tps, finish.c_str());
   }

@@ -93,16 +93,20 @@ std::string Dims(const GgufTensor& t) {
   return out + "]";
 }
 
+const FlagSpec kSpec = {"kvrelay inspect",
+                        "Metadata and tensors of a GGUF file.",
+                        "PATH",
+                        1,
+                        {{"max-array", "5", "array elements shown per metadata key"},
+                         {"no-tensors", "", "do not list the tensors", true},
+                         {"fingerprint", "", "print a content fingerprint", true}}};
+
 int RunInspect(const std::vector<std::string>& args) {
-  Result<Flags> flags = Flags::Parse(args, {"max-array"}, {"fingerprint", "no-tensors"});
-  if (!flags.ok()) {
-    std::fprintf(stderr, "inspect: %s\n", flags.status().ToString().c_str());
-    return 2;
-  }
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   if (flags->positional().size() != 1) {
-    std::fprintf(stderr,
-                 "usage: kvrelay inspect PATH [--max-array N] [--no-tensors] "
-                 "[--fingerprint]\n");
+    std::fputs(Flags::Usage(kSpec).c_str(), stderr);
     return 2;
   }
   Result<int64_t> max_array = flags->GetInt("max-array", 5);

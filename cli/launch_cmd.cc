@@ -14,24 +14,47 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 
-const std::vector<std::string> kLaunchFlags = {
-    "model",        "host",           "port",
-    "control-port", "prefill",        "decode",
-    "tp",           "colocated",      "threads-per-worker",
-    "kv-dtype",     "kv-capacity-mb", "kv-store",
-    "router",       "bin-dir",        "ready-timeout-ms",
-    "demo",         "max-tokens",     "tp-mode",
-    "kv-timeout-ms", "heartbeat-ms",   "decode-device",
-    "cluster-key-file"};
-const std::vector<std::string> kLaunchSwitches = {"no-kv-store"};
 // The RocksDB prefix tier is on by default, one directory per worker under
 // this one (relative to the working directory; scripts/serve.sh runs from the
 // repository root, where /kvstore/ is git-ignored).
 constexpr char kDefaultKvStoreDir[] = "kvstore";
+
+FlagSpec LaunchSpec() {
+  const deploy::LaunchOptions d;
+  return {"kvrelay launch",
+          "The cluster on this machine over TCP: a coordinator, prefill and decode workers\n"
+          "(or colocated ones). Serves until Ctrl-C; with --demo PROMPT it answers one chat\n"
+          "request (the answer on stdout, logs on stderr) and stops.",
+          "",
+          0,
+          {{"model", d.model_path, "GGUF model path"},
+           {"host", d.host, "HTTP bind address"},
+           {"port", std::to_string(d.port), "HTTP port (0 = pick a free one; --demo: 0)"},
+           {"control-port", "0", "worker control port (0 = pick a free one)"},
+           {"prefill", std::to_string(d.prefill), "prefill workers"},
+           {"decode", std::to_string(d.decode), "decode groups"},
+           {"tp", std::to_string(d.tp), "tensor-parallel ranks per decode group"},
+           {"tp-mode", d.tp_mode, "exact|reduce"},
+           {"colocated", std::to_string(d.colocated), "colocated (prefill+decode) workers"},
+           {"threads-per-worker", std::to_string(d.threads_per_worker), "engine threads per worker"},
+           {"kv-dtype", d.kv_dtype, "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+           {"kv-capacity-mb", std::to_string(d.kv_capacity_mb), "KV pool per worker"},
+           {"kv-store", kDefaultKvStoreDir, "RocksDB prefix store directory (one per worker)"},
+           {"no-kv-store", "", "turn the prefix store off", true},
+           {"decode-device", d.decode_device, "device of the decode workers: cpu|cuda[:N]"},
+           {"router", d.router, "coordinator routing policy"},
+           {"kv-timeout-ms", "0", "KV transfer deadline (0 = the workers' default, 30000)"},
+           {"heartbeat-ms", "0", "worker heartbeat interval (0 = the default, 500)"},
+           {"bin-dir", "", "where kvrelay-coordinator etc. live (default: next to kvrelay)"},
+           {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
+            "how long to wait for the cluster to be ready"},
+           {"demo", "", "send this prompt as one chat request, print the answer, stop"},
+           {"max-tokens", "128", "max_tokens of the --demo request"},
+           {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"}}};
+}
 void OnSignal(int) { g_stop.store(true); }
 
-Result<deploy::LaunchOptions> ParseLaunchFlags(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, kLaunchSwitches));
+Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   deploy::LaunchOptions o;
   o.model_path = flags.Get("model", o.model_path);
   o.host = flags.Get("host", o.host);
@@ -78,8 +101,7 @@ struct DemoFlags {
   int max_tokens = 128;
 };
 
-Result<DemoFlags> ParseDemoFlags(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args, kLaunchFlags, kLaunchSwitches));
+Result<DemoFlags> ParseDemoFlags(const Flags& flags) {
   DemoFlags d;
   d.prompt = flags.Get("demo", "");
   ASSIGN_OR_RETURN(int64_t max_tokens, flags.GetInt("max-tokens", 128));
@@ -155,7 +177,10 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
 }
 
 int RunLaunch(const std::vector<std::string>& args) {
-  auto options = ParseLaunchFlags(args);
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, LaunchSpec(), &exit_code);
+  if (!flags) return exit_code;
+  auto options = ParseLaunchFlags(*flags);
   if (!options.ok()) {
     std::fprintf(stderr, "kvrelay launch: %s\n", options.status().ToString().c_str());
     return 2;
@@ -163,7 +188,7 @@ int RunLaunch(const std::vector<std::string>& args) {
   SetLogTag("launch");
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  auto demo = ParseDemoFlags(args);
+  auto demo = ParseDemoFlags(*flags);
   if (!demo.ok()) {
     std::fprintf(stderr, "kvrelay launch: %s\n", demo.status().ToString().c_str());
     return 2;

@@ -23,16 +23,28 @@ const std::vector<Command>& Commands() { return MutableCommands(); }
 
 }  // namespace kvrelay::cli
 
-static void PrintUsage() {
-  std::fprintf(stderr, "usage: kvrelay <command> [flags]\ncommands:\n");
-  for (const auto& c : kvrelay::cli::Commands()) std::fprintf(stderr, "  %s\n", c.usage.c_str());
+// Asked-for help goes to stdout (exit 0); usage after a mistake to stderr.
+static void PrintUsage(std::FILE* out) {
+  std::fprintf(out,
+               "usage: kvrelay <command> [flags]   (kvrelay <command> --help: all its flags and "
+               "defaults)\ncommands:\n");
+  for (const auto& c : kvrelay::cli::Commands()) std::fprintf(out, "  %s\n", c.usage.c_str());
 }
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    PrintUsage();
-    return args.empty() ? 2 : 0;
+  if (args.empty()) {
+    PrintUsage(stderr);
+    return 2;
+  }
+  if (args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    if (args[0] == "help" && args.size() > 1) {  // kvrelay help generate == kvrelay generate --help
+      args.erase(args.begin());
+      args.push_back("--help");
+    } else {
+      PrintUsage(stdout);
+      return 0;
+    }
   }
   // Longest match first: "bench engine" before "bench".
   for (size_t words = std::min<size_t>(2, args.size()); words >= 1; --words) {
@@ -46,6 +58,6 @@ int main(int argc, char** argv) {
     }
   }
   std::fprintf(stderr, "kvrelay: unknown command '%s'\n", args[0].c_str());
-  PrintUsage();
+  PrintUsage(stderr);
   return 2;
 }

@@ -12,6 +12,7 @@
 #include "common/clock.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_codec.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -33,10 +34,22 @@ int Fail(const Status& st) {
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay perplexity",
+    "Perplexity of a text file in --ctx-token chunks (llama.cpp's method).",
+    "",
+    0,
+    {{"model", "", "GGUF model path (required)"},
+     {"file", "", "text file to score (required)"},
+     {"ctx", "512", "tokens per chunk (>= 4)"},
+     {"max-chunks", "0", "score at most this many chunks (0 = all)"},
+     {"threads", "0", "compute threads (0 = all cores)"},
+     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"}}};
+
 int RunPerplexity(const std::vector<std::string>& args) {
-  auto flags =
-      Flags::Parse(args, {"model", "file", "kv-dtype", "ctx", "max-chunks", "threads"}, {});
-  if (!flags.ok()) return Fail(flags.status());
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   const Flags& f = *flags;
   if (!f.Has("model") || !f.Has("file"))
     return Fail(InvalidArgument("--model and --file are required"));
@@ -72,7 +85,16 @@ int RunPerplexity(const std::vector<std::string>& args) {
   KvBlockPool::Options po;
   po.layout = m.MakeKvLayout(*dtype, 16);
   const int64_t blocks = (n_ctx + 15) / 16;
+  // KIVI pools carve f32 staging (partially written blocks) out of
+  // capacity_bytes; by default an eighth, which left fewer blocks than one
+  // chunk needs ("KV pool exhausted"). Size it explicitly on top: every layer
+  // of one block (the chunk's tail) plus slack, as bench kv does.
   po.capacity_bytes = blocks * po.layout.BlockBytes();
+  if (engine::kvcodec::IsKivi(*dtype)) {
+    const int64_t slot = 2LL * po.layout.kv_heads * 16 * po.layout.head_dim * 4;
+    po.staging_bytes = 2 * po.layout.layers * slot;
+    po.capacity_bytes += po.staging_bytes;
+  }
   auto pool = KvBlockPool::Create(po);
   if (!pool.ok()) return Fail(pool.status());
   ThreadPool tp(*threads > 0 ? static_cast<int>(*threads) : ThreadPool::DefaultThreads(), "ppl");

@@ -22,10 +22,25 @@ int Fail(const Status& s) {
   return 1;
 }
 
+const FlagSpec kSpec = {
+    "kvrelay tokenize",
+    "Token ids of --text or --file with the model's tokenizer.",
+    "",
+    0,
+    {{"model", "", "GGUF model path (required)"},
+     {"text", "", "text to tokenize (this or --file)"},
+     {"file", "", "file to tokenize"},
+     {"repeat", "1", "tokenize this many times (timing)"},
+     {"add-special", "", "add BOS/EOS as the model does", true},
+     {"parse-special", "", "parse special tokens such as <|im_start|>", true},
+     {"chat", "", "render the text as a user turn with the chat template", true},
+     {"decode", "", "decode the ids back and print the text", true},
+     {"quiet", "", "do not print the ids", true}}};
+
 int RunTokenize(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args, {"model", "text", "file", "repeat"},
-                            {"add-special", "parse-special", "chat", "decode", "quiet"});
-  if (!flags.ok()) return Fail(flags.status());
+  int exit_code = 0;
+  auto flags = ParseCommandFlags(args, kSpec, &exit_code);
+  if (!flags) return exit_code;
   if (!flags->Has("model")) return Fail(InvalidArgument("--model PATH is required"));
   std::string text;
   if (flags->Has("file")) {

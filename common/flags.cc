@@ -42,6 +42,57 @@ Result<Flags> Flags::Parse(const std::vector<std::string>& args,
   return flags;
 }
 
+Result<Flags> Flags::Parse(const std::vector<std::string>& args, const FlagSpec& spec) {
+  std::vector<std::string> values, switches;
+  for (const FlagDef& d : spec.flags) (d.is_switch ? switches : values).push_back(d.name);
+  // --help / -h wins over everything else, wherever it appears (but not as the
+  // value of a flag: `--prompt -h` is a prompt).
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      Flags flags;
+      flags.help_ = true;
+      return flags;
+    }
+    if (a.rfind("--", 0) == 0 && a.find('=') == std::string::npos &&
+        std::find(values.begin(), values.end(), a.substr(2)) != values.end()) {
+      ++i;  // skip the value
+    }
+  }
+  ASSIGN_OR_RETURN(Flags flags, Parse(args, values, switches));
+  if (flags.positional_.size() > spec.max_positional) {
+    const std::string& extra = flags.positional_[spec.max_positional];
+    return InvalidArgument("unexpected argument '" + extra + "'" +
+                           (spec.max_positional == 0 ? " (this command takes only --flags)"
+                                                     : "") +
+                           "; see " + spec.program + " --help");
+  }
+  return flags;
+}
+
+std::string Flags::Usage(const FlagSpec& spec) {
+  std::string out = "usage: " + spec.program + " [flags]";
+  if (!spec.positional.empty()) out += " " + spec.positional;
+  out += "\n";
+  if (!spec.summary.empty()) out += "\n" + spec.summary + "\n";
+  out += "\nflags:\n";
+  size_t width = 6;  // "--help"
+  auto label = [](const FlagDef& d) {
+    return "--" + d.name + (d.is_switch ? "" : " VALUE");
+  };
+  for (const FlagDef& d : spec.flags) width = std::max(width, label(d).size());
+  for (const FlagDef& d : spec.flags) {
+    std::string l = label(d);
+    out += "  " + l + std::string(width - l.size() + 2, ' ') + d.help;
+    if (!d.is_switch) {
+      if (!d.default_value.empty()) out += " (default: " + d.default_value + ")";
+    }
+    out += "\n";
+  }
+  out += "  --help" + std::string(width - 6 + 2, ' ') + "print this help and exit (also -h)\n";
+  return out;
+}
+
 std::string Flags::Get(const std::string& name, const std::string& fallback) const {
   auto it = values_.find(name);
   return it == values_.end() ? fallback : it->second;

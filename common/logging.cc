@@ -1,7 +1,11 @@
 #include "common/logging.h"
+#include "common/log_format.h"
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -37,15 +41,50 @@ void SetLogTag(std::string_view tag) {
   g_tag = std::string(tag);
 }
 
-void LogLine(LogLevel level, const char* file, int line, std::string_view message) {
+std::string FormatLogLine(LogLevel level, std::chrono::system_clock::time_point when, long pid,
+                          std::string_view tag, const char* file, int line,
+                          std::string_view message) {
   static const char* kNames[] = {"D", "I", "W", "E"};
   const char* base = std::strrchr(file, '/');
   base = base ? base + 1 : file;
-  auto now = std::chrono::system_clock::now().time_since_epoch();
-  double secs = std::chrono::duration<double>(now).count();
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(when.time_since_epoch());
+  const std::time_t secs = static_cast<std::time_t>(ms.count() / 1000);
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char stamp[48];
+  std::snprintf(stamp, sizeof stamp, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                static_cast<int>(ms.count() % 1000));
+  std::string out;
+  out.reserve(64 + tag.size() + message.size());
+  out += stamp;
+  out += ' ';
+  out += kNames[static_cast<int>(level)];
+  out += ' ';
+  out += std::to_string(pid);
+  out += ' ';
+  out += tag;
+  out += ' ';
+  out += base;
+  out += ':';
+  out += std::to_string(line);
+  out += "] ";
+  for (char c : message) {
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c != '\r') {
+      out += c;
+    }
+  }
+  return out;
+}
+
+void LogLine(LogLevel level, const char* file, int line, std::string_view message) {
+  const auto now = std::chrono::system_clock::now();
+  const long pid = static_cast<long>(::getpid());  // per call: right in a fork()ed child too
   std::lock_guard<std::mutex> lock(g_mutex);
-  std::fprintf(stderr, "%s %.3f %s %s:%d] %.*s\n", kNames[static_cast<int>(level)], secs,
-               g_tag.c_str(), base, line, static_cast<int>(message.size()), message.data());
+  const std::string record = FormatLogLine(level, now, pid, g_tag, file, line, message);
+  std::fprintf(stderr, "%s\n", record.c_str());
 }
 
 }  // namespace kvrelay

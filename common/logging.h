@@ -1,4 +1,11 @@
-// Minimal leveled logging to stderr. Thread-safe; one line per call.
+// Minimal leveled logging to stderr. Thread-safe; one line per call:
+//
+//   2026-12-01T10:05:03.123Z I 12345 coordinator server.cc:88] message
+//
+// UTC time (ISO 8601, milliseconds), level (D/I/W/E), process id, tag (the
+// role: "launch", "coordinator", a worker id), source location, message. A
+// newline inside the message is written as the two characters \n, so one
+// record is always one line (common/log_format.h formats it).
 #pragma once
 
 #include <sstream>

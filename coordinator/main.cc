@@ -23,15 +23,39 @@
 namespace kvrelay::coordinator {
 namespace {
 
-constexpr const char* kUsage =
-    "usage: kvrelay-coordinator --model PATH [--host 127.0.0.1] [--port 8080] [--model-name NAME]\n"
-    "         [--api-keys FILE] [--max-queue 256] [--max-running 64] [--router prefix_aware]\n"
-    "         [--threads 2] [--engine-threads 0] [--kv-dtype f32] [--kv-capacity-mb 0]\n"
-    "         [--block-tokens 16] [--max-step-tokens 512] [--max-prompt-tokens 8192]\n"
-    "         [--max-body-bytes 1048576] [--request-timeout-ms 600000] [--default-max-tokens "
-    "256]\n"
-    "         [--max-queue-delay-ms 0] [--max-connections 4096]\n"
-    "         [--max-connections-per-client 1024]\n";
+// Every flag the coordinator takes, with its default; --help prints it.
+const FlagSpec kSpec = {
+    "kvrelay-coordinator",
+    "The OpenAI-compatible front end. Local mode (--model only): one process with a\n"
+    "colocated engine. Cluster mode (--control-port): workers register over the control\n"
+    "plane (started by kvrelay launch or mpirun).",
+    "",
+    0,
+    {{"model", "", "GGUF model path (required)"},
+     {"model-name", "the file name without .gguf", "model id served in /v1/models"},
+     {"host", "127.0.0.1", "HTTP bind address"},
+     {"port", "8080", "HTTP port (0 = pick a free one)"},
+     {"api-keys", "", "file of accepted bearer tokens, one a line (default: no auth)"},
+     {"max-queue", "256", "requests waiting at most"},
+     {"max-running", "64", "requests running at most"},
+     {"router", "prefix_aware", "cluster routing policy"},
+     {"threads", "2", "HTTP threads"},
+     {"engine-threads", "0", "engine threads, local mode (0 = all cores)"},
+     {"kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)), "KV cache dtype"},
+     {"kv-capacity-mb", "0", "KV pool, local mode (0 = the engine's default)"},
+     {"block-tokens", "16", "tokens per KV block"},
+     {"max-step-tokens", "512", "tokens per engine step at most"},
+     {"max-prompt-tokens", "8192", "longest prompt accepted"},
+     {"max-body-bytes", "1048576", "largest request body"},
+     {"request-timeout-ms", "600000", "per-request deadline"},
+     {"default-max-tokens", "256", "max_tokens when a request gives none"},
+     {"max-queue-delay-ms", "0", "refuse requests queued longer (0 = no limit)"},
+     {"max-connections", "4096", "open connections at most"},
+     {"max-connections-per-client", "1024", "open connections per client address"},
+     {"control-port", "", "cluster mode: the workers' control port (0 = pick a free one)"},
+     {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
+     {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
+     {"cluster-key-file", "", "cluster mode: the cluster secret every worker must prove (required)"}}};
 
 std::string ModelNameFromPath(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
@@ -40,35 +64,9 @@ std::string ModelNameFromPath(const std::string& path) {
 }
 
 Status Run(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(auto flags, Flags::Parse(args,
-                                                 {"host",
-                                                  "port",
-                                                  "model",
-                                                  "model-name",
-                                                  "api-keys",
-                                                  "max-queue",
-                                                  "max-running",
-                                                  "router",
-                                                  "threads",
-                                                  "engine-threads",
-                                                  "kv-dtype",
-                                                  "kv-capacity-mb",
-                                                  "block-tokens",
-                                                  "max-step-tokens",
-                                                  "max-prompt-tokens",
-                                                  "max-body-bytes",
-                                                  "request-timeout-ms",
-                                                  "default-max-tokens",
-                                                  "max-queue-delay-ms",
-                                                  "max-connections",
-                                                  "max-connections-per-client",
-                                                  "control-port",
-                                                  "control-host",
-                                                  "cluster-key-file",
-                                                  "heartbeat-ms"},
-                                                 {"help"}));
-  if (flags.Has("help")) {
-    std::fputs(kUsage, stdout);
+  ASSIGN_OR_RETURN(auto flags, Flags::Parse(args, kSpec));
+  if (flags.help_requested()) {
+    std::fputs(Flags::Usage(kSpec).c_str(), stdout);
     return Status::Ok();
   }
   if (!flags.Has("model")) {
@@ -220,8 +218,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   kvrelay::Status st = kvrelay::coordinator::Run(args);
   if (!st.ok()) {
-    std::fprintf(stderr, "kvrelay-coordinator: %s\n%s", st.ToString().c_str(),
-                 kvrelay::coordinator::kUsage);
+    std::fprintf(stderr, "kvrelay-coordinator: %s\n(kvrelay-coordinator --help lists the flags)\n",
+                 st.ToString().c_str());
     return 2;
   }
   return 0;

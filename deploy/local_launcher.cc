@@ -1,16 +1,21 @@
 #include "deploy/local_launcher.h"
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cerrno>
+#include <cstring>
+
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/logging.h"
 #include "coordinator/http_client.h"
 #include "protocols/cluster_auth.h"
+#include "engine/gguf/gguf.h"
 
 namespace kvrelay::deploy {
 
@@ -57,6 +62,33 @@ void LocalLauncher::Stop() {
     key_dir_.clear();
   }
 }
+
+namespace {
+
+// Fails (naming the port) when host:port cannot be bound now, e.g. another
+// server holds it: so a busy port is reported at once, before any process is
+// started, not after the workers have loaded the model. SO_REUSEADDR as the
+// coordinator binds, so a port in TIME_WAIT is not called busy. A host that is
+// not an IPv4 literal is left to the coordinator to check.
+Status CheckPortFree(const std::string& host, uint16_t port, const char* what) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return Status::Ok();
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Status::Ok();
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  const int err = errno;
+  close(fd);
+  if (ok) return Status::Ok();
+  return Unavailable(std::string("cannot use ") + what + " port " + std::to_string(port) + " on " +
+                     host + ": " + std::strerror(err) +
+                     (err == EADDRINUSE ? " (another server holds it; pick another --port)" : ""));
+}
+
+}  // namespace
 
 std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, uint16_t http,
                                                         uint16_t control) const {
@@ -110,7 +142,16 @@ Status LocalLauncher::Start() {
       bin += "/../bin";
     }
   }
+  // A model that is not there or not GGUF fails here, before any worker
+  // starts (opening reads the header and tensor table, not the weights).
+  if (auto gguf = engine::GgufFile::Open(options_.model_path); !gguf.ok()) {
+    return gguf.status().WithContext("--model " + options_.model_path);
+  }
   http_port_ = options_.port;
+  if (http_port_ != 0) RETURN_IF_ERROR(CheckPortFree(options_.host, http_port_, "the HTTP"));
+  if (options_.control_port != 0) {
+    RETURN_IF_ERROR(CheckPortFree(options_.host, options_.control_port, "the control"));
+  }
   if (http_port_ == 0) {
     ASSIGN_OR_RETURN(http_port_, PickFreePort());
   }

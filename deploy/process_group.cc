@@ -1,7 +1,8 @@
 #include "deploy/process_group.h"
 
+#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,11 +47,54 @@ Status ProcessGroup::Spawn(const ChildSpec& spec) {
   std::vector<char*> envp;
   for (auto& e : env_storage) envp.push_back(e.data());
   envp.push_back(nullptr);
-  pid_t pid = 0;
-  int rc = posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
-  if (rc != 0) {
+  // fork + execve rather than posix_spawn: the child must ask for
+  // PR_SET_PDEATHSIG before it execs, so that a launcher killed with SIGKILL
+  // takes its cluster with it. Between fork and exec the child calls only
+  // async-signal-safe functions. A close-on-exec pipe carries exec's errno
+  // back, so a bad path is reported here as posix_spawn did.
+  int err_pipe[2];
+  if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    return Unavailable("cannot start " + spec.name + ": pipe: " + std::strerror(errno));
+  }
+  const pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) {
+    const int e = errno;
+    close(err_pipe[0]);
+    close(err_pipe[1]);
+    return Unavailable("cannot start " + spec.name + ": fork: " + std::strerror(e));
+  }
+  if (pid == 0) {
+    close(err_pipe[0]);
+    int e = 0;
+    if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0) e = errno;
+    // The parent may have died before prctl took effect: then no signal
+    // comes, so check by hand (we were reparented).
+    if (e == 0 && getppid() != parent) _exit(127);
+    // A child's stdout joins the launcher's stderr: children are daemons whose
+    // output is logs, and the launcher's stdout carries only what it prints
+    // for the user (kvrelay launch --demo: the answer alone).
+    if (e == 0 && dup2(STDERR_FILENO, STDOUT_FILENO) < 0) e = errno;
+    if (e == 0) {
+      execve(argv[0], argv.data(), envp.data());
+      e = errno;
+    }
+    ssize_t ignored = write(err_pipe[1], &e, sizeof e);
+    (void)ignored;
+    _exit(127);
+  }
+  close(err_pipe[1]);
+  int child_errno = 0;
+  ssize_t n;
+  do {
+    n = read(err_pipe[0], &child_errno, sizeof child_errno);
+  } while (n < 0 && errno == EINTR);
+  close(err_pipe[0]);
+  if (n > 0) {  // exec failed (EOF = exec succeeded and closed the pipe)
+    int status = 0;
+    waitpid(pid, &status, 0);
     return Unavailable("cannot start " + spec.name + " (" + spec.argv[0] +
-                       "): " + std::strerror(rc));
+                       "): " + std::strerror(child_errno));
   }
   children_.push_back({spec.name, pid, false});
   LOG_INFO << "started " << spec.name << " (pid " << pid << ")";

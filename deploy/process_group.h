@@ -1,8 +1,13 @@
 // A group of child processes started and stopped together (the local
-// launcher's topology). Children are spawned with posix_spawn and inherit
-// stdout/stderr. The group owns them: Stop() (and the destructor) sends
+// launcher's topology). Children are forked and exec'd; they inherit stderr,
+// and their stdout is the launcher's stderr too (the launcher's stdout is for
+// its user). The group owns them: Stop() (and the destructor) sends
 // SIGTERM, waits up to a deadline, then SIGKILLs what is left and reaps every
-// child, so no process outlives its launcher.
+// child, so no process outlives its launcher. Each child also gets SIGTERM
+// from the kernel when the launcher dies without stopping it (kill -9, a
+// crash): PR_SET_PDEATHSIG. That signal follows the *thread* that called
+// Spawn, so spawn from a thread that lives as long as the group (the main
+// thread, as kvrelay launch does).
 #pragma once
 
 #include <sys/types.h>

@@ -14,34 +14,44 @@ namespace {
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
-Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(Flags flags, Flags::Parse(args,
-                                                       {"id",
-                                                        "coordinator",
-                                                        "model",
-                                                        "kv-dtype",
-                                                        "device",
-                                                        "kv-capacity-mb",
-                                                        "block-tokens",
-                                                        "threads",
-                                                        "max-step-tokens",
-                                                        "max-running",
-                                                        "rank",
-                                                        "world-size",
-                                                        "kv-transport",
-                                                        "kv-host",
-                                                        "advertise-host",
-                                                        "kv-port",
-                                                        "kv-store",
-                                                        "kv-store-capacity-mb",
-                                                        "kv-timeout-ms",
-                                                        "tp-size",
-                                                        "tp-rank",
-                                                        "tp-leader",
-                                                        "tp-mode",
-                                                        "tp-comm",
-                                                        "cluster-key-file"},
-                                                       {}));
+// Every flag a worker takes, with its default; --help prints it.
+FlagSpec WorkerSpec(const std::string& program) {
+  return {program,
+          "A cluster worker: registers with the coordinator's control plane and serves its\n"
+          "role (started by kvrelay launch or mpirun).",
+          "",
+          0,
+          {{"id", "<role>-<rank>", "worker id"},
+           {"coordinator", "127.0.0.1:9000", "coordinator control plane HOST:PORT"},
+           {"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
+           {"kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)),
+            "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+           {"device", "cpu", "compute device: cpu|cuda[:N]"},
+           {"kv-capacity-mb", "256", "KV pool"},
+           {"block-tokens", "16", "tokens per KV block"},
+           {"threads", "0", "engine threads (0 = all cores)"},
+           {"max-step-tokens", "512", "tokens per engine step at most"},
+           {"max-running", "64", "requests running at most"},
+           {"rank", "$OMPI_COMM_WORLD_RANK or 0", "data-plane peer index"},
+           {"world-size", "$OMPI_COMM_WORLD_SIZE or 2", "data-plane peers"},
+           {"kv-transport", "auto", "KV transport: tcp|mpi|auto"},
+           {"kv-host", "127.0.0.1", "KV listener bind address"},
+           {"advertise-host", "", "address peers dial (default: --kv-host)"},
+           {"kv-port", "0", "KV listener port (0 = pick a free one)"},
+           {"kv-store", "", "RocksDB prefix store directory (default: none)"},
+           {"kv-store-capacity-mb", "2048", "prefix store capacity"},
+           {"kv-timeout-ms", "30000", "KV transfer deadline"},
+           {"tp-size", "1", "tensor-parallel ranks of the decode group"},
+           {"tp-rank", "0", "this process's TP rank"},
+           {"tp-leader", "127.0.0.1:0", "TP group leader HOST:PORT"},
+           {"tp-mode", "exact", "exact|reduce"},
+           {"tp-comm", "auto", "TP communicator: tcp|mpi|auto"},
+           {"cluster-key-file", "", "the cluster secret (required)"}}};
+}
+
+Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parsed) {
+  if (!parsed.ok()) return parsed.status();
+  const Flags& flags = *parsed;
   WorkerOptions o;
   o.role = role;
   o.worker_id = flags.Get("id", "");
@@ -152,7 +162,13 @@ int Serve(const WorkerOptions& options, const RoleFactory& make_role,
 int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
                int argc, char** argv) {
   const std::string name = "kvrelay-" + std::string(RoleKindName(role));
-  auto options = ParseWorkerFlags(role, std::vector<std::string>(argv + 1, argv + argc));
+  const FlagSpec spec = WorkerSpec(name);
+  const Result<Flags> flags = Flags::Parse(std::vector<std::string>(argv + 1, argv + argc), spec);
+  if (flags.ok() && flags->help_requested()) {
+    std::fputs(Flags::Usage(spec).c_str(), stdout);
+    return 0;
+  }
+  auto options = ParseWorkerFlags(role, flags);
   // Under mpirun every process of the job initialises MPI and joins the TP
   // split (also one that is about to exit on a bad flag, so the others'
   // collective start completes); see kv_transfer/mpi_session.h.
@@ -169,14 +185,8 @@ int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& 
   int rc = 2;
   if (!options.ok()) {
     std::fprintf(stderr,
-                 "%s: %s\nflags: --id ID --coordinator HOST:PORT --model PATH "
-                 "[--kv-dtype f32|f16|bf16|int8] [--device cpu|cuda[:N]] [--kv-capacity-mb N] "
-                 "[--threads N] [--rank R "
-                 "--world-size W] [--kv-transport tcp|mpi|auto] [--kv-host H --kv-port P "
-                 "--advertise-host H] [--kv-store DIR] [--tp-size T --tp-rank R "
-                 "--tp-leader HOST:PORT --tp-mode exact|reduce --tp-comm tcp|mpi|auto] "
-                 "--cluster-key-file FILE\n",
-                 name.c_str(), options.status().ToString().c_str());
+                 "%s: %s\n(%s --help lists the flags)\n",
+                 name.c_str(), options.status().ToString().c_str(), name.c_str());
   } else {
     rc = Serve(*options, make_role, run_follower);
   }

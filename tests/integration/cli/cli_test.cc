@@ -1,0 +1,216 @@
+// The command line as a user meets it: every command and daemon answers
+// --help / -h with its complete usage on stdout and exit 0 (and starts
+// nothing), stray positional arguments are errors.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs `command` through the shell with a 60 s limit (timeout(1)), stdout and
+// stderr captured separately.
+RunResult RunCmd(const std::string& command) {
+  const std::string err_path = ::testing::TempDir() + "/cli_test_stderr.txt";
+  const std::string full = "timeout -s KILL 60 " + command + " 2>" + err_path + " </dev/null";
+  RunResult r;
+  FILE* p = ::popen(full.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::ifstream e(err_path);
+  std::stringstream ss;
+  ss << e.rdbuf();
+  r.err = ss.str();
+  return r;
+}
+
+const std::string kCli = KVRELAY_CLI_BIN;
+const std::string kBinDir = KVRELAY_DAEMON_BIN_DIR;
+
+const std::vector<std::string> kCommands = {"generate",     "launch",       "perplexity",
+                                            "tokenize",     "inspect",      "bench engine",
+                                            "bench kv",     "bench prefix", "bench serve",
+                                            "bench transfer"};
+
+TEST(CliHelpTest, EveryCommandPrintsItsUsageOnStdoutAndExitsZero) {
+  for (const std::string& c : kCommands) {
+    for (const char* flag : {"--help", "-h"}) {
+      RunResult r = RunCmd(kCli + " " + c + " " + flag);
+      EXPECT_EQ(r.exit_code, 0) << c << " " << flag << "\n" << r.err;
+      EXPECT_NE(r.out.find("usage: kvrelay " + c), std::string::npos) << c << ": " << r.out;
+      EXPECT_NE(r.out.find("--help"), std::string::npos) << c;
+      EXPECT_EQ(r.err, "") << c << " " << flag;
+    }
+  }
+  // `kvrelay help CMD` is the same.
+  RunResult r = RunCmd(kCli + " help generate");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("usage: kvrelay generate"), std::string::npos);
+  r = RunCmd(kCli + " --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("bench serve"), std::string::npos);
+  EXPECT_EQ(RunCmd(kCli).exit_code, 2);  // no command at all is a mistake
+}
+
+// Every value flag is listed with a default where it has one: the ones a user
+// most needs, checked literally.
+TEST(CliHelpTest, UsageShowsDefaults) {
+  RunResult g = RunCmd(kCli + " generate --help");
+  EXPECT_NE(g.out.find("--max-tokens VALUE"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("(default: 128)"), std::string::npos) << g.out;
+  EXPECT_NE(g.out.find("--json"), std::string::npos);
+  RunResult l = RunCmd(kCli + " launch -h");
+  EXPECT_NE(l.out.find("--port VALUE"), std::string::npos);
+  EXPECT_NE(l.out.find("(default: 8080)"), std::string::npos) << l.out;
+  EXPECT_NE(l.out.find("--no-kv-store"), std::string::npos);
+}
+
+TEST(CliHelpTest, DaemonsPrintTheirUsage) {
+  for (const char* d : {"kvrelay-coordinator", "kvrelay-prefill", "kvrelay-decode",
+                        "kvrelay-worker"}) {
+    for (const char* flag : {"--help", "-h"}) {
+      RunResult r = RunCmd(kBinDir + "/" + d + " " + flag);
+      EXPECT_EQ(r.exit_code, 0) << d << " " << flag << "\n" << r.err;
+      // kvrelay-worker is the colocated role and names itself so.
+      EXPECT_EQ(r.out.rfind("usage: kvrelay-", 0), 0u) << d << ": " << r.out;
+      EXPECT_NE(r.out.find("(default: "), std::string::npos) << d;
+    }
+  }
+  RunResult c = RunCmd(kBinDir + "/kvrelay-coordinator --help");
+  EXPECT_NE(c.out.find("--max-connections-per-client VALUE"), std::string::npos);
+  EXPECT_NE(c.out.find("(default: 1024)"), std::string::npos);
+}
+
+TEST(CliArgsTest, StrayPositionalArgumentsAreErrors) {
+  for (const std::string& c : {std::string("generate"), std::string("launch"),
+                               std::string("bench serve"), std::string("perplexity")}) {
+    RunResult r = RunCmd(kCli + " " + c + " stray");
+    EXPECT_EQ(r.exit_code, 2) << c;
+    EXPECT_NE(r.err.find("'stray'"), std::string::npos) << c << ": " << r.err;
+  }
+  RunResult i = RunCmd(kCli + " inspect a.gguf b.gguf");
+  EXPECT_EQ(i.exit_code, 2);
+  EXPECT_NE(i.err.find("'b.gguf'"), std::string::npos) << i.err;
+  RunResult d = RunCmd(kBinDir + "/kvrelay-coordinator --model m.gguf stray");
+  EXPECT_EQ(d.exit_code, 2);
+  EXPECT_NE(d.err.find("'stray'"), std::string::npos) << d.err;
+}
+
+// kvrelay launch refuses a busy port and a bad --model before it starts any
+// process (ProcessGroup logs "started NAME" for each one).
+TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
+  const std::string model =
+      std::string(KVRELAY_CLI_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::ifstream(model)) GTEST_SKIP() << "no model at " << model;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  RunResult r = RunCmd(kCli + " launch --host 127.0.0.1 --port " + port +
+                       " --no-kv-store --model " + model);
+  close(fd);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("port " + port), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("in use"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
+}
+
+TEST(CliLaunchTest, BadModelFailsBeforeAnyWorkerStarts) {
+  const std::string bogus = ::testing::TempDir() + "/cli_test_not_a_model.gguf";
+  { std::ofstream(bogus) << "this is not a GGUF file"; }
+  for (const std::string& model : {std::string("/nonexistent/model.gguf"), bogus}) {
+    RunResult r = RunCmd(kCli + " launch --port 0 --no-kv-store --model " + model);
+    EXPECT_NE(r.exit_code, 0) << model;
+    EXPECT_NE(r.err.find("--model " + model), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
+  }
+}
+
+std::string Model() {
+  return std::string(KVRELAY_CLI_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+// Both streams into one pipe, as a terminal or `2>&1 | tee` shows them.
+std::string RunMerged(const std::string& command) {
+  std::string out;
+  FILE* p = ::popen(("timeout -s KILL 120 " + command + " </dev/null 2>&1").c_str(), "r");
+  if (p == nullptr) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  const std::string merged =
+      RunMerged(kCli + " generate --model " + Model() + " --prompt Hello --max-tokens 8");
+  const size_t stats = merged.find("[1 prompt tokens, 8 generated");
+  ASSERT_NE(stats, std::string::npos) << merged;
+  ASSERT_GT(stats, 0u);
+  EXPECT_EQ(merged[stats - 1], '\n') << "statistics glued to the text: " << merged;
+}
+
+// The answer alone on stdout; every log line (the launcher's and its
+// children's) on stderr.
+TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  RunResult r = RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --model " +
+                       Model());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_FALSE(r.out.empty());
+  EXPECT_EQ(r.out.find("listening"), std::string::npos) << r.out;
+  for (const char* level : {"Z I ", "Z W ", "Z E "}) {  // no log record on stdout
+    EXPECT_EQ(r.out.find(level), std::string::npos) << r.out;
+  }
+  EXPECT_NE(r.err.find("started coordinator"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("kvrelay-coordinator listening"), std::string::npos) << r.err;
+}
+
+// KIVI pools stage partial blocks in f32 carved from the pool; perplexity
+// sizes the pool for that (before: "KV pool exhausted" for kivi4 and kivi2).
+TEST(CliPerplexityTest, WorksWithEveryKvDtypeIncludingKivi) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  const std::string text = std::string(KVRELAY_CLI_SOURCE_DIR) + "/tests/data/kjv_genesis_exodus.txt";
+  double f32 = 0;
+  for (const char* dtype : {"f32", "kivi4", "kivi2"}) {
+    RunResult r = RunCmd(kCli + " perplexity --model " + Model() + " --file " + text +
+                         " --ctx 128 --max-chunks 1 --threads 2 --kv-dtype " + dtype);
+    ASSERT_EQ(r.exit_code, 0) << dtype << ": " << r.err;
+    ASSERT_EQ(r.out.rfind("perplexity ", 0), 0u) << r.out;
+    const double ppl = std::stod(r.out.substr(11));
+    EXPECT_GT(ppl, 1.0) << dtype;
+    if (std::string(dtype) == "f32") f32 = ppl;
+    if (std::string(dtype) == "kivi4") {
+      EXPECT_LT(ppl, f32 * 1.1) << "kivi4 far from f32";
+    }
+  }
+}
+
+}  // namespace

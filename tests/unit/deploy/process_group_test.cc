@@ -1,0 +1,79 @@
+#include "deploy/process_group.h"
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace kvrelay::deploy {
+namespace {
+
+TEST(ProcessGroupTest, ABadExecutableIsReportedBySpawn) {
+  ProcessGroup g;
+  Status s = g.Spawn({"ghost", {"/nonexistent/kvrelay-ghost"}, {}});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("ghost"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("No such file"), std::string::npos) << s.ToString();
+  EXPECT_EQ(g.size(), 0u);
+}
+
+TEST(ProcessGroupTest, StopEndsAndReapsChildren) {
+  ProcessGroup g;
+  ASSERT_TRUE(g.Spawn({"sleeper", {"/bin/sleep", "60"}, {}}).ok());
+  const pid_t pid = g.Pid("sleeper");
+  ASSERT_GT(pid, 0);
+  g.Stop(std::chrono::milliseconds(5000));
+  EXPECT_EQ(kill(pid, 0), -1);  // reaped: the pid is gone
+}
+
+// A launcher killed with SIGKILL (no Stop, no destructor) still takes its
+// children with it: PR_SET_PDEATHSIG. This test process is the launcher's
+// parent and a child subreaper, so the orphaned grandchild is reparented to it
+// and can be waited for with a deadline.
+TEST(ProcessGroupTest, ChildrenDieWithTheirLauncher) {
+  ASSERT_EQ(prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    close(fds[0]);
+    ProcessGroup g;
+    if (!g.Spawn({"sleeper", {"/bin/sleep", "120"}, {}}).ok()) _exit(1);
+    const pid_t child = g.Pid("sleeper");
+    if (write(fds[1], &child, sizeof child) != sizeof child) _exit(1);
+    for (;;) pause();  // until SIGKILL
+  }
+  close(fds[1]);
+  pid_t grandchild = -1;
+  const ssize_t n = read(fds[0], &grandchild, sizeof grandchild);
+  close(fds[0]);
+  kill(launcher, SIGKILL);
+  int status = 0;
+  waitpid(launcher, &status, 0);
+  ASSERT_EQ(n, static_cast<ssize_t>(sizeof grandchild));
+  ASSERT_GT(grandchild, 0);
+  // The grandchild should get SIGTERM at once; allow 10 s.
+  bool gone = false;
+  for (int i = 0; i < 1000 && !gone; ++i) {
+    if (waitpid(grandchild, &status, WNOHANG) == grandchild) {
+      gone = true;
+      EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  if (!gone) {  // do not leave it behind
+    kill(grandchild, SIGKILL);
+    waitpid(grandchild, &status, 0);
+  }
+  EXPECT_TRUE(gone) << "the child outlived its launcher";
+  prctl(PR_SET_CHILD_SUBREAPER, 0);
+}
+
+}  // namespace
+}  // namespace kvrelay::deploy
