@@ -52,4 +52,16 @@ inline std::optional<Flags> ParseCommandFlags(const std::vector<std::string>& ar
   return std::move(flags).value();
 }
 
+// For commands that still parse with the flag-list form: true (after
+// printing `usage` to stdout) when --help or -h is among the arguments.
+inline bool PrintHelpIfAsked(const std::vector<std::string>& args, const char* usage) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") {
+      std::printf("usage: kvrelay %s [--help]\n", usage);
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace kvrelay::cli

@@ -58,7 +58,13 @@ std::string FindPlotScript() {
   return "";
 }
 
+constexpr char kPlanUsage[] =
+    "plan --profile P [--input-len 128 --output-len 32] [--shared-prefix L "
+                "--prefix-groups G] [--ttft-slo-ms 1000 --tpot-slo-ms 50] [--max-nodes 8] "
+                "[--tp 1,2,4,8] [--plots DIR] [--scale-nodes 8,16,32,64] [--json OUT]";
+
 int RunPlan(const std::vector<std::string>& args) {
+  if (PrintHelpIfAsked(args, kPlanUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"profile", "input-len", "output-len", "shared-prefix", "prefix-groups",
                          "ttft-slo-ms", "tpot-slo-ms", "max-nodes", "tp", "router", "seed",
@@ -230,10 +236,6 @@ int RunPlan(const std::vector<std::string>& args) {
 
 }  // namespace
 
-KVRELAY_COMMAND(plan, "plan",
-                "plan --profile P [--input-len 128 --output-len 32] [--shared-prefix L "
-                "--prefix-groups G] [--ttft-slo-ms 1000 --tpot-slo-ms 50] [--max-nodes 8] "
-                "[--tp 1,2,4,8] [--plots DIR] [--scale-nodes 8,16,32,64] [--json OUT]",
-                RunPlan);
+KVRELAY_COMMAND(plan, "plan", kPlanUsage, RunPlan);
 
 }  // namespace kvrelay::cli

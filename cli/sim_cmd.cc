@@ -206,7 +206,13 @@ json SummaryJson(const sim::SimResult& r) {
           {"events", r.events}};
 }
 
+constexpr char kSimUsage[] =
+    "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
+                "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
+                "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]";
+
 int RunSim(const std::vector<std::string>& args) {
+  if (PrintHelpIfAsked(args, kSimUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"profile",
                          "trace",
@@ -430,7 +436,12 @@ const std::vector<Topology>& Topologies(int colocated) {
   return t;
 }
 
+constexpr char kSimCalibrateUsage[] =
+    "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
+                "[--quick] [--skip-serve] [--skip-store]";
+
 int RunCalibrate(const std::vector<std::string>& args) {
+  if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
                          "input-len", "output-len", "colocated", "name"},
@@ -668,7 +679,13 @@ double RelErr(double sim, double real) {
   return real != 0 ? std::fabs(sim - real) / std::fabs(real) : (sim == 0 ? 0 : 1);
 }
 
+constexpr char kSimValidateUsage[] =
+    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
+                "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
+                "[--json OUT]";
+
 int RunValidate(const std::vector<std::string>& args) {
+  if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"model", "profile", "rates", "num-prompts", "input-len", "output-len",
                          "threads", "kv-dtype", "colocated", "json", "topologies"},
@@ -791,19 +808,8 @@ int RunValidate(const std::vector<std::string>& args) {
 
 }  // namespace
 
-KVRELAY_COMMAND(sim, "sim",
-                "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
-                "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
-                "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]",
-                RunSim);
-KVRELAY_COMMAND(sim_calibrate, "sim calibrate",
-                "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
-                "[--quick] [--skip-serve] [--skip-store]",
-                RunCalibrate);
-KVRELAY_COMMAND(sim_validate, "sim validate",
-                "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
-                "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
-                "[--json OUT]",
-                RunValidate);
+KVRELAY_COMMAND(sim, "sim", kSimUsage, RunSim);
+KVRELAY_COMMAND(sim_calibrate, "sim calibrate", kSimCalibrateUsage, RunCalibrate);
+KVRELAY_COMMAND(sim_validate, "sim validate", kSimValidateUsage, RunValidate);
 
 }  // namespace kvrelay::cli

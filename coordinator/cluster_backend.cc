@@ -112,8 +112,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       }
       out.emplace_back(r.sink, e);
       r.phase = Phase::kDecoding;
-      if (r.decode_id != r.prefill_id)
-        SendStartDecode(done.request_id(), r, done.first_token());
+      if (r.decode_id != r.prefill_id) SendStartDecode(done.request_id(), r, done.first_token());
       break;
     }
     case MessageType::kTokenChunk: {

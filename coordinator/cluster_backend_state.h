@@ -3,14 +3,14 @@
 // registration). Not part of the coordinator's API.
 #pragma once
 
+#include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
-#include "coordinator/cluster_backend.h"
-#include <boost/asio/steady_timer.hpp>
 #include "common/logging.h"
+#include "coordinator/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 
@@ -49,8 +49,7 @@ struct RequestEntry {
 // Where one control connection stands before it may act as a worker: the
 // cluster-key challenge-response, then the configuration Hello.
 struct PeerAuth {
-  explicit PeerAuth(const protocols::ClusterKey& key)
-      : auth(key, protocols::kAuthChannelControl) {}
+  explicit PeerAuth(const protocols::ClusterKey& key) : auth(key, protocols::kAuthChannelControl) {}
   protocols::AuthResponder auth;
   bool configured = false;  // the configuration Hello was accepted
   bool refused = false;     // refused and closing: later frames are ignored

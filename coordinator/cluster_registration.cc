@@ -46,8 +46,9 @@ void ClusterBackend::State::OnHandshakeFrame(const std::shared_ptr<FramedConnect
         " before the cluster-key challenge-response (a worker without --cluster-key-file?)"));
   }
   if (type != MessageType::kHello) {
-    conn->Close(InvalidArgument("first control frame after authentication must be Hello, got type " +
-                                std::to_string(frame.type)));
+    conn->Close(
+        InvalidArgument("first control frame after authentication must be Hello, got type " +
+                        std::to_string(frame.type)));
     return;
   }
   OnHello(conn, frame);

@@ -26,8 +26,8 @@ Status DecodeRole::Init(worker::WorkerContext& ctx) {
       ASSIGN_OR_RETURN(mpi_collective_,
                        MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), o.kv_timeout));
     }
-    ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(),
-                                          o.rank, engine_.get(), mpi_collective_.get()));
+    ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(), o.rank,
+                                          engine_.get(), mpi_collective_.get()));
     LOG_INFO << "TP collectives over " << (mpi_collective_ ? "the MPI sub-communicator" : "TCP");
   }
   return Status::Ok();
@@ -100,10 +100,10 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
-                                     ctx_.transport, static_cast<int>(reserving_prefill_rank_),
-                                     engine_->pool(), ctx_.model->fingerprint(), request.id,
-                                     blocks, own));
+  ASSIGN_OR_RETURN(in.receivers,
+                   worker::StartSegmentReceivers(
+                       ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
+                       ctx_.model->fingerprint(), request.id, blocks, own));
   if (tp_ != nullptr) {
     RETURN_IF_ERROR(tp_->ExpectKv(request.id, reserving_prefill_rank_, blocks));
     in.follower_acks_pending = ctx_.options->tp_size - 1;

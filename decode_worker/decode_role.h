@@ -69,7 +69,7 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<MpiTpCollective> mpi_collective_;  // TP over MPI only
   std::unique_ptr<TpLeader> tp_;                     // TP size > 1 only
   std::map<engine::RequestId, Incoming> incoming_;
-  uint32_t reserving_prefill_rank_ = 0;          // set around the Submit of a ReserveBlocks
+  uint32_t reserving_prefill_rank_ = 0;           // set around the Submit of a ReserveBlocks
   std::vector<engine::BlockId> reserved_blocks_;  // what StartRemoteLoad was given
   // Declared last, destroyed first: the engine cancels its loads through
   // this connector while incoming_ is still alive.

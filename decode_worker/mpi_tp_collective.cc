@@ -92,8 +92,7 @@ Status MpiTpCollective::Gather(const float* local, int64_t n_local, int64_t cap)
   return Status::Ok();
 }
 
-Status MpiTpCollective::AllGather(const float* local, int64_t n_local, float* out,
-                                  int64_t n_out) {
+Status MpiTpCollective::AllGather(const float* local, int64_t n_local, float* out, int64_t n_out) {
   // No rank holds more than the whole.
   RETURN_IF_ERROR(Gather(local, n_local, n_out));
   int64_t total = 0;

@@ -5,10 +5,10 @@
 #include "common/logging.h"
 #include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_group.h"
-#include "kv_transfer/mpi_session.h"
 #include "decode_worker/tp_plan_codec.h"
 #include "engine/runtime/tensor_parallel.h"
 #include "kv_transfer/layer_stream.h"
+#include "kv_transfer/mpi_session.h"
 #include "protocols/control.pb.h"
 #include "worker/kv_streams.h"
 #include "worker/worker.h"
@@ -69,13 +69,13 @@ Status Follower::Join() {
   if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
   engine::TpCollective* collective = group_.get();
   if (options_.tp_over_mpi()) {
-    ASSIGN_OR_RETURN(mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
-                                                   options_.kv_timeout));
+    ASSIGN_OR_RETURN(
+        mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), options_.kv_timeout));
     collective = mpi_.get();
   }
-  ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(
-                                  options_.engine, base_.model,
-                                  static_cast<int64_t>(setup.total_blocks()), collective));
+  ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(options_.engine, base_.model,
+                                                         static_cast<int64_t>(setup.total_blocks()),
+                                                         collective));
   LOG_INFO << "joined TP group as rank " << options_.tp_rank << " of " << options_.tp_size
            << " (kv heads [" << base_.model->kv_head_range().begin << ", "
            << base_.model->kv_head_range().end << "), kv data " << base_.transport->conn_info()
@@ -105,9 +105,9 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
                                    base_.model->kv_head_range().end};
   Incoming in;
   in.deadline = Deadline::After(options_.kv_timeout);
-  auto receivers = worker::StartSegmentReceivers(
-      base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
-      base_.model->fingerprint(), id, blocks, own);
+  auto receivers =
+      worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
+                                    follower_->pool(), base_.model->fingerprint(), id, blocks, own);
   if (!receivers.ok()) {
     Ack(id, receivers.status());
     return;

@@ -74,8 +74,9 @@ std::string TpAuthName(int rank) { return "tp-rank-" + std::to_string(rank); }
 
 Status SendAuth(TpLink& link, TpMsg type, protocols::MessageType inner, const std::string& payload,
                 Deadline deadline) {
-  ASSIGN_OR_RETURN(std::string frame, protocols::EncodeFrame(static_cast<uint16_t>(inner), payload,
-                                                             protocols::kMaxUnauthenticatedPayload));
+  ASSIGN_OR_RETURN(std::string frame,
+                   protocols::EncodeFrame(static_cast<uint16_t>(inner), payload,
+                                          protocols::kMaxUnauthenticatedPayload));
   return link.Send(type, frame, deadline);
 }
 
@@ -86,12 +87,12 @@ Result<protocols::Frame> ReceiveAuth(TpLink& link, TpMsg type, Deadline deadline
                               std::to_string(static_cast<uint32_t>(m.type)) +
                               " instead of the cluster-key challenge-response");
   }
-  ASSIGN_OR_RETURN(protocols::FrameHeader h,
-                   protocols::ParseFrameHeader(
-                       std::span<const uint8_t, protocols::kFrameHeaderBytes>(
-                           reinterpret_cast<const uint8_t*>(m.payload.data()),
-                           protocols::kFrameHeaderBytes),
-                       protocols::kMaxUnauthenticatedPayload));
+  ASSIGN_OR_RETURN(
+      protocols::FrameHeader h,
+      protocols::ParseFrameHeader(
+          std::span<const uint8_t, protocols::kFrameHeaderBytes>(
+              reinterpret_cast<const uint8_t*>(m.payload.data()), protocols::kFrameHeaderBytes),
+          protocols::kMaxUnauthenticatedPayload));
   if (h.length != m.payload.size() - protocols::kFrameHeaderBytes) {
     return FailedPrecondition("authentication failed: TP auth message with a bad length");
   }
@@ -334,8 +335,9 @@ Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Connect(const TpGroupOptions& op
     std::this_thread::sleep_for(std::min<std::chrono::nanoseconds>(backoff, deadline.Remaining()));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
-  RETURN_IF_ERROR(AuthenticateToLeader(*g->links_[0], options.cluster_key, options.tp_rank, deadline)
-                      .WithContext("joining TP rank 0 (check --cluster-key-file)"));
+  RETURN_IF_ERROR(
+      AuthenticateToLeader(*g->links_[0], options.cluster_key, options.tp_rank, deadline)
+          .WithContext("joining TP rank 0 (check --cluster-key-file)"));
   RETURN_IF_ERROR(g->links_[0]->Send(TpMsg::kHello, hello, deadline));
   return g;
 }

@@ -60,8 +60,8 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
     setup.set_reason(why.ToString());
     return setup.SerializeAsString();
   };
-  RETURN_IF_ERROR(leader->group_->Accept(Deadline::After(options.connect_timeout), check, refusal)
-                      .status());
+  RETURN_IF_ERROR(
+      leader->group_->Accept(Deadline::After(options.connect_timeout), check, refusal).status());
   engine::TensorParallelHooks hooks;
   leader->collective_ = collective != nullptr ? collective : leader->group_.get();
   hooks.collective = leader->collective_;
@@ -98,8 +98,9 @@ std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
     proto::TpKvDone done;
     if (!done.ParseFromString(msg.payload)) continue;
     acks.push_back({done.request_id(), rank,
-                    done.ok() ? Status::Ok()
-                              : Unavailable("TP rank " + std::to_string(rank) + ": " + done.error())});
+                    done.ok()
+                        ? Status::Ok()
+                        : Unavailable("TP rank " + std::to_string(rank) + ": " + done.error())});
   }
   return acks;
 }

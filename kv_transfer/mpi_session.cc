@@ -23,8 +23,8 @@ Result<MpiSession> MpiSession::Start(int* argc, char*** argv, int tp_color, int 
   if (!LaunchedByMpirun()) return MpiSession(false);
   RETURN_IF_ERROR(InitMpiThreadMultiple(argc, argv));
   MpiSession session(true);
-  const int rc = MPI_Comm_split(MPI_COMM_WORLD, tp_color < 0 ? MPI_UNDEFINED : tp_color, tp_key,
-                                &g_tp_comm);
+  const int rc =
+      MPI_Comm_split(MPI_COMM_WORLD, tp_color < 0 ? MPI_UNDEFINED : tp_color, tp_key, &g_tp_comm);
   if (rc != MPI_SUCCESS) return Unavailable("MPI_Comm_split of the TP groups failed");
   return session;
 }

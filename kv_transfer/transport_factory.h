@@ -26,8 +26,8 @@ struct TransportOptions {
   int world_size = 2;        // (mpi: ignored, the world size)
   // tcp only.
   std::string listen_host = "127.0.0.1";
-  uint16_t listen_port = 0;    // 0 = ephemeral
-  std::string advertise_host;  // empty = listen_host
+  uint16_t listen_port = 0;           // 0 = ephemeral
+  std::string advertise_host;         // empty = listen_host
   protocols::ClusterKey cluster_key;  // every data connection proves it (required)
 };
 

@@ -152,7 +152,8 @@ void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
 
 Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
                                  std::span<const BlockId> table) {
-  const worker::BlockRange r = worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
+  const worker::BlockRange r =
+      worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
   if (static_cast<int64_t>(table.size()) < r.first + r.count) {
     return Internal("request " + std::to_string(id) + " holds " + std::to_string(table.size()) +
                     " blocks, segment " + std::to_string(g) + " needs " +

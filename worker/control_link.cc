@@ -90,11 +90,10 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
                                                                copts, deadline));
   // Connect() has already started reading; a second Start() would run two
   // concurrent reads on one socket and corrupt the frame stream under load.
-  RETURN_IF_ERROR(
-      protocols::ClientHandshake(*conn_, options_.cluster_key, options_.worker_id,
-                                 options_.peer_config, {}, deadline)
-          .status()
-          .WithContext("joining the cluster (check --cluster-key-file)"));
+  RETURN_IF_ERROR(protocols::ClientHandshake(*conn_, options_.cluster_key, options_.worker_id,
+                                             options_.peer_config, {}, deadline)
+                      .status()
+                      .WithContext("joining the cluster (check --cluster-key-file)"));
   Send(MessageType::kRegisterWorker, reg);
   ASSIGN_OR_RETURN(protocols::Frame frame, conn_->Receive(deadline));
   proto::RegisterReply reply;

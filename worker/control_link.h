@@ -15,9 +15,9 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -30,9 +30,9 @@
 #include "protocols/control.pb.h"
 #include "protocols/framed_connection.h"
 #include "protocols/handshake.h"
-#include "protocols/peer_handshake.h"
 #include "protocols/io_thread.h"
 #include "protocols/messages.h"
+#include "protocols/peer_handshake.h"
 
 namespace kvrelay::worker {
 

@@ -23,17 +23,17 @@ namespace kvrelay::worker {
 
 // Cumulative figures a role adds to; the heartbeat reports them.
 struct WorkerCounters {
-  int64_t transfer_bytes = 0;    // KV bytes sent or received
-  double transfer_seconds = 0;   // spent waiting for KV transfers
-  int64_t queued_tokens = 0;     // prompt tokens accepted but not yet prefilled
+  int64_t transfer_bytes = 0;   // KV bytes sent or received
+  double transfer_seconds = 0;  // spent waiting for KV transfers
+  int64_t queued_tokens = 0;    // prompt tokens accepted but not yet prefilled
 };
 
 // What the shell gives a role. Everything outlives the role.
 struct WorkerContext {
   const WorkerOptions* options = nullptr;
-  std::shared_ptr<const engine::Model> model;  // this process's model (its shard under TP)
-  engine::KvLayout layout;                     // of this process's pool
-  protocols::PeerConfig peer_config;           // what peers must match
+  std::shared_ptr<const engine::Model> model;   // this process's model (its shard under TP)
+  engine::KvLayout layout;                      // of this process's pool
+  protocols::PeerConfig peer_config;            // what peers must match
   kv_transfer::Transport* transport = nullptr;  // the KV data plane
   ControlLink* control = nullptr;               // null on a TP follower
   EventReporter* events = nullptr;              // null on a TP follower

@@ -84,7 +84,8 @@ Status Worker::Init() {
   control_ = std::make_unique<ControlLink>(c);
   events_ = std::make_unique<EventReporter>(
       control_.get(), base_.model->tokenizer(),
-      [this](engine::RequestId id, bool deliver) { return role_->HandOver(id, deliver); }, &counters_.queued_tokens);
+      [this](engine::RequestId id, bool deliver) { return role_->HandOver(id, deliver); },
+      &counters_.queued_tokens);
   ctx_.options = &options_;
   ctx_.model = base_.model;
   ctx_.layout = base_.layout;
@@ -157,8 +158,8 @@ Status Worker::Register(const std::atomic<bool>& stop, bool first) {
                 << " unreachable (" << s.message() << "); retrying in " << delay.count() << " ms";
     const Deadline wake = Deadline::After(delay);
     while (!stop.load() && !wake.Expired()) {
-      std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
-          std::chrono::milliseconds(50), delay));
+      std::this_thread::sleep_for(
+          std::min<std::chrono::milliseconds>(std::chrono::milliseconds(50), delay));
     }
     delay = std::min<std::chrono::milliseconds>(delay * 2, std::chrono::milliseconds(2000));
   }

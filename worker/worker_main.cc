@@ -66,7 +66,9 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parse
     return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
   o.coordinator_port = static_cast<uint16_t>(port);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
-  ASSIGN_OR_RETURN(o.engine.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
+  ASSIGN_OR_RETURN(o.engine.kv_dtype,
+                   engine::ParseKvDtype(flags.Get(
+                       "kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
   o.engine.device = flags.Get("device", "cpu");  // cpu | cuda[:N]; checked by Engine::Create
   ASSIGN_OR_RETURN(int64_t cap_mb, flags.GetInt("kv-capacity-mb", 256));
   o.engine.kv_capacity_bytes = cap_mb << 20;
@@ -184,9 +186,8 @@ int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& 
   }
   int rc = 2;
   if (!options.ok()) {
-    std::fprintf(stderr,
-                 "%s: %s\n(%s --help lists the flags)\n",
-                 name.c_str(), options.status().ToString().c_str(), name.c_str());
+    std::fprintf(stderr, "%s: %s\n(%s --help lists the flags)\n", name.c_str(),
+                 options.status().ToString().c_str(), name.c_str());
   } else {
     rc = Serve(*options, make_role, run_follower);
   }

@@ -34,7 +34,8 @@ bool WorkerOptions::tp_over_mpi() const {
 Status WorkerOptions::Validate() const {
   if (worker_id.empty()) return InvalidArgument("worker id is empty");
   if (cluster_key.empty()) {
-    return InvalidArgument("a cluster key is required (--cluster-key-file, the coordinator's file)");
+    return InvalidArgument(
+        "a cluster key is required (--cluster-key-file, the coordinator's file)");
   }
   if (rank < 0 || rank >= world_size) {
     return InvalidArgument("rank " + std::to_string(rank) + " is outside world size " +

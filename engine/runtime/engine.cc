@@ -141,10 +141,10 @@ class Engine::Impl {
   // A remote prompt arrived: the sequence decodes on from `first_token`.
   void AdmitLoaded(std::unique_ptr<Sequence> seq, int32_t first_token) {
     if (first_token < 0 || first_token >= model_->config().vocab) {
-      pending_events_.push_back(FinishEvent(
-          *seq, FinishReason::kError,
-          InvalidArgument("first token " + std::to_string(first_token) +
-                          " is outside the vocabulary")));
+      pending_events_.push_back(
+          FinishEvent(*seq, FinishReason::kError,
+                      InvalidArgument("first token " + std::to_string(first_token) +
+                                      " is outside the vocabulary")));
       return;
     }
     seq->n_computed = seq->n_prompt;
@@ -224,9 +224,9 @@ class Engine::Impl {
   // Set when options.device is not the CPU; then it runs every step.
   std::unique_ptr<ComputeBackend> backend_;
   int64_t max_context_ = 0;
-  KvConnector* connector_ = nullptr;     // not owned; may be null
-  TensorParallelHooks tp_;               // publish empty unless rank 0 of a TP group
-  std::vector<BlockCopy> step_copies_;   // CopyBlock calls of the current step
+  KvConnector* connector_ = nullptr;    // not owned; may be null
+  TensorParallelHooks tp_;              // publish empty unless rank 0 of a TP group
+  std::vector<BlockCopy> step_copies_;  // CopyBlock calls of the current step
   Stats stats_;
 
  private:
@@ -252,8 +252,8 @@ class Engine::Impl {
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
     seq->sampler = std::make_unique<Sampler>(spec.sampling);
     const bool text = spec.want_text || !spec.sampling.stop.empty();
-    seq->text = std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr,
-                                             spec.sampling.stop);
+    seq->text =
+        std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr, spec.sampling.stop);
     seq->spec = std::move(spec);
     return seq;
   }
@@ -358,8 +358,8 @@ class Engine::Impl {
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
     BlockTable loaded(pool_.get());
     connector_->LoadPrefix(s.spec, std::span<const BlockHash>(s.hashes).subspan(hits), loaded);
-    const int64_t n = std::min<int64_t>(loaded.size(),
-                                        static_cast<int64_t>(s.hashes.size()) - hits);
+    const int64_t n =
+        std::min<int64_t>(loaded.size(), static_cast<int64_t>(s.hashes.size()) - hits);
     loaded.Truncate(n);
     for (int64_t i = 0; i < n; ++i) pool_->Commit(loaded[i], s.hashes[hits + i]);
     s.blocks.Append(std::move(loaded));
@@ -408,8 +408,8 @@ class Engine::Impl {
 
   void Schedule();
 
-  std::deque<std::unique_ptr<Sequence>> waiting_;          // FCFS by arrival
-  std::deque<std::unique_ptr<Sequence>> running_;          // in admission order
+  std::deque<std::unique_ptr<Sequence>> waiting_;           // FCFS by arrival
+  std::deque<std::unique_ptr<Sequence>> running_;           // in admission order
   std::map<RequestId, std::unique_ptr<Sequence>> loading_;  // kRemotePrompt, KV on its way
   std::vector<TokenEvent> pending_events_;
   uint64_t next_arrival_ = 0;

@@ -60,14 +60,14 @@ struct EngineOptions {
 };
 
 enum class RequestMode : uint8_t {
-  kFull = 0,         // prefill, then decode until a stop condition
-  kPrefillOnly = 1,  // prefill, sample the first token, finish with kPrefilled
-                     // (or kStop / kLength when that token already ends it);
-                     // the connector may keep the prompt's blocks
-                     // (KvConnector::RequestFinished) — the prefill role
-  kRemotePrompt = 2, // the prompt's KV (and its first token) come from the
-                     // connector (KvConnector::StartRemoteLoad); decoding
-                     // starts when the load is done — the decode role
+  kFull = 0,          // prefill, then decode until a stop condition
+  kPrefillOnly = 1,   // prefill, sample the first token, finish with kPrefilled
+                      // (or kStop / kLength when that token already ends it);
+                      // the connector may keep the prompt's blocks
+                      // (KvConnector::RequestFinished) — the prefill role
+  kRemotePrompt = 2,  // the prompt's KV (and its first token) come from the
+                      // connector (KvConnector::StartRemoteLoad); decoding
+                      // starts when the load is done — the decode role
 };
 
 struct RequestSpec {

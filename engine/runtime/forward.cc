@@ -72,8 +72,7 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   }
   if (c.head_dim > 1024) return Unimplemented("head_dim > 1024 is not supported");
   const int B = kl.block_tokens;
-  ASSIGN_OR_RETURN(const StepShape shape,
-                   CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
+  ASSIGN_OR_RETURN(const StepShape shape, CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
   const int64_t T = shape.tokens;
   out->logits.clear();
   out->row_begin.assign(1, 0);

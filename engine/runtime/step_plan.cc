@@ -11,7 +11,8 @@ Result<StepShape> CheckStep(std::span<const SeqStep> seqs, int block_tokens, int
   StepShape shape;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SeqStep& q = seqs[s];
-    if (q.tokens.empty()) return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
+    if (q.tokens.empty())
+      return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
     if (q.cache_len < 0) return InvalidArgument("negative cache length");
     const int64_t len = q.end();
     if (static_cast<int64_t>(q.blocks.size()) * B < len) {

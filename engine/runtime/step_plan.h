@@ -43,8 +43,8 @@ struct SeqStep {
 // A bare sequence step (benchmarks, tools, tests that drive ForwardPass).
 inline SeqStep MakeSeqStep(std::span<const BlockId> blocks, int64_t cache_len,
                            std::span<const int32_t> tokens, LogitRows logits = LogitRows::kLast) {
-  return SeqStep{0, {blocks.begin(), blocks.end()}, cache_len, {tokens.begin(), tokens.end()},
-                 logits};
+  return SeqStep{
+      0, {blocks.begin(), blocks.end()}, cache_len, {tokens.begin(), tokens.end()}, logits};
 }
 
 // A copy-on-write of a shared block, done before the forward.

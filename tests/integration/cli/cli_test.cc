@@ -49,7 +49,8 @@ const std::string kBinDir = KVRELAY_DAEMON_BIN_DIR;
 const std::vector<std::string> kCommands = {"generate",     "launch",       "perplexity",
                                             "tokenize",     "inspect",      "bench engine",
                                             "bench kv",     "bench prefix", "bench serve",
-                                            "bench transfer"};
+                                            "bench transfer", "sim",        "sim calibrate",
+                                            "sim validate", "plan"};
 
 TEST(CliHelpTest, EveryCommandPrintsItsUsageOnStdoutAndExitsZero) {
   for (const std::string& c : kCommands) {

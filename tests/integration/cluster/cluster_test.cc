@@ -204,7 +204,8 @@ CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, in
   out.text = j["choices"][0]["text"];
   out.finish_reason = j["choices"][0]["finish_reason"];
   out.completion_tokens = j["usage"]["completion_tokens"];
-  out.cached_tokens = j["usage"].value("prompt_tokens_details", json::object()).value("cached_tokens", 0);
+  out.cached_tokens =
+      j["usage"].value("prompt_tokens_details", json::object()).value("cached_tokens", 0);
   return out;
 }
 
@@ -784,9 +785,9 @@ TEST_F(ClusterTest, PrefillDeathAfterHandOverDoesNotFailDecodingRequests) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     threads.emplace_back([&, i] { results[i] = Stream(port, prompts[i], kTokens, {}, 120'000); });
   }
-  const bool decoding = WaitFor(
-      [&] { return WorkerGauge(port, "kvrelay_worker_running")["decode-0"] >= 2; },
-      milliseconds(60'000));
+  const bool decoding =
+      WaitFor([&] { return WorkerGauge(port, "kvrelay_worker_running")["decode-0"] >= 2; },
+              milliseconds(60'000));
   if (decoding) {
     for (const char* p : {"prefill-0", "prefill-1"}) kill(cluster->processes().Pid(p), SIGKILL);
   }
@@ -853,7 +854,8 @@ TEST_F(ClusterTest, StalledWorkerReconnectsAndServesAgain) {
   const pid_t stalled = cluster->processes().Pid("prefill-0");
   ASSERT_GT(stalled, 0);
   ASSERT_EQ(kill(stalled, SIGSTOP), 0);
-  const bool dropped = WaitFor([&] { return !Registered(port, "prefill-0"); }, milliseconds(10'000));
+  const bool dropped =
+      WaitFor([&] { return !Registered(port, "prefill-0"); }, milliseconds(10'000));
   ASSERT_EQ(kill(stalled, SIGCONT), 0);
   ASSERT_TRUE(dropped) << "the coordinator kept a stalled worker registered for 10 s";
   EXPECT_TRUE(WaitFor([&] { return Registered(port, "prefill-0"); }, milliseconds(10'000)))
@@ -863,7 +865,8 @@ TEST_F(ClusterTest, StalledWorkerReconnectsAndServesAgain) {
     EXPECT_EQ(got.http_status, 200) << got.error;
     EXPECT_EQ(got.text, want);
   }
-  EXPECT_EQ(cluster->processes().Pid("prefill-0"), stalled) << "the worker was restarted, not resumed";
+  EXPECT_EQ(cluster->processes().Pid("prefill-0"), stalled)
+      << "the worker was restarted, not resumed";
 }
 
 // A prefill worker that stops answering (SIGSTOP: its connection stays open,
