@@ -248,10 +248,14 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
             out["completed"] = len(fine)
             out["final_status_s"] = [round(x, 3) for x in lat]
             out["errors"] = sorted(set((r["error"] or "")[:120] for r in affected))
-            check.expect(len(affected) + len(reruns) >= 1,
-                         "%s: %d of %d requests failed, %d re-run elsewhere (%s; workers lost: %s)"
-                         % (name, len(affected), n_req, len(reruns), "; ".join(out["errors"]),
-                            "; ".join(out["lost"]) or "none"))
+            # Whether the fault hit a request in flight depends on timing (a cut
+            # after the KV was delivered affects nothing, rightly): a goal, so
+            # the hard checks below (no hang, right tokens, serving, blocks
+            # back) decide the test.
+            check.goal(len(affected) + len(reruns) >= 1,
+                       "%s: %d of %d requests failed, %d re-run elsewhere (%s; workers lost: %s)"
+                       % (name, len(affected), n_req, len(reruns), "; ".join(out["errors"]),
+                          "; ".join(out["lost"]) or "none"))
             limit = 2 * hb_ms / 1000.0
             check.goal(bool(lat) and max(lat) <= limit,
                        "%s: every affected request had a final status (or was re-run) within 2 "
