@@ -38,11 +38,11 @@ namespace {
 using engine::BlockId;
 using engine::ForwardOutput;
 using engine::ForwardPass;
+using engine::KvBlockPool;
+using engine::KvDtype;
 using engine::LogitRows;
 using engine::MakeSeqStep;
 using engine::SeqStep;
-using engine::KvBlockPool;
-using engine::KvDtype;
 
 double ThreadCpuNs() {
   timespec t;
@@ -145,7 +145,8 @@ Status Decode(const engine::Model& model, KvDtype dtype, ThreadPool* threads,
       }
     }
     if (i + 1 == gen) break;
-    SeqStep step = MakeSeqStep(s.blocks, cache, std::span<const int32_t>(&next, 1), LogitRows::kLast);
+    SeqStep step =
+        MakeSeqStep(s.blocks, cache, std::span<const int32_t>(&next, 1), LogitRows::kLast);
     RETURN_IF_ERROR(fwd.Run(std::span<const SeqStep>(&step, 1), &out));
     ++cache;
   }

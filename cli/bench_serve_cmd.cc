@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "coordinator/http_client.h"
 #include "coordinator/sse.h"
 

@@ -30,8 +30,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "common/logging.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -408,7 +408,8 @@ struct Config {
   std::string kv_dtype;
   int threads;
   bool raw;  // also measure the plain-call ceiling (RawChannel)
-  protocols::ClusterKey cluster_key;  // shared by both ranks (generated once, then forked/broadcast)
+  protocols::ClusterKey
+      cluster_key;  // shared by both ranks (generated once, then forked/broadcast)
 };
 
 kv_transfer::TcpTransport::Options TcpOptions(const Config& cfg, int rank) {
@@ -558,7 +559,8 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
         prefill();
         const double cpu0 = ProcessCpuSeconds();
         auto t0 = Clock::now();
-        tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec, tx_buffers(connector.kept.ids()));
+        tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec,
+                                                              tx_buffers(connector.kept.ids()));
         for (int l = 0; l < layout.layers; ++l) {
           Status st = tx->SendLayer(l);
           if (!st.ok()) LOG_ERROR << st.ToString();
@@ -570,8 +572,8 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
         connector.on_layer = [&](int layer, const engine::StepPlan& plan) {
           if (plan.seqs.empty()) return;
           if (!tx) {
-            tx = std::make_unique<kv_transfer::LayerStreamSender>(
-                t, 1, spec, tx_buffers(plan.seqs[0].blocks));
+            tx = std::make_unique<kv_transfer::LayerStreamSender>(t, 1, spec,
+                                                                  tx_buffers(plan.seqs[0].blocks));
           }
           Status st = tx->SendLayer(layer);
           if (!st.ok()) LOG_ERROR << st.ToString();

@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/chat_template.h"

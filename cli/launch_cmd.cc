@@ -21,36 +21,37 @@ constexpr char kDefaultKvStoreDir[] = "kvstore";
 
 FlagSpec LaunchSpec() {
   const deploy::LaunchOptions d;
-  return {"kvrelay launch",
-          "The cluster on this machine over TCP: a coordinator, prefill and decode workers\n"
-          "(or colocated ones). Serves until Ctrl-C; with --demo PROMPT it answers one chat\n"
-          "request (the answer on stdout, logs on stderr) and stops.",
-          "",
-          0,
-          {{"model", d.model_path, "GGUF model path"},
-           {"host", d.host, "HTTP bind address"},
-           {"port", std::to_string(d.port), "HTTP port (0 = pick a free one; --demo: 0)"},
-           {"control-port", "0", "worker control port (0 = pick a free one)"},
-           {"prefill", std::to_string(d.prefill), "prefill workers"},
-           {"decode", std::to_string(d.decode), "decode groups"},
-           {"tp", std::to_string(d.tp), "tensor-parallel ranks per decode group"},
-           {"tp-mode", d.tp_mode, "exact|reduce"},
-           {"colocated", std::to_string(d.colocated), "colocated (prefill+decode) workers"},
-           {"threads-per-worker", std::to_string(d.threads_per_worker), "engine threads per worker"},
-           {"kv-dtype", d.kv_dtype, "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
-           {"kv-capacity-mb", std::to_string(d.kv_capacity_mb), "KV pool per worker"},
-           {"kv-store", kDefaultKvStoreDir, "RocksDB prefix store directory (one per worker)"},
-           {"no-kv-store", "", "turn the prefix store off", true},
-           {"decode-device", d.decode_device, "device of the decode workers: cpu|cuda[:N]"},
-           {"router", d.router, "coordinator routing policy"},
-           {"kv-timeout-ms", "0", "KV transfer deadline (0 = the workers' default, 30000)"},
-           {"heartbeat-ms", "0", "worker heartbeat interval (0 = the default, 500)"},
-           {"bin-dir", "", "where kvrelay-coordinator etc. live (default: next to kvrelay)"},
-           {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
-            "how long to wait for the cluster to be ready"},
-           {"demo", "", "send this prompt as one chat request, print the answer, stop"},
-           {"max-tokens", "128", "max_tokens of the --demo request"},
-           {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"}}};
+  return {
+      "kvrelay launch",
+      "The cluster on this machine over TCP: a coordinator, prefill and decode workers\n"
+      "(or colocated ones). Serves until Ctrl-C; with --demo PROMPT it answers one chat\n"
+      "request (the answer on stdout, logs on stderr) and stops.",
+      "",
+      0,
+      {{"model", d.model_path, "GGUF model path"},
+       {"host", d.host, "HTTP bind address"},
+       {"port", std::to_string(d.port), "HTTP port (0 = pick a free one; --demo: 0)"},
+       {"control-port", "0", "worker control port (0 = pick a free one)"},
+       {"prefill", std::to_string(d.prefill), "prefill workers"},
+       {"decode", std::to_string(d.decode), "decode groups"},
+       {"tp", std::to_string(d.tp), "tensor-parallel ranks per decode group"},
+       {"tp-mode", d.tp_mode, "exact|reduce"},
+       {"colocated", std::to_string(d.colocated), "colocated (prefill+decode) workers"},
+       {"threads-per-worker", std::to_string(d.threads_per_worker), "engine threads per worker"},
+       {"kv-dtype", d.kv_dtype, "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
+       {"kv-capacity-mb", std::to_string(d.kv_capacity_mb), "KV pool per worker"},
+       {"kv-store", kDefaultKvStoreDir, "RocksDB prefix store directory (one per worker)"},
+       {"no-kv-store", "", "turn the prefix store off", true},
+       {"decode-device", d.decode_device, "device of the decode workers: cpu|cuda[:N]"},
+       {"router", d.router, "coordinator routing policy"},
+       {"kv-timeout-ms", "0", "KV transfer deadline (0 = the workers' default, 30000)"},
+       {"heartbeat-ms", "0", "worker heartbeat interval (0 = the default, 500)"},
+       {"bin-dir", "", "where kvrelay-coordinator etc. live (default: next to kvrelay)"},
+       {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
+        "how long to wait for the cluster to be ready"},
+       {"demo", "", "send this prompt as one chat request, print the answer, stop"},
+       {"max-tokens", "128", "max_tokens of the --demo request"},
+       {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"}}};
 }
 void OnSignal(int) { g_stop.store(true); }
 
@@ -203,8 +204,9 @@ int RunLaunch(const std::vector<std::string>& args) {
     if (options->kv_store_dir.empty()) {
       std::printf("prefix store: off (--no-kv-store)\n");
     } else {
-      std::printf("prefix store: %s/<worker id> (reused after a restart; --no-kv-store turns it off)\n",
-                  options->kv_store_dir.c_str());
+      std::printf(
+          "prefix store: %s/<worker id> (reused after a restart; --no-kv-store turns it off)\n",
+          options->kv_store_dir.c_str());
     }
     std::fflush(stdout);
     s = launcher.Supervise(g_stop);

@@ -8,8 +8,8 @@
 #include <sstream>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/kv_cache/kv_codec.h"
@@ -23,28 +23,27 @@ namespace {
 using engine::BlockId;
 using engine::ForwardOutput;
 using engine::ForwardPass;
+using engine::KvBlockPool;
 using engine::LogitRows;
 using engine::MakeSeqStep;
-using engine::SeqStep;
-using engine::KvBlockPool;
 using engine::Model;
+using engine::SeqStep;
 
 int Fail(const Status& st) {
   std::fprintf(stderr, "kvrelay perplexity: %s\n", st.ToString().c_str());
   return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
-const FlagSpec kSpec = {
-    "kvrelay perplexity",
-    "Perplexity of a text file in --ctx-token chunks (llama.cpp's method).",
-    "",
-    0,
-    {{"model", "", "GGUF model path (required)"},
-     {"file", "", "text file to score (required)"},
-     {"ctx", "512", "tokens per chunk (>= 4)"},
-     {"max-chunks", "0", "score at most this many chunks (0 = all)"},
-     {"threads", "0", "compute threads (0 = all cores)"},
-     {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"}}};
+const FlagSpec kSpec = {"kvrelay perplexity",
+                        "Perplexity of a text file in --ctx-token chunks (llama.cpp's method).",
+                        "",
+                        0,
+                        {{"model", "", "GGUF model path (required)"},
+                         {"file", "", "text file to score (required)"},
+                         {"ctx", "512", "tokens per chunk (>= 4)"},
+                         {"max-chunks", "0", "score at most this many chunks (0 = all)"},
+                         {"threads", "0", "compute threads (0 = all cores)"},
+                         {"kv-dtype", "f32", "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"}}};
 
 int RunPerplexity(const std::vector<std::string>& args) {
   int exit_code = 0;

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "deploy/process_group.h"
 #include "sim/planner.h"
 #include "sim/profile.h"
@@ -60,8 +60,8 @@ std::string FindPlotScript() {
 
 constexpr char kPlanUsage[] =
     "plan --profile P [--input-len 128 --output-len 32] [--shared-prefix L "
-                "--prefix-groups G] [--ttft-slo-ms 1000 --tpot-slo-ms 50] [--max-nodes 8] "
-                "[--tp 1,2,4,8] [--plots DIR] [--scale-nodes 8,16,32,64] [--json OUT]";
+    "--prefix-groups G] [--ttft-slo-ms 1000 --tpot-slo-ms 50] [--max-nodes 8] "
+    "[--tp 1,2,4,8] [--plots DIR] [--scale-nodes 8,16,32,64] [--json OUT]";
 
 int RunPlan(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kPlanUsage)) return 0;

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "common/flags.h"
 #include "common/clock.h"
+#include "common/flags.h"
 #include "deploy/local_launcher.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/model.h"
@@ -208,8 +208,8 @@ json SummaryJson(const sim::SimResult& r) {
 
 constexpr char kSimUsage[] =
     "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
-                "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
-                "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]";
+    "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
+    "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]";
 
 int RunSim(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimUsage)) return 0;
@@ -438,7 +438,7 @@ const std::vector<Topology>& Topologies(int colocated) {
 
 constexpr char kSimCalibrateUsage[] =
     "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
-                "[--quick] [--skip-serve] [--skip-store]";
+    "[--quick] [--skip-serve] [--skip-store]";
 
 int RunCalibrate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
@@ -681,8 +681,8 @@ double RelErr(double sim, double real) {
 
 constexpr char kSimValidateUsage[] =
     "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
-                "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
-                "[--json OUT]";
+    "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
+    "[--json OUT]";
 
 int RunValidate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;

@@ -63,8 +63,7 @@ Result<Flags> Flags::Parse(const std::vector<std::string>& args, const FlagSpec&
   if (flags.positional_.size() > spec.max_positional) {
     const std::string& extra = flags.positional_[spec.max_positional];
     return InvalidArgument("unexpected argument '" + extra + "'" +
-                           (spec.max_positional == 0 ? " (this command takes only --flags)"
-                                                     : "") +
+                           (spec.max_positional == 0 ? " (this command takes only --flags)" : "") +
                            "; see " + spec.program + " --help");
   }
   return flags;
@@ -77,9 +76,7 @@ std::string Flags::Usage(const FlagSpec& spec) {
   if (!spec.summary.empty()) out += "\n" + spec.summary + "\n";
   out += "\nflags:\n";
   size_t width = 6;  // "--help"
-  auto label = [](const FlagDef& d) {
-    return "--" + d.name + (d.is_switch ? "" : " VALUE");
-  };
+  auto label = [](const FlagDef& d) { return "--" + d.name + (d.is_switch ? "" : " VALUE"); };
   for (const FlagDef& d : spec.flags) width = std::max(width, label(d).size());
   for (const FlagDef& d : spec.flags) {
     std::string l = label(d);

@@ -24,9 +24,9 @@ struct FlagDef {
 };
 
 struct FlagSpec {
-  std::string program;     // "kvrelay generate", "kvrelay-coordinator"
-  std::string summary;     // one line: what the command does
-  std::string positional;  // usage name of the positional arguments ("FILE"); empty = none
+  std::string program;        // "kvrelay generate", "kvrelay-coordinator"
+  std::string summary;        // one line: what the command does
+  std::string positional;     // usage name of the positional arguments ("FILE"); empty = none
   size_t max_positional = 0;  // more positional arguments than this are an error
   std::vector<FlagDef> flags;
 };

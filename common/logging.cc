@@ -1,15 +1,16 @@
 #include "common/logging.h"
-#include "common/log_format.h"
 
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <string>
+
+#include "common/log_format.h"
 
 namespace kvrelay {
 namespace {

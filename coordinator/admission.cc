@@ -41,8 +41,7 @@ Status AdmissionQueue::Enqueue(uint64_t id, std::function<void()> start, Refusal
       if (static_cast<int>(queue_.size()) >= options_.max_queue) {
         // Come back when about one waiter has started.
         if (refusal) {
-          *refusal = {Refusal::kQueueFull,
-                      RetryAfterLocked(hold_ms_ / options_.max_running)};
+          *refusal = {Refusal::kQueueFull, RetryAfterLocked(hold_ms_ / options_.max_running)};
         }
         return ResourceExhausted("admission queue is full (" + std::to_string(queue_.size()) +
                                  " waiting, " + std::to_string(running_) + " running)");
@@ -57,8 +56,7 @@ Status AdmissionQueue::Enqueue(uint64_t id, std::function<void()> start, Refusal
         return ResourceExhausted(
             "predicted queue wait " + std::to_string(static_cast<int64_t>(predicted)) +
             " ms exceeds the bound of " + std::to_string(options_.max_queue_delay_ms) + " ms (" +
-            std::to_string(queue_.size()) + " waiting, " + std::to_string(running_) +
-            " running)");
+            std::to_string(queue_.size()) + " waiting, " + std::to_string(running_) + " running)");
       }
       queue_.push_back({id, std::move(start)});
       return Status::Ok();

@@ -27,11 +27,12 @@ namespace kvrelay::coordinator {
 class AdmissionQueue {
  public:
   struct Options {
-    int max_running = 64;        // >= 1
-    int max_queue = 256;         // >= 0
-    int max_queue_delay_ms = 0;  // refuse beyond this predicted queue wait; 0 = no bound
-    int retry_after_seconds = 1;         // Retry-After while no hold time was measured yet
-    std::function<TimePoint()> now = nullptr;  // the clock (tests pass their own); empty = Clock::now
+    int max_running = 64;         // >= 1
+    int max_queue = 256;          // >= 0
+    int max_queue_delay_ms = 0;   // refuse beyond this predicted queue wait; 0 = no bound
+    int retry_after_seconds = 1;  // Retry-After while no hold time was measured yet
+    std::function<TimePoint()> now =
+        nullptr;  // the clock (tests pass their own); empty = Clock::now
   };
   explicit AdmissionQueue(Options options);
 
@@ -76,11 +77,11 @@ class AdmissionQueue {
 
   const Options options_;
   mutable std::mutex mutex_;
-  int running_ = 0;                                   // guarded by mutex_
-  std::deque<Waiter> queue_;                          // guarded by mutex_
-  std::unordered_map<uint64_t, TimePoint> started_;   // guarded by mutex_: id -> slot taken
-  double hold_ms_ = 0;                                // guarded by mutex_: EWMA
-  int64_t holds_ = 0;                                 // guarded by mutex_: samples
+  int running_ = 0;                                  // guarded by mutex_
+  std::deque<Waiter> queue_;                         // guarded by mutex_
+  std::unordered_map<uint64_t, TimePoint> started_;  // guarded by mutex_: id -> slot taken
+  double hold_ms_ = 0;                               // guarded by mutex_: EWMA
+  int64_t holds_ = 0;                                // guarded by mutex_: samples
 };
 
 }  // namespace kvrelay::coordinator

@@ -45,9 +45,9 @@ std::optional<std::string> NeverFits(const std::vector<WorkerInfo>& workers, int
     if (!n.any || n.unknown || n.tokens <= n.best) continue;
     return std::string("the request needs KV space for ") + std::to_string(n.tokens) +
            " tokens (prompt " + std::to_string(prompt) +
-           (n.prefill ? "" : " + max_tokens " + std::to_string(max_tokens)) +
-           ") but the largest " + (n.prefill ? "prefill" : "decode") + " worker holds " +
-           std::to_string(n.best) + "; shorten the prompt or lower max_tokens";
+           (n.prefill ? "" : " + max_tokens " + std::to_string(max_tokens)) + ") but the largest " +
+           (n.prefill ? "prefill" : "decode") + " worker holds " + std::to_string(n.best) +
+           "; shorten the prompt or lower max_tokens";
   }
   return std::nullopt;
 }
@@ -165,8 +165,8 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
                                     std::to_string(opt.max_context_tokens),
                                 "max_tokens", "context_length_exceeded"));
   }
-  if (auto reason = NeverFits(workers, static_cast<int64_t>(tokens->size()),
-                              p.max_tokens, opt.max_context_tokens)) {
+  if (auto reason = NeverFits(workers, static_cast<int64_t>(tokens->size()), p.max_tokens,
+                              opt.max_context_tokens)) {
     return SendError(BadRequest(*reason, "max_tokens", "context_length_exceeded"));
   }
 
@@ -372,11 +372,10 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
   core_->generation_tokens->Increment(r->usage.completion_tokens);
   core_->cached_tokens->Increment(r->usage.cached_tokens);
   core_->registry
-      ->GetCounter(
-          "kvrelay_requests_finished_total",
-          "Finished generation requests by endpoint and finish reason.",
-          core_->Labels({{"endpoint", EndpointName(r->params.endpoint)},
-                         {"finish_reason", FinishName(finish)}}))
+      ->GetCounter("kvrelay_requests_finished_total",
+                   "Finished generation requests by endpoint and finish reason.",
+                   core_->Labels({{"endpoint", EndpointName(r->params.endpoint)},
+                                  {"finish_reason", FinishName(finish)}}))
       ->Increment();
   Forget(r);
   total_usage_.completion_tokens += r->usage.completion_tokens;

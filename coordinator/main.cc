@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "common/flags.h"
-#include "kv_transfer/mpi_session.h"
 #include "common/logging.h"
 #include "common/metrics.h"
 #include "coordinator/cluster_backend.h"
@@ -19,6 +18,7 @@
 #include "coordinator/server.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "kv_transfer/mpi_session.h"
 
 namespace kvrelay::coordinator {
 namespace {
@@ -55,7 +55,8 @@ const FlagSpec kSpec = {
      {"control-port", "", "cluster mode: the workers' control port (0 = pick a free one)"},
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
-     {"cluster-key-file", "", "cluster mode: the cluster secret every worker must prove (required)"}}};
+     {"cluster-key-file", "",
+      "cluster mode: the cluster secret every worker must prove (required)"}}};
 
 std::string ModelNameFromPath(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
@@ -128,7 +129,9 @@ Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t kv_mb, flags.GetInt("kv-capacity-mb", 0));
   ASSIGN_OR_RETURN(int64_t block_tokens, flags.GetInt("block-tokens", 16));
   ASSIGN_OR_RETURN(int64_t max_step_tokens, flags.GetInt("max-step-tokens", 512));
-  ASSIGN_OR_RETURN(eo.kv_dtype, engine::ParseKvDtype(flags.Get("kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
+  ASSIGN_OR_RETURN(eo.kv_dtype,
+                   engine::ParseKvDtype(flags.Get(
+                       "kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)))));
   eo.threads = static_cast<int>(engine_threads);
   eo.kv_capacity_bytes = kv_mb << 20;
   eo.block_tokens = static_cast<int>(block_tokens);
@@ -154,7 +157,8 @@ Status Run(const std::vector<std::string>& args) {
           "--cluster-key-file FILE is required with --control-port: workers must prove the "
           "cluster secret to join (create one with: (umask 077; openssl rand -hex 32 > FILE))");
     }
-    ASSIGN_OR_RETURN(co.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
+    ASSIGN_OR_RETURN(co.cluster_key,
+                     protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
     co.control_port = static_cast<uint16_t>(control_port);
     co.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
     co.router.policy = policy;

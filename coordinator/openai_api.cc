@@ -242,11 +242,24 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
 // caller's end-user id, which OpenAI uses for abuse monitoring only: it has
 // no effect on the result, so accepting it is not a silent no-op.
 bool KnownField(Endpoint endpoint, std::string_view key) {
-  static constexpr std::string_view kCommon[] = {
-      "model",       "max_tokens",     "temperature", "top_p",       "presence_penalty",
-      "frequency_penalty", "repetition_penalty", "min_p", "top_k", "seed",
-      "n",           "stop",           "stream",      "stream_options", "ignore_eos",
-      "logit_bias",  "logprobs",       "user"};
+  static constexpr std::string_view kCommon[] = {"model",
+                                                 "max_tokens",
+                                                 "temperature",
+                                                 "top_p",
+                                                 "presence_penalty",
+                                                 "frequency_penalty",
+                                                 "repetition_penalty",
+                                                 "min_p",
+                                                 "top_k",
+                                                 "seed",
+                                                 "n",
+                                                 "stop",
+                                                 "stream",
+                                                 "stream_options",
+                                                 "ignore_eos",
+                                                 "logit_bias",
+                                                 "logprobs",
+                                                 "user"};
   static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
                                                "response_format"};
   static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
@@ -456,10 +469,10 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
     unknown += (unknown.empty() ? "'" : ", '") + key + "'";
   }
   if (!unknown.empty()) {
-    return BadRequest("unsupported parameter(s) " + unknown + " for " +
-                          (endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions"
-                                                                  : "/v1/completions"),
-                      first, "unsupported_parameter");
+    return BadRequest(
+        "unsupported parameter(s) " + unknown + " for " +
+            (endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions"),
+        first, "unsupported_parameter");
   }
   return std::nullopt;
 }

@@ -36,8 +36,8 @@ struct ApiLimits {
   // context and KV pool (never refused for it); 0 = all the remaining context
   // (as vLLM).
   int max_tokens_default = 256;
-  int max_tokens_limit = 4096;   // a larger max_tokens is a 400
-  int max_stop_strings = 4;      // as OpenAI
+  int max_tokens_limit = 4096;  // a larger max_tokens is a 400
+  int max_stop_strings = 4;     // as OpenAI
   int max_stop_string_bytes = 256;
   int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
 };

@@ -50,8 +50,8 @@ struct ServerOptions {
   // on accept (429), so one client cannot take every connection.
   int max_connections_per_client = 1024;
   int retry_after_seconds = 1;  // Retry-After of a 429 / 503 until hold times are measured
-  int max_running = 64;                       // admission: concurrent requests in the backend
-  int max_queue = 256;                        // admission: waiting requests; beyond: 429
+  int max_running = 64;         // admission: concurrent requests in the backend
+  int max_queue = 256;          // admission: waiting requests; beyond: 429
   // admission: refuse (429 + Retry-After from the queue) when the predicted
   // queue wait exceeds this; 0 = no bound (see coordinator/admission.h).
   int max_queue_delay_ms = 0;

@@ -26,10 +26,10 @@
 
 #include "common/clock.h"
 #include "common/metrics.h"
+#include "common/stop_matcher.h"
 #include "coordinator/admission.h"
 #include "coordinator/http_errors.h"
 #include "coordinator/server.h"
-#include "common/stop_matcher.h"
 
 namespace kvrelay::coordinator::internal {
 

@@ -99,14 +99,13 @@ void Session::OnHeader(beast::error_code ec) {
       if (!parser_->is_done()) {
         // RFC 9110 §10.1.1: the client waits for this before sending the body.
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-        return net::async_write(
-            stream_, net::buffer(kContinue.data(), kContinue.size()),
-            [self = shared_from_this()](beast::error_code wec, size_t) {
-              if (wec) return self->Close();
-              http::async_read(
-                  self->stream_, self->buffer_, *self->parser_,
-                  [self](beast::error_code rec, size_t) { self->OnRead(rec); });
-            });
+        return net::async_write(stream_, net::buffer(kContinue.data(), kContinue.size()),
+                                [self = shared_from_this()](beast::error_code wec, size_t) {
+                                  if (wec) return self->Close();
+                                  http::async_read(
+                                      self->stream_, self->buffer_, *self->parser_,
+                                      [self](beast::error_code rec, size_t) { self->OnRead(rec); });
+                                });
       }
     }
     if (parser_->is_done()) return OnRead({});
@@ -193,7 +192,8 @@ std::optional<std::string> Session::Authenticate() {
 }
 
 void Session::Handle() {
-  const std::string_view target = PathOf(std::string_view(req_.target().data(), req_.target().size()));
+  const std::string_view target =
+      PathOf(std::string_view(req_.target().data(), req_.target().size()));
   const http::verb method = req_.method();
   const bool get = method == http::verb::get || method == http::verb::head;
   const std::string_view method_name(req_.method_string().data(), req_.method_string().size());
@@ -226,8 +226,7 @@ void Session::Handle() {
         e.code = "model_not_found";
         return SendError(e);
       }
-      SendJson(http::status::ok,
-               ModelsJson(core_->options.model_name, UnixSeconds())["data"][0]);
+      SendJson(http::status::ok, ModelsJson(core_->options.model_name, UnixSeconds())["data"][0]);
     });
   }
   if (target == "/v1/chat/completions" || target == "/v1/completions") {
@@ -322,10 +321,9 @@ void Session::WriteResponse(std::shared_ptr<Response> res, bool keep_alive) {
   if (info_.head) {
     // RFC 9110 §9.3.2: the GET's header fields (Content-Length included), no content.
     auto sr = std::make_shared<http::response_serializer<typename Response::body_type>>(*res);
-    http::async_write_header(stream_, *sr,
-                             [sr, done = std::move(done)](beast::error_code ec, size_t n) mutable {
-                               done(ec, n);
-                             });
+    http::async_write_header(
+        stream_, *sr,
+        [sr, done = std::move(done)](beast::error_code ec, size_t n) mutable { done(ec, n); });
   } else {
     http::async_write(stream_, *res, std::move(done));
   }
@@ -350,8 +348,8 @@ void Session::SendNoContent(HttpHeaders headers) {
   if (closed_) return;
   core_->CountRequest(endpoint_label_, 204);
   // RFC 9110 §15.3.5 / §8.6: no content and no Content-Length.
-  auto res = std::make_shared<http::response<http::empty_body>>(http::status::no_content,
-                                                                info_.version);
+  auto res =
+      std::make_shared<http::response<http::empty_body>>(http::status::no_content, info_.version);
   res->set(http::field::server, "kvrelay");
   for (auto& [k, v] : headers) res->set(k, v);
   const bool keep_alive = info_.keep_alive && !client_gone_;

@@ -5,17 +5,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
-
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/logging.h"
 #include "coordinator/http_client.h"
-#include "protocols/cluster_auth.h"
 #include "engine/gguf/gguf.h"
+#include "protocols/cluster_auth.h"
 
 namespace kvrelay::deploy {
 
@@ -92,25 +91,13 @@ Status CheckPortFree(const std::string& host, uint16_t port, const char* what) {
 
 std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, uint16_t http,
                                                         uint16_t control) const {
-  std::vector<std::string> argv = {bin + "/kvrelay-coordinator",
-                                   "--model",
-                                   options_.model_path,
-                                   "--host",
-                                   options_.host,
-                                   "--port",
-                                   std::to_string(http),
-                                   "--control-port",
-                                   std::to_string(control),
+  std::vector<std::string> argv = {bin + "/kvrelay-coordinator", "--model", options_.model_path,
+                                   "--host", options_.host, "--port", std::to_string(http),
+                                   "--control-port", std::to_string(control),
                                    // Everything runs on this machine: the control plane
                                    // stays on loopback whatever --host the HTTP API is given.
-                                   "--control-host",
-                                   "127.0.0.1",
-                                   "--cluster-key-file",
-                                   key_file_,
-                                   "--kv-dtype",
-                                   options_.kv_dtype,
-                                   "--router",
-                                   options_.router};
+                                   "--control-host", "127.0.0.1", "--cluster-key-file", key_file_,
+                                   "--kv-dtype", options_.kv_dtype, "--router", options_.router};
   if (options_.heartbeat_ms > 0) {
     argv.push_back("--heartbeat-ms");
     argv.push_back(std::to_string(options_.heartbeat_ms));
@@ -164,9 +151,7 @@ Status LocalLauncher::Start() {
   // whatever --host the HTTP API is given.
   const std::string coord_addr = "127.0.0.1:" + std::to_string(control);
 
-  RETURN_IF_ERROR(group_.Spawn(
-      {"coordinator",
-       CoordinatorArgv(bin, http_port_, control), {}}));
+  RETURN_IF_ERROR(group_.Spawn({"coordinator", CoordinatorArgv(bin, http_port_, control), {}}));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,

@@ -1,8 +1,8 @@
 #include "kv_store/rocksdb_tier.h"
 
+#include <pthread.h>
 #include <rocksdb/cache.h>
 #include <rocksdb/convenience.h>
-#include <pthread.h>
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/file_system.h>
@@ -197,8 +197,7 @@ Status RocksDbTier::TryOpen(bool after_repair) {
     rocksdb::Status rs = rocksdb::RepairDB(options_.path, config.db, config.families);
     if (!rs.ok()) return FromRocks(rs, "RepairDB " + options_.path);
   }
-  rocksdb::Status s =
-      rocksdb::DB::Open(config.db, options_.path, config.families, &handles, &db);
+  rocksdb::Status s = rocksdb::DB::Open(config.db, options_.path, config.families, &handles, &db);
   if (!s.ok()) return FromRocks(s, "opening " + options_.path);
   db_ = db;
   data_cf_ = handles[0];
@@ -226,12 +225,12 @@ Status RocksDbTier::OpenReadOnly(const std::string& why) {
   config.db.create_if_missing = false;
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* db = nullptr;
-  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(config.db, options_.path, config.families,
-                                                   &handles, &db,
-                                                   /*error_if_wal_file_exists=*/false);
+  rocksdb::Status s =
+      rocksdb::DB::OpenForReadOnly(config.db, options_.path, config.families, &handles, &db,
+                                   /*error_if_wal_file_exists=*/false);
   if (!s.ok()) {
-    LOG_ERROR << "kv_store: " << why << "; read-only open of " << options_.path
-              << " failed too (" << s.ToString() << "), the disk tier is off until a restart";
+    LOG_ERROR << "kv_store: " << why << "; read-only open of " << options_.path << " failed too ("
+              << s.ToString() << "), the disk tier is off until a restart";
     return Status::Ok();
   }
   db_ = db;
@@ -476,8 +475,8 @@ void RocksDbTier::DropEntryLocked(LruList::iterator it) {
 
 void RocksDbTier::EmitLocked(TierEvent::Kind kind, const BlockHash& hash) {
   if (static_cast<int64_t>(events_.size()) >= options_.max_pending_events) {
-    events_.erase(events_.begin(), events_.begin() + static_cast<std::ptrdiff_t>(
-                                                         events_.size() / 2));
+    events_.erase(events_.begin(),
+                  events_.begin() + static_cast<std::ptrdiff_t>(events_.size() / 2));
     events_overflowed_ = true;
   }
   TierEvent e;
@@ -964,7 +963,7 @@ void RocksDbTier::WriterLoop() {
         LogWriteFailureLocked(last_write_error_, static_cast<int64_t>(puts.size()));
       }
       for (size_t i = 0; i < puts.size(); ++i) {  // not stored: forget them
-        if (!current[i]) continue;  // a newer Put of the same hash owns the entry
+        if (!current[i]) continue;                // a newer Put of the same hash owns the entry
         const PendingPut& p = puts[i];
         auto idx = index_.find(p.hash);
         if (idx != index_.end()) {

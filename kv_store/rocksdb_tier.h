@@ -244,7 +244,7 @@ class RocksDbTier final : public KvTier {
 
   Options options_;
   OpenReport open_report_;
-  rocksdb::Env* env_ = nullptr;                     // options_.env or the default
+  rocksdb::Env* env_ = nullptr;  // options_.env or the default
   // db_ is replaced only by ReopenForWriting (writer thread) under db_mutex_
   // held exclusively; readers on other threads hold it shared.
   mutable std::shared_mutex db_mutex_;

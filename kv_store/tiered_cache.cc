@@ -287,8 +287,9 @@ Status TieredCache::Drain(Deadline deadline) {
     }
     // Let the writer make room in its queue.
     const auto slice = std::min<std::chrono::nanoseconds>(
-        std::chrono::milliseconds(100), std::max<std::chrono::nanoseconds>(
-                                            std::chrono::nanoseconds(0), deadline.at - Clock::now()));
+        std::chrono::milliseconds(100),
+        std::max<std::chrono::nanoseconds>(std::chrono::nanoseconds(0),
+                                           deadline.at - Clock::now()));
     (void)disk_->Flush(Deadline::After(slice));
   }
   Status s = disk_->WaitDurable(deadline);
@@ -465,7 +466,8 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
   int64_t from_ram = 0, from_disk = 0;
   for (size_t i = 0; i < n; ++i) {
     const std::string& v = load.values[i];
-    if (v.size() != EncodedBlockBytes(layout)) break;  // verified against this layout: cannot happen
+    if (v.size() != EncodedBlockBytes(layout))
+      break;  // verified against this layout: cannot happen
     for (int layer = 0; layer < layout.layers; ++layer) {
       std::span<uint8_t> out = pool_->LayerData(dst[i], layer);
       std::memcpy(out.data(), v.data() + offset + static_cast<size_t>(layer) * layer_bytes,
@@ -605,8 +607,8 @@ void TieredCache::PublishMetrics(MetricsRegistry* registry, const MetricLabels& 
   count("kvrelay_kvstore_write_through_bytes_total", "bytes of committed KV queued to disk",
         now.write_through_bytes, published_.write_through_bytes);
   count("kvrelay_kvstore_write_through_dropped_total",
-        "committed KV blocks not written (backlog full or disk refused)",
-        now.write_through_dropped, published_.write_through_dropped);
+        "committed KV blocks not written (backlog full or disk refused)", now.write_through_dropped,
+        published_.write_through_dropped);
   count("kvrelay_kvstore_spills_total", "KV blocks copied to a tier on pool eviction", now.spills,
         published_.spills);
   int64_t misses = 0, misses_before = 0;
@@ -616,8 +618,9 @@ void TieredCache::PublishMetrics(MetricsRegistry* registry, const MetricLabels& 
   }
   count("kvrelay_kvstore_restore_misses_total", "stored blocks not served (absent or unverified)",
         misses, misses_before);
-  registry->GetGauge("kvrelay_kvstore_write_backlog_blocks",
-                     "committed KV blocks waiting for the disk queue", labels)
+  registry
+      ->GetGauge("kvrelay_kvstore_write_backlog_blocks",
+                 "committed KV blocks waiting for the disk queue", labels)
       ->Set(static_cast<double>(now.write_backlog));
   published_ = now;
   if (disk_ != nullptr) {
@@ -626,11 +629,11 @@ void TieredCache::PublishMetrics(MetricsRegistry* registry, const MetricLabels& 
           d.written, published_disk_.written);
     count("kvrelay_kvstore_disk_written_bytes_total", "bytes written by the disk writer",
           d.written_bytes, published_disk_.written_bytes);
-    count("kvrelay_kvstore_disk_dropped_total", "puts dropped by a full disk queue",
-          d.puts_dropped, published_disk_.puts_dropped);
+    count("kvrelay_kvstore_disk_dropped_total", "puts dropped by a full disk queue", d.puts_dropped,
+          published_disk_.puts_dropped);
     count("kvrelay_kvstore_disk_write_failures_total",
-          "KV blocks lost to a failed write or refused by a read-only disk tier",
-          d.write_failures, published_disk_.write_failures);
+          "KV blocks lost to a failed write or refused by a read-only disk tier", d.write_failures,
+          published_disk_.write_failures);
     registry->GetGauge("kvrelay_kvstore_disk_entries", "KV blocks on disk", labels)
         ->Set(static_cast<double>(d.entries));
     registry->GetGauge("kvrelay_kvstore_disk_used_bytes", "bytes of KV on disk", labels)

@@ -135,9 +135,9 @@ class LoadHandle {
 class TieredCache {
  public:
   struct Options {
-    bool write_through = true;             // committed blocks go to disk at once (see above)
-    bool promote_disk_hits = true;         // a block loaded from disk is also put in RAM
-    int64_t max_tracked_blocks = 1 << 17;  // bound of the (hash -> tokens, tenant) table
+    bool write_through = true;                   // committed blocks go to disk at once (see above)
+    bool promote_disk_hits = true;               // a block loaded from disk is also put in RAM
+    int64_t max_tracked_blocks = 1 << 17;        // bound of the (hash -> tokens, tenant) table
     int64_t max_write_backlog_blocks = 1 << 14;  // committed blocks waiting for the disk queue
     int max_encodes_per_pump = 256;              // bound on one Pump's work
   };
@@ -157,7 +157,7 @@ class TieredCache {
     int64_t demotions = 0;         // RAM evictions forwarded to disk
     int64_t persisted_blocks = 0;  // written by PersistPrefix
     // Write-through:
-    int64_t write_through_blocks = 0;   // committed blocks handed to the disk tier
+    int64_t write_through_blocks = 0;  // committed blocks handed to the disk tier
     int64_t write_through_bytes = 0;
     int64_t write_through_dropped = 0;  // backlog full, or the disk refused the value
     int64_t write_through_skipped = 0;  // already on disk, or gone from the pool first
@@ -216,8 +216,7 @@ class TieredCache {
   // Returns how many dst blocks were filled; the rest are untouched.
   // DeadlineExceeded when the reads are not done by then (nothing copied;
   // the handle stays valid and may be finished later).
-  Result<int> FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst,
-                         Deadline deadline);
+  Result<int> FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst, Deadline deadline);
 
   // Convenience for a synchronous caller: fills `table` (cleared first) with
   // the longest available prefix of `tokens`' full blocks: pool hits

@@ -289,7 +289,8 @@ Status VerifyLayerManifest(std::string_view slot, const StreamSpec& spec,
   }
   if (slot.size() != ManifestSlotBytes(spec.dst_blocks.size())) {
     return DataLoss("layer stream: manifest slot of " + std::to_string(slot.size()) +
-                    " bytes, expected " + std::to_string(ManifestSlotBytes(spec.dst_blocks.size())));
+                    " bytes, expected " +
+                    std::to_string(ManifestSlotBytes(spec.dst_blocks.size())));
   }
   const std::string where =
       "request " + std::to_string(spec.request_id) + " layer " + std::to_string(l) + ": ";

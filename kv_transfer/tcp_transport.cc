@@ -1,13 +1,12 @@
 #include "kv_transfer/tcp_transport.h"
 
-#include <charconv>
-
 #include <pthread.h>
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/write.hpp>
+#include <charconv>
 #include <cstring>
 #include <future>
 
@@ -179,16 +178,15 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   template <typename Then>
   void WriteFrame(MessageType type, const std::string& payload, Then then) {
     out_.assign(kFrameHeaderBytes + payload.size(), '\0');
-    protocols::EncodeFrameHeader(static_cast<uint16_t>(type),
-                                 static_cast<uint32_t>(payload.size()),
+    protocols::EncodeFrameHeader(static_cast<uint16_t>(type), static_cast<uint32_t>(payload.size()),
                                  reinterpret_cast<uint8_t*>(out_.data()));
     std::memcpy(out_.data() + kFrameHeaderBytes, payload.data(), payload.size());
-    asio::async_write(socket_, asio::buffer(out_),
-                      [self = shared_from_this(), then](const boost::system::error_code& ec,
-                                                        size_t) {
-                        if (ec) return self->OnReadError(ec);
-                        then();
-                      });
+    asio::async_write(
+        socket_, asio::buffer(out_),
+        [self = shared_from_this(), then](const boost::system::error_code& ec, size_t) {
+          if (ec) return self->OnReadError(ec);
+          then();
+        });
   }
 
   void OnHeader() {
@@ -273,8 +271,8 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
     }
     if (auth_.peer_name() != KvAuthName(hello_.rank)) {
       return Fail(FailedPrecondition("kv data connection authenticated as '" +
-                                     auth_.peer_name().substr(0, 64) +
-                                     "' but says it is rank " + std::to_string(hello_.rank)));
+                                     auth_.peer_name().substr(0, 64) + "' but says it is rank " +
+                                     std::to_string(hello_.rank)));
     }
     peer_ = static_cast<int>(hello_.rank);
     auth_timer_.cancel();
@@ -371,7 +369,8 @@ Result<std::unique_ptr<TcpTransport>> TcpTransport::Create(Options options) {
     return InvalidArgument("tcp transport: chunk_bytes must be in (0, 64 MiB]");
   }
   if (options.cluster_key.empty()) {
-    return InvalidArgument("tcp transport: cluster_key is required (every data connection proves it)");
+    return InvalidArgument(
+        "tcp transport: cluster_key is required (every data connection proves it)");
   }
   auto t = std::unique_ptr<TcpTransport>(new TcpTransport(options));
   boost::system::error_code ec;

@@ -157,8 +157,8 @@ void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t 
     // The budget is checked against the announced total before anything is
     // charged or allocated; unsigned arithmetic, so a hostile total (2^64 -
     // 2^40) cannot wrap the count negative and switch the limit off.
-    const uint64_t left = static_cast<uint64_t>(std::max<int64_t>(0, max_unexpected_bytes_ -
-                                                                         staged_bytes_));
+    const uint64_t left =
+        static_cast<uint64_t>(std::max<int64_t>(0, max_unexpected_bytes_ - staged_bytes_));
     if (static_cast<uint64_t>(total) > left) {
       s.error = ResourceExhausted(KeyString(key) + ": " + std::to_string(total) +
                                   " unexpected bytes dropped (staging budget " +
@@ -207,11 +207,11 @@ void TransportBase::ExpireStagedLocked() {
   for (auto it = staged_.begin(); it != staged_.end();) {
     auto next = std::next(it);
     if (now - it->second.since > max_unexpected_age_) {
-      LOG_WARNING << KeyString(it->first) << ": " << it->second.bytes.size()
-                  << " staged bytes unclaimed for "
-                  << std::chrono::duration_cast<std::chrono::milliseconds>(max_unexpected_age_)
-                         .count()
-                  << " ms, dropped";
+      LOG_WARNING
+          << KeyString(it->first) << ": " << it->second.bytes.size()
+          << " staged bytes unclaimed for "
+          << std::chrono::duration_cast<std::chrono::milliseconds>(max_unexpected_age_).count()
+          << " ms, dropped";
       EraseStagedLocked(it);
     }
     it = next;

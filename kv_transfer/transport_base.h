@@ -125,8 +125,7 @@ class TransportBase : public Transport {
   };
   // Drops staged entries older than max_unexpected_age_ (domain mu held).
   void ExpireStagedLocked();
-  void EraseStagedLocked(
-      std::unordered_map<TransferKey, Staged, TransferKeyHash>::iterator it);
+  void EraseStagedLocked(std::unordered_map<TransferKey, Staged, TransferKeyHash>::iterator it);
   Result<TransferHandle> Post(const TransferDesc& desc, bool is_send);
   void ReleaseLocked(const OpPtr& op);
 

@@ -118,8 +118,8 @@ Result<ClusterKey> ClusterKey::LoadFile(const std::string& path) {
 
 Result<ClusterKey> ClusterKey::Generate() {
   ASSIGN_OR_RETURN(std::string raw, Nonce());
-  std::string hex = ToHex(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(raw.data()),
-                                                   raw.size()));
+  std::string hex =
+      ToHex(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()));
   OPENSSL_cleanse(raw.data(), raw.size());
   return ClusterKey(std::move(hex));
 }
@@ -140,8 +140,7 @@ Status ClusterKey::GenerateFile(const std::string& path) {
 
 // --- AuthInitiator -------------------------------------------------------------
 
-AuthInitiator::AuthInitiator(const ClusterKey& key, std::string_view channel,
-                             std::string peer_name)
+AuthInitiator::AuthInitiator(const ClusterKey& key, std::string_view channel, std::string peer_name)
     : key_(key.secret()), channel_(channel), name_(std::move(peer_name)) {}
 
 Status AuthInitiator::Fail(Status s) {
@@ -198,8 +197,9 @@ Status AuthInitiator::OnResult(const Frame& frame) {
   }
   const std::string want = AuthMac(key_, kRoleResponder, channel_, name_, nonce_i_, nonce_r_);
   if (!MacEqual(proof.mac(), want)) {
-    return Fail(AuthFailed("the peer's proof does not match our cluster key: it holds a "
-                           "different key, or is not a cluster member"));
+    return Fail(
+        AuthFailed("the peer's proof does not match our cluster key: it holds a "
+                   "different key, or is not a cluster member"));
   }
   state_ = State::kDone;
   return Status::Ok();
@@ -226,14 +226,15 @@ Result<std::string> AuthResponder::OnHello(const Frame& frame) {
   if (key_.empty()) return Fail(FailedPrecondition("no cluster key configured"));
   proto::AuthHello hello;
   Status s = DecodeMessage(frame, MessageType::kAuthHello, &hello);
-  if (!s.ok()) return Fail(AuthFailed("first frame is not an authentication hello: " + s.message()));
+  if (!s.ok())
+    return Fail(AuthFailed("first frame is not an authentication hello: " + s.message()));
   if (hello.version() != kAuthVersion) {
     return Fail(AuthFailed("authentication version " + std::to_string(hello.version()) +
                            ", this build speaks " + std::to_string(kAuthVersion)));
   }
   if (hello.channel() != channel_) {
-    return Fail(AuthFailed("hello for channel '" + hello.channel().substr(0, 32) +
-                           "' on the " + channel_ + " port"));
+    return Fail(AuthFailed("hello for channel '" + hello.channel().substr(0, 32) + "' on the " +
+                           channel_ + " port"));
   }
   if (hello.nonce().size() != kAuthNonceBytes) {
     return Fail(AuthFailed("hello nonce has " + std::to_string(hello.nonce().size()) + " bytes"));

@@ -4,8 +4,9 @@
 // Protocol (one round trip and a half, both sides prove knowledge of the key):
 //   initiator -> responder  AuthHello{version, channel, peer_name, nonce_i}
 //   responder -> initiator  AuthChallenge{nonce_r}
-//   initiator -> responder  AuthProof{mac_i = HMAC(key, "client" | channel | peer_name | nonce_i | nonce_r)}
-//   responder -> initiator  AuthProof{mac_r = HMAC(key, "server" | channel | peer_name | nonce_i | nonce_r)}
+//   initiator -> responder  AuthProof{mac_i = HMAC(key, "client" | channel | peer_name | nonce_i |
+//   nonce_r)} responder -> initiator  AuthProof{mac_r = HMAC(key, "server" | channel | peer_name |
+//   nonce_i | nonce_r)}
 //                           or AuthProof{error} and a close.
 // Both nonces are fresh 32-byte RAND_bytes, so a recorded proof never verifies
 // again; the role label keeps a responder's proof from being reflected as an

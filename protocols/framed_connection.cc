@@ -1,9 +1,9 @@
 #include "protocols/framed_connection.h"
 
+#include <atomic>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
-#include <atomic>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -168,8 +168,8 @@ void FramedConnection::UpdateFrameTimer() {
   if (frame_timer_armed_) return;  // the deadline runs from the frame's first byte
   frame_timer_armed_ = true;
   frame_timer_.expires_after(options_.frame_timeout);
-  frame_timer_.async_wait([self = shared_from_this(), gen = frame_timer_gen_](
-                              const boost::system::error_code& ec) {
+  frame_timer_.async_wait([self = shared_from_this(),
+                           gen = frame_timer_gen_](const boost::system::error_code& ec) {
     if (ec || gen != self->frame_timer_gen_) return;
     self->CloseOnIo(DeadlineExceeded(
         "a frame stayed incomplete for " + std::to_string(self->options_.frame_timeout.count()) +
@@ -544,8 +544,8 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
         if (auto c = w.lock(); c && !c->authenticated()) ++unauthenticated;
       }
       const bool full = state->accepted.size() >= state->limits.max_connections;
-      const bool too_many_unauth = options.require_authentication &&
-                                   unauthenticated >= state->limits.max_unauthenticated;
+      const bool too_many_unauth =
+          options.require_authentication && unauthenticated >= state->limits.max_unauthenticated;
       if (full || too_many_unauth) {
         // Refused before anything is allocated for it; the peer sees a close.
         const uint64_t n = ++state->refused;

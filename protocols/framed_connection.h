@@ -152,15 +152,15 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
 
   IoThread& io_;
   ConnectionOptions options_;
-  boost::asio::ip::tcp::socket socket_;   // touched on the io thread only
-  boost::asio::steady_timer idle_timer_;  // io thread only
-  boost::asio::steady_timer auth_timer_;  // io thread only
-  boost::asio::steady_timer frame_timer_; // io thread only
-  uint64_t frame_timer_gen_ = 0;          // io thread only: bumped when disarmed
-  bool frame_timer_armed_ = false;        // io thread only
-  FrameDecoder decoder_;                  // io thread only
-  std::vector<char> read_buffer_;         // io thread only
-  FrameHandler on_frame_;                 // set before Start
+  boost::asio::ip::tcp::socket socket_;    // touched on the io thread only
+  boost::asio::steady_timer idle_timer_;   // io thread only
+  boost::asio::steady_timer auth_timer_;   // io thread only
+  boost::asio::steady_timer frame_timer_;  // io thread only
+  uint64_t frame_timer_gen_ = 0;           // io thread only: bumped when disarmed
+  bool frame_timer_armed_ = false;         // io thread only
+  FrameDecoder decoder_;                   // io thread only
+  std::vector<char> read_buffer_;          // io thread only
+  FrameHandler on_frame_;                  // set before Start
   CloseHandler on_close_;
 
   mutable std::mutex mutex_;

@@ -41,7 +41,8 @@ Result<std::string> ServerAuthenticate(FramedConnection& conn, const ClusterKey&
   Status st = run();
   if (!st.ok()) {
     LOG_WARNING << "refusing unauthenticated peer on " << conn.name() << ": " << st.message();
-    (void)conn.Send(MessageType::kAuthProof, AuthResponder::RefusalPayload("authentication failed"));
+    (void)conn.Send(MessageType::kAuthProof,
+                    AuthResponder::RefusalPayload("authentication failed"));
     conn.CloseAfterFlush(st);
     return st;
   }

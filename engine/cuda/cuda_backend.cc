@@ -391,8 +391,7 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   KVR_CUDA_RETURN(cudaSetDevice(options_.device.index));
   const int B = kl.block_tokens;
   // Validation: the CPU ForwardPass's rules and messages.
-  ASSIGN_OR_RETURN(const StepShape shape,
-                   CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
+  ASSIGN_OR_RETURN(const StepShape shape, CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
   const int64_t T = shape.tokens, max_len = shape.max_len;
   out->logits.clear();
   out->row_begin.assign(1, 0);

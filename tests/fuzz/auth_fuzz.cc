@@ -78,7 +78,8 @@ std::vector<std::string> AuthSeeds() {
   AuthInitiator i(Key(), protocols::kAuthChannelControl, "prefill-0");
   AuthResponder r(Key(), protocols::kAuthChannelControl);
   const std::string hello = *i.Hello();
-  const std::string challenge = *r.OnHello(Frame{static_cast<uint16_t>(MessageType::kAuthHello), hello});
+  const std::string challenge =
+      *r.OnHello(Frame{static_cast<uint16_t>(MessageType::kAuthHello), hello});
   const std::string proof =
       *i.OnChallenge(Frame{static_cast<uint16_t>(MessageType::kAuthChallenge), challenge});
   proto::Hello config_hello;

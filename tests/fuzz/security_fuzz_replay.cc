@@ -32,7 +32,8 @@ using Fn = int (*)(const uint8_t*, size_t);
 std::vector<std::string> FrameSeeds() {
   using kvrelay::protocols::EncodeFrame;
   std::string stream;
-  for (int i = 0; i < 4; ++i) stream += *EncodeFrame(static_cast<uint16_t>(i + 1), std::string(i * 37, 'a' + i));
+  for (int i = 0; i < 4; ++i)
+    stream += *EncodeFrame(static_cast<uint16_t>(i + 1), std::string(i * 37, 'a' + i));
   std::string over(kvrelay::protocols::kFrameHeaderBytes, '\0');
   kvrelay::protocols::EncodeFrameHeader(100, 16u << 20, reinterpret_cast<uint8_t*>(over.data()));
   return {stream, *EncodeFrame(16, std::string(100, 'h')), over + "partial"};
@@ -44,7 +45,9 @@ struct Target {
   std::vector<std::string> (*seeds)();
 };
 
-void RunOne(Fn fn, const std::string& s) { fn(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
+void RunOne(Fn fn, const std::string& s) {
+  fn(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
 
 // Runs `input` and its mutations; returns how many inputs ran.
 long Mutate(Fn fn, const std::string& input, std::mt19937& rng, long random_edits) {

@@ -69,7 +69,7 @@ std::vector<float> RunSteps(const Model& m, KvBlockPool* pool, ComputeBackend* b
   all = out.logits;
   for (int i = 0; i < steps; ++i) {
     SeqStep d = MakeSeqStep(blocks, n + i, std::span<const int32_t>(tokens.data() + n + i, 1),
-                 LogitRows::kLast);
+                            LogitRows::kLast);
     EXPECT_TRUE(be->Run(std::span<const SeqStep>(&d, 1), &out).ok());
     all.insert(all.end(), out.logits.begin(), out.logits.end());
   }
@@ -127,8 +127,10 @@ TEST(CudaBackendGpuTest, KvWrittenIntoTheHostPoolIsUploadedBeforeUse) {
       std::copy(src.begin(), src.end(), dst.begin());
     }
   }
-  SeqStep dc = MakeSeqStep(cb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
-  SeqStep dg = MakeSeqStep(gb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
+  SeqStep dc =
+      MakeSeqStep(cb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
+  SeqStep dg =
+      MakeSeqStep(gb, 39, std::span<const int32_t>(tokens.data() + 39, 1), LogitRows::kLast);
   ASSERT_TRUE((*cpu)->Run(std::span<const SeqStep>(&dc, 1), &want).ok());
   ASSERT_TRUE((*gpu)->Run(std::span<const SeqStep>(&dg, 1), &out).ok());
   double max_d = 0;

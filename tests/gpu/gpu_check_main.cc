@@ -52,11 +52,11 @@ namespace {
 
 using engine::BlockId;
 using engine::ForwardOutput;
+using engine::KvBlockPool;
 using engine::LogitRows;
 using engine::MakeSeqStep;
-using engine::SeqStep;
-using engine::KvBlockPool;
 using engine::Model;
+using engine::SeqStep;
 
 struct Args {
   std::map<std::string, std::string> kv;
@@ -229,8 +229,8 @@ int Agree(const Args& a) {
     ++p.n;
     return ok;
   };
-  auto step = [&](int64_t cache_len, std::span<const int32_t> toks, LogitRows lg,
-                  ForwardOutput* co, ForwardOutput* go) {
+  auto step = [&](int64_t cache_len, std::span<const int32_t> toks, LogitRows lg, ForwardOutput* co,
+                  ForwardOutput* go) {
     SeqStep c = MakeSeqStep(*cb, cache_len, toks, lg);
     SeqStep g = MakeSeqStep(*gb, cache_len, toks, lg);
     Status st = cpu.Run(std::span<const SeqStep>(&c, 1), co);

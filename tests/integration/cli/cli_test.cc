@@ -1,6 +1,7 @@
 // The command line as a user meets it: every command and daemon answers
 // --help / -h with its complete usage on stdout and exit 0 (and starts
 // nothing), stray positional arguments are errors.
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -12,8 +13,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 namespace {
 
@@ -46,11 +45,10 @@ RunResult RunCmd(const std::string& command) {
 const std::string kCli = KVRELAY_CLI_BIN;
 const std::string kBinDir = KVRELAY_DAEMON_BIN_DIR;
 
-const std::vector<std::string> kCommands = {"generate",     "launch",       "perplexity",
-                                            "tokenize",     "inspect",      "bench engine",
-                                            "bench kv",     "bench prefix", "bench serve",
-                                            "bench transfer", "sim",        "sim calibrate",
-                                            "sim validate", "plan"};
+const std::vector<std::string> kCommands = {
+    "generate",     "launch",        "perplexity",   "tokenize",    "inspect",
+    "bench engine", "bench kv",      "bench prefix", "bench serve", "bench transfer",
+    "sim",          "sim calibrate", "sim validate", "plan"};
 
 TEST(CliHelpTest, EveryCommandPrintsItsUsageOnStdoutAndExitsZero) {
   for (const std::string& c : kCommands) {
@@ -86,8 +84,8 @@ TEST(CliHelpTest, UsageShowsDefaults) {
 }
 
 TEST(CliHelpTest, DaemonsPrintTheirUsage) {
-  for (const char* d : {"kvrelay-coordinator", "kvrelay-prefill", "kvrelay-decode",
-                        "kvrelay-worker"}) {
+  for (const char* d :
+       {"kvrelay-coordinator", "kvrelay-prefill", "kvrelay-decode", "kvrelay-worker"}) {
     for (const char* flag : {"--help", "-h"}) {
       RunResult r = RunCmd(kBinDir + "/" + d + " " + flag);
       EXPECT_EQ(r.exit_code, 0) << d << " " << flag << "\n" << r.err;
@@ -132,8 +130,8 @@ TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
   ASSERT_EQ(listen(fd, 1), 0);
   ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   const std::string port = std::to_string(ntohs(addr.sin_port));
-  RunResult r = RunCmd(kCli + " launch --host 127.0.0.1 --port " + port +
-                       " --no-kv-store --model " + model);
+  RunResult r =
+      RunCmd(kCli + " launch --host 127.0.0.1 --port " + port + " --no-kv-store --model " + model);
   close(fd);
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("port " + port), std::string::npos) << r.err;
@@ -182,8 +180,8 @@ TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
 // children's) on stderr.
 TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
-  RunResult r = RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --model " +
-                       Model());
+  RunResult r =
+      RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --model " + Model());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   ASSERT_FALSE(r.out.empty());
   EXPECT_EQ(r.out.find("listening"), std::string::npos) << r.out;
@@ -198,7 +196,8 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
 // sizes the pool for that (before: "KV pool exhausted" for kivi4 and kivi2).
 TEST(CliPerplexityTest, WorksWithEveryKvDtypeIncludingKivi) {
   if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
-  const std::string text = std::string(KVRELAY_CLI_SOURCE_DIR) + "/tests/data/kjv_genesis_exodus.txt";
+  const std::string text =
+      std::string(KVRELAY_CLI_SOURCE_DIR) + "/tests/data/kjv_genesis_exodus.txt";
   double f32 = 0;
   for (const char* dtype : {"f32", "kivi4", "kivi2"}) {
     RunResult r = RunCmd(kCli + " perplexity --model " + Model() + " --file " + text +

@@ -50,11 +50,11 @@ int RunCommand(const std::string& cmd, std::string* output) {
 
 // Faults chosen by the request's seed (kept in step with
 // http_conformance_check.py); any other seed passes straight through.
-constexpr uint64_t kSeedSubmitInternal = 4242001;     // Submit fails: Internal -> 500
-constexpr uint64_t kSeedSubmitUnavailable = 4242002;  // Submit fails: Unavailable -> 503
-constexpr uint64_t kSeedFailAfterTwoTokens = 4242003; // the stream fails after 2 tokens
-constexpr uint64_t kSeedMarkUnhealthy = 4242004;      // served; /health says 503 from now
-constexpr uint64_t kSeedMarkHealthy = 4242005;        // served; /health says 200 again
+constexpr uint64_t kSeedSubmitInternal = 4242001;      // Submit fails: Internal -> 500
+constexpr uint64_t kSeedSubmitUnavailable = 4242002;   // Submit fails: Unavailable -> 503
+constexpr uint64_t kSeedFailAfterTwoTokens = 4242003;  // the stream fails after 2 tokens
+constexpr uint64_t kSeedMarkUnhealthy = 4242004;       // served; /health says 503 from now
+constexpr uint64_t kSeedMarkHealthy = 4242005;         // served; /health says 200 again
 
 class FaultInjectingBackend : public Backend {
  public:
@@ -112,9 +112,9 @@ TEST(HttpConformanceTest, EveryRouteAndErrorThroughH11OnOneConnection) {
   if (!fs::exists(venv + "/bin/python") ||
       RunCommand("'" + venv + "/bin/python' -c 'import h11' 2>&1", &log) != 0) {
     log.clear();
-    if (RunCommand("python3 -m venv '" + venv + "' 2>&1 && '" + venv +
-                       "/bin/pip' install -q h11 2>&1",
-                   &log) != 0) {
+    if (RunCommand(
+            "python3 -m venv '" + venv + "' 2>&1 && '" + venv + "/bin/pip' install -q h11 2>&1",
+            &log) != 0) {
       GTEST_SKIP() << "cannot install h11 from PyPI into a venv: " << log;
     }
   }
@@ -154,11 +154,12 @@ TEST(HttpConformanceTest, EveryRouteAndErrorThroughH11OnOneConnection) {
   ASSERT_TRUE((*server)->Start().ok());
 
   std::string out;
-  const std::string script = SourceDir() + "/tests/integration/coordinator/http_conformance_check.py";
-  const int rc = RunCommand("'" + venv + "/bin/python' '" + script + "' " +
-                                std::to_string((*server)->port()) + " smollm2 sk-conformance " +
-                                std::to_string(so.max_context_tokens) + " 2>&1",
-                            &out);
+  const std::string script =
+      SourceDir() + "/tests/integration/coordinator/http_conformance_check.py";
+  const int rc =
+      RunCommand("'" + venv + "/bin/python' '" + script + "' " + std::to_string((*server)->port()) +
+                     " smollm2 sk-conformance " + std::to_string(so.max_context_tokens) + " 2>&1",
+                 &out);
   (*server)->Stop();
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("\"failures\": []"), std::string::npos) << out;

@@ -243,9 +243,8 @@ TEST(KvStoreCrashTest, AcknowledgedBlocksSurviveSigkillAndDamageNeverServesWrong
   }
   std::cout << "cycles " << cycles << ", acknowledged " << total_acked << ", served+verified "
             << served_checked << ", damage cycles " << damage_cycles << ", latent read errors "
-            << latent_errors << ", repaired/moved " << repaired_or_moved << ", byte flips "
-            << flips << " (reads of flipped values rejected by the codec: " << flips_detected
-            << ")\n";
+            << latent_errors << ", repaired/moved " << repaired_or_moved << ", byte flips " << flips
+            << " (reads of flipped values rejected by the codec: " << flips_detected << ")\n";
   EXPECT_GT(total_acked, 0);
   EXPECT_GT(flips, 0);
   EXPECT_GT(flips_detected, 0);

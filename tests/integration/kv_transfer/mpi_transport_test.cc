@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <random>
 
-#include "tests/testing/fault_injecting_transport.h"
 #include "kv_transfer/layer_stream.h"
+#include "tests/testing/fault_injecting_transport.h"
 
 namespace kvrelay::kv_transfer {
 namespace {

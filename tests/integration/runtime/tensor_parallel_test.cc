@@ -220,8 +220,7 @@ class TpHarness {
   std::vector<std::thread> threads_;
 };
 
-std::map<RequestId, std::vector<int32_t>> RunAll(Engine& e,
-                                                   const std::vector<RequestSpec>& reqs) {
+std::map<RequestId, std::vector<int32_t>> RunAll(Engine& e, const std::vector<RequestSpec>& reqs) {
   std::map<RequestId, std::vector<int32_t>> out;
   for (const auto& r : reqs) EXPECT_TRUE(e.Submit(r).ok());
   for (int steps = 0; e.HasWork() && steps < 10000; ++steps) {

@@ -62,7 +62,8 @@ std::vector<uint16_t> ListeningPorts(pid_t pid) {
     std::string sl, local, remote, state, queues, timer, retr, uid, timeout, inode;
     in >> sl >> local >> remote >> state >> queues >> timer >> retr >> uid >> timeout >> inode;
     if (state != "0A" || !inodes.count(inode)) continue;
-    ports.push_back(static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1), nullptr, 16)));
+    ports.push_back(
+        static_cast<uint16_t>(std::stoul(local.substr(local.find(':') + 1), nullptr, 16)));
   }
   return ports;
 }
@@ -136,12 +137,13 @@ class SecurityTest : public ::testing::Test {
     spec.port = launcher_->http_port();
     spec.target = "/v1/completions";
     spec.headers = {{"Content-Type", "application/json"}};
-    spec.body = json{{"model", fs::path(ModelPath()).stem().string()},
-                     {"prompt", prompt},
-                     {"max_tokens", n},
-                     {"temperature", 0},
-                     {"ignore_eos", true}}
-                    .dump();
+    spec.body = json{
+        {"model", fs::path(ModelPath()).stem().string()},
+        {"prompt", prompt},
+        {"max_tokens", n},
+        {"temperature", 0},
+        {"ignore_eos",
+         true}}.dump();
     spec.timeout_ms = 120'000;
     auto r = coordinator::HttpCall(spec);
     if (!r.ok()) return {0, r.status().ToString()};
@@ -161,8 +163,8 @@ class SecurityTest : public ::testing::Test {
     return std::move(protocols::ClusterKey::LoadFile(launcher_->cluster_key_file())).value();
   }
   std::shared_ptr<protocols::FramedConnection> Dial(uint16_t port) {
-    auto c = protocols::FramedConnection::Connect(io_, "127.0.0.1", port, {},
-                                                  Deadline::AfterMs(5000));
+    auto c =
+        protocols::FramedConnection::Connect(io_, "127.0.0.1", port, {}, Deadline::AfterMs(5000));
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     return c.ok() ? *c : nullptr;
   }
@@ -195,10 +197,11 @@ TEST_F(SecurityTest, ARogueWorkerWithoutTheKeyIsRefusedAndLearnsNothing) {
   ::unlink(other.c_str());
   ASSERT_TRUE(protocols::ClusterKey::GenerateFile(other).ok());
   const std::string log = other + ".log";
-  const std::string cmd = BinDir() + "/kvrelay-prefill --id prefill-intruder --coordinator 127.0.0.1:" +
-                          std::to_string(launcher_->control_port()) + " --model " + ModelPath() +
-                          " --kv-dtype f32 --kv-capacity-mb 16 --threads 1 --rank 0 --world-size 2" +
-                          " --cluster-key-file " + other + " > " + log + " 2>&1";
+  const std::string cmd =
+      BinDir() + "/kvrelay-prefill --id prefill-intruder --coordinator 127.0.0.1:" +
+      std::to_string(launcher_->control_port()) + " --model " + ModelPath() +
+      " --kv-dtype f32 --kv-capacity-mb 16 --threads 1 --rank 0 --world-size 2" +
+      " --cluster-key-file " + other + " > " + log + " 2>&1";
   const int rc = std::system(cmd.c_str());
   EXPECT_NE(rc, 0);
   std::ifstream in(log);
@@ -224,9 +227,9 @@ TEST_F(SecurityTest, ARogueTokenSenderCannotInjectIntoAnotherUsersAnswer) {
   cfg.layers = layout.layers;
   cfg.kv_heads = layout.kv_heads;
   cfg.head_dim = layout.head_dim;
-  ASSERT_TRUE(protocols::ClientHandshake(*rogue, Key(), "decode-rogue", cfg, {},
-                                         Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      protocols::ClientHandshake(*rogue, Key(), "decode-rogue", cfg, {}, Deadline::AfterMs(5000))
+          .ok());
   proto::RegisterWorker reg;
   reg.set_worker_id("decode-rogue");
   reg.set_role(proto::WORKER_ROLE_DECODE);
@@ -298,9 +301,10 @@ TEST_F(SecurityTest, PartialFramesDoNotGrowTheCoordinator) {
   for (int i = 0; i < 20; ++i) {
     auto c = Dial(launcher_->control_port());
     ASSERT_TRUE(c);
-    ASSERT_TRUE(c->SendGatherWait(head, {boost::asio::buffer(body)}, [](const Status&) {},
-                                  Deadline::AfterMs(5000))
-                    .ok());
+    ASSERT_TRUE(
+        c->SendGatherWait(
+             head, {boost::asio::buffer(body)}, [](const Status&) {}, Deadline::AfterMs(5000))
+            .ok());
     conns.push_back(c);
   }
   for (auto& c : conns) {

@@ -72,7 +72,8 @@ TEST(TpLinkSecurity, AStrangersHelloIsDroppedAndTheGroupStillForms) {
   std::memcpy(header + 4, &type, 4);
   std::memcpy(header + 8, &len, 8);
   ASSERT_EQ(::write(stranger, header, sizeof(header)), static_cast<ssize_t>(sizeof(header)));
-  ASSERT_EQ(::write(stranger, payload.data(), payload.size()), static_cast<ssize_t>(payload.size()));
+  ASSERT_EQ(::write(stranger, payload.data(), payload.size()),
+            static_cast<ssize_t>(payload.size()));
   leader.Start();
   auto follower =
       TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));

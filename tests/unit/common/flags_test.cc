@@ -18,9 +18,11 @@ FlagSpec Spec(size_t max_positional = 0) {
 }
 
 TEST(FlagsTest, HelpIsRecognisedAnywhereButNotAsAValue) {
-  for (const std::vector<std::string>& args :
-       {std::vector<std::string>{"--help"}, {"-h"}, {"--model", "m", "-h"},
-        {"--unknown", "--help"}, {"extra", "-h"}}) {
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--help"},
+                                               {"-h"},
+                                               {"--model", "m", "-h"},
+                                               {"--unknown", "--help"},
+                                               {"extra", "-h"}}) {
     auto f = Flags::Parse(args, Spec());
     ASSERT_TRUE(f.ok()) << f.status().ToString();
     EXPECT_TRUE(f->help_requested());

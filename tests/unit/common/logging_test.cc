@@ -1,8 +1,8 @@
-#include "common/log_format.h"
-
 #include <gtest/gtest.h>
 
 #include <regex>
+
+#include "common/log_format.h"
 
 namespace kvrelay {
 namespace {

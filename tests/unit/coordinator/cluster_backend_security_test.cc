@@ -79,9 +79,9 @@ class Peer {
   Peer& operator=(const Peer&) = delete;
   // Authenticates, says hello and registers as `id`.
   Status Join(const ClusterKey& key, const std::string& id, proto::WorkerRole role) {
-    RETURN_IF_ERROR(protocols::ClientHandshake(*conn, key, id, TestConfig(), {},
-                                               Deadline::AfterMs(5000))
-                        .status());
+    RETURN_IF_ERROR(
+        protocols::ClientHandshake(*conn, key, id, TestConfig(), {}, Deadline::AfterMs(5000))
+            .status());
     proto::RegisterWorker reg;
     reg.set_worker_id(id);
     reg.set_role(role);
@@ -323,10 +323,11 @@ TEST_F(ControlSecurityTest, UnauthenticatedSendersCannotParkMemory) {
   for (int i = 0; i < 20; ++i) {
     auto p = std::make_unique<Peer>(io_, port());
     ASSERT_TRUE(p->conn);
-    ASSERT_TRUE(p->conn
-                    ->SendGatherWait(head, {boost::asio::buffer(body)}, [](const Status&) {},
-                                     Deadline::AfterMs(5000))
-                    .ok());
+    ASSERT_TRUE(
+        p->conn
+            ->SendGatherWait(
+                head, {boost::asio::buffer(body)}, [](const Status&) {}, Deadline::AfterMs(5000))
+            .ok());
     peers.push_back(std::move(p));
   }
   for (auto& p : peers) {

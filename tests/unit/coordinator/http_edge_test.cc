@@ -97,13 +97,11 @@ class HttpEdgeTest : public ::testing::Test {
     s.read_some(net::buffer(&c, 1), ec);
     return ec == net::error::eof || ec == net::error::connection_reset;
   }
-  static void Send(tcp::socket& s, const std::string& bytes) {
-    net::write(s, net::buffer(bytes));
-  }
+  static void Send(tcp::socket& s, const std::string& bytes) { net::write(s, net::buffer(bytes)); }
   static std::string Post(const std::string& target, const std::string& body,
                           const std::string& extra = "") {
-    return "POST " + target + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
-           extra + "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+    return "POST " + target + " HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra +
+           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
   }
   static json Chat(const std::string& content, int max_tokens = 8) {
     return json{{"model", "test-model"},
@@ -222,8 +220,10 @@ TEST_F(HttpEdgeTest, ExpectContinueGetsInterimResponse) {
   StartServer();
   auto s = Connect();
   const std::string body = Chat("hi", 2).dump();
-  Send(*s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
-           "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n");
+  Send(*s,
+       "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+       "Content-Length: " +
+           std::to_string(body.size()) + "\r\n\r\n");
   std::string interim(25, '\0');
   net::read(*s, net::buffer(interim));
   EXPECT_EQ(interim, "HTTP/1.1 100 Continue\r\n\r\n");
@@ -293,8 +293,10 @@ TEST_F(HttpEdgeTest, OneClientCannotTakeEveryConnection) {
   EXPECT_EQ(health.status, 200);
   Send(*other, Post("/v1/chat/completions", Chat("hi", 2).dump()));
   EXPECT_EQ(Read(*other, buf).status, 200);
-  EXPECT_EQ(metrics_.GetCounter("kvrelay_refused_connections_total", "",
-                                         {{"model_name", "test-model"}})->value(), 2);
+  EXPECT_EQ(
+      metrics_.GetCounter("kvrelay_refused_connections_total", "", {{"model_name", "test-model"}})
+          ->value(),
+      2);
 }
 
 // #14: a prompt that can never fit the KV pool of any worker is the client's
@@ -363,7 +365,7 @@ TEST_F(HttpEdgeTest, NoMaxTokensGetsWhatFits) {
   ServerOptions o;
   o.max_context_tokens = 1000;
   o.limits.max_tokens_default = 0;  // all the room
-  StartServer(o);  // the fake worker holds 1600 tokens: the context is the bound
+  StartServer(o);                   // the fake worker holds 1600 tokens: the context is the bound
   HttpCallSpec spec;
   spec.method = "POST";
   spec.port = server_->port();
@@ -433,9 +435,9 @@ TEST_F(HttpEdgeTest, MetricsPassPromtool) {
   unlink(path);
   EXPECT_EQ(rc, 0) << out << "\n" << metrics->body;
   EXPECT_EQ(out, "") << metrics->body;
-  for (const char* counter : {"kvrelay_worker_prefix_hit_tokens_total{",
-                              "kvrelay_worker_transfer_bytes_total{",
-                              "kvrelay_worker_transfer_seconds_total{"}) {
+  for (const char* counter :
+       {"kvrelay_worker_prefix_hit_tokens_total{", "kvrelay_worker_transfer_bytes_total{",
+        "kvrelay_worker_transfer_seconds_total{"}) {
     EXPECT_NE(metrics->body.find(counter), std::string::npos) << counter;
   }
   EXPECT_NE(metrics->body.find("# TYPE kvrelay_worker_transfer_bytes_total counter"),

@@ -263,8 +263,8 @@ TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
   EXPECT_NE(unknown->message.find("'frobnicate'"), std::string::npos) << unknown->message;
   EXPECT_NE(unknown->message.find("'tool_choice'"), std::string::npos) << unknown->message;
   // A completions-only field on chat is unknown there.
-  auto echo = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"echo":true})",
-                        &p);
+  auto echo =
+      ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"echo":true})", &p);
   ASSERT_TRUE(echo.has_value());
   EXPECT_EQ(echo->param, "echo");
   // max_tokens given or not is recorded (the server fills in what fits).

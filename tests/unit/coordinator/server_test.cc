@@ -416,7 +416,8 @@ TEST_F(ServerTest, QueueFullGets429WithRetryAfterAndQueuedRequestsRun) {
     return Call("POST", "/v1/chat/completions", Chat("two", 2).dump());
   });
   // Wait until the second request is queued (bounded by the test timeout).
-  for (int i = 0; i < 500 && metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value() < 1; ++i) {
+  for (int i = 0; i < 500 && metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value() < 1;
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_EQ(metrics_.GetGauge("kvrelay_queue_depth", "", kModelLabel)->value(), 1);

@@ -75,8 +75,7 @@ TEST(ComputeBackendTest, CpuBackendIsTheForwardPass) {
 class RecordingBackend final : public ComputeBackend {
  public:
   DeviceSpec device() const override { return {DeviceKind::kCuda, 0}; }
-  Status Run(std::span<const SeqStep>, ForwardOutput*,
-             const std::function<void(int)>&) override {
+  Status Run(std::span<const SeqStep>, ForwardOutput*, const std::function<void(int)>&) override {
     return Unimplemented("recording only");
   }
   void SetCollective(TpCollective*) override {}

@@ -2,7 +2,6 @@
 // (never a crash), and bad options are rejected before any device is touched.
 // On a machine with a GPU the "no device" expectations are skipped.
 #include <gtest/gtest.h>
-
 #include <sys/socket.h>
 #include <unistd.h>
 

@@ -1,11 +1,10 @@
 #include "deploy/process_group.h"
 
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <thread>
 

@@ -4,8 +4,8 @@
 
 #include <cstring>
 
-#include "tests/testing/fault_injecting_transport.h"
 #include "kv_transfer/head_sharding.h"
+#include "tests/testing/fault_injecting_transport.h"
 #include "transport_pair.h"
 
 namespace kvrelay::kv_transfer {

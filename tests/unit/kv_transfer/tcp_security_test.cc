@@ -103,8 +103,8 @@ TEST(TcpSecurity, FakeHelloThenDisconnectDoesNotPoisonThePeerTable) {
   EXPECT_GE(recv_side->auth_failures(), 1u);
   // Serving continues: the real rank 0 connects and its KV arrives.
   auto send_side = Endpoint(0);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 1);
   EXPECT_EQ(recv_side->inflight(), 0);
 }
@@ -116,8 +116,8 @@ TEST(TcpSecurity, AnUnauthenticatedConnectionNeverTakesAPeerSlot) {
                                                      Deadline::AfterMs(5000));
   ASSERT_TRUE(silent.ok());
   auto send_side = Endpoint(0);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 2);
   // The stranger is closed at the auth timeout, which says nothing about peer 0.
   EXPECT_NE((*silent)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
@@ -132,8 +132,8 @@ TEST(TcpSecurity, WrongKeyIsRefusedWithAClearMessage) {
   EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
   EXPECT_NE(st.message().find("authentication failed"), std::string::npos) << st.ToString();
   auto send_side = Endpoint(0);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 4);
 }
 
@@ -145,22 +145,22 @@ TEST(TcpSecurity, ASenderCannotClaimARankItDidNotAuthenticateAs) {
   ASSERT_TRUE(SendHello(**c, 0, 3).ok());  // authenticated as rank 2, claims rank 0
   EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
   auto send_side = Endpoint(0, 3);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 5);
 }
 
 TEST(TcpSecurity, AReconnectingPeerReplacesItsOldConnection) {
   auto recv_side = Endpoint(1);
   auto old_process = Endpoint(0);
-  ASSERT_TRUE(old_process->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      old_process->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(old_process.get(), recv_side.get(), 6);
   // Rank 0 restarts: the new process connects while the old connection is
   // still open, then the old one goes away.
   auto new_process = Endpoint(0);
-  ASSERT_TRUE(new_process->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      new_process->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(new_process.get(), recv_side.get(), 7);
   old_process->Shutdown();
   old_process.reset();
@@ -183,8 +183,8 @@ TEST(TcpSecurity, AHugeAnnouncedTotalIsRefusedWithoutAllocating) {
   EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
   EXPECT_EQ(recv_side->staged_bytes(), 0);
   auto send_side = Endpoint(0, 3);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   ExpectTransferWorks(send_side.get(), recv_side.get(), 10);
 }
 
@@ -223,8 +223,8 @@ TEST(TcpSecurity, UnclaimedStagedDataExpires) {
   o.max_unexpected_age = std::chrono::milliseconds(100);
   auto recv_side = std::move(TcpTransport::Create(o)).value();
   auto send_side = Endpoint(0);
-  ASSERT_TRUE(send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000))
-                  .ok());
+  ASSERT_TRUE(
+      send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(5000)).ok());
   std::vector<uint8_t> src = RandomBytes(65536, 1);
   auto s = send_side->PostSend(Flat(1, 13, src));
   ASSERT_TRUE(s.ok());

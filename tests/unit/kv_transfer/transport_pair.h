@@ -31,9 +31,8 @@ inline const protocols::ClusterKey& TestKey() {
 // crashing sender.
 inline Result<std::shared_ptr<protocols::FramedConnection>> DialAuthenticated(
     protocols::IoThread& io, uint16_t port, int rank, const protocols::ClusterKey& key) {
-  ASSIGN_OR_RETURN(auto conn,
-                   protocols::FramedConnection::Connect(io, "127.0.0.1", port, {},
-                                                        Deadline::AfterMs(5000)));
+  ASSIGN_OR_RETURN(auto conn, protocols::FramedConnection::Connect(io, "127.0.0.1", port, {},
+                                                                   Deadline::AfterMs(5000)));
   RETURN_IF_ERROR(protocols::ClientAuthenticate(*conn, key, protocols::kAuthChannelKv,
                                                 TcpTransport::AuthName(rank),
                                                 Deadline::AfterMs(5000)));

@@ -16,9 +16,9 @@
 namespace kvrelay::kv_transfer {
 namespace {
 
+using testing::DialAuthenticated;
 using testing::MakePair;
 using testing::RandomBytes;
-using testing::DialAuthenticated;
 using testing::TestKey;
 
 // `blocks` contiguous blocks of `layers` layers in one buffer.

@@ -37,8 +37,8 @@ Outcome Exchange(AuthInitiator& i, AuthResponder& r) {
   auto challenge = r.OnHello(F(MessageType::kAuthHello, *hello));
   if (!challenge.ok()) {
     o.responder = challenge.status();
-    o.initiator = i.OnChallenge(F(MessageType::kAuthProof, AuthResponder::RefusalPayload("no")))
-                      .status();
+    o.initiator =
+        i.OnChallenge(F(MessageType::kAuthProof, AuthResponder::RefusalPayload("no"))).status();
     return o;
   }
   auto proof = i.OnChallenge(F(MessageType::kAuthChallenge, *challenge));
@@ -105,9 +105,11 @@ TEST(ClusterAuth, ARecordedProofDoesNotVerifyAgain) {
 
 TEST(ClusterAuth, ProofsAreBoundToRoleAndChannel) {
   const std::string k(32, 'k'), ni(32, 'i'), nr(32, 'r');
-  EXPECT_NE(AuthMac(k, "client", "control", "a", ni, nr), AuthMac(k, "server", "control", "a", ni, nr));
+  EXPECT_NE(AuthMac(k, "client", "control", "a", ni, nr),
+            AuthMac(k, "server", "control", "a", ni, nr));
   EXPECT_NE(AuthMac(k, "client", "control", "a", ni, nr), AuthMac(k, "client", "kv", "a", ni, nr));
-  EXPECT_NE(AuthMac(k, "client", "control", "ab", ni, nr), AuthMac(k, "client", "control", "a", "b" + ni, nr));
+  EXPECT_NE(AuthMac(k, "client", "control", "ab", ni, nr),
+            AuthMac(k, "client", "control", "a", "b" + ni, nr));
   // A hello for the control channel is refused on a KV port.
   const ClusterKey key = NewKey();
   AuthInitiator i(key, kAuthChannelControl, "x");
@@ -117,7 +119,8 @@ TEST(ClusterAuth, ProofsAreBoundToRoleAndChannel) {
 
 TEST(ClusterAuth, GarbageAtEveryStepIsRefusedNotCrashed) {
   const ClusterKey key = NewKey();
-  for (const std::string& junk : {std::string(), std::string("\xff\xff\xff"), std::string(900, 'z')}) {
+  for (const std::string& junk :
+       {std::string(), std::string("\xff\xff\xff"), std::string(900, 'z')}) {
     AuthResponder r(key, kAuthChannelControl);
     EXPECT_FALSE(r.OnHello(F(MessageType::kAuthHello, junk)).ok());
     EXPECT_FALSE(r.OnProof(F(MessageType::kAuthProof, junk)).ok());  // out of order too
@@ -136,7 +139,7 @@ TEST(ClusterKeyFile, GeneratedFilesArePrivateAndLoad) {
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   auto key = ClusterKey::LoadFile(path);
   ASSERT_TRUE(key.ok()) << key.status().ToString();
-  EXPECT_EQ(key->secret().size(), 64u);  // hex of 32 bytes, newline trimmed
+  EXPECT_EQ(key->secret().size(), 64u);               // hex of 32 bytes, newline trimmed
   EXPECT_FALSE(ClusterKey::GenerateFile(path).ok());  // never overwrites
   ::unlink(path.c_str());
 }
@@ -167,12 +170,15 @@ TEST(ClusterKeyFile, ReadableByOthersOrShortIsRefusedNamingTheFix) {
 class PreAuthTest : public ::testing::Test {
  protected:
   void Listen(ConnectionOptions opts, ServerLimits limits = {}) {
-    auto s = FramedServer::Listen(io_, "127.0.0.1", 0, opts, [this](auto conn) {
-      conn->Start();
-      std::lock_guard lock(mu_);
-      accepted_.push_back(conn);
-      cv_.notify_all();
-    }, limits);
+    auto s = FramedServer::Listen(
+        io_, "127.0.0.1", 0, opts,
+        [this](auto conn) {
+          conn->Start();
+          std::lock_guard lock(mu_);
+          accepted_.push_back(conn);
+          cv_.notify_all();
+        },
+        limits);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     server_ = std::move(*s);
   }
@@ -222,8 +228,10 @@ TEST_F(PreAuthTest, AfterAuthenticationFullFramesPass) {
   auto s = Accepted(0);
   ASSERT_TRUE(s);
   Result<std::string> name = InvalidArgument("not run");
-  std::thread server([&] { name = ServerAuthenticate(*s, key, kAuthChannelKv, Deadline::AfterMs(5000)); });
-  ASSERT_TRUE(ClientAuthenticate(*c, key, kAuthChannelKv, "kv-rank-3", Deadline::AfterMs(5000)).ok());
+  std::thread server(
+      [&] { name = ServerAuthenticate(*s, key, kAuthChannelKv, Deadline::AfterMs(5000)); });
+  ASSERT_TRUE(
+      ClientAuthenticate(*c, key, kAuthChannelKv, "kv-rank-3", Deadline::AfterMs(5000)).ok());
   server.join();
   ASSERT_TRUE(name.ok()) << name.status().ToString();
   EXPECT_EQ(*name, "kv-rank-3");

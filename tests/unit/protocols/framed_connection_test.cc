@@ -219,8 +219,9 @@ TEST_F(FramedConnectionTest, HandshakeAgreement) {
   auto server_side = accepted_.Take(Deadline::AfterMs(5000));
   ASSERT_TRUE(server_side);
   Result<PeerConfig> server_result = InvalidArgument("not run");
-  std::thread server_thread(
-      [&] { server_result = ServerHandshake(*server_side, key_, cfg, {}, Deadline::AfterMs(5000)); });
+  std::thread server_thread([&] {
+    server_result = ServerHandshake(*server_side, key_, cfg, {}, Deadline::AfterMs(5000));
+  });
   auto client_result = ClientHandshake(*client, key_, "d", client_cfg, {}, Deadline::AfterMs(5000));
   server_thread.join();
   ASSERT_TRUE(server_result.ok()) << server_result.status().ToString();
