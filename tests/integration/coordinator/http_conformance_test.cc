@@ -23,30 +23,16 @@
 #include "coordinator/server.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/test_env.h"
 
 namespace kvrelay::coordinator {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string SourceDir() {
-  const char* d = std::getenv("KVRELAY_SOURCE_DIR");
-  return d ? d : ".";
-}
-std::string BinaryDir() {
-  const char* d = std::getenv("KVRELAY_BINARY_DIR");
-  return d ? d : ".";
-}
-
-int RunCommand(const std::string& cmd, std::string* output) {
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return -1;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) output->append(buf, n);
-  int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+using testing::BinaryDir;
+using testing::RunCommand;
+using testing::SourceDir;
 
 // Faults chosen by the request's seed (kept in step with
 // http_conformance_check.py); any other seed passes straight through.
