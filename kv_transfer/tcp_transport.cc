@@ -190,6 +190,7 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   }
 
   void OnHeader() {
+    if (closed_) return;
     // Before authentication only tiny frames are accepted, so a stranger can
     // make this connection hold at most kMaxUnauthenticatedPayload bytes.
     const size_t max_payload = auth_.authenticated() ? kChunkHeaderBytes + kMaxChunkBytes
@@ -262,6 +263,7 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   }
 
   void OnHello() {
+    if (closed_) return;
     if (hello_.world_size != static_cast<uint32_t>(t_->options_.world_size) ||
         hello_.rank >= hello_.world_size || hello_.rank == static_cast<uint32_t>(t_->rank())) {
       return Fail(InvalidArgument("kv data connection: hello from rank " +
@@ -326,6 +328,9 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   }
 
   void OnScratch(size_t n) {
+    // A read that completed just before a Fail (queued behind it on this
+    // thread) finds scratch_ released: the connection is gone, drop the bytes.
+    if (closed_) return;
     bool clash = false;
     {
       std::lock_guard lock(t_->domain_->mu);

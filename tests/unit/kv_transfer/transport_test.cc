@@ -8,6 +8,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "kv_transfer/regions.h"
 #include "protocols/framed_connection.h"
@@ -327,6 +328,40 @@ TEST(TcpTransport, CancelOfAReceiveStalledInsideAChunkClosesThatConnection) {
   EXPECT_EQ(recv_side->inflight(), 0);
   // The receiver gave up on the stalled chunk by closing the connection.
   EXPECT_TRUE((*conn)->WaitClosed(Deadline::AfterMs(5000)).code() != StatusCode::kDeadlineExceeded);
+}
+
+TEST(TcpTransport, ShutdownWhileUnexpectedChunksArriveIsSafe) {
+  // Chunks nobody posted a receive for are read into a scratch buffer. A read
+  // that completes just as the transport shuts down must not touch that
+  // buffer after the connection released it (CI saw exactly this crash).
+  // Each round streams unexpected chunks and destroys the receiver mid-stream.
+  for (int round = 0; round < 40; ++round) {
+    TcpTransport::Options o;
+    o.cluster_key = TestKey();
+    o.rank = 1;
+    auto recv_side = std::move(TcpTransport::Create(o)).value();
+    protocols::IoThread io("flood-io");
+    auto conn = DialAuthenticated(io, recv_side->port(), 0, TestKey());
+    ASSERT_TRUE(conn.ok()) << conn.status().ToString();
+    uint32_t hello[2] = {0, 2};
+    ASSERT_TRUE((*conn)
+                    ->Send(protocols::MessageType::kHello,
+                           std::string_view(reinterpret_cast<char*>(hello), sizeof(hello)))
+                    .ok());
+    constexpr size_t kChunk = 320;
+    for (uint64_t request = 1; request <= 64; ++request) {
+      std::string chunk(sizeof(ChunkHeader) + kChunk, static_cast<char>(request));
+      ChunkHeader h{request, 0, 0, 0, kChunk};
+      std::memcpy(chunk.data(), &h, sizeof(h));
+      if (!(*conn)->Send(protocols::MessageType::kKvData, chunk).ok()) break;
+    }
+    // Shut down once the first chunks were staged, the rest still in flight.
+    const auto deadline = Clock::now() + std::chrono::seconds(5);
+    while (recv_side->staged_bytes() == 0 && Clock::now() < deadline) std::this_thread::yield();
+    EXPECT_GT(recv_side->staged_bytes(), 0) << "round " << round;
+    recv_side.reset();
+    EXPECT_NE((*conn)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
+  }
 }
 
 TEST(TcpTransport, SendWithoutConnectionIsRefused) {
