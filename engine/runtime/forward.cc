@@ -254,7 +254,9 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   kv_scratch_.resize(kv_off[S]);
   kptr_.resize(ptr_off[S]);
   vptr_.resize(ptr_off[S]);
-  ParallelFor(threads_, static_cast<int64_t>(S) * kvh, [&](int64_t a, int64_t b, int) {
+  // f32 pools only fill pointer tables (cheap): run that on this thread and
+  // save a pool hand-off per layer; decoding other dtypes is worth a loop.
+  const std::function<void(int64_t, int64_t, int)> fill = [&](int64_t a, int64_t b, int) {
     for (int64_t item = a; item < b; ++item) {
       const size_t s = item / kvh;
       const int h = static_cast<int>(item % kvh);
@@ -277,7 +279,12 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
         }
       }
     }
-  });
+  };
+  if (in_place) {
+    fill(0, static_cast<int64_t>(S) * kvh, 0);
+  } else {
+    ParallelFor(threads_, static_cast<int64_t>(S) * kvh, fill);
+  }
 
   // Work items: (sequence, query head, tile of up to 16 new tokens).
   constexpr int64_t kTile = 16;
