@@ -1,5 +1,5 @@
 // Internal to engine/kernels: one table of inner kernels per instruction-set
-// path (portable scalar, AVX2). matmul.cc owns threading and cache tiling and
+// path (portable scalar, AVX2, AVX-512 VNNI). matmul.cc owns threading and cache tiling and
 // calls these on tiles; every entry is single-threaded and reentrant.
 #pragma once
 
@@ -37,5 +37,8 @@ struct KernelTable {
 const KernelTable& ScalarKernels();
 // Only call when the CPU supports AVX2, FMA and F16C (matmul.cc checks CPUID).
 const KernelTable& Avx2Kernels();
+// Only call when the CPU supports AVX-512 F/BW/VL/DQ/VNNI and the OS saves
+// the zmm state (matmul.cc checks CPUID and XGETBV). Bit-identical to AVX2.
+const KernelTable& Avx512Kernels();
 
 }  // namespace kvrelay::engine::kernels

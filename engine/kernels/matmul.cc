@@ -27,19 +27,48 @@ bool CpuHasAvx2() {
 #endif
 }
 
+// AVX-512 needs the CPU flags and the OS's consent: XCR0 bits 1-2 (SSE, AVX
+// state) and 5-7 (opmask, upper zmm halves, zmm16-31) set, so a kernel or VM
+// that does not save the zmm state never reaches those instructions.
+bool CpuHasAvx512Vnni() {
+#if defined(__x86_64__)
+  if (!CpuHasAvx2()) return false;
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq") ||
+      !__builtin_cpu_supports("avx512vnni")) {
+    return false;
+  }
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+  if ((ecx & (1u << 27)) == 0) return false;  // OSXSAVE: XGETBV is usable
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  constexpr unsigned kZmmState = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7);
+  return (lo & kZmmState) == kZmmState;
+#else
+  return false;
+#endif
+}
+
 KernelPath ResolveOnce() {
   const char* env = std::getenv("KVRELAY_KERNELS");
   if (env != nullptr) {
     const std::string v(env);
     if (v == "scalar") return KernelPath::kScalar;
     if (v == "avx2" && CpuHasAvx2()) return KernelPath::kAvx2;
+    if (v == "avx512" && CpuHasAvx512Vnni()) return KernelPath::kAvx512;
   }
+  if (CpuHasAvx512Vnni()) return KernelPath::kAvx512;
   return CpuHasAvx2() ? KernelPath::kAvx2 : KernelPath::kScalar;
 }
 
 const KernelTable& Table(KernelPath path) {
   if (path == KernelPath::kAuto) path = ResolvedKernelPath();
-  if (path == KernelPath::kAvx2 && KernelPathSupported(KernelPath::kAvx2)) {
+  if (path == KernelPath::kAvx512 && KernelPathSupported(KernelPath::kAvx512)) {
+    return kernels::Avx512Kernels();
+  }
+  if ((path == KernelPath::kAvx2 || path == KernelPath::kAvx512) &&
+      KernelPathSupported(KernelPath::kAvx2)) {
     return kernels::Avx2Kernels();
   }
   return kernels::ScalarKernels();
@@ -180,12 +209,15 @@ void MatMulFloat(const KernelTable& k, const GgufTensor& w, const float* x, int6
 
 bool KernelPathSupported(KernelPath path) {
   static const bool avx2 = CpuHasAvx2();
+  static const bool avx512 = CpuHasAvx512Vnni();
   switch (path) {
     case KernelPath::kAuto:
     case KernelPath::kScalar:
       return true;
     case KernelPath::kAvx2:
       return avx2;
+    case KernelPath::kAvx512:
+      return avx512;
   }
   return false;
 }
@@ -203,6 +235,8 @@ std::string_view KernelPathName(KernelPath path) {
       return "scalar";
     case KernelPath::kAvx2:
       return "avx2";
+    case KernelPath::kAvx512:
+      return "avx512";
   }
   return "unknown";
 }

@@ -42,20 +42,22 @@ void GetRow(const GgufTensor& w, int64_t row, float* dst);
 
 // ---- Instruction-set paths (additive to the contract above) ----
 
-// kAuto resolves to KVRELAY_KERNELS ("scalar" or "avx2") when that environment
-// variable is set and the CPU supports it, else to the best path the CPU
-// supports (checked with CPUID at run time: AVX2 needs avx2+fma+f16c). There is
-// no AVX-512 / VNNI path: the development machine has neither, so it could not
-// be tested.
-enum class KernelPath { kAuto = 0, kScalar = 1, kAvx2 = 2 };
+// kAuto resolves to KVRELAY_KERNELS ("scalar", "avx2" or "avx512") when that
+// environment variable is set and the CPU supports it, else to the best path
+// the CPU supports (checked with CPUID at run time: AVX2 needs avx2+fma+f16c;
+// AVX-512 needs those plus avx512 f/bw/vl/dq/vnni and an OS that saves the
+// opmask and zmm state, XCR0 via XGETBV). The AVX-512 path gives the same
+// bits as AVX2 (kernels_avx512.cc); only the quantized products differ in how
+// they are computed, the element-wise ops are the AVX2 ones.
+enum class KernelPath { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
 bool KernelPathSupported(KernelPath path);
 // The path kAuto stands for in this process (read once).
 KernelPath ResolvedKernelPath();
 std::string_view KernelPathName(KernelPath path);
 
-// MatMul on an explicit path (tests force kScalar / kAvx2 with it). A path the
-// CPU does not support falls back to kScalar.
+// MatMul on an explicit path (tests force each path with it). A path the CPU
+// does not support falls back to the best one below it (AVX-512 -> AVX2 -> scalar).
 void MatMulWithPath(const GgufTensor& w, const float* x, int64_t n_tokens, float* y,
                     ThreadPool* pool, KernelPath path);
 

@@ -10,9 +10,11 @@
 namespace kvrelay::engine {
 namespace {
 
+// The AVX-512 path runs the AVX2 element-wise ops (same bits; matmul.h).
 bool UseAvx2(KernelPath path = KernelPath::kAuto) {
-  if (path == KernelPath::kAuto) return ResolvedKernelPath() == KernelPath::kAvx2;
-  return path == KernelPath::kAvx2 && KernelPathSupported(KernelPath::kAvx2);
+  if (path == KernelPath::kAuto) path = ResolvedKernelPath();
+  return (path == KernelPath::kAvx2 || path == KernelPath::kAvx512) &&
+         KernelPathSupported(KernelPath::kAvx2);
 }
 
 inline uint32_t Bits(float f) {

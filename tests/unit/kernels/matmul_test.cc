@@ -172,6 +172,7 @@ void ExpectWithinBound(const Weights& w, const std::vector<float>& x, int64_t n_
 std::vector<KernelPath> Paths() {
   std::vector<KernelPath> p = {KernelPath::kScalar};
   if (KernelPathSupported(KernelPath::kAvx2)) p.push_back(KernelPath::kAvx2);
+  if (KernelPathSupported(KernelPath::kAvx512)) p.push_back(KernelPath::kAvx512);
   return p;
 }
 
@@ -309,6 +310,38 @@ TEST(Quantize, Avx2MatchesScalarBitForBit) {
   }
   // Exact halves round to even: x = 0.5 * k with amax 8 gives x * 127 / 8.
   EXPECT_EQ(q1[64 + 0], -127);  // -8 -> -127
+}
+
+// The AVX-512 VNNI products give the AVX2 products' bits (same 8-lane float
+// accumulators in the same order, same integer lanes), for every tile shape
+// the driver uses: 1..4 rows x 1..8 tokens, odd token counts (a half-used
+// token pair), single tokens (paired rows), odd row counts.
+TEST(MatMulAvx512, BitIdenticalToAvx2) {
+  if (!KernelPathSupported(KernelPath::kAvx512)) {
+    GTEST_SKIP() << "CPU (or OS) without AVX-512 F/BW/VL/DQ/VNNI";
+  }
+  ThreadPool pool(2, "k512");
+  uint32_t seed = 300;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    for (const Shape& s : std::vector<Shape>{{1, 32, 1},
+                                             {3, 64, 1},
+                                             {7, 32 * 18, 1},
+                                             {5, 32 * 3, 2},
+                                             {9, 32 * 5, 7},
+                                             {13, 32 * 18, 9},
+                                             {33, 32 * 48, 64},
+                                             {577, 32 * 18, 17}}) {
+      const Weights w = RandomWeights(type, s.rows, s.cols, seed++);
+      const std::vector<float> x = RandomActs(s.tokens * s.cols, seed++);
+      std::vector<float> y2(s.rows * s.tokens), y5(s.rows * s.tokens, std::nanf(""));
+      MatMulWithPath(w.tensor, x.data(), s.tokens, y2.data(), nullptr, KernelPath::kAvx2);
+      MatMulWithPath(w.tensor, x.data(), s.tokens, y5.data(), &pool, KernelPath::kAvx512);
+      for (size_t i = 0; i < y2.size(); ++i) {
+        ASSERT_EQ(y2[i], y5[i]) << GgmlTypeName(type) << " " << s.rows << "x" << s.cols
+                                << " T=" << s.tokens << " element " << i;
+      }
+    }
+  }
 }
 
 // A row's result does not depend on how rows are split over threads or

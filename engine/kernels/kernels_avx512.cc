@@ -1,0 +1,302 @@
+// AVX-512 (F, BW, VL, DQ) + VNNI kernels for the quantized products. Like
+// kernels_avx2.cc, the target is selected with a pragma after the includes, so
+// nothing from shared headers is built for AVX-512 and the binary still runs
+// on CPUs without it; matmul.cc only reaches this table after checking CPUID
+// and that the OS saves the zmm state (XGETBV).
+//
+// Bit-identical to the AVX2 path (and so to llama.cpp's AVX2 arithmetic,
+// docs/ENGINE_NUMERICS.md): every output keeps ggml's 8-lane float
+// accumulator, updated block by block in order with fma(int dot, d_w * d_x).
+// A 512-bit register holds two such accumulators side by side: two tokens of
+// one row (batched products) or two rows of one token (single-token products).
+// The per-lane integer values are the same as the AVX2 path's: vpdpbusd sums
+// four adjacent u8 x s8 products into a lane, exactly what maddubs + madd
+// (pairs, then pairs of pairs) give when maddubs does not saturate (see the
+// bound in kernels_avx2.cc).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "engine/kernels/kernel_table.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+// GCC 12's AVX-512 headers build casts and inserts from an intentionally
+// undefined register, which -Wuninitialized reports (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kvrelay::engine::kernels {
+namespace {
+
+constexpr int kPrefetchBytes = 512;
+
+// ggml's 8-lane horizontal sum, as kernels_avx2.cc's Hsum (same order).
+inline float Hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float HsumLo(__m512 v) { return Hsum(_mm512_castps512_ps256(v)); }
+inline float HsumHi(__m512 v) {
+  return Hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+inline float LoadHalf(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m512i Join(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+inline __m512 Join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256i Load256(const int8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// 32 nibbles -> 32 bytes in element order (low nibbles are elements 0..15).
+inline __m256i UnpackNibbles(const uint8_t* qs) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// The int32 lanes of one block dot (4 adjacent byte products per lane) for
+// u8 weights (Q4) x s8 activations.
+inline __m512i DotU8S8(__m512i w, __m512i x) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+}
+// Same for s8 x s8 (Q8_0): |w| x (x with w's sign), as the AVX2 sign trick.
+inline __m512i DotS8S8(__m512i w, __m512i x) {
+  const __mmask64 neg = _mm512_movepi8_mask(w);
+  const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+}
+
+enum class Kind { kQ4_0, kQ4_1, kQ8_0 };
+
+template <Kind K>
+struct Fmt {
+  static constexpr int64_t kBytes = K == Kind::kQ4_0   ? sizeof(BlockQ4_0)
+                                    : K == Kind::kQ4_1 ? sizeof(BlockQ4_1)
+                                                       : sizeof(BlockQ8_0);
+  static constexpr bool kHasMinTerm = K != Kind::kQ8_0;
+  static __m256i Weights(const uint8_t* blk) {
+    if constexpr (K == Kind::kQ8_0) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else {
+      return UnpackNibbles(blk + (K == Kind::kQ4_1 ? 4 : 2));
+    }
+  }
+  static __m512i Dot(__m512i w, __m512i x) {
+    if constexpr (K == Kind::kQ8_0) {
+      return DotS8S8(w, x);
+    } else {
+      return DotU8S8(w, x);
+    }
+  }
+  // The Q4 min term per block (Q4_0: -8 d).
+  static float Min(const uint8_t* blk) {
+    if constexpr (K == Kind::kQ4_1) {
+      return LoadHalf(blk + 2);
+    } else {
+      return -8.0f * LoadHalf(blk);
+    }
+  }
+};
+
+// R rows x T tokens (T <= 8), tokens paired in 512-bit registers. The min
+// term is summed per output in block order, as the AVX2 tile does.
+template <Kind K, int R, int T>
+void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a,
+                int64_t t0, float* y, int64_t ldy) {
+  using F = Fmt<K>;
+  constexpr int P = (T + 1) / 2;
+  const int64_t nb = a.nb;
+  __m512 acc[R][P];
+  float ms[R][T];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) ms[r][t] = 0.0f;
+  }
+  const uint8_t* rows[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) rows[r] = w + (r0 + r) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wv[R];
+    __m512 dw[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* blk = rows[r] + b * F::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i v = F::Weights(blk);
+      wv[r] = Join(v, v);
+      dw[r] = _mm512_set1_ps(LoadHalf(blk));
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const int64_t lo = (t0 + 2 * p) * nb + b;
+      const int64_t hi = 2 * p + 1 < T ? lo + nb : lo;
+      const __m512i xv = Join(Load256(a.q + lo * kBlock), Load256(a.q + hi * kBlock));
+      const __m512 dx = Join(_mm256_set1_ps(a.d[lo]), _mm256_set1_ps(a.d[hi]));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = F::Dot(wv[r], xv);
+        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw[r], dx), acc[r][p]);
+      }
+    }
+  }
+  if constexpr (F::kHasMinTerm) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float m[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) m[r] = F::Min(rows[r] + b * F::kBytes);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        const float s = a.s[(t0 + t) * nb + b];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) ms[r][t] += m[r] * s;
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512 v = acc[r][t / 2];
+      y[(t0 + t) * ldy + r0 + r] = ((t & 1) == 0 ? HsumLo(v) : HsumHi(v)) + ms[r][t];
+    }
+  }
+}
+
+// One token, rows paired in 512-bit registers (rows r and r + 1 in the low
+// and high halves), so each weight row is still one sequential stream.
+template <Kind K, int R>
+void TileRows(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a, int64_t t0,
+              float* y, int64_t ldy) {
+  using F = Fmt<K>;
+  constexpr int P = (R + 1) / 2;
+  const int64_t nb = a.nb;
+  __m512 acc[P];
+  float ms[R];
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) ms[r] = 0.0f;
+  const uint8_t* rows[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) rows[r] = w + (r0 + r) * row_bytes;
+  const int8_t* xq = a.q + t0 * nb * kBlock;
+  const float* xd = a.d + t0 * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i x = Load256(xq + b * kBlock);
+    const __m512i xv = Join(x, x);
+    const __m512 dx = _mm512_set1_ps(xd[b]);
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blo = rows[2 * p] + b * F::kBytes;
+      const uint8_t* bhi = 2 * p + 1 < R ? rows[2 * p + 1] + b * F::kBytes : blo;
+      _mm_prefetch(reinterpret_cast<const char*>(blo) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bhi) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i wv = Join(F::Weights(blo), F::Weights(bhi));
+      const __m512 dw = Join(_mm256_set1_ps(LoadHalf(blo)), _mm256_set1_ps(LoadHalf(bhi)));
+      const __m512i d = F::Dot(wv, xv);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, dx), acc[p]);
+    }
+  }
+  if constexpr (F::kHasMinTerm) {
+    const float* xs = a.s + t0 * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = xs[b];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) ms[r] += F::Min(rows[r] + b * F::kBytes) * s;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = acc[r / 2];
+    y[t0 * ldy + r0 + r] = ((r & 1) == 0 ? HsumLo(v) : HsumHi(v)) + ms[r];
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, float*,
+                        int64_t);
+
+// Batched products: tiles of up to 4 rows x 8 tokens, so each unpacked weight
+// block is reused by 8 tokens and each activation pair by 4 rows (16 of the 32
+// zmm registers hold accumulators). Single tokens: 2 rows per register.
+template <Kind K>
+void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
+           int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  static constexpr TileFn kTiles[4][8] = {
+      {TileTokens<K, 1, 1>, TileTokens<K, 1, 2>, TileTokens<K, 1, 3>, TileTokens<K, 1, 4>,
+       TileTokens<K, 1, 5>, TileTokens<K, 1, 6>, TileTokens<K, 1, 7>, TileTokens<K, 1, 8>},
+      {TileTokens<K, 2, 1>, TileTokens<K, 2, 2>, TileTokens<K, 2, 3>, TileTokens<K, 2, 4>,
+       TileTokens<K, 2, 5>, TileTokens<K, 2, 6>, TileTokens<K, 2, 7>, TileTokens<K, 2, 8>},
+      {TileTokens<K, 3, 1>, TileTokens<K, 3, 2>, TileTokens<K, 3, 3>, TileTokens<K, 3, 4>,
+       TileTokens<K, 3, 5>, TileTokens<K, 3, 6>, TileTokens<K, 3, 7>, TileTokens<K, 3, 8>},
+      {TileTokens<K, 4, 1>, TileTokens<K, 4, 2>, TileTokens<K, 4, 3>, TileTokens<K, 4, 4>,
+       TileTokens<K, 4, 5>, TileTokens<K, 4, 6>, TileTokens<K, 4, 7>, TileTokens<K, 4, 8>},
+  };
+  static constexpr TileFn kRowTiles[2] = {TileRows<K, 1>, TileRows<K, 2>};
+  const int64_t nt = t1 - t0;
+  if (nt == 1) {
+    for (int64_t r = r0; r < r1; r += 2) {
+      const int64_t nr = r1 - r < 2 ? r1 - r : 2;
+      kRowTiles[nr - 1](w, row_bytes, r, a, t0, y, ldy);
+    }
+    return;
+  }
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t nr = r1 - r < 4 ? r1 - r : 4;
+    for (int64_t t = t0; t < t1; t += 8) {
+      const int64_t ntt = t1 - t < 8 ? t1 - t : 8;
+      kTiles[nr - 1][ntt - 1](w, row_bytes, r, a, t, y, ldy);
+    }
+  }
+}
+
+void GemmQ4_0(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const QuantizedActs& a,
+              int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  Drive<Kind::kQ4_0>(w, rb, r0, r1, a, t0, t1, y, ldy);
+}
+void GemmQ4_1(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const QuantizedActs& a,
+              int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  Drive<Kind::kQ4_1>(w, rb, r0, r1, a, t0, t1, y, ldy);
+}
+void GemmQ8_0(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const QuantizedActs& a,
+              int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  Drive<Kind::kQ8_0>(w, rb, r0, r1, a, t0, t1, y, ldy);
+}
+
+}  // namespace
+
+const KernelTable& Avx512Kernels() {
+  // Activation quantization and the float products are the AVX2 ones: they
+  // are not the hot path, and sharing them keeps the quantized activations
+  // bit-identical across the two paths.
+  static const KernelTable table = [] {
+    KernelTable t = Avx2Kernels();
+    t.name = "avx512";
+    t.gemm_q4_0 = &GemmQ4_0;
+    t.gemm_q4_1 = &GemmQ4_1;
+    t.gemm_q8_0 = &GemmQ8_0;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace kvrelay::engine::kernels
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
