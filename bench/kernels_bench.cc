@@ -88,6 +88,10 @@ BENCHMARK_CAPTURE(BM_MatMul, q4_1_avx2, GgmlType::kQ4_1, KernelPath::kAvx2)
     ->Apply(Shapes)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+BENCHMARK_CAPTURE(BM_MatMul, q4_1_avx512, GgmlType::kQ4_1, KernelPath::kAvx512)
+    ->Apply(Shapes)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(BM_MatMul, q4_1_scalar, GgmlType::kQ4_1, KernelPath::kScalar)
     ->Args({576, 576, 1, 1})
     ->Args({576, 576, 16, 1})
@@ -99,6 +103,11 @@ BENCHMARK_CAPTURE(BM_MatMul, q4_0_avx2, GgmlType::kQ4_0, KernelPath::kAvx2)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK_CAPTURE(BM_MatMul, q8_0_avx2, GgmlType::kQ8_0, KernelPath::kAvx2)
+    ->Apply(LmHead)
+    ->Args({1536, 576, 512, 1})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK_CAPTURE(BM_MatMul, q8_0_avx512, GgmlType::kQ8_0, KernelPath::kAvx512)
     ->Apply(LmHead)
     ->Args({1536, 576, 512, 1})
     ->Unit(benchmark::kMicrosecond)

@@ -7,8 +7,8 @@
 // Bit-identical to the AVX2 path (and so to llama.cpp's AVX2 arithmetic,
 // docs/ENGINE_NUMERICS.md): every output keeps ggml's 8-lane float
 // accumulator, updated block by block in order with fma(int dot, d_w * d_x).
-// A 512-bit register holds two such accumulators side by side: two tokens of
-// one row (batched products) or two rows of one token (single-token products).
+// In batched products a 512-bit register holds two such accumulators side by
+// side (two tokens of one row); single-token products use 256-bit VNNI.
 // The per-lane integer values are the same as the AVX2 path's: vpdpbusd sums
 // four adjacent u8 x s8 products into a lane, exactly what maddubs + madd
 // (pairs, then pairs of pairs) give when maddubs does not saturate (see the
@@ -179,54 +179,42 @@ void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quantized
   }
 }
 
-// One token, rows paired in 512-bit registers (rows r and r + 1 in the low
-// and high halves), so each weight row is still one sequential stream.
-template <Kind K, int R>
-void TileRows(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a, int64_t t0,
-              float* y, int64_t ldy) {
+// One token, one row: a single sequential weight stream with a software
+// prefetch (as the AVX2 path; interleaved row streams defeat the hardware
+// prefetcher in decode), 256-bit VNNI for the block dots.
+template <Kind K>
+void TileRow(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a, int64_t t0,
+             float* y, int64_t ldy) {
   using F = Fmt<K>;
-  constexpr int P = (R + 1) / 2;
   const int64_t nb = a.nb;
-  __m512 acc[P];
-  float ms[R];
-#pragma GCC unroll 4
-  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) ms[r] = 0.0f;
-  const uint8_t* rows[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) rows[r] = w + (r0 + r) * row_bytes;
+  __m256 acc = _mm256_setzero_ps();
+  float ms = 0.0f;
+  const uint8_t* row = w + r0 * row_bytes;
   const int8_t* xq = a.q + t0 * nb * kBlock;
   const float* xd = a.d + t0 * nb;
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i x = Load256(xq + b * kBlock);
-    const __m512i xv = Join(x, x);
-    const __m512 dx = _mm512_set1_ps(xd[b]);
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) {
-      const uint8_t* blo = rows[2 * p] + b * F::kBytes;
-      const uint8_t* bhi = 2 * p + 1 < R ? rows[2 * p + 1] + b * F::kBytes : blo;
-      _mm_prefetch(reinterpret_cast<const char*>(blo) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bhi) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i wv = Join(F::Weights(blo), F::Weights(bhi));
-      const __m512 dw = Join(_mm256_set1_ps(LoadHalf(blo)), _mm256_set1_ps(LoadHalf(bhi)));
-      const __m512i d = F::Dot(wv, xv);
-      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, dx), acc[p]);
+    const uint8_t* blk = row + b * F::kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256i wv = F::Weights(blk);
+    const __m256i xv = Load256(xq + b * kBlock);
+    __m256i d;
+    if constexpr (K == Kind::kQ8_0) {
+      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
+                              _mm256_sign_epi8(xv, wv));
+    } else {
+      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
     }
+    const __m256 dwx = _mm256_mul_ps(_mm256_set1_ps(LoadHalf(blk)), _mm256_set1_ps(xd[b]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), dwx, acc);
   }
   if constexpr (F::kHasMinTerm) {
     const float* xs = a.s + t0 * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = xs[b];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) ms[r] += F::Min(rows[r] + b * F::kBytes) * s;
+      const float m = F::Min(row + b * F::kBytes);
+      ms += m * xs[b];
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    const __m512 v = acc[r / 2];
-    y[t0 * ldy + r0 + r] = ((r & 1) == 0 ? HsumLo(v) : HsumHi(v)) + ms[r];
-  }
+  y[t0 * ldy + r0] = Hsum(acc) + ms;
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, float*,
@@ -234,7 +222,7 @@ using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, 
 
 // Batched products: tiles of up to 4 rows x 8 tokens, so each unpacked weight
 // block is reused by 8 tokens and each activation pair by 4 rows (16 of the 32
-// zmm registers hold accumulators). Single tokens: 2 rows per register.
+// zmm registers hold accumulators). Single tokens: one row at a time.
 template <Kind K>
 void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
            int64_t t0, int64_t t1, float* y, int64_t ldy) {
@@ -248,13 +236,9 @@ void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Qu
       {TileTokens<K, 4, 1>, TileTokens<K, 4, 2>, TileTokens<K, 4, 3>, TileTokens<K, 4, 4>,
        TileTokens<K, 4, 5>, TileTokens<K, 4, 6>, TileTokens<K, 4, 7>, TileTokens<K, 4, 8>},
   };
-  static constexpr TileFn kRowTiles[2] = {TileRows<K, 1>, TileRows<K, 2>};
   const int64_t nt = t1 - t0;
   if (nt == 1) {
-    for (int64_t r = r0; r < r1; r += 2) {
-      const int64_t nr = r1 - r < 2 ? r1 - r : 2;
-      kRowTiles[nr - 1](w, row_bytes, r, a, t0, y, ldy);
-    }
+    for (int64_t r = r0; r < r1; ++r) TileRow<K>(w, row_bytes, r, a, t0, y, ldy);
     return;
   }
   for (int64_t r = r0; r < r1; r += 4) {

@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -262,6 +263,149 @@ void RopeRotateAvx2(float* x, int half, bool neox, const float* cos, const float
 
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12's AVX-512 headers trip -Wuninitialized on their casts (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// AttendAvx2's result bits (batched order, single == false), computed
+// faster. Preconditions: hd % 32 == 0, B % 16 == 0.
+//
+// Scores: ggml_vec_dot_f32 keeps four 8-lane accumulators s0..s3 (element
+// 32 i + 8 j + l goes to lane l of s_j) and reduces them as
+//   x = (s0 + s2) + (s1 + s3);  u_m = x_m + x_{m+4};  (u0 + u1) + (u2 + u3).
+// Here one zmm holds [s0 | s1] and another [s2 | s3], so their sum is
+// [s0 + s2 | s1 + s3] per key, and the horizontal part runs for 16 keys at
+// once: a butterfly of shuffles that pairs exactly the terms above (halves
+// of 256, then 128 bits, then lanes 0+1 / 2+3, then the two pair sums), so no
+// key pays a horizontal reduction of its own.
+// V * p: lane (j mod 8) accumulators held in registers, 32 output elements
+// per pass, instead of an 8 x hd array in memory.
+inline __m512 DotPair(const float* q, const float* k, int hd) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  for (int i = 0; i < hd; i += 32) {
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
+    b = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(k + i + 16), b);
+  }
+  return _mm512_add_ps(a, b);  // [s0 + s2 | s1 + s3]
+}
+// [x_a | x_b]: x = low 256 + high 256 of each.
+inline __m512 Fold256(__m512 ca, __m512 cb) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(ca, cb, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_f32x4(ca, cb, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+// [u_a | u_b | u_c | u_d] from [x_a | x_b], [x_c | x_d]: u = x.lo128 + x.hi128.
+inline __m512 Fold128(__m512 xab, __m512 xcd) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(xab, xcd, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(xab, xcd, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+// Per 128-bit lane: [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+inline __m512 FoldPairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The 16 dot products q . k_{jb + c} for c < 16 (keys outside [lo, hi) read
+// as zero rows and are masked off by the caller), in key order.
+inline __m512 Dot16(const float* q, const float* kblk, int hd, int lo, int hi) {
+  __m512 x[8];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    const int c0 = 2 * p, c1 = 2 * p + 1;
+    const __m512 ca = c0 >= lo && c0 < hi ? DotPair(q, kblk + c0 * hd, hd) : _mm512_setzero_ps();
+    const __m512 cb = c1 >= lo && c1 < hi ? DotPair(q, kblk + c1 * hd, hd) : _mm512_setzero_ps();
+    x[p] = Fold256(ca, cb);
+  }
+  const __m512 u0 = Fold128(x[0], x[1]), u1 = Fold128(x[2], x[3]);
+  const __m512 u2 = Fold128(x[4], x[5]), u3 = Fold128(x[6], x[7]);
+  const __m512 r = FoldPairs(FoldPairs(u0, u1), FoldPairs(u2, u3));
+  // r holds key lane + 4 * pos at element 4 * lane + pos.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+void AttendAvx512(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                  int64_t j0, int64_t j1, float scale, float* scores, float* out) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  for (int64_t jb = j0 & ~int64_t{15}; jb < j1; jb += 16) {
+    const int lo = static_cast<int>(std::max<int64_t>(0, j0 - jb));
+    const int hi = static_cast<int>(std::min<int64_t>(16, j1 - jb));
+    const float* kblk = kb[jb / B] + (jb % B) * hd;
+    const __m512 sc = _mm512_mul_ps(Dot16(q, kblk, hd, lo, hi), vscale);
+    const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    _mm512_mask_storeu_ps(scores + jb, m, sc);
+    vmx = _mm512_mask_max_ps(vmx, m, vmx, sc);
+  }
+  const float mx = _mm512_reduce_max_ps(vmx);
+  // exp in groups of 8 aligned at position 0, as AttendAvx2.
+  double sum = 0;
+  const __m256 mx8 = _mm256_set1_ps(mx);
+  for (int64_t g = j0 & ~int64_t{7}; g < j1; g += 8) {
+    const int lo = static_cast<int>(std::max<int64_t>(0, j0 - g));
+    const int hi = static_cast<int>(std::min<int64_t>(8, j1 - g));
+    const __mmask8 m = static_cast<__mmask8>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    const __m256 x = _mm256_mask_loadu_ps(_mm256_set1_ps(-INFINITY), m, scores + g);
+    const __m256 e = Exp8Ggml(_mm256_sub_ps(x, mx8));
+    sum += static_cast<double>(Hsum8(e));
+    _mm256_mask_storeu_ps(scores + g, m, e);
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t g = j0 & ~int64_t{15}; g < j1; g += 16) {
+    const int lo = static_cast<int>(std::max<int64_t>(0, j0 - g));
+    const int hi = static_cast<int>(std::min<int64_t>(16, j1 - g));
+    const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    _mm512_mask_storeu_ps(scores + g, m,
+                          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + g), vinv));
+  }
+  // V * p: lane (j mod 8) of an 8-lane accumulator per output element.
+  for (int e0 = 0; e0 < hd; e0 += 32) {
+    __m512 a[8], b[8];
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) a[l] = b[l] = _mm512_setzero_ps();
+    for (int64_t g = j0 & ~int64_t{7}; g < j1; g += 8) {
+      const float* vblk = vb[g / B] + (g % B) * hd + e0;  // B % 8 == 0: one block
+      // One walking pointer (8 precomputed row offsets spill registers).
+      const float* v = vblk;
+      const float* pj = scores + g;
+      if (g >= j0 && g + 8 <= j1) {
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) {
+          const __m512 p = _mm512_set1_ps(pj[l]);
+          a[l] = _mm512_fmadd_ps(_mm512_loadu_ps(v), p, a[l]);
+          b[l] = _mm512_fmadd_ps(_mm512_loadu_ps(v + 16), p, b[l]);
+          v += hd;
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) {
+          if (g + l >= j0 && g + l < j1) {
+            const __m512 p = _mm512_set1_ps(pj[l]);
+            a[l] = _mm512_fmadd_ps(_mm512_loadu_ps(v), p, a[l]);
+            b[l] = _mm512_fmadd_ps(_mm512_loadu_ps(v + 16), p, b[l]);
+          }
+          v += hd;
+        }
+      }
+    }
+    // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as AttendAvx2.
+    const __m512 ta = _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+        _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+    const __m512 tb = _mm512_add_ps(
+        _mm512_add_ps(_mm512_add_ps(b[0], b[4]), _mm512_add_ps(b[2], b[6])),
+        _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7])));
+    _mm512_storeu_ps(out + e0, ta);
+    _mm512_storeu_ps(out + e0 + 16, tb);
+  }
+}
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 void AttendScalar(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
                   int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
                   float* out) {
@@ -364,6 +508,11 @@ void AttendRowGgml(const float* q, const float* const* k_blocks, const float* co
   if (j1 <= j0) {
     for (int e = 0; e < hd; ++e) out[e] = 0.0f;
     return;
+  }
+  if (path == KernelPath::kAuto) path = ResolvedKernelPath();
+  if (path == KernelPath::kAvx512 && KernelPathSupported(KernelPath::kAvx512) && !single_token &&
+      hd % 32 == 0 && block_tokens % 16 == 0) {
+    return AttendAvx512(q, k_blocks, v_blocks, block_tokens, hd, j0, j1, scale, scores, out);
   }
   if (UseAvx2(path)) {
     return AttendAvx2(q, k_blocks, v_blocks, block_tokens, hd, j0, j1, scale, single_token, scores,

@@ -65,6 +65,7 @@ TEST(Ops, SiluMulMatchesDoubleReference) {
 std::vector<KernelPath> Paths() {
   std::vector<KernelPath> p = {KernelPath::kScalar};
   if (KernelPathSupported(KernelPath::kAvx2)) p.push_back(KernelPath::kAvx2);
+  if (KernelPathSupported(KernelPath::kAvx512)) p.push_back(KernelPath::kAvx512);
   return p;
 }
 
@@ -227,10 +228,14 @@ TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
                 << "[" << j0 << "," << j1 << ") e=" << e << (single ? " single " : " batch ")
                 << KernelPathName(path);
           }
-          if (path == KernelPath::kAvx2) {
+          if (path == KernelPath::kAvx2 || path == KernelPath::kAvx512) {
+            // Every vector path gives the scalar (ggml-order) bits.
             AttendRowGgml(q.data(), kb.data(), vb.data(), B, hd, j0, j1, scale, single,
                           scores.data(), acc.data(), out_other.data(), KernelPath::kScalar);
-            for (int e = 0; e < hd; ++e) ASSERT_EQ(Bits(out[e]), Bits(out_other[e])) << e;
+            for (int e = 0; e < hd; ++e) {
+              ASSERT_EQ(Bits(out[e]), Bits(out_other[e]))
+                  << "[" << j0 << "," << j1 << ") e=" << e << " " << KernelPathName(path);
+            }
           }
         }
       }
@@ -239,7 +244,7 @@ TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
 }
 
 // Head sizes of real models, and one that is not a multiple of 8.
-INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36));
+INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36, 32, 96));
 
 // One key: the output is exactly its value row (softmax weight 1).
 TEST(Ops, AttendRowOneKeyIsItsValue) {
