@@ -112,8 +112,20 @@ struct Fmt {
   }
 };
 
+// 32 nibbles -> [elements 0..31 | the same again] (two copies for two tokens):
+// each 128-bit lane of the broadcast 16 bytes is shifted by 0 or 4 bits.
+inline __m512i UnpackNibblesTwice(const uint8_t* qs) {
+  const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);  // per 16-bit lane via epi16
+  const __m512i sh16 = _mm512_or_si512(shifts, _mm512_slli_epi64(shifts, 16));
+  const __m512i sh = _mm512_or_si512(sh16, _mm512_slli_epi64(sh16, 32));
+  return _mm512_and_si512(_mm512_srlv_epi16(b, sh), _mm512_set1_epi8(0x0F));
+}
+
 // R rows x T tokens (T <= 8), tokens paired in 512-bit registers. The min
-// term is summed per output in block order, as the AVX2 tile does.
+// term of output (r, t) is fma(m_rb, s_tb, ms) over blocks b in order, as
+// the AVX2 tile's scalar loop compiles; here lane t of one 8-lane register
+// per row holds it (the 8 tokens' s values gathered once per block).
 template <Kind K, int R, int T>
 void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a,
                 int64_t t0, float* y, int64_t ldy) {
@@ -121,17 +133,21 @@ void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quantized
   constexpr int P = (T + 1) / 2;
   const int64_t nb = a.nb;
   __m512 acc[R][P];
-  float ms[R][T];
+  __m256 ms[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) ms[r][t] = 0.0f;
+    ms[r] = _mm256_setzero_ps();
   }
   const uint8_t* rows[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) rows[r] = w + (r0 + r) * row_bytes;
+  // Token t's s at block b is a.s[(t0 + t) * nb + b]; lanes past T repeat token 0.
+  alignas(32) int32_t sidx[8];
+  for (int t = 0; t < 8; ++t) sidx[t] = static_cast<int32_t>(t < T ? t * nb : 0);
+  const __m256i vsidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(sidx));
+  const float* s_base = a.s + t0 * nb;
   for (int64_t b = 0; b < nb; ++b) {
     __m512i wv[R];
     __m512 dw[R];
@@ -139,8 +155,12 @@ void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quantized
     for (int r = 0; r < R; ++r) {
       const uint8_t* blk = rows[r] + b * F::kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256i v = F::Weights(blk);
-      wv[r] = Join(v, v);
+      if constexpr (K == Kind::kQ8_0) {
+        const __m256i v = F::Weights(blk);
+        wv[r] = Join(v, v);
+      } else {
+        wv[r] = UnpackNibblesTwice(blk + (K == Kind::kQ4_1 ? 4 : 2));
+      }
       dw[r] = _mm512_set1_ps(LoadHalf(blk));
     }
 #pragma GCC unroll 4
@@ -155,26 +175,22 @@ void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quantized
         acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw[r], dx), acc[r][p]);
       }
     }
-  }
-  if constexpr (F::kHasMinTerm) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float m[R];
+    if constexpr (F::kHasMinTerm) {
+      const __m256 sv = _mm256_i32gather_ps(s_base + b, vsidx, 4);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) m[r] = F::Min(rows[r] + b * F::kBytes);
-#pragma GCC unroll 8
-      for (int t = 0; t < T; ++t) {
-        const float s = a.s[(t0 + t) * nb + b];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) ms[r][t] += m[r] * s;
+      for (int r = 0; r < R; ++r) {
+        ms[r] = _mm256_fmadd_ps(_mm256_set1_ps(F::Min(rows[r] + b * F::kBytes)), sv, ms[r]);
       }
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, ms[r]);
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
       const __m512 v = acc[r][t / 2];
-      y[(t0 + t) * ldy + r0 + r] = ((t & 1) == 0 ? HsumLo(v) : HsumHi(v)) + ms[r][t];
+      y[(t0 + t) * ldy + r0 + r] = ((t & 1) == 0 ? HsumLo(v) : HsumHi(v)) + m8[t];
     }
   }
 }
