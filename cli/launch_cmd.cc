@@ -38,6 +38,7 @@ FlagSpec LaunchSpec() {
        {"tp-mode", d.tp_mode, "exact|reduce"},
        {"colocated", std::to_string(d.colocated), "colocated (prefill+decode) workers"},
        {"threads-per-worker", std::to_string(d.threads_per_worker), "engine threads per worker"},
+       {"prefill-threads", "0", "engine threads per prefill worker (0 = --threads-per-worker)"},
        {"kv-dtype", d.kv_dtype, "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
        {"kv-capacity-mb", std::to_string(d.kv_capacity_mb), "KV pool per worker"},
        {"kv-store", kDefaultKvStoreDir, "RocksDB prefix store directory (one per worker)"},
@@ -72,6 +73,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   ASSIGN_OR_RETURN(int64_t tp, flags.GetInt("tp", 1));
   ASSIGN_OR_RETURN(int64_t colocated, flags.GetInt("colocated", 0));
   ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads-per-worker", 1));
+  ASSIGN_OR_RETURN(int64_t prefill_threads, flags.GetInt("prefill-threads", 0));
   ASSIGN_OR_RETURN(int64_t cap, flags.GetInt("kv-capacity-mb", 256));
   ASSIGN_OR_RETURN(int64_t ready, flags.GetInt("ready-timeout-ms", 120000));
   ASSIGN_OR_RETURN(o.kv_timeout_ms, flags.GetInt("kv-timeout-ms", 0));
@@ -81,6 +83,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   o.tp = static_cast<int>(tp);
   o.colocated = static_cast<int>(colocated);
   o.threads_per_worker = static_cast<int>(threads);
+  o.prefill_threads = static_cast<int>(prefill_threads);
   o.kv_capacity_mb = cap;
   o.ready_timeout_ms = static_cast<int>(ready);
   o.kv_dtype = flags.Get("kv-dtype", o.kv_dtype);

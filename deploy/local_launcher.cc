@@ -29,6 +29,7 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
+  if (prefill_threads < 0) return InvalidArgument("--prefill-threads must be >= 0");
   if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
   if (heartbeat_ms < 0) return InvalidArgument("--heartbeat-ms must be >= 0");
   return Status::Ok();
@@ -168,7 +169,10 @@ Status LocalLauncher::Start() {
                                      "--kv-capacity-mb",
                                      std::to_string(options_.kv_capacity_mb),
                                      "--threads",
-                                     std::to_string(options_.threads_per_worker),
+                                     std::to_string(binary == "kvrelay-prefill" &&
+                                                            options_.prefill_threads > 0
+                                                        ? options_.prefill_threads
+                                                        : options_.threads_per_worker),
                                      "--rank",
                                      std::to_string(rank),
                                      "--world-size",

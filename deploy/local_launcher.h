@@ -27,6 +27,11 @@ struct LaunchOptions {
   std::string tp_mode = "exact";  // exact | reduce (engine::TpMode)
   int colocated = 0;
   int threads_per_worker = 1;  // engine threads of each worker
+  // Engine threads of each prefill worker; 0 = threads_per_worker. A prefill
+  // worker is compute-bound while the decode ranks wait for its KV, so on one
+  // machine it may get all the cores (the pool's dynamic chunks keep the
+  // oversubscription cheap when both run).
+  int prefill_threads = 0;
   std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
   std::string decode_device = "cpu";  // --device of the decode workers: cpu | cuda[:N]
   int64_t kv_capacity_mb = 256;

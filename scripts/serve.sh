@@ -17,5 +17,9 @@ cd "$(dirname "$0")/.."
 echo "[serve] build ok"
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# The prefill worker gets every core this process may use: a cold prompt's
+# TTFT is its compute, and the two decode ranks (one thread each) wait for
+# its KV meanwhile. Later flags (e.g. --prefill-threads 1) override it.
+cores=$(nproc)
 exec build/cli/kvrelay launch --model models/SmolLM2-135M-Instruct.Q4_1.gguf \
-  --prefill 1 --decode 1 --tp 2 --port 8080 "$@"
+  --prefill 1 --decode 1 --tp 2 --port 8080 --prefill-threads "$cores" "$@"
