@@ -4,10 +4,14 @@
 # medians and the ratios kvrelay / llama.cpp for pp<P> and tg<G>.
 #
 #   bench/compare_llamacpp.sh [--model M] [--threads T] [--reps N] [--pp 512] [--tg 128]
-#                             [--kvrelay path/to/kvrelay]
+#                             [--kvrelay path/to/kvrelay] [--llama-bench path/to/llama-bench]
 #
-# llama.cpp comes from a private venv: /opt/llamacpp-venv if it exists, else
-# .venv-llamacpp (created with `pip install llama-cpp-python` on first use).
+# llama.cpp: llama.cpp's own llama-bench when --llama-bench is given or
+# ~/.cache/kvrelay-bench/llama-build/bin/llama-bench exists (built natively from
+# the llama.cpp inside the pinned llama-cpp-python sdist; one untimed warm-up,
+# then one timed run per call, -r 1); else llama-cpp-python from a private venv:
+# /opt/llamacpp-venv if it exists, else .venv-llamacpp (created with
+# `pip install llama-cpp-python` on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +21,9 @@ reps=5
 pp=512
 tg=128
 kvrelay=""
+llama_bench=""
+[[ -x $HOME/.cache/kvrelay-bench/llama-build/bin/llama-bench ]] &&
+  llama_bench=$HOME/.cache/kvrelay-bench/llama-build/bin/llama-bench
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
@@ -25,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --pp) pp=$2; shift 2 ;;
     --tg) tg=$2; shift 2 ;;
     --kvrelay) kvrelay=$2; shift 2 ;;
+    --llama-bench) llama_bench=$2; shift 2 ;;
     *) echo "compare_llamacpp.sh: unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -36,7 +44,10 @@ fi
 [[ -x "$kvrelay" ]] || { echo "compare_llamacpp.sh: no kvrelay binary (build it or pass --kvrelay)" >&2; exit 1; }
 [[ -f "$model" ]] || { echo "compare_llamacpp.sh: model not found: $model" >&2; exit 1; }
 
-if [[ -x /opt/llamacpp-venv/bin/python ]]; then
+py=""
+if [[ -n "$llama_bench" ]]; then
+  [[ -x "$llama_bench" ]] || { echo "compare_llamacpp.sh: not executable: $llama_bench" >&2; exit 1; }
+elif [[ -x /opt/llamacpp-venv/bin/python ]]; then
   py=/opt/llamacpp-venv/bin/python
 else
   if [[ ! -x .venv-llamacpp/bin/python ]]; then
@@ -55,15 +66,25 @@ for ((i = 1; i <= reps; i++)); do
         --tg "$tg" --skip-batches)
   kv_pp+=("$(awk -v k="pp$pp" '$1==k {print $2}' <<<"$out")")
   kv_tg+=("$(awk -v k="tg$tg" '$1==k {print $2}' <<<"$out")")
-  out=$("$py" bench/llamacpp_bench.py --model "$model" --threads "$threads" --pp "$pp" --tg "$tg" \
-        --seed "$i")
+  if [[ -n "$llama_bench" ]]; then
+    # pp and tg as separate tests (-p P -n 0, -p 0 -n G), as kvrelay's bench.
+    out=$("$llama_bench" -m "$model" -t "$threads" -p "$pp" -n "$tg" -r 1 -o json 2>/dev/null |
+          python3 -c 'import json, sys
+d = json.load(sys.stdin)
+pp = [x["avg_ts"] for x in d if x["n_gen"] == 0][0]
+tg = [x["avg_ts"] for x in d if x["n_prompt"] == 0][0]
+print("pp %.2f tg %.2f llama-bench %s" % (pp, tg, d[0].get("build_commit", "?")))')
+  else
+    out=$("$py" bench/llamacpp_bench.py --model "$model" --threads "$threads" --pp "$pp" --tg "$tg" \
+          --seed "$i")
+  fi
   ll_pp+=("$(awk '{print $2}' <<<"$out")")
   ll_tg+=("$(awk '{print $4}' <<<"$out")")
-  llver=$(awk '{print $6}' <<<"$out")
+  llver=$(awk '{print $5, $6}' <<<"$out")
   echo "run $i: kvrelay pp ${kv_pp[-1]} tg ${kv_tg[-1]} | llama.cpp pp ${ll_pp[-1]} tg ${ll_tg[-1]}"
 done
 kpp=$(printf '%s\n' "${kv_pp[@]}" | median); ktg=$(printf '%s\n' "${kv_tg[@]}" | median)
 lpp=$(printf '%s\n' "${ll_pp[@]}" | median); ltg=$(printf '%s\n' "${ll_tg[@]}" | median)
-echo "median tok/s       kvrelay   llama.cpp (llama-cpp-python $llver)   ratio kvrelay/llama.cpp"
+echo "median tok/s       kvrelay   llama.cpp ($llver)   ratio kvrelay/llama.cpp"
 awk -v a="$kpp" -v b="$lpp" -v n="pp$pp" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
 awk -v a="$ktg" -v b="$ltg" -v n="tg$tg" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
