@@ -73,6 +73,22 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
                                    std::to_string(options.max_restarts),
                                    "--ready-timeout-ms",
                                    "120000"};
+  if (options.mpirun) {
+    c->mpirun_ = true;
+    args = {"/bin/bash", std::string(KVRELAY_FAULTS_SOURCE_DIR) + "/deploy/mpirun/launch.sh",
+            "-P",        std::to_string(options.prefill),
+            "-D",        std::to_string(options.decode),
+            "-X",        "tcp",
+            "-R",        std::to_string(options.max_restarts),
+            "-b",        KVRELAY_FAULTS_BIN_DIR,
+            "-m",        ModelPath(),
+            "-p",        std::to_string(c->http_port_),
+            "-C",        std::to_string(control),
+            "-k",        "f32",
+            "-t",        "1",
+            "-B",        std::to_string(options.heartbeat_ms),
+            "-W",        std::to_string(options.kv_timeout_ms)};
+  }
   args.insert(args.end(), options.extra.begin(), options.extra.end());
   const int log_fd = ::open(c->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (log_fd < 0) return Unavailable("cannot create " + c->log_path_);
@@ -95,10 +111,17 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
   setpgid(pid, pid);
   c->launcher_ = pid;
   // Ready when the launcher prints its banner (it has seen /health list every
-  // worker), or fails if it exits first.
+  // worker; launch.sh: when /health lists them), or fails if it exits first.
+  std::vector<std::string> ids;
+  for (int i = 0; i < options.prefill; ++i) ids.push_back("prefill-" + std::to_string(i));
+  for (int i = 0; i < options.decode; ++i) ids.push_back("decode-" + std::to_string(i));
   const Deadline deadline = Deadline::After(std::chrono::seconds(150));
   for (;;) {
-    if (ReadFile(c->log_path_).find("kvrelay cluster serving on") != std::string::npos) break;
+    if (c->mpirun_
+            ? HealthyWith(c->http_port_, ids)
+            : ReadFile(c->log_path_).find("kvrelay cluster serving on") != std::string::npos) {
+      break;
+    }
     int status = 0;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       c->launcher_ = -1;
@@ -112,6 +135,23 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
 
 pid_t LaunchedCluster::Pid(const std::string& name) const {
   const std::string log = ReadFile(log_path_);
+  if (mpirun_) {
+    // Log records: "<time> <level> <pid> <role> <file:line>] <message>"; a
+    // worker's role is its id. The newest record of `name` is its newest process.
+    std::istringstream in(log);
+    std::string line;
+    pid_t pid = -1;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string time, level, role;
+      long p = -1;
+      if (fields >> time >> level >> p >> role && role == name && time.size() > 20 &&
+          time[4] == '-') {
+        pid = static_cast<pid_t>(p);
+      }
+    }
+    return pid;
+  }
   const std::string needle = "started " + name + " (pid ";
   auto at = log.rfind(needle);
   if (at == std::string::npos) return -1;
@@ -121,8 +161,8 @@ pid_t LaunchedCluster::Pid(const std::string& name) const {
 int LaunchedCluster::Restarts() const {
   const std::string log = ReadFile(log_path_);
   int n = 0;
-  for (size_t at = log.find("] restarted "); at != std::string::npos;
-       at = log.find("] restarted ", at + 1)) {
+  const std::string needle = mpirun_ ? "; restarting in " : "] restarted ";
+  for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
     ++n;
   }
   return n;

@@ -37,7 +37,9 @@ class LaunchedCluster {
     int heartbeat_ms = 200;
     int kv_timeout_ms = 10'000;
     int max_restarts = 5;
-    std::vector<std::string> extra;  // more `kvrelay launch` flags
+    // deploy/mpirun/launch.sh -X tcp -R max_restarts instead of kvrelay launch.
+    bool mpirun = false;
+    std::vector<std::string> extra;  // more launcher flags
   };
   static Result<std::unique_ptr<LaunchedCluster>> Start(const Options& options);
   ~LaunchedCluster() { Stop(); }
@@ -47,9 +49,10 @@ class LaunchedCluster {
   uint16_t http_port() const { return http_port_; }
   // The pid of the newest process the launcher started as `name`
   // ("coordinator", "prefill-0", "decode-0", "decode-0-tp1"), read from the
-  // launcher's "started NAME (pid N)" log lines; -1 when none.
+  // launcher's "started NAME (pid N)" log lines (launch.sh: from the pid field
+  // of the newest "registered as NAME" or coordinator log line); -1 when none.
   pid_t Pid(const std::string& name) const;
-  // Number of "restarted UNIT" lines the launcher logged.
+  // Number of restarts the launcher logged.
   int Restarts() const;
   const std::string& log_path() const { return log_path_; }
   // The last `bytes` of the log (for failure messages).
@@ -58,6 +61,7 @@ class LaunchedCluster {
 
  private:
   LaunchedCluster() = default;
+  bool mpirun_ = false;
   pid_t launcher_ = -1;
   uint16_t http_port_ = 0;
   std::string dir_;

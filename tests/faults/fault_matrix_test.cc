@@ -258,5 +258,48 @@ INSTANTIATE_TEST_SUITE_P(Faults, FaultMatrixTest,
                            return std::string(info.param.name);
                          });
 
+// deploy/mpirun/launch.sh -X tcp -R: a worker killed with SIGKILL is started
+// again by its rank's supervisor (outside MPI), registers, and the cluster
+// answers right again; the coordinator too.
+TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
+  if (std::system("command -v mpirun >/dev/null 2>&1 && command -v setpriv >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "mpirun or setpriv not found";
+  }
+  GreedyReference* ref = GreedyReference::Get();
+  if (ref == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  const std::vector<int32_t> prompt = ref->Encode("The capital of France is");
+  const std::string want = ref->Text(prompt, kMaxTokens);
+  LaunchedCluster::Options o;
+  o.mpirun = true;
+  auto started = LaunchedCluster::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  std::unique_ptr<LaunchedCluster> cluster = std::move(*started);
+  const uint16_t port = cluster->http_port();
+  auto answers_right = [&] {
+    Outcome out = Complete(port, prompt, kMaxTokens, 10'000);
+    return out.http_status == 200 && out.text == want;
+  };
+  ASSERT_TRUE(answers_right()) << cluster->LogTail();
+  for (const char* victim : {"prefill-0", "decode-0", "coordinator"}) {
+    const pid_t pid = cluster->Pid(victim);
+    ASSERT_GT(pid, 0) << victim << "\n" << cluster->LogTail();
+    const int restarts = cluster->Restarts();
+    const auto killed_at = Clock::now();
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    const bool back = WaitFor(
+        [&] {
+          const pid_t now = cluster->Pid(victim);
+          return now > 0 && now != pid && HealthyWith(port, {"prefill-0", "decode-0"}) &&
+                 answers_right();
+        },
+        seconds(60));
+    ASSERT_TRUE(back) << victim << " not back within 60 s\n" << cluster->LogTail();
+    EXPECT_GT(cluster->Restarts(), restarts);
+    std::printf("MPIRUN %s killed: serving right again after %.2f s\n", victim,
+                Seconds(Clock::now() - killed_at));
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(answers_right());
+}
+
 }  // namespace
 }  // namespace kvrelay::faults
