@@ -86,6 +86,14 @@ struct WorkerInfo {
   double transfer_seconds = 0;    // cumulative seconds spent in KV transfer
 };
 
+// A cumulative count a backend keeps (e.g. what its control plane refused),
+// exported on /metrics as a counter named `name` (ending in _total).
+struct BackendCounter {
+  std::string name;
+  std::string help;
+  double value = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -106,6 +114,9 @@ class Backend {
 
   // Snapshot of the workers. Thread-safe.
   virtual std::vector<WorkerInfo> Workers() = 0;
+
+  // The backend's cumulative counters, read at every /metrics scrape. Thread-safe.
+  virtual std::vector<BackendCounter> Counters() { return {}; }
 };
 
 }  // namespace kvrelay::coordinator
