@@ -60,6 +60,10 @@ struct LaunchOptions {
   // for each earlier restart of it still inside the window, capped at
   // restart_backoff_max_ms; a process restarted max_restarts times within
   // restart_window_s and dying again ends supervision with an error.
+  // The coordinator's admission control (kvrelay-coordinator --max-running,
+  // --max-queue-delay-ms); 0 = its defaults.
+  int coordinator_max_running = 0;
+  int coordinator_max_queue_delay_ms = 0;
   bool restart = true;
   int max_restarts = 5;
   int restart_window_s = 60;

@@ -27,7 +27,11 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "deploy/local_launcher.h"
+#include "deploy/process_group.h"
+#include "protocols/cluster_auth.h"
 #include "tests/faults/fault_harness.h"
+#include "tests/faults/tcp_relay.h"
 
 namespace kvrelay::faults {
 namespace {
@@ -300,6 +304,203 @@ TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
   }
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(answers_right());
 }
+
+// The KV data path itself fails: the decode worker advertises its KV port on
+// 127.0.0.2, where a relay the test controls forwards to its real listener on
+// 127.0.0.1. Under ~70% load the relay either drops every KV connection (RST)
+// and refuses new ones for 1 s, or flips one byte inside a KV chunk. The same
+// invariants hold: final statuses within the bound, only the engine's tokens
+// (a corrupted block is caught by its checksum, never decoded), serving after,
+// KV blocks back.
+enum class KvFault { kCut, kCorrupt };
+
+class KvPathFaultTest : public ::testing::TestWithParam<KvFault> {
+ protected:
+  void SetUp() override {
+    ref_ = GreedyReference::Get();
+    if (ref_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    for (const char* t : {"The capital of France is", "Rivers flow to the sea because"}) {
+      prompts_.push_back(ref_->Encode(t));
+      expected_.push_back(ref_->Text(prompts_.back(), kMaxTokens));
+    }
+    char tmpl[] = "/tmp/kvrelay-kvpath-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    const std::string key = dir_ + "/cluster.key";
+    ASSERT_TRUE(protocols::ClusterKey::GenerateFile(key).ok());
+    auto http = deploy::PickFreePort();
+    auto control = deploy::PickFreePort();
+    auto kv = deploy::PickFreePort();
+    ASSERT_TRUE(http.ok() && control.ok() && kv.ok());
+    port_ = *http;
+    auto relay = TcpRelay::Start("127.0.0.2", *kv, "127.0.0.1", *kv);
+    ASSERT_TRUE(relay.ok()) << relay.status().ToString();
+    relay_ = std::move(*relay);
+    const std::string bin = KVRELAY_FAULTS_BIN_DIR;
+    const std::string coord = "127.0.0.1:" + std::to_string(*control);
+    auto worker = [&](const std::string& binary, const std::string& id, int rank) {
+      return std::vector<std::string>{bin + "/" + binary,
+                                      "--id",
+                                      id,
+                                      "--coordinator",
+                                      coord,
+                                      "--model",
+                                      ModelPath(),
+                                      "--kv-dtype",
+                                      "f32",
+                                      "--kv-capacity-mb",
+                                      "128",
+                                      "--threads",
+                                      "1",
+                                      "--rank",
+                                      std::to_string(rank),
+                                      "--world-size",
+                                      "2",
+                                      "--kv-timeout-ms",
+                                      "10000",
+                                      "--cluster-key-file",
+                                      key};
+    };
+    ASSERT_TRUE(
+        group_
+            .Spawn({"coordinator",
+                    {bin + "/kvrelay-coordinator", "--model", ModelPath(), "--port",
+                     std::to_string(port_), "--control-port", std::to_string(*control),
+                     "--cluster-key-file", key, "--kv-dtype", "f32", "--heartbeat-ms", "200"},
+                    {}})
+            .ok());
+    ASSERT_TRUE(group_.Spawn({"prefill-0", worker("kvrelay-prefill", "prefill-0", 0), {}}).ok());
+    auto decode = worker("kvrelay-decode", "decode-0", 1);
+    for (const char* a : {"--kv-host", "127.0.0.1", "--advertise-host", "127.0.0.2"}) {
+      decode.push_back(a);
+    }
+    decode.push_back("--kv-port");
+    decode.push_back(std::to_string(*kv));
+    ASSERT_TRUE(group_.Spawn({"decode-0", decode, {}}).ok());
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return HealthyWith(port_, {"prefill-0", "decode-0"});
+        },
+        seconds(120)))
+        << "the hand-started cluster did not become healthy";
+  }
+  void TearDown() override {
+    group_.Stop(std::chrono::seconds(15));
+    if (relay_) relay_->Stop();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  bool AllIdle() {
+    auto running = WorkerGauge(port_, "kvrelay_worker_running");
+    if (running.size() != 2) return false;
+    for (const auto& [w, v] : running) {
+      if (v != 0) return false;
+    }
+    return true;
+  }
+
+  GreedyReference* ref_ = nullptr;
+  std::string dir_;
+  uint16_t port_ = 0;
+  std::unique_ptr<TcpRelay> relay_;
+  deploy::ProcessGroup group_;
+  std::vector<std::vector<int32_t>> prompts_;
+  std::vector<std::string> expected_;
+};
+
+TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
+  const KvFault fault = GetParam();
+  // Capacity: 2 clients back to back.
+  const auto start = Clock::now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 2; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 3; ++i) {
+        Outcome o = Complete(port_, prompts_[(c + i) % 2], kMaxTokens, kRequestTimeoutMs);
+        EXPECT_EQ(o.http_status, 200) << o.error;
+        EXPECT_EQ(o.text, expected_[(c + i) % 2]);
+      }
+    });
+  }
+  for (auto& t : clients) t.join();
+  const double capacity = 6 / std::max(1e-3, Seconds(Clock::now() - start));
+  ASSERT_TRUE(WaitFor([&] { return AllIdle(); }, seconds(30)));
+  const auto baseline = WorkerGauge(port_, "kvrelay_worker_kv_utilization");
+  const double rate = std::max(0.5, 0.7 * capacity);
+  LoadClient load(port_, prompts_, kMaxTokens, kRequestTimeoutMs);
+  load.Start(rate);
+  std::this_thread::sleep_for(milliseconds(2500));  // load duration, no race
+  const auto fault_at = Clock::now();
+  if (fault == KvFault::kCut) {
+    relay_->Cut();
+    std::this_thread::sleep_for(milliseconds(1000));  // the link stays down this long
+    relay_->Restore();
+  } else {
+    relay_->CorruptNext();
+    EXPECT_TRUE(WaitFor([&] { return relay_->corrupted(); }, seconds(20)))
+        << "no KV chunk went through the relay to corrupt";
+  }
+  std::this_thread::sleep_for(milliseconds(3000));  // load duration, no race
+  std::vector<Outcome> outcomes = load.Stop();
+  int affected = 0;
+  double worst_final = 0, first_ok_after = -1;
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const Outcome& o = outcomes[i];
+    EXPECT_LT(o.seconds(), kFinalStatusBoundS) << "request " << i << ": " << o.error;
+    if (o.http_status == 200) {
+      EXPECT_EQ(o.text, expected_[o.prompt]) << "request " << i << ": a wrong token";
+      if (o.sent >= fault_at) {
+        const double t = Seconds(o.ended - fault_at);
+        if (first_ok_after < 0 || t < first_ok_after) first_ok_after = t;
+      }
+      continue;
+    }
+    ++affected;
+    worst_final = std::max(worst_final, Seconds(o.ended - std::max(o.sent, fault_at)));
+    EXPECT_TRUE(o.http_status == 429 || o.http_status == 500 || o.http_status == 503 ||
+                o.http_status == 504)
+        << "request " << i << ": HTTP " << o.http_status << " " << o.error;
+  }
+  // Serving after, through the relay.
+  const bool serving = WaitFor(
+      [&] {
+        Outcome o = Complete(port_, prompts_[0], kMaxTokens, kRequestTimeoutMs);
+        return o.http_status == 200 && o.text == expected_[0];
+      },
+      seconds(60));
+  EXPECT_TRUE(serving) << "the cluster did not answer right within 60 s of the fault";
+  for (int i = 0; i < 3; ++i) {
+    Outcome o = Complete(port_, prompts_[i % 2], kMaxTokens, kRequestTimeoutMs);
+    EXPECT_EQ(o.http_status, 200) << o.error;
+    EXPECT_EQ(o.text, expected_[i % 2]);
+  }
+  std::map<std::string, double> last;
+  const bool returned = WaitFor(
+      [&] {
+        if (!AllIdle()) return false;
+        last = WorkerGauge(port_, "kvrelay_worker_kv_utilization");
+        for (const auto& [w, v] : last) {
+          if (v > baseline.at(w) + 1e-9) return false;
+        }
+        return last.size() == 2;
+      },
+      seconds(20));
+  EXPECT_TRUE(returned) << "KV blocks not returned after the fault";
+  std::printf(
+      "FAULT %s: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected (%.1f%%), "
+      "worst time to final status after the fault %.2f s, first right answer sent after the "
+      "fault %.2f s after it\n",
+      fault == KvFault::kCut ? "cut_kv_link" : "corrupt_kv_chunk", capacity, rate, outcomes.size(),
+      affected, outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()),
+      worst_final, first_ok_after);
+  std::fflush(stdout);
+}
+
+INSTANTIATE_TEST_SUITE_P(Faults, KvPathFaultTest,
+                         ::testing::Values(KvFault::kCut, KvFault::kCorrupt),
+                         [](const ::testing::TestParamInfo<KvFault>& info) {
+                           return std::string(info.param == KvFault::kCut ? "cut_kv_link"
+                                                                          : "corrupt_kv_chunk");
+                         });
 
 }  // namespace
 }  // namespace kvrelay::faults
