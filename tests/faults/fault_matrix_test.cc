@@ -178,6 +178,7 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   ASSERT_TRUE(back) << victim << " did not come back within 60 s";
 
   int affected = 0, ok = 0, wrong = 0;
+  std::string first_error;
   double worst_final = 0, worst_latency = 0, first_ok_after = -1;
   for (size_t i = 0; i < outcomes.size(); ++i) {
     const Outcome& o = outcomes[i];
@@ -195,6 +196,8 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
       continue;
     }
     ++affected;
+    if (first_error.empty())
+      first_error = std::to_string(o.http_status) + " " + o.error.substr(0, 160);
     worst_final = std::max(worst_final, Seconds(o.ended - std::max(o.sent, fault_at)));
     if (!coordinator) {
       // The coordinator lives: every refusal is an HTTP error with a body.
@@ -241,10 +244,10 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
       "FAULT %s round %d: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected "
       "(%.1f%%), worst time to final status after the fault %.2f s, worst latency %.2f s, "
       "first right answer sent after the fault %.2f s after it, victim healthy again after "
-      "%.2f s\n",
+      "%.2f s; first error: %s\n",
       c.name, round, capacity, rate, outcomes.size(), affected,
       outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()), worst_final,
-      worst_latency, first_ok_after, Seconds(back_at - fault_at));
+      worst_latency, first_ok_after, Seconds(back_at - fault_at), first_error.c_str());
   std::fflush(stdout);
 }
 
@@ -442,6 +445,7 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   std::this_thread::sleep_for(milliseconds(3000));  // load duration, no race
   std::vector<Outcome> outcomes = load.Stop();
   int affected = 0;
+  std::string first_error;
   double worst_final = 0, first_ok_after = -1;
   for (size_t i = 0; i < outcomes.size(); ++i) {
     const Outcome& o = outcomes[i];
@@ -455,6 +459,8 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
       continue;
     }
     ++affected;
+    if (first_error.empty())
+      first_error = std::to_string(o.http_status) + " " + o.error.substr(0, 160);
     worst_final = std::max(worst_final, Seconds(o.ended - std::max(o.sent, fault_at)));
     EXPECT_TRUE(o.http_status == 429 || o.http_status == 500 || o.http_status == 503 ||
                 o.http_status == 504)
@@ -488,10 +494,10 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   std::printf(
       "FAULT %s: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected (%.1f%%), "
       "worst time to final status after the fault %.2f s, first right answer sent after the "
-      "fault %.2f s after it\n",
+      "fault %.2f s after it; first error: %s\n",
       fault == KvFault::kCut ? "cut_kv_link" : "corrupt_kv_chunk", capacity, rate, outcomes.size(),
       affected, outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()),
-      worst_final, first_ok_after);
+      worst_final, first_ok_after, first_error.c_str());
   std::fflush(stdout);
 }
 

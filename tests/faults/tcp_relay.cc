@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -90,6 +91,7 @@ void TcpRelay::AcceptLoop() {
 
 void TcpRelay::Pump(int client, int server, uint64_t generation) {
   std::vector<char> buf(256 << 10);
+  FrameCursor cursor;
   pollfd fds[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
   while (!stop_.load() && generation_.load() == generation) {
     if (poll(fds, 2, 50) <= 0) continue;
@@ -102,12 +104,7 @@ void TcpRelay::Pump(int client, int server, uint64_t generation) {
         break;
       }
       if (i == 0) {
-        // Towards the target: a large read is inside a KV chunk's payload.
-        bool expected = true;
-        if (n >= 4096 && corrupt_.compare_exchange_strong(expected, false)) {
-          buf[static_cast<size_t>(n) / 2] ^= 0x5a;
-          corrupted_.store(true);
-        }
+        Inspect(cursor, buf.data(), static_cast<size_t>(n));
         forwarded_.fetch_add(static_cast<uint64_t>(n));
       }
       if (!WriteAll(fds[1 - i].fd, buf.data(), static_cast<size_t>(n))) closed = true;
@@ -116,6 +113,44 @@ void TcpRelay::Pump(int client, int server, uint64_t generation) {
   }
   Abort(client);
   Abort(server);
+}
+
+void TcpRelay::Inspect(FrameCursor& cur, char* data, size_t n) {
+  constexpr uint16_t kKvData = 100;  // protocols::MessageType::kKvData
+  size_t at = 0;
+  while (at < n) {
+    if (cur.payload_left == 0) {
+      // In a header: [magic u32][version u16][type u16][length u32], little endian.
+      const size_t take = std::min(n - at, sizeof cur.header - cur.header_have);
+      std::memcpy(cur.header + cur.header_have, data + at, take);
+      cur.header_have += take;
+      at += take;
+      if (cur.header_have < sizeof cur.header) return;
+      cur.header_have = 0;
+      const uint16_t type = static_cast<uint16_t>(cur.header[6] | (cur.header[7] << 8));
+      const uint32_t length = static_cast<uint32_t>(cur.header[8]) | (cur.header[9] << 8) |
+                              (cur.header[10] << 16) |
+                              (static_cast<uint32_t>(cur.header[11]) << 24);
+      cur.payload_len = cur.payload_left = length;
+      bool armed = true;
+      cur.target =
+          type == kKvData && length >= 4096 && corrupt_.compare_exchange_strong(armed, false);
+      continue;
+    }
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(n - at, cur.payload_left));
+    if (cur.target) {
+      // The payload offset of this piece's first byte, and the flip's.
+      const uint64_t offset = cur.payload_len - cur.payload_left;
+      const uint64_t flip = cur.payload_len / 2;
+      if (flip >= offset && flip < offset + take) {
+        data[at + (flip - offset)] ^= 0x5a;
+        cur.target = false;
+        corrupted_.store(true);
+      }
+    }
+    cur.payload_left -= take;
+    at += take;
+  }
 }
 
 void TcpRelay::Cut() {

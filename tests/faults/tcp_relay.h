@@ -1,8 +1,10 @@
 // A TCP relay the test controls, placed on a KV data path: it listens on one
 // address and forwards every connection, both ways, to a target. Cut() drops
 // every connection through it at once (and refuses new ones until Restore());
-// CorruptNext() flips one byte in the middle of the next large read going
-// towards the target (inside a KV chunk's payload, past the authentication).
+// CorruptNext() flips one byte in the middle of the payload of the next large
+// KV data frame going towards the target (the relay follows the framing of
+// protocols/frame_codec.h in that direction, so the byte is KV data, not a
+// header: what a checksum, not the framing, has to catch).
 // Plain sockets and poll(): each connection has a pump thread; Stop() (and
 // the destructor) closes everything and joins every thread.
 #pragma once
@@ -44,6 +46,16 @@ class TcpRelay {
   TcpRelay() = default;
   void AcceptLoop();
   void Pump(int client, int server, uint64_t generation);
+  // Follows the frames in `data` (towards the target) and applies an armed
+  // corruption inside a large kKvData payload.
+  struct FrameCursor {
+    unsigned char header[12];
+    size_t header_have = 0;
+    uint64_t payload_left = 0;
+    uint64_t payload_len = 0;
+    bool target = false;  // this frame's payload gets the flip
+  };
+  void Inspect(FrameCursor& cur, char* data, size_t n);
 
   int listen_fd_ = -1;
   uint16_t port_ = 0;
