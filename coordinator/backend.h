@@ -84,6 +84,15 @@ struct WorkerInfo {
   int64_t prefix_hit_tokens = 0;  // cumulative prompt tokens served from cache
   int64_t transfer_bytes = 0;     // cumulative KV bytes sent/received
   double transfer_seconds = 0;    // cumulative seconds spent in KV transfer
+  int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
+};
+
+// A cumulative count a backend keeps (e.g. what its control plane refused),
+// exported on /metrics as a counter named `name` (ending in _total).
+struct BackendCounter {
+  std::string name;
+  std::string help;
+  double value = 0;
 };
 
 class Backend {
@@ -106,6 +115,9 @@ class Backend {
 
   // Snapshot of the workers. Thread-safe.
   virtual std::vector<WorkerInfo> Workers() = 0;
+
+  // The backend's cumulative counters, read at every /metrics scrape. Thread-safe.
+  virtual std::vector<BackendCounter> Counters() { return {}; }
 };
 
 }  // namespace kvrelay::coordinator

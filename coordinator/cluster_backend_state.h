@@ -3,6 +3,8 @@
 // registration). Not part of the coordinator's API.
 #pragma once
 
+#include <algorithm>
+
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -155,6 +157,31 @@ struct ClusterBackend::State {
     SendTo(w->conn, MessageType::kCancel, c);
   }
 
+  // Tells every prefill worker that a dropped decode group's ranks are dead,
+  // before the Cancels of its requests: KV sends to them are abandoned at once
+  // (an MPI send to a dead rank never completes on its own).
+  void AnnouncePeerLost(const WorkerEntry& dead, const Status& reason) {
+    proto::PeerLost m;
+    m.set_worker_id(dead.info.id);
+    m.set_reason(reason.ToString());
+    std::vector<uint32_t> ranks = dead.tp_ranks;
+    if (ranks.empty()) ranks.push_back(dead.rank);
+    for (uint32_t r : ranks) {
+      // A rank another live worker also claims (a misconfigured or rogue
+      // registration) is not declared dead: that would cut the live one off.
+      const bool claimed = std::any_of(workers.begin(), workers.end(), [&](const auto& kv) {
+        const WorkerEntry& w = kv.second;
+        if (&w == &dead) return false;
+        return w.rank == r || std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
+      });
+      if (!claimed) m.add_ranks(r);
+    }
+    if (m.ranks_size() == 0) return;
+    for (auto& [wid, w] : workers) {
+      if (w.info.role == WorkerRole::kPrefill) SendTo(w.conn, MessageType::kPeerLost, m);
+    }
+  }
+
   void DropWorker(const std::string& worker_id, const Status& reason, PendingEvents& out) {
     // A copy: callers pass references into `workers` / `conn_worker`, which
     // are erased below.
@@ -163,6 +190,7 @@ struct ClusterBackend::State {
     if (it == workers.end()) return;
     LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
     std::shared_ptr<FramedConnection> conn = it->second.conn;
+    if (it->second.info.role == WorkerRole::kDecode) AnnouncePeerLost(it->second, reason);
     conn_worker.erase(conn.get());
     workers.erase(it);
     router.prefix_index().RemoveWorker(id);

@@ -1,5 +1,7 @@
 #include "prefill_worker/prefill_role.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 #include "kv_transfer/head_sharding.h"
 #include "protocols/messages.h"
@@ -45,7 +47,7 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
 }
 
 void PrefillRole::Shutdown() {
-  outgoing_.clear();  // cancels unfinished sends before their blocks go back
+  RetireAll();  // cancels unfinished sends before their blocks go back
   if (tiered_) {
     Status d = tiered_->Drain(Deadline::After(std::chrono::seconds(10)));
     if (!d.ok()) LOG_WARNING << "prefix store drain: " << d.ToString();
@@ -126,28 +128,12 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
 }
 
 void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
-                             std::span<const engine::BlockHash> missing,
-                             engine::BlockTable& loaded) {
-  if (!tiered_ || missing.empty()) return;
-  std::vector<BlockId> table;
-  auto restored = tiered_->RestorePrefix(engine_->pool(), request.prompt, ctx_.model->fingerprint(),
-                                         request.tenant_salt, &table);
-  if (!restored.ok()) {
-    LOG_WARNING << "prefix restore failed: " << restored.status().ToString();
-    for (BlockId b : table) engine_->pool()->Release(b);
-    return;
-  }
-  // `table` = the pool's own hits (the engine already holds references to
-  // them) followed by the blocks restored from the tiers.
-  const size_t from_tiers = static_cast<size_t>(*restored / ctx_.layout.block_tokens);
-  const size_t hits = table.size() - std::min(from_tiers, table.size());
-  for (size_t i = 0; i < table.size(); ++i) {
-    if (i < hits) {
-      engine_->pool()->Release(table[i]);
-    } else {
-      loaded.Adopt(table[i]);
-    }
-  }
+                             const engine::PrefixLookup& prefix, engine::BlockTable& loaded) {
+  if (!tiered_ || prefix.missing().empty()) return;
+  std::vector<BlockId> table;  // one reference each, handed to `loaded`
+  auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &table);
+  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
+  loaded.Adopt(table);
 }
 
 Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
@@ -222,34 +208,119 @@ bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTab
   return true;
 }
 
-std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
+bool PrefillRole::HandOver(RequestId id, bool deliver) {
   auto it = outgoing_.find(id);
-  if (it == outgoing_.end()) return std::nullopt;
+  if (it == outgoing_.end()) return false;
   if (!deliver) {
-    outgoing_.erase(it);  // cancels unfinished sends, then frees the blocks
-    return Status::Ok();
+    Retire(it);  // cancels unfinished sends, then frees the blocks
+    return true;
   }
   Outgoing& out = it->second;
-  const auto start = Clock::now();
-  const Deadline deadline = Deadline::After(ctx_.options->kv_timeout);
-  Status s;
-  for (auto& segment : out.senders) {
-    if (segment.empty() && s.ok()) {
-      s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+  out.delivering = true;
+  ++delivering_;
+  out.deliver_by = Deadline::After(ctx_.options->kv_timeout);
+  out.deliver_start = Clock::now();
+  // Polled from the next loop turn (Progress): the reporter records the
+  // pending first token only after this returns.
+  return true;
+}
+
+void PrefillRole::Progress() {
+  if (tiered_) tiered_->Pump();
+  if (delivering_ > 0) PollDeliveries();
+}
+
+void PrefillRole::PollDeliveries() {
+  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
+    auto next = std::next(it);
+    Outgoing& out = it->second;
+    if (!out.delivering) {
+      it = next;
+      continue;
     }
+    const RequestId id = it->first;
+    Status s;
+    bool all_done = true;
+    for (auto& segment : out.senders) {
+      if (segment.empty() && s.ok()) {
+        s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+      }
+      for (auto& sender : segment) {
+        if (!s.ok()) break;
+        Result<bool> done = sender->Poll();
+        if (!done.ok()) {
+          s = done.status();
+        } else {
+          all_done = all_done && *done;
+        }
+      }
+    }
+    if (s.ok() && !all_done && out.deliver_by.Expired()) {
+      s = DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
+                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+    }
+    if (s.ok() && !all_done) {
+      it = next;
+      continue;
+    }
+    ctx_.counters->transfer_seconds += SecondsSince(out.deliver_start);
+    if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
+    Retire(it);  // senders first, then the blocks (Outgoing's member order)
+    ctx_.events->HandOverDone(id, s);
+    it = next;
+  }
+}
+
+void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
+  Outgoing& out = it->second;
+  if (out.delivering) {
+    out.delivering = false;
+    --delivering_;
+  }
+  bool quarantined = false;
+  for (auto& segment : out.senders) {
     for (auto& sender : segment) {
-      Status f = sender->Finish(deadline);
-      if (s.ok()) s = f;
+      sender->CancelAll();
+      quarantined = quarantined || sender->quarantined();
     }
   }
-  ctx_.counters->transfer_seconds += SecondsSince(start);
-  if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
-  outgoing_.erase(it);  // senders first, then the blocks (Outgoing's member order)
-  return s;
+  if (quarantined) {
+    std::vector<BlockId> ids(out.pinned.ids().begin(), out.pinned.ids().end());
+    ids.insert(ids.end(), out.blocks.ids().begin(), out.blocks.ids().end());
+    std::sort(ids.begin(), ids.end());
+    const auto n = std::unique(ids.begin(), ids.end()) - ids.begin();
+    ctx_.counters->quarantined_blocks += n;
+    LOG_WARNING << "request " << it->first << ": " << n
+                << " KV blocks quarantined (a send to a dead decode peer still owns them)";
+    quarantine_.push_back(std::move(out));
+  }
+  outgoing_.erase(it);
+}
+
+void PrefillRole::RetireAll() {
+  while (!outgoing_.empty()) Retire(outgoing_.begin());
+}
+
+void PrefillRole::OnPeersLost(std::span<const int> ranks) {
+  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
+    auto next = std::next(it);
+    const auto& dr = it->second.decode_ranks;
+    if (std::any_of(dr.begin(), dr.end(), [&](int r) {
+          return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
+        })) {
+      // The coordinator re-runs or fails the request itself: report nothing.
+      ctx_.events->ForgetHandOver(it->first);
+      Retire(it);
+    }
+    it = next;
+  }
 }
 
 void PrefillRole::OnCancel(const proto::Cancel& c) {
-  outgoing_.erase(c.request_id());  // cancels unfinished sends, then frees the blocks
+  if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) {
+    ctx_.events->ForgetHandOver(c.request_id());
+    Retire(it);
+  }
   if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
 }
 
