@@ -53,6 +53,11 @@ struct KQuantKernels {
 const KQuantKernels& ScalarKQuantKernels();
 // Only when the CPU has AVX2 + FMA + F16C.
 const KQuantKernels& Avx2KQuantKernels();
+// Only when it also has AVX512F/BW/VL and VNNI (Q5_0 with vpdpbusd; the same bits).
+const KQuantKernels& Avx512KQuantKernels();
+// The table matmul.cc uses on its AVX2 path: Avx512KQuantKernels when the CPU
+// has AVX-512 VNNI (unless KVRELAY_KERNELS=avx2 asks for plain AVX2), else Avx2.
+const KQuantKernels& BestVectorKQuantKernels();
 
 // The 8 (scale, min) 6-bit pairs of a Q4_K block from its 12 packed bytes.
 inline void UnpackQ4KScales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {

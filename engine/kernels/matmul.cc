@@ -91,7 +91,7 @@ struct QuantJob {
 
 // The K-quant kernels of the same instruction-set path as `k`.
 const kernels::KQuantKernels& KQuant(const KernelTable& k) {
-  return &k == &kernels::Avx2Kernels() ? kernels::Avx2KQuantKernels()
+  return &k == &kernels::Avx2Kernels() ? kernels::BestVectorKQuantKernels()
                                        : kernels::ScalarKQuantKernels();
 }
 

@@ -159,5 +159,38 @@ TEST(Q4K, HandBlock) {
   }
 }
 
+bool CpuHasAvx512Vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// Every vector table against the scalar one, called directly (MatMul picks
+// only the best table of the CPU).
+TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
+  std::vector<const kernels::KQuantKernels*> tables;
+  if (KernelPathSupported(KernelPath::kAvx2)) tables.push_back(&kernels::Avx2KQuantKernels());
+  if (CpuHasAvx512Vnni()) tables.push_back(&kernels::Avx512KQuantKernels());
+  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  const int64_t rows = 13, cols = 32 * 11, tokens = 7;
+  std::vector<uint8_t> bytes = RandomBytes(GgmlType::kQ5_0, rows, cols, 99);
+  const std::vector<float> x = RandomActs(tokens * cols, 100);
+  std::vector<int8_t> q(tokens * cols);
+  std::vector<float> d(tokens * cols / 32), s(tokens * cols / 32);
+  const kernels::QuantizedActs acts{q.data(), d.data(), s.data(), cols / 32};
+  kernels::ScalarKernels().quantize(x.data(), cols, 0, tokens, acts);
+  const int64_t rb = RowBytes(GgmlType::kQ5_0, cols).value();
+  std::vector<float> want(rows * tokens);
+  kernels::ScalarKQuantKernels().gemm_q5_0(bytes.data(), rb, 0, rows, acts, 0, tokens, want.data(),
+                                           rows);
+  for (const kernels::KQuantKernels* t : tables) {
+    std::vector<float> got(rows * tokens);
+    t->gemm_q5_0(bytes.data(), rb, 0, rows, acts, 0, tokens, got.data(), rows);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), 4 * got.size()), 0) << t->name;
+  }
+}
+
 }  // namespace
 }  // namespace kvrelay::engine
