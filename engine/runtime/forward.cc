@@ -288,6 +288,7 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   // f32 pools are read in place (HeadSlabF32); other dtypes are decoded into
   // kv_scratch_ first.
   const bool in_place = pool_->layout().dtype == KvDtype::kF32;
+  const int layer_window = c.LayerWindow(layer);
   std::vector<int64_t> ptr_off(S + 1, 0), kv_off(S + 1, 0), tok_off(S + 1, 0);
   int64_t max_len = 0;
   for (size_t s = 0; s < S; ++s) {
@@ -312,7 +313,16 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       const float** vp = vptr_.data() + ptr_off[s] + h * nb;
       float* kbuf = kv_scratch_.data() + kv_off[s] + 2 * h * nb * B * hd;
       float* vbuf = kbuf + nb * B * hd;
+      // Blocks wholly before the first new token's window are never read
+      // (AttendRowGgml reads positions >= j0 only): not decoded, no pointer.
+      const int64_t first_j0 =
+          layer_window > 0 ? std::max<int64_t>(0, q.cache_len - layer_window + 1) : 0;
       for (int64_t blk = 0; blk < nb; ++blk) {
+        if ((blk + 1) * B <= first_j0) {
+          kp[blk] = nullptr;
+          vp[blk] = nullptr;
+          continue;
+        }
         if (in_place) {
           kp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, false, h);
           vp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, true, h);
