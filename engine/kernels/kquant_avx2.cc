@@ -80,8 +80,7 @@ void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
           __m256i sum = _mm256_setzero_si256();
           for (int s = 0; s < 8; ++s) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
-            sum = _mm256_add_epi32(
-                sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), scv[s]));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), scv[s]));
           }
           const __m256i bs = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
@@ -138,15 +137,14 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
           __m256i sum = _mm256_setzero_si256();
           for (int v = 0; v < 8; ++v) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v));
-            sum = _mm256_add_epi32(
-                sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], xv), scv[v]));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], xv), scv[v]));
           }
           const __m256i bs = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
           sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
           const int sumi = HsumI32(sum);
-          acc[k] = std::fma(LoadHalfAt(blk + 208) * a.d[t * nb + b], static_cast<float>(sumi),
-                            acc[k]);
+          acc[k] =
+              std::fma(LoadHalfAt(blk + 208) * a.d[t * nb + b], static_cast<float>(sumi), acc[k]);
         }
       }
       for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];
@@ -158,8 +156,8 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
 inline __m256i BytesFromBits32(const uint8_t* p) {
   uint32_t x32;
   std::memcpy(&x32, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                         0x0101010101010101, 0x0000000000000000);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101,
+                                         0x0000000000000000);
   __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
   bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
@@ -183,8 +181,8 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
         const uint8_t* blk = row + b * kQ5_0Bytes;
         _mm_prefetch(reinterpret_cast<const char*>(blk + 16 * kQ5_0Bytes), _MM_HINT_T0);
         const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6 - 0));
-        const __m256i q4 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
-                                            _mm_and_si128(qs, m4));
+        const __m256i q4 =
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
         const __m256i hb = _mm256_and_si256(BytesFromBits32(blk + 2), b16);
         const __m256i v = _mm256_sub_epi8(_mm256_or_si256(q4, hb), b16);  // -16..15
         const __m256i av = _mm256_sign_epi8(v, v);

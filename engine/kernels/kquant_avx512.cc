@@ -48,8 +48,8 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
         const uint8_t* blk = row + b * kQ5_0Bytes;
         _mm_prefetch(reinterpret_cast<const char*>(blk + 16 * kQ5_0Bytes), _MM_HINT_T0);
         const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
-        const __m256i q4 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
-                                            _mm_and_si128(qs, m4));
+        const __m256i q4 =
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
         uint32_t qh;
         std::memcpy(&qh, blk + 2, 4);
         // bit j of qh -> byte j: a mask register selects 16 into those bytes.

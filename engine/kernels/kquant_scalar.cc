@@ -162,7 +162,8 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
           acc[m] = std::fma(d, static_cast<float>(lane), acc[m]);
         }
       }
-      y[t * ldy + r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+      y[t * ldy + r] =
+          ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
     }
   }
 }

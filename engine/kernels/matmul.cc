@@ -50,7 +50,7 @@ const KernelTable& Table(KernelPath path) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s, f;
-  std::vector<float> kd;       // Q8_K activations (own vectors: d and s grow together)
+  std::vector<float> kd;  // Q8_K activations (own vectors: d and s grow together)
   std::vector<int16_t> bsums;
 };
 Scratch& ThreadScratch() {

@@ -91,13 +91,13 @@ Fixture& Get() {
 
 bool NoAvx2() { return ResolvedKernelPath() != KernelPath::kAvx2; }
 
-#define SKIP_WITHOUT_GEMMA(f)                                                                 \
-  do {                                                                                        \
-    ASSERT_TRUE((f).error.empty()) << (f).error;                                              \
-    if ((f).model == nullptr) {                                                               \
+#define SKIP_WITHOUT_GEMMA(f)                                                               \
+  do {                                                                                      \
+    ASSERT_TRUE((f).error.empty()) << (f).error;                                            \
+    if ((f).model == nullptr) {                                                             \
       GTEST_SKIP() << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh " \
-                      "gemma3-270m (scripts/test.sh does) to run the Gemma 3 tests";          \
-    }                                                                                         \
+                      "gemma3-270m (scripts/test.sh does) to run the Gemma 3 tests";        \
+    }                                                                                       \
     ASSERT_FALSE((f).ref.is_null()) << "tests/data/llamacpp_reference_gemma3.json missing"; \
   } while (0)
 
@@ -140,7 +140,8 @@ TEST(Gemma3, TokenizerMatchesLlamaCppOnTheCorpus) {
   for (const auto& e : f.ref["tokenization"]) {
     const std::string text = e["text"].get<std::string>();
     const auto want = e["ids"].get<std::vector<int32_t>>();
-    const auto got = tok->Encode(text, e["add_special"].get<bool>(), e["parse_special"].get<bool>());
+    const auto got =
+        tok->Encode(text, e["add_special"].get<bool>(), e["parse_special"].get<bool>());
     ++n;
     if (got == want) {
       ++same;
@@ -204,9 +205,9 @@ TEST(Gemma3, LogitsTop1AndMaxError) {
 
 // Runs every prompt through an Engine (batched, chunked prefill of
 // `step_tokens`), greedy for `n` tokens each.
-std::map<RequestId, std::vector<int32_t>> EngineGreedy(const std::shared_ptr<const Model>& model,
-                                                       const std::vector<std::vector<int32_t>>& prompts,
-                                                       int n, int step_tokens) {
+std::map<RequestId, std::vector<int32_t>> EngineGreedy(
+    const std::shared_ptr<const Model>& model, const std::vector<std::vector<int32_t>>& prompts,
+    int n, int step_tokens) {
   EngineOptions o;
   o.threads = ThreadPool::DefaultThreads();
   o.kv_capacity_bytes = 512ll << 20;
@@ -292,7 +293,8 @@ TEST(Gemma3, GreedyAgreesWithLlamaCpp) {
   std::printf("greedy continuations identical: %d of %zu (%d with a clear margin)\n", identical,
               entries.size(), eligible);
   EXPECT_GE(identical, 4);
-  EXPECT_EQ(got[static_cast<RequestId>(entries.size())], entries.back()["generated"].get<std::vector<int32_t>>())
+  EXPECT_EQ(got[static_cast<RequestId>(entries.size())],
+            entries.back()["generated"].get<std::vector<int32_t>>())
       << "the continuation of the long prompt, decoded past the window";
 }
 
@@ -327,8 +329,8 @@ TEST(Gemma3, SlidingWindowPastTheWindow) {
     }
     beyond += pos >= 512;
   }
-  std::printf("long prompt: top-1 %d/%zu, past the window %d/%d\n", agree, ids.size(),
-              agree_beyond, beyond);
+  std::printf("long prompt: top-1 %d/%zu, past the window %d/%d\n", agree, ids.size(), agree_beyond,
+              beyond);
   EXPECT_GE(agree, static_cast<int>(0.94 * static_cast<double>(ids.size())));  // measured 664/700
   // Chunked prefill: 100-token chunks, so chunks start inside and beyond the window.
   auto one = EngineGreedy(f.model, {ids}, 32, 1024);

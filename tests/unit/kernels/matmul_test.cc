@@ -135,8 +135,7 @@ std::vector<double> Bounds(const Weights& w, const std::vector<float>& x, int64_
         const int64_t end = std::min<int64_t>(cols, b * ab + ab);
         for (int64_t j = b * ab; j < end; ++j) amax = std::max(amax, std::fabs((double)xt[j]));
         const double d0 = amax / 127.0;
-        const double half_step =
-            act_block == 256 ? 0.500001 * d0 : (quant ? 0.5625 * d0 : 0.0);
+        const double half_step = act_block == 256 ? 0.500001 * d0 : (quant ? 0.5625 * d0 : 0.0);
         for (int64_t j = b * ab; j < end; ++j) {
           wsum += std::fabs(row[j]);
           wx += std::fabs(row[j]) * (std::fabs(xt[j]) + half_step);
@@ -144,8 +143,8 @@ std::vector<double> Bounds(const Weights& w, const std::vector<float>& x, int64_
         }
         quant_err += wsum * half_step;
         // The Q4 min term meets the fp16 block sum.
-        const uint8_t* blk = w.tensor.data + r * row_bytes + b * BlockBytes(w.tensor.type) *
-                                                                  ab / BlockElems(w.tensor.type);
+        const uint8_t* blk = w.tensor.data + r * row_bytes +
+                             b * BlockBytes(w.tensor.type) * ab / BlockElems(w.tensor.type);
         double m = 0;
         if (w.tensor.type == GgmlType::kQ4_1) m = Fp16ToFp32(blk[2] | blk[3] << 8);
         if (w.tensor.type == GgmlType::kQ4_0) m = -8.0 * Fp16ToFp32(blk[0] | blk[1] << 8);

@@ -144,7 +144,8 @@ std::vector<double> ReferenceLogits(const Model& m, const std::vector<int32_t>& 
       for (int i = 0; i < c.ffn_dim; ++i) {
         if (gemma) {
           const double gi = g[i];
-          g[i] = 0.5 * gi * (1 + std::tanh(std::sqrt(2 / M_PI) * gi * (1 + 0.044715 * gi * gi))) * u[i];
+          g[i] = 0.5 * gi * (1 + std::tanh(std::sqrt(2 / M_PI) * gi * (1 + 0.044715 * gi * gi))) *
+                 u[i];
         } else {
           g[i] = g[i] / (1 + std::exp(-g[i])) * u[i];
         }

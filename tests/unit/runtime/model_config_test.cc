@@ -60,9 +60,9 @@ TEST(ModelConfigTest, Gemma3FromMetadata) {
   EXPECT_EQ(c->rope_layout, RopeLayout::kNeox);
   EXPECT_TRUE(c->gemma_norms);
   EXPECT_EQ(c->ffn_act, ModelConfig::FfnAct::kGeluTanh);
-  EXPECT_EQ(c->embed_scale, 8.0f);                 // sqrt(d_model = 64)
-  EXPECT_EQ(c->q_scale, 0.25f);                    // 1 / sqrt(head_dim = 16)
-  for (int l = 0; l < 4; ++l) {                    // pattern 2: odd layers global
+  EXPECT_EQ(c->embed_scale, 8.0f);  // sqrt(d_model = 64)
+  EXPECT_EQ(c->q_scale, 0.25f);     // 1 / sqrt(head_dim = 16)
+  for (int l = 0; l < 4; ++l) {     // pattern 2: odd layers global
     EXPECT_EQ(c->LayerWindow(l), l % 2 == 1 ? 0 : 9) << l;
     EXPECT_EQ(c->LayerRopeBase(l), l % 2 == 1 ? o.rope_base : 100.0f) << l;
   }

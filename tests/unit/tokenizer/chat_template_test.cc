@@ -56,7 +56,17 @@ constexpr const char* kPhi3 =
     "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}";
 
 // Gemma 3's template (text content), one line.
-constexpr const char* kGemma3 = "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}";
+constexpr const char* kGemma3 =
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = "
+    "messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- "
+    "set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}{%- for "
+    "message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) "
+    "-%}{{ raise_exception(\"Conversation roles must alternate "
+    "user/assistant/user/assistant/...\") }}{%- endif -%}{%- if (message['role'] == 'assistant') "
+    "-%}{%- set role = \"model\" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}{{ "
+    "'<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}{{ "
+    "message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt "
+    "-%}{{'<start_of_turn>model\n'}}{%- endif -%}";
 
 std::string RenderOrDie(const ChatTemplate& t, const std::vector<ChatMessage>& m, bool agp) {
   auto r = t.Render(m, agp);
@@ -186,12 +196,18 @@ TEST(ChatTemplateTest, Gemma3MatchesJinja2Renderings) {
       {{"user", "Hi!"}},
       {{"system", "You are terse."}, {"user", "  Name three fruits. "}},
       {{"user", "What is 12 times 12?"}, {"assistant", " 144. "}, {"user", "And 13?"}}};
-  const char* want[] = {"<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n",
-                        "<bos><start_of_turn>user\nHi!<end_of_turn>\n",
-                        "<bos><start_of_turn>user\nYou are terse.\n\nName three fruits.<end_of_turn>\n<start_of_turn>model\n",
-                        "<bos><start_of_turn>user\nYou are terse.\n\nName three fruits.<end_of_turn>\n",
-                        "<bos><start_of_turn>user\nWhat is 12 times 12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd 13?<end_of_turn>\n<start_of_turn>model\n",
-                        "<bos><start_of_turn>user\nWhat is 12 times 12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd 13?<end_of_turn>\n"};
+  const char* want[] = {
+      "<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nHi!<end_of_turn>\n",
+      "<bos><start_of_turn>user\nYou are terse.\n\nName three "
+      "fruits.<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nYou are terse.\n\nName three fruits.<end_of_turn>\n",
+      "<bos><start_of_turn>user\nWhat is 12 times "
+      "12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd "
+      "13?<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nWhat is 12 times "
+      "12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd "
+      "13?<end_of_turn>\n"};
   int i = 0;
   for (const auto& c : convs) {
     for (bool agp : {true, false}) {
