@@ -187,6 +187,11 @@ Status CudaBackend::Init() {
     return Unimplemented("cuda backend: head_dim " + std::to_string(c.head_dim) +
                          " is not supported (32, 64, 96, 128 or 256)");
   }
+  if (c.gemma_norms || c.embed_scale != 1.0f || c.ffn_act != ModelConfig::FfnAct::kSilu ||
+      c.q_scale != 0.0f || !c.layer_sliding.empty() || c.final_logit_softcap > 0.0f) {
+    return Unimplemented("cuda backend: architecture '" + c.arch +
+                         "' (Gemma norms, GeGLU, per-layer windows) runs on the CPU backend only");
+  }
   if (c.d_model % 32 != 0 || c.ffn_dim % 32 != 0) {
     return Unimplemented("cuda backend: d_model and ffn_dim must be multiples of 32");
   }

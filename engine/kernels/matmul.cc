@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/kernels/kernel_table.h"
+#include "engine/kernels/kquant.h"
 #include "engine/kernels/ops.h"
 
 namespace kvrelay::engine {
@@ -78,6 +79,8 @@ const KernelTable& Table(KernelPath path) {
 struct Scratch {
   std::vector<int8_t> q;
   std::vector<float> d, s, f;
+  std::vector<float> kd;  // Q8_K activations (own vectors: d and s grow together)
+  std::vector<int16_t> bsums;
 };
 Scratch& ThreadScratch() {
   thread_local Scratch scratch;
@@ -115,8 +118,19 @@ struct QuantJob {
   int64_t first_unit;  // units of all jobs are numbered consecutively
 };
 
+// The K-quant kernels of the same instruction-set path as `k` (the AVX-512
+// table is only reached after Table() checked CPUID and XGETBV, which covers
+// what Avx512KQuantKernels needs; KVRELAY_KERNELS=avx2 resolves to Avx2).
+const kernels::KQuantKernels& KQuant(const KernelTable& k) {
+  if (&k == &kernels::Avx512Kernels()) return kernels::Avx512KQuantKernels();
+  if (&k == &kernels::Avx2Kernels()) return kernels::Avx2KQuantKernels();
+  return kernels::ScalarKQuantKernels();
+}
+
 kernels::GemmQFn QuantGemm(const KernelTable& k, GgmlType type) {
   switch (type) {
+    case GgmlType::kQ5_0:
+      return KQuant(k).gemm_q5_0;
     case GgmlType::kQ4_0:
       return k.gemm_q4_0;
     case GgmlType::kQ4_1:
@@ -169,6 +183,39 @@ void MatMulQuantized(const KernelTable& k, std::span<QuantJob> jobs, int64_t col
         const int64_t r1 = std::min(rows, (b - job.first_unit) * kRowUnit);
         job.gemm(job.w->data, job.row_bytes, r0, r1, acts, t0, t1, job.y, rows);
       }
+    }
+  });
+}
+
+// Q4_K / Q6_K in place: x quantized once to Q8_K (kquant.h), then rows split
+// over the pool as in MatMulQuantized.
+void MatMulQ8K(const KernelTable& k, const GgufTensor& w, const float* x, int64_t n_tokens,
+               float* y, ThreadPool* pool) {
+  const kernels::KQuantKernels& kq = KQuant(k);
+  const kernels::GemmQ8KFn gemm = w.type == GgmlType::kQ4_K ? kq.gemm_q4_k : kq.gemm_q6_k;
+  const int64_t cols = w.Cols(), rows = w.Rows();
+  const int64_t nb = cols / kernels::kBlockK;
+  const int64_t row_bytes = RowBytes(w.type, cols).value();
+  Scratch& scratch = ThreadScratch();
+  if (static_cast<int64_t>(scratch.q.size()) < n_tokens * cols) scratch.q.resize(n_tokens * cols);
+  if (static_cast<int64_t>(scratch.kd.size()) < n_tokens * nb) scratch.kd.resize(n_tokens * nb);
+  if (static_cast<int64_t>(scratch.bsums.size()) < n_tokens * nb * 16) {
+    scratch.bsums.resize(n_tokens * nb * 16);
+  }
+  const kernels::Q8KActs acts{scratch.q.data(), scratch.kd.data(), scratch.bsums.data(), nb};
+  ThreadPool* use_pool = rows * cols * n_tokens >= kMinParallelMacs ? pool : nullptr;
+  if (n_tokens >= 8) {
+    RunParallel(use_pool, n_tokens, 4,
+                [&](int64_t t0, int64_t t1, int) { kq.quantize_q8k(x, cols, t0, t1, acts); });
+  } else {
+    kq.quantize_q8k(x, cols, 0, n_tokens, acts);
+  }
+  const int64_t tile = TokenTile(cols);
+  const int64_t units = (rows + kRowUnit - 1) / kRowUnit;
+  RunParallel(use_pool, units, 1, [&](int64_t u0, int64_t u1, int) {
+    const int64_t r0 = u0 * kRowUnit, r1 = std::min(rows, u1 * kRowUnit);
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += tile) {
+      gemm(w.data, row_bytes, r0, r1, acts, t0, std::min(n_tokens, t0 + tile), y, rows);
     }
   });
 }
@@ -242,7 +289,14 @@ std::string_view KernelPathName(KernelPath path) {
 }
 
 bool MatMulQuantizesActivations(GgmlType type) {
-  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ8_0;
+  return type == GgmlType::kQ4_0 || type == GgmlType::kQ4_1 || type == GgmlType::kQ8_0 ||
+         type == GgmlType::kQ5_0;
+}
+
+int MatMulActivationBlock(GgmlType type) {
+  if (MatMulQuantizesActivations(type)) return 32;
+  if (type == GgmlType::kQ4_K || type == GgmlType::kQ6_K) return 256;
+  return 0;
 }
 
 void MatMulReference(const GgufTensor& w, const float* x, int64_t n_tokens, float* y) {
@@ -268,6 +322,9 @@ void MatMulWithPath(const GgufTensor& w, const float* x, int64_t n_tokens, float
   if (kernels::GemmQFn gemm = QuantGemm(k, w.type)) {
     QuantJob job{&w, gemm, RowBytes(w.type, w.Cols()).value(), y, 0};
     return MatMulQuantized(k, std::span<QuantJob>(&job, 1), w.Cols(), x, n_tokens, pool);
+  }
+  if (w.type == GgmlType::kQ4_K || w.type == GgmlType::kQ6_K) {
+    return MatMulQ8K(k, w, x, n_tokens, y, pool);
   }
   MatMulFloat(k, w, x, n_tokens, y, pool);
 }

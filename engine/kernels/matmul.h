@@ -14,8 +14,10 @@
 //   differs from the exact product by at most, per block b with d0 = amax_b/127,
 //     sum|w| * 0.562 d0  +  |m_b| * 2^-10 * d0 * |sum_j q_j|   (m_b: the Q4 min)
 //   plus float rounding. F32/F16 weights use a float dot (no quantization).
-//   Other types (K-quants, Q5_x, BF16) dequantize a tile of rows to fp32 and
-//   reuse it for every token.
+//   Q5_0 (against the same Q8_0 activations) and Q4_K / Q6_K (against Q8_K
+//   activations, blocks of 256; see MatMulActivationBlock) are read in place
+//   too (engine/kernels/kquant.h). Other types (Q5_1, other K-quants, BF16)
+//   dequantize a tile of rows to fp32 and reuse it for every token.
 //   Rows are split over the pool's threads; tokens are processed in tiles so a
 //   weight tile stays in cache while it is reused across the tile's tokens.
 #pragma once
@@ -64,5 +66,10 @@ void MatMulWithPath(const GgufTensor& w, const float* x, int64_t n_tokens, float
 // True when MatMul multiplies this weight type in place with int8 activations
 // (the error bound in the header comment applies); false for the float paths.
 bool MatMulQuantizesActivations(GgmlType type);
+// The activation quantization block of MatMul for this weight type: 32 (Q8_0 /
+// Q8_1 style, the bound above), 256 (Q4_K / Q6_K: Q8_K activations with a
+// float scale, |x - x^| <= amax_256 / 254 per element; engine/kernels/kquant.h),
+// or 0 (float activations).
+int MatMulActivationBlock(GgmlType type);
 
 }  // namespace kvrelay::engine

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "engine/kernels/gelu.h"
 #include "engine/kernels/matmul.h"
 #include "engine/kernels/ops.h"
 
@@ -114,6 +115,10 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     for (const SeqStep& q : seqs) {
       for (int32_t tok : q.tokens) GetRow(model_.token_embd(), tok, x_.data() + (t++) * d);
     }
+    // gemma3: embeddings times sqrt(d_model) (ggml_scale, one float multiply).
+    if (c.embed_scale != 1.0f) {
+      for (int64_t i = 0; i < T * d; ++i) x_[i] *= c.embed_scale;
+    }
   }
 
   for (int l = 0; l < c.n_layers; ++l) {
@@ -132,14 +137,35 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     AddBias(q_.data(), w.bq, T);
     AddBias(k_.data(), w.bk, T);
     AddBias(v_.data(), w.bv, T);
+    if (c.gemma_norms) {
+      // gemma3: RMSNorm of every Q and K head before RoPE (llama.cpp's order).
+      ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+        for (int64_t t = a; t < b; ++t) {
+          for (int h = 0; h < c.n_heads; ++h) {
+            float* qh = q_.data() + t * qd + static_cast<int64_t>(h) * c.head_dim;
+            RmsNorm(qh, w.q_norm_w.data(), c.head_dim, c.rms_eps, qh);
+          }
+          for (int h = 0; h < c.n_kv_heads; ++h) {
+            float* kh = k_.data() + t * kvd + static_cast<int64_t>(h) * c.head_dim;
+            RmsNorm(kh, w.k_norm_w.data(), c.head_dim, c.rms_eps, kh);
+          }
+        }
+      });
+    }
+    const float rope_base = c.LayerRopeBase(l);
     ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
       for (int64_t t = a; t < b; ++t) {
-        ApplyRope(q_.data() + t * qd, c.n_heads, c.head_dim, c.rope_dim, c.rope_layout, c.rope_base,
+        ApplyRope(q_.data() + t * qd, c.n_heads, c.head_dim, c.rope_dim, c.rope_layout, rope_base,
                   tok_pos_[t]);
         ApplyRope(k_.data() + t * kvd, c.n_kv_heads, c.head_dim, c.rope_dim, c.rope_layout,
-                  c.rope_base, tok_pos_[t]);
+                  rope_base, tok_pos_[t]);
       }
     });
+    if (c.q_scale != 0.0f) {
+      // gemma3: Q times 1/sqrt(query_pre_attn_scalar) after RoPE; the softmax
+      // then runs with scale 1 (ggml_scale on Qcur, kq_scale = 1 in llama.cpp).
+      for (int64_t i = 0; i < T * qd; ++i) q_[i] *= c.q_scale;
+    }
     // K/V of the new tokens into the pool (owner thread only: the pool is
     // thread-compatible).
     for (int64_t t = 0; t < T; ++t) {
@@ -160,6 +186,7 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     if (reduce_tp) {
       RETURN_IF_ERROR(collective_->AllReduceSum(proj_.data(), T * d).WithContext("attention"));
     }
+    if (c.gemma_norms) PostNorm(w.post_attn_norm_w, T);
     for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
     ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
       for (int64_t t = a; t < b; ++t) {
@@ -174,7 +201,11 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
       for (int64_t t = a; t < b; ++t) {
         float* g = gate_.data() + t * c.ffn_dim;
-        SiluMul(g, up_.data() + t * c.ffn_dim, c.ffn_dim, g);  // exp as llama.cpp's
+        if (c.ffn_act == ModelConfig::FfnAct::kGeluTanh) {
+          GeluTanhMulGgml(g, up_.data() + t * c.ffn_dim, c.ffn_dim, g);  // ggml's fp16 table
+        } else {
+          SiluMul(g, up_.data() + t * c.ffn_dim, c.ffn_dim, g);  // exp as llama.cpp's
+        }
       }
     });
     if (exact_tp) {
@@ -185,6 +216,7 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     }
     if (reduce_tp)
       RETURN_IF_ERROR(collective_->AllReduceSum(proj_.data(), T * d).WithContext("ffn"));
+    if (c.gemma_norms) PostNorm(w.post_ffn_norm_w, T);
     for (int64_t i = 0; i < T * d; ++i) x_[i] += proj_[i];
   }
 
@@ -210,7 +242,22 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   }
   out->logits.resize(R * c.vocab);
   MatMul(model_.lm_head(), xn_.data(), R, out->logits.data(), threads_);
+  if (c.final_logit_softcap > 0.0f) {
+    // As llama.cpp: scale by 1/c, tanh, scale by c (three float ops).
+    const float inv = 1.0f / c.final_logit_softcap;
+    for (float& v : out->logits) v = std::tanh(v * inv) * c.final_logit_softcap;
+  }
   return Status::Ok();
+}
+
+void ForwardPass::PostNorm(const std::vector<float>& weight, int64_t T) {
+  const ModelConfig& c = model_.config();
+  const int d = c.d_model;
+  ParallelFor(threads_, T, [&](int64_t a, int64_t b, int) {
+    for (int64_t t = a; t < b; ++t) {
+      RmsNorm(proj_.data() + t * d, weight.data(), d, c.rms_eps, proj_.data() + t * d);
+    }
+  });
 }
 
 Status ForwardPass::GatherColumns(const float* local, const std::vector<UnitRange>& widths,
@@ -241,6 +288,7 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   // f32 pools are read in place (HeadSlabF32); other dtypes are decoded into
   // kv_scratch_ first.
   const bool in_place = pool_->layout().dtype == KvDtype::kF32;
+  const int layer_window = c.LayerWindow(layer);
   std::vector<int64_t> ptr_off(S + 1, 0), kv_off(S + 1, 0), tok_off(S + 1, 0);
   int64_t max_len = 0;
   for (size_t s = 0; s < S; ++s) {
@@ -267,7 +315,16 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       const float** vp = vptr_.data() + ptr_off[s] + h * nb;
       float* kbuf = kv_scratch_.data() + kv_off[s] + 2 * h * nb * B * hd;
       float* vbuf = kbuf + nb * B * hd;
+      // Blocks wholly before the first new token's window are never read
+      // (AttendRowGgml reads positions >= j0 only): not decoded, no pointer.
+      const int64_t first_j0 =
+          layer_window > 0 ? std::max<int64_t>(0, q.cache_len - layer_window + 1) : 0;
       for (int64_t blk = 0; blk < nb; ++blk) {
+        if ((blk + 1) * B <= first_j0) {
+          kp[blk] = nullptr;
+          vp[blk] = nullptr;
+          continue;
+        }
         if (in_place) {
           kp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, false, h);
           vp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, true, h);
@@ -301,8 +358,9 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       }
     }
   }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int window = c.sliding_window;
+  // q_scale != 0: Q was already scaled (gemma3), the softmax uses 1.
+  const float scale = c.q_scale != 0.0f ? 1.0f : 1.0f / std::sqrt(static_cast<float>(hd));
+  const int window = c.LayerWindow(layer);
   ParallelFor(threads_, static_cast<int64_t>(items.size()), [&](int64_t a, int64_t b, int) {
     std::vector<float> scores(max_len);
     std::vector<float> acc(8 * hd);

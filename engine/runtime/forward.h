@@ -51,6 +51,8 @@ class ForwardPass {
 
  private:
   void Attention(int layer, std::span<const SeqStep> seqs);
+  // proj_ rows [0, T) := RmsNorm(proj_ row) * weight (gemma3's post-norms).
+  void PostNorm(const std::vector<float>& weight, int64_t T);
 
   const Model& model_;
   KvBlockPool* pool_;

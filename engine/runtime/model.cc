@@ -166,6 +166,12 @@ Result<std::unique_ptr<Model>> Model::FromGguf(std::unique_ptr<GgufFile> file,
     w.ffn_gate = f.FindTensor(p + "ffn_gate.weight");
     w.ffn_up = f.FindTensor(p + "ffn_up.weight");
     w.ffn_down = f.FindTensor(p + "ffn_down.weight");
+    if (c.gemma_norms) {
+      w.q_norm_w = ReadVector(*f.FindTensor(p + "attn_q_norm.weight"));
+      w.k_norm_w = ReadVector(*f.FindTensor(p + "attn_k_norm.weight"));
+      w.post_attn_norm_w = ReadVector(*f.FindTensor(p + "post_attention_norm.weight"));
+      w.post_ffn_norm_w = ReadVector(*f.FindTensor(p + "post_ffw_norm.weight"));
+    }
   }
   m->fingerprint_ = ComputeModelFingerprint(f);
   m->full_config_ = m->config_;

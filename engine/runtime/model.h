@@ -34,6 +34,9 @@ struct LayerWeights {
   const GgufTensor* ffn_gate = nullptr;
   const GgufTensor* ffn_up = nullptr;
   const GgufTensor* ffn_down = nullptr;
+  // config.gemma_norms only (else empty): per-head Q/K norms (head_dim) and the
+  // norms of the attention and FFN outputs (d_model), as stored.
+  std::vector<float> q_norm_w, k_norm_w, post_attn_norm_w, post_ffn_norm_w;
 };
 
 // Tensor-parallel slice of a model: rank `rank` of `size` keeps a contiguous

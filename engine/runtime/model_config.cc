@@ -1,5 +1,6 @@
 #include "engine/runtime/model_config.h"
 
+#include <cmath>
 #include <sstream>
 
 namespace kvrelay::engine {
@@ -55,6 +56,49 @@ Status CheckTensor(const GgufFile& f, const std::string& name, std::vector<int64
   return Status::Ok();
 }
 
+// Gemma 3 hyper-parameters, read as llama.cpp 0.3.36 reads them
+// (src/models/gemma3.cpp, llama-hparams.cpp).
+Status ReadGemma3(const GgufFile& f, const std::string& a, ModelConfig* c) {
+  c->gemma_norms = true;
+  c->ffn_act = ModelConfig::FfnAct::kGeluTanh;
+  c->embed_scale = std::sqrt(static_cast<float>(c->d_model));
+  // query_pre_attn_scalar is not stored in the GGUF; llama.cpp derives it as
+  // head_dim, except for the 27B model (62 layers) where Gemma's config uses
+  // d_model / n_heads. Q is multiplied by 1/sqrt of it before the QK product.
+  const float qpa = c->n_layers == 62 ? static_cast<float>(c->d_model / c->n_heads)
+                                      : static_cast<float>(c->head_dim);
+  c->q_scale = 1.0f / std::sqrt(qpa);
+  ASSIGN_OR_RETURN(double cap, OptionalFloat(f, a + "final_logit_softcapping", 0.0));
+  if (!(cap >= 0.0)) return InvalidArgument("final_logit_softcapping must be >= 0");
+  c->final_logit_softcap = static_cast<float>(cap);
+  if (c->sliding_window <= 0) return Status::Ok();  // no SWA: every layer is global
+  // Which layers slide: attention.sliding_window_pattern is either a bool per
+  // layer or a period n (layer l slides unless l % n == n - 1); default 6.
+  c->layer_sliding.assign(static_cast<size_t>(c->n_layers), false);
+  const std::string pkey = a + "attention.sliding_window_pattern";
+  const GgufValue* pv = f.Find(pkey);
+  if (pv != nullptr && pv->type == GgufValueType::kArray) {
+    const auto& arr = std::get<std::shared_ptr<GgufArray>>(pv->value);
+    if (arr == nullptr || arr->elem_type != GgufValueType::kBool ||
+        static_cast<int>(arr->values.size()) != c->n_layers) {
+      return InvalidArgument("model metadata '" + pkey + "' must be " +
+                             std::to_string(c->n_layers) + " bools (one per layer)");
+    }
+    for (int l = 0; l < c->n_layers; ++l) {
+      c->layer_sliding[static_cast<size_t>(l)] = std::get<bool>(arr->values[l].value);
+    }
+  } else {
+    ASSIGN_OR_RETURN(int64_t n, OptionalInt(f, pkey, 6, 0, 1 << 20));
+    for (int l = 0; l < c->n_layers; ++l) {
+      c->layer_sliding[static_cast<size_t>(l)] = n == 0 || (l % n < n - 1);
+    }
+  }
+  ASSIGN_OR_RETURN(double base_swa, OptionalFloat(f, a + "rope.freq_base_swa", 10000.0));
+  if (!(base_swa > 1.0)) return InvalidArgument("rope.freq_base_swa must be > 1");
+  c->rope_base_swa = static_cast<float>(base_swa);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
@@ -62,10 +106,11 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
   auto arch = f.GetString("general.architecture");
   if (!arch.ok()) return arch.status().WithContext("model metadata 'general.architecture'");
   c.arch = *arch;
-  if (c.arch != "llama" && c.arch != "qwen2") {
+  if (c.arch != "llama" && c.arch != "qwen2" && c.arch != "gemma3") {
     return Unimplemented("model architecture '" + c.arch +
-                         "' is not supported (supported: llama, qwen2)");
+                         "' is not supported (supported: llama, qwen2, gemma3)");
   }
+  const bool gemma3 = c.arch == "gemma3";
   const std::string a = c.arch + ".";
   constexpr int64_t kMaxDim = 1 << 20;
   ASSIGN_OR_RETURN(int64_t layers, RequiredInt(f, a + "block_count", 1, 4096));
@@ -120,7 +165,9 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
   c.rms_eps = static_cast<float>(eps);
   ASSIGN_OR_RETURN(int64_t window, OptionalInt(f, a + "attention.sliding_window", 0, 0, ctx));
   c.sliding_window = static_cast<int>(window);
-  c.rope_layout = c.arch == "qwen2" ? RopeLayout::kNeox : RopeLayout::kNormal;
+  // ggml's rope type per architecture (llama_model_rope_type): NeoX for qwen2 and gemma3.
+  c.rope_layout = c.arch == "llama" ? RopeLayout::kNormal : RopeLayout::kNeox;
+  if (gemma3) RETURN_IF_ERROR(ReadGemma3(f, a, &c));
 
   // Tensors.
   const GgufTensor* embd = f.FindTensor("token_embd.weight");
@@ -157,6 +204,12 @@ Result<ModelConfig> ModelConfig::FromGguf(const GgufFile& f) {
     RETURN_IF_ERROR(CheckTensor(f, p + "ffn_gate.weight", {c.d_model, c.ffn_dim}));
     RETURN_IF_ERROR(CheckTensor(f, p + "ffn_up.weight", {c.d_model, c.ffn_dim}));
     RETURN_IF_ERROR(CheckTensor(f, p + "ffn_down.weight", {c.ffn_dim, c.d_model}));
+    if (c.gemma_norms) {
+      RETURN_IF_ERROR(CheckTensor(f, p + "attn_q_norm.weight", {c.head_dim}));
+      RETURN_IF_ERROR(CheckTensor(f, p + "attn_k_norm.weight", {c.head_dim}));
+      RETURN_IF_ERROR(CheckTensor(f, p + "post_attention_norm.weight", {c.d_model}));
+      RETURN_IF_ERROR(CheckTensor(f, p + "post_ffw_norm.weight", {c.d_model}));
+    }
   }
   return c;
 }
@@ -170,6 +223,16 @@ std::string ModelConfig::DebugString() const {
      << " rope=" << (rope_layout == RopeLayout::kNeox ? "neox" : "normal") << " eps=" << rms_eps
      << (tied_embeddings ? " tied" : "") << (qkv_bias ? " qkv_bias" : "");
   if (sliding_window > 0) os << " window=" << sliding_window;
+  if (!layer_sliding.empty()) {
+    os << " sliding_layers=";
+    for (bool b : layer_sliding) os << (b ? 'S' : 'G');
+    os << " rope_base_swa=" << rope_base_swa;
+  }
+  if (gemma_norms) os << " gemma_norms";
+  if (ffn_act == FfnAct::kGeluTanh) os << " geglu";
+  if (embed_scale != 1.0f) os << " embed_scale=" << embed_scale;
+  if (q_scale != 0.0f) os << " q_scale=" << q_scale;
+  if (final_logit_softcap > 0.0f) os << " softcap=" << final_logit_softcap;
   return os.str();
 }
 

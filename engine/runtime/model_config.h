@@ -1,10 +1,11 @@
 // Everything shape-related about a decoder-only transformer, read from GGUF
 // metadata and checked against the tensor table. Supported architectures:
-// `llama` (and llama-family files such as SmolLM) and `qwen2`.
+// `llama` (and llama-family files such as SmolLM), `qwen2` and `gemma3`.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "engine/gguf/gguf.h"
@@ -34,6 +35,46 @@ struct ModelConfig {
   int sliding_window = 0;        // 0 = full attention
   bool tied_embeddings = false;  // no output.weight: the LM head is token_embd
   bool qkv_bias = false;         // qwen2: attn_{q,k,v}.bias
+
+  // ---- Gemma 3 (all defaults are the llama/qwen2 behaviour) ----
+  // Sandwich norms: post_attention_norm / post_ffw_norm on the block outputs
+  // before the residual add, and RMSNorm of every Q and K head (attn_q_norm,
+  // attn_k_norm) before RoPE. The GGUF norm weights already hold Gemma's
+  // (1 + w) (llama.cpp's converter adds the 1), so they multiply as stored.
+  bool gemma_norms = false;
+  // Token embeddings are multiplied by this (gemma3: sqrtf(d_model)).
+  float embed_scale = 1.0f;
+  // FFN activation: SiLU(gate) * up, or tanh-approximate GELU(gate) * up.
+  enum class FfnAct : uint8_t { kSilu = 0, kGeluTanh = 1 };
+  FfnAct ffn_act = FfnAct::kSilu;
+  // Multiplier of Q before the QK product; 0 means 1 / sqrt(head_dim) inside
+  // the softmax (llama). gemma3 scales Q itself, as llama.cpp does.
+  float q_scale = 0.0f;
+  // Per layer: true when the layer attends within sliding_window only. Empty
+  // means every layer uses sliding_window (0 = none), as before for llama.
+  std::vector<bool> layer_sliding;
+  // RoPE base of the sliding-window layers when layer_sliding is set
+  // (gemma3.rope.freq_base_swa, default 10000 as llama.cpp).
+  float rope_base_swa = 10000.0f;
+  // 0 = none; else logits = c * tanh(logits / c) (final_logit_softcapping).
+  float final_logit_softcap = 0.0f;
+
+  // The window of layer `l` (0 = full attention) and its RoPE base.
+  int LayerWindow(int l) const {
+    if (layer_sliding.empty()) return sliding_window;
+    return layer_sliding[static_cast<size_t>(l)] ? sliding_window : 0;
+  }
+  float LayerRopeBase(int l) const {
+    if (layer_sliding.empty()) return rope_base;
+    return layer_sliding[static_cast<size_t>(l)] ? rope_base_swa : rope_base;
+  }
+  // True when every layer attends to the whole context.
+  bool AllLayersFull() const {
+    for (int l = 0; l < n_layers; ++l) {
+      if (LayerWindow(l) > 0) return false;
+    }
+    return true;
+  }
 
   int q_dim() const { return n_heads * head_dim; }
   int kv_dim() const { return n_kv_heads * head_dim; }

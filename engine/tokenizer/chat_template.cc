@@ -113,9 +113,13 @@ Result<ChatTemplate> ChatTemplate::FromString(std::string jinja, ChatTemplateOpt
     t.family_ = ChatTemplateFamily::kLlama2;
     if (t.options_.bos_token.empty()) t.options_.bos_token = "<s>";
     if (t.options_.eos_token.empty()) t.options_.eos_token = "</s>";
+  } else if (Contains(s, "<start_of_turn>") && Contains(s, "<end_of_turn>")) {
+    t.family_ = ChatTemplateFamily::kGemma;
+    t.writes_bos_ = Contains(s, "bos_token");
+    if (t.options_.bos_token.empty()) t.options_.bos_token = "<bos>";
   } else {
     return Unimplemented(
-        "chat template is not supported (not ChatML, Llama-3 or Llama-2 [INST] style): '" +
+        "chat template is not supported (not ChatML, Llama-3, Llama-2 [INST] or Gemma style): '" +
         s.substr(0, 80) + (s.size() > 80 ? "...'" : "'"));
   }
   t.source_ = std::move(jinja);
@@ -202,6 +206,30 @@ Result<std::string> ChatTemplate::Render(const std::vector<ChatMessage>& message
         }
       }
       break;  // the Llama-2 template has no generation prompt
+    }
+    case ChatTemplateFamily::kGemma: {
+      if (writes_bos_) out += options_.bos_token;
+      size_t first = 0;
+      std::string prefix;
+      if (messages[0].role == "system") {
+        prefix = messages[0].content + "\n\n";  // untrimmed, as the Gemma 3 template
+        first = 1;
+      }
+      for (size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        const bool expect_user = (i - first) % 2 == 0;
+        if ((m.role == "user") != expect_user || (m.role != "user" && m.role != "assistant")) {
+          return InvalidArgument(
+              "chat template: conversation roles must alternate "
+              "user/assistant/user/... (message " +
+              std::to_string(i) + " has role '" + m.role + "')");
+        }
+        out += "<start_of_turn>" + std::string(m.role == "assistant" ? "model" : "user") + "\n";
+        if (i == first) out += prefix;
+        out += Strip(m.content) + "<end_of_turn>\n";
+      }
+      if (add_generation_prompt) out += "<start_of_turn>model\n";
+      break;
     }
   }
   return out;

@@ -8,7 +8,11 @@
 //            message is not a system message;
 //   kLlama3  <|start_header_id|>role<|end_header_id|>\n\ncontent<|eot_id|>, with the
 //            Llama-3.1+ system header ("Cutting Knowledge Date") when the template has it;
-//   kLlama2  <s>[INST] <<SYS>>\nsystem\n<</SYS>>\n\nuser [/INST] answer </s>.
+//   kLlama2  <s>[INST] <<SYS>>\nsystem\n<</SYS>>\n\nuser [/INST] answer </s>;
+//   kGemma   [bos]<start_of_turn>user\ncontent<end_of_turn>\n ... <start_of_turn>model\n
+//            (Gemma 2 / 3: "assistant" is written "model", a system message is
+//            prefixed to the first user turn with "\n\n", contents trimmed, roles
+//            must alternate user/model; BOS text only where the template writes bos_token).
 // Anything else is rejected with kUnimplemented when the template is loaded.
 //
 // The rendered text contains special-token text (and the BOS text where the
@@ -30,7 +34,7 @@ struct ChatMessage {
   std::string content;
 };
 
-enum class ChatTemplateFamily { kChatMl, kLlama3, kLlama2 };
+enum class ChatTemplateFamily { kChatMl, kLlama3, kLlama2, kGemma };
 
 // Values the template refers to by name.
 struct ChatTemplateOptions {
@@ -64,6 +68,7 @@ class ChatTemplate {
   std::string default_system_;   // ChatML
   bool llama31_system_ = false;  // Llama-3.1+ always writes a system header
   std::string date_string_;      // its "Today Date"
+  bool writes_bos_ = false;      // Gemma: the template starts with {{ bos_token }}
 };
 
 }  // namespace kvrelay::engine

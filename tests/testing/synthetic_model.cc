@@ -133,6 +133,11 @@ std::vector<uint8_t> BuildSyntheticModel(const SyntheticModelOptions& o) {
   w.SetUint32(a + "rope.dimension_count", head_dim);
   w.SetFloat32(a + "attention.layer_norm_rms_epsilon", o.rms_eps);
   w.SetUint32(a + "vocab_size", n_vocab);
+  if (o.arch == "gemma3" && o.sliding_window > 0) {
+    w.SetUint32(a + "attention.sliding_window", o.sliding_window);
+    w.SetUint32(a + "attention.sliding_window_pattern", o.sliding_window_pattern);
+    w.SetFloat32(a + "rope.freq_base_swa", o.rope_base_swa);
+  }
   w.SetString("tokenizer.ggml.model", "gpt2");
   w.SetString("tokenizer.ggml.pre", "gpt2");
   w.SetStringArray("tokenizer.ggml.tokens", vocab.tokens);
@@ -170,6 +175,12 @@ std::vector<uint8_t> BuildSyntheticModel(const SyntheticModelOptions& o) {
     b.Matrix(w, p + "ffn_up.weight", o.d_model, o.ffn, in_scale, o.matrix_type);
     b.Matrix(w, p + "ffn_down.weight", o.ffn, o.d_model,
              1.0f / std::sqrt(static_cast<float>(o.ffn)), o.matrix_type);
+    if (o.arch == "gemma3") {
+      b.Vector(w, p + "attn_q_norm.weight", head_dim, 1.0f, 0.2f);
+      b.Vector(w, p + "attn_k_norm.weight", head_dim, 1.0f, 0.2f);
+      b.Vector(w, p + "post_attention_norm.weight", o.d_model, 1.0f, 0.2f);
+      b.Vector(w, p + "post_ffw_norm.weight", o.d_model, 1.0f, 0.2f);
+    }
   }
   return w.Build();
 }

@@ -14,7 +14,13 @@
 namespace kvrelay::testing {
 
 struct SyntheticModelOptions {
-  std::string arch = "llama";  // "llama" or "qwen2" (qwen2 adds Q/K/V biases, NeoX RoPE)
+  // "llama", "qwen2" (adds Q/K/V biases, NeoX RoPE) or "gemma3" (adds Q/K norms and
+  // post-norms; sliding_window on every layer but the last of each
+  // sliding_window_pattern layers, local RoPE base rope_base_swa).
+  std::string arch = "llama";
+  int sliding_window = 0;  // gemma3 only: attention.sliding_window (0 = key absent)
+  int sliding_window_pattern = 2;
+  float rope_base_swa = 100.0f;
   int layers = 2;
   int d_model = 64;
   int heads = 4;

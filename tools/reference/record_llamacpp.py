@@ -19,9 +19,20 @@ tests/data/llamacpp_reference.json with:
                 llama.cpp's one-token decode steps ("generated_one_token_steps");
                 see greedy().
 
+  long          (--long-prompt-tokens N) one prompt of N tokens cut from
+                tests/data/kjv_genesis_exodus.txt, longer than a sliding window:
+                llama.cpp's argmax and top-1/top-2 margin at every position, and
+                64 greedy ids after it (both kinds of steps, as "greedy").
+
 Usage (see setup_venv.sh):
   .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
-      [--tokenization-only] [--kv-type f32|f16]
+      [--tokenization-only] [--kv-type f32|f16] [--prompt-bos] [--long-prompt-tokens N]
+
+Gemma 3 270M (tests/data/llamacpp_reference_gemma3.json):
+  ... record_llamacpp.py --model models/gemma-3-270m-q4_k_m.gguf \
+      --out tests/data/llamacpp_reference_gemma3.json --prompt-bos --long-prompt-tokens 700
+--prompt-bos starts every prompt with BOS (Gemma expects it; the default model's
+recording has none). A model without a chat template gets no chat prompts.
 
 The forward passes run with flash attention off and an f32 KV cache by default
 (the settings are written to the file's "settings" object).
@@ -160,6 +171,8 @@ def sha256_file(path):
 
 
 def render_chat(template, messages, add_generation_prompt):
+    if not template:
+        return ""
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt,
@@ -239,6 +252,10 @@ def main():
     ap.add_argument("--tokenization-only", action="store_true")
     ap.add_argument("--kv-type", choices=sorted(KV_TYPES), default="f32",
                     help="llama.cpp KV cache type for K and V (default f32: see below)")
+    ap.add_argument("--prompt-bos", action="store_true",
+                    help="start every logits/greedy prompt with the BOS token")
+    ap.add_argument("--long-prompt-tokens", type=int, default=0,
+                    help="also record one prompt of this many tokens (a 'long' section)")
     args = ap.parse_args()
 
     if args.tokenization_only:
@@ -251,7 +268,8 @@ def main():
         write(out, args.out)
         return
 
-    llm = Llama(model_path=args.model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH,
+    n_ctx = max(N_CTX, args.long_prompt_tokens + N_GREEDY + 8)
+    llm = Llama(model_path=args.model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                 n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True,
                 seed=0, verbose=False, flash_attn=False,
                 type_k=KV_TYPES[args.kv_type], type_v=KV_TYPES[args.kv_type])
@@ -263,7 +281,8 @@ def main():
         "model_sha256": sha256_file(args.model),
         "llama_cpp_python_version": llama_cpp.__version__,
         "settings": {
-            "n_ctx": N_CTX, "n_batch": N_BATCH, "n_ubatch": N_BATCH, "n_threads": N_THREADS,
+            "n_ctx": n_ctx, "n_batch": n_ctx, "n_ubatch": n_ctx, "n_threads": N_THREADS,
+            "prompt_bos": args.prompt_bos,
             "logits_all": True, "kv_cache_type": args.kv_type, "flash_attn": False,
             "backend": "CPU",
             "tokenize": "llama_tokenize(text, add_special, parse_special)",
@@ -284,12 +303,15 @@ def main():
     out["probe_ids"] = probe_ids
 
     prompts = [{"kind": "plain", "text": t} for t in PLAIN_PROMPTS]
-    prompts += [{"kind": "chat", "messages": c, "text": render_chat(template, c, True)}
-                for c in CHAT_CONVERSATIONS]
+    if template:
+        prompts += [{"kind": "chat", "messages": c, "text": render_chat(template, c, True)}
+                    for c in CHAT_CONVERSATIONS]
+    bos = [llm.token_bos()] if args.prompt_bos else []
 
     logits_out, greedy_out = [], []
     for p in prompts:
-        ids = [int(i) for i in llm.tokenize(p["text"].encode("utf-8"), add_bos=False, special=True)]
+        ids = bos + [int(i) for i in llm.tokenize(p["text"].encode("utf-8"), add_bos=False,
+                                                   special=True)]
         llm.reset()
         llm.eval(ids)
         scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -318,6 +340,26 @@ def main():
 
     out["logits"] = logits_out
     out["greedy"] = greedy_out
+
+    if args.long_prompt_tokens > 0:
+        with open(os.path.join(ROOT, "tests", "data", "kjv_genesis_exodus.txt"), encoding="utf-8") as f:
+            text = f.read()
+        ids = bos + [int(i) for i in llm.tokenize(text.encode("utf-8"), add_bos=False,
+                                                   special=False)]
+        ids = ids[: args.long_prompt_tokens]
+        llm.reset()
+        llm.eval(ids)
+        scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        gen, min_margin = greedy(llm, ids, scores[-1], two_token_steps=True)
+        gen1, min_margin1 = greedy(llm, ids, scores[-1], two_token_steps=False)
+        out["long"] = {"source": "tests/data/kjv_genesis_exodus.txt, first tokens",
+                       "ids": ids,
+                       "argmax": [int(np.argmax(r)) for r in scores],
+                       "top2_margin": [r4(top2_margin(r)) for r in scores],
+                       "generated": gen, "min_top2_margin": r4(min_margin),
+                       "generated_one_token_steps": gen1,
+                       "min_top2_margin_one_token_steps": r4(min_margin1)}
+        print(f"long prompt: {len(ids)} tokens, min margin {min_margin:.3f}", file=sys.stderr)
 
     write(out, args.out)
 

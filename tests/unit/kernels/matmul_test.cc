@@ -115,6 +115,7 @@ std::vector<float> RandomActs(int64_t n, uint32_t seed) {
 std::vector<double> Bounds(const Weights& w, const std::vector<float>& x, int64_t n_tokens) {
   const int64_t rows = w.tensor.Rows(), cols = w.tensor.Cols();
   const bool quant = MatMulQuantizesActivations(w.tensor.type);
+  const int act_block = MatMulActivationBlock(w.tensor.type);
   const int64_t nb = (cols + 31) / 32;
   const double gamma =
       quant ? (nb + 16) * std::ldexp(1.0, -23) : (cols + 16) * std::ldexp(1.0, -23);
@@ -126,20 +127,24 @@ std::vector<double> Bounds(const Weights& w, const std::vector<float>& x, int64_
     for (int64_t t = 0; t < n_tokens; ++t) {
       const float* xt = x.data() + t * cols;
       double quant_err = 0, mag = 0;
-      for (int64_t b = 0; b * 32 < cols; ++b) {
+      // Q4_K / Q6_K quantize x per 256 with a float scale: |x - x^| <= d0 / 2
+      // (plus the float rounding of iscale * x and 1 / iscale, < 2^-20 d0).
+      const int64_t ab = act_block == 0 ? 32 : act_block;
+      for (int64_t b = 0; b * ab < cols; ++b) {
         double amax = 0, wsum = 0, wx = 0, xsum = 0;
-        const int64_t end = std::min<int64_t>(cols, b * 32 + 32);
-        for (int64_t j = b * 32; j < end; ++j) amax = std::max(amax, std::fabs((double)xt[j]));
+        const int64_t end = std::min<int64_t>(cols, b * ab + ab);
+        for (int64_t j = b * ab; j < end; ++j) amax = std::max(amax, std::fabs((double)xt[j]));
         const double d0 = amax / 127.0;
-        const double half_step = quant ? 0.5625 * d0 : 0.0;
-        for (int64_t j = b * 32; j < end; ++j) {
+        const double half_step = act_block == 256 ? 0.500001 * d0 : (quant ? 0.5625 * d0 : 0.0);
+        for (int64_t j = b * ab; j < end; ++j) {
           wsum += std::fabs(row[j]);
           wx += std::fabs(row[j]) * (std::fabs(xt[j]) + half_step);
           xsum += std::fabs(xt[j]);
         }
         quant_err += wsum * half_step;
         // The Q4 min term meets the fp16 block sum.
-        const uint8_t* blk = w.tensor.data + r * row_bytes + b * BlockBytes(w.tensor.type);
+        const uint8_t* blk = w.tensor.data + r * row_bytes +
+                             b * BlockBytes(w.tensor.type) * ab / BlockElems(w.tensor.type);
         double m = 0;
         if (w.tensor.type == GgmlType::kQ4_1) m = Fp16ToFp32(blk[2] | blk[3] << 8);
         if (w.tensor.type == GgmlType::kQ4_0) m = -8.0 * Fp16ToFp32(blk[0] | blk[1] << 8);

@@ -48,6 +48,40 @@ TEST(ModelConfigTest, Qwen2HasBiasesAndNeoxRope) {
   EXPECT_FALSE(c->tied_embeddings);
 }
 
+TEST(ModelConfigTest, Gemma3FromMetadata) {
+  testing::SyntheticModelOptions o;
+  o.arch = "gemma3";
+  o.layers = 4;
+  o.sliding_window = 9;
+  o.sliding_window_pattern = 2;
+  o.rope_base_swa = 100.0f;
+  auto c = ConfigOf(testing::BuildSyntheticModel(o));
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_layout, RopeLayout::kNeox);
+  EXPECT_TRUE(c->gemma_norms);
+  EXPECT_EQ(c->ffn_act, ModelConfig::FfnAct::kGeluTanh);
+  EXPECT_EQ(c->embed_scale, 8.0f);  // sqrt(d_model = 64)
+  EXPECT_EQ(c->q_scale, 0.25f);     // 1 / sqrt(head_dim = 16)
+  for (int l = 0; l < 4; ++l) {     // pattern 2: odd layers global
+    EXPECT_EQ(c->LayerWindow(l), l % 2 == 1 ? 0 : 9) << l;
+    EXPECT_EQ(c->LayerRopeBase(l), l % 2 == 1 ? o.rope_base : 100.0f) << l;
+  }
+  EXPECT_FALSE(c->AllLayersFull());
+  // Without the window key every layer is global.
+  o.sliding_window = 0;
+  auto full = ConfigOf(testing::BuildSyntheticModel(o));
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  EXPECT_TRUE(full->AllLayersFull());
+  EXPECT_TRUE(full->layer_sliding.empty());
+  // llama keeps its old meaning: the window (if any) on every layer.
+  testing::SyntheticModelOptions l;
+  auto llama = ConfigOf(testing::BuildSyntheticModel(l));
+  ASSERT_TRUE(llama.ok());
+  EXPECT_FALSE(llama->gemma_norms);
+  EXPECT_EQ(llama->q_scale, 0.0f);
+  EXPECT_EQ(llama->LayerRopeBase(1), llama->rope_base);
+}
+
 // Rebuilds a synthetic model with one tensor renamed or one key changed.
 std::vector<uint8_t> Mutate(const std::string& drop_tensor, const std::string& key,
                             GgufValue value) {

@@ -50,11 +50,23 @@ constexpr const char* kLlama2 =
     "message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% "
     "endfor %}";
 
-// Gemma's turn markers: a family kvrelay does not render.
-constexpr const char* kGemma =
-    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' + "
-    "message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ "
-    "'<start_of_turn>model\n' }}{% endif %}";
+// Phi-3's turn markers: a family kvrelay does not render.
+constexpr const char* kPhi3 =
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + "
+    "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}";
+
+// Gemma 3's template (text content), one line.
+constexpr const char* kGemma3 =
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = "
+    "messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- "
+    "set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}{%- for "
+    "message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) "
+    "-%}{{ raise_exception(\"Conversation roles must alternate "
+    "user/assistant/user/assistant/...\") }}{%- endif -%}{%- if (message['role'] == 'assistant') "
+    "-%}{%- set role = \"model\" -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}{{ "
+    "'<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}{{ "
+    "message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt "
+    "-%}{{'<start_of_turn>model\n'}}{%- endif -%}";
 
 std::string RenderOrDie(const ChatTemplate& t, const std::vector<ChatMessage>& m, bool agp) {
   auto r = t.Render(m, agp);
@@ -138,7 +150,7 @@ TEST(ChatTemplateTest, Llama2RejectsNonAlternatingRoles) {
 }
 
 TEST(ChatTemplateTest, UnknownTemplateIsUnimplemented) {
-  auto t = ChatTemplate::FromString(kGemma);
+  auto t = ChatTemplate::FromString(kPhi3);
   ASSERT_FALSE(t.ok());
   EXPECT_EQ(t.status().code(), StatusCode::kUnimplemented);
   EXPECT_NE(t.status().message().find("not supported"), std::string::npos);
@@ -173,6 +185,39 @@ TEST(ChatTemplateTest, SmolLm2MatchesJinja2Renderings) {
     ++n;
   }
   EXPECT_GE(n, 10);
+}
+
+// Expected texts: jinja2 3.1.6 renderings of kGemma3 with bos_token "<bos>".
+TEST(ChatTemplateTest, Gemma3MatchesJinja2Renderings) {
+  auto t = ChatTemplate::FromString(kGemma3, {"<bos>", "<eos>"});
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ(t->family(), ChatTemplateFamily::kGemma);
+  const std::vector<std::vector<ChatMessage>> convs = {
+      {{"user", "Hi!"}},
+      {{"system", "You are terse."}, {"user", "  Name three fruits. "}},
+      {{"user", "What is 12 times 12?"}, {"assistant", " 144. "}, {"user", "And 13?"}}};
+  const char* want[] = {
+      "<bos><start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nHi!<end_of_turn>\n",
+      "<bos><start_of_turn>user\nYou are terse.\n\nName three "
+      "fruits.<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nYou are terse.\n\nName three fruits.<end_of_turn>\n",
+      "<bos><start_of_turn>user\nWhat is 12 times "
+      "12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd "
+      "13?<end_of_turn>\n<start_of_turn>model\n",
+      "<bos><start_of_turn>user\nWhat is 12 times "
+      "12?<end_of_turn>\n<start_of_turn>model\n144.<end_of_turn>\n<start_of_turn>user\nAnd "
+      "13?<end_of_turn>\n"};
+  int i = 0;
+  for (const auto& c : convs) {
+    for (bool agp : {true, false}) {
+      EXPECT_EQ(RenderOrDie(*t, c, agp), want[i]) << i;
+      ++i;
+    }
+  }
+  auto bad = t->Render({{"user", "a"}, {"user", "b"}}, true);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("alternate"), std::string::npos);
 }
 
 }  // namespace

@@ -1,0 +1,77 @@
+// In-place kernels for the weight formats of llama.cpp's K-quant files
+// (Q4_K, Q6_K, and Q5_0, which Q4_K_M files use for most projections).
+// Internal to engine/kernels; matmul.cc owns threading and tiling.
+//
+// Q5_0 multiplies against the Q8_0 activations of quant_blocks.h (blocks of
+// 32, the GemmQFn of kernel_table.h). Q4_K and Q6_K multiply against Q8_K
+// activations, as ggml's CPU backend does (quantize_row_q8_K): per block of
+// 256, with max the element of largest magnitude (its sign kept),
+//   iscale = -127 / max, q_j = min(127, nearest(iscale * x_j)), d = 1 / iscale
+// (a float, not rounded to fp16), and bsums = the sum of every 16 q_j.
+// So |x_j - d q_j| <= |d| / 2 = amax / 254 per element.
+//
+// Every dot is an exact integer sum per 256-block (per 32-block for Q5_0)
+// times float scales, in the same order on every path: the scalar and vector
+// kernels return bit-identical results (a test checks it).
+//   Q4_K block: y += (fp16 d * dx) * sum_s sc_s * sum_j q4_j x8_j
+//                  - (fp16 dmin * dx) * sum_s m_s * bsum_s
+//   Q6_K block: y += (fp16 d * dx) * sum_s sc_s * sum_j (q6_j - 32) x8_j
+//   Q5_0 block: y += (fp16 d * dx) * sum_j (q5_j - 16) x8_j   (dx = the Q8_0 scale)
+#pragma once
+
+#include <cstdint>
+
+#include "engine/kernels/kernel_table.h"
+
+namespace kvrelay::engine::kernels {
+
+inline constexpr int kBlockK = 256;
+
+// Q8_K activations, structure of arrays: token t, block b (nb per token):
+//   q[(t * nb + b) * 256 + j], d[t * nb + b], bsums[(t * nb + b) * 16 + s].
+struct Q8KActs {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int16_t* bsums = nullptr;
+  int64_t nb = 0;
+};
+
+using QuantizeQ8KFn = void (*)(const float* x, int64_t cols, int64_t t0, int64_t t1,
+                               const Q8KActs& a);
+// As GemmQFn, against Q8_K activations.
+using GemmQ8KFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                           const Q8KActs& a, int64_t t0, int64_t t1, float* y, int64_t ldy);
+
+struct KQuantKernels {
+  const char* name;
+  QuantizeQ8KFn quantize_q8k;
+  GemmQ8KFn gemm_q4_k;
+  GemmQ8KFn gemm_q6_k;
+  GemmQFn gemm_q5_0;  // Q8_0 activations (QuantizedActs)
+};
+
+const KQuantKernels& ScalarKQuantKernels();
+// Only when the CPU has AVX2 + FMA + F16C.
+const KQuantKernels& Avx2KQuantKernels();
+// Only when it also has AVX512F/BW/VL and VNNI (Q5_0 with vpdpbusd; the same bits).
+const KQuantKernels& Avx512KQuantKernels();
+// Avx512KQuantKernels when the CPU has AVX-512 VNNI (unless KVRELAY_KERNELS=avx2
+// asks for plain AVX2), else Avx2. matmul.cc now picks the table of its own
+// resolved path instead (kAvx512 -> Avx512, kAvx2 -> Avx2), which is the same
+// choice with the OS's zmm support (XGETBV) checked too.
+const KQuantKernels& BestVectorKQuantKernels();
+
+// The 8 (scale, min) 6-bit pairs of a Q4_K block from its 12 packed bytes.
+inline void UnpackQ4KScales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = static_cast<uint8_t>((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+      mn[j] = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+  }
+}
+
+}  // namespace kvrelay::engine::kernels

@@ -1,0 +1,215 @@
+// AVX2 K-quant kernels (kquant.h). Compiled for avx2/fma/f16c by the pragma
+// after the includes (as kernels_avx2.cc); matmul.cc reaches this table only
+// after checking CPUID.
+//
+// maddubs saturation: Q4_K nibbles give pairs of at most 2 * 15 * 127 = 3810,
+// Q6_K values (0..63) at most 2 * 63 * 127 = 16002, |Q5_0| (<= 16) at most
+// 2 * 16 * 127 = 4064 (activations never hold -128), so nothing saturates.
+// Per 256-block integer sums are bounded by 256 * 63 * 15 * 127 (Q4_K) and
+// 256 * 127 * 63 * 127 (Q6_K) < 2^31.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "engine/kernels/kquant.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace kvrelay::engine::kernels {
+namespace {
+
+constexpr int64_t kQ4KBytes = 4 + 12 + 128;
+constexpr int64_t kQ6KBytes = 128 + 64 + 16 + 2;
+constexpr int64_t kQ5_0Bytes = 2 + 4 + 16;
+constexpr int kTokTile = 4;
+
+inline int HsumI32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The fixed reduction the scalar path reproduces: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+inline float HsumF32(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float LoadHalfAt(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q8KActs& a,
+             int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t tt = t0; tt < t1; tt += kTokTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - tt));
+      float acc[kTokTile] = {0, 0, 0, 0};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kQ4KBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kQ4KBytes), _MM_HINT_T0);
+        uint8_t sc[8], mn[8];
+        UnpackQ4KScales(blk + 4, sc, mn);
+        const float dw = LoadHalfAt(blk), dmw = LoadHalfAt(blk + 2);
+        __m256i wv[8], scv[8];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+          wv[2 * j] = _mm256_and_si256(q, m4);
+          wv[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          scv[2 * j] = _mm256_set1_epi16(sc[2 * j]);
+          scv[2 * j + 1] = _mm256_set1_epi16(sc[2 * j + 1]);
+        }
+        // mins per 16-element bsum: lane s holds mn[s / 2].
+        alignas(32) int16_t mins16[16];
+        for (int s = 0; s < 16; ++s) mins16[s] = mn[s / 2];
+        const __m256i minv = _mm256_load_si256(reinterpret_cast<const __m256i*>(mins16));
+        for (int k = 0; k < nt; ++k) {
+          const int64_t t = tt + k;
+          const int8_t* xq = a.q + (t * nb + b) * kBlockK;
+          __m256i sum = _mm256_setzero_si256();
+          for (int s = 0; s < 8; ++s) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), scv[s]));
+          }
+          const __m256i bs = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
+          const int summ = HsumI32(_mm256_madd_epi16(bs, minv));
+          const int sumi = HsumI32(sum);
+          const float dx = a.d[t * nb + b];
+          acc[k] = std::fma(dw * dx, static_cast<float>(sumi), acc[k]);
+          acc[k] = std::fma(-(dmw * dx), static_cast<float>(summ), acc[k]);
+        }
+      }
+      for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];
+    }
+  }
+}
+
+void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q8KActs& a,
+             int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t tt = t0; tt < t1; tt += kTokTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - tt));
+      float acc[kTokTile] = {0, 0, 0, 0};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kQ6KBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kQ6KBytes), _MM_HINT_T0);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        __m256i wv[8], scv[8];
+        for (int n = 0; n < 2; ++n) {
+          const uint8_t* ql = blk + 64 * n;
+          const uint8_t* qh = blk + 128 + 32 * n;
+          const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+          const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+          wv[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(qa, m4),
+                                          _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+          wv[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(qb, m4),
+                                          _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+          wv[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                                          _mm256_and_si256(h, m30));
+          wv[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                          _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+        }
+        for (int v = 0; v < 8; ++v) {
+          scv[v] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
+        }
+        const __m256i sc16 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        for (int k = 0; k < nt; ++k) {
+          const int64_t t = tt + k;
+          const int8_t* xq = a.q + (t * nb + b) * kBlockK;
+          __m256i sum = _mm256_setzero_si256();
+          for (int v = 0; v < 8; ++v) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * v));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[v], xv), scv[v]));
+          }
+          const __m256i bs = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
+          sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+          const int sumi = HsumI32(sum);
+          acc[k] =
+              std::fma(LoadHalfAt(blk + 208) * a.d[t * nb + b], static_cast<float>(sumi), acc[k]);
+        }
+      }
+      for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];
+    }
+  }
+}
+
+// 32 bits -> 32 bytes: 0xFF where bit j of the word is set (byte j).
+inline __m256i BytesFromBits32(const uint8_t* p) {
+  uint32_t x32;
+  std::memcpy(&x32, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101,
+                                         0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// Q5_0: the float sum runs in 8 lanes (lane m = elements 4m..4m+3 of every
+// block) and is reduced at the end as HsumF32; the scalar path reproduces it.
+void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
+              int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i b16 = _mm256_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t tt = t0; tt < t1; tt += kTokTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - tt));
+      __m256 acc[kTokTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                              _mm256_setzero_ps()};
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kQ5_0Bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 16 * kQ5_0Bytes), _MM_HINT_T0);
+        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6 - 0));
+        const __m256i q4 =
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+        const __m256i hb = _mm256_and_si256(BytesFromBits32(blk + 2), b16);
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(q4, hb), b16);  // -16..15
+        const __m256i av = _mm256_sign_epi8(v, v);
+        const __m256 dw = _mm256_set1_ps(LoadHalfAt(blk));
+        for (int k = 0; k < nt; ++k) {
+          const int64_t t = tt + k;
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (t * nb + b) * kBlock));
+          const __m256i p =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, v)), ones);
+          const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[t * nb + b]));
+          acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[k]);
+        }
+      }
+      for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = HsumF32(acc[k]);
+    }
+  }
+}
+
+}  // namespace
+
+const KQuantKernels& Avx2KQuantKernels() {
+  static const KQuantKernels table = {"avx2", ScalarKQuantKernels().quantize_q8k, &GemmQ4K,
+                                      &GemmQ6K, &GemmQ5_0};
+  return table;
+}
+
+}  // namespace kvrelay::engine::kernels
+
+#pragma GCC pop_options

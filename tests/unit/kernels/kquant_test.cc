@@ -1,0 +1,196 @@
+// The in-place K-quant kernels (engine/kernels/kquant.h): the AVX2 path returns
+// the scalar path's bits, the Q8_K activation format is ggml's, and a Q4_K /
+// Q6_K / Q5_0 block written by hand multiplies to the value its layout says.
+// (Agreement with MatMulReference within the derived bound is in matmul_test.)
+#include "engine/kernels/kquant.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "engine/gguf/ggml_type.h"
+#include "engine/kernels/matmul.h"
+
+namespace kvrelay::engine {
+namespace {
+
+GgufTensor View(GgmlType type, int64_t rows, int64_t cols, std::vector<uint8_t>* bytes) {
+  GgufTensor t;
+  t.name = "w";
+  t.type = type;
+  t.dims = {cols, rows};
+  t.data = bytes->data();
+  t.nbytes = bytes->size();
+  return t;
+}
+
+void PutHalf(uint8_t* p, float v) {
+  const uint16_t h = Fp32ToFp16(v);
+  std::memcpy(p, &h, 2);
+}
+
+std::vector<uint8_t> RandomBytes(GgmlType type, int64_t rows, int64_t cols, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> scale(0.002f, 0.05f);
+  std::vector<uint8_t> bytes(rows * RowBytes(type, cols).value());
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+  const int64_t bb = BlockBytes(type);
+  for (int64_t i = 0; i < static_cast<int64_t>(bytes.size()) / bb; ++i) {
+    uint8_t* blk = bytes.data() + i * bb;
+    if (type == GgmlType::kQ4_K) {
+      PutHalf(blk, scale(rng));
+      PutHalf(blk + 2, scale(rng));
+    } else if (type == GgmlType::kQ6_K) {
+      PutHalf(blk + 208, scale(rng));
+    } else {
+      PutHalf(blk, scale(rng));
+    }
+  }
+  return bytes;
+}
+
+std::vector<float> RandomActs(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.3f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = g(rng);
+  for (int64_t i = 0; i < n; i += 61) x[i] *= -9.0f;  // negative outliers: max < 0
+  return x;
+}
+
+class KQuantPathTest : public ::testing::TestWithParam<GgmlType> {};
+
+TEST_P(KQuantPathTest, Avx2EqualsScalarBitForBit) {
+  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+  const GgmlType type = GetParam();
+  const int64_t be = BlockElems(type);
+  ThreadPool pool(2, "kq");
+  uint32_t seed = 7;
+  for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{
+           {1, be, 1}, {9, 3 * be, 5}, {65, 4 * be, 1}, {33, 2 * be, 19}}) {
+    std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
+    const GgufTensor w = View(type, rows, cols, &bytes);
+    const std::vector<float> x = RandomActs(tokens * cols, seed++);
+    std::vector<float> ys(rows * tokens), yv(rows * tokens);
+    MatMulWithPath(w, x.data(), tokens, ys.data(), nullptr, KernelPath::kScalar);
+    MatMulWithPath(w, x.data(), tokens, yv.data(), &pool, KernelPath::kAvx2);
+    for (int64_t i = 0; i < rows * tokens; ++i) {
+      ASSERT_EQ(std::memcmp(&ys[i], &yv[i], 4), 0)
+          << GgmlTypeName(type) << " " << rows << "x" << cols << " T=" << tokens << " i=" << i
+          << ": scalar " << ys[i] << " avx2 " << yv[i];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, KQuantPathTest,
+                         ::testing::Values(GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_0),
+                         [](const auto& info) { return std::string(GgmlTypeName(info.param)); });
+
+TEST(Q8K, QuantizesAsGgml) {
+  // One block whose largest magnitude is negative: iscale = -127 / max > 0.
+  std::vector<float> x(256);
+  for (int j = 0; j < 256; ++j) x[j] = 0.01f * static_cast<float>(j % 37) - 0.1f;
+  x[100] = -3.0f;
+  std::vector<int8_t> q(256);
+  float d = 0;
+  std::vector<int16_t> bs(16);
+  const kernels::Q8KActs a{q.data(), &d, bs.data(), 1};
+  kernels::ScalarKQuantKernels().quantize_q8k(x.data(), 256, 0, 1, a);
+  const float iscale = -127.0f / -3.0f;
+  EXPECT_EQ(d, 1.0f / iscale);
+  EXPECT_EQ(q[100], -127);
+  for (int j = 0; j < 256; ++j) {
+    ASSERT_EQ(q[j], static_cast<int>(std::nearbyint(iscale * x[j]))) << j;
+  }
+  for (int s = 0; s < 16; ++s) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * s + j];
+    EXPECT_EQ(bs[s], sum);
+  }
+}
+
+// A Q4_K block by hand: sub-block s has scale s + 1 and min 2, element e of
+// sub-block s (32 each) holds nibble e % 16; d = 1, dmin = 0.5. x is exactly
+// representable in Q8_K (all values 1), so the product is exact.
+TEST(Q4K, HandBlock) {
+  std::vector<uint8_t> blk(144, 0);
+  PutHalf(blk.data(), 1.0f);
+  PutHalf(blk.data() + 2, 0.5f);
+  uint8_t* sc = blk.data() + 4;
+  // 6-bit packing: j < 4: sc[j] low 6 bits = scale, sc[j+4] low 6 bits = min;
+  // j >= 4: low nibbles in sc[j+4], top 2 bits in sc[j-4] / sc[j] bits 6-7.
+  for (int j = 0; j < 8; ++j) {
+    const int scale = j + 1, mn = 2;
+    if (j < 4) {
+      sc[j] = static_cast<uint8_t>((sc[j] & 0xC0) | scale);
+      sc[j + 4] = static_cast<uint8_t>((sc[j + 4] & 0xC0) | mn);
+    } else {
+      sc[j + 4] = static_cast<uint8_t>((scale & 0x0F) | ((mn & 0x0F) << 4));
+      sc[j - 4] = static_cast<uint8_t>(sc[j - 4] | ((scale >> 4) << 6));
+      sc[j] = static_cast<uint8_t>(sc[j] | ((mn >> 4) << 6));
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    for (int l = 0; l < 32; ++l) {
+      blk[16 + 32 * j + l] = static_cast<uint8_t>((l % 16) | ((l % 16) << 4));
+    }
+  }
+  std::vector<float> x(256, 1.0f);
+  double want = 0;
+  for (int s = 0; s < 8; ++s) {
+    for (int e = 0; e < 32; ++e) want += 1.0 * (s + 1) * (e % 16) - 0.5 * 2;
+  }
+  const GgufTensor w = View(GgmlType::kQ4_K, 1, 256, &blk);
+  std::vector<float> deq(256);
+  DequantizeRow(GgmlType::kQ4_K, blk.data(), deq.data(), 256);
+  double deq_sum = 0;
+  for (float v : deq) deq_sum += v;
+  EXPECT_EQ(deq_sum, want);  // the dequantizer agrees with the layout above
+  for (KernelPath path : {KernelPath::kScalar, KernelPath::kAvx2}) {
+    if (!KernelPathSupported(path)) continue;
+    float y = 0;
+    MatMulWithPath(w, x.data(), 1, &y, nullptr, path);
+    EXPECT_EQ(y, static_cast<float>(want)) << KernelPathName(path);
+  }
+}
+
+bool CpuHasAvx512Vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+// Every vector table against the scalar one, called directly (MatMul picks
+// only the best table of the CPU).
+TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
+  std::vector<const kernels::KQuantKernels*> tables;
+  if (KernelPathSupported(KernelPath::kAvx2)) tables.push_back(&kernels::Avx2KQuantKernels());
+  if (CpuHasAvx512Vnni()) tables.push_back(&kernels::Avx512KQuantKernels());
+  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  const int64_t rows = 13, cols = 32 * 11, tokens = 7;
+  std::vector<uint8_t> bytes = RandomBytes(GgmlType::kQ5_0, rows, cols, 99);
+  const std::vector<float> x = RandomActs(tokens * cols, 100);
+  std::vector<int8_t> q(tokens * cols);
+  std::vector<float> d(tokens * cols / 32), s(tokens * cols / 32);
+  const kernels::QuantizedActs acts{q.data(), d.data(), s.data(), cols / 32};
+  kernels::ScalarKernels().quantize(x.data(), cols, 0, tokens, acts);
+  const int64_t rb = RowBytes(GgmlType::kQ5_0, cols).value();
+  std::vector<float> want(rows * tokens);
+  kernels::ScalarKQuantKernels().gemm_q5_0(bytes.data(), rb, 0, rows, acts, 0, tokens, want.data(),
+                                           rows);
+  for (const kernels::KQuantKernels* t : tables) {
+    std::vector<float> got(rows * tokens);
+    t->gemm_q5_0(bytes.data(), rb, 0, rows, acts, 0, tokens, got.data(), rows);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), 4 * got.size()), 0) << t->name;
+  }
+}
+
+}  // namespace
+}  // namespace kvrelay::engine
