@@ -179,6 +179,9 @@ Status LocalLauncher::Start() {
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
                           const std::vector<std::string>& extra = {},
                           const std::string& unit = "") -> Status {
+    const int threads = binary == "kvrelay-prefill" && options_.prefill_threads > 0
+                            ? options_.prefill_threads
+                            : options_.threads_per_worker;
     std::vector<std::string> argv = {bin + "/" + binary,
                                      "--id",
                                      id,
@@ -191,10 +194,7 @@ Status LocalLauncher::Start() {
                                      "--kv-capacity-mb",
                                      std::to_string(options_.kv_capacity_mb),
                                      "--threads",
-                                     std::to_string(binary == "kvrelay-prefill" &&
-                                                            options_.prefill_threads > 0
-                                                        ? options_.prefill_threads
-                                                        : options_.threads_per_worker),
+                                     std::to_string(threads),
                                      "--rank",
                                      std::to_string(rank),
                                      "--world-size",

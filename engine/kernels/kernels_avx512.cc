@@ -127,8 +127,8 @@ inline __m512i UnpackNibblesTwice(const uint8_t* qs) {
 // the AVX2 tile's scalar loop compiles; here lane t of one 8-lane register
 // per row holds it (the 8 tokens' s values gathered once per block).
 template <Kind K, int R, int T>
-void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a,
-                int64_t t0, float* y, int64_t ldy) {
+void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a, int64_t t0,
+                float* y, int64_t ldy) {
   using F = Fmt<K>;
   constexpr int P = (T + 1) / 2;
   const int64_t nb = a.nb;

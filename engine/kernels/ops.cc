@@ -358,8 +358,7 @@ void AttendAvx512(const float* q, const float* const* kb, const float* const* vb
     const int lo = static_cast<int>(std::max<int64_t>(0, j0 - g));
     const int hi = static_cast<int>(std::min<int64_t>(16, j1 - g));
     const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-    _mm512_mask_storeu_ps(scores + g, m,
-                          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + g), vinv));
+    _mm512_mask_storeu_ps(scores + g, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + g), vinv));
   }
   // V * p: lane (j mod 8) of an 8-lane accumulator per output element.
   for (int e0 = 0; e0 < hd; e0 += 32) {
@@ -392,12 +391,12 @@ void AttendAvx512(const float* q, const float* const* kb, const float* const* vb
       }
     }
     // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as AttendAvx2.
-    const __m512 ta = _mm512_add_ps(
-        _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
-        _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
-    const __m512 tb = _mm512_add_ps(
-        _mm512_add_ps(_mm512_add_ps(b[0], b[4]), _mm512_add_ps(b[2], b[6])),
-        _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7])));
+    const __m512 ta =
+        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                      _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+    const __m512 tb =
+        _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(b[0], b[4]), _mm512_add_ps(b[2], b[6])),
+                      _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7])));
     _mm512_storeu_ps(out + e0, ta);
     _mm512_storeu_ps(out + e0 + 16, tb);
   }
