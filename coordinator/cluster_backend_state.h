@@ -13,6 +13,7 @@
 #include "coordinator/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
+#include "protocols/sampling_codec.h"
 
 namespace kvrelay::coordinator {
 namespace cluster_internal {
@@ -62,19 +63,6 @@ using PendingEvents = std::vector<std::pair<TokenSink, TokenEvent>>;
 inline void Deliver(PendingEvents& events) {
   for (auto& [sink, event] : events) sink(event);
   events.clear();
-}
-
-inline void ToProto(const SamplingParams& s, proto::SamplingParams* out) {
-  out->set_temperature(s.temperature);
-  out->set_top_p(s.top_p);
-  out->set_top_k(static_cast<uint32_t>(std::max(0, s.top_k)));
-  out->set_seed(s.has_seed ? s.seed : 0);
-  out->set_max_tokens(static_cast<uint32_t>(s.max_new_tokens));
-  out->set_ignore_eos(s.ignore_eos);
-  out->set_min_p(s.min_p);
-  out->set_repetition_penalty(s.repetition_penalty);
-  out->set_presence_penalty(s.presence_penalty);
-  out->set_frequency_penalty(s.frequency_penalty);
 }
 
 inline FinishReason FromProto(proto::Finish::Reason r) {
@@ -207,7 +195,7 @@ struct ClusterBackend::State {
     RouteRequest route;
     route.prefix_blocks = r.request.prefix_blocks;
     route.prompt_tokens = static_cast<int64_t>(r.request.prompt.size());
-    route.max_new_tokens = r.request.sampling.max_new_tokens;
+    route.max_new_tokens = r.request.sampling.max_tokens;
     ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
     WorkerEntry* p = FindWorker(prefill_id);
     std::string decode_id = prefill_id;
@@ -226,7 +214,7 @@ struct ClusterBackend::State {
       r.phase = Phase::kReserving;
       WorkerEntry* d = FindWorker(decode_id);
       d->info.free_kv_blocks -=
-          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
+          (r.prompt_tokens + r.request.sampling.max_tokens + d->info.block_tokens - 1) /
           std::max<int64_t>(1, d->info.block_tokens);
       SendReserveBlocks(id, r);
     }
@@ -238,7 +226,7 @@ struct ClusterBackend::State {
     proto::PrefillTask task;
     task.set_request_id(rid);
     for (int32_t t : r.request.prompt) task.add_prompt_token_ids(t);
-    ToProto(r.request.sampling, task.mutable_sampling());
+    protocols::ToProto(r.request.sampling, task.mutable_sampling());
     task.set_tenant_salt(r.request.tenant_salt);
     if (r.decode_id != r.prefill_id) {
       WorkerEntry* d = FindWorker(r.decode_id);
@@ -264,7 +252,7 @@ struct ClusterBackend::State {
     proto::ReserveBlocks m;
     m.set_request_id(rid);
     for (int32_t t : r.request.prompt) m.add_prompt_token_ids(t);
-    ToProto(r.request.sampling, m.mutable_sampling());
+    protocols::ToProto(r.request.sampling, m.mutable_sampling());
     m.set_prefill_rank(p ? p->rank : 0);
     SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
   }

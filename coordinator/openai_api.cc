@@ -237,6 +237,38 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
   return std::nullopt;
 }
 
+// OpenAI logit_bias: {"<token id>": bias in [-100, 100]}. Ids are checked
+// against the vocabulary by the engine (the parser does not know it).
+std::optional<ApiError> ParseLogitBias(const json& lb, std::vector<std::pair<int32_t, float>>* out) {
+  if (!lb.is_object()) return WrongType("logit_bias", "an object", lb);
+  constexpr size_t kMaxEntries = 1024;
+  if (lb.size() > kMaxEntries) {
+    return BadRequest("'logit_bias' has " + std::to_string(lb.size()) + " entries; at most " +
+                          std::to_string(kMaxEntries) + " are allowed",
+                      "logit_bias", "invalid_value");
+  }
+  for (const auto& [key, value] : lb.items()) {
+    const std::string field = "logit_bias." + key;
+    int64_t id = -1;
+    bool digits = !key.empty() && key.size() <= 9;
+    for (char c : key) digits = digits && c >= '0' && c <= '9';
+    if (digits) id = std::stoll(key);
+    if (id < 0) {
+      return BadRequest("'logit_bias' keys must be token ids (non-negative integers), got '" + key +
+                            "'",
+                        "logit_bias", "invalid_value");
+    }
+    if (!value.is_number()) return WrongType(field, "a number", value);
+    const double bias = value.get<double>();
+    if (!std::isfinite(bias) || bias < -100.0 || bias > 100.0) {
+      return BadRequest("'" + field + "' must be between -100 and 100, got " + value.dump(),
+                        "logit_bias", "invalid_value");
+    }
+    out->emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
+  }
+  return std::nullopt;
+}
+
 // The request fields ParseCompletionRequest understands (some only in their
 // no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
 // caller's end-user id, which OpenAI uses for abuse monitoring only: it has
@@ -261,7 +293,7 @@ bool KnownField(Endpoint endpoint, std::string_view key) {
                                                  "logprobs",
                                                  "user"};
   static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
-                                               "response_format"};
+                                               "response_format", "top_logprobs"};
   static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
   for (auto k : kCommon)
     if (k == key) return true;
@@ -339,31 +371,31 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
 
   std::optional<double> d;
   if (auto err = GetNumber(body, "temperature", 0.0, 2.0, &d)) return err;
-  if (d) out->temperature = static_cast<float>(*d);
+  if (d) out->sampling.temperature = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "top_p", 0.0, 1.0, &d)) return err;
   if (d) {
     if (*d <= 0.0) return BadRequest("'top_p' must be greater than 0", "top_p", "invalid_value");
-    out->top_p = static_cast<float>(*d);
+    out->sampling.top_p = static_cast<float>(*d);
   }
   d.reset();
   if (auto err = GetNumber(body, "presence_penalty", -2.0, 2.0, &d)) return err;
-  if (d) out->presence_penalty = static_cast<float>(*d);
+  if (d) out->sampling.presence_penalty = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "frequency_penalty", -2.0, 2.0, &d)) return err;
-  if (d) out->frequency_penalty = static_cast<float>(*d);
+  if (d) out->sampling.frequency_penalty = static_cast<float>(*d);
   d.reset();
   // vLLM extensions.
   if (auto err = GetNumber(body, "repetition_penalty", 0.01, 100.0, &d)) return err;
-  if (d) out->repetition_penalty = static_cast<float>(*d);
+  if (d) out->sampling.repetition_penalty = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "min_p", 0.0, 1.0, &d)) return err;
-  if (d) out->min_p = static_cast<float>(*d);
+  if (d) out->sampling.min_p = static_cast<float>(*d);
   d.reset();
 
   std::optional<int64_t> i;
   if (auto err = GetInt(body, "top_k", -1, 1 << 20, &i)) return err;
-  if (i) out->top_k = static_cast<int>(std::max<int64_t>(0, *i));
+  if (i) out->sampling.top_k = static_cast<int>(std::max<int64_t>(0, *i));
   i.reset();
   if (auto err = GetInt(body, "seed", std::numeric_limits<int64_t>::min(),
                         std::numeric_limits<int64_t>::max(), &i)) {
@@ -409,7 +441,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
   }
 
   if (auto err = GetBool(body, "stream", &out->stream)) return err;
-  if (auto err = GetBool(body, "ignore_eos", &out->ignore_eos)) return err;
+  if (auto err = GetBool(body, "ignore_eos", &out->sampling.ignore_eos)) return err;
   if (const json* so = Field(body, "stream_options")) {
     if (!so->is_object()) return WrongType("stream_options", "an object", *so);
     if (const json* iu = Field(*so, "include_usage")) {
@@ -418,10 +450,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
     }
   }
   if (const json* lb = Field(body, "logit_bias")) {
-    if (!lb->is_object() && !lb->is_null()) return WrongType("logit_bias", "an object", *lb);
-    if (lb->is_object() && !lb->empty()) {
-      return BadRequest("'logit_bias' is not supported", "logit_bias", "unsupported_value");
-    }
+    if (auto err = ParseLogitBias(*lb, &out->sampling.logit_bias)) return err;
   }
   if (endpoint == Endpoint::kCompletions) {
     if (Field(body, "suffix") != nullptr && !Field(body, "suffix")->is_null()) {
@@ -429,10 +458,17 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                         "unsupported_value");
     }
     if (auto err = GetBool(body, "echo", &out->echo)) return err;
-    if (const json* lp = Field(body, "logprobs")) {
-      if (!lp->is_number_integer()) return WrongType("logprobs", "an integer", *lp);
-      if (lp->get<int64_t>() > 0)
-        return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
+    // Completions: logprobs is the number of alternatives (0 = the sampled
+    // token's only).
+    std::optional<int64_t> lp;
+    if (auto err = GetInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &lp)) return err;
+    if (lp) {
+      out->logprobs = true;
+      out->sampling.logprobs = static_cast<int>(*lp);
+    }
+    if (out->echo && out->logprobs) {
+      return BadRequest("'echo' together with 'logprobs' (prompt logprobs) is not supported",
+                        "echo", "unsupported_value");
     }
     if (const json* bo = Field(body, "best_of")) {
       if (!bo->is_number_integer()) return WrongType("best_of", "an integer", *bo);
@@ -441,9 +477,14 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                           "unsupported_value");
     }
   } else {
-    bool logprobs = false;
-    if (auto err = GetBool(body, "logprobs", &logprobs)) return err;
-    if (logprobs) return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
+    if (auto err = GetBool(body, "logprobs", &out->logprobs)) return err;
+    std::optional<int64_t> top;
+    if (auto err = GetInt(body, "top_logprobs", 0, engine::kMaxTopLogprobs, &top)) return err;
+    if (top && !out->logprobs) {
+      return BadRequest("'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
+                        "invalid_value");
+    }
+    if (out->logprobs) out->sampling.logprobs = static_cast<int>(top.value_or(0));
     if (const json* tools = Field(body, "tools")) {
       if (!tools->is_array()) return WrongType("tools", "an array", *tools);
       if (!tools->empty())
@@ -502,7 +543,8 @@ nlohmann::json UsageJson(const UsageCounts& u) {
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::string& text, FinishReason finish,
                                       const UsageCounts& usage) {
-  return CompletionResponseJson(endpoint, ident, std::vector<ChoiceResult>{{text, finish}}, usage);
+  return CompletionResponseJson(endpoint, ident, std::vector<ChoiceResult>{{text, finish, nullptr}},
+                                usage);
 }
 
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
@@ -514,12 +556,12 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
     if (endpoint == Endpoint::kChatCompletions) {
       array.push_back(json{{"index", i},
                            {"message", {{"role", "assistant"}, {"content", c.text}}},
-                           {"logprobs", nullptr},
+                           {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
     } else {
       array.push_back(json{{"index", i},
                            {"text", c.text},
-                           {"logprobs", nullptr},
+                           {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
     }
   }
@@ -534,7 +576,7 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                                const std::string& delta, bool first, FinishReason finish,
-                               int index) {
+                               int index, nlohmann::json logprobs) {
   json choice;
   if (endpoint == Endpoint::kChatCompletions) {
     json d = json::object();
@@ -542,12 +584,12 @@ nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
     if (!delta.empty() || (first && finish == FinishReason::kNone)) d["content"] = delta;
     choice = json{{"index", index},
                   {"delta", d},
-                  {"logprobs", nullptr},
+                  {"logprobs", logprobs},
                   {"finish_reason", FinishReasonJson(finish)}};
   } else {
     choice = json{{"index", index},
                   {"text", delta},
-                  {"logprobs", nullptr},
+                  {"logprobs", logprobs},
                   {"finish_reason", FinishReasonJson(finish)}};
   }
   return json{{"id", ident.id},
@@ -556,6 +598,52 @@ nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
               {"created", ident.created},
               {"model", ident.model},
               {"choices", json::array({choice})}};
+}
+
+namespace {
+json BytesJson(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+}  // namespace
+
+nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& entries,
+                            size_t offset) {
+  if (endpoint == Endpoint::kChatCompletions) {
+    json content = json::array();
+    for (const LogprobEntry& e : entries) {
+      json top = json::array();
+      for (const auto& [tok, lp] : e.top) {
+        top.push_back(json{{"token", tok}, {"logprob", lp}, {"bytes", BytesJson(tok)}});
+      }
+      content.push_back(json{{"token", e.token},
+                             {"logprob", e.logprob},
+                             {"bytes", BytesJson(e.token)},
+                             {"top_logprobs", top}});
+    }
+    return json{{"content", content}, {"refusal", nullptr}};
+  }
+  json tokens = json::array();
+  json token_logprobs = json::array();
+  json top_logprobs = json::array();
+  json text_offset = json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.token);
+    token_logprobs.push_back(e.logprob);
+    json top = json::object();
+    // Two alternatives may render as the same text; the more likely one wins.
+    for (const auto& [tok, lp] : e.top) {
+      if (!top.contains(tok)) top[tok] = lp;
+    }
+    top_logprobs.push_back(top);
+    text_offset.push_back(offset);
+    offset += e.token.size();
+  }
+  return json{{"tokens", tokens},
+              {"token_logprobs", token_logprobs},
+              {"top_logprobs", top_logprobs},
+              {"text_offset", text_offset}};
 }
 
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,

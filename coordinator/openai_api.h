@@ -42,6 +42,12 @@ struct ApiLimits {
   int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
 };
 
+inline SamplingParams ApiDefaultSampling() {
+  SamplingParams s;
+  s.temperature = 1.0f;
+  return s;
+}
+
 // A validated generation request, before tokenization.
 struct CompletionParams {
   Endpoint endpoint = Endpoint::kChatCompletions;
@@ -52,20 +58,20 @@ struct CompletionParams {
   bool prompt_is_tokens = false;
   int max_tokens = 0;
   bool max_tokens_given = false;  // false: the server may lower max_tokens to what fits
-  float temperature = 1.0f;
-  float top_p = 1.0f;
-  int top_k = 0;                    // extension, as vLLM
-  float min_p = 0.0f;               // extension, as vLLM
-  float repetition_penalty = 1.0f;  // extension, as vLLM
-  float presence_penalty = 0.0f;
-  float frequency_penalty = 0.0f;
+  // temperature, top_p, top_k, min_p, penalties, ignore_eos, logit_bias,
+  // logprobs and json_schema; max_tokens and seed are set when the request is
+  // built (below are the values the client gave). OpenAI's default
+  // temperature is 1.
+  SamplingParams sampling = ApiDefaultSampling();
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   int n = 1;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool echo = false;           // completions: prepend the prompt to the text
-  bool ignore_eos = false;     // extension (as vLLM): generate exactly max_tokens
+  // logprobs asked for: chat `logprobs: true` (top_logprobs in
+  // sampling.logprobs), completions `logprobs: k` (k alternatives).
+  bool logprobs = false;
 };
 
 // Parses and validates a body. On failure returns the error naming the field;
@@ -98,7 +104,21 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 struct ChoiceResult {
   std::string text;
   FinishReason finish = FinishReason::kNone;
+  nlohmann::json logprobs = nullptr;  // LogprobsJson(...) when asked for
 };
+
+// One generated token's log-probabilities, rendered for the client.
+struct LogprobEntry {
+  std::string token;  // the token's bytes (may be an incomplete UTF-8 sequence)
+  float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;  // most likely first
+};
+// The "logprobs" object of a choice or a stream chunk: chat
+// {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null};
+// completions {"tokens", "token_logprobs", "top_logprobs", "text_offset"},
+// `text_offset` counting from `offset` (bytes of text before these tokens).
+nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& entries,
+                            size_t offset = 0);
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::vector<ChoiceResult>& choices,
                                       const UsageCounts& usage);
@@ -106,7 +126,7 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 // role:"assistant" for chat.
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                                const std::string& delta, bool first, FinishReason finish,
-                               int index = 0);
+                               int index = 0, nlohmann::json logprobs = nullptr);
 // The final usage-only chunk (choices: []), for stream_options.include_usage.
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                               const UsageCounts& usage);

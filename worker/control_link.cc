@@ -19,21 +19,6 @@ proto::Finish::Reason ToProto(engine::FinishReason r) {
   }
 }
 
-engine::SamplingParams FromProto(const proto::SamplingParams& s) {
-  engine::SamplingParams p;
-  p.temperature = s.temperature();
-  p.top_p = s.top_p() > 0 ? s.top_p() : 1.0f;
-  p.top_k = static_cast<int>(s.top_k());
-  p.seed = s.seed();
-  p.max_tokens = static_cast<int>(s.max_tokens());
-  p.ignore_eos = s.ignore_eos();
-  p.min_p = s.min_p();
-  p.repetition_penalty = s.repetition_penalty() > 0 ? s.repetition_penalty() : 1.0f;
-  p.presence_penalty = s.presence_penalty();
-  p.frequency_penalty = s.frequency_penalty();
-  return p;
-}
-
 ControlLink::ControlLink(Options options)
     : options_(std::move(options)), io_(std::make_unique<protocols::IoThread>("worker-ctl")) {}
 

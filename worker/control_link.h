@@ -101,6 +101,5 @@ class ControlLink {
 // engine::FinishReason as the protocol names it.
 proto::Finish::Reason ToProto(engine::FinishReason r);
 // The protocol's sampling parameters as the engine's (unset = the engine's default).
-engine::SamplingParams FromProto(const proto::SamplingParams& s);
 
 }  // namespace kvrelay::worker

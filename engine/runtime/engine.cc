@@ -101,6 +101,12 @@ class Engine::Impl {
       }
     }
     RETURN_IF_ERROR(spec.sampling.Validate().WithContext(name));
+    for (const auto& [t, bias] : spec.sampling.logit_bias) {
+      if (t >= vocab) {
+        return InvalidArgument(name + ": logit_bias token id " + std::to_string(t) +
+                               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+      }
+    }
     const int64_t n = static_cast<int64_t>(spec.prompt.size());
     if (n >= max_context_) {
       return ResourceExhausted(name + ": prompt of " + std::to_string(n) +
@@ -547,11 +553,13 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     CommitFullBlocks(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
-    const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated);
+    TokenEvent ev;
+    const int32_t token =
+        s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
+    ev.has_logprobs = s.spec.sampling.logprobs >= 0;
     s.tokens.push_back(token);
     ++s.n_generated;
     ++stats_.generated_tokens;
-    TokenEvent ev;
     if (CheckFinished(s, token, &ev, /*emit_text=*/true)) done.push_back(&s);
     events.push_back(std::move(ev));
   }
