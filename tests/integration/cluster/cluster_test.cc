@@ -89,6 +89,33 @@ struct Reference {
     }
     return out;
   }
+  // Greedy tokens and their logprobs (`top` alternatives) with `bias`.
+  std::vector<std::pair<int32_t, engine::TokenLogprobs>> GreedyWithLogprobs(
+      const std::vector<int32_t>& prompt, int max_tokens, int top,
+      const std::vector<std::pair<int32_t, float>>& bias = {}) {
+    engine::RequestSpec spec;
+    spec.id = static_cast<engine::RequestId>(++next_id);
+    spec.prompt = prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = max_tokens;
+    spec.sampling.ignore_eos = true;
+    spec.sampling.logprobs = top;
+    spec.sampling.logit_bias = bias;
+    EXPECT_TRUE(engine->Submit(spec).ok());
+    std::vector<std::pair<int32_t, engine::TokenLogprobs>> out;
+    while (engine->HasWork()) {
+      auto events = engine->Step();
+      EXPECT_TRUE(events.ok()) << events.status().ToString();
+      if (!events.ok()) break;
+      for (const auto& e : *events) {
+        if (e.token >= 0) {
+          EXPECT_TRUE(e.has_logprobs);
+          out.emplace_back(e.token, e.logprobs);
+        }
+      }
+    }
+    return out;
+  }
   std::string Text(const std::vector<int32_t>& tokens) const {
     auto d = codec->NewDecoder();
     std::string s;
@@ -378,6 +405,70 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  // #18: logprobs (the first token's sampled on the prefill side, the rest on
+  // the decode side) and logit_bias through the cluster equal the engine's,
+  // streamed and not.
+  void ExpectLogprobsAndBiasMatchEngine(uint16_t port) {
+    constexpr int kTokens = 6;
+    constexpr int kTop = 3;
+    const std::vector<int32_t> prompt = ref_->Encode("The capital of France is");
+    auto want = ref_->GreedyWithLogprobs(prompt, kTokens, kTop);
+    ASSERT_EQ(want.size(), static_cast<size_t>(kTokens));
+    auto check = [&](const json& lp, size_t from, const char* what) {
+      ASSERT_EQ(lp["token_logprobs"].size(), lp["top_logprobs"].size()) << what;
+      for (size_t i = 0; i < lp["token_logprobs"].size(); ++i) {
+        const auto& w = want[from + i].second;
+        EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), w.logprob, 2e-3) << what << " " << i;
+        EXPECT_EQ(lp["tokens"][i], ref_->codec->TokenPiece(want[from + i].first)) << what;
+        ASSERT_LE(lp["top_logprobs"][i].size(), static_cast<size_t>(kTop)) << what;
+        EXPECT_GE(lp["top_logprobs"][i].size(), 1u) << what;
+        const std::string best = ref_->codec->TokenPiece(w.top[0].first);
+        ASSERT_TRUE(lp["top_logprobs"][i].contains(best)) << what << " " << lp.dump();
+        EXPECT_NEAR(lp["top_logprobs"][i][best].get<double>(), w.top[0].second, 2e-3) << what;
+      }
+    };
+    json body = CompletionBody(prompt, kTokens, false);
+    body["logprobs"] = kTop;
+    auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    json j = json::parse(r->body);
+    ASSERT_EQ(j["choices"][0]["logprobs"]["tokens"].size(), static_cast<size_t>(kTokens)) << r->body;
+    check(j["choices"][0]["logprobs"], 0, "non-streamed");
+    // Streamed: every chunk carries the logprobs of the tokens it releases.
+    body["stream"] = true;
+    size_t seen = 0;
+    coordinator::SseParser parser;
+    auto sr = coordinator::HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
+      if (!parser.Feed(piece)) return false;
+      while (auto e = parser.Next()) {
+        if (*e == "[DONE]") continue;
+        json c = json::parse(*e, nullptr, false);
+        if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
+        const json& lp = c["choices"][0]["logprobs"];
+        if (lp.is_null()) continue;
+        check(lp, seen, "streamed");
+        seen += lp["tokens"].size();
+      }
+      return true;
+    });
+    ASSERT_TRUE(sr.ok()) << sr.status().ToString();
+    EXPECT_EQ(seen, static_cast<size_t>(kTokens));
+    // logit_bias bans the greedy first token (sampled on the prefill side) and
+    // the second one (decode side): the output is the engine's with that bias.
+    const std::vector<std::pair<int32_t, float>> bias = {{want[0].first, -100.0f},
+                                                         {want[1].first, -100.0f}};
+    auto biased = ref_->GreedyWithLogprobs(prompt, kTokens, 0, bias);
+    ASSERT_NE(biased[0].first, want[0].first);
+    std::vector<int32_t> biased_tokens;
+    for (const auto& [t, lp] : biased) biased_tokens.push_back(t);
+    json lb = json::object();
+    for (const auto& [t, b] : bias) lb[std::to_string(t)] = b;
+    CompletionOutcome got = Complete(port, prompt, kTokens, {{"logit_bias", lb}});
+    ASSERT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, ref_->Text(biased_tokens));
+  }
+
   Reference* ref_ = nullptr;
 };
 
@@ -397,6 +488,7 @@ TEST_F(ClusterTest, ColocatedGreedyMatchesEngine) {
   auto cluster = StartCluster(0, 0, 1);
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
+  ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
 }
 
 // One disaggregated cluster (1 prefill, 2 decode) shared by the tests below.
@@ -433,6 +525,10 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 }
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
+
+TEST_F(DisaggregatedTest, LogprobsAndLogitBiasMatchEngine) {
+  ExpectLogprobsAndBiasMatchEngine(port_);
+}
 
 // A chat answer that ends by itself: finish_reason "stop", and the model's
 // end-of-generation token (<|im_end|>) is not part of the text.
@@ -493,6 +589,7 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   auto cluster = StartCluster(1, 1, 0, "prefix_aware", /*tp=*/2);
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
+  ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
 }
 
 // Prompts longer than one KV stream segment (worker/kv_streams.h: 32 blocks
