@@ -63,6 +63,37 @@ def main() -> int:
                         "same": multi.choices[0].message.content == multi.choices[1].message.content,
                         "completion_tokens": multi.usage.completion_tokens}
 
+    # #18: logprobs / top_logprobs, non-streamed and streamed, and logit_bias.
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    lp = client.chat.completions.create(model=model, messages=question, max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    out["chat_logprobs"] = {
+        "text": lp.choices[0].message.content, "completion_tokens": lp.usage.completion_tokens,
+        "tokens": [c.token for c in content], "logprobs": [c.logprob for c in content],
+        "top_sizes": [len(c.top_logprobs) for c in content],
+        "top_first": [c.top_logprobs[0].logprob for c in content],
+        "bytes_ok": all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content),
+    }
+    tokens, logprobs = [], []
+    for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=6,
+                                                temperature=0, logprobs=True, top_logprobs=2,
+                                                stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                tokens += [c.token for c in choice.logprobs.content]
+                logprobs += [c.logprob for c in choice.logprobs.content]
+    out["chat_logprobs_stream"] = {"tokens": tokens, "logprobs": logprobs}
+    clp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                    temperature=0, logprobs=3)
+    out["completion_logprobs"] = {"tokens": clp.choices[0].logprobs.tokens,
+                                  "top_sizes": [len(t) for t in clp.choices[0].logprobs.top_logprobs],
+                                  "text": clp.choices[0].text}
+    biased = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logit_bias={"28": 100})
+    out["logit_bias"] = {"text": biased.choices[0].text,
+                         "completion_tokens": biased.usage.completion_tokens}
+
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
         out["unknown_model"] = "accepted"
