@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "engine/grammar/json_grammar.h"
+
 namespace kvrelay::coordinator {
 namespace {
 
@@ -269,6 +271,51 @@ std::optional<ApiError> ParseLogitBias(const json& lb, std::vector<std::pair<int
   return std::nullopt;
 }
 
+// response_format: text, json_object (any JSON object), or json_schema
+// (the schema compiled now, so an unsupported keyword is a 400 naming it).
+std::optional<ApiError> ParseResponseFormat(const json& rf, std::string* schema_out) {
+  if (!rf.is_object()) return WrongType("response_format", "an object", rf);
+  const json* type = Field(rf, "type");
+  if (type == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.type'", "response_format.type",
+                      "missing_required_parameter");
+  }
+  if (!type->is_string()) return WrongType("response_format.type", "a string", *type);
+  const std::string t = type->get<std::string>();
+  if (t == "text") return std::nullopt;
+  if (t == "json_object") {
+    *schema_out = R"({"type":"object"})";
+    return std::nullopt;
+  }
+  if (t != "json_schema") {
+    return BadRequest("'response_format.type' must be text, json_object or json_schema; got '" + t +
+                          "'",
+                      "response_format.type", "invalid_value");
+  }
+  const json* js = Field(rf, "json_schema");
+  if (js == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.json_schema'",
+                      "response_format.json_schema", "missing_required_parameter");
+  }
+  if (!js->is_object()) return WrongType("response_format.json_schema", "an object", *js);
+  const json* schema = Field(*js, "schema");
+  if (schema == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.json_schema.schema'",
+                      "response_format.json_schema.schema", "missing_required_parameter");
+  }
+  if (const json* strict = Field(*js, "strict"); strict != nullptr && !strict->is_boolean()) {
+    return WrongType("response_format.json_schema.strict", "a boolean", *strict);
+  }
+  const std::string text = schema->dump();
+  auto compiled = engine::grammar::CompileJsonSchema(text);
+  if (!compiled.ok()) {
+    return BadRequest("response_format.json_schema.schema: " + compiled.status().message(),
+                      "response_format.json_schema.schema", "unsupported_value");
+  }
+  *schema_out = text;
+  return std::nullopt;
+}
+
 // The request fields ParseCompletionRequest understands (some only in their
 // no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
 // caller's end-user id, which OpenAI uses for abuse monitoring only: it has
@@ -291,9 +338,10 @@ bool KnownField(Endpoint endpoint, std::string_view key) {
                                                  "ignore_eos",
                                                  "logit_bias",
                                                  "logprobs",
+                                                 "response_format",
                                                  "user"};
   static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
-                                               "response_format", "top_logprobs"};
+                                               "top_logprobs"};
   static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
   for (auto k : kCommon)
     if (k == key) return true;
@@ -491,12 +539,15 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
         return BadRequest("'tools' (function calling) is not supported", "tools",
                           "unsupported_value");
     }
-    if (const json* rf = Field(body, "response_format")) {
-      if (!rf->is_object()) return WrongType("response_format", "an object", *rf);
-      const json* type = Field(*rf, "type");
-      if (type == nullptr || !type->is_string() || type->get<std::string>() != "text") {
-        return BadRequest("only response_format {\"type\": \"text\"} is supported",
-                          "response_format.type", "unsupported_value");
+  }
+  if (const json* rf = Field(body, "response_format")) {
+    if (auto err = ParseResponseFormat(*rf, &out->sampling.json_schema)) return err;
+    if (!out->sampling.json_schema.empty() && Field(*rf, "json_schema") != nullptr) {
+      // Again in document order: the output writes properties in the order
+      // the schema lists them (json sorts object keys).
+      auto ordered = nlohmann::ordered_json::parse(body_text, nullptr, false);
+      if (!ordered.is_discarded()) {
+        out->sampling.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
       }
     }
   }

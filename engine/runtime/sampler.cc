@@ -72,8 +72,10 @@ int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>
       logits[t] -= p.presence_penalty + p.frequency_penalty * static_cast<float>(cnt);
     }
   }
+  if (constraint_ != nullptr) constraint_->Mask(logits, vocab);
   const int32_t token = Pick(logits, vocab);
   if (logprobs != nullptr && p.logprobs >= 0) FillLogprobs(logits, vocab, token, logprobs);
+  if (constraint_ != nullptr) (void)constraint_->Accept(token);  // allowed: it passed the mask
   return token;
 }
 
@@ -160,7 +162,11 @@ int32_t Sampler::Pick(const float* logits, int64_t vocab) {
     cum += probs[i];
     if (r < cum) return candidates_[i].second;
   }
-  return candidates_[keep - 1].second;
+  // Rounding left r at the total: the last candidate with any mass (never a
+  // masked-out one).
+  size_t last = keep - 1;
+  while (last > 0 && probs[last] <= 0) --last;
+  return candidates_[last].second;
 }
 
 }  // namespace kvrelay::engine

@@ -56,6 +56,21 @@ struct SamplingParams {
 
 inline constexpr int kMaxTopLogprobs = 20;
 
+// A per-request restriction of the tokens that may come next (constrained
+// decoding, engine/grammar/). The Sampler masks the logits with it after the
+// bias and penalties and tells it the token drawn.
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  // Sets the logits of the tokens not allowed now to -infinity.
+  virtual void Mask(float* logits, int64_t vocab) = 0;
+  // Advances past `token` (sampled here, or the first token sampled by the
+  // prefill side). An error when the token is not allowed.
+  virtual Status Accept(int32_t token) = 0;
+  // The constrained output is complete: the request should end.
+  virtual bool Complete() const = 0;
+};
+
 // The log-probabilities of one sampled token, from the distribution the
 // sampler drew from: log_softmax of the logits after logit_bias, penalties
 // and any token mask, at the request's temperature (1 when greedy), before
@@ -79,12 +94,18 @@ class Sampler {
 
   const SamplingParams& params() const { return params_; }
 
+  // Installs the request's constraint (params().json_schema compiled by the
+  // engine); applied by every Sample from now on. May be null.
+  void SetConstraint(std::unique_ptr<TokenConstraint> c) { constraint_ = std::move(c); }
+  TokenConstraint* constraint() const { return constraint_.get(); }
+
  private:
   double NextUniform();  // [0, 1)
   int32_t Pick(const float* logits, int64_t vocab);
   void FillLogprobs(const float* logits, int64_t vocab, int32_t token, TokenLogprobs* out) const;
 
   SamplingParams params_;
+  std::unique_ptr<TokenConstraint> constraint_;
   std::mt19937_64 rng_;
   std::vector<std::pair<float, int32_t>> candidates_;  // scratch
 };
