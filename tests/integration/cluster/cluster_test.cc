@@ -405,6 +405,54 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  // #18: structured output through the cluster: the grammar masks the first
+  // token (sampled by the prefill worker) and every decode step; the JSON
+  // equals the engine's under the same grammar and parses.
+  void ExpectStructuredOutputMatchesEngine(uint16_t port) {
+    const std::string schema =
+        R"({"type":"object","properties":{"city":{"type":"string","maxLength":20},)"
+        R"("population":{"type":"integer"},"capital":{"type":"boolean"}},)"
+        R"("required":["city","population","capital"]})";
+    auto prompt = ref_->codec->EncodeChat({{"user", "Describe Paris as JSON."}});
+    ASSERT_TRUE(prompt.ok());
+    engine::RequestSpec spec;
+    spec.id = static_cast<engine::RequestId>(++ref_->next_id);
+    spec.prompt = *prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = 64;
+    spec.sampling.json_schema = schema;
+    ASSERT_TRUE(ref_->engine->Submit(spec).ok());
+    std::string want;
+    while (ref_->engine->HasWork()) {
+      auto events = ref_->engine->Step();
+      ASSERT_TRUE(events.ok());
+      for (const auto& e : *events) want += e.text;
+    }
+    json body = {{"model", fs::path(ModelPath()).stem().string()},
+                 {"messages", {{{"role", "user"}, {"content", "Describe Paris as JSON."}}}},
+                 {"max_tokens", 64},
+                 {"temperature", 0}};
+    coordinator::HttpCallSpec call = Post(port, "/v1/chat/completions", body);
+    // The schema as written (json would sort its keys, and the output writes
+    // properties in schema order).
+    call.body.pop_back();
+    call.body += R"(,"response_format":{"type":"json_schema","json_schema":{"name":"city",)"
+                 R"("strict":true,"schema":)" +
+                 schema + "}}}";
+    auto r = coordinator::HttpCall(call);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    json j = json::parse(r->body);
+    const std::string text = j["choices"][0]["message"]["content"];
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << text;
+    EXPECT_EQ(text, want);
+    json value = json::parse(text, nullptr, false);
+    ASSERT_FALSE(value.is_discarded()) << text;
+    EXPECT_TRUE(value["city"].is_string()) << text;
+    EXPECT_TRUE(value["population"].is_number_integer()) << text;
+    EXPECT_TRUE(value["capital"].is_boolean()) << text;
+  }
+
   // #18: logprobs (the first token's sampled on the prefill side, the rest on
   // the decode side) and logit_bias through the cluster equal the engine's,
   // streamed and not.
@@ -489,6 +537,7 @@ TEST_F(ClusterTest, ColocatedGreedyMatchesEngine) {
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
   ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
+  ExpectStructuredOutputMatchesEngine(cluster->http_port());
 }
 
 // One disaggregated cluster (1 prefill, 2 decode) shared by the tests below.
@@ -528,6 +577,10 @@ TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_
 
 TEST_F(DisaggregatedTest, LogprobsAndLogitBiasMatchEngine) {
   ExpectLogprobsAndBiasMatchEngine(port_);
+}
+
+TEST_F(DisaggregatedTest, StructuredOutputMatchesEngine) {
+  ExpectStructuredOutputMatchesEngine(port_);
 }
 
 // A chat answer that ends by itself: finish_reason "stop", and the model's
@@ -590,6 +643,7 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
   ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
+  ExpectStructuredOutputMatchesEngine(cluster->http_port());
 }
 
 // Prompts longer than one KV stream segment (worker/kv_streams.h: 32 blocks

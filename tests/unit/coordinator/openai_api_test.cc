@@ -328,5 +328,53 @@ TEST(OpenAiApiTest, LogprobsJsonShapes) {
   EXPECT_FLOAT_EQ(compl_json["top_logprobs"][0]["Ho"].get<float>(), -1.5f);
 }
 
+// #18: response_format: json_object and json_schema become the grammar the
+// engine enforces (schema order kept); unsupported keywords are a 400 naming
+// them.
+TEST(OpenAiApiTest, ResponseFormatBecomesTheResponseGrammar) {
+  CompletionParams p;
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"json_object"}})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.sampling.json_schema, R"({"type":"object"})");
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"json_schema","json_schema":{"name":"n",
+                             "strict":true,"schema":{"type":"object","properties":{
+                             "zeta":{"type":"string"},"alpha":{"type":"integer"}}}}}})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.sampling.json_schema,
+            R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}})");
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"text"}})",
+                         &p)
+                   .has_value());
+  EXPECT_TRUE(p.sampling.json_schema.empty());
+  auto bad = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                          "response_format":{"type":"json_schema","json_schema":{"name":"n",
+                          "schema":{"type":"string","pattern":"a+"}}}})",
+                       &p);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->http_status, 400);
+  EXPECT_EQ(bad->param, "response_format.json_schema.schema");
+  EXPECT_NE(bad->message.find("'pattern'"), std::string::npos) << bad->message;
+  auto missing = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                              "response_format":{"type":"json_schema"}})",
+                           &p);
+  ASSERT_TRUE(missing.has_value());
+  EXPECT_EQ(missing->param, "response_format.json_schema");
+  auto other = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                            "response_format":{"type":"yaml"}})",
+                         &p);
+  ASSERT_TRUE(other.has_value());
+  EXPECT_EQ(other->param, "response_format.type");
+  // Completions take it too (as vLLM).
+  ASSERT_FALSE(
+      ParseCompl(R"({"model":"m","prompt":"a","response_format":{"type":"json_object"}})", &p)
+          .has_value());
+  EXPECT_FALSE(p.sampling.json_schema.empty());
+}
+
 }  // namespace
 }  // namespace kvrelay::coordinator
