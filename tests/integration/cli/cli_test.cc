@@ -2,6 +2,9 @@
 // --help / -h with its complete usage on stdout and exit 0 (and starts
 // nothing), stray positional arguments are errors.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -174,6 +177,31 @@ TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
   ASSERT_NE(stats, std::string::npos) << merged;
   ASSERT_GT(stats, 0u);
   EXPECT_EQ(merged[stats - 1], '\n') << "statistics glued to the text: " << merged;
+}
+
+// #18: special-token text in a raw --prompt is parsed as llama.cpp does
+// (<|im_start|> is one token), and --no-special keeps it text.
+TEST(CliGenerateTest, RawPromptParsesSpecialTokensUnlessNoSpecial) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  auto prompt_ids = [&](const std::string& flags) {
+    RunResult r = RunCmd(kCli + " generate --model " + Model() +
+                         " --prompt '<|im_start|>user' --max-tokens 1 --json " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << r.out;
+    return j.is_discarded() ? nlohmann::json::array() : j["prompt_ids"];
+  };
+  const nlohmann::json special = prompt_ids("");
+  const nlohmann::json text = prompt_ids("--no-special");
+  ASSERT_FALSE(special.empty());
+  // SmolLM2: <|im_start|> is id 1; as text it is several tokens.
+  EXPECT_NE(std::find(special.begin(), special.end(), 1), special.end()) << special.dump();
+  EXPECT_EQ(std::find(text.begin(), text.end(), 1), text.end()) << text.dump();
+  EXPECT_GT(text.size(), special.size() + 2) << special.dump() << " vs " << text.dump();
+  // With --chat --no-special the template's tokens stay special.
+  const nlohmann::json chat = prompt_ids("--chat --no-special");
+  // system (the default one), user and assistant turns; the user text adds none.
+  EXPECT_EQ(std::count(chat.begin(), chat.end(), 1), 3) << chat.dump();
 }
 
 // The answer alone on stdout; every log line (the launcher's and its
