@@ -32,6 +32,14 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
   w->last_seen = Clock::now();
   Status s;
   switch (type) {
+    case MessageType::kWorkerLeaving: {
+      // Its close that follows is a departure, not a loss; nothing new is
+      // routed to it meanwhile.
+      LOG_INFO << "worker " << worker_id << " is stopping";
+      w->leaving = true;
+      w->info.healthy = false;
+      break;
+    }
     case MessageType::kHeartbeat: {
       proto::Heartbeat hb;
       s = protocols::DecodeMessage(frame, type, &hb);

@@ -33,6 +33,7 @@ struct WorkerEntry {
   std::vector<uint32_t> tp_ranks;
   std::vector<std::string> tp_kv_addresses;
   TimePoint last_seen;
+  bool leaving = false;  // it said it stops on purpose (WorkerLeaving)
 };
 
 struct RequestEntry {
@@ -149,7 +150,11 @@ struct ClusterBackend::State {
     const std::string id = worker_id;
     auto it = workers.find(id);
     if (it == workers.end()) return;
-    LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
+    if (it->second.leaving) {
+      LOG_INFO << "worker " << id << " left (it is stopping)";
+    } else {
+      LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
+    }
     std::shared_ptr<FramedConnection> conn = it->second.conn;
     conn_worker.erase(conn.get());
     workers.erase(it);

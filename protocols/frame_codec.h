@@ -49,6 +49,7 @@ enum class MessageType : uint16_t {
   kAuthHello = 16,      // proto::AuthHello (protocols/cluster_auth.h)
   kAuthChallenge = 17,  // proto::AuthChallenge
   kAuthProof = 18,      // proto::AuthProof
+  kWorkerLeaving = 19,  // proto::WorkerLeaving: the worker stops on purpose
   kKvData = 100,
   kKvAbort = 101,
 };

@@ -94,6 +94,17 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   return Status::Ok();
 }
 
+void ControlLink::Leave(const std::string& worker_id, const std::string& why) {
+  StopHeartbeats();
+  if (!conn_ || conn_->closed()) return;
+  proto::WorkerLeaving m;
+  m.set_worker_id(worker_id);
+  m.set_reason(why);
+  Send(MessageType::kWorkerLeaving, m);
+  conn_->CloseAfterFlush(Cancelled(why));
+  (void)conn_->WaitClosed(Deadline::AfterMs(1000));
+}
+
 void ControlLink::Close(const Status& why) {
   StopHeartbeats();
   if (conn_) conn_->Close(why);

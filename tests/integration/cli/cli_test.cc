@@ -218,6 +218,15 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   }
   EXPECT_NE(r.err.find("started coordinator"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("kvrelay-coordinator listening"), std::string::npos) << r.err;
+  // #18: a normal shutdown is quiet: workers told to stop say so
+  // (WorkerLeaving) and nobody reports a peer as lost.
+  size_t warnings = 0;
+  for (const char* level : {"Z W ", "Z E "}) {
+    for (size_t at = r.err.find(level); at != std::string::npos; at = r.err.find(level, at + 1)) {
+      ++warnings;
+    }
+  }
+  EXPECT_EQ(warnings, 0u) << r.err;
 }
 
 // KIVI pools stage partial blocks in f32 carved from the pool; perplexity
