@@ -316,7 +316,9 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
 
 void Session::Emit(RequestState& r, const std::string& piece) {
   if (piece.empty()) return;
-  if (!r.params.stream) {
+  // With tools the answer is a tool call or text, known at the end: a stream
+  // sends it then (Finish).
+  if (!r.params.stream || r.params.tool_choice != ToolChoice::kNone) {
     r.text += piece;
     return;
   }
@@ -416,7 +418,34 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
   if (p.logprobs && !p.stream) {
     results_[r->index].logprobs = LogprobsJson(p.endpoint, r->logprobs, r->logprob_offset);
   }
-  if (p.stream) {
+  nlohmann::json tool_calls = nullptr;
+  if (p.tool_choice != ToolChoice::kNone) {
+    tool_calls = ExtractToolCalls(r->text, p.tool_choice,
+                                  r->ident.id.substr(r->ident.id.find('-') + 1) + "_" +
+                                      std::to_string(r->index));
+    results_[r->index].tool_calls = tool_calls;
+  }
+  if (p.stream && p.tool_choice != ToolChoice::kNone) {
+    // The buffered answer in one delta: the tool calls (with their index) or the text.
+    nlohmann::json chunk = StreamChunkJson(p.endpoint, r->ident, tool_calls.is_null() ? r->text : "",
+                                           r->first_chunk, FinishReason::kNone, r->index,
+                                           TakeStreamLogprobs(*r));
+    if (!tool_calls.is_null()) {
+      nlohmann::json deltas = nlohmann::json::array();
+      for (size_t k = 0; k < tool_calls.size(); ++k) {
+        nlohmann::json d = tool_calls[k];
+        d["index"] = k;
+        deltas.push_back(d);
+      }
+      chunk["choices"][0]["delta"]["tool_calls"] = deltas;
+      chunk["choices"][0]["delta"].erase("content");
+    }
+    QueueOut({OutItem::kChunk, SseEvent(DumpJson(chunk))});
+    r->first_chunk = false;
+    nlohmann::json last = StreamChunkJson(p.endpoint, r->ident, "", false, finish, r->index);
+    if (!tool_calls.is_null()) last["choices"][0]["finish_reason"] = "tool_calls";
+    QueueOut({OutItem::kChunk, SseEvent(DumpJson(last))});
+  } else if (p.stream) {
     QueueOut({OutItem::kChunk,
               SseEvent(DumpJson(StreamChunkJson(p.endpoint, r->ident, "", r->first_chunk, finish,
                                                 r->index, TakeStreamLogprobs(*r))))});

@@ -1,5 +1,6 @@
 #include "coordinator/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -193,6 +194,32 @@ std::optional<ApiError> ParseMessages(const json& body, std::vector<ChatMessage>
     } else if (auto err = ParseContent(*content, field + ".content", &msg.content)) {
       return err;
     }
+    // Tool calls the assistant made, rendered as the model is asked to write
+    // them (RenderTools).
+    if (const json* calls = Field(m, "tool_calls"); calls != nullptr && r == "assistant") {
+      if (!calls->is_array()) return WrongType(field + ".tool_calls", "an array", *calls);
+      for (size_t k = 0; k < calls->size(); ++k) {
+        const json& c = (*calls)[k];
+        const std::string cf = field + ".tool_calls[" + std::to_string(k) + "]";
+        const json* fn = c.is_object() ? Field(c, "function") : nullptr;
+        if (fn == nullptr || !fn->is_object() || Field(*fn, "name") == nullptr ||
+            !(*fn)["name"].is_string()) {
+          return BadRequest("'" + cf + ".function.name' is required", cf + ".function.name",
+                            "missing_required_parameter");
+        }
+        json args = json::object();
+        if (const json* a = Field(*fn, "arguments")) {
+          args = a->is_string() ? json::parse(a->get<std::string>(), nullptr, false) : *a;
+          if (args.is_discarded()) {
+            return BadRequest("'" + cf + ".function.arguments' is not valid JSON",
+                              cf + ".function.arguments", "invalid_value");
+          }
+        }
+        msg.content += std::string(msg.content.empty() ? "" : "\n") + "<tool_call>\n" +
+                       json{{"name", (*fn)["name"]}, {"arguments", args}}.dump() +
+                       "\n</tool_call>";
+      }
+    }
     out->push_back(std::move(msg));
   }
   return std::nullopt;
@@ -316,6 +343,128 @@ std::optional<ApiError> ParseResponseFormat(const json& rf, std::string* schema_
   return std::nullopt;
 }
 
+// tools / tool_choice: the functions are described to the model in a system
+// message (SmolLM2's template has no tool syntax; as llama.cpp and vLLM do
+// for such templates, a Hermes-style <tool_call> JSON convention); required
+// and named choices are grammar-constrained to {"name","arguments"} with the
+// function's parameters schema.
+std::optional<ApiError> ParseTools(const json& body, std::string_view body_text,
+                                   CompletionParams* out) {
+  const json* tools = Field(body, "tools");
+  const json* choice = Field(body, "tool_choice");
+  if (tools == nullptr || (tools->is_array() && tools->empty())) {
+    if (choice != nullptr && !(choice->is_string() && (*choice == "none" || *choice == "auto"))) {
+      return BadRequest("'tool_choice' needs 'tools'", "tool_choice", "invalid_value");
+    }
+    return std::nullopt;
+  }
+  if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+  // Again in document order (the parameters' properties keep their order).
+  nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(body_text, nullptr, false);
+  nlohmann::ordered_json grammar_tools = nlohmann::ordered_json::array();
+  std::string described;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string f = "tools[" + std::to_string(i) + "]";
+    if (!t.is_object()) return WrongType(f, "an object", t);
+    const json* type = Field(t, "type");
+    if (type == nullptr || *type != "function") {
+      return BadRequest("'" + f + ".type' must be 'function'", f + ".type", "invalid_value");
+    }
+    const json* fn = Field(t, "function");
+    if (fn == nullptr || !fn->is_object()) {
+      return BadRequest("'" + f + ".function' is required", f + ".function",
+                        "missing_required_parameter");
+    }
+    const json* name = Field(*fn, "name");
+    if (name == nullptr || !name->is_string() || name->get<std::string>().empty()) {
+      return BadRequest("'" + f + ".function.name' is required", f + ".function.name",
+                        "missing_required_parameter");
+    }
+    names.push_back(name->get<std::string>());
+    nlohmann::ordered_json params = nlohmann::ordered_json::object();
+    if (!ordered.is_discarded() && ordered["tools"][i]["function"].contains("parameters")) {
+      params = ordered["tools"][i]["function"]["parameters"];
+    }
+    if (!params.empty()) {
+      auto compiled = engine::grammar::CompileJsonSchema(params.dump());
+      if (!compiled.ok()) {
+        return BadRequest(f + ".function.parameters: " + compiled.status().message(),
+                          f + ".function.parameters", "unsupported_value");
+      }
+    }
+    grammar_tools.push_back({{"name", names.back()}, {"parameters", params}});
+    nlohmann::ordered_json d = {{"name", names.back()}};
+    if (const json* desc = Field(*fn, "description"); desc != nullptr && desc->is_string()) {
+      d["description"] = desc->get<std::string>();
+    }
+    d["parameters"] = params;
+    described += d.dump() + "\n";
+  }
+  out->tool_choice = ToolChoice::kAuto;
+  if (choice != nullptr) {
+    if (choice->is_string()) {
+      const std::string c = choice->get<std::string>();
+      if (c == "none") {
+        out->tool_choice = ToolChoice::kNone;
+      } else if (c == "required") {
+        out->tool_choice = ToolChoice::kRequired;
+      } else if (c != "auto") {
+        return BadRequest("'tool_choice' must be none, auto, required or a function; got '" + c +
+                              "'",
+                          "tool_choice", "invalid_value");
+      }
+    } else if (choice->is_object()) {
+      const json* fn = Field(*choice, "function");
+      const json* name = fn != nullptr && fn->is_object() ? Field(*fn, "name") : nullptr;
+      if (name == nullptr || !name->is_string()) {
+        return BadRequest("'tool_choice.function.name' is required", "tool_choice.function.name",
+                          "missing_required_parameter");
+      }
+      const auto it = std::find(names.begin(), names.end(), name->get<std::string>());
+      if (it == names.end()) {
+        return BadRequest("'tool_choice' names '" + name->get<std::string>() +
+                              "', which is not in 'tools'",
+                          "tool_choice.function.name", "invalid_value");
+      }
+      out->tool_choice = ToolChoice::kNamed;
+      nlohmann::ordered_json one = nlohmann::ordered_json::array();
+      one.push_back(grammar_tools[static_cast<size_t>(it - names.begin())]);
+      grammar_tools = one;
+    } else {
+      return WrongType("tool_choice", "a string or an object", *choice);
+    }
+  }
+  if (out->tool_choice == ToolChoice::kNone) return std::nullopt;  // as if no tools
+  if (out->tool_choice != ToolChoice::kAuto) {
+    if (!out->sampling.json_schema.empty()) {
+      return BadRequest("'response_format' and a required tool call cannot be combined",
+                        "tool_choice", "invalid_value");
+    }
+    out->sampling.json_schema =
+        nlohmann::ordered_json{{"x-kvrelay-tool-calls", grammar_tools}}.dump();
+  }
+  std::string system =
+      "You can call functions. To call one, reply with exactly\n<tool_call>\n"
+      "{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n"
+      "</tool_call>\nThe functions:\n" +
+      described;
+  if (out->tool_choice == ToolChoice::kRequired || out->tool_choice == ToolChoice::kNamed) {
+    system += "Call " + (out->tool_choice == ToolChoice::kNamed
+                             ? "the function " + grammar_tools[0]["name"].get<std::string>()
+                             : std::string("one of the functions")) +
+              " now; reply with its JSON only.\n";
+  }
+  // Into the first system message, or a new one in front.
+  if (!out->messages.empty() && out->messages[0].role == "system") {
+    out->messages[0].content += "\n\n" + system;
+  } else {
+    out->messages.insert(out->messages.begin(), ChatMessage{"system", system});
+  }
+  return std::nullopt;
+}
+
 // The request fields ParseCompletionRequest understands (some only in their
 // no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
 // caller's end-user id, which OpenAI uses for abuse monitoring only: it has
@@ -340,8 +489,9 @@ bool KnownField(Endpoint endpoint, std::string_view key) {
                                                  "logprobs",
                                                  "response_format",
                                                  "user"};
-  static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
-                                               "top_logprobs"};
+  static constexpr std::string_view kChat[] = {"messages",     "max_completion_tokens",
+                                               "tools",        "tool_choice",
+                                               "top_logprobs", "parallel_tool_calls"};
   static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
   for (auto k : kCommon)
     if (k == key) return true;
@@ -533,12 +683,6 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                         "invalid_value");
     }
     if (out->logprobs) out->sampling.logprobs = static_cast<int>(top.value_or(0));
-    if (const json* tools = Field(body, "tools")) {
-      if (!tools->is_array()) return WrongType("tools", "an array", *tools);
-      if (!tools->empty())
-        return BadRequest("'tools' (function calling) is not supported", "tools",
-                          "unsupported_value");
-    }
   }
   if (const json* rf = Field(body, "response_format")) {
     if (auto err = ParseResponseFormat(*rf, &out->sampling.json_schema)) return err;
@@ -550,6 +694,9 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
         out->sampling.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
       }
     }
+  }
+  if (endpoint == Endpoint::kChatCompletions) {
+    if (auto err = ParseTools(body, body_text, out)) return err;
   }
   // Every field not understood above is refused by name, never ignored: a
   // client that asked for something must not get a silent no-op.
@@ -609,6 +756,11 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
                            {"message", {{"role", "assistant"}, {"content", c.text}}},
                            {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
+      if (!c.tool_calls.is_null()) {
+        array.back()["message"]["content"] = nullptr;
+        array.back()["message"]["tool_calls"] = c.tool_calls;
+        array.back()["finish_reason"] = "tool_calls";
+      }
     } else {
       array.push_back(json{{"index", i},
                            {"text", c.text},
@@ -695,6 +847,33 @@ nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& 
               {"token_logprobs", token_logprobs},
               {"top_logprobs", top_logprobs},
               {"text_offset", text_offset}};
+}
+
+nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
+                                const std::string& id_prefix) {
+  std::vector<json> calls;
+  auto add = [&](const std::string& body) {
+    json v = json::parse(body, nullptr, false);
+    if (v.is_discarded() || !v.is_object() || !v.contains("name") || !v["name"].is_string()) {
+      return;
+    }
+    json args = v.contains("arguments") ? v["arguments"] : json::object();
+    calls.push_back(json{{"id", "call_" + id_prefix + "_" + std::to_string(calls.size())},
+                         {"type", "function"},
+                         {"function", {{"name", v["name"]}, {"arguments", args.dump()}}}});
+  };
+  if (choice == ToolChoice::kRequired || choice == ToolChoice::kNamed) {
+    add(text);
+  } else if (choice == ToolChoice::kAuto) {
+    const std::string open = "<tool_call>", close = "</tool_call>";
+    for (size_t at = text.find(open); at != std::string::npos; at = text.find(open, at + 1)) {
+      const size_t end = text.find(close, at);
+      if (end == std::string::npos) break;
+      add(text.substr(at + open.size(), end - at - open.size()));
+    }
+  }
+  if (calls.empty()) return nullptr;
+  return json(calls);
 }
 
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,

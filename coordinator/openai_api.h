@@ -42,6 +42,9 @@ struct ApiLimits {
   int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
 };
 
+// tool_choice (kNone also when the request has no tools).
+enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
+
 inline SamplingParams ApiDefaultSampling() {
   SamplingParams s;
   s.temperature = 1.0f;
@@ -72,7 +75,17 @@ struct CompletionParams {
   // logprobs asked for: chat `logprobs: true` (top_logprobs in
   // sampling.logprobs), completions `logprobs: k` (k alternatives).
   bool logprobs = false;
+  // Chat with tools: the functions are described in the system message;
+  // required / named calls are constrained by sampling.json_schema.
+  ToolChoice tool_choice = ToolChoice::kNone;
 };
+
+// The tool calls in a chat answer: for kRequired / kNamed the whole text is
+// {"name","arguments"}; for kAuto the <tool_call>...</tool_call> blocks.
+// Returns the OpenAI "tool_calls" array (ids "call_<prefix>_<i>"), or null
+// when the text holds none.
+nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
+                                const std::string& id_prefix);
 
 // Parses and validates a body. On failure returns the error naming the field;
 // the model name is not checked here (see the server: 404 for unknown models).
@@ -105,6 +118,7 @@ struct ChoiceResult {
   std::string text;
   FinishReason finish = FinishReason::kNone;
   nlohmann::json logprobs = nullptr;  // LogprobsJson(...) when asked for
+  nlohmann::json tool_calls = nullptr;  // ExtractToolCalls(...): then content is null
 };
 
 // One generated token's log-probabilities, rendered for the client.

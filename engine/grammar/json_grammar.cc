@@ -30,6 +30,8 @@ enum class Kind : uint8_t {
   kNumber,
   kInteger,
   kLiteral,  // one of fixed texts: enum, const, true/false, null
+  kTagged,   // a tool call: one of `{"name":"<fn>","arguments":` then that function's
+             // arguments, then '}'
 };
 
 struct JsonGrammar::Node {
@@ -45,7 +47,7 @@ struct JsonGrammar::Node {
   // kString
   int32_t min_len = 0;
   int32_t max_len = -1;
-  // kLiteral
+  // kLiteral; kTagged: the prefixes, with `values` the argument nodes
   std::vector<std::string> alternatives;
   // kUnion: node by first byte class (0 = none)
   uint32_t on_object = 0, on_array = 0, on_string = 0, on_number = 0, on_true_false = 0,
@@ -71,6 +73,7 @@ constexpr int kMaxIntDigits = 15;
 constexpr int kMaxFracDigits = 9;
 constexpr int kMaxExpDigits = 2;  // 1e99 at most: every value fits a double
 constexpr size_t kMaxDepth = 32;  // frames on the stack
+constexpr const char* kToolCallsKeyword = "x-kvrelay-tool-calls";
 
 bool IsDigit(uint8_t c) { return c >= '0' && c <= '9'; }
 bool IsHex(uint8_t c) { return IsDigit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
@@ -416,6 +419,19 @@ JsonGrammar::Step JsonGrammar::StepFrame(GrammarState* st, uint8_t c) const {
       }
       return Step::kReject;
     }
+    case Kind::kTagged: {
+      if (f.phase == 1) {  // after the arguments
+        return c == '}' ? pop() : Step::kReject;
+      }
+      const int hi = static_cast<int>(n.alternatives.size()) - 1;
+      const int j = NextAlternative(n.alternatives, 0, hi, f.c, f.b, c);
+      if (j < 0) return Step::kReject;
+      f.c = j;
+      ++f.b;
+      if (f.b < static_cast<int>(n.alternatives[j].size())) return Step::kOk;
+      f.phase = 1;  // the prefixes end with ':' and none is a prefix of another
+      return PushChild(st, n.values[j]) ? Step::kOk : Step::kReject;
+    }
     case Kind::kLiteral: {
       // c = the alternative followed, b = its bytes matched.
       const int hi = static_cast<int>(n.alternatives.size()) - 1;
@@ -486,6 +502,7 @@ class SchemaCompiler {
       return InvalidArgument("JSON schema 'false' at " + path + " matches nothing");
     }
     if (!s.is_object()) return InvalidArgument("JSON schema at " + path + " must be an object");
+    if (depth == 0 && s.contains(kToolCallsKeyword)) return ToolCalls(s[kToolCallsKeyword], path);
     static const char* kKnown[] = {"type",        "properties", "required",  "additionalProperties",
                                    "items",       "minItems",   "maxItems",  "minLength",
                                    "maxLength",   "enum",       "const",     "title",
@@ -724,6 +741,30 @@ class SchemaCompiler {
       if (std::find(n.alternatives.begin(), n.alternatives.end(), text) == n.alternatives.end()) {
         n.alternatives.push_back(std::move(text));
       }
+    }
+    return Add(std::move(n));
+  }
+
+  // {"x-kvrelay-tool-calls": [{"name": N, "parameters": SCHEMA}, ...]}: one
+  // call of one of the functions, {"name":N,"arguments":<SCHEMA>}.
+  Result<uint32_t> ToolCalls(const json& tools, const std::string& path) {
+    if (!tools.is_array() || tools.empty()) {
+      return InvalidArgument(std::string("'") + kToolCallsKeyword + "' must be a non-empty array");
+    }
+    JsonGrammar::Node n;
+    n.kind = Kind::kTagged;
+    for (size_t i = 0; i < tools.size(); ++i) {
+      const json& t = tools[i];
+      if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
+        return InvalidArgument("tool " + std::to_string(i) + " has no name");
+      }
+      const std::string name = t["name"];
+      const json params = t.contains("parameters") ? t["parameters"] : json::object();
+      ASSIGN_OR_RETURN(uint32_t args,
+                       Compile(params.empty() ? json{{"type", "object"}} : params,
+                               path + ".tools[" + name + "].parameters", 1));
+      n.alternatives.push_back("{\"name\":" + json(name).dump() + ",\"arguments\":");
+      n.values.push_back(args);
     }
     return Add(std::move(n));
   }

@@ -13,6 +13,10 @@
 // refused by CompileJsonSchema with InvalidArgument naming the keyword and
 // where it is, so a schema is never half-enforced.
 //
+// Tool calls (tool_choice required / a named function) use one extension at
+// the top level: {"x-kvrelay-tool-calls": [{"name": N, "parameters": S}]}
+// accepts {"name":N,"arguments":<value of S>} for one of the functions.
+//
 // Masks are computed lazily per automaton state (a DFS over the token trie)
 // and cached in the ConstraintFactory, which engines share across requests
 // of the same schema. Thread-safe: JsonGrammar and TokenVocabulary are

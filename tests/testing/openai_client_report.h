@@ -57,6 +57,23 @@ inline void ExpectOpenAiClientReport(const nlohmann::json& j, const std::string&
   EXPECT_EQ(clp["tokens"].size(), 8u);
   EXPECT_EQ(clp["text"], j["completion"]["text"]);
   for (const auto& n : clp["top_sizes"]) EXPECT_GE(n.get<int>(), 1);
+  // #18: tools.
+  const json& tn = j["tool_named"];
+  EXPECT_EQ(tn["finish_reason"], "tool_calls");
+  EXPECT_TRUE(tn["content"].is_null());
+  EXPECT_EQ(tn["name"], "get_weather");
+  EXPECT_EQ(tn["type"], "function");
+  EXPECT_EQ(tn["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_TRUE(tn["args"]["city"].is_string()) << tn.dump();
+  EXPECT_TRUE(tn["args"]["unit"] == "celsius" || tn["args"]["unit"] == "fahrenheit") << tn.dump();
+  const json& tr = j["tool_required"];
+  EXPECT_TRUE(tr["name"] == "get_weather" || tr["name"] == "get_time") << tr.dump();
+  EXPECT_TRUE(tr["args"].is_object()) << tr.dump();
+  EXPECT_EQ(j["tool_stream"]["name"], "get_weather");
+  EXPECT_EQ(j["tool_stream"]["args"], tn["args"]);
+  EXPECT_EQ(j["tool_stream"]["finish_reason"], "tool_calls");
+  EXPECT_TRUE(j["tool_followup"]["tool_calls"].is_null());
+  EXPECT_FALSE(j["tool_followup"]["content"].get<std::string>().empty());
   // logit_bias +100 on one token: it is all the model says.
   EXPECT_EQ(j["logit_bias"]["completion_tokens"], 4);
   EXPECT_NE(j["logit_bias"]["text"], j["completion"]["text"]);
