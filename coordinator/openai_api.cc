@@ -216,7 +216,7 @@ std::optional<ApiError> ParseMessages(const json& body, std::vector<ChatMessage>
           }
         }
         msg.content += std::string(msg.content.empty() ? "" : "\n") + "<tool_call>\n" +
-                       json{{"name", (*fn)["name"]}, {"arguments", args}}.dump() +
+                       "{\"name\":" + (*fn)["name"].dump() + ",\"arguments\":" + args.dump() + "}" +
                        "\n</tool_call>";
       }
     }

@@ -376,5 +376,73 @@ TEST(OpenAiApiTest, ResponseFormatBecomesTheResponseGrammar) {
   EXPECT_FALSE(p.sampling.json_schema.empty());
 }
 
+// #18: tools. Named and required choices become a tool-call grammar; the
+// functions are described in the system message; history tool calls render.
+TEST(OpenAiApiTest, ToolsAndToolChoice) {
+  const std::string tools = R"("tools":[{"type":"function","function":{"name":"get_weather",
+      "parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}},
+      {"type":"function","function":{"name":"get_time"}}])";
+  CompletionParams p;
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}}})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kNamed);
+  EXPECT_NE(p.sampling.json_schema.find("x-kvrelay-tool-calls"), std::string::npos);
+  EXPECT_EQ(p.sampling.json_schema.find("get_time"), std::string::npos);  // only the named one
+  ASSERT_GE(p.messages.size(), 2u);
+  EXPECT_EQ(p.messages[0].role, "system");
+  EXPECT_NE(p.messages[0].content.find("get_weather"), std::string::npos);
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":"required"})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kRequired);
+  EXPECT_NE(p.sampling.json_schema.find("get_time"), std::string::npos);
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools + "}",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kAuto);
+  EXPECT_TRUE(p.sampling.json_schema.empty());
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":"none"})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(p.messages.size(), 1u);  // nothing described
+  auto unknown = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                               R"(,"tool_choice":{"type":"function","function":{"name":"nope"}}})",
+                           &p);
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_EQ(unknown->param, "tool_choice.function.name");
+  auto bad_params = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object",
+      "properties":{"a":{"type":"string","pattern":"x"}}}}}]})",
+                              &p);
+  ASSERT_TRUE(bad_params.has_value());
+  EXPECT_EQ(bad_params->param, "tools[0].function.parameters");
+  // History: the assistant's call and the tool's answer.
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"},
+      {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+       "function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},
+      {"role":"tool","tool_call_id":"c1","content":"sunny"}]})",
+                         &p)
+                   .has_value());
+  ASSERT_EQ(p.messages.size(), 3u);
+  EXPECT_EQ(p.messages[1].content,
+            "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>");
+  EXPECT_EQ(p.messages[2].role, "tool");
+  // Extraction.
+  json calls = ExtractToolCalls(R"({"name":"f","arguments":{"a":1}})", ToolChoice::kNamed, "x");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0]["function"]["name"], "f");
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"a":1})");
+  EXPECT_TRUE(ExtractToolCalls("hello", ToolChoice::kAuto, "x").is_null());
+  EXPECT_EQ(ExtractToolCalls("ok <tool_call>\n{\"name\":\"g\"}\n</tool_call>", ToolChoice::kAuto,
+                             "x")
+                .size(),
+            1u);
+}
+
 }  // namespace
 }  // namespace kvrelay::coordinator
