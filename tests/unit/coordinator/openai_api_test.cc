@@ -172,7 +172,7 @@ TEST(OpenAiApiTest, EachErrorNamesTheField) {
        "echo"},
       {Endpoint::kChatCompletions,
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
-       "tools", "not supported"},
+       "tools[0].function", "is required"},
       {Endpoint::kCompletions, R"({"model":"m"})", "prompt", "'prompt'"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":["a","b"]})", "prompt", "not supported"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":[[1],[2]]})", "prompt", "not supported"},
@@ -261,13 +261,13 @@ TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
   EXPECT_EQ(suffix->param, "suffix");
   EXPECT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","suffix":null})", &p).has_value());
   auto unknown = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-                               "frobnicate":1,"tool_choice":"auto"})",
+                               "frobnicate":1,"prediction":{}})",
                            &p);
   ASSERT_TRUE(unknown.has_value());
   EXPECT_EQ(unknown->http_status, 400);
   EXPECT_EQ(unknown->code, "unsupported_parameter");
   EXPECT_NE(unknown->message.find("'frobnicate'"), std::string::npos) << unknown->message;
-  EXPECT_NE(unknown->message.find("'tool_choice'"), std::string::npos) << unknown->message;
+  EXPECT_NE(unknown->message.find("'prediction'"), std::string::npos) << unknown->message;
   // A completions-only field on chat is unknown there.
   auto echo =
       ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"echo":true})", &p);
