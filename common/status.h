@@ -27,6 +27,10 @@ enum class StatusCode {
   kDataLoss,            // checksum mismatch, truncated data
   kUnimplemented,       // a format or feature this build does not support
   kInternal,            // a bug: an invariant did not hold
+  // Abandoned while a lower layer still owns the caller's memory (an MPI
+  // request to a dead peer can be neither completed nor cancelled): that
+  // memory must never be reused or freed — the caller quarantines it.
+  kAborted,
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -71,6 +75,7 @@ inline Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::mo
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status Aborted(std::string m) { return {StatusCode::kAborted, std::move(m)}; }
 
 // Result<T> holds either a value or a non-OK Status.
 template <typename T>

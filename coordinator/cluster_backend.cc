@@ -50,6 +50,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.queued_tokens = hb.queued_tokens();
       w->info.prefix_hit_tokens = static_cast<int64_t>(hb.prefix_hit_tokens());
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
+      w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
       w->info.transfer_seconds = hb.transfer_seconds();
       break;
     }

@@ -144,6 +144,23 @@ struct ClusterBackend::State {
     SendTo(w->conn, MessageType::kCancel, c);
   }
 
+  // Tells every prefill worker that a dropped decode group's ranks are dead,
+  // before the Cancels of its requests: KV sends to them are abandoned at once
+  // (an MPI send to a dead rank never completes on its own).
+  void AnnouncePeerLost(const WorkerEntry& dead, const Status& reason) {
+    proto::PeerLost m;
+    m.set_worker_id(dead.info.id);
+    m.set_reason(reason.ToString());
+    if (dead.tp_ranks.empty()) {
+      m.add_ranks(dead.rank);
+    } else {
+      for (uint32_t r : dead.tp_ranks) m.add_ranks(r);
+    }
+    for (auto& [wid, w] : workers) {
+      if (w.info.role == WorkerRole::kPrefill) SendTo(w.conn, MessageType::kPeerLost, m);
+    }
+  }
+
   void DropWorker(const std::string& worker_id, const Status& reason, PendingEvents& out) {
     // A copy: callers pass references into `workers` / `conn_worker`, which
     // are erased below.
@@ -156,6 +173,7 @@ struct ClusterBackend::State {
       LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
     }
     std::shared_ptr<FramedConnection> conn = it->second.conn;
+    if (it->second.info.role == WorkerRole::kDecode) AnnouncePeerLost(it->second, reason);
     conn_worker.erase(conn.get());
     workers.erase(it);
     router.prefix_index().RemoveWorker(id);

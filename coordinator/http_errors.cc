@@ -14,6 +14,7 @@ HttpError ErrorFromStatus(const Status& status, std::string message, int retry_a
       break;
     case StatusCode::kResourceExhausted:
     case StatusCode::kUnavailable:
+    case StatusCode::kAborted:  // a peer died under the request: retryable
       e.api.http_status = 503;
       e.api.type = "server_error";
       e.api.code = "no_capacity";

@@ -294,6 +294,11 @@ void Session::HandleMetrics() {
         ->Set(static_cast<double>(w.queued_tokens));
     m->GetGauge("kvrelay_worker_healthy", "1 when the worker is healthy.", l)
         ->Set(w.healthy ? 1 : 0);
+    m->GetGauge("kvrelay_worker_kv_quarantined_blocks",
+                "KV blocks the worker keeps forever because a dead peer's MPI request still "
+                "references them.",
+                l)
+        ->Set(static_cast<double>(w.quarantined_kv_blocks));
     // Cumulative figures are counters (#18), fed from the snapshots.
     core_->AdvanceWorkerCounter("kvrelay_worker_prefix_hit_tokens_total",
                                 "Prompt tokens the worker served from its prefix cache.", w.id,

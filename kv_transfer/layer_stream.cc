@@ -110,7 +110,7 @@ LayerStreamSender::LayerStreamSender(Transport* transport, int peer, StreamSpec 
 LayerStreamSender::~LayerStreamSender() { CancelAll(); }
 
 void LayerStreamSender::CancelAll() {
-  for (TransferHandle h : handles_) (void)transport_->Cancel(h);
+  for (TransferHandle h : handles_) Note(transport_->Cancel(h));
   handles_.clear();
 }
 
@@ -167,6 +167,7 @@ Status LayerStreamSender::Finish(Deadline deadline) {
     handles_.erase(handles_.begin());
     Status st = transport_->Wait(h, deadline);
     if (!st.ok()) {
+      Note(st);
       status_ = st;
       CancelAll();
       return st;
@@ -199,8 +200,11 @@ int LayerStreamReceiver::layers_complete() const {
 
 void LayerStreamReceiver::Invalidate(Status why) {
   for (auto& r : recvs_) {
-    if (r.manifest != 0 && !r.manifest_done) (void)transport_->Cancel(r.manifest);
-    if (r.data != 0 && !r.data_done) (void)transport_->Cancel(r.data);
+    for (auto [h, done] : {std::pair{r.manifest, r.manifest_done}, std::pair{r.data, r.data_done}}) {
+      if (h != 0 && !done && transport_->Cancel(h).code() == StatusCode::kAborted) {
+        quarantined_ = true;
+      }
+    }
     r.manifest_done = r.data_done = true;
   }
   if (status_.ok()) status_ = std::move(why);
@@ -236,6 +240,7 @@ Status LayerStreamReceiver::PollLayer(int l) {
     if (*done) return Status::Ok();
     auto p = transport_->Poll(h);
     if (!p.ok()) {
+      if (p.status().code() == StatusCode::kAborted) quarantined_ = true;
       *done = true;
       return p.status();
     }
@@ -361,6 +366,7 @@ Status LayerStreamReceiver::WaitLayer(int layer, Deadline deadline) {
   auto wait = [&](TransferHandle h, bool* done) -> Status {
     if (*done) return Status::Ok();
     Status st = transport_->Wait(h, deadline);
+    if (st.code() == StatusCode::kAborted) quarantined_ = true;
     *done = true;
     return st;
   };

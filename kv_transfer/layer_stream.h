@@ -70,9 +70,17 @@ class LayerStreamSender {
   // Waits for every posted send; cancels the rest at the deadline or first error.
   Status Finish(Deadline deadline);
   int layers_sent() const;
+  // Cancels every unfinished send (also done by the destructor).
+  void CancelAll();
+  // A send ended kAborted (its peer was abandoned while the transport still
+  // owned the buffers): this sender (its manifest slots) and the blocks it
+  // reads must be kept for the life of the transport, never reused.
+  bool quarantined() const { return quarantined_; }
 
  private:
-  void CancelAll();
+  void Note(const Status& s) {
+    if (s.code() == StatusCode::kAborted) quarantined_ = true;
+  }
   Transport* transport_;
   int peer_;
   StreamSpec spec_;
@@ -81,6 +89,7 @@ class LayerStreamSender {
   std::vector<TransferHandle> handles_;  // unfinished sends
   std::vector<bool> sent_;
   Status status_;
+  bool quarantined_ = false;
 };
 
 class LayerStreamReceiver {
@@ -105,6 +114,9 @@ class LayerStreamReceiver {
   bool complete() const { return valid() && layers_complete() == spec_.layers; }
   bool valid() const { return status_.ok(); }
   const Status& status() const { return status_; }
+  // A receive ended kAborted: the transport still owns destination blocks;
+  // they (and this receiver's manifest slots) must never be reused.
+  bool quarantined() const { return quarantined_; }
 
  private:
   struct LayerRecv {
@@ -126,6 +138,7 @@ class LayerStreamReceiver {
   std::vector<bool> verified_;
   bool started_ = false;
   Status status_;
+  bool quarantined_ = false;
 };
 
 // The manifest slot of one layer: [u64 xxh3 of the rest][u32 length]

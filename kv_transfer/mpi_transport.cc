@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <list>
 
 #include "common/logging.h"
@@ -141,9 +142,34 @@ void MpiTransport::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& l
   bool drained = domain_->cv.wait_for(lock, options_.cancel_drain_timeout,
                                       [&] { return op->backend_state != kBound; });
   if (!drained) {
-    LOG_ERROR << "mpi transport: " << KeyString(op->key)
-              << " still owned by MPI after the cancel drain timeout";
+    // A dead or stuck peer: MPI keeps the buffers, the caller must too.
+    LOG_WARNING << "mpi transport: " << KeyString(op->key)
+                << " still owned by MPI after the cancel drain timeout; quarantined";
+    QuarantineLocked(op, "not released by MPI within the cancel drain timeout");
   }
+}
+
+void MpiTransport::AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>&) {
+  // Sends not yet handed to MPI: their buffers are still ours to give back.
+  for (auto it = send_queue_.begin(); it != send_queue_.end();) {
+    if ((*it)->key.peer == peer) {
+      (*it)->backend_state = 0;
+      CompleteLocked(*it, why);
+      it = send_queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+Status MpiTransport::ConnectPeer(int peer, std::string_view, Deadline) {
+  if (peer < 0 || peer >= world_size_) {
+    return InvalidArgument("mpi transport: peer " + std::to_string(peer) +
+                           " is outside world size " + std::to_string(world_size_));
+  }
+  std::lock_guard lock(domain_->mu);
+  PeerBackLocked(peer);
+  return Status::Ok();
 }
 
 void MpiTransport::ProgressLoop() {
@@ -278,7 +304,13 @@ void MpiTransport::ProgressLoop() {
   MPI_Cancel(&header_req);
   MPI_Wait(&header_req, MPI_STATUS_IGNORE);
   auto deadline = Deadline::After(options_.cancel_drain_timeout);
-  while (!active.empty() && !deadline.Expired()) {
+  // Requests to abandoned peers never complete: do not wait for them.
+  auto waiting = [&] {
+    std::lock_guard lock(domain_->mu);
+    return std::any_of(active.begin(), active.end(),
+                       [](const auto& a) { return !(a->op && a->op->quarantined); });
+  };
+  while (waiting() && !deadline.Expired()) {
     for (auto it = active.begin(); it != active.end();) {
       int flag = 0;
       MPI_Testall(2, (*it)->reqs, &flag, MPI_STATUSES_IGNORE);
@@ -292,8 +324,10 @@ void MpiTransport::ProgressLoop() {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   std::lock_guard lock(domain_->mu);
-  if (!active.empty()) {
-    LOG_ERROR << "mpi transport: " << active.size() << " transfers still in flight at shutdown";
+  const auto stuck = std::count_if(active.begin(), active.end(),
+                                   [](const auto& a) { return !(a->op && a->op->quarantined); });
+  if (stuck > 0) {
+    LOG_ERROR << "mpi transport: " << stuck << " transfers still in flight at shutdown";
   }
   for (auto& a : active) {
     if (a->op) CompleteLocked(a->op, Cancelled("mpi transport shut down"));

@@ -28,8 +28,16 @@
 //
 // Cancel: MPI cannot withdraw a message that is already matched, so Cancel of
 // a send, or of a receive whose payload is already arriving, waits (up to
-// cancel_drain_timeout) for MPI to release the buffers. The peer always
+// cancel_drain_timeout) for MPI to release the buffers. A live peer always
 // drains headers and payloads, so this is bounded by the transfer time.
+//
+// Dead peers: Open MPI 4.1 (even under mpirun --enable-recovery) never
+// completes nor errors an MPI_Isend to a dead rank. Peer death is learnt from
+// the control plane, which calls AbandonPeer: sends still queued fail at
+// once; requests already handed to MPI end kAborted and their buffers are
+// quarantined (the caller never reuses them; MPI may still read them), so
+// nothing waits for the drain timeout. ConnectPeer re-admits a rank that came
+// back (a stalled process that re-registered).
 #pragma once
 
 #include <mpi.h>
@@ -71,6 +79,7 @@ class MpiTransport final : public TransportBase {
   bool SupportsDeviceMemory() const override { return false; }
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  Status ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) override;
 
   static constexpr size_t kMaxMessageBytes = size_t{1} << 30;
 
@@ -80,6 +89,7 @@ class MpiTransport final : public TransportBase {
   Status StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
   void RecvPostedLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
   void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
+  void AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>& lock) override;
   void ProgressLoop();
 
   Options options_;

@@ -628,6 +628,25 @@ void TcpTransport::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& l
   if (!op->is_send) TransportBase::CancelLocked(op, lock);
 }
 
+void TcpTransport::AbandonPeerLocked(int peer, const Status& why,
+                                     std::unique_lock<std::mutex>& lock) {
+  std::erase_if(send_queue_, [&](const OpPtr& op) {
+    if (op->key.peer != peer) return false;
+    CompleteLocked(op, why);
+    return true;
+  });
+  if (auto it = out_conns_.find(peer); it != out_conns_.end()) {
+    it->second->Close(why);
+    out_conns_.erase(it);
+  }
+  out_info_.erase(peer);
+  if (auto it = inbound_by_peer_.find(peer); it != inbound_by_peer_.end()) {
+    if (auto in = it->second.lock()) in->Close(why);
+  }
+  (void)domain_->cv.wait_for(lock, options_.cancel_drain_timeout,
+                             [&] { return !AnyBoundLocked(peer); });
+}
+
 void TcpTransport::SenderLoop() {
   std::unique_lock lock(domain_->mu);
   for (;;) {

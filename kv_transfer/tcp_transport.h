@@ -109,6 +109,10 @@ class TcpTransport final : public TransportBase {
   explicit TcpTransport(Options options);
   Status StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
   void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock) override;
+  // Fails queued sends to `peer`, closes both directions of its connections
+  // (a restarted or stalled peer reconnects through ConnectPeer) and waits up
+  // to cancel_drain_timeout for chunks in flight to unbind.
+  void AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>& lock) override;
   void SenderLoop();
   void SendOneLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock);
   class Inbound;  // one accepted data connection (tcp_transport.cc)

@@ -106,6 +106,23 @@ class Transport {
     return Status::Ok();
   }
 
+  // The control plane reports `peer` dead (heartbeats, a closed control
+  // connection): every unfinished transfer with it ends now with `why`, and
+  // PostSend / PostRecv to it fail Unavailable until ConnectPeer is called for
+  // it again. A transfer whose buffers the backend cannot take back (an MPI
+  // request already handed to MPI) ends with kAborted instead: its buffers
+  // stay the backend's for the life of the transport and the caller must
+  // quarantine them (never reuse, never free). Returns within milliseconds.
+  // The default does nothing: a backend without peer tracking (nccl,
+  // cuda_ipc: a dead member breaks the whole communicator, which its owner
+  // aborts) ends such transfers at their deadlines.
+  virtual void AbandonPeer(int peer, const Status& why) {
+    (void)peer;
+    (void)why;
+  }
+  // Bytes of caller memory abandoned to the backend so far (kAborted).
+  virtual int64_t quarantined_bytes() const { return 0; }
+
   // --- data movement ---
   // Starts sending / receiving. InvalidArgument for a malformed desc (names
   // the bad field), Unavailable for a peer known to be gone.
@@ -114,10 +131,14 @@ class Transport {
   // true: finished OK. false: still in flight. Error: finished with that error.
   virtual Result<bool> Poll(TransferHandle handle) = 0;
   // Waits until finished or `deadline`; at the deadline the transfer is
-  // cancelled (buffers released) and DeadlineExceeded returned.
+  // cancelled (buffers released) and DeadlineExceeded returned — or kAborted
+  // when the backend could not take the buffers back (see Cancel).
   virtual Status Wait(TransferHandle handle, Deadline deadline) = 0;
-  // Abandons a transfer. When it returns, the buffers are released. The peer
+  // Abandons a transfer. When it returns OK, the buffers are released. The peer
   // of a cancelled send sees its receive fail; a cancelled receive's data is dropped.
+  // A transfer the backend cannot take back (already ended kAborted by
+  // AbandonPeer, or an MPI request not released within the drain timeout)
+  // returns kAborted: its buffers are NOT released and must be quarantined.
   virtual Status Cancel(TransferHandle handle) = 0;
   // Posted, unfinished transfers (for leak checks).
   virtual int inflight() const = 0;

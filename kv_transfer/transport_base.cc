@@ -223,6 +223,42 @@ int64_t TransportBase::staged_bytes() const {
   return staged_bytes_;
 }
 
+void TransportBase::AbandonPeer(int peer, const Status& why) {
+  std::unique_lock lock(domain_->mu);
+  AbandonPeerLocked(peer, why, lock);
+  int quarantined = 0;
+  for (auto& [handle, op] : ops_) {
+    if (op->key.peer != peer || op->done || op->backend_state == 0) continue;
+    QuarantineLocked(op, why.message());
+    ++quarantined;
+  }
+  if (quarantined > 0) {
+    LOG_WARNING << name() << " transport: peer " << peer << " abandoned with " << quarantined
+                << " transfers still owned by the backend; their buffers are quarantined";
+  }
+  PeerLostLocked(peer, why);
+}
+
+void TransportBase::QuarantineLocked(const OpPtr& op, const std::string& why) {
+  if (op->done) return;
+  op->quarantined = true;
+  quarantined_bytes_ += static_cast<int64_t>(op->total);
+  CompleteLocked(op, Aborted(KeyString(op->key) + ": " + why + "; the " + std::string(name()) +
+                             " transport still owns its buffers (quarantined)"));
+}
+
+bool TransportBase::AnyBoundLocked(int peer) const {
+  for (const auto& [handle, op] : ops_) {
+    if (op->key.peer == peer && !op->done && op->backend_state != 0) return true;
+  }
+  return false;
+}
+
+int64_t TransportBase::quarantined_bytes() const {
+  std::lock_guard lock(domain_->mu);
+  return quarantined_bytes_;
+}
+
 void TransportBase::PeerLostLocked(int peer, const Status& why) {
   // Staged data from the peer that never completed can never complete now
   // (a reconnected sender starts over): free it.
@@ -272,6 +308,7 @@ Status TransportBase::Wait(TransferHandle handle, Deadline deadline) {
     CancelLocked(op, lock);
     if (!op->done) CompleteLocked(op, Cancelled("deadline"));
     ReleaseLocked(op);
+    if (op->quarantined) return op->status;
     return DeadlineExceeded(std::string(op->is_send ? "send " : "receive ") + KeyString(op->key) +
                             " not finished before the deadline (" + std::to_string(op->received) +
                             " of " + std::to_string(op->total) + " bytes)");
@@ -291,6 +328,7 @@ Status TransportBase::Cancel(TransferHandle handle) {
     if (!op->done) CompleteLocked(op, Cancelled("cancelled by caller"));
   }
   ReleaseLocked(op);
+  if (op->quarantined) return op->status;
   return Status::Ok();
 }
 

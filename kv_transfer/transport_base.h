@@ -61,6 +61,7 @@ class TransportBase : public Transport {
     bool cancel_requested = false;
     int backend_state = 0;  // backend-specific (e.g. MPI: bound to a direct receive)
     Status backend_error;   // backend-specific: first error seen while backend_state != 0
+    bool quarantined = false;  // ended kAborted: the backend keeps the buffers
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -71,6 +72,10 @@ class TransportBase : public Transport {
   Status Cancel(TransferHandle handle) override;
   int inflight() const override;
   int max_inflight() const override { return max_inflight_; }
+  // The backend takes back what it can (AbandonPeerLocked); transfers still
+  // bound to it end kAborted and are quarantined; the rest fail with `why`.
+  void AbandonPeer(int peer, const Status& why) override;
+  int64_t quarantined_bytes() const override;
   // Bytes of the staging budget held now by data no receive was posted for.
   int64_t staged_bytes() const;
 
@@ -85,6 +90,11 @@ class TransportBase : public Transport {
   // Stop touching op's buffers before returning (may release and retake `lock`).
   // The default drops an unbound receive; sends need a backend override.
   virtual void CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& lock);
+  // `peer` is dead: stop touching the buffers of its transfers where the
+  // backend can (reset backend_state, may release and retake `lock`, bounded
+  // wait). Whatever is still bound afterwards is quarantined by the caller.
+  virtual void AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>& lock) {
+  }
 
   // --- for backends delivering bytes (domain mu held) ---
   // In-order bytes [offset, offset+len) of a `total`-byte transfer `key` arrived.
@@ -95,6 +105,9 @@ class TransportBase : public Transport {
   // Every unfinished transfer with `peer` fails; later posts to/from it fail fast.
   void PeerLostLocked(int peer, const Status& why);
   void CompleteLocked(const OpPtr& op, Status status);
+  // Ends an op the backend cannot take back: kAborted, its buffers counted
+  // in quarantined_bytes() and never to be reused by the caller.
+  void QuarantineLocked(const OpPtr& op, const std::string& why);
   // Every unfinished transfer fails with `why` (backend_state reset): for a
   // backend that has stopped every thread that could touch the buffers.
   void FailAllLocked(const Status& why);
@@ -105,6 +118,8 @@ class TransportBase : public Transport {
   // receive's regions directly, in order, and advance cursor/received itself).
   OpPtr PostedRecvLocked(const TransferKey& key) const;
   bool HasPostedRecvsLocked() const { return !posted_recvs_.empty(); }
+  // An unfinished transfer with `peer` is bound to a backend operation.
+  bool AnyBoundLocked(int peer) const;
   // A peer (re)connected: posts to/from it are allowed again.
   void PeerBackLocked(int peer) { lost_peers_.erase(peer); }
   // How long staged (unexpected) data waits for its receive; default 60 s.
@@ -141,6 +156,7 @@ class TransportBase : public Transport {
   std::unordered_set<int> lost_peers_;
   std::unordered_map<int, Status> lost_reason_;
   int64_t staged_bytes_ = 0;
+  int64_t quarantined_bytes_ = 0;
 };
 
 }  // namespace kvrelay::kv_transfer

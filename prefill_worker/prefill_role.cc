@@ -1,5 +1,7 @@
 #include "prefill_worker/prefill_role.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 #include "kv_transfer/head_sharding.h"
 #include "protocols/messages.h"
@@ -46,7 +48,7 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
 }
 
 void PrefillRole::Shutdown() {
-  outgoing_.clear();  // cancels unfinished sends before their blocks go back
+  RetireAll();  // cancels unfinished sends before their blocks go back
   if (tiered_) {
     Status d = tiered_->Drain(Deadline::After(std::chrono::seconds(10)));
     if (!d.ok()) LOG_WARNING << "prefix store drain: " << d.ToString();
@@ -227,7 +229,7 @@ std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
   auto it = outgoing_.find(id);
   if (it == outgoing_.end()) return std::nullopt;
   if (!deliver) {
-    outgoing_.erase(it);  // cancels unfinished sends, then frees the blocks
+    Retire(it);  // cancels unfinished sends, then frees the blocks
     return Status::Ok();
   }
   Outgoing& out = it->second;
@@ -245,12 +247,51 @@ std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
   }
   ctx_.counters->transfer_seconds += SecondsSince(start);
   if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
-  outgoing_.erase(it);  // senders first, then the blocks (Outgoing's member order)
+  Retire(it);  // senders first, then the blocks (Outgoing's member order)
   return s;
 }
 
+void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
+  Outgoing& out = it->second;
+  bool quarantined = false;
+  for (auto& segment : out.senders) {
+    for (auto& sender : segment) {
+      sender->CancelAll();
+      quarantined = quarantined || sender->quarantined();
+    }
+  }
+  if (quarantined) {
+    std::vector<BlockId> ids(out.pinned.ids().begin(), out.pinned.ids().end());
+    ids.insert(ids.end(), out.blocks.ids().begin(), out.blocks.ids().end());
+    std::sort(ids.begin(), ids.end());
+    const auto n = std::unique(ids.begin(), ids.end()) - ids.begin();
+    ctx_.counters->quarantined_blocks += n;
+    LOG_WARNING << "request " << it->first << ": " << n
+                << " KV blocks quarantined (a send to a dead decode peer still owns them)";
+    quarantine_.push_back(std::move(out));
+  }
+  outgoing_.erase(it);
+}
+
+void PrefillRole::RetireAll() {
+  while (!outgoing_.empty()) Retire(outgoing_.begin());
+}
+
+void PrefillRole::OnPeersLost(std::span<const int> ranks) {
+  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
+    auto next = std::next(it);
+    const auto& dr = it->second.decode_ranks;
+    if (std::any_of(dr.begin(), dr.end(), [&](int r) {
+          return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
+        })) {
+      Retire(it);
+    }
+    it = next;
+  }
+}
+
 void PrefillRole::OnCancel(const proto::Cancel& c) {
-  outgoing_.erase(c.request_id());  // cancels unfinished sends, then frees the blocks
+  if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) Retire(it);
   if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
 }
 

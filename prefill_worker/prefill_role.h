@@ -44,7 +44,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
   std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
-  void OnDisconnected() override { outgoing_.clear(); }
+  void OnDisconnected() override { RetireAll(); }
+  void OnPeersLost(std::span<const int> ranks) override;
   void Shutdown() override;
   // A (re)registered coordinator learns every prefix this worker's store holds.
   void OnRegistered() override {
@@ -89,6 +90,12 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g,
                       std::span<const engine::BlockId> table);
   void OnCancel(const proto::Cancel& c);
+  // Ends `it`'s streams (cancelling what is unfinished) and drops it. When a
+  // send ended kAborted (its decode peer was abandoned while MPI owned the
+  // buffers) the whole Outgoing — senders with their manifest slots, pinned
+  // and prompt blocks — moves to quarantine_ instead and is never reused.
+  void Retire(std::map<engine::RequestId, Outgoing>::iterator it);
+  void RetireAll();
 
   worker::WorkerContext ctx_;
   std::unique_ptr<engine::Engine> engine_;
@@ -96,6 +103,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<kv_store::RocksDbTier> disk_tier_;
   std::unique_ptr<kv_store::TieredCache> tiered_;
   std::map<engine::RequestId, Outgoing> outgoing_;
+  std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
 };
 
 }  // namespace kvrelay::prefill_worker

@@ -49,7 +49,8 @@ enum class MessageType : uint16_t {
   kAuthHello = 16,      // proto::AuthHello (protocols/cluster_auth.h)
   kAuthChallenge = 17,  // proto::AuthChallenge
   kAuthProof = 18,      // proto::AuthProof
-  kWorkerLeaving = 19,  // proto::WorkerLeaving: the worker stops on purpose
+  kPeerLost = 19,       // proto::PeerLost (coordinator -> prefill workers)
+  kWorkerLeaving = 20,  // proto::WorkerLeaving: the worker stops on purpose
   kKvData = 100,
   kKvAbort = 101,
 };

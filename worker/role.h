@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 
 #include "common/status.h"
 #include "engine/runtime/engine.h"
@@ -26,6 +27,7 @@ struct WorkerCounters {
   int64_t transfer_bytes = 0;   // KV bytes sent or received
   double transfer_seconds = 0;  // spent waiting for KV transfers
   int64_t queued_tokens = 0;    // prompt tokens accepted but not yet prefilled
+  int64_t quarantined_blocks = 0;  // KV blocks kept forever (a dead peer's transfer holds them)
 };
 
 // What the shell gives a role. Everything outlives the role.
@@ -51,6 +53,10 @@ class Role {
   virtual void DescribeRegistration(proto::RegisterWorker* /*reg*/) const {}
   // A control frame from the coordinator (work, cancel).
   virtual Status OnControlFrame(const protocols::Frame& frame) = 0;
+  // The coordinator dropped the worker owning data-plane peers `ranks`; the
+  // shell has already abandoned them on the transport (AbandonPeer). Let go
+  // of what is bound for them (quarantining what the transport still owns).
+  virtual void OnPeersLost(std::span<const int> /*ranks*/) {}
   // Work outside engine steps (followers' acknowledgements); every loop turn.
   virtual void Progress() {}
   // The coordinator accepted this worker's (re)registration.

@@ -126,6 +126,7 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   hb->set_prefix_hit_tokens(static_cast<uint64_t>(e->stats().prompt_tokens_cached));
   hb->set_transfer_bytes(static_cast<uint64_t>(counters_.transfer_bytes));
   hb->set_transfer_seconds(counters_.transfer_seconds);
+  hb->set_quarantined_kv_blocks(static_cast<uint64_t>(counters_.quarantined_blocks));
 }
 
 std::chrono::nanoseconds Worker::Idle() const {
@@ -166,6 +167,23 @@ Status Worker::Register(const std::atomic<bool>& stop, bool first) {
   return Cancelled("stopped while connecting to the coordinator");
 }
 
+Status Worker::OnPeerLost(const protocols::Frame& frame) {
+  proto::PeerLost m;
+  RETURN_IF_ERROR(protocols::DecodeMessage(frame, protocols::MessageType::kPeerLost, &m));
+  std::vector<int> ranks;
+  for (uint32_t r : m.ranks()) {
+    const int peer = static_cast<int>(r);
+    if (peer == options_.rank || peer >= base_.transport->world_size()) continue;
+    ranks.push_back(peer);
+    base_.transport->AbandonPeer(peer, Unavailable("worker " + m.worker_id().substr(0, 64) +
+                                                   " (data-plane rank " + std::to_string(peer) +
+                                                   ") was dropped by the coordinator: " +
+                                                   m.reason().substr(0, 200)));
+  }
+  role_->OnPeersLost(ranks);
+  return Status::Ok();
+}
+
 void Worker::DropRequests() {
   // The coordinator has failed or will re-run whatever it had sent here.
   role_->OnDisconnected();
@@ -183,7 +201,9 @@ Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
   while (!stop.load()) {
     auto frame = control_->Receive(Deadline::After(Idle()));
     while (frame.ok()) {
-      Status s = role_->OnControlFrame(*frame);
+      Status s = frame->type == static_cast<uint16_t>(protocols::MessageType::kPeerLost)
+                     ? OnPeerLost(*frame)
+                     : role_->OnControlFrame(*frame);
       if (!s.ok()) LOG_WARNING << "bad control frame: " << s.ToString();
       frame = control_->Receive(Deadline::After(std::chrono::nanoseconds(0)));
     }

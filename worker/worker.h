@@ -57,6 +57,8 @@ class Worker {
   // The inner loop: until `stop` (OK), a lost link (*link_lost) or a fatal error.
   Status Serve(const std::atomic<bool>& stop, bool* link_lost);
   void DropRequests();
+  // kPeerLost: abandons the dead peers on the transport, then tells the role.
+  Status OnPeerLost(const protocols::Frame& frame);
   void FillHeartbeat(proto::Heartbeat* hb) const;
   // The loop sleeps until this: at once with compute, ~1 ms while polling,
   // else until the next heartbeat; at most 100 ms (to notice `stop`).

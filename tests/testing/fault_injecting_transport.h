@@ -35,6 +35,8 @@ class FaultInjectingTransport final : public Transport {
     return inner_->ConnectPeer(peer, conn_info, deadline);
   }
 
+  void AbandonPeer(int peer, const Status& why) override { inner_->AbandonPeer(peer, why); }
+  int64_t quarantined_bytes() const override { return inner_->quarantined_bytes(); }
   Result<TransferHandle> PostSend(const TransferDesc& desc) override;
   Result<TransferHandle> PostRecv(const TransferDesc& desc) override {
     return inner_->PostRecv(desc);
