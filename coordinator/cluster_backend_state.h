@@ -173,7 +173,14 @@ struct ClusterBackend::State {
       LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
     }
     std::shared_ptr<FramedConnection> conn = it->second.conn;
-    if (it->second.info.role == WorkerRole::kDecode) AnnouncePeerLost(it->second, reason);
+    // A decode worker that left on purpose with no request on it has no KV
+    // send in flight to abandon: no announcement (and no warning on the
+    // prefill side).
+    bool busy = false;
+    for (const auto& [rid, r] : requests) busy = busy || r.decode_id == id;
+    if (it->second.info.role == WorkerRole::kDecode && (!it->second.leaving || busy)) {
+      AnnouncePeerLost(it->second, reason);
+    }
     conn_worker.erase(conn.get());
     workers.erase(it);
     router.prefix_index().RemoveWorker(id);
