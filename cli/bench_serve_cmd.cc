@@ -32,6 +32,8 @@ using nlohmann::json;
 
 struct RequestOutcome {
   bool ok = false;
+  int http_status = 0;       // 0: no HTTP response
+  bool retry_after = false;  // a refusal carried Retry-After
   std::string error;
   double start_s = 0;  // since the benchmark start
   double ttft_s = 0;
@@ -141,6 +143,8 @@ RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_ke
     out.error = error.empty() ? result.status().ToString() : error;
     return out;
   }
+  out.http_status = result->status;
+  out.retry_after = result->headers.count("retry-after") > 0;
   if (result->status != 200) {
     out.error = "HTTP " + std::to_string(result->status) + ": " + raw_prefix.substr(0, 300);
     return out;
@@ -299,10 +303,15 @@ int BenchServe(const std::vector<std::string>& args) {
   const double duration = SecondsSince(bench_start);
 
   std::vector<double> ttft, tpot, itl, e2e;
-  int64_t completed = 0, out_tokens = 0, in_tokens = 0, cached = 0, good = 0;
+  int64_t completed = 0, out_tokens = 0, in_tokens = 0, cached = 0, good = 0, shed = 0;
   std::vector<std::string> errors;
   for (const auto& o : outcomes) {
     if (!o.ok) {
+      // Admission control's refusals (429/503 with Retry-After): shed, counted apart.
+      if ((o.http_status == 429 || o.http_status == 503) && o.retry_after) {
+        ++shed;
+        continue;
+      }
       if (errors.size() < 5) errors.push_back(o.error);
       continue;
     }
@@ -332,7 +341,8 @@ int BenchServe(const std::vector<std::string>& args) {
       {"max_concurrency", max_concurrency},
       {"duration_s", duration},
       {"completed", completed},
-      {"failed", num_prompts - completed},
+      {"failed", num_prompts - completed},  // shed ones included
+      {"shed", shed},
       {"errors", errors},
       {"total_input_tokens", in_tokens},
       {"total_output_tokens", out_tokens},
@@ -350,12 +360,18 @@ int BenchServe(const std::vector<std::string>& args) {
       {"goodput_rps", static_cast<double>(good) / duration},
       {"slo_attainment",
        num_prompts > 0 ? static_cast<double>(good) / static_cast<double>(num_prompts) : 0.0},
+      // Goodput over the requests admission control let in (not shed).
+      {"slo_attainment_admitted",
+       num_prompts - shed > 0 ? static_cast<double>(good) / static_cast<double>(num_prompts - shed)
+                              : 0.0},
   };
   // Per request, in workload order (the cluster simulator replays these
   // arrival times: `kvrelay sim validate`).
   json per_request = json::array();
   for (const auto& o : outcomes) {
     per_request.push_back({{"ok", o.ok},
+                           {"http_status", o.http_status},
+                           {"retry_after", o.retry_after},
                            {"start_s", o.start_s},
                            {"ttft_ms", o.ttft_s * 1000},
                            {"e2e_ms", o.e2e_s * 1000},
@@ -382,6 +398,10 @@ int BenchServe(const std::vector<std::string>& args) {
   std::printf("goodput: %.3f req/s (%lld of %lld within SLO ttft<=%.0fms tpot<=%.0fms)\n",
               good / duration, static_cast<long long>(good), static_cast<long long>(num_prompts),
               ttft_slo_ms, tpot_slo_ms);
+  if (shed > 0) {
+    std::printf("shed: %lld refused by admission control (429/503 with Retry-After)\n",
+                static_cast<long long>(shed));
+  }
   for (const auto& e : errors) std::printf("error: %s\n", e.c_str());
   if (flags->Has("json")) {
     std::ofstream f(flags->Get("json"));

@@ -25,7 +25,8 @@ FlagSpec LaunchSpec() {
       "kvrelay launch",
       "The cluster on this machine over TCP: a coordinator, prefill and decode workers\n"
       "(or colocated ones). Serves until Ctrl-C; with --demo PROMPT it answers one chat\n"
-      "request (the answer on stdout, logs on stderr) and stops.",
+      "request (the answer on stdout, logs on stderr) and stops. A process that dies is\n"
+      "restarted with backoff (a TP group as a whole) unless --no-restart.",
       "",
       0,
       {{"model", d.model_path, "GGUF model path"},
@@ -51,7 +52,15 @@ FlagSpec LaunchSpec() {
         "how long to wait for the cluster to be ready"},
        {"demo", "", "send this prompt as one chat request, print the answer, stop"},
        {"max-tokens", "128", "max_tokens of the --demo request"},
-       {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"}}};
+       {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"},
+       {"max-running", "0", "coordinator: requests in the backend at most (0 = its default, 64)"},
+       {"max-queue-delay-ms", "0",
+        "coordinator: refuse (429) when the predicted queue wait exceeds this (0 = no bound)"},
+       {"no-restart", "", "stop the whole cluster when any process exits", true},
+       {"max-restarts", std::to_string(d.max_restarts),
+        "restarts of one process (a TP group counts as one) within --restart-window-s"},
+       {"restart-window-s", std::to_string(d.restart_window_s),
+        "the window --max-restarts counts in; past it the launcher stops"}}};
 }
 void OnSignal(int) { g_stop.store(true); }
 
@@ -93,6 +102,21 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
   o.decode_device = flags.Get("decode-device", o.decode_device);
   o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
+  o.restart = !flags.Has("no-restart");
+  ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 0));
+  ASSIGN_OR_RETURN(int64_t max_delay, flags.GetInt("max-queue-delay-ms", 0));
+  if (max_running < 0 || max_running > 1'000'000 || max_delay < 0 || max_delay > 86'400'000) {
+    return InvalidArgument("--max-running and --max-queue-delay-ms must be >= 0");
+  }
+  o.coordinator_max_running = static_cast<int>(max_running);
+  o.coordinator_max_queue_delay_ms = static_cast<int>(max_delay);
+  ASSIGN_OR_RETURN(int64_t max_restarts, flags.GetInt("max-restarts", o.max_restarts));
+  ASSIGN_OR_RETURN(int64_t window, flags.GetInt("restart-window-s", o.restart_window_s));
+  if (max_restarts < 0 || max_restarts > 1000 || window < 1 || window > 86400) {
+    return InvalidArgument("--max-restarts must be 0..1000 and --restart-window-s 1..86400");
+  }
+  o.max_restarts = static_cast<int>(max_restarts);
+  o.restart_window_s = static_cast<int>(window);
   RETURN_IF_ERROR(o.Validate());
   return o;
 }

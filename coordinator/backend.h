@@ -82,6 +82,14 @@ struct WorkerInfo {
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
 };
 
+// A cumulative count a backend keeps (e.g. what its control plane refused),
+// exported on /metrics as a counter named `name` (ending in _total).
+struct BackendCounter {
+  std::string name;
+  std::string help;
+  double value = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -102,6 +110,9 @@ class Backend {
 
   // Snapshot of the workers. Thread-safe.
   virtual std::vector<WorkerInfo> Workers() = 0;
+
+  // The backend's cumulative counters, read at every /metrics scrape. Thread-safe.
+  virtual std::vector<BackendCounter> Counters() { return {}; }
 };
 
 }  // namespace kvrelay::coordinator

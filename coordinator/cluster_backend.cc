@@ -246,6 +246,13 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
           PendingEvents out;
           {
             std::lock_guard<std::mutex> lock(state->mu);
+            // The frame decoder refuses a header that announces more than the
+            // connection's limit (1 KiB before authentication) with
+            // ResourceExhausted, and the connection closes with it.
+            if (reason.code() == StatusCode::kResourceExhausted &&
+                reason.message().find("bad frame") != std::string::npos) {
+              ++state->counters.oversized_frames;
+            }
             auto c = weak_conn.lock();
             const FramedConnection* key = c.get();
             state->peers.erase(key);
@@ -378,6 +385,22 @@ ControlSecurityCounters ClusterBackend::security_counters() const {
   }
   if (server_) c.refused_connections = server_->refused_connections();
   return c;
+}
+
+std::vector<BackendCounter> ClusterBackend::Counters() {
+  const ControlSecurityCounters c = security_counters();
+  return {{"kvrelay_control_auth_failures_total",
+           "Control-plane connections that failed the cluster-key challenge-response.",
+           static_cast<double>(c.auth_failures)},
+          {"kvrelay_control_refused_connections_total",
+           "Control-plane connections refused at accept (connection limits).",
+           static_cast<double>(c.refused_connections)},
+          {"kvrelay_control_oversized_frames_total",
+           "Control-plane connections closed at a frame header over their size limit.",
+           static_cast<double>(c.oversized_frames)},
+          {"kvrelay_control_foreign_frames_total",
+           "Worker frames about a request the sender does not own, dropped.",
+           static_cast<double>(c.foreign_frames)}};
 }
 
 std::vector<WorkerInfo> ClusterBackend::Workers() {

@@ -77,6 +77,7 @@ struct ControlSecurityCounters {
   uint64_t auth_failures = 0;        // connections that failed the challenge-response
   uint64_t refused_connections = 0;  // closed at accept (ServerLimits)
   uint64_t foreign_frames = 0;       // frames about a request the sender does not own, dropped
+  uint64_t oversized_frames = 0;     // connections closed at a frame header over their limit
 };
 
 class ClusterBackend final : public Backend {
@@ -91,6 +92,8 @@ class ClusterBackend final : public Backend {
   Status Health() override;
   std::vector<WorkerInfo> Workers() override;
   ControlSecurityCounters security_counters() const;
+  // security_counters() as kvrelay_control_*_total.
+  std::vector<BackendCounter> Counters() override;
 
   // Stops serving: fails live requests, closes worker connections, joins the io thread.
   void Shutdown();

@@ -3,6 +3,8 @@
 // registration). Not part of the coordinator's API.
 #pragma once
 
+#include <algorithm>
+
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -151,11 +153,19 @@ struct ClusterBackend::State {
     proto::PeerLost m;
     m.set_worker_id(dead.info.id);
     m.set_reason(reason.ToString());
-    if (dead.tp_ranks.empty()) {
-      m.add_ranks(dead.rank);
-    } else {
-      for (uint32_t r : dead.tp_ranks) m.add_ranks(r);
+    std::vector<uint32_t> ranks = dead.tp_ranks;
+    if (ranks.empty()) ranks.push_back(dead.rank);
+    for (uint32_t r : ranks) {
+      // A rank another live worker also claims (a misconfigured or rogue
+      // registration) is not declared dead: that would cut the live one off.
+      const bool claimed = std::any_of(workers.begin(), workers.end(), [&](const auto& kv) {
+        const WorkerEntry& w = kv.second;
+        if (&w == &dead) return false;
+        return w.rank == r || std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
+      });
+      if (!claimed) m.add_ranks(r);
     }
+    if (m.ranks_size() == 0) return;
     for (auto& [wid, w] : workers) {
       if (w.info.role == WorkerRole::kPrefill) SendTo(w.conn, MessageType::kPeerLost, m);
     }

@@ -101,6 +101,19 @@ void Core::AdvanceWorkerCounter(const std::string& name, const std::string& help
   registry->GetCounter(name, help, Labels({{"worker", worker}}))->Increment(delta);
 }
 
+void Core::ExportBackendCounters() {
+  for (const BackendCounter& c : backend->Counters()) {
+    double delta = 0;
+    {
+      std::lock_guard<std::mutex> lock(worker_totals_mutex);
+      double& last = worker_totals[c.name];
+      delta = c.value >= last ? c.value - last : c.value;
+      last = c.value;
+    }
+    registry->GetCounter(c.name, c.help, Labels({}))->Increment(delta);
+  }
+}
+
 void Core::UpdateAdmissionGauges() {
   queue_depth->Set(admission.queued());
   running->Set(admission.running());

@@ -55,6 +55,8 @@ struct Core {
   void AdvanceWorkerCounter(const std::string& name, const std::string& help,
                             const std::string& worker, double total);
   void UpdateAdmissionGauges();
+  // Brings the registry's copies of backend->Counters() up to date.
+  void ExportBackendCounters();
 
   // Per-client connection accounting (client = remote IP address). Acquire
   // returns false when the client already holds max_connections_per_client.

@@ -311,6 +311,7 @@ void Session::HandleMetrics() {
                                 w.transfer_seconds);
   }
   core_->UpdateAdmissionGauges();
+  core_->ExportBackendCounters();
   SendText(http::status::ok, m->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8",
            true);
 }

@@ -81,6 +81,10 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   spec.mode = engine::RequestMode::kRemotePrompt;
   spec.want_text = false;  // the coordinator detokenizes
   reserving_prefill_rank_ = m.prefill_rank();
+  // The coordinator routes this request's prefill to that rank: it is
+  // registered, so alive, even if its previous process's connection closed
+  // (a restarted prefill worker connects only when it first sends).
+  ctx_.transport->PeerRejoined(static_cast<int>(m.prefill_rank()));
   reserved_blocks_.clear();
   Status s = engine_->Submit(std::move(spec));
   proto::ReserveBlocksReply reply;

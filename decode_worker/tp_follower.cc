@@ -105,6 +105,9 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
                                    base_.model->kv_head_range().end};
   Incoming in;
   in.deadline = Deadline::After(options_.kv_timeout);
+  // As DecodeRole::OnReserveBlocks: the coordinator routed this to a
+  // registered (so live, maybe restarted) prefill rank.
+  base_.transport->PeerRejoined(static_cast<int>(m.prefill_rank()));
   auto receivers =
       worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
                                     follower_->pool(), base_.model->fingerprint(), id, blocks, own);

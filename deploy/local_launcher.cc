@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -31,6 +32,11 @@ Status LaunchOptions::Validate() const {
   if (threads_per_worker < 1) return InvalidArgument("--threads-per-worker must be >= 1");
   if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
   if (heartbeat_ms < 0) return InvalidArgument("--heartbeat-ms must be >= 0");
+  if (max_restarts < 0) return InvalidArgument("--max-restarts must be >= 0");
+  if (restart_window_s < 1) return InvalidArgument("--restart-window-s must be >= 1");
+  if (restart_backoff_ms < 0 || restart_backoff_max_ms < restart_backoff_ms) {
+    return InvalidArgument("restart backoff must satisfy 0 <= initial <= max");
+  }
   return Status::Ok();
 }
 
@@ -102,6 +108,14 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
     argv.push_back("--heartbeat-ms");
     argv.push_back(std::to_string(options_.heartbeat_ms));
   }
+  if (options_.coordinator_max_running > 0) {
+    argv.push_back("--max-running");
+    argv.push_back(std::to_string(options_.coordinator_max_running));
+  }
+  if (options_.coordinator_max_queue_delay_ms > 0) {
+    argv.push_back("--max-queue-delay-ms");
+    argv.push_back(std::to_string(options_.coordinator_max_queue_delay_ms));
+  }
   return argv;
 }
 
@@ -151,11 +165,19 @@ Status LocalLauncher::Start() {
   // whatever --host the HTTP API is given.
   const std::string coord_addr = "127.0.0.1:" + std::to_string(control);
 
+  units_.clear();
+  unit_of_.clear();
+  auto add_to_unit = [&](const std::string& unit, const std::string& name) {
+    units_[unit].push_back(name);
+    unit_of_[name] = unit;
+  };
   RETURN_IF_ERROR(group_.Spawn({"coordinator", CoordinatorArgv(bin, http_port_, control), {}}));
+  add_to_unit("coordinator", "coordinator");
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
-                          const std::vector<std::string>& extra = {}) -> Status {
+                          const std::vector<std::string>& extra = {},
+                          const std::string& unit = "") -> Status {
     std::vector<std::string> argv = {bin + "/" + binary,
                                      "--id",
                                      id,
@@ -191,7 +213,9 @@ Status LocalLauncher::Start() {
     }
     argv.insert(argv.end(), extra.begin(), extra.end());
     ++rank;
-    return group_.Spawn({id, std::move(argv), {}});
+    RETURN_IF_ERROR(group_.Spawn({id, std::move(argv), {}}));
+    add_to_unit(unit.empty() ? id : unit, id);
+    return Status::Ok();
   };
   for (int i = 0; i < options_.prefill; ++i) {
     RETURN_IF_ERROR(spawn_worker("kvrelay-prefill", "prefill-" + std::to_string(i)));
@@ -209,7 +233,8 @@ Status LocalLauncher::Start() {
       RETURN_IF_ERROR(
           spawn_worker("kvrelay-decode", r == 0 ? id : id + "-tp" + std::to_string(r),
                        {"--tp-size", std::to_string(options_.tp), "--tp-rank", std::to_string(r),
-                        "--tp-leader", leader, "--tp-mode", options_.tp_mode}));
+                        "--tp-leader", leader, "--tp-mode", options_.tp_mode},
+                       id));
     }
   }
   for (int i = 0; i < options_.colocated; ++i) {
@@ -244,9 +269,62 @@ Status LocalLauncher::Start() {
 }
 
 Status LocalLauncher::Supervise(const std::atomic<bool>& stop) {
+  using Clock = std::chrono::steady_clock;
+  const auto window = std::chrono::seconds(options_.restart_window_s);
+  std::map<std::string, std::deque<Clock::time_point>> history;  // unit -> its restarts
+  std::map<std::string, Clock::time_point> pending;              // unit -> when to restart
   while (!stop.load()) {
-    auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
-    if (exited.ok()) return Unavailable(*exited);
+    auto wait = std::chrono::milliseconds(200);
+    const auto now = Clock::now();
+    for (const auto& [unit, due] : pending) {
+      wait = std::min(wait, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::max(due - now, Clock::duration::zero())));
+    }
+    auto exited = group_.WaitAnyExit(Deadline::After(wait));
+    if (exited.ok()) {
+      const std::string what = exited->name + " " + exited->description;
+      if (!options_.restart) return Unavailable(what);
+      const std::string unit = unit_of_.count(exited->name) ? unit_of_[exited->name] : "";
+      if (unit.empty()) return Unavailable(what + " (not a process this launcher restarts)");
+      if (pending.count(unit) != 0) continue;  // a member of a group already being restarted
+      // The rest of a TP group cannot go on without this rank: stop it too.
+      for (const std::string& member : units_[unit]) {
+        if (member != exited->name) group_.StopChild(member, std::chrono::seconds(5));
+      }
+      auto& restarts = history[unit];
+      const auto t = Clock::now();
+      while (!restarts.empty() && t - restarts.front() > window) restarts.pop_front();
+      if (static_cast<int>(restarts.size()) >= options_.max_restarts) {
+        return Unavailable(what + "; restarted " + std::to_string(restarts.size()) +
+                           " times within " + std::to_string(options_.restart_window_s) +
+                           " s, giving up");
+      }
+      int64_t backoff = options_.restart_backoff_ms;
+      for (size_t i = 0; i < restarts.size() && backoff < options_.restart_backoff_max_ms; ++i) {
+        backoff *= 2;
+      }
+      backoff = std::min<int64_t>(backoff, options_.restart_backoff_max_ms);
+      restarts.push_back(t);
+      LOG_WARNING << what << "; restarting " << (units_[unit].size() > 1 ? "its group " : "")
+                  << unit << " in " << backoff << " ms (restart " << restarts.size()
+                  << " of at most " << options_.max_restarts << " within "
+                  << options_.restart_window_s << " s)";
+      pending[unit] = t + std::chrono::milliseconds(backoff);
+      continue;
+    }
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (Clock::now() < it->second) {
+        ++it;
+        continue;
+      }
+      for (const std::string& member : units_[it->first]) {
+        Status s = group_.Respawn(member);
+        if (!s.ok()) return s.WithContext("restarting " + it->first);
+      }
+      restarts_.fetch_add(1);
+      LOG_INFO << "restarted " << it->first;
+      it = pending.erase(it);
+    }
   }
   return Status::Ok();
 }

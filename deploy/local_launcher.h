@@ -1,12 +1,17 @@
 // The local launcher: the whole cluster topology as processes on one machine,
 // over TCP, without MPI (`kvrelay launch`). Starts one coordinator in cluster
 // mode, P prefill workers, D decode workers and C colocated workers, waits
-// until /health says ready, then supervises: if any process exits, the rest
-// are stopped and the launcher returns an error naming it.
+// until /health says ready, then supervises: a process that exits (kill -9,
+// a crash) is started again with the same arguments after a backoff, and
+// re-registers (a worker) or is re-registered with (the coordinator); a TP
+// decode group is restarted as a whole. A process that keeps dying (more than
+// max_restarts within restart_window_s) ends supervision with an error naming
+// it, and the caller stops the rest.
 #pragma once
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -48,6 +53,22 @@ struct LaunchOptions {
   // fresh key is generated for this launch (mode 0600, in a private temporary
   // directory removed by Stop()).
   std::string cluster_key_file;
+  // Supervise's restart policy. restart = false: the first exit ends
+  // supervision (the cluster is stopped). Otherwise a dead process (for a TP
+  // group: the whole group, its survivors stopped first, since a group cannot
+  // take in a new member) is started again after restart_backoff_ms, doubled
+  // for each earlier restart of it still inside the window, capped at
+  // restart_backoff_max_ms; a process restarted max_restarts times within
+  // restart_window_s and dying again ends supervision with an error.
+  // The coordinator's admission control (kvrelay-coordinator --max-running,
+  // --max-queue-delay-ms); 0 = its defaults.
+  int coordinator_max_running = 0;
+  int coordinator_max_queue_delay_ms = 0;
+  bool restart = true;
+  int max_restarts = 5;
+  int restart_window_s = 60;
+  int restart_backoff_ms = 250;
+  int restart_backoff_max_ms = 8000;
 
   Status Validate() const;
 };
@@ -63,8 +84,14 @@ class LocalLauncher {
   Status Start();
   uint16_t http_port() const { return http_port_; }
   uint16_t control_port() const { return control_port_; }
-  // Returns when a child exits (its description as the error) or `stop` is set (OK).
+  // Restarts children that exit, under LaunchOptions' restart policy, until
+  // `stop` is set (OK) or a child exits that may not be restarted (the error
+  // names it and why). Run it on the thread that called Start and that lives
+  // until Stop (PR_SET_PDEATHSIG of a restarted child follows the thread that
+  // spawned it, see process_group.h).
   Status Supervise(const std::atomic<bool>& stop);
+  // Restarts done by Supervise so far (a TP group counts once per restart).
+  int restarts() const { return restarts_.load(); }
   // SIGTERM to every child, SIGKILL to those still running after 15 s: a
   // worker drains its prefix store's write queue to disk on SIGTERM. Then the
   // generated cluster key (if any) is removed.
@@ -81,6 +108,11 @@ class LocalLauncher {
 
   LaunchOptions options_;
   ProcessGroup group_;
+  // Restart units: a unit's name ("prefill-0", "decode-1" for every rank of a
+  // TP group) -> its members in spawn order, and each child's unit.
+  std::map<std::string, std::vector<std::string>> units_;
+  std::map<std::string, std::string> unit_of_;
+  std::atomic<int> restarts_{0};
   uint16_t http_port_ = 0;
   uint16_t control_port_ = 0;
   std::string key_file_;

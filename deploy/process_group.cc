@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -38,6 +39,34 @@ ProcessGroup::~ProcessGroup() { Stop(); }
 
 Status ProcessGroup::Spawn(const ChildSpec& spec) {
   if (spec.argv.empty()) return InvalidArgument("child '" + spec.name + "' has an empty argv");
+  ASSIGN_OR_RETURN(pid_t pid, ForkExec(spec));
+  std::lock_guard lock(mu_);
+  children_.push_back({spec, pid, false});
+  return Status::Ok();
+}
+
+Status ProcessGroup::Respawn(const std::string& name) {
+  ChildSpec spec;
+  {
+    std::lock_guard lock(mu_);
+    auto it = std::find_if(children_.begin(), children_.end(),
+                           [&](const Child& c) { return c.spec.name == name; });
+    if (it == children_.end()) return NotFound("no child named '" + name + "'");
+    if (!it->reaped) return FailedPrecondition(name + " is still running");
+    spec = it->spec;
+  }
+  ASSIGN_OR_RETURN(pid_t pid, ForkExec(spec));
+  std::lock_guard lock(mu_);
+  for (Child& c : children_) {
+    if (c.spec.name == name) {
+      c.pid = pid;
+      c.reaped = false;
+    }
+  }
+  return Status::Ok();
+}
+
+Result<pid_t> ProcessGroup::ForkExec(const ChildSpec& spec) {
   std::vector<char*> argv;
   for (const auto& a : spec.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -96,19 +125,20 @@ Status ProcessGroup::Spawn(const ChildSpec& spec) {
     return Unavailable("cannot start " + spec.name + " (" + spec.argv[0] +
                        "): " + std::strerror(child_errno));
   }
-  children_.push_back({spec.name, pid, false});
   LOG_INFO << "started " << spec.name << " (pid " << pid << ")";
-  return Status::Ok();
+  return pid;
 }
 
 pid_t ProcessGroup::Pid(const std::string& name) const {
+  std::lock_guard lock(mu_);
   for (const Child& c : children_) {
-    if (c.name == name) return c.pid;
+    if (c.spec.name == name) return c.pid;
   }
   return -1;
 }
 
 std::vector<pid_t> ProcessGroup::LivePids() const {
+  std::lock_guard lock(mu_);
   std::vector<pid_t> pids;
   for (const Child& c : children_) {
     if (!c.reaped) pids.push_back(c.pid);
@@ -117,16 +147,24 @@ std::vector<pid_t> ProcessGroup::LivePids() const {
 }
 
 Result<std::string> ProcessGroup::WaitAny(Deadline deadline) {
+  ASSIGN_OR_RETURN(Exit e, WaitAnyExit(deadline));
+  return e.name + " " + e.description;
+}
+
+Result<ProcessGroup::Exit> ProcessGroup::WaitAnyExit(Deadline deadline) {
   // waitpid has no timeout; poll with a short, growing interval up to the deadline.
   auto interval = std::chrono::milliseconds(5);
   for (;;) {
-    for (auto& c : children_) {
-      if (c.reaped) continue;
-      int status = 0;
-      pid_t r = waitpid(c.pid, &status, WNOHANG);
-      if (r == c.pid) {
-        c.reaped = true;
-        return c.name + " " + DescribeExit(status);
+    {
+      std::lock_guard lock(mu_);
+      for (auto& c : children_) {
+        if (c.reaped) continue;
+        int status = 0;
+        pid_t r = waitpid(c.pid, &status, WNOHANG);
+        if (r == c.pid) {
+          c.reaped = true;
+          return Exit{c.spec.name, DescribeExit(status)};
+        }
       }
     }
     if (deadline.Expired()) return DeadlineExceeded("all children still running");
@@ -135,7 +173,28 @@ Result<std::string> ProcessGroup::WaitAny(Deadline deadline) {
   }
 }
 
+void ProcessGroup::StopChild(const std::string& name, std::chrono::milliseconds grace) {
+  std::lock_guard lock(mu_);
+  for (Child& c : children_) {
+    if (c.spec.name != name || c.reaped) continue;
+    kill(c.pid, SIGTERM);
+    const Deadline deadline = Deadline::After(grace);
+    int status = 0;
+    while (waitpid(c.pid, &status, WNOHANG) != c.pid) {
+      if (deadline.Expired()) {
+        LOG_WARNING << name << " did not stop within " << grace.count() << " ms; killing";
+        kill(c.pid, SIGKILL);
+        waitpid(c.pid, &status, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    c.reaped = true;
+  }
+}
+
 void ProcessGroup::Stop(std::chrono::milliseconds grace) {
+  std::lock_guard lock(mu_);
   Deadline deadline = Deadline::After(grace);
   // Newest first (workers before the coordinator they report to), each given
   // a moment to exit, so a worker sees its own SIGTERM rather than its
@@ -170,7 +229,7 @@ void ProcessGroup::Stop(std::chrono::milliseconds grace) {
     if (deadline.Expired()) {
       for (auto& c : children_) {
         if (c.reaped) continue;
-        LOG_WARNING << c.name << " did not stop within " << grace.count() << " ms; killing";
+        LOG_WARNING << c.spec.name << " did not stop within " << grace.count() << " ms; killing";
         kill(c.pid, SIGKILL);
         int status = 0;
         waitpid(c.pid, &status, 0);

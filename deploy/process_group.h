@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -35,10 +36,24 @@ class ProcessGroup {
 
   Status Spawn(const ChildSpec& spec);
 
-  // Waits until any child exits or `deadline`. Returns the name and exit
-  // description of the first child that exited ("prefill-0 exited with status 1"),
+  struct Exit {
+    std::string name;         // the ChildSpec's name
+    std::string description;  // "exited with status 1", "killed by signal Killed"
+  };
+  // Waits until any child exits or `deadline`; reaps it and returns which one,
   // or DeadlineExceeded when all are still running at the deadline.
+  Result<Exit> WaitAnyExit(Deadline deadline);
+  // As WaitAnyExit, as one string: "prefill-0 exited with status 1".
   Result<std::string> WaitAny(Deadline deadline);
+
+  // Starts the reaped child `name` again from the spec it was spawned with
+  // (same argv and environment; a new pid). FailedPrecondition while it runs,
+  // NotFound for a name never spawned. PR_SET_PDEATHSIG follows the calling
+  // thread, as for Spawn.
+  Status Respawn(const std::string& name);
+  // SIGTERM to the child `name`, SIGKILL once `grace` passes; reaps it. A
+  // child already reaped (or unknown) is left alone.
+  void StopChild(const std::string& name, std::chrono::milliseconds grace);
 
   // SIGTERM to all, wait until `grace` passes, then SIGKILL; reaps all. Idempotent.
   void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(5000));
@@ -54,11 +69,17 @@ class ProcessGroup {
 
  private:
   struct Child {
-    std::string name;
+    ChildSpec spec;  // kept for Respawn
     pid_t pid;
     bool reaped;
   };
-  std::vector<Child> children_;
+  Result<pid_t> ForkExec(const ChildSpec& spec);
+
+  // Every member may be called from any thread (a supervisor thread restarts
+  // children while a test reads their pids); `mu_` is never held across a wait
+  // for a child except in Stop.
+  mutable std::mutex mu_;
+  std::vector<Child> children_;  // guarded by mu_
 };
 
 // Directory of the running executable (for finding sibling binaries).

@@ -491,6 +491,58 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
   return static_cast<int>(n);
 }
 
+Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
+                                     const engine::ModelFingerprint& model,
+                                     std::string_view tenant_salt,
+                                     std::vector<engine::BlockId>* loaded) {
+  if (pool_ == nullptr || loaded == nullptr) {
+    return FailedPrecondition("LoadMissing: no pool attached or no output table");
+  }
+  const int bt = pool_->layout().block_tokens;
+  if (prefix.block_tokens != bt || prefix.first < 0 ||
+      static_cast<size_t>(prefix.first) > prefix.hashes.size() ||
+      prefix.hashes.size() * static_cast<size_t>(bt) > prefix.tokens.size()) {
+    return InvalidArgument("LoadMissing: prefix of " + std::to_string(prefix.hashes.size()) +
+                           " blocks of " + std::to_string(prefix.block_tokens) + " tokens over " +
+                           std::to_string(prefix.tokens.size()) + " tokens (pool blocks hold " +
+                           std::to_string(bt) + ")");
+  }
+  PrefixMatch m;
+  m.block_tokens = bt;
+  m.hashes.assign(prefix.hashes.begin(), prefix.hashes.end());
+  m.pool_blocks = static_cast<int>(prefix.first);
+  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = static_cast<size_t>(prefix.first); i < m.hashes.size(); ++i) {
+      auto first = prefix.tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+      NoteLocked(m.hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
+    }
+  }
+  size_t i = static_cast<size_t>(prefix.first);
+  while (i < m.hashes.size() && ((ram_ != nullptr && ram_->Contains(m.hashes[i])) ||
+                                 (disk_ != nullptr && disk_->Contains(m.hashes[i])))) {
+    ++i;
+  }
+  m.external_blocks = static_cast<int>(i) - m.pool_blocks;
+  if (i < m.hashes.size()) CountMiss(MissReason::kNotFound);  // the stored prefix ends here
+  if (m.external_blocks == 0) return 0;
+  std::vector<engine::BlockId> dst;
+  for (int k = 0; k < m.external_blocks; ++k) {
+    Result<engine::BlockId> b = pool_->Allocate();
+    if (!b.ok()) break;  // pool full: load what fits
+    dst.push_back(*b);
+  }
+  std::shared_ptr<LoadHandle> load =
+      StartLoad(m, prefix.tokens, model, tenant_salt, static_cast<int>(dst.size()));
+  Result<int> n = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
+  const size_t filled = n.ok() ? static_cast<size_t>(*n) : 0;
+  for (size_t k = filled; k < dst.size(); ++k) pool_->Release(dst[k]);
+  loaded->insert(loaded->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));
+  if (!n.ok()) return n.status();
+  return static_cast<int>(filled);
+}
+
 Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<const int32_t> tokens,
                                        const engine::ModelFingerprint& model,
                                        std::string_view tenant_salt,

@@ -231,6 +231,18 @@ class TieredCache {
                             const engine::ModelFingerprint& model, std::string_view tenant_salt,
                             std::vector<engine::BlockId>* table);
 
+  // The connector's admission side (engine::KvConnector::LoadPrefix): loads
+  // the leading run of `prefix.missing()` that RAM or disk holds into blocks
+  // allocated from the attached pool, appending them to `loaded` (one
+  // reference each, the caller's), using the engine's chain hashes as they
+  // are — nothing is hashed again. Notes every block from `prefix.first` on,
+  // so the ones computed next are written through with their tokens. Returns
+  // the number of blocks loaded; stops early, without error, when the pool has
+  // no free block or a read fails verification.
+  Result<int> LoadMissing(const engine::PrefixLookup& prefix,
+                          const engine::ModelFingerprint& model, std::string_view tenant_salt,
+                          std::vector<engine::BlockId>* loaded);
+
   // --- write side ---
   // Write-through of blocks committed since the last call (as many as the
   // disk queue takes; the rest wait), then disk events to the listener.

@@ -176,6 +176,22 @@ Status LayerStreamSender::Finish(Deadline deadline) {
   return Status::Ok();
 }
 
+Result<bool> LayerStreamSender::Poll() {
+  RETURN_IF_ERROR(status_);
+  for (auto it = handles_.begin(); it != handles_.end();) {
+    Result<bool> done = transport_->Poll(*it);
+    if (!done.ok()) {
+      handles_.erase(it);
+      Note(done.status());
+      status_ = done.status();
+      CancelAll();
+      return status_;
+    }
+    it = *done ? handles_.erase(it) : std::next(it);
+  }
+  return handles_.empty();
+}
+
 // --- receiver --------------------------------------------------------------
 
 LayerStreamReceiver::LayerStreamReceiver(Transport* transport, int peer, StreamSpec spec,

@@ -69,6 +69,9 @@ class LayerStreamSender {
   Status SendLayer(int layer);
   // Waits for every posted send; cancels the rest at the deadline or first error.
   Status Finish(Deadline deadline);
+  // Non-blocking Finish: true once every posted send finished OK, false while
+  // some are in flight; the first error cancels the rest and is returned.
+  Result<bool> Poll();
   int layers_sent() const;
   // Cancels every unfinished send (also done by the destructor).
   void CancelAll();

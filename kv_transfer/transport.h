@@ -106,6 +106,16 @@ class Transport {
     return Status::Ok();
   }
 
+  // The control plane vouches that `peer` is alive again (it re-registered
+  // after a restart, and work that needs its data was just assigned): forget
+  // that it was lost, so receives from it can be posted again; the connection
+  // it opens replaces its old one. Without this a receiver that saw a
+  // sender's connection close refuses every later receive from it, and a
+  // restarted sender, which only connects when it has something to send,
+  // never gets the chance. A peer that is in fact still gone makes such a
+  // receive wait for its deadline (or its cancel), not fail at once.
+  virtual void PeerRejoined(int peer) { (void)peer; }
+
   // The control plane reports `peer` dead (heartbeats, a closed control
   // connection): every unfinished transfer with it ends now with `why`, and
   // PostSend / PostRecv to it fail Unavailable until ConnectPeer is called for

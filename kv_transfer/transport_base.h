@@ -47,6 +47,10 @@ struct SyncDomain {
 
 class TransportBase : public Transport {
  public:
+  void PeerRejoined(int peer) override {
+    std::lock_guard lock(domain_->mu);
+    PeerBackLocked(peer);
+  }
   struct Op {
     TransferHandle handle = 0;
     bool is_send = false;

@@ -129,28 +129,12 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
 }
 
 void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
-                             std::span<const engine::BlockHash> missing,
-                             engine::BlockTable& loaded) {
-  if (!tiered_ || missing.empty()) return;
-  std::vector<BlockId> table;
-  auto restored = tiered_->RestorePrefix(engine_->pool(), request.prompt, ctx_.model->fingerprint(),
-                                         request.tenant_salt, &table);
-  if (!restored.ok()) {
-    LOG_WARNING << "prefix restore failed: " << restored.status().ToString();
-    for (BlockId b : table) engine_->pool()->Release(b);
-    return;
-  }
-  // `table` = the pool's own hits (the engine already holds references to
-  // them) followed by the blocks restored from the tiers.
-  const size_t from_tiers = static_cast<size_t>(*restored / ctx_.layout.block_tokens);
-  const size_t hits = table.size() - std::min(from_tiers, table.size());
-  for (size_t i = 0; i < table.size(); ++i) {
-    if (i < hits) {
-      engine_->pool()->Release(table[i]);
-    } else {
-      loaded.Adopt(table[i]);
-    }
-  }
+                             const engine::PrefixLookup& prefix, engine::BlockTable& loaded) {
+  if (!tiered_ || prefix.missing().empty()) return;
+  std::vector<BlockId> table;  // one reference each, handed to `loaded`
+  auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &table);
+  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
+  loaded.Adopt(table);
 }
 
 Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
@@ -225,34 +209,75 @@ bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTab
   return true;
 }
 
-std::optional<Status> PrefillRole::HandOver(RequestId id, bool deliver) {
+bool PrefillRole::HandOver(RequestId id, bool deliver) {
   auto it = outgoing_.find(id);
-  if (it == outgoing_.end()) return std::nullopt;
+  if (it == outgoing_.end()) return false;
   if (!deliver) {
     Retire(it);  // cancels unfinished sends, then frees the blocks
-    return Status::Ok();
+    return true;
   }
   Outgoing& out = it->second;
-  const auto start = Clock::now();
-  const Deadline deadline = Deadline::After(ctx_.options->kv_timeout);
-  Status s;
-  for (auto& segment : out.senders) {
-    if (segment.empty() && s.ok()) {
-      s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+  out.delivering = true;
+  ++delivering_;
+  out.deliver_by = Deadline::After(ctx_.options->kv_timeout);
+  out.deliver_start = Clock::now();
+  // Polled from the next loop turn (Progress): the reporter records the
+  // pending first token only after this returns.
+  return true;
+}
+
+void PrefillRole::Progress() {
+  if (tiered_) tiered_->Pump();
+  if (delivering_ > 0) PollDeliveries();
+}
+
+void PrefillRole::PollDeliveries() {
+  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
+    auto next = std::next(it);
+    Outgoing& out = it->second;
+    if (!out.delivering) {
+      it = next;
+      continue;
     }
-    for (auto& sender : segment) {
-      Status f = sender->Finish(deadline);
-      if (s.ok()) s = f;
+    const RequestId id = it->first;
+    Status s;
+    bool all_done = true;
+    for (auto& segment : out.senders) {
+      if (segment.empty() && s.ok()) {
+        s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+      }
+      for (auto& sender : segment) {
+        if (!s.ok()) break;
+        Result<bool> done = sender->Poll();
+        if (!done.ok()) {
+          s = done.status();
+        } else {
+          all_done = all_done && *done;
+        }
+      }
     }
+    if (s.ok() && !all_done && out.deliver_by.Expired()) {
+      s = DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
+                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+    }
+    if (s.ok() && !all_done) {
+      it = next;
+      continue;
+    }
+    ctx_.counters->transfer_seconds += SecondsSince(out.deliver_start);
+    if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
+    Retire(it);  // senders first, then the blocks (Outgoing's member order)
+    ctx_.events->HandOverDone(id, s);
+    it = next;
   }
-  ctx_.counters->transfer_seconds += SecondsSince(start);
-  if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
-  Retire(it);  // senders first, then the blocks (Outgoing's member order)
-  return s;
 }
 
 void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
   Outgoing& out = it->second;
+  if (out.delivering) {
+    out.delivering = false;
+    --delivering_;
+  }
   bool quarantined = false;
   for (auto& segment : out.senders) {
     for (auto& sender : segment) {
@@ -284,6 +309,8 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
     if (std::any_of(dr.begin(), dr.end(), [&](int r) {
           return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
         })) {
+      // The coordinator re-runs or fails the request itself: report nothing.
+      ctx_.events->ForgetHandOver(it->first);
       Retire(it);
     }
     it = next;
@@ -291,7 +318,10 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
 }
 
 void PrefillRole::OnCancel(const proto::Cancel& c) {
-  if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) Retire(it);
+  if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) {
+    ctx_.events->ForgetHandOver(c.request_id());
+    Retire(it);
+  }
   if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
 }
 

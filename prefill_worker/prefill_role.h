@@ -43,7 +43,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   Status Init(worker::WorkerContext& ctx) override;
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
-  std::optional<Status> HandOver(engine::RequestId id, bool deliver) override;
+  bool HandOver(engine::RequestId id, bool deliver) override;
+  bool polling() const override { return delivering_ > 0; }
   void OnDisconnected() override { RetireAll(); }
   void OnPeersLost(std::span<const int> ranks) override;
   void Shutdown() override;
@@ -51,9 +52,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void OnRegistered() override {
     if (tiered_) tiered_->AnnounceAll();
   }
-  void Progress() override {
-    if (tiered_) tiered_->Pump();
-  }
+  void Progress() override;
   bool OnPoolEvent(const engine::KvEvent& ev) override {
     if (!tiered_) return false;
     tiered_->OnPoolEvent(ev);
@@ -61,7 +60,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   }
 
   // --- engine::KvConnector ---
-  void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
+  void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
                   engine::BlockTable& loaded) override;
   void SaveLayer(int layer, const engine::StepPlan& plan) override;
   bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
@@ -81,6 +80,11 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     std::vector<int> decode_ranks;  // data-plane peers, in TP order
     std::vector<engine::BlockId> dst_blocks;
     int64_t prompt_tokens = 0;
+    // Set by HandOver(deliver): the first token waits for the senders, polled
+    // by Progress, until every send finished or `deliver_by` passed.
+    bool delivering = false;
+    Deadline deliver_by;
+    TimePoint deliver_start;
   };
 
   void OnPrefillTask(const proto::PrefillTask& task);
@@ -96,6 +100,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // and prompt blocks — moves to quarantine_ instead and is never reused.
   void Retire(std::map<engine::RequestId, Outgoing>::iterator it);
   void RetireAll();
+  // Polls the deliveries in flight; reports each one that ended.
+  void PollDeliveries();
 
   worker::WorkerContext ctx_;
   std::unique_ptr<engine::Engine> engine_;
@@ -104,6 +110,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<kv_store::TieredCache> tiered_;
   std::map<engine::RequestId, Outgoing> outgoing_;
   std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
+  int delivering_ = 0;                // Outgoings with delivering set
 };
 
 }  // namespace kvrelay::prefill_worker

@@ -71,6 +71,14 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   Close(Cancelled("reconnecting"));
   protocols::ConnectionOptions copts;
   copts.name = "coordinator";
+  // As on the servers' side of every internal port: until the coordinator
+  // has proved the cluster key, a frame over kMaxUnauthenticatedPayload closes
+  // the connection at its header (whoever answers on that address cannot
+  // make a worker buffer 16 MiB), and a started frame must complete in time.
+  // `deadline` bounds the handshake itself.
+  copts.require_authentication = true;
+  copts.auth_timeout = std::chrono::milliseconds(0);
+  copts.frame_timeout = std::chrono::milliseconds(10'000);
   ASSIGN_OR_RETURN(conn_, protocols::FramedConnection::Connect(*io_, options_.host, options_.port,
                                                                copts, deadline));
   // Connect() has already started reading; a second Start() would run two

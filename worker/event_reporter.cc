@@ -23,12 +23,14 @@ std::vector<engine::RequestId> EventReporter::live() const {
 
 void EventReporter::Reset() {
   generated_.clear();
+  handing_over_.clear();
   silenced_.clear();
   chunk_.Clear();
 }
 
 void EventReporter::CancelledByCoordinator(engine::RequestId id) {
   generated_.erase(id);
+  handing_over_.erase(id);
   ++silenced_[id];
 }
 
@@ -46,24 +48,31 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
     control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens);
     return;
   }
-  if (std::optional<Status> handed = hand_over_(ev.id, /*deliver=*/true)) {
-    // Disaggregated: the KV is on its way before the coordinator tells the
-    // decode side to start.
-    if (!handed->ok()) {
-      control_->SendFinish(ev.id, proto::Finish::REASON_ERROR,
-                           handed->WithContext("KV transfer to decode"), ev.prompt_tokens);
-      return;
-    }
+  if (hand_over_(ev.id, /*deliver=*/true)) {
+    // Disaggregated: the first token goes out once the KV is delivered
+    // (HandOverDone), so the decode side never starts on missing KV.
     const bool ended = ev.finished && ev.finish_reason != engine::FinishReason::kPrefilled;
     done.set_finished(ended);
     if (ended) done.set_reason(ToProto(ev.finish_reason));
-    control_->Send(MessageType::kPrefillDone, done);
+    handing_over_[ev.id] = PendingFirst{std::move(done), ev.prompt_tokens};
     return;
   }
   done.set_finished(ev.finished);
   if (ev.finished) done.set_reason(ToProto(ev.finish_reason));
   control_->Send(MessageType::kPrefillDone, done);
   if (!ev.finished) generated_[ev.id] = 1;
+}
+
+void EventReporter::HandOverDone(engine::RequestId id, const Status& status) {
+  auto it = handing_over_.find(id);
+  if (it == handing_over_.end()) return;  // cancelled meanwhile
+  if (status.ok()) {
+    control_->Send(MessageType::kPrefillDone, it->second.done);
+  } else {
+    control_->SendFinish(id, proto::Finish::REASON_ERROR, status.WithContext("KV transfer to decode"),
+                         it->second.prompt_tokens);
+  }
+  handing_over_.erase(it);
 }
 
 void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {

@@ -18,10 +18,11 @@ namespace kvrelay::worker {
 
 class EventReporter {
  public:
-  // `hand_over(id, deliver)`: the role finishes (deliver) or drops a
+  // `hand_over(id, deliver)`: the role starts finishing (deliver) or drops a
   // request's KV hand-over to a decode group when its first token or its
-  // failure is reported (nullopt: not a handed-over request).
-  using HandOver = std::function<std::optional<Status>(engine::RequestId, bool deliver)>;
+  // failure is reported (false: not a handed-over request). A delivery ends
+  // later in HandOverDone.
+  using HandOver = std::function<bool(engine::RequestId, bool deliver)>;
   EventReporter(ControlLink* control, const engine::Tokenizer* tokenizer, HandOver hand_over,
                 int64_t* queued_tokens);
 
@@ -34,6 +35,12 @@ class EventReporter {
   // stale event must not end the new attempt.
   void CancelledByCoordinator(engine::RequestId id);
   void Report(const std::vector<engine::TokenEvent>& events);
+  // The KV hand-over of `id` finished: its first token goes to the
+  // coordinator (ok), or the request ends with the transfer's error.
+  void HandOverDone(engine::RequestId id, const Status& status);
+  // The hand-over of `id` was abandoned because the coordinator already
+  // knows (it cancelled the request or dropped its decode group): report nothing.
+  void ForgetHandOver(engine::RequestId id) { handing_over_.erase(id); }
   // Forgets every request (the coordinator that knew them is gone).
   void Reset();
   // Requests with tokens still to come (the shell cancels them on shutdown).
@@ -49,6 +56,12 @@ class EventReporter {
   std::map<engine::RequestId, int64_t> generated_;  // tokens emitted per running request
   std::map<engine::RequestId, int> silenced_;       // cancel events not to report, per id
   proto::TokenChunk chunk_;                         // tokens batched within one Report
+  // First tokens whose KV is still on its way to the decode group.
+  struct PendingFirst {
+    proto::PrefillDone done;
+    int64_t prompt_tokens = 0;
+  };
+  std::map<engine::RequestId, PendingFirst> handing_over_;
 };
 
 }  // namespace kvrelay::worker

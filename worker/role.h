@@ -68,10 +68,11 @@ class Role {
   virtual bool polling() const { return false; }
   // The request's first token was sampled here and its KV is handed to a
   // decode group: finish the hand-over (deliver), or drop it because the
-  // request failed (nullopt: not such a request).
-  virtual std::optional<Status> HandOver(engine::RequestId /*id*/, bool /*deliver*/) {
-    return std::nullopt;
-  }
+  // request failed. False: not such a request. A delivery never blocks the
+  // loop: the role finishes it from Progress and reports the outcome with
+  // EventReporter::HandOverDone (or not at all when the coordinator has
+  // cancelled the request or dropped its decode group meanwhile).
+  virtual bool HandOver(engine::RequestId /*id*/, bool /*deliver*/) { return false; }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
   // The coordinator link is gone (it forgets this worker's requests): let go

@@ -12,7 +12,7 @@
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
 #                           [-K cluster-key-file] [-X kv-transport] [-W kv-timeout-ms]
-#                           [-M tp-comm]
+#                           [-M tp-comm] [-R max-restarts]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -46,22 +46,36 @@
 # host lost) does not end the others; the coordinator learns of it from the
 # control plane (closed connection, missed heartbeats) and routes around it.
 #
+# -R N (needs -X tcp) supervises every process: each rank runs its binary
+# under a small bash supervisor, and a binary that exits non-zero (kill -9, a
+# crash) is started again on the same host with the same flags after a backoff
+# (250 ms, doubled per earlier restart inside the window, at most 8 s), at
+# most N times within 60 s (-w seconds), each restart logged. The restarted
+# process runs outside MPI (its OMPI_*/PMIX_* environment removed, its rank
+# and world size passed as flags): an Open MPI 4.1 job cannot take a new
+# process into MPI_COMM_WORLD, so the KV data plane must be TCP (-X tcp; a
+# TP group's collectives then run on its TCP link). It registers again and the
+# cluster routes to it; a TP group re-forms as its ranks come back. A clean
+# exit (status 0, e.g. SIGTERM at the end of the job) is not restarted.
+#
 # Example (one machine, 2 cores): deploy/mpirun/launch.sh -P 1 -D 1
 # Example (hosts):               deploy/mpirun/launch.sh -H deploy/mpirun/hostfile.example -c node0 -P 2 -D 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
+RESTARTS="" WINDOW=60
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
     C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
     K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;; W) KVTIMEOUT=$OPTARG ;; M) TPCOMM=$OPTARG ;;
+    R) RESTARTS=$OPTARG ;; w) WINDOW=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
-            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto]" >&2
+            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto] [-R max-restarts [-w window-s]]" >&2
        exit 2 ;;
   esac
 done
@@ -71,6 +85,20 @@ for v in P D T; do
     exit 2
   fi
 done
+if [ -n "$RESTARTS" ]; then
+  if ! [ "$RESTARTS" -ge 0 ] 2>/dev/null || ! [ "$WINDOW" -ge 1 ] 2>/dev/null; then
+    echo "launch.sh: -R and -w must be integers (>= 0, >= 1), got '$RESTARTS', '$WINDOW'" >&2
+    exit 2
+  fi
+  if [ "$TRANSPORT" != tcp ]; then
+    echo "launch.sh: -R needs -X tcp: a restarted process cannot rejoin the MPI job's data plane" >&2
+    exit 2
+  fi
+  if [ -n "$TPCOMM" ] && [ "$TPCOMM" != tcp ] && [ "$TPCOMM" != auto ]; then
+    echo "launch.sh: -R needs the TP groups on TCP (-M tcp or auto), got '-M $TPCOMM'" >&2
+    exit 2
+  fi
+fi
 if [ -n "$HOSTFILE" ] && [ ! -r "$HOSTFILE" ]; then
   echo "launch.sh: cannot read hostfile '$HOSTFILE'" >&2
   exit 2
@@ -87,7 +115,8 @@ args=(--allow-run-as-root --oversubscribe --bind-to none --enable-recovery)
 
 # Exported for the per-rank wrappers below.
 export KVR_TP="$T" KVR_TPBASE=$((CONTROL + 1)) KVR_COORD="$COORD" KVR_MULTIHOST="${HOSTFILE:+1}"
-args+=(-x KVR_TP -x KVR_TPBASE -x KVR_COORD -x KVR_MULTIHOST)
+export KVR_RESTARTS="$RESTARTS" KVR_WINDOW="$WINDOW"
+args+=(-x KVR_TP -x KVR_TPBASE -x KVR_COORD -x KVR_MULTIHOST -x KVR_RESTARTS -x KVR_WINDOW)
 
 # Runs on every rank's host before the binary: the address to listen on and
 # advertise. On one machine that is loopback; across hosts, the coordinator
@@ -104,6 +133,39 @@ kvr_addr() {
   [ -z "$src" ] && src=$(hostname -I 2>/dev/null | awk '{print $1}')
   [ -z "$src" ] && { echo "launch.sh: no address routes to $KVR_COORD on $(hostname)" >&2; return 1; }
   echo "$src"
+}
+# kvr_run NAME CMD...: without -R, exec CMD. With -R, supervise it: forward
+# TERM/INT to it; when it exits non-zero (and no stop was asked), start it
+# again outside MPI after a backoff, at most KVR_RESTARTS times per KVR_WINDOW
+# seconds. setpriv --pdeathsig: CMD dies with its supervisor.
+kvr_run() {
+  local name=$1; shift
+  [ -z "$KVR_RESTARTS" ] && exec "$@"
+  local stop=0 child="" rc first=1 now t ms i strip=() times=() kept=()
+  for v in $(compgen -e); do case $v in OMPI_*|PMIX_*) strip+=(-u "$v") ;; esac; done
+  trap 'stop=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' TERM INT
+  while :; do
+    if [ "$first" = 1 ]; then setpriv --pdeathsig TERM "$@" &
+    else env "${strip[@]}" setpriv --pdeathsig TERM "$@" &
+    fi
+    child=$! first=0
+    while :; do wait "$child" && rc=0 || rc=$?; kill -0 "$child" 2>/dev/null || break; done
+    child=""
+    if [ "$stop" = 1 ] || [ "$rc" = 0 ]; then exit "$rc"; fi
+    now=$(date +%s) kept=()
+    for t in "${times[@]}"; do [ $((now - t)) -lt "$KVR_WINDOW" ] && kept+=("$t"); done
+    times=("${kept[@]}")
+    if [ "${#times[@]}" -ge "$KVR_RESTARTS" ]; then
+      echo "launch.sh: $name exited with status $rc; restarted ${#times[@]} times within $KVR_WINDOW s, giving up" >&2
+      exit "$rc"
+    fi
+    ms=250; for ((i = 0; i < ${#times[@]} && ms < 8000; i++)); do ms=$((ms * 2)); done
+    [ "$ms" -gt 8000 ] && ms=8000
+    times+=("$now")
+    echo "launch.sh: $name exited with status $rc; restarting in $ms ms (restart ${#times[@]} of at most $KVR_RESTARTS within $KVR_WINDOW s)" >&2
+    sleep "$((ms / 1000)).$(printf %03d $((ms % 1000)))" & wait $! || true
+    [ "$stop" = 1 ] && exit "$rc"
+  done
 }
 EOF
 
@@ -135,12 +197,13 @@ trap 'kill -TERM "$mpirun_pid" 2>/dev/null' TERM INT
 setsid mpirun "${args[@]}" \
   -np 1 /bin/bash -c "$ADDR"'
     a=$(kvr_addr coordinator) || exit 1
-    exec "$@" --host "$a" --control-host "$a"' coordinator \
+    kvr_run coordinator "$@" --host "$a" --control-host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
     --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
-    exec "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" --kv-host "$a" --advertise-host "$a"' prefill \
+    kvr_run "prefill-$((OMPI_COMM_WORLD_RANK - 1))" "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" \
+      --kv-host "$a" --advertise-host "$a" --rank "$OMPI_COMM_WORLD_RANK" --world-size "$OMPI_COMM_WORLD_SIZE"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'
@@ -148,7 +211,8 @@ setsid mpirun "${args[@]}" \
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
     id="decode-$g"; [ "$r" -gt 0 ] && id="$id-tp$r"
     tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
-    exec "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}"' decode "$P" "$T" \
+    kvr_run "$id" "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}" \
+      --rank "$OMPI_COMM_WORLD_RANK" --world-size "$OMPI_COMM_WORLD_SIZE"' decode "$P" "$T" \
     "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" &
 mpirun_pid=$!

@@ -73,6 +73,20 @@ std::vector<BlockHash> HashPrefixBlocks(std::span<const int32_t> tokens, int blo
                                         const ModelFingerprint& model,
                                         std::string_view tenant_salt);
 
+// What the engine knows of a request's prefix when it asks a connector for
+// missing blocks. The chain hashes are computed once, by the engine, and
+// handed down: hashes[i] covers tokens[i * block_tokens, (i + 1) * block_tokens);
+// blocks [0, first) are already in the pool.
+struct PrefixLookup {
+  std::span<const int32_t> tokens;
+  std::span<const BlockHash> hashes;
+  int64_t first = 0;
+  int block_tokens = 0;
+  std::span<const BlockHash> missing() const {
+    return hashes.subspan(static_cast<size_t>(first));
+  }
+};
+
 struct KvEvent {
   enum class Kind { kStored, kEvicted } kind;
   BlockHash hash;

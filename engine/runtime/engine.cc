@@ -411,7 +411,8 @@ class Engine::Impl {
     const int64_t hits = s.n_committed;
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
     BlockTable loaded(pool_.get());
-    connector_->LoadPrefix(s.spec, std::span<const BlockHash>(s.hashes).subspan(hits), loaded);
+    const PrefixLookup prefix{s.tokens, s.hashes, hits, options_.block_tokens};
+    connector_->LoadPrefix(s.spec, prefix, loaded);
     const int64_t n =
         std::min<int64_t>(loaded.size(), static_cast<int64_t>(s.hashes.size()) - hits);
     loaded.Truncate(n);

@@ -32,6 +32,7 @@
 namespace kvrelay::engine {
 
 struct RequestSpec;
+
 struct TokenEvent;
 
 class KvConnector {
@@ -39,13 +40,13 @@ class KvConnector {
   virtual ~KvConnector() = default;
 
   // --- admission side: prefix blocks from a lower tier ---
-  // `missing` are the chain hashes of the request's full prompt blocks that
+  // `prefix.missing()` are the chain hashes of the request's full blocks that
   // follow the ones the pool already holds. Loads as many LEADING ones as it
   // can (verified) into blocks it takes from loaded.pool(), appending each to
   // `loaded` in order; the engine commits them to the prefix cache and they
   // belong to the request's block table from then on. An error or a shorter
   // result just means the rest is computed.
-  virtual void LoadPrefix(const RequestSpec& /*request*/, std::span<const BlockHash> /*missing*/,
+  virtual void LoadPrefix(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
                           BlockTable& /*loaded*/) {}
 
   // --- admission side: a prompt whose KV is computed elsewhere ---

@@ -271,6 +271,11 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
                                                     ": requests %s differ" % wrong))
             if restore:
                 restore()
+            # A worker the fault made the coordinator drop re-registers with
+            # backoff; serving resumes once it is back (bounded wait).
+            t_ready = time.time()
+            c.wait_ready(timeout_s=60)
+            out["recovered_s"] = round(time.time() - t_ready, 2)
             t0 = time.time()
             after = cluster.complete(bed, env, c.url, after_prompts, 8, 2, c.tag + ".after",
                                      timeout_s=120)
@@ -426,10 +431,10 @@ def faults(a, env):
         if "error" in r:
             print("| %s | error: %s | | | | | | |" % (r["case"], r["error"][:100]))
             continue
-        print("| %s | %d | %d | %s | %s | %d | %d | %.2f s for 2 requests |"
+        print("| %s | %d | %d | %s | %s | %d | %d | %.2f s for 2 requests (ready after %.2f s) |"
               % (r["fault"], r["affected"], r["rerun"],
                  ", ".join("%.2f" % x for x in r["final_status_s"]), "; ".join(r["lost"]),
-                 r["completed"], r["wrong_tokens"], r["after_s"]))
+                 r["completed"], r["wrong_tokens"], r["after_s"], r.get("recovered_s", 0.0)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "cases": results}, f, indent=2)

@@ -31,6 +31,7 @@ class FaultInjectingTransport final : public Transport {
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
   std::string conn_info() const override { return inner_->conn_info(); }
+  void PeerRejoined(int peer) override { inner_->PeerRejoined(peer); }
   Status ConnectPeer(int peer, std::string_view conn_info, Deadline deadline) override {
     return inner_->ConnectPeer(peer, conn_info, deadline);
   }

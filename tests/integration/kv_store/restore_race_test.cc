@@ -157,12 +157,15 @@ TEST_F(RestoreRaceTest, PinningEveryArrivalsRestoreAcrossAStepFailsARequest) {
 class TierConnector final : public engine::KvConnector {
  public:
   TierConnector(TieredCache* cache, engine::Engine* e) : cache_(cache), engine_(e) {}
-  void LoadPrefix(const engine::RequestSpec& request, std::span<const engine::BlockHash> missing,
+  void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
                   engine::BlockTable& loaded) override {
     PrefixMatch m =
         cache_->Match(request.prompt, engine_->model().fingerprint(), request.tenant_salt);
-    // The engine's pool hits end where `missing` starts.
-    EXPECT_EQ(static_cast<size_t>(m.pool_blocks), m.hashes.size() - missing.size());
+    // The engine's pool hits end where its missing blocks start, and its
+    // hashes are the tiers' hashes.
+    EXPECT_EQ(static_cast<int64_t>(m.pool_blocks), prefix.first);
+    EXPECT_TRUE(std::equal(prefix.hashes.begin(), prefix.hashes.end(), m.hashes.begin(),
+                           m.hashes.end()));
     engine::BlockTable dst(loaded.pool());
     for (int k = 0; k < m.external_blocks; ++k) {
       auto b = loaded.pool()->Allocate();

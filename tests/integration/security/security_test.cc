@@ -317,5 +317,60 @@ TEST_F(SecurityTest, PartialFramesDoNotGrowTheCoordinator) {
   ExpectServing();
 }
 
+// What the control plane refuses is counted on /metrics: a failed
+// challenge-response, a frame header over the pre-authentication limit.
+TEST_F(SecurityTest, RefusalsAreCountedOnMetrics) {
+  auto counter = [](const std::string& name) -> double {
+    coordinator::HttpCallSpec spec;
+    spec.port = launcher_->http_port();
+    spec.target = "/metrics";
+    spec.timeout_ms = 5000;
+    auto r = coordinator::HttpCall(spec);
+    if (!r.ok() || r->status != 200) return -1;
+    std::istringstream in(r->body);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind(name + "{", 0) == 0) {
+        return std::strtod(line.c_str() + line.find('}') + 1, nullptr);
+      }
+    }
+    return -1;
+  };
+  const double auth_before = counter("kvrelay_control_auth_failures_total");
+  const double oversized_before = counter("kvrelay_control_oversized_frames_total");
+  ASSERT_GE(auth_before, 0) << "no kvrelay_control_auth_failures_total on /metrics";
+  ASSERT_GE(oversized_before, 0);
+  EXPECT_GE(counter("kvrelay_control_refused_connections_total"), 0);
+  EXPECT_GE(counter("kvrelay_control_foreign_frames_total"), 0);
+  {
+    auto rogue = Dial(launcher_->control_port());
+    ASSERT_TRUE(rogue);
+    ASSERT_TRUE(rogue->Send(MessageType::kHello, "").ok());
+    EXPECT_NE(rogue->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  {
+    auto big = Dial(launcher_->control_port());
+    ASSERT_TRUE(big);
+    std::string head(protocols::kFrameHeaderBytes, '\0');
+    protocols::EncodeFrameHeader(static_cast<uint16_t>(MessageType::kAuthHello), 1u << 20,
+                                 reinterpret_cast<uint8_t*>(head.data()));
+    const std::string some(100, 'x');
+    ASSERT_TRUE(
+        big->SendGatherWait(
+               head, {boost::asio::buffer(some)}, [](const Status&) {}, Deadline::AfterMs(5000))
+            .ok());
+    EXPECT_NE(big->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  const Deadline deadline = Deadline::AfterMs(10000);
+  while (!deadline.Expired() &&
+         (counter("kvrelay_control_auth_failures_total") < auth_before + 1 ||
+          counter("kvrelay_control_oversized_frames_total") < oversized_before + 1)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_GE(counter("kvrelay_control_auth_failures_total"), auth_before + 1);
+  EXPECT_GE(counter("kvrelay_control_oversized_frames_total"), oversized_before + 1);
+  ExpectServing();
+}
+
 }  // namespace
 }  // namespace kvrelay

@@ -29,6 +29,36 @@ TEST(ProcessGroupTest, StopEndsAndReapsChildren) {
   EXPECT_EQ(kill(pid, 0), -1);  // reaped: the pid is gone
 }
 
+// A child killed with SIGKILL is reported by WaitAnyExit (name and signal),
+// can be started again from its spec (a new pid), and Respawn refuses a child
+// that is still running or was never spawned.
+TEST(ProcessGroupTest, AKilledChildIsReportedAndRespawned) {
+  ProcessGroup g;
+  ASSERT_TRUE(g.Spawn({"sleeper", {"/bin/sleep", "60"}, {}}).ok());
+  ASSERT_TRUE(g.Spawn({"other", {"/bin/sleep", "60"}, {}}).ok());
+  const pid_t first = g.Pid("sleeper");
+  EXPECT_EQ(g.Respawn("sleeper").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(g.Respawn("nobody").code(), StatusCode::kNotFound);
+  ASSERT_EQ(kill(first, SIGKILL), 0);
+  auto exited = g.WaitAnyExit(Deadline::After(std::chrono::seconds(10)));
+  ASSERT_TRUE(exited.ok()) << exited.status().ToString();
+  EXPECT_EQ(exited->name, "sleeper");
+  EXPECT_NE(exited->description.find("killed by signal"), std::string::npos) << exited->description;
+  ASSERT_TRUE(g.Respawn("sleeper").ok());
+  const pid_t second = g.Pid("sleeper");
+  EXPECT_GT(second, 0);
+  EXPECT_NE(second, first);
+  EXPECT_EQ(kill(second, 0), 0);
+  EXPECT_EQ(g.LivePids().size(), 2u);
+  // StopChild ends and reaps one child only.
+  g.StopChild("sleeper", std::chrono::milliseconds(5000));
+  EXPECT_EQ(kill(second, 0), -1);
+  EXPECT_EQ(g.LivePids().size(), 1u);
+  EXPECT_EQ(g.WaitAnyExit(Deadline::After(std::chrono::milliseconds(50))).status().code(),
+            StatusCode::kDeadlineExceeded);
+  g.Stop(std::chrono::milliseconds(5000));
+}
+
 // A launcher killed with SIGKILL (no Stop, no destructor) still takes its
 // children with it: PR_SET_PDEATHSIG. This test process is the launcher's
 // parent and a child subreaper, so the orphaned grandchild is reparented to it

@@ -99,6 +99,55 @@ class TieredCacheTest : public ::testing::TestWithParam<engine::KvDtype> {
   fs::path dir_;
 };
 
+TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(3);
+  auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+  TieredCache cache({}, ram.get(), nullptr);
+  auto pool = MakePool(layout, 6);
+  cache.Attach(pool.get());
+  const auto tokens = Tokens(5 * 8, 12);
+  cache.NoteSequence(tokens, model, kSalt);
+  const auto want = Prefill(pool.get(), tokens, model, kSalt);
+  ASSERT_EQ(want.size(), 5u);
+  EvictAll(pool.get());
+  cache.Detach();
+
+  auto pool2 = MakePool(layout, 8);
+  cache.Attach(pool2.get());
+  const auto hashes = engine::HashPrefixBlocks(tokens, 8, model, kSalt);
+  // The engine holds blocks 0 and 1 already: only 2..4 are asked for.
+  std::vector<BlockId> got;
+  auto n = cache.LoadMissing({tokens, hashes, 2, 8}, model, kSalt, &got);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 3);
+  ASSERT_EQ(got.size(), 3u);
+  for (size_t b = 0; b < got.size(); ++b) {
+    for (int layer = 0; layer < layout.layers; ++layer) {
+      auto bytes = pool2->LayerData(got[b], layer);
+      ASSERT_EQ(std::vector<uint8_t>(bytes.begin(), bytes.end()), want[b + 2][layer])
+          << "block " << b + 2 << " layer " << layer;
+    }
+    EXPECT_EQ(pool2->refcount(got[b]), 1);
+  }
+  for (BlockId id : got) pool2->Release(id);
+  EXPECT_EQ(cache.stats().restored_blocks_ram, 3);
+
+  // Hashes that do not belong to the tokens given: the stored block's
+  // recorded tokens disagree, so nothing is loaded (verified, not trusted).
+  auto other = tokens;
+  other[2 * 8] ^= 1;
+  got.clear();
+  auto none = cache.LoadMissing({other, hashes, 2, 8}, model, kSalt, &got);
+  EXPECT_TRUE(none.ok() && *none == 0) << (none.ok() ? std::to_string(*none) : none.status().ToString());
+  EXPECT_TRUE(got.empty());
+  // A lookup in another block size is refused, not misread.
+  auto bad = cache.LoadMissing({tokens, hashes, 2, 16}, model, kSalt, &got);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool2->available_blocks(), 8);  // every block back (some cached)
+  cache.Detach();
+}
+
 TEST_P(TieredCacheTest, SpilledBlocksRestoreWithIdenticalLayerBytes) {
   const auto layout = Layout(GetParam());
   const auto model = testing::Fingerprint(3);

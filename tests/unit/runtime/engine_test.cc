@@ -377,9 +377,8 @@ TEST(EngineTest, CancelWhileLoadingStopsTheLoadAndReturnsTheBlocks) {
 // from another engine's pool): admission loads them instead of computing.
 class TierConnector : public KvConnector {
  public:
-  void LoadPrefix(const RequestSpec&, std::span<const BlockHash> missing,
-                  BlockTable& loaded) override {
-    for (const BlockHash& h : missing) {
+  void LoadPrefix(const RequestSpec&, const PrefixLookup& prefix, BlockTable& loaded) override {
+    for (const BlockHash& h : prefix.missing()) {
       auto it = store.find(h);
       if (it == store.end()) break;
       auto b = loaded.pool()->Allocate();
