@@ -95,8 +95,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
     return 1;
   }
-  auto rendered =
-      m->chat_template()->Render({{"user", "List six people with their age and city as JSON."}}, true);
+  auto rendered = m->chat_template()->Render(
+      {{"user", "List six people with their age and city as JSON."}}, true);
   std::vector<int32_t> prompt = m->tokenizer()->Encode(*rendered, false, true);
 
   RequestId id = 1;
@@ -133,8 +133,7 @@ int main(int argc, char** argv) {
       const auto t0 = Clock::now();
       matcher.Mask(logits.data(), static_cast<int64_t>(logits.size()));
       (void)matcher.Accept(t);
-      per_token_us->push_back(
-          std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      per_token_us->push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
   };
   std::vector<double> cold_us, warm_us;
@@ -152,10 +151,11 @@ int main(int argc, char** argv) {
   std::printf("TPOT overhead:              %+.2f ms (%+.1f%%)\n", tj - tp, 100 * (tj - tp) / tp);
   std::printf("mask+accept per token, warm cache: %.1f us median (%.2f%% of TPOT)\n",
               Median(warm_us), 100 * Median(warm_us) / 1000 / tp);
-  std::printf("mask+accept per token, cold cache: %.1f us median, %.1f ms max, %.1f ms total "
-              "for %lld distinct states\n",
-              Median(cold_us), *std::max_element(cold_us.begin(), cold_us.end()) / 1000,
-              cold_total / 1000, static_cast<long long>(stats.misses));
+  std::printf(
+      "mask+accept per token, cold cache: %.1f us median, %.1f ms max, %.1f ms total "
+      "for %lld distinct states\n",
+      Median(cold_us), *std::max_element(cold_us.begin(), cold_us.end()) / 1000, cold_total / 1000,
+      static_cast<long long>(stats.misses));
   std::printf("token trie build (once per engine): %.1f ms\n", vocab_ms);
   std::string text = tok.Decode(constrained.tokens);
   std::printf("output: %s\n", text.c_str());

@@ -101,9 +101,9 @@ int RunGenerate(const std::vector<std::string>& args) {
     if (!rendered.ok()) return Fail(rendered.status());
     const size_t at = rendered->find(marker);
     if (at == std::string::npos) return Fail(Internal("the chat template dropped the prompt"));
-    for (const auto& [part, special] :
-         {std::pair<std::string, bool>{rendered->substr(0, at), true}, {text, false},
-          {rendered->substr(at + marker.size()), true}}) {
+    for (const auto& [part, special] : {std::pair<std::string, bool>{rendered->substr(0, at), true},
+                                        {text, false},
+                                        {rendered->substr(at + marker.size()), true}}) {
       std::vector<int32_t> ids = tok.Encode(part, /*add_special=*/false, special);
       spec.prompt.insert(spec.prompt.end(), ids.begin(), ids.end());
     }
@@ -193,7 +193,8 @@ int RunGenerate(const std::vector<std::string>& args) {
 }  // namespace
 
 KVRELAY_COMMAND(generate, "generate",
-                "generate --model PATH --prompt TEXT [--chat] [--no-special] [--max-tokens N] [--temperature T] "
+                "generate --model PATH --prompt TEXT [--chat] [--no-special] [--max-tokens N] "
+                "[--temperature T] "
                 "[--top-k K] [--top-p P] [--min-p P] [--seed S] [--repeat-penalty R] [--stop S] "
                 "[--threads N] [--kv-dtype f32|f16|bf16|int8|kivi4|kivi2] [--json]",
                 RunGenerate);

@@ -76,9 +76,9 @@ struct WorkerInfo {
   int64_t total_kv_blocks = 0;
   int64_t free_kv_blocks = 0;
   int64_t block_tokens = 16;
-  int64_t prefix_hit_tokens = 0;  // cumulative prompt tokens served from cache
-  int64_t transfer_bytes = 0;     // cumulative KV bytes sent/received
-  double transfer_seconds = 0;    // cumulative seconds spent in KV transfer
+  int64_t prefix_hit_tokens = 0;      // cumulative prompt tokens served from cache
+  int64_t transfer_bytes = 0;         // cumulative KV bytes sent/received
+  double transfer_seconds = 0;        // cumulative seconds spent in KV transfer
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
 };
 

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -161,7 +160,8 @@ struct ClusterBackend::State {
       const bool claimed = std::any_of(workers.begin(), workers.end(), [&](const auto& kv) {
         const WorkerEntry& w = kv.second;
         if (&w == &dead) return false;
-        return w.rank == r || std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
+        return w.rank == r ||
+               std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
       });
       if (!claimed) m.add_ranks(r);
     }

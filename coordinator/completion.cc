@@ -322,10 +322,9 @@ void Session::Emit(RequestState& r, const std::string& piece) {
     r.text += piece;
     return;
   }
-  QueueOut({OutItem::kChunk,
-            SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece, r.first_chunk,
-                                              FinishReason::kNone, r.index,
-                                              TakeStreamLogprobs(r))))});
+  QueueOut({OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece,
+                                                               r.first_chunk, FinishReason::kNone,
+                                                               r.index, TakeStreamLogprobs(r))))});
   r.first_chunk = false;
 }
 
@@ -355,7 +354,8 @@ void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& 
       LogprobEntry e;
       e.token = core_->codec->TokenPiece(ev.token);
       e.logprob = ev.logprobs.logprob;
-      for (const auto& [t, lp] : ev.logprobs.top) e.top.emplace_back(core_->codec->TokenPiece(t), lp);
+      for (const auto& [t, lp] : ev.logprobs.top)
+        e.top.emplace_back(core_->codec->TokenPiece(t), lp);
       r->logprobs.push_back(std::move(e));
     }
     StopMatcher::Output out = r->matcher->Push(r->decoder->Push(ev.token));
@@ -420,16 +420,16 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
   }
   nlohmann::json tool_calls = nullptr;
   if (p.tool_choice != ToolChoice::kNone) {
-    tool_calls = ExtractToolCalls(r->text, p.tool_choice,
-                                  r->ident.id.substr(r->ident.id.find('-') + 1) + "_" +
-                                      std::to_string(r->index));
+    tool_calls = ExtractToolCalls(
+        r->text, p.tool_choice,
+        r->ident.id.substr(r->ident.id.find('-') + 1) + "_" + std::to_string(r->index));
     results_[r->index].tool_calls = tool_calls;
   }
   if (p.stream && p.tool_choice != ToolChoice::kNone) {
     // The buffered answer in one delta: the tool calls (with their index) or the text.
-    nlohmann::json chunk = StreamChunkJson(p.endpoint, r->ident, tool_calls.is_null() ? r->text : "",
-                                           r->first_chunk, FinishReason::kNone, r->index,
-                                           TakeStreamLogprobs(*r));
+    nlohmann::json chunk =
+        StreamChunkJson(p.endpoint, r->ident, tool_calls.is_null() ? r->text : "", r->first_chunk,
+                        FinishReason::kNone, r->index, TakeStreamLogprobs(*r));
     if (!tool_calls.is_null()) {
       nlohmann::json deltas = nlohmann::json::array();
       for (size_t k = 0; k < tool_calls.size(); ++k) {

@@ -268,7 +268,8 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
 
 // OpenAI logit_bias: {"<token id>": bias in [-100, 100]}. Ids are checked
 // against the vocabulary by the engine (the parser does not know it).
-std::optional<ApiError> ParseLogitBias(const json& lb, std::vector<std::pair<int32_t, float>>* out) {
+std::optional<ApiError> ParseLogitBias(const json& lb,
+                                       std::vector<std::pair<int32_t, float>>* out) {
   if (!lb.is_object()) return WrongType("logit_bias", "an object", lb);
   constexpr size_t kMaxEntries = 1024;
   if (lb.size() > kMaxEntries) {
@@ -283,9 +284,9 @@ std::optional<ApiError> ParseLogitBias(const json& lb, std::vector<std::pair<int
     for (char c : key) digits = digits && c >= '0' && c <= '9';
     if (digits) id = std::stoll(key);
     if (id < 0) {
-      return BadRequest("'logit_bias' keys must be token ids (non-negative integers), got '" + key +
-                            "'",
-                        "logit_bias", "invalid_value");
+      return BadRequest(
+          "'logit_bias' keys must be token ids (non-negative integers), got '" + key + "'",
+          "logit_bias", "invalid_value");
     }
     if (!value.is_number()) return WrongType(field, "a number", value);
     const double bias = value.get<double>();
@@ -315,9 +316,9 @@ std::optional<ApiError> ParseResponseFormat(const json& rf, std::string* schema_
     return std::nullopt;
   }
   if (t != "json_schema") {
-    return BadRequest("'response_format.type' must be text, json_object or json_schema; got '" + t +
-                          "'",
-                      "response_format.type", "invalid_value");
+    return BadRequest(
+        "'response_format.type' must be text, json_object or json_schema; got '" + t + "'",
+        "response_format.type", "invalid_value");
   }
   const json* js = Field(rf, "json_schema");
   if (js == nullptr) {
@@ -411,9 +412,9 @@ std::optional<ApiError> ParseTools(const json& body, std::string_view body_text,
       } else if (c == "required") {
         out->tool_choice = ToolChoice::kRequired;
       } else if (c != "auto") {
-        return BadRequest("'tool_choice' must be none, auto, required or a function; got '" + c +
-                              "'",
-                          "tool_choice", "invalid_value");
+        return BadRequest(
+            "'tool_choice' must be none, auto, required or a function; got '" + c + "'",
+            "tool_choice", "invalid_value");
       }
     } else if (choice->is_object()) {
       const json* fn = Field(*choice, "function");
@@ -424,9 +425,9 @@ std::optional<ApiError> ParseTools(const json& body, std::string_view body_text,
       }
       const auto it = std::find(names.begin(), names.end(), name->get<std::string>());
       if (it == names.end()) {
-        return BadRequest("'tool_choice' names '" + name->get<std::string>() +
-                              "', which is not in 'tools'",
-                          "tool_choice.function.name", "invalid_value");
+        return BadRequest(
+            "'tool_choice' names '" + name->get<std::string>() + "', which is not in 'tools'",
+            "tool_choice.function.name", "invalid_value");
       }
       out->tool_choice = ToolChoice::kNamed;
       nlohmann::ordered_json one = nlohmann::ordered_json::array();
@@ -451,9 +452,10 @@ std::optional<ApiError> ParseTools(const json& body, std::string_view body_text,
       "</tool_call>\nThe functions:\n" +
       described;
   if (out->tool_choice == ToolChoice::kRequired || out->tool_choice == ToolChoice::kNamed) {
-    system += "Call " + (out->tool_choice == ToolChoice::kNamed
-                             ? "the function " + grammar_tools[0]["name"].get<std::string>()
-                             : std::string("one of the functions")) +
+    system += "Call " +
+              (out->tool_choice == ToolChoice::kNamed
+                   ? "the function " + grammar_tools[0]["name"].get<std::string>()
+                   : std::string("one of the functions")) +
               " now; reply with its JSON only.\n";
   }
   // Into the first system message, or a new one in front.
@@ -778,8 +780,8 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 }
 
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
-                               const std::string& delta, bool first, FinishReason finish,
-                               int index, nlohmann::json logprobs) {
+                               const std::string& delta, bool first, FinishReason finish, int index,
+                               nlohmann::json logprobs) {
   json choice;
   if (endpoint == Endpoint::kChatCompletions) {
     json d = json::object();

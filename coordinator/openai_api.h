@@ -117,7 +117,7 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 struct ChoiceResult {
   std::string text;
   FinishReason finish = FinishReason::kNone;
-  nlohmann::json logprobs = nullptr;  // LogprobsJson(...) when asked for
+  nlohmann::json logprobs = nullptr;    // LogprobsJson(...) when asked for
   nlohmann::json tool_calls = nullptr;  // ExtractToolCalls(...): then content is null
 };
 

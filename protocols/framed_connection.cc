@@ -17,7 +17,6 @@ namespace {
 constexpr const char* kPeerClosedMessage = "peer closed the connection";
 }  // namespace
 
-
 namespace asio = boost::asio;
 using asio::ip::tcp;
 

@@ -503,10 +503,10 @@ class SchemaCompiler {
     }
     if (!s.is_object()) return InvalidArgument("JSON schema at " + path + " must be an object");
     if (depth == 0 && s.contains(kToolCallsKeyword)) return ToolCalls(s[kToolCallsKeyword], path);
-    static const char* kKnown[] = {"type",        "properties", "required",  "additionalProperties",
-                                   "items",       "minItems",   "maxItems",  "minLength",
-                                   "maxLength",   "enum",       "const",     "title",
-                                   "description", "default",    "examples",  "$schema",
+    static const char* kKnown[] = {"type",        "properties", "required", "additionalProperties",
+                                   "items",       "minItems",   "maxItems", "minLength",
+                                   "maxLength",   "enum",       "const",    "title",
+                                   "description", "default",    "examples", "$schema",
                                    "$id",         "$comment"};
     for (const auto& [key, value] : s.items()) {
       bool known = false;
@@ -593,8 +593,8 @@ class SchemaCompiler {
   // they would not be enforced.
   static Status OnlyFor(const json& s, const std::string& type, const std::string& path) {
     static const std::pair<const char*, const char*> kOwner[] = {
-        {"properties", "object"}, {"required", "object"},  {"additionalProperties", "object"},
-        {"items", "array"},       {"minItems", "array"},   {"maxItems", "array"},
+        {"properties", "object"}, {"required", "object"}, {"additionalProperties", "object"},
+        {"items", "array"},       {"minItems", "array"},  {"maxItems", "array"},
         {"minLength", "string"},  {"maxLength", "string"}};
     for (const auto& [key, owner] : kOwner) {
       if (s.contains(key) && type != owner) {
@@ -722,9 +722,9 @@ class SchemaCompiler {
         bool ok = false;
         for (const std::string& t : types) {
           ok = ok || (t == "string" && v.is_string()) || (t == "number" && v.is_number()) ||
-               (t == "integer" && (v.is_number_integer() ||
-                                   (v.is_number_float() &&
-                                    std::floor(v.get<double>()) == v.get<double>()))) ||
+               (t == "integer" &&
+                (v.is_number_integer() ||
+                 (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()))) ||
                (t == "boolean" && v.is_boolean()) || (t == "null" && v.is_null()) ||
                (t == "object" && v.is_object()) || (t == "array" && v.is_array());
         }
@@ -760,9 +760,8 @@ class SchemaCompiler {
       }
       const std::string name = t["name"];
       const json params = t.contains("parameters") ? t["parameters"] : json::object();
-      ASSIGN_OR_RETURN(uint32_t args,
-                       Compile(params.empty() ? json{{"type", "object"}} : params,
-                               path + ".tools[" + name + "].parameters", 1));
+      ASSIGN_OR_RETURN(uint32_t args, Compile(params.empty() ? json{{"type", "object"}} : params,
+                                              path + ".tools[" + name + "].parameters", 1));
       n.alternatives.push_back("{\"name\":" + json(name).dump() + ",\"arguments\":");
       n.values.push_back(args);
     }
@@ -794,7 +793,8 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::Build(
   // Tokens sorted by bytes: each trie node's subtree is a contiguous range.
   std::vector<int32_t> ids;
   for (size_t i = 0; i < pieces.size(); ++i) {
-    if (i < usable.size() && usable[i] && !pieces[i].empty()) ids.push_back(static_cast<int32_t>(i));
+    if (i < usable.size() && usable[i] && !pieces[i].empty())
+      ids.push_back(static_cast<int32_t>(i));
   }
   std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
     return pieces[a] != pieces[b] ? pieces[a] < pieces[b] : a < b;

@@ -133,7 +133,7 @@ class ConstraintFactory {
   std::shared_ptr<const TokenVocabulary> vocab_;
   mutable std::mutex mu_;
   mutable std::unordered_map<std::string, std::shared_ptr<const TokenMask>> cache_;  // mu_
-  mutable CacheStats stats_;                                                          // mu_
+  mutable CacheStats stats_;                                                         // mu_
 };
 
 // One request's position in the grammar (a TokenConstraint for the Sampler).

@@ -85,7 +85,8 @@ void Sampler::FillLogprobs(const float* logits, int64_t vocab, int32_t token,
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, logits[i]);
   double sum = 0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp((static_cast<double>(logits[i]) - mx) * inv_t);
+  for (int64_t i = 0; i < vocab; ++i)
+    sum += std::exp((static_cast<double>(logits[i]) - mx) * inv_t);
   const double lse = std::log(sum);
   auto lp = [&](int32_t t) {
     return static_cast<float>((static_cast<double>(logits[t]) - mx) * inv_t - lse);

@@ -2,16 +2,15 @@
 // --help / -h with its complete usage on stdout and exit 0 (and starts
 // nothing), stray positional arguments are errors.
 #include <gtest/gtest.h>
-
-#include <algorithm>
-#include <nlohmann/json.hpp>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <string>

@@ -481,25 +481,27 @@ class ClusterTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ASSERT_EQ(r->status, 200) << r->body;
     json j = json::parse(r->body);
-    ASSERT_EQ(j["choices"][0]["logprobs"]["tokens"].size(), static_cast<size_t>(kTokens)) << r->body;
+    ASSERT_EQ(j["choices"][0]["logprobs"]["tokens"].size(), static_cast<size_t>(kTokens))
+        << r->body;
     check(j["choices"][0]["logprobs"], 0, "non-streamed");
     // Streamed: every chunk carries the logprobs of the tokens it releases.
     body["stream"] = true;
     size_t seen = 0;
     coordinator::SseParser parser;
-    auto sr = coordinator::HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
-      if (!parser.Feed(piece)) return false;
-      while (auto e = parser.Next()) {
-        if (*e == "[DONE]") continue;
-        json c = json::parse(*e, nullptr, false);
-        if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
-        const json& lp = c["choices"][0]["logprobs"];
-        if (lp.is_null()) continue;
-        check(lp, seen, "streamed");
-        seen += lp["tokens"].size();
-      }
-      return true;
-    });
+    auto sr =
+        coordinator::HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
+          if (!parser.Feed(piece)) return false;
+          while (auto e = parser.Next()) {
+            if (*e == "[DONE]") continue;
+            json c = json::parse(*e, nullptr, false);
+            if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
+            const json& lp = c["choices"][0]["logprobs"];
+            if (lp.is_null()) continue;
+            check(lp, seen, "streamed");
+            seen += lp["tokens"].size();
+          }
+          return true;
+        });
     ASSERT_TRUE(sr.ok()) << sr.status().ToString();
     EXPECT_EQ(seen, static_cast<size_t>(kTokens));
     // logit_bias bans the greedy first token (sampled on the prefill side) and

@@ -112,8 +112,8 @@ TEST(StructuredOutputTest, EveryOutputParsesAndValidatesAcrossSchemasAndSeeds) {
       spec.sampling.max_tokens = 200;
       spec.sampling.json_schema = json::parse(c.schema).dump();
       ASSERT_TRUE((*engine)->Submit(spec).ok());
-      runs[spec.id] = {std::string(c.label) + "/seed" + std::to_string(k), spec.sampling.json_schema,
-                       "", FinishReason::kNone};
+      runs[spec.id] = {std::string(c.label) + "/seed" + std::to_string(k),
+                       spec.sampling.json_schema, "", FinishReason::kNone};
     }
   }
   while ((*engine)->HasWork()) {
@@ -138,10 +138,10 @@ TEST(StructuredOutputTest, EveryOutputParsesAndValidatesAcrossSchemasAndSeeds) {
   const std::string python = PythonWithJsonschema(&why);
   if (python.empty()) GTEST_SKIP() << "no Python jsonschema package: " << why;
   std::string out;
-  const int rc = testing::RunCommand(
-      python + " '" + testing::SourceDir() +
-          "/tests/integration/runtime/validate_json_schema.py' '" + file + "' 2>&1",
-      &out);
+  const int rc = testing::RunCommand(python + " '" + testing::SourceDir() +
+                                         "/tests/integration/runtime/validate_json_schema.py' '" +
+                                         file + "' 2>&1",
+                                     &out);
   if (rc == 3) GTEST_SKIP() << out;
   EXPECT_EQ(rc, 0) << out;
   std::printf("%s", out.c_str());

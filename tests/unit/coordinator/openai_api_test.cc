@@ -344,8 +344,9 @@ TEST(OpenAiApiTest, ResponseFormatBecomesTheResponseGrammar) {
                              "zeta":{"type":"string"},"alpha":{"type":"integer"}}}}}})",
                          &p)
                    .has_value());
-  EXPECT_EQ(p.sampling.json_schema,
-            R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}})");
+  EXPECT_EQ(
+      p.sampling.json_schema,
+      R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}})");
   ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
                              "response_format":{"type":"text"}})",
                          &p)
@@ -383,10 +384,11 @@ TEST(OpenAiApiTest, ToolsAndToolChoice) {
       "parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}},
       {"type":"function","function":{"name":"get_time"}}])";
   CompletionParams p;
-  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
-                             R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}}})",
-                         &p)
-                   .has_value());
+  ASSERT_FALSE(
+      ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                    R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}}})",
+                &p)
+          .has_value());
   EXPECT_EQ(p.tool_choice, ToolChoice::kNamed);
   EXPECT_NE(p.sampling.json_schema.find("x-kvrelay-tool-calls"), std::string::npos);
   EXPECT_EQ(p.sampling.json_schema.find("get_time"), std::string::npos);  // only the named one
@@ -399,9 +401,9 @@ TEST(OpenAiApiTest, ToolsAndToolChoice) {
                    .has_value());
   EXPECT_EQ(p.tool_choice, ToolChoice::kRequired);
   EXPECT_NE(p.sampling.json_schema.find("get_time"), std::string::npos);
-  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools + "}",
-                         &p)
-                   .has_value());
+  ASSERT_FALSE(
+      ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools + "}", &p)
+          .has_value());
   EXPECT_EQ(p.tool_choice, ToolChoice::kAuto);
   EXPECT_TRUE(p.sampling.json_schema.empty());
   ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
@@ -429,8 +431,9 @@ TEST(OpenAiApiTest, ToolsAndToolChoice) {
                          &p)
                    .has_value());
   ASSERT_EQ(p.messages.size(), 3u);
-  EXPECT_EQ(p.messages[1].content,
-            "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>");
+  EXPECT_EQ(
+      p.messages[1].content,
+      "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>");
   EXPECT_EQ(p.messages[2].role, "tool");
   // Extraction.
   json calls = ExtractToolCalls(R"({"name":"f","arguments":{"a":1}})", ToolChoice::kNamed, "x");
@@ -438,10 +441,10 @@ TEST(OpenAiApiTest, ToolsAndToolChoice) {
   EXPECT_EQ(calls[0]["function"]["name"], "f");
   EXPECT_EQ(calls[0]["function"]["arguments"], R"({"a":1})");
   EXPECT_TRUE(ExtractToolCalls("hello", ToolChoice::kAuto, "x").is_null());
-  EXPECT_EQ(ExtractToolCalls("ok <tool_call>\n{\"name\":\"g\"}\n</tool_call>", ToolChoice::kAuto,
-                             "x")
-                .size(),
-            1u);
+  EXPECT_EQ(
+      ExtractToolCalls("ok <tool_call>\n{\"name\":\"g\"}\n</tool_call>", ToolChoice::kAuto, "x")
+          .size(),
+      1u);
 }
 
 }  // namespace

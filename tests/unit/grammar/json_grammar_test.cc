@@ -32,8 +32,8 @@ TEST(JsonGrammarTest, ObjectsWithRequiredAndOptionalPropertiesInOrder) {
       "required":["name","tags"]})");
   ASSERT_NE(g, nullptr);
   EXPECT_TRUE(Accepts(*g, R"({"name":"Ann","age":31,"tags":["a","b"]})"));
-  EXPECT_TRUE(Accepts(*g, R"({"name":"Ann","tags":[]})"));  // optional age left out
-  EXPECT_FALSE(Accepts(*g, R"({"name":"Ann"})"));           // tags required
+  EXPECT_TRUE(Accepts(*g, R"({"name":"Ann","tags":[]})"));   // optional age left out
+  EXPECT_FALSE(Accepts(*g, R"({"name":"Ann"})"));            // tags required
   EXPECT_FALSE(Accepts(*g, R"({"tags":[],"name":"Ann"})"));  // schema order
   EXPECT_FALSE(Accepts(*g, R"({"name":"Ann","age":3.5,"tags":[]})"));
   EXPECT_FALSE(Accepts(*g, R"({"name":"Ann","extra":1,"tags":[]})"));
@@ -50,7 +50,8 @@ TEST(JsonGrammarTest, ScalarsEnumsConstsAndUnions) {
   for (const char* ok : {"0", "-1", "3.25", "1e5", "-0.5E-3", "12"}) {
     EXPECT_TRUE(Accepts(*num, ok)) << ok;
   }
-  for (const char* bad : {"01", "-", "1.", ".5", "1e", "+1"}) EXPECT_FALSE(Accepts(*num, bad)) << bad;
+  for (const char* bad : {"01", "-", "1.", ".5", "1e", "+1"})
+    EXPECT_FALSE(Accepts(*num, bad)) << bad;
   auto integer = Compile(R"({"type":"integer"})");
   EXPECT_TRUE(Accepts(*integer, "-42"));
   EXPECT_FALSE(Accepts(*integer, "4.0"));
