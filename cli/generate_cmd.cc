@@ -35,6 +35,10 @@ const FlagSpec kSpec = {
     {{"model", "", "GGUF model path (required)"},
      {"prompt", "", "prompt text (required)"},
      {"chat", "", "wrap the prompt in the model's chat template", true},
+     {"no-special", "",
+      "treat special-token text in --prompt (<|im_start|>, ...) as plain text; by default it is "
+      "parsed into the special tokens, as llama.cpp does for a raw prompt",
+      true},
      {"max-tokens", "128", "tokens to generate at most"},
      {"temperature", "0", "sampling temperature (0 = greedy)"},
      {"top-k", "0", "top-k sampling (0 = off)"},
@@ -76,18 +80,36 @@ int RunGenerate(const std::vector<std::string>& args) {
   std::shared_ptr<const Model> m(std::move(model).value());
   const engine::Tokenizer& tok = *m->tokenizer();
 
-  std::string text = f.Get("prompt");
-  if (f.Has("chat")) {
-    if (m->chat_template() == nullptr) {
-      return Fail(FailedPrecondition("--chat: the model has no supported chat template"));
-    }
-    auto rendered = m->chat_template()->Render({{"user", text}}, /*add_generation_prompt=*/true);
-    if (!rendered.ok()) return Fail(rendered.status());
-    text = *rendered;
-  }
+  const std::string text = f.Get("prompt");
+  // Special-token text in the user's prompt (<|im_start|>, ...) is parsed
+  // into those tokens, as llama.cpp does, unless --no-special keeps it text.
+  const bool user_special = !f.Has("no-special");
   RequestSpec spec;
   spec.id = 1;
-  spec.prompt = tok.Encode(text, /*add_special=*/!f.Has("chat"), /*parse_special=*/f.Has("chat"));
+  if (f.Has("chat") && m->chat_template() == nullptr) {
+    return Fail(FailedPrecondition("--chat: the model has no supported chat template"));
+  }
+  if (f.Has("chat") && user_special) {
+    auto rendered = m->chat_template()->Render({{"user", text}}, /*add_generation_prompt=*/true);
+    if (!rendered.ok()) return Fail(rendered.status());
+    spec.prompt = tok.Encode(*rendered, /*add_special=*/false, /*parse_special=*/true);
+  } else if (f.Has("chat")) {
+    // Render around a marker: the template's own special tokens are parsed,
+    // the user's text stays text.
+    const std::string marker = "\x01kvrelay-user-text\x01";
+    auto rendered = m->chat_template()->Render({{"user", marker}}, /*add_generation_prompt=*/true);
+    if (!rendered.ok()) return Fail(rendered.status());
+    const size_t at = rendered->find(marker);
+    if (at == std::string::npos) return Fail(Internal("the chat template dropped the prompt"));
+    for (const auto& [part, special] : {std::pair<std::string, bool>{rendered->substr(0, at), true},
+                                        {text, false},
+                                        {rendered->substr(at + marker.size()), true}}) {
+      std::vector<int32_t> ids = tok.Encode(part, /*add_special=*/false, special);
+      spec.prompt.insert(spec.prompt.end(), ids.begin(), ids.end());
+    }
+  } else {
+    spec.prompt = tok.Encode(text, /*add_special=*/true, user_special);
+  }
   if (spec.prompt.empty()) return Fail(InvalidArgument("--prompt tokenizes to nothing"));
   spec.sampling.max_tokens = static_cast<int>(*max_tokens);
   spec.sampling.temperature = static_cast<float>(*temperature);
@@ -171,7 +193,8 @@ int RunGenerate(const std::vector<std::string>& args) {
 }  // namespace
 
 KVRELAY_COMMAND(generate, "generate",
-                "generate --model PATH --prompt TEXT [--chat] [--max-tokens N] [--temperature T] "
+                "generate --model PATH --prompt TEXT [--chat] [--no-special] [--max-tokens N] "
+                "[--temperature T] "
                 "[--top-k K] [--top-p P] [--min-p P] [--seed S] [--repeat-penalty R] [--stop S] "
                 "[--threads N] [--kv-dtype f32|f16|bf16|int8|kivi4|kivi2] [--json]",
                 RunGenerate);

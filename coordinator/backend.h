@@ -13,25 +13,17 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/runtime/sampler.h"
 
 namespace kvrelay::coordinator {
 
 // SHA-256 chain hash of one full prefix block (same bytes as engine::BlockHash).
 using PrefixBlockHash = std::array<uint8_t, 32>;
 
-struct SamplingParams {
-  float temperature = 1.0f;         // 0 means greedy
-  float top_p = 1.0f;               // (0, 1]
-  int top_k = 0;                    // 0 = disabled
-  float min_p = 0.0f;               // 0 = disabled
-  float repetition_penalty = 1.0f;  // 1 = off (llama.cpp / vLLM semantics)
-  float presence_penalty = 0.0f;    // OpenAI semantics, [-2, 2]
-  float frequency_penalty = 0.0f;   // OpenAI semantics, [-2, 2]
-  uint64_t seed = 0;
-  bool has_seed = false;    // false: the backend picks a seed
-  int max_new_tokens = 16;  // >= 1
-  bool ignore_eos = false;  // keep generating past end-of-generation tokens (benchmarks)
-};
+// The one sampling description (engine/runtime/sampler.h). The coordinator
+// always sets a seed (a random one when the client gave none).
+using SamplingParams = engine::SamplingParams;
+using TokenLogprobs = engine::TokenLogprobs;
 
 struct GenerationRequest {
   uint64_t id = 0;  // unique per coordinator process
@@ -59,6 +51,9 @@ struct TokenEvent {
   Status error;           // set when finish_reason == kError
   int prompt_tokens = 0;  // filled on the first event at least
   int cached_tokens = 0;  // prompt tokens served from the prefix cache (first event)
+  // With `token`, when the request asked for logprobs (sampling.logprobs >= 0).
+  bool has_logprobs = false;
+  TokenLogprobs logprobs;
 };
 
 // Called by the backend from one of its own threads. Events of one request are
@@ -81,9 +76,9 @@ struct WorkerInfo {
   int64_t total_kv_blocks = 0;
   int64_t free_kv_blocks = 0;
   int64_t block_tokens = 16;
-  int64_t prefix_hit_tokens = 0;  // cumulative prompt tokens served from cache
-  int64_t transfer_bytes = 0;     // cumulative KV bytes sent/received
-  double transfer_seconds = 0;    // cumulative seconds spent in KV transfer
+  int64_t prefix_hit_tokens = 0;      // cumulative prompt tokens served from cache
+  int64_t transfer_bytes = 0;         // cumulative KV bytes sent/received
+  double transfer_seconds = 0;        // cumulative seconds spent in KV transfer
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
 };
 

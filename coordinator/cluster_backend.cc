@@ -32,6 +32,14 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
   w->last_seen = Clock::now();
   Status s;
   switch (type) {
+    case MessageType::kWorkerLeaving: {
+      // Its close that follows is a departure, not a loss; nothing new is
+      // routed to it meanwhile.
+      LOG_INFO << "worker " << worker_id << " is stopping";
+      w->leaving = true;
+      w->info.healthy = false;
+      break;
+    }
     case MessageType::kHeartbeat: {
       proto::Heartbeat hb;
       s = protocols::DecodeMessage(frame, type, &hb);
@@ -101,6 +109,10 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       e.token = done.first_token();
       e.prompt_tokens = r.prompt_tokens;
       e.cached_tokens = r.cached_tokens;
+      if (done.has_first_logprob()) {
+        e.has_logprobs = true;
+        e.logprobs = protocols::FromProto(done.first_logprob());
+      }
       if (done.finished()) {
         e.finished = true;
         e.finish_reason = FromProto(done.reason());
@@ -130,9 +142,13 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
           }
           continue;
         }
-        for (int32_t t : entry.token_ids()) {
+        for (int k = 0; k < entry.token_ids_size(); ++k) {
           TokenEvent e;
-          e.token = t;
+          e.token = entry.token_ids(k);
+          if (k < entry.logprobs_size()) {
+            e.has_logprobs = true;
+            e.logprobs = protocols::FromProto(entry.logprobs(k));
+          }
           e.prompt_tokens = it->second.prompt_tokens;
           e.cached_tokens = it->second.cached_tokens;
           out.emplace_back(it->second.sink, e);

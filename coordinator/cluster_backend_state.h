@@ -4,7 +4,6 @@
 #pragma once
 
 #include <algorithm>
-
 #include <boost/asio/steady_timer.hpp>
 #include <map>
 #include <memory>
@@ -15,6 +14,7 @@
 #include "coordinator/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
+#include "protocols/sampling_codec.h"
 
 namespace kvrelay::coordinator {
 namespace cluster_internal {
@@ -34,6 +34,7 @@ struct WorkerEntry {
   std::vector<uint32_t> tp_ranks;
   std::vector<std::string> tp_kv_addresses;
   TimePoint last_seen;
+  bool leaving = false;  // it said it stops on purpose (WorkerLeaving)
 };
 
 struct RequestEntry {
@@ -64,19 +65,6 @@ using PendingEvents = std::vector<std::pair<TokenSink, TokenEvent>>;
 inline void Deliver(PendingEvents& events) {
   for (auto& [sink, event] : events) sink(event);
   events.clear();
-}
-
-inline void ToProto(const SamplingParams& s, proto::SamplingParams* out) {
-  out->set_temperature(s.temperature);
-  out->set_top_p(s.top_p);
-  out->set_top_k(static_cast<uint32_t>(std::max(0, s.top_k)));
-  out->set_seed(s.has_seed ? s.seed : 0);
-  out->set_max_tokens(static_cast<uint32_t>(s.max_new_tokens));
-  out->set_ignore_eos(s.ignore_eos);
-  out->set_min_p(s.min_p);
-  out->set_repetition_penalty(s.repetition_penalty);
-  out->set_presence_penalty(s.presence_penalty);
-  out->set_frequency_penalty(s.frequency_penalty);
 }
 
 inline FinishReason FromProto(proto::Finish::Reason r) {
@@ -172,7 +160,8 @@ struct ClusterBackend::State {
       const bool claimed = std::any_of(workers.begin(), workers.end(), [&](const auto& kv) {
         const WorkerEntry& w = kv.second;
         if (&w == &dead) return false;
-        return w.rank == r || std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
+        return w.rank == r ||
+               std::find(w.tp_ranks.begin(), w.tp_ranks.end(), r) != w.tp_ranks.end();
       });
       if (!claimed) m.add_ranks(r);
     }
@@ -188,9 +177,20 @@ struct ClusterBackend::State {
     const std::string id = worker_id;
     auto it = workers.find(id);
     if (it == workers.end()) return;
-    LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
+    if (it->second.leaving) {
+      LOG_INFO << "worker " << id << " left (it is stopping)";
+    } else {
+      LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
+    }
     std::shared_ptr<FramedConnection> conn = it->second.conn;
-    if (it->second.info.role == WorkerRole::kDecode) AnnouncePeerLost(it->second, reason);
+    // A decode worker that left on purpose with no request on it has no KV
+    // send in flight to abandon: no announcement (and no warning on the
+    // prefill side).
+    bool busy = false;
+    for (const auto& [rid, r] : requests) busy = busy || r.decode_id == id;
+    if (it->second.info.role == WorkerRole::kDecode && (!it->second.leaving || busy)) {
+      AnnouncePeerLost(it->second, reason);
+    }
     conn_worker.erase(conn.get());
     workers.erase(it);
     router.prefix_index().RemoveWorker(id);
@@ -235,7 +235,7 @@ struct ClusterBackend::State {
     RouteRequest route;
     route.prefix_blocks = r.request.prefix_blocks;
     route.prompt_tokens = static_cast<int64_t>(r.request.prompt.size());
-    route.max_new_tokens = r.request.sampling.max_new_tokens;
+    route.max_new_tokens = r.request.sampling.max_tokens;
     ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
     WorkerEntry* p = FindWorker(prefill_id);
     std::string decode_id = prefill_id;
@@ -254,7 +254,7 @@ struct ClusterBackend::State {
       r.phase = Phase::kReserving;
       WorkerEntry* d = FindWorker(decode_id);
       d->info.free_kv_blocks -=
-          (r.prompt_tokens + r.request.sampling.max_new_tokens + d->info.block_tokens - 1) /
+          (r.prompt_tokens + r.request.sampling.max_tokens + d->info.block_tokens - 1) /
           std::max<int64_t>(1, d->info.block_tokens);
       SendReserveBlocks(id, r);
     }
@@ -266,7 +266,7 @@ struct ClusterBackend::State {
     proto::PrefillTask task;
     task.set_request_id(rid);
     for (int32_t t : r.request.prompt) task.add_prompt_token_ids(t);
-    ToProto(r.request.sampling, task.mutable_sampling());
+    protocols::ToProto(r.request.sampling, task.mutable_sampling());
     task.set_tenant_salt(r.request.tenant_salt);
     if (r.decode_id != r.prefill_id) {
       WorkerEntry* d = FindWorker(r.decode_id);
@@ -292,7 +292,7 @@ struct ClusterBackend::State {
     proto::ReserveBlocks m;
     m.set_request_id(rid);
     for (int32_t t : r.request.prompt) m.add_prompt_token_ids(t);
-    ToProto(r.request.sampling, m.mutable_sampling());
+    protocols::ToProto(r.request.sampling, m.mutable_sampling());
     m.set_prefill_rank(p ? p->rank : 0);
     SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
   }

@@ -180,27 +180,19 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   GenerationRequest& g = r->generation;
   g.id = r->id;
   g.prompt = std::move(*tokens);
-  g.sampling.temperature = p.temperature;
-  g.sampling.top_p = p.top_p;
-  g.sampling.top_k = p.top_k;
-  g.sampling.min_p = p.min_p;
-  g.sampling.repetition_penalty = p.repetition_penalty;
-  g.sampling.presence_penalty = p.presence_penalty;
-  g.sampling.frequency_penalty = p.frequency_penalty;
-  g.sampling.has_seed = p.seed.has_value();
+  g.sampling = p.sampling;
+  g.sampling.max_tokens = p.max_tokens;
   g.sampling.seed = p.seed.value_or(0);
-  g.sampling.max_new_tokens = p.max_tokens;
-  g.sampling.ignore_eos = p.ignore_eos;
   g.tenant_salt = tenant;
   if (opt.prefix_hasher) g.prefix_blocks = opt.prefix_hasher(g.prompt, tenant);
   r->usage.prompt_tokens = static_cast<int>(g.prompt.size());
   r->decoder = core_->codec->NewDecoder();
   r->matcher.emplace(p.stop);
   if (endpoint == Endpoint::kCompletions && p.echo) r->text = p.prompt_is_tokens ? "" : p.prompt;
+  r->logprob_offset = r->text.size();
   // Every request gets a seed here (when the client gave none), so that
   // sampling differs between requests and between the n choices of one.
-  if (!g.sampling.has_seed) {
-    g.sampling.has_seed = true;
+  if (!p.seed.has_value()) {
     g.sampling.seed =
         (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   }
@@ -220,6 +212,7 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
     c->decoder = core_->codec->NewDecoder();
     c->matcher.emplace(p.stop);
     c->text = r->text;
+    c->logprob_offset = r->logprob_offset;
     choices.push_back(std::move(c));
   }
   {
@@ -323,14 +316,26 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
 
 void Session::Emit(RequestState& r, const std::string& piece) {
   if (piece.empty()) return;
-  if (!r.params.stream) {
+  // With tools the answer is a tool call or text, known at the end: a stream
+  // sends it then (Finish).
+  if (!r.params.stream || r.params.tool_choice != ToolChoice::kNone) {
     r.text += piece;
     return;
   }
-  QueueOut({OutItem::kChunk,
-            SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece, r.first_chunk,
-                                              FinishReason::kNone, r.index)))});
+  QueueOut({OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(r.params.endpoint, r.ident, piece,
+                                                               r.first_chunk, FinishReason::kNone,
+                                                               r.index, TakeStreamLogprobs(r))))});
   r.first_chunk = false;
+}
+
+nlohmann::json Session::TakeStreamLogprobs(RequestState& r) {
+  if (!r.params.logprobs) return nullptr;
+  std::vector<LogprobEntry> part(r.logprobs.begin() + static_cast<std::ptrdiff_t>(r.logprobs_sent),
+                                 r.logprobs.end());
+  nlohmann::json j = LogprobsJson(r.params.endpoint, part, r.logprob_offset);
+  for (const LogprobEntry& e : part) r.logprob_offset += e.token.size();
+  r.logprobs_sent = r.logprobs.size();
+  return j;
 }
 
 void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& ev, TimePoint at) {
@@ -345,6 +350,14 @@ void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& 
       core_->itl->Observe(std::chrono::duration<double>(at - *r->last_token_at).count());
     }
     r->last_token_at = at;
+    if (r->params.logprobs && ev.has_logprobs) {
+      LogprobEntry e;
+      e.token = core_->codec->TokenPiece(ev.token);
+      e.logprob = ev.logprobs.logprob;
+      for (const auto& [t, lp] : ev.logprobs.top)
+        e.top.emplace_back(core_->codec->TokenPiece(t), lp);
+      r->logprobs.push_back(std::move(e));
+    }
     StopMatcher::Output out = r->matcher->Push(r->decoder->Push(ev.token));
     Emit(*r, out.text);
     if (out.stopped) {
@@ -401,10 +414,41 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     QueueOut({OutItem::kLast, ""});
     return;
   }
-  results_[r->index] = {r->text, finish};
-  if (p.stream) {
-    QueueOut({OutItem::kChunk, SseEvent(DumpJson(StreamChunkJson(
-                                   p.endpoint, r->ident, "", r->first_chunk, finish, r->index)))});
+  results_[r->index] = {r->text, finish, nullptr};
+  if (p.logprobs && !p.stream) {
+    results_[r->index].logprobs = LogprobsJson(p.endpoint, r->logprobs, r->logprob_offset);
+  }
+  nlohmann::json tool_calls = nullptr;
+  if (p.tool_choice != ToolChoice::kNone) {
+    tool_calls = ExtractToolCalls(
+        r->text, p.tool_choice,
+        r->ident.id.substr(r->ident.id.find('-') + 1) + "_" + std::to_string(r->index));
+    results_[r->index].tool_calls = tool_calls;
+  }
+  if (p.stream && p.tool_choice != ToolChoice::kNone) {
+    // The buffered answer in one delta: the tool calls (with their index) or the text.
+    nlohmann::json chunk =
+        StreamChunkJson(p.endpoint, r->ident, tool_calls.is_null() ? r->text : "", r->first_chunk,
+                        FinishReason::kNone, r->index, TakeStreamLogprobs(*r));
+    if (!tool_calls.is_null()) {
+      nlohmann::json deltas = nlohmann::json::array();
+      for (size_t k = 0; k < tool_calls.size(); ++k) {
+        nlohmann::json d = tool_calls[k];
+        d["index"] = k;
+        deltas.push_back(d);
+      }
+      chunk["choices"][0]["delta"]["tool_calls"] = deltas;
+      chunk["choices"][0]["delta"].erase("content");
+    }
+    QueueOut({OutItem::kChunk, SseEvent(DumpJson(chunk))});
+    r->first_chunk = false;
+    nlohmann::json last = StreamChunkJson(p.endpoint, r->ident, "", false, finish, r->index);
+    if (!tool_calls.is_null()) last["choices"][0]["finish_reason"] = "tool_calls";
+    QueueOut({OutItem::kChunk, SseEvent(DumpJson(last))});
+  } else if (p.stream) {
+    QueueOut({OutItem::kChunk,
+              SseEvent(DumpJson(StreamChunkJson(p.endpoint, r->ident, "", r->first_chunk, finish,
+                                                r->index, TakeStreamLogprobs(*r))))});
   }
   if (!active_.empty()) return;  // other choices still running
   if (!p.stream) {

@@ -60,6 +60,10 @@ Result<std::vector<int32_t>> EngineTextCodec::EncodeChat(
   return tokenizer_->Encode(rendered, /*add_special=*/false, /*parse_special=*/true);
 }
 
+std::string EngineTextCodec::TokenPiece(int32_t token) const {
+  return tokenizer_->TokenToPiece(token);
+}
+
 std::unique_ptr<StreamDecoder> EngineTextCodec::NewDecoder() const {
   return std::make_unique<EngineDecoder>(*tokenizer_);
 }

@@ -32,6 +32,7 @@ class EngineTextCodec : public TextCodec {
   // result with special tokens parsed (the template's own markers).
   Result<std::vector<int32_t>> EncodeChat(const std::vector<ChatMessage>& messages) const override;
   std::unique_ptr<StreamDecoder> NewDecoder() const override;
+  std::string TokenPiece(int32_t token) const override;
 
   const engine::Tokenizer& tokenizer() const { return *tokenizer_; }
 

@@ -3,7 +3,6 @@
 #include <pthread.h>
 
 #include <chrono>
-#include <random>
 
 #include "common/logging.h"
 
@@ -117,17 +116,8 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
     spec.want_text = false;  // the server detokenizes and matches stop strings
     spec.prompt = std::move(p.request.prompt);
     spec.tenant_salt = p.request.tenant_salt;
-    const SamplingParams& s = p.request.sampling;
-    spec.sampling.temperature = s.temperature;
-    spec.sampling.top_p = s.top_p;
-    spec.sampling.top_k = s.top_k;
-    spec.sampling.min_p = s.min_p;
-    spec.sampling.repetition_penalty = s.repetition_penalty;
-    spec.sampling.presence_penalty = s.presence_penalty;
-    spec.sampling.frequency_penalty = s.frequency_penalty;
-    spec.sampling.max_tokens = s.max_new_tokens;
-    spec.sampling.seed = s.has_seed ? s.seed : std::random_device{}();
-    spec.sampling.ignore_eos = s.ignore_eos;
+    const bool ignore_eos = p.request.sampling.ignore_eos;
+    spec.sampling = std::move(p.request.sampling);
     Status st = engine_->Submit(std::move(spec));
     if (!st.ok()) {
       TokenEvent ev;
@@ -137,7 +127,7 @@ void LocalEngineBackend::DrainInbox(std::vector<std::pair<TokenSink, TokenEvent>
       out->emplace_back(std::move(p.sink), ev);
       continue;
     }
-    live_[p.request.id] = Live{std::move(p.sink), s.ignore_eos};
+    live_[p.request.id] = Live{std::move(p.sink), ignore_eos};
   }
   for (uint64_t id : cancels) {
     if (!live_.count(id)) continue;  // already finished, or never submitted
@@ -206,6 +196,10 @@ void LocalEngineBackend::Loop() {
       ev.error = e.error;
       ev.prompt_tokens = static_cast<int>(e.prompt_tokens);
       ev.cached_tokens = static_cast<int>(e.cached_prompt_tokens);
+      if (e.has_logprobs) {
+        ev.has_logprobs = true;
+        ev.logprobs = e.logprobs;
+      }
       // End-of-generation tokens are control tokens, not text.
       if (ev.token >= 0 && !it->second.ignore_eos && options_.is_end_of_generation &&
           options_.is_end_of_generation(ev.token)) {

@@ -1,7 +1,10 @@
 #include "coordinator/openai_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "engine/grammar/json_grammar.h"
 
 namespace kvrelay::coordinator {
 namespace {
@@ -191,6 +194,32 @@ std::optional<ApiError> ParseMessages(const json& body, std::vector<ChatMessage>
     } else if (auto err = ParseContent(*content, field + ".content", &msg.content)) {
       return err;
     }
+    // Tool calls the assistant made, rendered as the model is asked to write
+    // them (RenderTools).
+    if (const json* calls = Field(m, "tool_calls"); calls != nullptr && r == "assistant") {
+      if (!calls->is_array()) return WrongType(field + ".tool_calls", "an array", *calls);
+      for (size_t k = 0; k < calls->size(); ++k) {
+        const json& c = (*calls)[k];
+        const std::string cf = field + ".tool_calls[" + std::to_string(k) + "]";
+        const json* fn = c.is_object() ? Field(c, "function") : nullptr;
+        if (fn == nullptr || !fn->is_object() || Field(*fn, "name") == nullptr ||
+            !(*fn)["name"].is_string()) {
+          return BadRequest("'" + cf + ".function.name' is required", cf + ".function.name",
+                            "missing_required_parameter");
+        }
+        json args = json::object();
+        if (const json* a = Field(*fn, "arguments")) {
+          args = a->is_string() ? json::parse(a->get<std::string>(), nullptr, false) : *a;
+          if (args.is_discarded()) {
+            return BadRequest("'" + cf + ".function.arguments' is not valid JSON",
+                              cf + ".function.arguments", "invalid_value");
+          }
+        }
+        msg.content += std::string(msg.content.empty() ? "" : "\n") + "<tool_call>\n" +
+                       "{\"name\":" + (*fn)["name"].dump() + ",\"arguments\":" + args.dump() + "}" +
+                       "\n</tool_call>";
+      }
+    }
     out->push_back(std::move(msg));
   }
   return std::nullopt;
@@ -237,6 +266,207 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
   return std::nullopt;
 }
 
+// OpenAI logit_bias: {"<token id>": bias in [-100, 100]}. Ids are checked
+// against the vocabulary by the engine (the parser does not know it).
+std::optional<ApiError> ParseLogitBias(const json& lb,
+                                       std::vector<std::pair<int32_t, float>>* out) {
+  if (!lb.is_object()) return WrongType("logit_bias", "an object", lb);
+  constexpr size_t kMaxEntries = 1024;
+  if (lb.size() > kMaxEntries) {
+    return BadRequest("'logit_bias' has " + std::to_string(lb.size()) + " entries; at most " +
+                          std::to_string(kMaxEntries) + " are allowed",
+                      "logit_bias", "invalid_value");
+  }
+  for (const auto& [key, value] : lb.items()) {
+    const std::string field = "logit_bias." + key;
+    int64_t id = -1;
+    bool digits = !key.empty() && key.size() <= 9;
+    for (char c : key) digits = digits && c >= '0' && c <= '9';
+    if (digits) id = std::stoll(key);
+    if (id < 0) {
+      return BadRequest(
+          "'logit_bias' keys must be token ids (non-negative integers), got '" + key + "'",
+          "logit_bias", "invalid_value");
+    }
+    if (!value.is_number()) return WrongType(field, "a number", value);
+    const double bias = value.get<double>();
+    if (!std::isfinite(bias) || bias < -100.0 || bias > 100.0) {
+      return BadRequest("'" + field + "' must be between -100 and 100, got " + value.dump(),
+                        "logit_bias", "invalid_value");
+    }
+    out->emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
+  }
+  return std::nullopt;
+}
+
+// response_format: text, json_object (any JSON object), or json_schema
+// (the schema compiled now, so an unsupported keyword is a 400 naming it).
+std::optional<ApiError> ParseResponseFormat(const json& rf, std::string* schema_out) {
+  if (!rf.is_object()) return WrongType("response_format", "an object", rf);
+  const json* type = Field(rf, "type");
+  if (type == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.type'", "response_format.type",
+                      "missing_required_parameter");
+  }
+  if (!type->is_string()) return WrongType("response_format.type", "a string", *type);
+  const std::string t = type->get<std::string>();
+  if (t == "text") return std::nullopt;
+  if (t == "json_object") {
+    *schema_out = R"({"type":"object"})";
+    return std::nullopt;
+  }
+  if (t != "json_schema") {
+    return BadRequest(
+        "'response_format.type' must be text, json_object or json_schema; got '" + t + "'",
+        "response_format.type", "invalid_value");
+  }
+  const json* js = Field(rf, "json_schema");
+  if (js == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.json_schema'",
+                      "response_format.json_schema", "missing_required_parameter");
+  }
+  if (!js->is_object()) return WrongType("response_format.json_schema", "an object", *js);
+  const json* schema = Field(*js, "schema");
+  if (schema == nullptr) {
+    return BadRequest("missing required parameter: 'response_format.json_schema.schema'",
+                      "response_format.json_schema.schema", "missing_required_parameter");
+  }
+  if (const json* strict = Field(*js, "strict"); strict != nullptr && !strict->is_boolean()) {
+    return WrongType("response_format.json_schema.strict", "a boolean", *strict);
+  }
+  const std::string text = schema->dump();
+  auto compiled = engine::grammar::CompileJsonSchema(text);
+  if (!compiled.ok()) {
+    return BadRequest("response_format.json_schema.schema: " + compiled.status().message(),
+                      "response_format.json_schema.schema", "unsupported_value");
+  }
+  *schema_out = text;
+  return std::nullopt;
+}
+
+// tools / tool_choice: the functions are described to the model in a system
+// message (SmolLM2's template has no tool syntax; as llama.cpp and vLLM do
+// for such templates, a Hermes-style <tool_call> JSON convention); required
+// and named choices are grammar-constrained to {"name","arguments"} with the
+// function's parameters schema.
+std::optional<ApiError> ParseTools(const json& body, std::string_view body_text,
+                                   CompletionParams* out) {
+  const json* tools = Field(body, "tools");
+  const json* choice = Field(body, "tool_choice");
+  if (tools == nullptr || (tools->is_array() && tools->empty())) {
+    if (choice != nullptr && !(choice->is_string() && (*choice == "none" || *choice == "auto"))) {
+      return BadRequest("'tool_choice' needs 'tools'", "tool_choice", "invalid_value");
+    }
+    return std::nullopt;
+  }
+  if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+  // Again in document order (the parameters' properties keep their order).
+  nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(body_text, nullptr, false);
+  nlohmann::ordered_json grammar_tools = nlohmann::ordered_json::array();
+  std::string described;
+  std::vector<std::string> names;
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string f = "tools[" + std::to_string(i) + "]";
+    if (!t.is_object()) return WrongType(f, "an object", t);
+    const json* type = Field(t, "type");
+    if (type == nullptr || *type != "function") {
+      return BadRequest("'" + f + ".type' must be 'function'", f + ".type", "invalid_value");
+    }
+    const json* fn = Field(t, "function");
+    if (fn == nullptr || !fn->is_object()) {
+      return BadRequest("'" + f + ".function' is required", f + ".function",
+                        "missing_required_parameter");
+    }
+    const json* name = Field(*fn, "name");
+    if (name == nullptr || !name->is_string() || name->get<std::string>().empty()) {
+      return BadRequest("'" + f + ".function.name' is required", f + ".function.name",
+                        "missing_required_parameter");
+    }
+    names.push_back(name->get<std::string>());
+    nlohmann::ordered_json params = nlohmann::ordered_json::object();
+    if (!ordered.is_discarded() && ordered["tools"][i]["function"].contains("parameters")) {
+      params = ordered["tools"][i]["function"]["parameters"];
+    }
+    if (!params.empty()) {
+      auto compiled = engine::grammar::CompileJsonSchema(params.dump());
+      if (!compiled.ok()) {
+        return BadRequest(f + ".function.parameters: " + compiled.status().message(),
+                          f + ".function.parameters", "unsupported_value");
+      }
+    }
+    grammar_tools.push_back({{"name", names.back()}, {"parameters", params}});
+    nlohmann::ordered_json d = {{"name", names.back()}};
+    if (const json* desc = Field(*fn, "description"); desc != nullptr && desc->is_string()) {
+      d["description"] = desc->get<std::string>();
+    }
+    d["parameters"] = params;
+    described += d.dump() + "\n";
+  }
+  out->tool_choice = ToolChoice::kAuto;
+  if (choice != nullptr) {
+    if (choice->is_string()) {
+      const std::string c = choice->get<std::string>();
+      if (c == "none") {
+        out->tool_choice = ToolChoice::kNone;
+      } else if (c == "required") {
+        out->tool_choice = ToolChoice::kRequired;
+      } else if (c != "auto") {
+        return BadRequest(
+            "'tool_choice' must be none, auto, required or a function; got '" + c + "'",
+            "tool_choice", "invalid_value");
+      }
+    } else if (choice->is_object()) {
+      const json* fn = Field(*choice, "function");
+      const json* name = fn != nullptr && fn->is_object() ? Field(*fn, "name") : nullptr;
+      if (name == nullptr || !name->is_string()) {
+        return BadRequest("'tool_choice.function.name' is required", "tool_choice.function.name",
+                          "missing_required_parameter");
+      }
+      const auto it = std::find(names.begin(), names.end(), name->get<std::string>());
+      if (it == names.end()) {
+        return BadRequest(
+            "'tool_choice' names '" + name->get<std::string>() + "', which is not in 'tools'",
+            "tool_choice.function.name", "invalid_value");
+      }
+      out->tool_choice = ToolChoice::kNamed;
+      nlohmann::ordered_json one = nlohmann::ordered_json::array();
+      one.push_back(grammar_tools[static_cast<size_t>(it - names.begin())]);
+      grammar_tools = one;
+    } else {
+      return WrongType("tool_choice", "a string or an object", *choice);
+    }
+  }
+  if (out->tool_choice == ToolChoice::kNone) return std::nullopt;  // as if no tools
+  if (out->tool_choice != ToolChoice::kAuto) {
+    if (!out->sampling.json_schema.empty()) {
+      return BadRequest("'response_format' and a required tool call cannot be combined",
+                        "tool_choice", "invalid_value");
+    }
+    out->sampling.json_schema =
+        nlohmann::ordered_json{{"x-kvrelay-tool-calls", grammar_tools}}.dump();
+  }
+  std::string system =
+      "You can call functions. To call one, reply with exactly\n<tool_call>\n"
+      "{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n"
+      "</tool_call>\nThe functions:\n" +
+      described;
+  if (out->tool_choice == ToolChoice::kRequired || out->tool_choice == ToolChoice::kNamed) {
+    system += "Call " +
+              (out->tool_choice == ToolChoice::kNamed
+                   ? "the function " + grammar_tools[0]["name"].get<std::string>()
+                   : std::string("one of the functions")) +
+              " now; reply with its JSON only.\n";
+  }
+  // Into the first system message, or a new one in front.
+  if (!out->messages.empty() && out->messages[0].role == "system") {
+    out->messages[0].content += "\n\n" + system;
+  } else {
+    out->messages.insert(out->messages.begin(), ChatMessage{"system", system});
+  }
+  return std::nullopt;
+}
+
 // The request fields ParseCompletionRequest understands (some only in their
 // no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
 // caller's end-user id, which OpenAI uses for abuse monitoring only: it has
@@ -259,9 +489,11 @@ bool KnownField(Endpoint endpoint, std::string_view key) {
                                                  "ignore_eos",
                                                  "logit_bias",
                                                  "logprobs",
+                                                 "response_format",
                                                  "user"};
-  static constexpr std::string_view kChat[] = {"messages", "max_completion_tokens", "tools",
-                                               "response_format"};
+  static constexpr std::string_view kChat[] = {"messages",     "max_completion_tokens",
+                                               "tools",        "tool_choice",
+                                               "top_logprobs", "parallel_tool_calls"};
   static constexpr std::string_view kCompletions[] = {"prompt", "echo", "best_of", "suffix"};
   for (auto k : kCommon)
     if (k == key) return true;
@@ -339,31 +571,31 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
 
   std::optional<double> d;
   if (auto err = GetNumber(body, "temperature", 0.0, 2.0, &d)) return err;
-  if (d) out->temperature = static_cast<float>(*d);
+  if (d) out->sampling.temperature = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "top_p", 0.0, 1.0, &d)) return err;
   if (d) {
     if (*d <= 0.0) return BadRequest("'top_p' must be greater than 0", "top_p", "invalid_value");
-    out->top_p = static_cast<float>(*d);
+    out->sampling.top_p = static_cast<float>(*d);
   }
   d.reset();
   if (auto err = GetNumber(body, "presence_penalty", -2.0, 2.0, &d)) return err;
-  if (d) out->presence_penalty = static_cast<float>(*d);
+  if (d) out->sampling.presence_penalty = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "frequency_penalty", -2.0, 2.0, &d)) return err;
-  if (d) out->frequency_penalty = static_cast<float>(*d);
+  if (d) out->sampling.frequency_penalty = static_cast<float>(*d);
   d.reset();
   // vLLM extensions.
   if (auto err = GetNumber(body, "repetition_penalty", 0.01, 100.0, &d)) return err;
-  if (d) out->repetition_penalty = static_cast<float>(*d);
+  if (d) out->sampling.repetition_penalty = static_cast<float>(*d);
   d.reset();
   if (auto err = GetNumber(body, "min_p", 0.0, 1.0, &d)) return err;
-  if (d) out->min_p = static_cast<float>(*d);
+  if (d) out->sampling.min_p = static_cast<float>(*d);
   d.reset();
 
   std::optional<int64_t> i;
   if (auto err = GetInt(body, "top_k", -1, 1 << 20, &i)) return err;
-  if (i) out->top_k = static_cast<int>(std::max<int64_t>(0, *i));
+  if (i) out->sampling.top_k = static_cast<int>(std::max<int64_t>(0, *i));
   i.reset();
   if (auto err = GetInt(body, "seed", std::numeric_limits<int64_t>::min(),
                         std::numeric_limits<int64_t>::max(), &i)) {
@@ -409,7 +641,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
   }
 
   if (auto err = GetBool(body, "stream", &out->stream)) return err;
-  if (auto err = GetBool(body, "ignore_eos", &out->ignore_eos)) return err;
+  if (auto err = GetBool(body, "ignore_eos", &out->sampling.ignore_eos)) return err;
   if (const json* so = Field(body, "stream_options")) {
     if (!so->is_object()) return WrongType("stream_options", "an object", *so);
     if (const json* iu = Field(*so, "include_usage")) {
@@ -418,10 +650,7 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
     }
   }
   if (const json* lb = Field(body, "logit_bias")) {
-    if (!lb->is_object() && !lb->is_null()) return WrongType("logit_bias", "an object", *lb);
-    if (lb->is_object() && !lb->empty()) {
-      return BadRequest("'logit_bias' is not supported", "logit_bias", "unsupported_value");
-    }
+    if (auto err = ParseLogitBias(*lb, &out->sampling.logit_bias)) return err;
   }
   if (endpoint == Endpoint::kCompletions) {
     if (Field(body, "suffix") != nullptr && !Field(body, "suffix")->is_null()) {
@@ -429,10 +658,17 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                         "unsupported_value");
     }
     if (auto err = GetBool(body, "echo", &out->echo)) return err;
-    if (const json* lp = Field(body, "logprobs")) {
-      if (!lp->is_number_integer()) return WrongType("logprobs", "an integer", *lp);
-      if (lp->get<int64_t>() > 0)
-        return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
+    // Completions: logprobs is the number of alternatives (0 = the sampled
+    // token's only).
+    std::optional<int64_t> lp;
+    if (auto err = GetInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &lp)) return err;
+    if (lp) {
+      out->logprobs = true;
+      out->sampling.logprobs = static_cast<int>(*lp);
+    }
+    if (out->echo && out->logprobs) {
+      return BadRequest("'echo' together with 'logprobs' (prompt logprobs) is not supported",
+                        "echo", "unsupported_value");
     }
     if (const json* bo = Field(body, "best_of")) {
       if (!bo->is_number_integer()) return WrongType("best_of", "an integer", *bo);
@@ -441,23 +677,28 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                           "unsupported_value");
     }
   } else {
-    bool logprobs = false;
-    if (auto err = GetBool(body, "logprobs", &logprobs)) return err;
-    if (logprobs) return BadRequest("'logprobs' is not supported", "logprobs", "unsupported_value");
-    if (const json* tools = Field(body, "tools")) {
-      if (!tools->is_array()) return WrongType("tools", "an array", *tools);
-      if (!tools->empty())
-        return BadRequest("'tools' (function calling) is not supported", "tools",
-                          "unsupported_value");
+    if (auto err = GetBool(body, "logprobs", &out->logprobs)) return err;
+    std::optional<int64_t> top;
+    if (auto err = GetInt(body, "top_logprobs", 0, engine::kMaxTopLogprobs, &top)) return err;
+    if (top && !out->logprobs) {
+      return BadRequest("'top_logprobs' requires 'logprobs' to be true", "top_logprobs",
+                        "invalid_value");
     }
-    if (const json* rf = Field(body, "response_format")) {
-      if (!rf->is_object()) return WrongType("response_format", "an object", *rf);
-      const json* type = Field(*rf, "type");
-      if (type == nullptr || !type->is_string() || type->get<std::string>() != "text") {
-        return BadRequest("only response_format {\"type\": \"text\"} is supported",
-                          "response_format.type", "unsupported_value");
+    if (out->logprobs) out->sampling.logprobs = static_cast<int>(top.value_or(0));
+  }
+  if (const json* rf = Field(body, "response_format")) {
+    if (auto err = ParseResponseFormat(*rf, &out->sampling.json_schema)) return err;
+    if (!out->sampling.json_schema.empty() && Field(*rf, "json_schema") != nullptr) {
+      // Again in document order: the output writes properties in the order
+      // the schema lists them (json sorts object keys).
+      auto ordered = nlohmann::ordered_json::parse(body_text, nullptr, false);
+      if (!ordered.is_discarded()) {
+        out->sampling.json_schema = ordered["response_format"]["json_schema"]["schema"].dump();
       }
     }
+  }
+  if (endpoint == Endpoint::kChatCompletions) {
+    if (auto err = ParseTools(body, body_text, out)) return err;
   }
   // Every field not understood above is refused by name, never ignored: a
   // client that asked for something must not get a silent no-op.
@@ -502,7 +743,8 @@ nlohmann::json UsageJson(const UsageCounts& u) {
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::string& text, FinishReason finish,
                                       const UsageCounts& usage) {
-  return CompletionResponseJson(endpoint, ident, std::vector<ChoiceResult>{{text, finish}}, usage);
+  return CompletionResponseJson(endpoint, ident, std::vector<ChoiceResult>{{text, finish, nullptr}},
+                                usage);
 }
 
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
@@ -514,12 +756,17 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
     if (endpoint == Endpoint::kChatCompletions) {
       array.push_back(json{{"index", i},
                            {"message", {{"role", "assistant"}, {"content", c.text}}},
-                           {"logprobs", nullptr},
+                           {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
+      if (!c.tool_calls.is_null()) {
+        array.back()["message"]["content"] = nullptr;
+        array.back()["message"]["tool_calls"] = c.tool_calls;
+        array.back()["finish_reason"] = "tool_calls";
+      }
     } else {
       array.push_back(json{{"index", i},
                            {"text", c.text},
-                           {"logprobs", nullptr},
+                           {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
     }
   }
@@ -533,8 +780,8 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 }
 
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
-                               const std::string& delta, bool first, FinishReason finish,
-                               int index) {
+                               const std::string& delta, bool first, FinishReason finish, int index,
+                               nlohmann::json logprobs) {
   json choice;
   if (endpoint == Endpoint::kChatCompletions) {
     json d = json::object();
@@ -542,12 +789,12 @@ nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
     if (!delta.empty() || (first && finish == FinishReason::kNone)) d["content"] = delta;
     choice = json{{"index", index},
                   {"delta", d},
-                  {"logprobs", nullptr},
+                  {"logprobs", logprobs},
                   {"finish_reason", FinishReasonJson(finish)}};
   } else {
     choice = json{{"index", index},
                   {"text", delta},
-                  {"logprobs", nullptr},
+                  {"logprobs", logprobs},
                   {"finish_reason", FinishReasonJson(finish)}};
   }
   return json{{"id", ident.id},
@@ -556,6 +803,79 @@ nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
               {"created", ident.created},
               {"model", ident.model},
               {"choices", json::array({choice})}};
+}
+
+namespace {
+json BytesJson(const std::string& s) {
+  json b = json::array();
+  for (unsigned char c : s) b.push_back(static_cast<int>(c));
+  return b;
+}
+}  // namespace
+
+nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& entries,
+                            size_t offset) {
+  if (endpoint == Endpoint::kChatCompletions) {
+    json content = json::array();
+    for (const LogprobEntry& e : entries) {
+      json top = json::array();
+      for (const auto& [tok, lp] : e.top) {
+        top.push_back(json{{"token", tok}, {"logprob", lp}, {"bytes", BytesJson(tok)}});
+      }
+      content.push_back(json{{"token", e.token},
+                             {"logprob", e.logprob},
+                             {"bytes", BytesJson(e.token)},
+                             {"top_logprobs", top}});
+    }
+    return json{{"content", content}, {"refusal", nullptr}};
+  }
+  json tokens = json::array();
+  json token_logprobs = json::array();
+  json top_logprobs = json::array();
+  json text_offset = json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.token);
+    token_logprobs.push_back(e.logprob);
+    json top = json::object();
+    // Two alternatives may render as the same text; the more likely one wins.
+    for (const auto& [tok, lp] : e.top) {
+      if (!top.contains(tok)) top[tok] = lp;
+    }
+    top_logprobs.push_back(top);
+    text_offset.push_back(offset);
+    offset += e.token.size();
+  }
+  return json{{"tokens", tokens},
+              {"token_logprobs", token_logprobs},
+              {"top_logprobs", top_logprobs},
+              {"text_offset", text_offset}};
+}
+
+nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
+                                const std::string& id_prefix) {
+  std::vector<json> calls;
+  auto add = [&](const std::string& body) {
+    json v = json::parse(body, nullptr, false);
+    if (v.is_discarded() || !v.is_object() || !v.contains("name") || !v["name"].is_string()) {
+      return;
+    }
+    json args = v.contains("arguments") ? v["arguments"] : json::object();
+    calls.push_back(json{{"id", "call_" + id_prefix + "_" + std::to_string(calls.size())},
+                         {"type", "function"},
+                         {"function", {{"name", v["name"]}, {"arguments", args.dump()}}}});
+  };
+  if (choice == ToolChoice::kRequired || choice == ToolChoice::kNamed) {
+    add(text);
+  } else if (choice == ToolChoice::kAuto) {
+    const std::string open = "<tool_call>", close = "</tool_call>";
+    for (size_t at = text.find(open); at != std::string::npos; at = text.find(open, at + 1)) {
+      const size_t end = text.find(close, at);
+      if (end == std::string::npos) break;
+      add(text.substr(at + open.size(), end - at - open.size()));
+    }
+  }
+  if (calls.empty()) return nullptr;
+  return json(calls);
 }
 
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,

@@ -42,6 +42,15 @@ struct ApiLimits {
   int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
 };
 
+// tool_choice (kNone also when the request has no tools).
+enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
+
+inline SamplingParams ApiDefaultSampling() {
+  SamplingParams s;
+  s.temperature = 1.0f;
+  return s;
+}
+
 // A validated generation request, before tokenization.
 struct CompletionParams {
   Endpoint endpoint = Endpoint::kChatCompletions;
@@ -52,21 +61,31 @@ struct CompletionParams {
   bool prompt_is_tokens = false;
   int max_tokens = 0;
   bool max_tokens_given = false;  // false: the server may lower max_tokens to what fits
-  float temperature = 1.0f;
-  float top_p = 1.0f;
-  int top_k = 0;                    // extension, as vLLM
-  float min_p = 0.0f;               // extension, as vLLM
-  float repetition_penalty = 1.0f;  // extension, as vLLM
-  float presence_penalty = 0.0f;
-  float frequency_penalty = 0.0f;
+  // temperature, top_p, top_k, min_p, penalties, ignore_eos, logit_bias,
+  // logprobs and json_schema; max_tokens and seed are set when the request is
+  // built (below are the values the client gave). OpenAI's default
+  // temperature is 1.
+  SamplingParams sampling = ApiDefaultSampling();
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   int n = 1;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool echo = false;           // completions: prepend the prompt to the text
-  bool ignore_eos = false;     // extension (as vLLM): generate exactly max_tokens
+  // logprobs asked for: chat `logprobs: true` (top_logprobs in
+  // sampling.logprobs), completions `logprobs: k` (k alternatives).
+  bool logprobs = false;
+  // Chat with tools: the functions are described in the system message;
+  // required / named calls are constrained by sampling.json_schema.
+  ToolChoice tool_choice = ToolChoice::kNone;
 };
+
+// The tool calls in a chat answer: for kRequired / kNamed the whole text is
+// {"name","arguments"}; for kAuto the <tool_call>...</tool_call> blocks.
+// Returns the OpenAI "tool_calls" array (ids "call_<prefix>_<i>"), or null
+// when the text holds none.
+nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
+                                const std::string& id_prefix);
 
 // Parses and validates a body. On failure returns the error naming the field;
 // the model name is not checked here (see the server: 404 for unknown models).
@@ -98,7 +117,22 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 struct ChoiceResult {
   std::string text;
   FinishReason finish = FinishReason::kNone;
+  nlohmann::json logprobs = nullptr;    // LogprobsJson(...) when asked for
+  nlohmann::json tool_calls = nullptr;  // ExtractToolCalls(...): then content is null
 };
+
+// One generated token's log-probabilities, rendered for the client.
+struct LogprobEntry {
+  std::string token;  // the token's bytes (may be an incomplete UTF-8 sequence)
+  float logprob = 0.0f;
+  std::vector<std::pair<std::string, float>> top;  // most likely first
+};
+// The "logprobs" object of a choice or a stream chunk: chat
+// {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null};
+// completions {"tokens", "token_logprobs", "top_logprobs", "text_offset"},
+// `text_offset` counting from `offset` (bytes of text before these tokens).
+nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& entries,
+                            size_t offset = 0);
 nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity& ident,
                                       const std::vector<ChoiceResult>& choices,
                                       const UsageCounts& usage);
@@ -106,7 +140,7 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
 // role:"assistant" for chat.
 nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                                const std::string& delta, bool first, FinishReason finish,
-                               int index = 0);
+                               int index = 0, nlohmann::json logprobs = nullptr);
 // The final usage-only chunk (choices: []), for stream_options.include_usage.
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                               const UsageCounts& usage);

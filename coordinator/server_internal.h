@@ -120,6 +120,11 @@ struct RequestState {
   std::unique_ptr<StreamDecoder> decoder;
   std::optional<StopMatcher> matcher;
   std::string text;  // non-streaming: the whole completion
+  // Logprobs of the tokens so far (when asked for); a stream sends
+  // [logprobs_sent, end) with its next chunk.
+  std::vector<LogprobEntry> logprobs;
+  size_t logprobs_sent = 0;
+  size_t logprob_offset = 0;  // completions text_offset of logprobs[logprobs_sent]
   UsageCounts usage;
   std::optional<TimePoint> last_token_at;
 
@@ -193,6 +198,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // --- completion.cc: one generation and its n choices ---
   void HandleCompletion(Endpoint endpoint, std::string tenant);
   void Emit(RequestState& r, const std::string& piece);
+  // The stream's logprobs for the tokens not sent yet (null when none asked).
+  nlohmann::json TakeStreamLogprobs(RequestState& r);
   void Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& ev);
   bool IsActive(const std::shared_ptr<RequestState>& r) const {
     return std::find(active_.begin(), active_.end(), r) != active_.end();

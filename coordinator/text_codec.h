@@ -40,6 +40,13 @@ class TextCodec {
   virtual Result<std::vector<int32_t>> EncodeChat(
       const std::vector<ChatMessage>& messages) const = 0;
   virtual std::unique_ptr<StreamDecoder> NewDecoder() const = 0;
+  // The bytes one token stands for (for logprobs); may be an incomplete UTF-8
+  // sequence.
+  virtual std::string TokenPiece(int32_t token) const {
+    std::unique_ptr<StreamDecoder> d = NewDecoder();
+    std::string s = d->Push(token);
+    return s + d->Flush();
+  }
 };
 
 }  // namespace kvrelay::coordinator

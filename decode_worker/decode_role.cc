@@ -3,6 +3,7 @@
 #include "common/logging.h"
 #include "kv_transfer/mpi_session.h"
 #include "protocols/messages.h"
+#include "protocols/sampling_codec.h"
 #include "worker/kv_streams.h"
 
 namespace kvrelay::decode_worker {
@@ -76,7 +77,7 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   engine::RequestSpec spec;
   spec.id = id;
   spec.prompt.assign(m.prompt_token_ids().begin(), m.prompt_token_ids().end());
-  spec.sampling = worker::FromProto(m.sampling());
+  spec.sampling = protocols::FromProto(m.sampling());
   spec.mode = engine::RequestMode::kRemotePrompt;
   spec.want_text = false;  // the coordinator detokenizes
   reserving_prefill_rank_ = m.prefill_rank();

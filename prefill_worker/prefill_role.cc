@@ -5,6 +5,7 @@
 #include "common/logging.h"
 #include "kv_transfer/head_sharding.h"
 #include "protocols/messages.h"
+#include "protocols/sampling_codec.h"
 #include "worker/kv_streams.h"
 
 namespace kvrelay::prefill_worker {
@@ -95,7 +96,7 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
   engine::RequestSpec spec;
   spec.id = id;
   spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
-  spec.sampling = worker::FromProto(task.sampling());
+  spec.sampling = protocols::FromProto(task.sampling());
   spec.tenant_salt = task.tenant_salt();
   spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;

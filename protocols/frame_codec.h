@@ -50,6 +50,7 @@ enum class MessageType : uint16_t {
   kAuthChallenge = 17,  // proto::AuthChallenge
   kAuthProof = 18,      // proto::AuthProof
   kPeerLost = 19,       // proto::PeerLost (coordinator -> prefill workers)
+  kWorkerLeaving = 20,  // proto::WorkerLeaving: the worker stops on purpose
   kKvData = 100,
   kKvAbort = 101,
 };

@@ -12,6 +12,10 @@
 #include "protocols/cluster_auth.h"
 
 namespace kvrelay::protocols {
+namespace {
+// The close reason of an orderly EOF at a frame boundary.
+constexpr const char* kPeerClosedMessage = "peer closed the connection";
+}  // namespace
 
 namespace asio = boost::asio;
 using asio::ip::tcp;
@@ -200,8 +204,8 @@ void FramedConnection::DoRead() {
         if (ec) {
           if (ec == asio::error::eof) {
             Status truncated = self->decoder_.Finish();
-            self->CloseOnIo(truncated.ok() ? Unavailable("peer closed the connection")
-                                           : truncated.WithContext("peer closed the connection"));
+            self->CloseOnIo(truncated.ok() ? Unavailable(kPeerClosedMessage)
+                                           : truncated.WithContext(kPeerClosedMessage));
           } else if (ec != asio::error::operation_aborted) {
             self->CloseOnIo(FromAsio(ec, "read"));
           }
@@ -446,6 +450,12 @@ void FramedConnection::CloseOnIo(const Status& reason) {
   }
   if (reason.ok()) {
     LOG_DEBUG << "connection " << options_.name << " closed";
+  } else if (reason.code() == StatusCode::kCancelled ||
+             (reason.code() == StatusCode::kUnavailable &&
+              reason.message() == kPeerClosedMessage)) {
+    // Closed on purpose by this side, or an orderly close by the peer at a
+    // frame boundary: whether that is a problem is the owner's to say.
+    LOG_INFO << "closing connection " << options_.name << ": " << reason.ToString();
   } else {
     LOG_WARNING << "closing connection " << options_.name << ": " << reason.ToString();
   }

@@ -19,21 +19,6 @@ proto::Finish::Reason ToProto(engine::FinishReason r) {
   }
 }
 
-engine::SamplingParams FromProto(const proto::SamplingParams& s) {
-  engine::SamplingParams p;
-  p.temperature = s.temperature();
-  p.top_p = s.top_p() > 0 ? s.top_p() : 1.0f;
-  p.top_k = static_cast<int>(s.top_k());
-  p.seed = s.seed();
-  p.max_tokens = static_cast<int>(s.max_tokens());
-  p.ignore_eos = s.ignore_eos();
-  p.min_p = s.min_p();
-  p.repetition_penalty = s.repetition_penalty() > 0 ? s.repetition_penalty() : 1.0f;
-  p.presence_penalty = s.presence_penalty();
-  p.frequency_penalty = s.frequency_penalty();
-  return p;
-}
-
 ControlLink::ControlLink(Options options)
     : options_(std::move(options)), io_(std::make_unique<protocols::IoThread>("worker-ctl")) {}
 
@@ -115,6 +100,17 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   PublishHeartbeat();
   StartHeartbeats();
   return Status::Ok();
+}
+
+void ControlLink::Leave(const std::string& worker_id, const std::string& why) {
+  StopHeartbeats();
+  if (!conn_ || conn_->closed()) return;
+  proto::WorkerLeaving m;
+  m.set_worker_id(worker_id);
+  m.set_reason(why);
+  Send(MessageType::kWorkerLeaving, m);
+  conn_->CloseAfterFlush(Cancelled(why));
+  (void)conn_->WaitClosed(Deadline::AfterMs(1000));
 }
 
 void ControlLink::Close(const Status& why) {

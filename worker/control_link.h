@@ -63,6 +63,9 @@ class ControlLink {
     if (!s.ok()) LOG_WARNING << "control send failed: " << s.ToString();
   }
   // The request ended here (or failed): one Finish frame.
+  // Tells the coordinator this worker stops on purpose, waits (bounded) for
+  // the frame to be written, and closes the link.
+  void Leave(const std::string& worker_id, const std::string& why);
   void SendFinish(engine::RequestId id, proto::Finish::Reason reason, const Status& error,
                   int64_t prompt_tokens = 0, int64_t completion_tokens = 0);
   Result<protocols::Frame> Receive(Deadline deadline);
@@ -101,6 +104,5 @@ class ControlLink {
 // engine::FinishReason as the protocol names it.
 proto::Finish::Reason ToProto(engine::FinishReason r);
 // The protocol's sampling parameters as the engine's (unset = the engine's default).
-engine::SamplingParams FromProto(const proto::SamplingParams& s);
 
 }  // namespace kvrelay::worker

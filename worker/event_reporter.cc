@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "protocols/sampling_codec.h"
+
 namespace kvrelay::worker {
 
 using protocols::MessageType;
@@ -39,6 +41,7 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
   done.set_first_token(ev.token);
   done.set_prompt_tokens(static_cast<uint32_t>(ev.prompt_tokens));
   done.set_cached_prompt_tokens(static_cast<uint32_t>(ev.cached_prompt_tokens));
+  if (ev.has_logprobs && ev.token >= 0) protocols::ToProto(ev.logprobs, done.mutable_first_logprob());
   if (ev.finish_reason == engine::FinishReason::kError ||
       ev.finish_reason == engine::FinishReason::kCancelled || ev.token < 0) {
     (void)hand_over_(ev.id, /*deliver=*/false);  // drops a half-sent stream, if any
@@ -98,6 +101,7 @@ void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {
       auto* entry = chunk_.add_entries();
       entry->set_request_id(ev.id);
       entry->add_token_ids(ev.token);
+      if (ev.has_logprobs) protocols::ToProto(ev.logprobs, entry->add_logprobs());
       ++gen->second;
     }
     if (ev.finished) {

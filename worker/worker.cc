@@ -245,6 +245,7 @@ Status Worker::Run(const std::atomic<bool>& stop) {
   }
   if (stop.load()) result = Status::Ok();
   role_->Shutdown();
+  if (stop.load()) control_->Leave(options_.worker_id, "worker stopping");
   control_->Close(Cancelled("worker stopping"));
   return result;
 }

@@ -13,8 +13,27 @@
 
 #include "common/status.h"
 #include "engine/cuda/sample_params.h"
+#include "engine/runtime/sampler.h"
 
 namespace kvrelay::engine::cuda {
+
+// The device parameters of a request's SamplingParams (the one sampling
+// type, engine/runtime/sampler.h) with `uniform`, its RNG's next draw.
+// Unimplemented when the request needs what only the host Sampler does
+// (logit_bias, penalties, a response grammar, logprobs): sample it there.
+inline Result<DeviceSampleParams> ToDeviceSampleParams(const SamplingParams& s, double uniform) {
+  if (!s.logit_bias.empty() || s.repetition_penalty != 1.0f || s.presence_penalty != 0.0f ||
+      s.frequency_penalty != 0.0f || !s.json_schema.empty() || s.logprobs >= 0) {
+    return Unimplemented("device sampling covers temperature, top-k, top-p and min-p only");
+  }
+  DeviceSampleParams d;
+  d.temperature = s.temperature;
+  d.top_k = s.top_k;
+  d.top_p = s.top_p;
+  d.min_p = s.min_p;
+  d.uniform = uniform;
+  return d;
+}
 
 class CudaSampler {
  public:

@@ -6,6 +6,7 @@
 
 #include "common/logging.h"
 #include "common/thread_pool.h"
+#include "engine/grammar/json_grammar.h"
 #include "engine/runtime/compute_backend.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
@@ -101,6 +102,18 @@ class Engine::Impl {
       }
     }
     RETURN_IF_ERROR(spec.sampling.Validate().WithContext(name));
+    for (const auto& [t, bias] : spec.sampling.logit_bias) {
+      if (t >= vocab) {
+        return InvalidArgument(name + ": logit_bias token id " + std::to_string(t) +
+                               " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+      }
+    }
+    if (!spec.sampling.json_schema.empty()) {
+      if (model_->tokenizer() == nullptr) {
+        return FailedPrecondition(name + ": structured output needs the model's tokenizer");
+      }
+      RETURN_IF_ERROR(Constraints()->Get(spec.sampling.json_schema).status().WithContext(name));
+    }
     const int64_t n = static_cast<int64_t>(spec.prompt.size());
     if (n >= max_context_) {
       return ResourceExhausted(name + ": prompt of " + std::to_string(n) +
@@ -148,6 +161,15 @@ class Engine::Impl {
       return;
     }
     seq->n_computed = seq->n_prompt;
+    if (TokenConstraint* g = seq->sampler->constraint()) {
+      // The prefill side sampled it under the same grammar.
+      Status st = g->Accept(first_token);
+      if (!st.ok()) {
+        pending_events_.push_back(
+            FinishEvent(*seq, FinishReason::kError, st.WithContext("the remote first token")));
+        return;
+      }
+    }
     bool ignored = false;
     (void)seq->text->Push(first_token, &ignored);  // the prefill side emitted its text
     seq->tokens.push_back(first_token);
@@ -216,7 +238,29 @@ class Engine::Impl {
 
   Result<std::vector<TokenEvent>> Step();
 
+  // Compiled response grammars for this model's vocabulary (built on first use).
+  // Logically const: a cache.
+  grammar::ConstraintCache* Constraints() const {
+    if (constraints_ == nullptr) {
+      const Tokenizer& tok = *model_->tokenizer();
+      const int32_t n = tok.vocab_size();
+      std::vector<std::string> pieces(n);
+      std::vector<bool> usable(n);
+      std::vector<int32_t> eog;
+      for (int32_t i = 0; i < n; ++i) {
+        pieces[i] = tok.TokenToPiece(i);
+        const TokenType t = tok.token_type(i);
+        usable[i] = t == TokenType::kNormal || t == TokenType::kByte;
+        if (tok.IsEndOfGeneration(i)) eog.push_back(i);
+      }
+      constraints_ = std::make_unique<grammar::ConstraintCache>(
+          grammar::TokenVocabulary::Build(pieces, usable, std::move(eog)));
+    }
+    return constraints_.get();
+  }
+
   EngineOptions options_;
+  mutable std::unique_ptr<grammar::ConstraintCache> constraints_;
   std::shared_ptr<const Model> model_;
   std::unique_ptr<KvBlockPool> pool_;
   ThreadPool threads_;
@@ -251,6 +295,13 @@ class Engine::Impl {
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
     seq->sampler = std::make_unique<Sampler>(spec.sampling);
+    if (!spec.sampling.json_schema.empty()) {
+      // Submit compiled it already: this is a cache hit.
+      auto factory = Constraints()->Get(spec.sampling.json_schema);
+      if (factory.ok()) {
+        seq->sampler->SetConstraint(std::make_unique<grammar::GrammarMatcher>(*factory));
+      }
+    }
     const bool text = spec.want_text || !spec.sampling.stop.empty();
     seq->text =
         std::make_unique<TextStream>(text ? model_->tokenizer() : nullptr, spec.sampling.stop);
@@ -281,7 +332,9 @@ class Engine::Impl {
     ev->token = token;
     ev->prompt_tokens = s.n_prompt;
     ev->cached_prompt_tokens = s.cached_prompt_tokens;
-    const bool eog = model_->tokenizer() != nullptr && !s.spec.sampling.ignore_eos &&
+    TokenConstraint* grammar = s.sampler->constraint();
+    const bool eog = model_->tokenizer() != nullptr &&
+                     (!s.spec.sampling.ignore_eos || grammar != nullptr) &&
                      model_->tokenizer()->IsEndOfGeneration(token);
     bool stopped = false;
     std::string text;
@@ -289,7 +342,8 @@ class Engine::Impl {
       text = s.text->Push(token, &stopped);
     }
     FinishReason reason = FinishReason::kNone;
-    if (eog || stopped) {
+    // Structured output ends when its JSON value is complete.
+    if (eog || stopped || (grammar != nullptr && grammar->Complete())) {
       reason = FinishReason::kStop;
     } else if (s.n_generated >= s.spec.sampling.max_tokens ||
                static_cast<int64_t>(s.tokens.size()) >= max_context_) {
@@ -548,11 +602,13 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     CommitFullBlocks(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
-    const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated);
+    TokenEvent ev;
+    const int32_t token =
+        s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
+    ev.has_logprobs = s.spec.sampling.logprobs >= 0;
     s.tokens.push_back(token);
     ++s.n_generated;
     ++stats_.generated_tokens;
-    TokenEvent ev;
     if (CheckFinished(s, token, &ev, /*emit_text=*/true)) done.push_back(&s);
     events.push_back(std::move(ev));
   }

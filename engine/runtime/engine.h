@@ -102,6 +102,9 @@ struct TokenEvent {
   Status error;  // set when finish_reason == kError
   int64_t prompt_tokens = 0;
   int64_t cached_prompt_tokens = 0;  // prompt tokens reused from the prefix cache or a tier
+  // With a sampled `token` when sampling.logprobs >= 0.
+  bool has_logprobs = false;
+  TokenLogprobs logprobs;
 };
 
 class Engine {

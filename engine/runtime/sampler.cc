@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <unordered_map>
 
 namespace kvrelay::engine {
@@ -22,6 +23,16 @@ Status SamplingParams::Validate() const {
   for (const std::string& s : stop) {
     if (s.empty()) return InvalidArgument("sampling.stop contains an empty string");
   }
+  for (const auto& [token, bias] : logit_bias) {
+    if (token < 0) return InvalidArgument("sampling.logit_bias has a negative token id");
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return InvalidArgument("sampling.logit_bias values must be in [-100, 100]");
+    }
+  }
+  if (logprobs < -1 || logprobs > kMaxTopLogprobs) {
+    return InvalidArgument("sampling.logprobs must be in [-1, " + std::to_string(kMaxTopLogprobs) +
+                           "]");
+  }
   return Status::Ok();
 }
 
@@ -34,8 +45,11 @@ double Sampler::NextUniform() {
 }
 
 int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>& context,
-                        int64_t n_generated) {
+                        int64_t n_generated, TokenLogprobs* logprobs) {
   const SamplingParams& p = params_;
+  for (const auto& [t, bias] : p.logit_bias) {
+    if (t >= 0 && t < vocab) logits[t] += bias;
+  }
   // Penalties.
   if (p.repetition_penalty != 1.0f) {
     const int64_t n = static_cast<int64_t>(context.size());
@@ -58,6 +72,39 @@ int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>
       logits[t] -= p.presence_penalty + p.frequency_penalty * static_cast<float>(cnt);
     }
   }
+  if (constraint_ != nullptr) constraint_->Mask(logits, vocab);
+  const int32_t token = Pick(logits, vocab);
+  if (logprobs != nullptr && p.logprobs >= 0) FillLogprobs(logits, vocab, token, logprobs);
+  if (constraint_ != nullptr) (void)constraint_->Accept(token);  // allowed: it passed the mask
+  return token;
+}
+
+void Sampler::FillLogprobs(const float* logits, int64_t vocab, int32_t token,
+                           TokenLogprobs* out) const {
+  const double inv_t = params_.temperature > 0.0f ? 1.0 / params_.temperature : 1.0;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, logits[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; ++i)
+    sum += std::exp((static_cast<double>(logits[i]) - mx) * inv_t);
+  const double lse = std::log(sum);
+  auto lp = [&](int32_t t) {
+    return static_cast<float>((static_cast<double>(logits[t]) - mx) * inv_t - lse);
+  };
+  out->logprob = lp(token);
+  out->top.clear();
+  const int64_t k = std::min<int64_t>(params_.logprobs, vocab);
+  if (k <= 0) return;
+  std::vector<int32_t> ids(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i < vocab; ++i) ids[i] = static_cast<int32_t>(i);
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+  });
+  for (int64_t i = 0; i < k; ++i) out->top.emplace_back(ids[i], lp(ids[i]));
+}
+
+int32_t Sampler::Pick(const float* logits, int64_t vocab) {
+  const SamplingParams& p = params_;
   // Greedy: first index of the maximum (deterministic tie-break).
   if (p.temperature <= 0.0f) {
     int64_t best = 0;
@@ -116,7 +163,11 @@ int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>
     cum += probs[i];
     if (r < cum) return candidates_[i].second;
   }
-  return candidates_[keep - 1].second;
+  // Rounding left r at the total: the last candidate with any mass (never a
+  // masked-out one).
+  size_t last = keep - 1;
+  while (last > 0 && probs[last] <= 0) --last;
+  return candidates_[last].second;
 }
 
 }  // namespace kvrelay::engine

@@ -203,8 +203,9 @@ TEST(CudaBackendGpuTest, DeviceSamplerPicksWhatTheCpuSamplerPicks) {
     std::vector<float> row(logits.begin() + r * vocab, logits.begin() + (r + 1) * vocab);
     want[r] = s.Sample(row.data(), vocab, {}, 0);
     std::mt19937_64 u(sp.seed);
-    params[r] = {sp.temperature, sp.top_k, sp.top_p, sp.min_p,
-                 double(u() >> 11) * (1.0 / 9007199254740992.0)};
+    auto dp = cuda::ToDeviceSampleParams(sp, double(u() >> 11) * (1.0 / 9007199254740992.0));
+    ASSERT_TRUE(dp.ok()) << dp.status().ToString();
+    params[r] = *dp;
   }
   cuda::CudaSampler sampler;
   ASSERT_TRUE(sampler.Sample(d, rows, vocab, params, got.data(), nullptr).ok());

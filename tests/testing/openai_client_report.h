@@ -34,6 +34,49 @@ inline void ExpectOpenAiClientReport(const nlohmann::json& j, const std::string&
   EXPECT_EQ(j["n_choices"]["indexes"], json::array({0, 1}));
   EXPECT_EQ(j["n_choices"]["same"], true);
   EXPECT_EQ(j["n_choices"]["completion_tokens"], 8);
+  // #18: logprobs. Greedy: the sampled token is the most likely one; the
+  // token pieces make up the text; the stream reports the same tokens.
+  const json& lp = j["chat_logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), lp["completion_tokens"].get<size_t>()) << lp.dump();
+  std::string joined;
+  for (const auto& t : lp["tokens"]) joined += t.get<std::string>();
+  EXPECT_EQ(joined, lp["text"]);
+  for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+    EXPECT_LE(lp["logprobs"][i].get<double>(), 0.0);
+    EXPECT_EQ(lp["top_sizes"][i], 2);
+    EXPECT_NEAR(lp["top_first"][i].get<double>(), lp["logprobs"][i].get<double>(), 1e-6);
+  }
+  EXPECT_EQ(lp["bytes_ok"], true);
+  EXPECT_EQ(j["chat_logprobs_stream"]["tokens"], lp["tokens"]);
+  ASSERT_EQ(j["chat_logprobs_stream"]["logprobs"].size(), lp["logprobs"].size());
+  for (size_t i = 0; i < lp["logprobs"].size(); ++i) {
+    EXPECT_NEAR(j["chat_logprobs_stream"]["logprobs"][i].get<double>(),
+                lp["logprobs"][i].get<double>(), 1e-4);
+  }
+  const json& clp = j["completion_logprobs"];
+  EXPECT_EQ(clp["tokens"].size(), 8u);
+  EXPECT_EQ(clp["text"], j["completion"]["text"]);
+  for (const auto& n : clp["top_sizes"]) EXPECT_GE(n.get<int>(), 1);
+  // #18: tools.
+  const json& tn = j["tool_named"];
+  EXPECT_EQ(tn["finish_reason"], "tool_calls");
+  EXPECT_TRUE(tn["content"].is_null());
+  EXPECT_EQ(tn["name"], "get_weather");
+  EXPECT_EQ(tn["type"], "function");
+  EXPECT_EQ(tn["id"].get<std::string>().rfind("call_", 0), 0u);
+  EXPECT_TRUE(tn["args"]["city"].is_string()) << tn.dump();
+  EXPECT_TRUE(tn["args"]["unit"] == "celsius" || tn["args"]["unit"] == "fahrenheit") << tn.dump();
+  const json& tr = j["tool_required"];
+  EXPECT_TRUE(tr["name"] == "get_weather" || tr["name"] == "get_time") << tr.dump();
+  EXPECT_TRUE(tr["args"].is_object()) << tr.dump();
+  EXPECT_EQ(j["tool_stream"]["name"], "get_weather");
+  EXPECT_EQ(j["tool_stream"]["args"], tn["args"]);
+  EXPECT_EQ(j["tool_stream"]["finish_reason"], "tool_calls");
+  EXPECT_TRUE(j["tool_followup"]["tool_calls"].is_null());
+  EXPECT_FALSE(j["tool_followup"]["content"].get<std::string>().empty());
+  // logit_bias +100 on one token: it is all the model says.
+  EXPECT_EQ(j["logit_bias"]["completion_tokens"], 4);
+  EXPECT_NE(j["logit_bias"]["text"], j["completion"]["text"]);
 }
 
 }  // namespace kvrelay::testing

@@ -7,8 +7,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -176,6 +178,31 @@ TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
   EXPECT_EQ(merged[stats - 1], '\n') << "statistics glued to the text: " << merged;
 }
 
+// #18: special-token text in a raw --prompt is parsed as llama.cpp does
+// (<|im_start|> is one token), and --no-special keeps it text.
+TEST(CliGenerateTest, RawPromptParsesSpecialTokensUnlessNoSpecial) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  auto prompt_ids = [&](const std::string& flags) {
+    RunResult r = RunCmd(kCli + " generate --model " + Model() +
+                         " --prompt '<|im_start|>user' --max-tokens 1 --json " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << r.out;
+    return j.is_discarded() ? nlohmann::json::array() : j["prompt_ids"];
+  };
+  const nlohmann::json special = prompt_ids("");
+  const nlohmann::json text = prompt_ids("--no-special");
+  ASSERT_FALSE(special.empty());
+  // SmolLM2: <|im_start|> is id 1; as text it is several tokens.
+  EXPECT_NE(std::find(special.begin(), special.end(), 1), special.end()) << special.dump();
+  EXPECT_EQ(std::find(text.begin(), text.end(), 1), text.end()) << text.dump();
+  EXPECT_GT(text.size(), special.size() + 2) << special.dump() << " vs " << text.dump();
+  // With --chat --no-special the template's tokens stay special.
+  const nlohmann::json chat = prompt_ids("--chat --no-special");
+  // system (the default one), user and assistant turns; the user text adds none.
+  EXPECT_EQ(std::count(chat.begin(), chat.end(), 1), 3) << chat.dump();
+}
+
 // The answer alone on stdout; every log line (the launcher's and its
 // children's) on stderr.
 TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
@@ -190,6 +217,15 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   }
   EXPECT_NE(r.err.find("started coordinator"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("kvrelay-coordinator listening"), std::string::npos) << r.err;
+  // #18: a normal shutdown is quiet: workers told to stop say so
+  // (WorkerLeaving) and nobody reports a peer as lost.
+  size_t warnings = 0;
+  for (const char* level : {"Z W ", "Z E "}) {
+    for (size_t at = r.err.find(level); at != std::string::npos; at = r.err.find(level, at + 1)) {
+      ++warnings;
+    }
+  }
+  EXPECT_EQ(warnings, 0u) << r.err;
 }
 
 // KIVI pools stage partial blocks in f32 carved from the pool; perplexity

@@ -90,6 +90,33 @@ struct Reference {
     }
     return out;
   }
+  // Greedy tokens and their logprobs (`top` alternatives) with `bias`.
+  std::vector<std::pair<int32_t, engine::TokenLogprobs>> GreedyWithLogprobs(
+      const std::vector<int32_t>& prompt, int max_tokens, int top,
+      const std::vector<std::pair<int32_t, float>>& bias = {}) {
+    engine::RequestSpec spec;
+    spec.id = static_cast<engine::RequestId>(++next_id);
+    spec.prompt = prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = max_tokens;
+    spec.sampling.ignore_eos = true;
+    spec.sampling.logprobs = top;
+    spec.sampling.logit_bias = bias;
+    EXPECT_TRUE(engine->Submit(spec).ok());
+    std::vector<std::pair<int32_t, engine::TokenLogprobs>> out;
+    while (engine->HasWork()) {
+      auto events = engine->Step();
+      EXPECT_TRUE(events.ok()) << events.status().ToString();
+      if (!events.ok()) break;
+      for (const auto& e : *events) {
+        if (e.token >= 0) {
+          EXPECT_TRUE(e.has_logprobs);
+          out.emplace_back(e.token, e.logprobs);
+        }
+      }
+    }
+    return out;
+  }
   std::string Text(const std::vector<int32_t>& tokens) const {
     auto d = codec->NewDecoder();
     std::string s;
@@ -380,6 +407,120 @@ class ClusterTest : public ::testing::Test {
     }
   }
 
+  // #18: structured output through the cluster: the grammar masks the first
+  // token (sampled by the prefill worker) and every decode step; the JSON
+  // equals the engine's under the same grammar and parses.
+  void ExpectStructuredOutputMatchesEngine(uint16_t port) {
+    const std::string schema =
+        R"({"type":"object","properties":{"city":{"type":"string","maxLength":20},)"
+        R"("population":{"type":"integer"},"capital":{"type":"boolean"}},)"
+        R"("required":["city","population","capital"]})";
+    auto prompt = ref_->codec->EncodeChat({{"user", "Describe Paris as JSON."}});
+    ASSERT_TRUE(prompt.ok());
+    engine::RequestSpec spec;
+    spec.id = static_cast<engine::RequestId>(++ref_->next_id);
+    spec.prompt = *prompt;
+    spec.sampling.temperature = 0;
+    spec.sampling.max_tokens = 64;
+    spec.sampling.json_schema = schema;
+    ASSERT_TRUE(ref_->engine->Submit(spec).ok());
+    std::string want;
+    while (ref_->engine->HasWork()) {
+      auto events = ref_->engine->Step();
+      ASSERT_TRUE(events.ok());
+      for (const auto& e : *events) want += e.text;
+    }
+    json body = {{"model", fs::path(ModelPath()).stem().string()},
+                 {"messages", {{{"role", "user"}, {"content", "Describe Paris as JSON."}}}},
+                 {"max_tokens", 64},
+                 {"temperature", 0}};
+    coordinator::HttpCallSpec call = Post(port, "/v1/chat/completions", body);
+    // The schema as written (json would sort its keys, and the output writes
+    // properties in schema order).
+    call.body.pop_back();
+    call.body += R"(,"response_format":{"type":"json_schema","json_schema":{"name":"city",)"
+                 R"("strict":true,"schema":)" +
+                 schema + "}}}";
+    auto r = coordinator::HttpCall(call);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    json j = json::parse(r->body);
+    const std::string text = j["choices"][0]["message"]["content"];
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << text;
+    EXPECT_EQ(text, want);
+    json value = json::parse(text, nullptr, false);
+    ASSERT_FALSE(value.is_discarded()) << text;
+    EXPECT_TRUE(value["city"].is_string()) << text;
+    EXPECT_TRUE(value["population"].is_number_integer()) << text;
+    EXPECT_TRUE(value["capital"].is_boolean()) << text;
+  }
+
+  // #18: logprobs (the first token's sampled on the prefill side, the rest on
+  // the decode side) and logit_bias through the cluster equal the engine's,
+  // streamed and not.
+  void ExpectLogprobsAndBiasMatchEngine(uint16_t port) {
+    constexpr int kTokens = 6;
+    constexpr int kTop = 3;
+    const std::vector<int32_t> prompt = ref_->Encode("The capital of France is");
+    auto want = ref_->GreedyWithLogprobs(prompt, kTokens, kTop);
+    ASSERT_EQ(want.size(), static_cast<size_t>(kTokens));
+    auto check = [&](const json& lp, size_t from, const char* what) {
+      ASSERT_EQ(lp["token_logprobs"].size(), lp["top_logprobs"].size()) << what;
+      for (size_t i = 0; i < lp["token_logprobs"].size(); ++i) {
+        const auto& w = want[from + i].second;
+        EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), w.logprob, 2e-3) << what << " " << i;
+        EXPECT_EQ(lp["tokens"][i], ref_->codec->TokenPiece(want[from + i].first)) << what;
+        ASSERT_LE(lp["top_logprobs"][i].size(), static_cast<size_t>(kTop)) << what;
+        EXPECT_GE(lp["top_logprobs"][i].size(), 1u) << what;
+        const std::string best = ref_->codec->TokenPiece(w.top[0].first);
+        ASSERT_TRUE(lp["top_logprobs"][i].contains(best)) << what << " " << lp.dump();
+        EXPECT_NEAR(lp["top_logprobs"][i][best].get<double>(), w.top[0].second, 2e-3) << what;
+      }
+    };
+    json body = CompletionBody(prompt, kTokens, false);
+    body["logprobs"] = kTop;
+    auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    ASSERT_EQ(r->status, 200) << r->body;
+    json j = json::parse(r->body);
+    ASSERT_EQ(j["choices"][0]["logprobs"]["tokens"].size(), static_cast<size_t>(kTokens))
+        << r->body;
+    check(j["choices"][0]["logprobs"], 0, "non-streamed");
+    // Streamed: every chunk carries the logprobs of the tokens it releases.
+    body["stream"] = true;
+    size_t seen = 0;
+    coordinator::SseParser parser;
+    auto sr =
+        coordinator::HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
+          if (!parser.Feed(piece)) return false;
+          while (auto e = parser.Next()) {
+            if (*e == "[DONE]") continue;
+            json c = json::parse(*e, nullptr, false);
+            if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
+            const json& lp = c["choices"][0]["logprobs"];
+            if (lp.is_null()) continue;
+            check(lp, seen, "streamed");
+            seen += lp["tokens"].size();
+          }
+          return true;
+        });
+    ASSERT_TRUE(sr.ok()) << sr.status().ToString();
+    EXPECT_EQ(seen, static_cast<size_t>(kTokens));
+    // logit_bias bans the greedy first token (sampled on the prefill side) and
+    // the second one (decode side): the output is the engine's with that bias.
+    const std::vector<std::pair<int32_t, float>> bias = {{want[0].first, -100.0f},
+                                                         {want[1].first, -100.0f}};
+    auto biased = ref_->GreedyWithLogprobs(prompt, kTokens, 0, bias);
+    ASSERT_NE(biased[0].first, want[0].first);
+    std::vector<int32_t> biased_tokens;
+    for (const auto& [t, lp] : biased) biased_tokens.push_back(t);
+    json lb = json::object();
+    for (const auto& [t, b] : bias) lb[std::to_string(t)] = b;
+    CompletionOutcome got = Complete(port, prompt, kTokens, {{"logit_bias", lb}});
+    ASSERT_EQ(got.http_status, 200) << got.error;
+    EXPECT_EQ(got.text, ref_->Text(biased_tokens));
+  }
+
   Reference* ref_ = nullptr;
 };
 
@@ -399,6 +540,8 @@ TEST_F(ClusterTest, ColocatedGreedyMatchesEngine) {
   auto cluster = StartCluster(0, 0, 1);
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
+  ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
+  ExpectStructuredOutputMatchesEngine(cluster->http_port());
 }
 
 // One disaggregated cluster (1 prefill, 2 decode) shared by the tests below.
@@ -435,6 +578,14 @@ TEST_F(DisaggregatedTest, IdleClusterDoesNotSpin) {
 }
 
 TEST_F(DisaggregatedTest, GreedyMatchesEngine) { ExpectGreedyMatchesEngine(port_); }
+
+TEST_F(DisaggregatedTest, LogprobsAndLogitBiasMatchEngine) {
+  ExpectLogprobsAndBiasMatchEngine(port_);
+}
+
+TEST_F(DisaggregatedTest, StructuredOutputMatchesEngine) {
+  ExpectStructuredOutputMatchesEngine(port_);
+}
 
 // A chat answer that ends by itself: finish_reason "stop", and the model's
 // end-of-generation token (<|im_end|>) is not part of the text.
@@ -495,6 +646,8 @@ TEST_F(ClusterTest, TensorParallelDecodeGreedyMatchesEngine) {
   auto cluster = StartCluster(1, 1, 0, "prefix_aware", /*tp=*/2);
   ASSERT_NE(cluster, nullptr);
   ExpectGreedyMatchesEngine(cluster->http_port());
+  ExpectLogprobsAndBiasMatchEngine(cluster->http_port());
+  ExpectStructuredOutputMatchesEngine(cluster->http_port());
 }
 
 // Prompts longer than one KV stream segment (worker/kv_streams.h: 32 blocks

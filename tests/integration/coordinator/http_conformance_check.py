@@ -300,18 +300,24 @@ def main():
                  param="temperature")
     expect_error(post("/v1/chat/completions", json.dumps({"model": MODEL}).encode()), 400,
                  "missing messages", param="messages")
-    expect_error(post("/v1/completions", completion("x", logprobs=2)), 400, "unsupported logprobs",
+    expect_error(post("/v1/completions", completion("x", logprobs=2, echo=True)), 400,
+                 "echo with logprobs", param="echo")
+    expect_error(post("/v1/completions", completion("x", logprobs=21)), 400, "logprobs > 20",
                  param="logprobs")
     expect_error(post("/v1/chat/completions", chat("hi", model="gpt-4")), 404, "unknown model",
                  code="model_not_found", param="model")
     expect_error(post("/v1/chat/completions", chat("word " * 600)), 400, "prompt over max_prompt_tokens",
                  code="context_length_exceeded")
     expect_error(post("/v1/completions", completion("x", suffix="y")), 400, "suffix", param="suffix")
-    expect_error(post("/v1/chat/completions", chat("x", logit_bias={"1": 5})), 400, "logit_bias",
+    expect_error(post("/v1/chat/completions", chat("x", logit_bias={"1": 500})), 400, "logit_bias",
                  param="logit_bias")
-    r = post("/v1/chat/completions", chat("x", frobnicate=1, tool_choice="auto"))
+    expect_error(post("/v1/chat/completions", chat("x", response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string",
+                                                                       "pattern": "a"}}})),
+                 400, "unsupported schema keyword", param="response_format.json_schema.schema")
+    r = post("/v1/chat/completions", chat("x", frobnicate=1, prediction={}))
     expect_error(r, 400, "unknown fields", code="unsupported_parameter")
-    check("frobnicate" in r.body.decode() and "tool_choice" in r.body.decode(), "unknown fields named")
+    check("frobnicate" in r.body.decode() and "prediction" in r.body.decode(), "unknown fields named")
     expect_error(post("/v1/completions", completion("hi", max_tokens=4096, ignore_eos=True)), 400,
                  "prompt + max_tokens that can never fit the KV pool", code="context_length_exceeded")
     expect_error(post("/v1/completions", completion("x", max_tokens=-1)), 400, "max_tokens < 1",

@@ -63,6 +63,84 @@ def main() -> int:
                         "same": multi.choices[0].message.content == multi.choices[1].message.content,
                         "completion_tokens": multi.usage.completion_tokens}
 
+    # #18: logprobs / top_logprobs, non-streamed and streamed, and logit_bias.
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    lp = client.chat.completions.create(model=model, messages=question, max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    out["chat_logprobs"] = {
+        "text": lp.choices[0].message.content, "completion_tokens": lp.usage.completion_tokens,
+        "tokens": [c.token for c in content], "logprobs": [c.logprob for c in content],
+        "top_sizes": [len(c.top_logprobs) for c in content],
+        "top_first": [c.top_logprobs[0].logprob for c in content],
+        "bytes_ok": all(bytes(c.bytes).decode("utf-8", "replace") == c.token for c in content),
+    }
+    tokens, logprobs = [], []
+    for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=6,
+                                                temperature=0, logprobs=True, top_logprobs=2,
+                                                stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                tokens += [c.token for c in choice.logprobs.content]
+                logprobs += [c.logprob for c in choice.logprobs.content]
+    out["chat_logprobs_stream"] = {"tokens": tokens, "logprobs": logprobs}
+    clp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                    temperature=0, logprobs=3)
+    out["completion_logprobs"] = {"tokens": clp.choices[0].logprobs.tokens,
+                                  "top_sizes": [len(t) for t in clp.choices[0].logprobs.top_logprobs],
+                                  "text": clp.choices[0].text}
+    biased = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logit_bias={"28": 100})
+    out["logit_bias"] = {"text": biased.choices[0].text,
+                         "completion_tokens": biased.usage.completion_tokens}
+
+    # #18: tools. A named and a required tool_choice are grammar-constrained:
+    # the call's arguments are valid JSON for the function's parameters.
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+    clock = {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "timezone": {"type": "string", "maxLength": 24}}, "required": ["timezone"]}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=64, temperature=0, tools=[weather, clock],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    out["tool_named"] = {"finish_reason": named.choices[0].finish_reason,
+                         "content": named.choices[0].message.content, "name": call.function.name,
+                         "id": call.id, "type": call.type, "args": args}
+    required = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=64, temperature=0, tools=[weather, clock],
+        tool_choice="required")
+    rcall = required.choices[0].message.tool_calls[0]
+    out["tool_required"] = {"name": rcall.function.name,
+                            "args": json.loads(rcall.function.arguments)}
+    streamed_name, streamed_args, sfinish = None, "", None
+    for chunk in client.chat.completions.create(
+            model=model, messages=ask, max_tokens=64, temperature=0, tools=[weather, clock],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True):
+        for choice in chunk.choices:
+            for tc in choice.delta.tool_calls or []:
+                streamed_name = tc.function.name or streamed_name
+                streamed_args += tc.function.arguments or ""
+            sfinish = choice.finish_reason or sfinish
+    out["tool_stream"] = {"name": streamed_name, "args": json.loads(streamed_args),
+                          "finish_reason": sfinish}
+    # The call and its result in the history render (role tool, assistant tool_calls).
+    followup = client.chat.completions.create(
+        model=model, max_tokens=16, temperature=0, tools=[weather], tool_choice="none",
+        messages=ask + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}])
+    out["tool_followup"] = {"content": followup.choices[0].message.content,
+                            "tool_calls": followup.choices[0].message.tool_calls}
+
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
         out["unknown_model"] = "accepted"

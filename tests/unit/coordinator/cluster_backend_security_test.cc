@@ -160,7 +160,7 @@ class ControlSecurityTest : public ::testing::Test {
     GenerationRequest req;
     req.id = id;
     req.prompt = {1, 2, 3, 4, 5};
-    req.sampling.max_new_tokens = 4;
+    req.sampling.max_tokens = 4;
     ASSERT_TRUE(backend_->Submit(req, events->Sink()).ok());
     proto::ReserveBlocks reserve;
     ASSERT_TRUE(decode.Expect(MessageType::kReserveBlocks, &reserve).ok());

@@ -207,7 +207,7 @@ class FakeBackend : public Backend {
           finish = true;
         } else {
           ev.token = static_cast<unsigned char>(options_.reply[a.produced++]);
-          if (a.produced >= a.request.sampling.max_new_tokens) {
+          if (a.produced >= a.request.sampling.max_tokens) {
             ev.finished = true;
             ev.finish_reason = FinishReason::kLength;
             finish = true;

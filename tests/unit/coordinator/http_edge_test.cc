@@ -375,7 +375,7 @@ TEST_F(HttpEdgeTest, NoMaxTokensGetsWhatFits) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 200) << r->body;
   ASSERT_EQ(backend_->submitted().size(), 1u);
-  EXPECT_EQ(backend_->submitted()[0].sampling.max_new_tokens, 100);
+  EXPECT_EQ(backend_->submitted()[0].sampling.max_tokens, 100);
   // A prompt that fills the context leaves no room: 400.
   spec.body = json{{"model", "test-model"}, {"prompt", std::string(1000, 'x')}}.dump();
   r = HttpCall(spec);
@@ -397,7 +397,7 @@ TEST_F(HttpEdgeTest, NoMaxTokensDefaultIsLoweredToTheKvPool) {
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->status, 200) << r->body;
   ASSERT_EQ(backend_->submitted().size(), 1u);
-  EXPECT_EQ(backend_->submitted()[0].sampling.max_new_tokens, 100);
+  EXPECT_EQ(backend_->submitted()[0].sampling.max_tokens, 100);
 }
 
 // #18: the /metrics exposition passes Prometheus' own linter: counters end in

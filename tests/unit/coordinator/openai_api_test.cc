@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 namespace kvrelay::coordinator {
 namespace {
 
@@ -28,8 +30,8 @@ TEST(OpenAiApiTest, ParsesFullChatRequest) {
   EXPECT_EQ(p.messages[0].role, "system");
   EXPECT_EQ(p.messages[1].content, "hi there");
   EXPECT_EQ(p.max_tokens, 7);  // max_completion_tokens wins
-  EXPECT_FLOAT_EQ(p.temperature, 0.5f);
-  EXPECT_FLOAT_EQ(p.top_p, 0.9f);
+  EXPECT_FLOAT_EQ(p.sampling.temperature, 0.5f);
+  EXPECT_FLOAT_EQ(p.sampling.top_p, 0.9f);
   ASSERT_TRUE(p.seed.has_value());
   EXPECT_EQ(*p.seed, 42u);
   EXPECT_EQ(p.stop, (std::vector<std::string>{"a", "b"}));
@@ -43,10 +45,10 @@ TEST(OpenAiApiTest, PenaltiesAndVllmSamplingExtensions) {
       "presence_penalty":0.5,"frequency_penalty":-1.25,"repetition_penalty":1.1,"min_p":0.05})",
                        &p);
   ASSERT_FALSE(err.has_value()) << err->message;
-  EXPECT_FLOAT_EQ(p.presence_penalty, 0.5f);
-  EXPECT_FLOAT_EQ(p.frequency_penalty, -1.25f);
-  EXPECT_FLOAT_EQ(p.repetition_penalty, 1.1f);
-  EXPECT_FLOAT_EQ(p.min_p, 0.05f);
+  EXPECT_FLOAT_EQ(p.sampling.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(p.sampling.frequency_penalty, -1.25f);
+  EXPECT_FLOAT_EQ(p.sampling.repetition_penalty, 1.1f);
+  EXPECT_FLOAT_EQ(p.sampling.min_p, 0.05f);
   CompletionParams q;
   auto bad = ParseChat(
       R"({"model":"m","messages":[{"role":"user","content":"x"}],"frequency_penalty":3})", &q);
@@ -66,7 +68,7 @@ TEST(OpenAiApiTest, DefaultsAndNulls) {
                        &p, limits);
   ASSERT_FALSE(err.has_value()) << err->message;
   EXPECT_EQ(p.max_tokens, 33);
-  EXPECT_FLOAT_EQ(p.temperature, 1.0f);
+  EXPECT_FLOAT_EQ(p.sampling.temperature, 1.0f);
   EXPECT_TRUE(p.stop.empty());
   EXPECT_FALSE(p.stream);
 }
@@ -153,11 +155,24 @@ TEST(OpenAiApiTest, EachErrorNamesTheField) {
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":1}})",
        "stream_options.include_usage", "boolean"},
       {Endpoint::kChatCompletions,
-       R"({"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true})", "logprobs",
-       "not supported"},
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2})",
+       "top_logprobs", "requires 'logprobs'"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21})",
+       "top_logprobs", "between 0 and 20"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"logit_bias":{"x":1}})",
+       "logit_bias", "token ids"},
+      {Endpoint::kChatCompletions,
+       R"({"model":"m","messages":[{"role":"user","content":"x"}],"logit_bias":{"5":101}})",
+       "logit_bias", "between -100 and 100"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":"x","logprobs":true})", "logprobs",
+       "integer"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":"x","logprobs":2,"echo":true})", "echo",
+       "echo"},
       {Endpoint::kChatCompletions,
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
-       "tools", "not supported"},
+       "tools[0].function", "is required"},
       {Endpoint::kCompletions, R"({"model":"m"})", "prompt", "'prompt'"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":["a","b"]})", "prompt", "not supported"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":[[1],[2]]})", "prompt", "not supported"},
@@ -237,7 +252,7 @@ TEST(OpenAiApiTest, DumpReplacesInvalidUtf8) {
 }
 
 // #18: every field kvrelay does not implement is a 400 naming it, never a
-// silent no-op: suffix, a non-empty logit_bias, and fields it does not know.
+// silent no-op: suffix and fields it does not know.
 TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
   CompletionParams p;
   auto suffix = ParseCompl(R"({"model":"m","prompt":"a","suffix":"b"})", &p);
@@ -245,23 +260,14 @@ TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
   EXPECT_EQ(suffix->http_status, 400);
   EXPECT_EQ(suffix->param, "suffix");
   EXPECT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","suffix":null})", &p).has_value());
-  auto bias = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-                            "logit_bias":{"42":-100}})",
-                        &p);
-  ASSERT_TRUE(bias.has_value());
-  EXPECT_EQ(bias->param, "logit_bias");
-  EXPECT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-                             "logit_bias":{}})",
-                         &p)
-                   .has_value());
   auto unknown = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
-                               "frobnicate":1,"tool_choice":"auto"})",
+                               "frobnicate":1,"prediction":{}})",
                            &p);
   ASSERT_TRUE(unknown.has_value());
   EXPECT_EQ(unknown->http_status, 400);
   EXPECT_EQ(unknown->code, "unsupported_parameter");
   EXPECT_NE(unknown->message.find("'frobnicate'"), std::string::npos) << unknown->message;
-  EXPECT_NE(unknown->message.find("'tool_choice'"), std::string::npos) << unknown->message;
+  EXPECT_NE(unknown->message.find("'prediction'"), std::string::npos) << unknown->message;
   // A completions-only field on chat is unknown there.
   auto echo =
       ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],"echo":true})", &p);
@@ -272,6 +278,173 @@ TEST(OpenAiApiTest, UnsupportedFieldsAreRefusedByName) {
   EXPECT_FALSE(p.max_tokens_given);
   ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","max_tokens":3})", &p).has_value());
   EXPECT_TRUE(p.max_tokens_given);
+}
+
+// #18: logit_bias and logprobs land in the one SamplingParams the engine uses.
+TEST(OpenAiApiTest, LogitBiasAndLogprobsAreParsedIntoSamplingParams) {
+  CompletionParams p;
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "logit_bias":{"42":-100,"7":5.5}})",
+                         &p)
+                   .has_value());
+  ASSERT_EQ(p.sampling.logit_bias.size(), 2u);
+  std::map<int32_t, float> bias(p.sampling.logit_bias.begin(), p.sampling.logit_bias.end());
+  EXPECT_FLOAT_EQ(bias[42], -100.0f);
+  EXPECT_FLOAT_EQ(bias[7], 5.5f);
+  EXPECT_FALSE(p.logprobs);
+  EXPECT_EQ(p.sampling.logprobs, -1);
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "logprobs":true,"top_logprobs":3})",
+                         &p)
+                   .has_value());
+  EXPECT_TRUE(p.logprobs);
+  EXPECT_EQ(p.sampling.logprobs, 3);
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "logprobs":true})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.sampling.logprobs, 0);
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","logprobs":5})", &p).has_value());
+  EXPECT_TRUE(p.logprobs);
+  EXPECT_EQ(p.sampling.logprobs, 5);
+  ASSERT_FALSE(ParseCompl(R"({"model":"m","prompt":"a","logprobs":0})", &p).has_value());
+  EXPECT_EQ(p.sampling.logprobs, 0);
+}
+
+TEST(OpenAiApiTest, LogprobsJsonShapes) {
+  std::vector<LogprobEntry> entries = {{"Hi", -0.5f, {{"Hi", -0.5f}, {"Ho", -1.5f}}},
+                                       {"!", -0.25f, {{"!", -0.25f}, {".", -2.0f}}}};
+  json chat = LogprobsJson(Endpoint::kChatCompletions, entries);
+  ASSERT_EQ(chat["content"].size(), 2u);
+  EXPECT_EQ(chat["content"][0]["token"], "Hi");
+  EXPECT_FLOAT_EQ(chat["content"][0]["logprob"].get<float>(), -0.5f);
+  EXPECT_EQ(chat["content"][0]["bytes"], json::array({72, 105}));
+  ASSERT_EQ(chat["content"][1]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(chat["content"][1]["top_logprobs"][1]["token"], ".");
+  EXPECT_TRUE(chat["refusal"].is_null());
+  json compl_json = LogprobsJson(Endpoint::kCompletions, entries, 10);
+  EXPECT_EQ(compl_json["tokens"], json::array({"Hi", "!"}));
+  EXPECT_EQ(compl_json["text_offset"], json::array({10, 12}));
+  EXPECT_FLOAT_EQ(compl_json["top_logprobs"][0]["Ho"].get<float>(), -1.5f);
+}
+
+// #18: response_format: json_object and json_schema become the grammar the
+// engine enforces (schema order kept); unsupported keywords are a 400 naming
+// them.
+TEST(OpenAiApiTest, ResponseFormatBecomesTheResponseGrammar) {
+  CompletionParams p;
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"json_object"}})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.sampling.json_schema, R"({"type":"object"})");
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"json_schema","json_schema":{"name":"n",
+                             "strict":true,"schema":{"type":"object","properties":{
+                             "zeta":{"type":"string"},"alpha":{"type":"integer"}}}}}})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(
+      p.sampling.json_schema,
+      R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}}})");
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                             "response_format":{"type":"text"}})",
+                         &p)
+                   .has_value());
+  EXPECT_TRUE(p.sampling.json_schema.empty());
+  auto bad = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                          "response_format":{"type":"json_schema","json_schema":{"name":"n",
+                          "schema":{"type":"string","pattern":"a+"}}}})",
+                       &p);
+  ASSERT_TRUE(bad.has_value());
+  EXPECT_EQ(bad->http_status, 400);
+  EXPECT_EQ(bad->param, "response_format.json_schema.schema");
+  EXPECT_NE(bad->message.find("'pattern'"), std::string::npos) << bad->message;
+  auto missing = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                              "response_format":{"type":"json_schema"}})",
+                           &p);
+  ASSERT_TRUE(missing.has_value());
+  EXPECT_EQ(missing->param, "response_format.json_schema");
+  auto other = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+                            "response_format":{"type":"yaml"}})",
+                         &p);
+  ASSERT_TRUE(other.has_value());
+  EXPECT_EQ(other->param, "response_format.type");
+  // Completions take it too (as vLLM).
+  ASSERT_FALSE(
+      ParseCompl(R"({"model":"m","prompt":"a","response_format":{"type":"json_object"}})", &p)
+          .has_value());
+  EXPECT_FALSE(p.sampling.json_schema.empty());
+}
+
+// #18: tools. Named and required choices become a tool-call grammar; the
+// functions are described in the system message; history tool calls render.
+TEST(OpenAiApiTest, ToolsAndToolChoice) {
+  const std::string tools = R"("tools":[{"type":"function","function":{"name":"get_weather",
+      "parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}},
+      {"type":"function","function":{"name":"get_time"}}])";
+  CompletionParams p;
+  ASSERT_FALSE(
+      ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                    R"(,"tool_choice":{"type":"function","function":{"name":"get_weather"}}})",
+                &p)
+          .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kNamed);
+  EXPECT_NE(p.sampling.json_schema.find("x-kvrelay-tool-calls"), std::string::npos);
+  EXPECT_EQ(p.sampling.json_schema.find("get_time"), std::string::npos);  // only the named one
+  ASSERT_GE(p.messages.size(), 2u);
+  EXPECT_EQ(p.messages[0].role, "system");
+  EXPECT_NE(p.messages[0].content.find("get_weather"), std::string::npos);
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":"required"})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kRequired);
+  EXPECT_NE(p.sampling.json_schema.find("get_time"), std::string::npos);
+  ASSERT_FALSE(
+      ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools + "}", &p)
+          .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kAuto);
+  EXPECT_TRUE(p.sampling.json_schema.empty());
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                             R"(,"tool_choice":"none"})",
+                         &p)
+                   .has_value());
+  EXPECT_EQ(p.tool_choice, ToolChoice::kNone);
+  EXPECT_EQ(p.messages.size(), 1u);  // nothing described
+  auto unknown = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],)" + tools +
+                               R"(,"tool_choice":{"type":"function","function":{"name":"nope"}}})",
+                           &p);
+  ASSERT_TRUE(unknown.has_value());
+  EXPECT_EQ(unknown->param, "tool_choice.function.name");
+  auto bad_params = ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"}],
+      "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object",
+      "properties":{"a":{"type":"string","pattern":"x"}}}}}]})",
+                              &p);
+  ASSERT_TRUE(bad_params.has_value());
+  EXPECT_EQ(bad_params->param, "tools[0].function.parameters");
+  // History: the assistant's call and the tool's answer.
+  ASSERT_FALSE(ParseChat(R"({"model":"m","messages":[{"role":"user","content":"x"},
+      {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function",
+       "function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},
+      {"role":"tool","tool_call_id":"c1","content":"sunny"}]})",
+                         &p)
+                   .has_value());
+  ASSERT_EQ(p.messages.size(), 3u);
+  EXPECT_EQ(
+      p.messages[1].content,
+      "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>");
+  EXPECT_EQ(p.messages[2].role, "tool");
+  // Extraction.
+  json calls = ExtractToolCalls(R"({"name":"f","arguments":{"a":1}})", ToolChoice::kNamed, "x");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0]["function"]["name"], "f");
+  EXPECT_EQ(calls[0]["function"]["arguments"], R"({"a":1})");
+  EXPECT_TRUE(ExtractToolCalls("hello", ToolChoice::kAuto, "x").is_null());
+  EXPECT_EQ(
+      ExtractToolCalls("ok <tool_call>\n{\"name\":\"g\"}\n</tool_call>", ToolChoice::kAuto, "x")
+          .size(),
+      1u);
 }
 
 }  // namespace

@@ -102,5 +102,62 @@ TEST(SamplerTest, ValidateNamesTheField) {
   EXPECT_NE(p.Validate().message().find("max_tokens"), std::string::npos);
 }
 
+// #18: logit_bias is added to the raw logit before anything else.
+TEST(SamplerTest, LogitBiasMovesTheArgmaxAndCanBanAToken) {
+  SamplingParams p;
+  p.logit_bias = {{1, -100.0f}, {3, -100.0f}, {5, 4.0f}};
+  Sampler s(p);
+  auto l = Logits();
+  EXPECT_EQ(s.Sample(l.data(), 6, {}, 0), 5);  // 0.5 + 4 beats 2
+  SamplingParams ban;
+  ban.temperature = 1.0f;
+  ban.seed = 3;
+  ban.logit_bias = {{1, -100.0f}, {3, -100.0f}};
+  Sampler t(ban);
+  for (int i = 0; i < 200; ++i) {
+    auto m = Logits();
+    const int32_t tok = t.Sample(m.data(), 6, {}, 0);
+    EXPECT_NE(tok, 1);
+    EXPECT_NE(tok, 3);
+  }
+  SamplingParams bad;
+  bad.logit_bias = {{2, 100.5f}};
+  EXPECT_FALSE(bad.Validate().ok());
+}
+
+// #18: logprobs are log_softmax(logits after bias and penalties, at the
+// temperature) for the sampled token and the top alternatives, best first.
+TEST(SamplerTest, LogprobsComeFromTheSamplingDistribution) {
+  for (float temperature : {0.0f, 0.7f}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.top_k = 2;  // truncation does not change the reported distribution
+    p.logprobs = 3;
+    p.logit_bias = {{5, 1.0f}};
+    Sampler s(p);
+    auto l = Logits();
+    TokenLogprobs lp;
+    const int32_t tok = s.Sample(l.data(), 6, {}, 0, &lp);
+    std::vector<double> biased = {1.0, 3.0, 2.0, 3.0, -1.0, 1.5};
+    const double t = temperature > 0 ? temperature : 1.0;
+    double z = 0;
+    for (double x : biased) z += std::exp(x / t);
+    auto expect = [&](int id) { return biased[id] / t - std::log(z); };
+    EXPECT_NEAR(lp.logprob, expect(tok), 1e-5);
+    ASSERT_EQ(lp.top.size(), 3u);
+    EXPECT_EQ(lp.top[0].first, 1);  // ties by id
+    EXPECT_EQ(lp.top[1].first, 3);
+    EXPECT_EQ(lp.top[2].first, 2);
+    for (const auto& [id, v] : lp.top) EXPECT_NEAR(v, expect(id), 1e-5);
+  }
+  SamplingParams off;
+  Sampler s(off);
+  auto l = Logits();
+  TokenLogprobs lp;
+  lp.logprob = 42.0f;
+  s.Sample(l.data(), 6, {}, 0, &lp);
+  EXPECT_EQ(lp.logprob, 42.0f);  // not asked for: untouched
+}
+
 }  // namespace
 }  // namespace kvrelay::engine
