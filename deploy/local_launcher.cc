@@ -60,6 +60,12 @@ Result<uint16_t> PickFreePort() {
 }
 
 void LocalLauncher::Stop() {
+  // A TP group's leader goes first: it leaves the coordinator in order
+  // (WorkerLeaving) and its followers then see their leader's link close,
+  // instead of the leader reporting its group broken.
+  for (const auto& [unit, members] : units_) {
+    if (members.size() > 1) group_.StopChild(members.front(), std::chrono::seconds(5));
+  }
   group_.Stop(std::chrono::seconds(15));
   if (!key_dir_.empty()) {
     // The processes that read it are gone.
