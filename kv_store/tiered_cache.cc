@@ -527,18 +527,26 @@ Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
   m.external_blocks = static_cast<int>(i) - m.pool_blocks;
   if (i < m.hashes.size()) CountMiss(MissReason::kNotFound);  // the stored prefix ends here
   if (m.external_blocks == 0) return 0;
+  return LoadIntoNewBlocks(pool_, m, prefix.tokens, model, tenant_salt, loaded);
+}
+
+Result<int> TieredCache::LoadIntoNewBlocks(engine::KvBlockPool* pool, const PrefixMatch& m,
+                                           std::span<const int32_t> tokens,
+                                           const engine::ModelFingerprint& model,
+                                           std::string_view tenant_salt,
+                                           std::vector<engine::BlockId>* out) {
   std::vector<engine::BlockId> dst;
   for (int k = 0; k < m.external_blocks; ++k) {
-    Result<engine::BlockId> b = pool_->Allocate();
+    Result<engine::BlockId> b = pool->Allocate();
     if (!b.ok()) break;  // pool full: load what fits
     dst.push_back(*b);
   }
   std::shared_ptr<LoadHandle> load =
-      StartLoad(m, prefix.tokens, model, tenant_salt, static_cast<int>(dst.size()));
+      StartLoad(m, tokens, model, tenant_salt, static_cast<int>(dst.size()));
   Result<int> n = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
   const size_t filled = n.ok() ? static_cast<size_t>(*n) : 0;
-  for (size_t k = filled; k < dst.size(); ++k) pool_->Release(dst[k]);
-  loaded->insert(loaded->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));
+  for (size_t k = filled; k < dst.size(); ++k) pool->Release(dst[k]);
+  out->insert(out->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));
   if (!n.ok()) return n.status();
   return static_cast<int>(filled);
 }
@@ -583,19 +591,8 @@ Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<cons
   }
   Result<int> out = 0;
   if (m.external_blocks > 0) {
-    std::vector<engine::BlockId> dst;
-    for (int k = 0; k < m.external_blocks; ++k) {
-      Result<engine::BlockId> b = pool->Allocate();
-      if (!b.ok()) break;  // pool full: restore what fits
-      dst.push_back(*b);
-    }
-    std::shared_ptr<LoadHandle> load =
-        StartLoad(m, tokens, model, tenant_salt, static_cast<int>(dst.size()));
-    Result<int> n = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
-    const size_t filled = n.ok() ? static_cast<size_t>(*n) : 0;
-    for (size_t k = filled; k < dst.size(); ++k) pool->Release(dst[k]);
-    table->insert(table->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));
-    out = n.ok() ? Result<int>(static_cast<int>(filled) * m.block_tokens) : n;
+    Result<int> n = LoadIntoNewBlocks(pool, m, tokens, model, tenant_salt, table);
+    out = n.ok() ? Result<int>(*n * m.block_tokens) : n;
   }
   if (swap) {
     pool_ = attached;

@@ -266,6 +266,14 @@ class TieredCache {
   void PublishMetrics(MetricsRegistry* registry, const MetricLabels& labels);
 
  private:
+  // Allocates up to m.external_blocks blocks of `pool`, loads the run after
+  // m.pool_blocks into them and appends the filled ones to `out` (one
+  // reference each); the rest go back. Returns the number filled.
+  Result<int> LoadIntoNewBlocks(engine::KvBlockPool* pool, const PrefixMatch& m,
+                                std::span<const int32_t> tokens,
+                                const engine::ModelFingerprint& model,
+                                std::string_view tenant_salt, std::vector<engine::BlockId>* out);
+
   struct Note {
     engine::ModelFingerprint model;
     Sha256Digest salt_hash;

@@ -201,27 +201,6 @@ void LaunchedCluster::Stop() {
 
 // ---------------------------------------------------------------- metrics
 
-std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name) {
-  std::map<std::string, double> out;
-  coordinator::HttpCallSpec spec;
-  spec.port = port;
-  spec.target = "/metrics";
-  spec.timeout_ms = 5'000;
-  auto r = coordinator::HttpCall(spec);
-  if (!r.ok() || r->status != 200) return out;
-  std::istringstream in(r->body);
-  std::string line;
-  const std::string prefix = name + "{";
-  while (std::getline(in, line)) {
-    if (line.rfind(prefix, 0) != 0) continue;
-    auto w = line.find("worker=\"");
-    auto close = line.find('}');
-    if (w == std::string::npos || close == std::string::npos) continue;
-    auto wend = line.find('"', w + 8);
-    out[line.substr(w + 8, wend - (w + 8))] = std::strtod(line.c_str() + close + 1, nullptr);
-  }
-  return out;
-}
 
 bool HealthyWith(uint16_t port, const std::vector<std::string>& ids) {
   coordinator::HttpCallSpec spec;

@@ -21,6 +21,7 @@
 
 #include "common/clock.h"
 #include "common/status.h"
+#include "tests/testing/worker_metrics.h"
 
 namespace kvrelay::faults {
 
@@ -69,7 +70,7 @@ class LaunchedCluster {
 };
 
 // GET /metrics: the values of `name` by the `worker` label.
-std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name);
+using testing::WorkerGauge;
 // /health is 200 and lists every id in `ids`.
 bool HealthyWith(uint16_t port, const std::vector<std::string>& ids);
 // Polls `cond` every 20 ms until it holds or `timeout` passes.

@@ -36,9 +36,12 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "tests/testing/openai_client_report.h"
+#include "tests/testing/worker_metrics.h"
 
 namespace kvrelay {
 namespace {
+
+using testing::WorkerGauge;
 
 using nlohmann::json;
 namespace fs = std::filesystem;
@@ -285,29 +288,6 @@ StreamOutcome Stream(uint16_t port, const std::vector<int32_t>& prompt, int max_
   return out;
 }
 
-// Gauge values of one metric, by the `worker` label.
-std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name) {
-  std::map<std::string, double> out;
-  coordinator::HttpCallSpec spec;
-  spec.port = port;
-  spec.target = "/metrics";
-  spec.timeout_ms = 10'000;
-  auto r = coordinator::HttpCall(spec);
-  if (!r.ok() || r->status != 200) return out;
-  std::istringstream in(r->body);
-  std::string line;
-  const std::string prefix = name + "{";
-  while (std::getline(in, line)) {
-    if (line.rfind(prefix, 0) != 0) continue;
-    auto w = line.find("worker=\"");
-    auto close = line.find('}');
-    if (w == std::string::npos || close == std::string::npos) continue;
-    auto wend = line.find('"', w + 8);
-    std::string worker = line.substr(w + 8, wend - (w + 8));
-    out[worker] = std::strtod(line.c_str() + close + 1, nullptr);
-  }
-  return out;
-}
 
 // Polls `cond` until it holds or `timeout` passes.
 // True when the coordinator's /health lists worker `id`.
