@@ -268,6 +268,7 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
 
 void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
   core_->queue_wait->Observe(SecondsSince(r->arrived));
+  r->admitted_at = Clock::now();
   if (!IsActive(r) || client_gone_ || closed_) {
     r->ReleaseSlot();
     if (IsActive(r)) {
@@ -346,6 +347,7 @@ void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& 
     ++r->usage.completion_tokens;
     if (!r->last_token_at) {
       core_->ttft->Observe(std::chrono::duration<double>(at - r->arrived).count());
+      r->first_token_at = at;
     } else {
       core_->itl->Observe(std::chrono::duration<double>(at - *r->last_token_at).count());
     }
@@ -381,6 +383,21 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     }
   }
   core_->e2e->Observe(SecondsSince(r->arrived));
+  core_->request_prompt_tokens->Observe(static_cast<double>(r->usage.prompt_tokens));
+  core_->request_generation_tokens->Observe(static_cast<double>(r->usage.completion_tokens));
+  if (r->first_token_at) {
+    const double prefill_s =
+        r->admitted_at ? std::chrono::duration<double>(*r->first_token_at - *r->admitted_at).count()
+                       : 0.0;
+    const double decode_s = r->last_token_at ? std::chrono::duration<double>(
+                                                   *r->last_token_at - *r->first_token_at)
+                                                   .count()
+                                             : 0.0;
+    if (r->admitted_at) core_->prefill_time->Observe(prefill_s);
+    core_->decode_time->Observe(decode_s);
+    core_->AddThroughput(r->usage.prompt_tokens - r->usage.cached_tokens, prefill_s,
+                         r->usage.completion_tokens, decode_s);
+  }
   core_->prompt_tokens->Increment(r->usage.prompt_tokens);
   core_->generation_tokens->Increment(r->usage.completion_tokens);
   core_->cached_tokens->Increment(r->usage.cached_tokens);

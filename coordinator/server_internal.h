@@ -72,6 +72,14 @@ struct Core {
   Histogram* itl;
   Histogram* e2e;
   Histogram* queue_wait;
+  Histogram* prefill_time;        // admission -> first token
+  Histogram* decode_time;         // first token -> last token
+  Histogram* request_prompt_tokens;
+  Histogram* request_generation_tokens;
+  Gauge* prompt_tokens_per_second;      // as llama.cpp's server: over finished requests
+  Gauge* generation_tokens_per_second;  // (tokens / the seconds spent on them)
+  // Finishes a request's throughput accounting (thread-safe).
+  void AddThroughput(int64_t prompt_tokens, double prefill_s, int64_t generated, double decode_s);
   Counter* prompt_tokens;
   Counter* generation_tokens;
   Counter* cached_tokens;
@@ -86,6 +94,10 @@ struct Core {
   std::mutex worker_totals_mutex;
   std::map<std::string, double> worker_totals;  // guarded: last cumulative value per series
   std::set<std::string> scraped_workers;        // guarded: workers a /metrics scrape has shown
+
+  std::mutex throughput_mutex;
+  double prompt_tokens_sum = 0, prefill_seconds_sum = 0;       // guarded by throughput_mutex
+  double generation_tokens_sum = 0, decode_seconds_sum = 0;    // guarded by throughput_mutex
 
   std::mutex clients_mutex;
   std::map<std::string, int> clients;  // guarded by clients_mutex: open connections per client
@@ -127,6 +139,8 @@ struct RequestState {
   size_t logprob_offset = 0;  // completions text_offset of logprobs[logprobs_sent]
   UsageCounts usage;
   std::optional<TimePoint> last_token_at;
+  std::optional<TimePoint> admitted_at;     // left the admission queue
+  std::optional<TimePoint> first_token_at;
 
   // `session` is read on backend threads: take and drop it under core->mutex.
   std::shared_ptr<Session> GetSession();

@@ -130,7 +130,16 @@ TEST_F(ServerTest, ModelsHealthAndMetrics) {
         "kvrelay_queue_depth{model_name=\"test-model\"} 0",
         "kvrelay_running_requests{model_name=\"test-model\"} 0",
         "kvrelay_worker_kv_utilization{model_name=\"test-model\",worker=\"fake-0\"} 0.25",
-        "kvrelay_prefix_cache_hit_tokens_total", "kvrelay_worker_transfer_bytes"}) {
+        "kvrelay_prefix_cache_hit_tokens_total", "kvrelay_worker_transfer_bytes",
+        // #18: per-phase and per-request size histograms, llama.cpp-style throughput.
+        "kvrelay_request_prefill_time_seconds_count{model_name=\"test-model\"} 1",
+        "kvrelay_request_decode_time_seconds_count{model_name=\"test-model\"} 1",
+        "kvrelay_request_prompt_tokens_count{model_name=\"test-model\"} 1",
+        "kvrelay_request_generation_tokens_count{model_name=\"test-model\"} 1",
+        "kvrelay_request_generation_tokens_bucket{model_name=\"test-model\",le=\"10\"} 0",
+        "kvrelay_request_generation_tokens_bucket{model_name=\"test-model\",le=\"20\"} 1",
+        "# TYPE kvrelay_prompt_tokens_per_second gauge",
+        "# TYPE kvrelay_generation_tokens_per_second gauge"}) {
     EXPECT_NE(metrics.body.find(name), std::string::npos) << name << "\n" << metrics.body;
   }
   EXPECT_EQ(Call("POST", "/health").status, 405);
