@@ -307,6 +307,7 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
     stream_header_->set(http::field::server, "kvrelay");
     stream_header_->set(http::field::content_type, "text/event-stream");
     stream_header_->set(http::field::cache_control, "no-cache");
+    AddCors(*stream_header_);
     stream_header_->set("X-Request-Id", r->ident.id);
     stream_header_->keep_alive(stream_keep_alive_);
     stream_header_->chunked(true);

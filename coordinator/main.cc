@@ -50,6 +50,8 @@ const FlagSpec kSpec = {
      {"request-timeout-ms", "600000", "per-request deadline"},
      {"default-max-tokens", "256", "max_tokens when a request gives none"},
      {"max-queue-delay-ms", "0", "refuse requests queued longer (0 = no limit)"},
+     {"cors-allow-origin", "",
+      "send CORS headers allowing this origin ('*' or e.g. https://app.example); empty = none"},
      {"max-connections", "4096", "open connections at most"},
      {"max-connections-per-client", "1024", "open connections per client address"},
      {"control-port", "", "cluster mode: the workers' control port (0 = pick a free one)"},
@@ -94,6 +96,7 @@ Status Run(const std::vector<std::string>& args) {
     return InvalidArgument("--max-connections and --max-connections-per-client must be >= 1");
   }
   so.max_queue_delay_ms = static_cast<int>(max_queue_delay);
+  so.cors_allow_origin = flags.Get("cors-allow-origin", "");
   so.max_connections = static_cast<int>(max_conn);
   so.max_connections_per_client = static_cast<int>(max_conn_client);
   if (threads < 1 || threads > 256) return InvalidArgument("--threads must be 1..256");

@@ -59,6 +59,9 @@ struct ServerOptions {
   ApiKeys api_keys;                   // empty: no authentication
   PrefixHasher prefix_hasher;         // optional; fills GenerationRequest::prefix_blocks
   int stop_drain_timeout_ms = 5'000;  // Stop(): wait this long for cancelled requests
+  // CORS: the Access-Control-Allow-Origin value ("*" or one origin) sent on
+  // every response, with preflight answers on OPTIONS; empty = no CORS headers.
+  std::string cors_allow_origin;
 };
 
 class Server {

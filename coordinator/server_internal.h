@@ -192,6 +192,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void SendText(http::status status, std::string body, std::string content_type, bool keep_alive,
                 HttpHeaders headers = {});
   void SendNoContent(HttpHeaders headers);
+  // CORS headers (ServerOptions::cors_allow_origin); `allow` = the methods of
+  // a preflight answer (OPTIONS), null for an ordinary response.
+  template <typename Response>
+  void AddCors(Response& res, const char* allow = nullptr) const;
   void SendError(const HttpError& e);
   void SendError(const ApiError& e) { SendError(HttpError{e, {}, false}); }
   template <typename Response>

@@ -335,6 +335,19 @@ void Session::WriteResponse(std::shared_ptr<Response> res, bool keep_alive) {
   }
 }
 
+template <typename Response>
+void Session::AddCors(Response& res, const char* allow) const {
+  const std::string& origin = core_->options.cors_allow_origin;
+  if (origin.empty()) return;
+  res.set(http::field::access_control_allow_origin, origin);
+  if (origin != "*") res.set(http::field::vary, "Origin");
+  if (allow != nullptr) {  // a preflight
+    res.set(http::field::access_control_allow_methods, allow);
+    res.set(http::field::access_control_allow_headers, "Authorization, Content-Type");
+    res.set(http::field::access_control_max_age, "600");
+  }
+}
+
 void Session::SendText(http::status status, std::string body, std::string content_type,
                        bool keep_alive, HttpHeaders headers) {
   if (closed_) return;
@@ -342,6 +355,7 @@ void Session::SendText(http::status status, std::string body, std::string conten
   auto res = std::make_shared<http::response<http::string_body>>(status, info_.version);
   res->set(http::field::server, "kvrelay");
   res->set(http::field::content_type, content_type);
+  AddCors(*res);
   for (auto& [k, v] : headers) res->set(k, v);
   keep_alive = keep_alive && info_.keep_alive && !client_gone_;
   res->keep_alive(keep_alive);
@@ -357,6 +371,11 @@ void Session::SendNoContent(HttpHeaders headers) {
   auto res =
       std::make_shared<http::response<http::empty_body>>(http::status::no_content, info_.version);
   res->set(http::field::server, "kvrelay");
+  std::string allow;
+  for (auto& [k, v] : headers) {
+    if (k == "Allow") allow = v;
+  }
+  AddCors(*res, allow.empty() ? nullptr : allow.c_str());
   for (auto& [k, v] : headers) res->set(k, v);
   const bool keep_alive = info_.keep_alive && !client_gone_;
   res->keep_alive(keep_alive);

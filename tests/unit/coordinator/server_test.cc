@@ -104,6 +104,39 @@ class ServerTest : public ::testing::Test {
   std::unique_ptr<Server> server_;
 };
 
+TEST_F(ServerTest, CorsHeadersOnlyWhenConfigured) {
+  StartServer();
+  HttpCallResult plain = Call("GET", "/v1/models");
+  ASSERT_EQ(plain.status, 200);
+  EXPECT_EQ(plain.headers.count("access-control-allow-origin"), 0u);
+  server_->Stop();
+  server_.reset();
+
+  ServerOptions o;
+  o.cors_allow_origin = "https://app.example";
+  StartServer(o);
+  HttpCallResult models = Call("GET", "/v1/models");
+  ASSERT_EQ(models.status, 200);
+  EXPECT_EQ(models.headers["access-control-allow-origin"], "https://app.example");
+  EXPECT_EQ(models.headers["vary"], "Origin");
+  // A browser's preflight for a JSON POST with an API key.
+  HttpCallResult pre = Call("OPTIONS", "/v1/chat/completions", "",
+                            {{"Origin", "https://app.example"},
+                             {"Access-Control-Request-Method", "POST"},
+                             {"Access-Control-Request-Headers", "authorization, content-type"}});
+  EXPECT_EQ(pre.status, 204);
+  EXPECT_EQ(pre.headers["access-control-allow-origin"], "https://app.example");
+  EXPECT_EQ(pre.headers["access-control-allow-methods"], "POST, OPTIONS");
+  EXPECT_NE(pre.headers["access-control-allow-headers"].find("Authorization"), std::string::npos);
+  // Errors and streams carry it too.
+  EXPECT_EQ(Call("GET", "/nowhere").headers["access-control-allow-origin"], "https://app.example");
+  json req = Chat("hi");
+  req["stream"] = true;
+  HttpCallResult stream = Call("POST", "/v1/chat/completions", req.dump());
+  EXPECT_EQ(stream.status, 200);
+  EXPECT_EQ(stream.headers["access-control-allow-origin"], "https://app.example");
+}
+
 TEST_F(ServerTest, ModelsHealthAndMetrics) {
   StartServer();
   HttpCallResult models = Call("GET", "/v1/models");
