@@ -390,10 +390,10 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     const double prefill_s =
         r->admitted_at ? std::chrono::duration<double>(*r->first_token_at - *r->admitted_at).count()
                        : 0.0;
-    const double decode_s = r->last_token_at ? std::chrono::duration<double>(
-                                                   *r->last_token_at - *r->first_token_at)
-                                                   .count()
-                                             : 0.0;
+    const double decode_s =
+        r->last_token_at
+            ? std::chrono::duration<double>(*r->last_token_at - *r->first_token_at).count()
+            : 0.0;
     if (r->admitted_at) core_->prefill_time->Observe(prefill_s);
     core_->decode_time->Observe(decode_s);
     core_->AddThroughput(r->usage.prompt_tokens - r->usage.cached_tokens, prefill_s,

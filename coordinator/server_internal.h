@@ -72,8 +72,8 @@ struct Core {
   Histogram* itl;
   Histogram* e2e;
   Histogram* queue_wait;
-  Histogram* prefill_time;        // admission -> first token
-  Histogram* decode_time;         // first token -> last token
+  Histogram* prefill_time;  // admission -> first token
+  Histogram* decode_time;   // first token -> last token
   Histogram* request_prompt_tokens;
   Histogram* request_generation_tokens;
   Gauge* prompt_tokens_per_second;      // as llama.cpp's server: over finished requests
@@ -96,8 +96,8 @@ struct Core {
   std::set<std::string> scraped_workers;        // guarded: workers a /metrics scrape has shown
 
   std::mutex throughput_mutex;
-  double prompt_tokens_sum = 0, prefill_seconds_sum = 0;       // guarded by throughput_mutex
-  double generation_tokens_sum = 0, decode_seconds_sum = 0;    // guarded by throughput_mutex
+  double prompt_tokens_sum = 0, prefill_seconds_sum = 0;     // guarded by throughput_mutex
+  double generation_tokens_sum = 0, decode_seconds_sum = 0;  // guarded by throughput_mutex
 
   std::mutex clients_mutex;
   std::map<std::string, int> clients;  // guarded by clients_mutex: open connections per client
@@ -139,7 +139,7 @@ struct RequestState {
   size_t logprob_offset = 0;  // completions text_offset of logprobs[logprobs_sent]
   UsageCounts usage;
   std::optional<TimePoint> last_token_at;
-  std::optional<TimePoint> admitted_at;     // left the admission queue
+  std::optional<TimePoint> admitted_at;  // left the admission queue
   std::optional<TimePoint> first_token_at;
 
   // `session` is read on backend threads: take and drop it under core->mutex.

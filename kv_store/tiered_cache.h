@@ -239,9 +239,8 @@ class TieredCache {
   // so the ones computed next are written through with their tokens. Returns
   // the number of blocks loaded; stops early, without error, when the pool has
   // no free block or a read fails verification.
-  Result<int> LoadMissing(const engine::PrefixLookup& prefix,
-                          const engine::ModelFingerprint& model, std::string_view tenant_salt,
-                          std::vector<engine::BlockId>* loaded);
+  Result<int> LoadMissing(const engine::PrefixLookup& prefix, const engine::ModelFingerprint& model,
+                          std::string_view tenant_salt, std::vector<engine::BlockId>* loaded);
 
   // --- write side ---
   // Write-through of blocks committed since the last call (as many as the
@@ -271,8 +270,8 @@ class TieredCache {
   // reference each); the rest go back. Returns the number filled.
   Result<int> LoadIntoNewBlocks(engine::KvBlockPool* pool, const PrefixMatch& m,
                                 std::span<const int32_t> tokens,
-                                const engine::ModelFingerprint& model,
-                                std::string_view tenant_salt, std::vector<engine::BlockId>* out);
+                                const engine::ModelFingerprint& model, std::string_view tenant_salt,
+                                std::vector<engine::BlockId>* out);
 
   struct Note {
     engine::ModelFingerprint model;

@@ -216,7 +216,8 @@ int LayerStreamReceiver::layers_complete() const {
 
 void LayerStreamReceiver::Invalidate(Status why) {
   for (auto& r : recvs_) {
-    for (auto [h, done] : {std::pair{r.manifest, r.manifest_done}, std::pair{r.data, r.data_done}}) {
+    for (auto [h, done] :
+         {std::pair{r.manifest, r.manifest_done}, std::pair{r.data, r.data_done}}) {
       if (h != 0 && !done && transport_->Cancel(h).code() == StatusCode::kAborted) {
         quarantined_ = true;
       }

@@ -63,8 +63,8 @@ class TransportBase : public Transport {
     RegionCursor cursor;  // receive progress
     size_t received = 0;
     bool cancel_requested = false;
-    int backend_state = 0;  // backend-specific (e.g. MPI: bound to a direct receive)
-    Status backend_error;   // backend-specific: first error seen while backend_state != 0
+    int backend_state = 0;     // backend-specific (e.g. MPI: bound to a direct receive)
+    Status backend_error;      // backend-specific: first error seen while backend_state != 0
     bool quarantined = false;  // ended kAborted: the backend keeps the buffers
   };
   using OpPtr = std::shared_ptr<Op>;
@@ -97,8 +97,7 @@ class TransportBase : public Transport {
   // `peer` is dead: stop touching the buffers of its transfers where the
   // backend can (reset backend_state, may release and retake `lock`, bounded
   // wait). Whatever is still bound afterwards is quarantined by the caller.
-  virtual void AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>& lock) {
-  }
+  virtual void AbandonPeerLocked(int peer, const Status& why, std::unique_lock<std::mutex>& lock) {}
 
   // --- for backends delivering bytes (domain mu held) ---
   // In-order bytes [offset, offset+len) of a `total`-byte transfer `key` arrived.

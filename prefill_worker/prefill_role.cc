@@ -128,8 +128,8 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
   ctx_.counters->queued_tokens += prompt_tokens;
 }
 
-void PrefillRole::LoadPrefix(const engine::RequestSpec& request,
-                             const engine::PrefixLookup& prefix, engine::BlockTable& loaded) {
+void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
+                             engine::BlockTable& loaded) {
   if (!tiered_ || prefix.missing().empty()) return;
   std::vector<BlockId> table;  // one reference each, handed to `loaded`
   auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &table);

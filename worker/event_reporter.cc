@@ -41,7 +41,8 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
   done.set_first_token(ev.token);
   done.set_prompt_tokens(static_cast<uint32_t>(ev.prompt_tokens));
   done.set_cached_prompt_tokens(static_cast<uint32_t>(ev.cached_prompt_tokens));
-  if (ev.has_logprobs && ev.token >= 0) protocols::ToProto(ev.logprobs, done.mutable_first_logprob());
+  if (ev.has_logprobs && ev.token >= 0)
+    protocols::ToProto(ev.logprobs, done.mutable_first_logprob());
   if (ev.finish_reason == engine::FinishReason::kError ||
       ev.finish_reason == engine::FinishReason::kCancelled || ev.token < 0) {
     (void)hand_over_(ev.id, /*deliver=*/false);  // drops a half-sent stream, if any
@@ -69,8 +70,8 @@ void EventReporter::HandOverDone(engine::RequestId id, const Status& status) {
   if (status.ok()) {
     control_->Send(MessageType::kPrefillDone, it->second.done);
   } else {
-    control_->SendFinish(id, proto::Finish::REASON_ERROR, status.WithContext("KV transfer to decode"),
-                         it->second.prompt_tokens);
+    control_->SendFinish(id, proto::Finish::REASON_ERROR,
+                         status.WithContext("KV transfer to decode"), it->second.prompt_tokens);
   }
   handing_over_.erase(it);
 }

@@ -24,9 +24,9 @@ namespace kvrelay::worker {
 
 // Cumulative figures a role adds to; the heartbeat reports them.
 struct WorkerCounters {
-  int64_t transfer_bytes = 0;   // KV bytes sent or received
-  double transfer_seconds = 0;  // spent waiting for KV transfers
-  int64_t queued_tokens = 0;    // prompt tokens accepted but not yet prefilled
+  int64_t transfer_bytes = 0;      // KV bytes sent or received
+  double transfer_seconds = 0;     // spent waiting for KV transfers
+  int64_t queued_tokens = 0;       // prompt tokens accepted but not yet prefilled
   int64_t quarantined_blocks = 0;  // KV blocks kept forever (a dead peer's transfer holds them)
 };
 

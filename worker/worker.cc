@@ -175,10 +175,10 @@ Status Worker::OnPeerLost(const protocols::Frame& frame) {
     const int peer = static_cast<int>(r);
     if (peer == options_.rank || peer >= base_.transport->world_size()) continue;
     ranks.push_back(peer);
-    base_.transport->AbandonPeer(peer, Unavailable("worker " + m.worker_id().substr(0, 64) +
-                                                   " (data-plane rank " + std::to_string(peer) +
-                                                   ") was dropped by the coordinator: " +
-                                                   m.reason().substr(0, 200)));
+    base_.transport->AbandonPeer(
+        peer, Unavailable("worker " + m.worker_id().substr(0, 64) + " (data-plane rank " +
+                          std::to_string(peer) +
+                          ") was dropped by the coordinator: " + m.reason().substr(0, 200)));
   }
   role_->OnPeersLost(ranks);
   return Status::Ok();

@@ -82,9 +82,7 @@ struct PrefixLookup {
   std::span<const BlockHash> hashes;
   int64_t first = 0;
   int block_tokens = 0;
-  std::span<const BlockHash> missing() const {
-    return hashes.subspan(static_cast<size_t>(first));
-  }
+  std::span<const BlockHash> missing() const { return hashes.subspan(static_cast<size_t>(first)); }
 };
 
 struct KvEvent {

@@ -603,8 +603,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
     TokenEvent ev;
-    const int32_t token =
-        s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
+    const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
     ev.has_logprobs = s.spec.sampling.logprobs >= 0;
     s.tokens.push_back(token);
     ++s.n_generated;

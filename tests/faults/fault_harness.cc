@@ -201,7 +201,6 @@ void LaunchedCluster::Stop() {
 
 // ---------------------------------------------------------------- metrics
 
-
 bool HealthyWith(uint16_t port, const std::vector<std::string>& ids) {
   coordinator::HttpCallSpec spec;
   spec.port = port;

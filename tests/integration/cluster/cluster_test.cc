@@ -288,7 +288,6 @@ StreamOutcome Stream(uint16_t port, const std::vector<int32_t>& prompt, int max_
   return out;
 }
 
-
 // Polls `cond` until it holds or `timeout` passes.
 // True when the coordinator's /health lists worker `id`.
 bool Registered(uint16_t port, const std::string& id) {

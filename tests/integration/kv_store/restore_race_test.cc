@@ -164,8 +164,8 @@ class TierConnector final : public engine::KvConnector {
     // The engine's pool hits end where its missing blocks start, and its
     // hashes are the tiers' hashes.
     EXPECT_EQ(static_cast<int64_t>(m.pool_blocks), prefix.first);
-    EXPECT_TRUE(std::equal(prefix.hashes.begin(), prefix.hashes.end(), m.hashes.begin(),
-                           m.hashes.end()));
+    EXPECT_TRUE(
+        std::equal(prefix.hashes.begin(), prefix.hashes.end(), m.hashes.begin(), m.hashes.end()));
     engine::BlockTable dst(loaded.pool());
     for (int k = 0; k < m.external_blocks; ++k) {
       auto b = loaded.pool()->Allocate();

@@ -94,8 +94,8 @@ int RunSurvivor(MpiTransport* t, pid_t victim) {
   const auto stop = Clock::now();
   t->Shutdown();
   const double shutdown_s = SecondsSince(stop);
-  Check(shutdown_s < 2.0, "Shutdown did not wait for abandoned requests (" +
-                              std::to_string(shutdown_s) + " s)");
+  Check(shutdown_s < 2.0,
+        "Shutdown did not wait for abandoned requests (" + std::to_string(shutdown_s) + " s)");
   return failures == 0 ? 0 : 1;
 }
 

@@ -139,7 +139,8 @@ TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock
   other[2 * 8] ^= 1;
   got.clear();
   auto none = cache.LoadMissing({other, hashes, 2, 8}, model, kSalt, &got);
-  EXPECT_TRUE(none.ok() && *none == 0) << (none.ok() ? std::to_string(*none) : none.status().ToString());
+  EXPECT_TRUE(none.ok() && *none == 0)
+      << (none.ok() ? std::to_string(*none) : none.status().ToString());
   EXPECT_TRUE(got.empty());
   // A lookup in another block size is refused, not misread.
   auto bad = cache.LoadMissing({tokens, hashes, 2, 16}, model, kSalt, &got);
