@@ -132,19 +132,34 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
         BadRequest("cannot tokenize the prompt: " + tokens.status().message(), prompt_param));
   }
   if (tokens->empty()) return SendError(BadRequest("the prompt is empty", prompt_param));
-  if (static_cast<int64_t>(tokens->size()) > opt.max_prompt_tokens) {
+  // A batched completion: prompts 1.. (choice i * n + j answers prompt i).
+  // Every prompt must fit; the limits below are checked on the longest.
+  std::vector<std::vector<int32_t>> batch;
+  for (int b = 1; b < p.batch_size(); ++b) {
+    Result<std::vector<int32_t>> t =
+        p.prompt_is_tokens ? Result<std::vector<int32_t>>(p.batch_prompt_token_ids[b])
+                           : core_->codec->Encode(p.batch_prompts[b], /*add_special=*/true);
+    const std::string where = "prompt[" + std::to_string(b) + "]";
+    if (!t.ok()) {
+      return SendError(BadRequest("cannot tokenize " + where + ": " + t.status().message(), where));
+    }
+    if (t->empty()) return SendError(BadRequest(where + " is empty", where));
+    batch.push_back(std::move(*t));
+  }
+  size_t longest = tokens->size();
+  for (const auto& t : batch) longest = std::max(longest, t.size());
+  if (static_cast<int64_t>(longest) > opt.max_prompt_tokens) {
     // 400 as OpenAI answers context_length_exceeded (a 413 is what the
     // official clients take for a body the proxy refused).
-    return SendError(BadRequest("the prompt has " + std::to_string(tokens->size()) +
-                                    " tokens; at most " + std::to_string(opt.max_prompt_tokens) +
-                                    " are allowed",
+    return SendError(BadRequest("the prompt has " + std::to_string(longest) + " tokens; at most " +
+                                    std::to_string(opt.max_prompt_tokens) + " are allowed",
                                 prompt_param, "context_length_exceeded"));
   }
   const std::vector<WorkerInfo> workers = core_->backend->Workers();
   if (!p.max_tokens_given) {
     // No max_tokens: the default, lowered to what fits (never refused for
     // it); a default of 0 means all the room left (as vLLM).
-    const int64_t n = static_cast<int64_t>(tokens->size());
+    const int64_t n = static_cast<int64_t>(longest);
     int64_t room = std::numeric_limits<int32_t>::max();
     if (opt.max_context_tokens > 0) room = opt.max_context_tokens - n;
     if (auto pool = LargestDecodePool(workers)) room = std::min(room, *pool - n);
@@ -158,15 +173,15 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
     r->params.max_tokens = static_cast<int>(std::min(want, room));
   }
   if (opt.max_context_tokens > 0 &&
-      static_cast<int64_t>(tokens->size()) + p.max_tokens > opt.max_context_tokens) {
-    return SendError(BadRequest("prompt (" + std::to_string(tokens->size()) +
+      static_cast<int64_t>(longest) + p.max_tokens > opt.max_context_tokens) {
+    return SendError(BadRequest("prompt (" + std::to_string(longest) +
                                     " tokens) plus max_tokens (" + std::to_string(p.max_tokens) +
                                     ") exceeds the context length " +
                                     std::to_string(opt.max_context_tokens),
                                 "max_tokens", "context_length_exceeded"));
   }
-  if (auto reason = NeverFits(workers, static_cast<int64_t>(tokens->size()), p.max_tokens,
-                              opt.max_context_tokens)) {
+  if (auto reason =
+          NeverFits(workers, static_cast<int64_t>(longest), p.max_tokens, opt.max_context_tokens)) {
     return SendError(BadRequest(*reason, "max_tokens", "context_length_exceeded"));
   }
 
@@ -197,22 +212,30 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
         (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   }
   std::vector<std::shared_ptr<RequestState>> choices = {r};
-  for (int i = 1; i < p.n; ++i) {
+  for (int i = 1; i < p.batch_size() * p.n; ++i) {
     auto c = std::make_shared<RequestState>();
     c->core = core_;
     c->arrived = r->arrived;
     c->params = r->params;
     c->ident = r->ident;
     c->index = i;
+    c->prompt_index = i / p.n;
     c->id = core_->next_id.fetch_add(1);
     c->generation = r->generation;
     c->generation.id = c->id;
     c->generation.sampling.seed = g.sampling.seed + static_cast<uint64_t>(i);
     c->usage.prompt_tokens = r->usage.prompt_tokens;
+    c->text = r->text;
+    if (c->prompt_index > 0) {
+      const std::vector<int32_t>& prompt = batch[static_cast<size_t>(c->prompt_index - 1)];
+      c->generation.prompt = prompt;
+      if (opt.prefix_hasher) c->generation.prefix_blocks = opt.prefix_hasher(prompt, tenant);
+      c->usage.prompt_tokens = static_cast<int>(prompt.size());
+      c->text = p.echo && !p.prompt_is_tokens ? p.batch_prompts[c->prompt_index] : "";
+    }
     c->decoder = core_->codec->NewDecoder();
     c->matcher.emplace(p.stop);
-    c->text = r->text;
-    c->logprob_offset = r->logprob_offset;
+    c->logprob_offset = c->text.size();
     choices.push_back(std::move(c));
   }
   {
@@ -222,7 +245,10 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   active_ = choices;
   results_.assign(choices.size(), ChoiceResult{});
   total_usage_ = UsageCounts{};
-  total_usage_.prompt_tokens = r->usage.prompt_tokens;
+  prompt_usage_.assign(static_cast<size_t>(p.batch_size()), UsageCounts{});
+  for (const auto& c : choices) {
+    prompt_usage_[static_cast<size_t>(c->prompt_index)].prompt_tokens = c->usage.prompt_tokens;
+  }
   stream_started_ = false;
   stream_keep_alive_ = info_.keep_alive;
 
@@ -371,6 +397,17 @@ void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& 
   if (ev.finished) Finish(r, ev);
 }
 
+UsageCounts Session::TotalUsage() const {
+  UsageCounts u = total_usage_;  // completion tokens of every choice
+  u.prompt_tokens = 0;
+  u.cached_tokens = 0;
+  for (const UsageCounts& pu : prompt_usage_) {  // each prompt once, whatever n
+    u.prompt_tokens += pu.prompt_tokens;
+    u.cached_tokens += pu.cached_tokens;
+  }
+  return u;
+}
+
 void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& ev) {
   r->done = true;
   FinishReason finish = r->stopped ? FinishReason::kStop : ev.finish_reason;
@@ -410,8 +447,11 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
       ->Increment();
   Forget(r);
   total_usage_.completion_tokens += r->usage.completion_tokens;
-  total_usage_.cached_tokens = std::max(total_usage_.cached_tokens, r->usage.cached_tokens);
-  if (r->usage.prompt_tokens > 0) total_usage_.prompt_tokens = r->usage.prompt_tokens;
+  if (static_cast<size_t>(r->prompt_index) < prompt_usage_.size()) {
+    UsageCounts& pu = prompt_usage_[static_cast<size_t>(r->prompt_index)];
+    pu.cached_tokens = std::max(pu.cached_tokens, r->usage.cached_tokens);
+    if (r->usage.prompt_tokens > 0) pu.prompt_tokens = r->usage.prompt_tokens;
+  }
   if (client_gone_) {
     if (active_.empty()) Close();
     return;
@@ -471,11 +511,11 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
   if (!active_.empty()) return;  // other choices still running
   if (!p.stream) {
     return SendJson(http::status::ok,
-                    CompletionResponseJson(p.endpoint, r->ident, results_, total_usage_));
+                    CompletionResponseJson(p.endpoint, r->ident, results_, TotalUsage()));
   }
   if (p.include_usage) {
     QueueOut(
-        {OutItem::kChunk, SseEvent(DumpJson(UsageChunkJson(p.endpoint, r->ident, total_usage_)))});
+        {OutItem::kChunk, SseEvent(DumpJson(UsageChunkJson(p.endpoint, r->ident, TotalUsage())))});
   }
   QueueOut({OutItem::kChunk, std::string(kSseDone)});
   QueueOut({OutItem::kLast, ""});

@@ -240,30 +240,47 @@ std::optional<ApiError> ParsePrompt(const json& body, CompletionParams* out) {
   }
   if (prompt->empty()) return BadRequest("'prompt' must not be empty", "prompt", "invalid_value");
   if ((*prompt)[0].is_string()) {
-    if (prompt->size() > 1) {
-      return BadRequest("batched prompts (an array of " + std::to_string(prompt->size()) +
-                            " strings) are not supported; send one prompt per request",
-                        "prompt", "unsupported_value");
+    for (size_t i = 0; i < prompt->size(); ++i) {
+      const json& t = (*prompt)[i];
+      if (!t.is_string()) {
+        return WrongType("prompt[" + std::to_string(i) + "]", "a string (like prompt[0])", t);
+      }
+      out->batch_prompts.push_back(t.get<std::string>());
     }
-    out->prompt = (*prompt)[0].get<std::string>();
+    out->prompt = out->batch_prompts.front();
+    if (out->batch_prompts.size() == 1) out->batch_prompts.clear();
     return std::nullopt;
   }
-  if ((*prompt)[0].is_array()) {
-    return BadRequest("batched token prompts are not supported; send one prompt per request",
-                      "prompt", "unsupported_value");
-  }
-  for (size_t i = 0; i < prompt->size(); ++i) {
-    const json& t = (*prompt)[i];
-    std::string field = "prompt[" + std::to_string(i) + "]";
-    if (!t.is_number_integer()) return WrongType(field, "an integer token id", t);
-    int64_t id = t.get<int64_t>();
-    if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
-      return BadRequest("'" + field + "' is not a valid token id", field, "invalid_value");
+  auto token_ids = [](const json& arr, const std::string& where,
+                      std::vector<int32_t>* ids) -> std::optional<ApiError> {
+    if (!arr.is_array() || arr.empty())
+      return WrongType(where, "a non-empty array of token ids", arr);
+    for (size_t i = 0; i < arr.size(); ++i) {
+      const json& t = arr[i];
+      std::string field = where + "[" + std::to_string(i) + "]";
+      if (!t.is_number_integer()) return WrongType(field, "an integer token id", t);
+      int64_t id = t.get<int64_t>();
+      if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
+        return BadRequest("'" + field + "' is not a valid token id", field, "invalid_value");
+      }
+      ids->push_back(static_cast<int32_t>(id));
     }
-    out->prompt_token_ids.push_back(static_cast<int32_t>(id));
-  }
+    return std::nullopt;
+  };
   out->prompt_is_tokens = true;
-  return std::nullopt;
+  if ((*prompt)[0].is_array()) {
+    for (size_t i = 0; i < prompt->size(); ++i) {
+      std::vector<int32_t> ids;
+      if (auto err = token_ids((*prompt)[i], "prompt[" + std::to_string(i) + "]", &ids)) {
+        return err;
+      }
+      out->batch_prompt_token_ids.push_back(std::move(ids));
+    }
+    out->prompt_token_ids = out->batch_prompt_token_ids.front();
+    if (out->batch_prompt_token_ids.size() == 1) out->batch_prompt_token_ids.clear();
+    return std::nullopt;
+  }
+  return token_ids(*prompt, "prompt", &out->prompt_token_ids);
 }
 
 // OpenAI logit_bias: {"<token id>": bias in [-100, 100]}. Ids are checked
@@ -611,6 +628,12 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
           "n", "unsupported_value");
     }
     out->n = static_cast<int>(*i);
+  }
+  if (out->batch_size() * out->n > limits.max_n) {
+    return BadRequest(std::to_string(out->batch_size()) +
+                          " prompts x n = " + std::to_string(out->n) + " choices; at most " +
+                          std::to_string(limits.max_n) + " per request",
+                      "prompt", "unsupported_value");
   }
 
   if (const json* stop = Field(body, "stop")) {

@@ -59,6 +59,15 @@ struct CompletionParams {
   std::string prompt;                     // completions, text prompt
   std::vector<int32_t> prompt_token_ids;  // completions, pre-tokenized prompt
   bool prompt_is_tokens = false;
+  // completions with several prompts (an array of strings or of token
+  // arrays): every prompt, the first one also in prompt / prompt_token_ids.
+  // Choice i * n + j answers prompt i (OpenAI's order).
+  std::vector<std::string> batch_prompts;
+  std::vector<std::vector<int32_t>> batch_prompt_token_ids;
+  int batch_size() const {
+    return static_cast<int>(prompt_is_tokens ? std::max<size_t>(1, batch_prompt_token_ids.size())
+                                             : std::max<size_t>(1, batch_prompts.size()));
+  }
   int max_tokens = 0;
   bool max_tokens_given = false;  // false: the server may lower max_tokens to what fits
   // temperature, top_p, top_k, min_p, penalties, ignore_eos, logit_bias,

@@ -117,7 +117,8 @@ struct RequestState {
   std::shared_ptr<Core> core;
   std::shared_ptr<Session> session;  // guarded by core->mutex; reset when the request ends
   uint64_t id = 0;
-  int index = 0;  // which of the request's n choices
+  int index = 0;         // which of the request's choices (prompt_index * n + j)
+  int prompt_index = 0;  // which prompt of a batched completion it answers
   CompletionParams params;
   GenerationRequest generation;
   ResponseIdentity ident;
@@ -243,11 +244,13 @@ class Session : public std::enable_shared_from_this<Session> {
   // The choices (n of them, in index order) of the generation in progress;
   // empty when none. A choice leaves the list when it ends.
   std::vector<std::shared_ptr<RequestState>> active_;
-  std::vector<ChoiceResult> results_;  // per choice, for the non-streaming answer
-  UsageCounts total_usage_;            // summed over the finished choices
-  bool stream_started_ = false;        // the SSE header is queued
-  bool watching_ = false;              // a disconnect-watch read is pending
-  bool resume_read_ = false;           // start the next request read when the watch returns
+  std::vector<ChoiceResult> results_;      // per choice, for the non-streaming answer
+  UsageCounts total_usage_;                // completion tokens summed over the finished choices
+  std::vector<UsageCounts> prompt_usage_;  // per prompt: its prompt and cached tokens (once)
+  UsageCounts TotalUsage() const;
+  bool stream_started_ = false;  // the SSE header is queued
+  bool watching_ = false;        // a disconnect-watch read is pending
+  bool resume_read_ = false;     // start the next request read when the watch returns
   bool client_gone_ = false;
   bool closed_ = false;
 

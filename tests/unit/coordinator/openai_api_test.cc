@@ -93,6 +93,31 @@ struct BadCase {
   const char* needle;  // must appear in the message
 };
 
+TEST(OpenAiApiTest, PromptArraysAreBatchedCompletions) {
+  CompletionParams p;
+  auto err = ParseCompletionRequest(Endpoint::kCompletions,
+                                    R"({"model":"m","prompt":["one","two","three"],"n":2})",
+                                    ApiLimits{}, &p);
+  ASSERT_FALSE(err.has_value()) << err->message;
+  EXPECT_EQ(p.batch_size(), 3);
+  EXPECT_EQ(p.prompt, "one");
+  EXPECT_EQ(p.batch_prompts, (std::vector<std::string>{"one", "two", "three"}));
+  CompletionParams t;
+  err = ParseCompletionRequest(Endpoint::kCompletions, R"({"model":"m","prompt":[[1,2],[3]]})",
+                               ApiLimits{}, &t);
+  ASSERT_FALSE(err.has_value()) << err->message;
+  EXPECT_TRUE(t.prompt_is_tokens);
+  EXPECT_EQ(t.batch_size(), 2);
+  EXPECT_EQ(t.prompt_token_ids, (std::vector<int32_t>{1, 2}));
+  // One prompt in an array is an ordinary request.
+  CompletionParams one;
+  err = ParseCompletionRequest(Endpoint::kCompletions, R"({"model":"m","prompt":["solo"]})",
+                               ApiLimits{}, &one);
+  ASSERT_FALSE(err.has_value());
+  EXPECT_EQ(one.batch_size(), 1);
+  EXPECT_EQ(one.prompt, "solo");
+}
+
 TEST(OpenAiApiTest, EachErrorNamesTheField) {
   const BadCase cases[] = {
       {Endpoint::kChatCompletions, R"({"model":"m",)", "", "not valid JSON"},
@@ -174,8 +199,10 @@ TEST(OpenAiApiTest, EachErrorNamesTheField) {
        R"({"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
        "tools[0].function", "is required"},
       {Endpoint::kCompletions, R"({"model":"m"})", "prompt", "'prompt'"},
-      {Endpoint::kCompletions, R"({"model":"m","prompt":["a","b"]})", "prompt", "not supported"},
-      {Endpoint::kCompletions, R"({"model":"m","prompt":[[1],[2]]})", "prompt", "not supported"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":["a",1]})", "prompt[1]", "string"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":[[1],[]]})", "prompt[1]", "non-empty"},
+      {Endpoint::kCompletions, R"({"model":"m","prompt":["a","b","c","d","e"],"n":4})", "prompt",
+       "at most 16"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":[1,"x"]})", "prompt[1]", "prompt[1]"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":[-3]})", "prompt[0]", "token id"},
       {Endpoint::kCompletions, R"({"model":"m","prompt":{}})", "prompt", "string"},

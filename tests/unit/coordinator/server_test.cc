@@ -10,6 +10,7 @@
 #include <future>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "coordinator/http_client.h"
@@ -177,6 +178,53 @@ TEST_F(ServerTest, ModelsHealthAndMetrics) {
   }
   EXPECT_EQ(Call("POST", "/health").status, 405);
   EXPECT_EQ(Call("GET", "/v1/chat/completions").status, 405);
+}
+
+TEST_F(ServerTest, PromptArrayIsOneChoicePerPromptAndN) {
+  FakeBackend::Options bo;
+  bo.cached_tokens = 1;
+  StartServer({}, bo);
+  // Three prompts x n = 2: choices 2i and 2i + 1 answer prompt i; usage counts each prompt once.
+  json c = CallJson("/v1/completions",
+                    {{"model", "test-model"},
+                     {"prompt", {"ab", "cde", "f"}},
+                     {"n", 2},
+                     {"max_tokens", 5},
+                     {"seed", 3}},
+                    200);
+  ASSERT_EQ(c["choices"].size(), 6u);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(c["choices"][i]["index"], i);
+    EXPECT_EQ(c["choices"][i]["text"], "Hello");
+  }
+  EXPECT_EQ(c["usage"]["prompt_tokens"], 2 + 3 + 1);
+  EXPECT_EQ(c["usage"]["completion_tokens"], 6 * 5);
+  EXPECT_EQ(c["usage"]["prompt_tokens_details"]["cached_tokens"], 3);  // 1 per prompt
+  auto sub = backend_->submitted();
+  ASSERT_EQ(sub.size(), 6u);
+  std::multiset<std::string> prompts;
+  std::set<uint64_t> seeds;
+  for (const auto& g : sub) {
+    prompts.insert(std::string(g.prompt.begin(), g.prompt.end()));
+    seeds.insert(g.sampling.seed);
+  }
+  EXPECT_EQ(prompts, (std::multiset<std::string>{"ab", "ab", "cde", "cde", "f", "f"}));
+  EXPECT_EQ(seeds.size(), 6u);  // every choice samples on its own
+  // Streamed: every chunk carries its choice index, each index ends once.
+  json req = {
+      {"model", "test-model"}, {"prompt", {"ab", "cde"}}, {"max_tokens", 3}, {"stream", true}};
+  HttpCallResult st = Call("POST", "/v1/completions", req.dump());
+  ASSERT_EQ(st.status, 200);
+  std::map<int, int> finished;
+  std::istringstream lines(st.body);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: {", 0) != 0) continue;
+    json chunk = json::parse(line.substr(6));
+    for (const auto& ch : chunk["choices"]) {
+      if (!ch["finish_reason"].is_null()) ++finished[ch["index"].get<int>()];
+    }
+  }
+  EXPECT_EQ(finished, (std::map<int, int>{{0, 1}, {1, 1}}));
 }
 
 TEST_F(ServerTest, NonStreamingChatAndCompletion) {
