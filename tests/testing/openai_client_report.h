@@ -77,6 +77,18 @@ inline void ExpectOpenAiClientReport(const nlohmann::json& j, const std::string&
   // logit_bias +100 on one token: it is all the model says.
   EXPECT_EQ(j["logit_bias"]["completion_tokens"], 4);
   EXPECT_NE(j["logit_bias"]["text"], j["completion"]["text"]);
+  // Structured output: valid for the strict schema, whole and streamed alike.
+  const auto& so = j["structured"];
+  ASSERT_TRUE(so["parsed"].is_object()) << so.dump();
+  EXPECT_EQ(so["parsed"].size(), 2u) << so.dump();
+  EXPECT_TRUE(so["parsed"]["city"].is_string()) << so.dump();
+  EXPECT_TRUE(so["parsed"]["population"].is_number_integer()) << so.dump();
+  EXPECT_EQ(so["finish_reason"], "stop") << so.dump();
+  EXPECT_EQ(so["stream_equal"], true) << so.dump();
+  // A prompt array: one choice per prompt, each as if sent alone.
+  EXPECT_EQ(j["prompt_array"]["indices"], nlohmann::json::array({0, 1}));
+  EXPECT_EQ(j["prompt_array"]["second_equals_solo"], true);
+  EXPECT_GT(j["prompt_array"]["prompt_tokens"].get<int>(), 8);
 }
 
 }  // namespace kvrelay::testing

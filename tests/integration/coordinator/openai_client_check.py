@@ -141,6 +141,28 @@ def main() -> int:
     out["tool_followup"] = {"content": followup.choices[0].message.content,
                             "tool_calls": followup.choices[0].message.tool_calls}
 
+    # #18: structured output through the client (strict json_schema), whole and streamed.
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    ask_city = [{"role": "user", "content": "Name a large city and its population as JSON."}]
+    so = client.chat.completions.create(model=model, messages=ask_city, max_tokens=48,
+                                        temperature=0, response_format=rf)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=ask_city, max_tokens=48, temperature=0, response_format=rf,
+        stream=True) if c.choices)
+    out["structured"] = {"parsed": json.loads(so.choices[0].message.content),
+                         "finish_reason": so.choices[0].finish_reason,
+                         "stream_equal": streamed == so.choices[0].message.content}
+    # #18: a prompt array on /v1/completions: one choice per prompt, in order.
+    batch = client.completions.create(model=model, prompt=["The capital of France is", "1, 2, 3,"],
+                                      max_tokens=6, temperature=0)
+    solo = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=6, temperature=0)
+    out["prompt_array"] = {"indices": [c.index for c in batch.choices],
+                           "second_equals_solo": batch.choices[1].text == solo.choices[0].text,
+                           "prompt_tokens": batch.usage.prompt_tokens}
+
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
         out["unknown_model"] = "accepted"
