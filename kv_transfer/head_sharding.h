@@ -17,8 +17,11 @@ struct HeadRange {
 };
 
 // Contiguous split of `kv_heads` over `tp_size` ranks; the first
-// kv_heads % tp_size ranks get one extra head. InvalidArgument when
-// tp_size < 1, tp_size > kv_heads or rank outside [0, tp_size).
+// kv_heads % tp_size ranks get one extra head. With more ranks than heads
+// (tp_size a multiple of kv_heads) every head is replicated: rank r holds head
+// r / (tp_size / kv_heads) alone, the KV head its query heads share
+// (engine::ShardAttentionHeads). InvalidArgument when tp_size < 1, tp_size >
+// kv_heads and not a multiple of it, or rank outside [0, tp_size).
 Result<HeadRange> ShardHeads(int kv_heads, int tp_size, int tp_rank);
 
 // One piece of a re-sharded transfer: heads `global` go from src_rank (where
@@ -31,8 +34,10 @@ struct HeadRoute {
   HeadRange dst_local;
 };
 
-// Every (src, dst) overlap of the two shardings, ordered by dst_rank then
-// head; together they cover each head exactly once.
+// What each dst rank receives from which src rank, ordered by dst_rank then
+// head: together the routes give every dst rank each of its heads exactly
+// once. A head held by several src ranks (replicated) comes from the first of
+// them; a head held by several dst ranks is sent to each.
 Result<std::vector<HeadRoute>> PlanHeadRoutes(int kv_heads, int src_tp, int dst_tp);
 
 }  // namespace kvrelay::kv_transfer

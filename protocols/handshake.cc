@@ -43,7 +43,11 @@ Status ValidatePeerConfig(const PeerConfig& c) {
   if (c.kv_heads <= 0) return bad("kv_heads", c.kv_heads);
   if (c.head_dim <= 0) return bad("head_dim", c.head_dim);
   if (c.block_tokens <= 0) return bad("block_tokens", c.block_tokens);
-  if (c.tp_size <= 0 || c.tp_size > c.kv_heads) return bad("tp_size", c.tp_size);
+  // More ranks than KV heads replicate them (kv_transfer::ShardHeads): the
+  // size must then be a multiple of the heads.
+  if (c.tp_size <= 0 || (c.tp_size > c.kv_heads && c.tp_size % c.kv_heads != 0)) {
+    return bad("tp_size", c.tp_size);
+  }
   if (c.tp_rank < 0 || c.tp_rank >= c.tp_size) return bad("tp_rank", c.tp_rank);
   if (static_cast<int>(c.kv_dtype) > static_cast<int>(engine::KvDtype::kKivi2)) {
     return bad("kv_dtype", static_cast<int>(c.kv_dtype));

@@ -238,11 +238,13 @@ Status CudaBackend::Init() {
   theta_scale_ = std::pow(c.rope_base, -2.0f / static_cast<float>(c.rope_dim));
   const TensorParallelShard& shard = model_.shard();
   const ModelConfig& full = model_.full_config();
-  const int group = full.n_heads / full.n_kv_heads;
   const int ffn_unit = full.ffn_dim / model_.ffn_units();
   for (int r = 0; r < shard.size; ++r) {
-    const UnitRange h = Split(full.n_kv_heads, shard.size, r);
-    q_cols_.push_back({h.begin * group * full.head_dim, h.end * group * full.head_dim});
+    // The query heads of every rank, replicated KV heads included (model.h).
+    ASSIGN_OR_RETURN(const AttentionHeadShard heads,
+                     ShardAttentionHeads(full.n_heads, full.n_kv_heads, shard.size, r));
+    const UnitRange h = heads.q;
+    q_cols_.push_back({h.begin * full.head_dim, h.end * full.head_dim});
     const UnitRange f = Split(model_.ffn_units(), shard.size, r);
     ffn_cols_.push_back({f.begin * ffn_unit, f.end * ffn_unit});
   }

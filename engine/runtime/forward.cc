@@ -54,11 +54,15 @@ ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* thre
   // Column ranges of every rank's head outputs and FFN activations.
   const TensorParallelShard& shard = model_.shard();
   const ModelConfig& full = model_.full_config();
-  const int group = full.n_heads / full.n_kv_heads;
   const int ffn_unit = full.ffn_dim / model_.ffn_units();
   for (int r = 0; r < shard.size; ++r) {
-    const UnitRange h = SplitUnits(full.n_kv_heads, shard.size, r);
-    q_cols_.push_back({h.begin * group * full.head_dim, h.end * group * full.head_dim});
+    // The model loaded, so its shard (and every rank's) is a valid one.
+    const UnitRange h = shard.size == 1
+                            ? UnitRange{0, full.n_heads}
+                            : ShardAttentionHeads(full.n_heads, full.n_kv_heads, shard.size, r)
+                                  .value()
+                                  .q;
+    q_cols_.push_back({h.begin * full.head_dim, h.end * full.head_dim});
     const UnitRange f = SplitUnits(model_.ffn_units(), shard.size, r);
     ffn_cols_.push_back({f.begin * ffn_unit, f.end * ffn_unit});
   }

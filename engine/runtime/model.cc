@@ -32,24 +32,45 @@ UnitRange SplitUnits(int units, int size, int rank) {
   return r;
 }
 
+Result<AttentionHeadShard> ShardAttentionHeads(int n_heads, int n_kv_heads, int size, int rank) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return InvalidArgument("tensor-parallel rank " + std::to_string(rank) + " of size " +
+                           std::to_string(size) + " is not a valid shard");
+  }
+  if (n_kv_heads < 1 || n_heads % n_kv_heads != 0) {
+    return InvalidArgument(std::to_string(n_heads) + " query heads do not form groups over " +
+                           std::to_string(n_kv_heads) + " KV heads");
+  }
+  const int group = n_heads / n_kv_heads;
+  AttentionHeadShard s;
+  if (size <= n_kv_heads) {
+    s.kv = SplitUnits(n_kv_heads, size, rank);
+    s.q = {s.kv.begin * group, s.kv.end * group};
+    return s;
+  }
+  if (size % n_kv_heads != 0 || n_heads % size != 0) {
+    return InvalidArgument("tensor-parallel size " + std::to_string(size) + " exceeds the model's " +
+                           std::to_string(n_kv_heads) +
+                           " KV heads; replicating them needs a size that is a multiple of the "
+                           "KV heads and divides the " +
+                           std::to_string(n_heads) + " query heads");
+  }
+  const int per_rank = n_heads / size;  // divides group: every rank's heads share one KV head
+  s.q = {rank * per_rank, (rank + 1) * per_rank};
+  s.kv = {s.q.begin / group, s.q.begin / group + 1};
+  return s;
+}
+
 Status Model::ApplyShard() {
   const TensorParallelShard& sh = shard_;
   if (sh.size == 1 && sh.rank == 0) return Status::Ok();
   const ModelConfig& full = full_config_;
-  if (sh.size < 1 || sh.rank < 0 || sh.rank >= sh.size) {
-    return InvalidArgument("tensor-parallel rank " + std::to_string(sh.rank) + " of size " +
-                           std::to_string(sh.size) + " is not a valid shard");
-  }
-  if (sh.size > full.n_kv_heads) {
-    return InvalidArgument("tensor-parallel size " + std::to_string(sh.size) +
-                           " exceeds the model's " + std::to_string(full.n_kv_heads) +
-                           " KV heads (each rank needs at least one)");
-  }
-  const int group = full.n_heads / full.n_kv_heads;
+  ASSIGN_OR_RETURN(const AttentionHeadShard heads,
+                   ShardAttentionHeads(full.n_heads, full.n_kv_heads, sh.size, sh.rank));
   const int hd = full.head_dim;
-  kv_heads_ = SplitUnits(full.n_kv_heads, sh.size, sh.rank);
-  const int64_t q0 = int64_t{kv_heads_.begin} * group * hd,
-                q1 = int64_t{kv_heads_.end} * group * hd;
+  kv_heads_ = heads.kv;
+  q_heads_ = heads.q;
+  const int64_t q0 = int64_t{q_heads_.begin} * hd, q1 = int64_t{q_heads_.end} * hd;
   const int64_t k0 = int64_t{kv_heads_.begin} * hd, k1 = int64_t{kv_heads_.end} * hd;
 
   // Output-row slice: a view into the mapping (rows are contiguous).
@@ -119,7 +140,7 @@ Status Model::ApplyShard() {
   }
   ffn_ = {static_cast<int>(f0), static_cast<int>(f1)};
   config_.n_kv_heads = kv_heads_.size();
-  config_.n_heads = kv_heads_.size() * group;
+  config_.n_heads = q_heads_.size();
   config_.ffn_dim = static_cast<int>(f1 - f0);
   return Status::Ok();
 }
@@ -177,6 +198,7 @@ Result<std::unique_ptr<Model>> Model::FromGguf(std::unique_ptr<GgufFile> file,
   m->full_config_ = m->config_;
   m->shard_ = options.shard;
   m->kv_heads_ = {0, c.n_kv_heads};
+  m->q_heads_ = {0, c.n_heads};
   m->ffn_ = {0, c.ffn_dim};
   m->ffn_units_ = 1;
   RETURN_IF_ERROR(m->ApplyShard());

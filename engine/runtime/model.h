@@ -39,9 +39,10 @@ struct LayerWeights {
   std::vector<float> q_norm_w, k_norm_w, post_attn_norm_w, post_ffn_norm_w;
 };
 
-// Tensor-parallel slice of a model: rank `rank` of `size` keeps a contiguous
-// range of KV heads (and the query heads of their GQA groups) and a range of
-// FFN columns. Q/K/V and gate/up are split by output rows (views into the
+// Tensor-parallel slice of a model: rank `rank` of `size` keeps the attention
+// heads ShardAttentionHeads gives it (a contiguous range of KV heads and the
+// query heads of their GQA groups, or with fewer KV heads than ranks a range of
+// query heads and their replicated KV head) and a range of FFN columns. Q/K/V and gate/up are split by output rows (views into the
 // mapping). In kReduce mode attn_output and ffn_down are split by input
 // columns (repacked copies, cut at quantization-block boundaries) and their
 // per-rank partial outputs sum to the unsharded ones.
@@ -74,6 +75,21 @@ struct UnitRange {
 };
 UnitRange SplitUnits(int units, int size, int rank);
 
+// The attention heads of tensor-parallel rank `rank` of `size`:
+//   size <= n_kv_heads: a contiguous range of KV heads (SplitUnits) and the
+//     query heads of their GQA groups;
+//   size > n_kv_heads (as vLLM does when tp > num_kv_heads): the query heads
+//     split evenly and each rank holds the one KV head its query heads share,
+//     so every KV head is replicated on size / n_kv_heads ranks. Needs
+//     size % n_kv_heads == 0 and n_heads % size == 0 (else InvalidArgument).
+// The KV rule is kv_transfer::ShardHeads's, so a prefill worker sends each
+// decode rank the head it holds (a test checks they agree).
+struct AttentionHeadShard {
+  UnitRange kv;  // of n_kv_heads
+  UnitRange q;   // of n_heads
+};
+Result<AttentionHeadShard> ShardAttentionHeads(int n_heads, int n_kv_heads, int size, int rank);
+
 struct ModelLoadOptions {
   // Load the tokenizer and chat template too (needed by Engine and the CLI).
   bool load_tokenizer = true;
@@ -96,6 +112,7 @@ class Model {
   const ModelConfig& full_config() const { return full_config_; }
   const TensorParallelShard& shard() const { return shard_; }
   UnitRange kv_head_range() const { return kv_heads_; }  // of full_config().n_kv_heads
+  UnitRange q_head_range() const { return q_heads_; }    // of full_config().n_heads
   UnitRange ffn_range() const { return ffn_; }           // columns of full_config().ffn_dim
   // FFN columns are split in units of ffn_dim / ffn_units() (a quantization block).
   int ffn_units() const { return ffn_units_; }
@@ -123,6 +140,7 @@ class Model {
   ModelConfig full_config_;
   TensorParallelShard shard_;
   UnitRange kv_heads_;
+  UnitRange q_heads_;
   UnitRange ffn_;
   int ffn_units_ = 1;
   std::vector<LayerWeights> layers_;

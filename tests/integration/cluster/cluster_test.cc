@@ -1114,9 +1114,10 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
 
 // Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
 // sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
-// single engine's tokens colocated and disaggregated (layer-wise KV transfer).
-// TP = 2 is not covered: the model has one KV head and a TP rank needs at least
-// one (Model::ApplyShard).
+// single engine's tokens colocated, disaggregated (layer-wise KV transfer) and
+// disaggregated into a decode group of TP = 2. The model has one KV head for
+// four query heads, so both TP ranks hold a replica of it and the prefill
+// worker streams it to each (engine::ShardAttentionHeads, kv_transfer::ShardHeads).
 TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
   const std::string model_path = SourceDir() + "/models/gemma-3-270m-q4_k_m.gguf";
   if (!fs::exists(model_path)) {
@@ -1144,15 +1145,16 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
   const std::vector<int32_t> expected = ref.Greedy(prompt, kTokens);
   ASSERT_EQ(expected.size(), static_cast<size_t>(kTokens));
   const json model_name = {{"model", fs::path(model_path).stem().string()}};
-  for (const auto& [prefill, decode, colocated] :
-       std::vector<std::array<int, 3>>{{0, 0, 1}, {1, 1, 0}}) {
-    auto cluster = StartCluster(prefill, decode, colocated, "prefix_aware", 1, "", model_path);
+  for (const auto& [prefill, decode, colocated, tp] :
+       std::vector<std::array<int, 4>>{{0, 0, 1, 1}, {1, 1, 0, 1}, {1, 1, 0, 2}}) {
+    auto cluster = StartCluster(prefill, decode, colocated, "prefix_aware", tp, "", model_path);
     ASSERT_NE(cluster, nullptr);
     CompletionOutcome got = Complete(cluster->http_port(), prompt, kTokens, model_name);
     ASSERT_EQ(got.http_status, 200) << got.error;
     EXPECT_EQ(got.completion_tokens, kTokens);
     EXPECT_EQ(got.text, ref.Text(expected))
-        << (colocated ? "colocated" : "disaggregated (1 prefill, 1 decode)");
+        << (colocated ? "colocated"
+                      : "disaggregated (1 prefill, 1 decode of TP " + std::to_string(tp) + ")");
   }
 }
 

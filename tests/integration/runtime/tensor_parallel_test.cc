@@ -8,7 +8,11 @@
 
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -22,15 +26,18 @@
 namespace kvrelay::engine {
 namespace {
 
-std::string ModelPath() {
+std::string SourceDir() {
   const char* s = std::getenv("KVRELAY_SOURCE_DIR");
-  return std::string(s ? s : ".") + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  return s ? s : ".";
 }
+std::string ModelPath() { return SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf"; }
+std::string GemmaPath() { return SourceDir() + "/models/gemma-3-270m-q4_k_m.gguf"; }
 
-std::shared_ptr<const Model> LoadShard(int rank, int size, TpMode mode = TpMode::kExact) {
+std::shared_ptr<const Model> LoadShard(int rank, int size, TpMode mode = TpMode::kExact,
+                                       const std::string& path = ModelPath()) {
   ModelLoadOptions o;
   o.shard = {rank, size, mode};
-  auto m = Model::Load(ModelPath(), o);
+  auto m = Model::Load(path, o);
   EXPECT_TRUE(m.ok()) << m.status().ToString();
   return m.ok() ? std::shared_ptr<const Model>(std::move(m).value()) : nullptr;
 }
@@ -147,15 +154,16 @@ TEST(TensorParallel, ShardedForwardMatchesWholeModel) {
 // feeding them the published plans through queues.
 class TpHarness {
  public:
-  TpHarness(int tp, EngineOptions options) : group_(tp, std::chrono::seconds(60)) {
-    auto leader_model = LoadShard(0, tp);
+  TpHarness(int tp, EngineOptions options, const std::string& path = ModelPath())
+      : group_(tp, std::chrono::seconds(60)) {
+    auto leader_model = LoadShard(0, tp, TpMode::kExact, path);
     auto e = Engine::Create(options, leader_model);
     EXPECT_TRUE(e.ok()) << e.status().ToString();
     engine_ = std::move(e).value();
     queues_.resize(tp);
     for (int r = 1; r < tp; ++r) {
-      auto f = TpFollower::Create(options, LoadShard(r, tp), engine_->pool()->total_blocks(),
-                                  group_.rank(r));
+      auto f = TpFollower::Create(options, LoadShard(r, tp, TpMode::kExact, path),
+                                  engine_->pool()->total_blocks(), group_.rank(r));
       EXPECT_TRUE(f.ok()) << f.status().ToString();
       followers_.push_back(std::move(f).value());
     }
@@ -296,6 +304,121 @@ TEST(TensorParallel, RefusesWhatItCannotMirror) {
   StepPlan bad_seq;
   bad_seq.seqs.push_back({0, {7, 1000}, 16, {1, 2}});
   EXPECT_EQ((*follower)->Execute(bad_seq).code(), StatusCode::kInvalidArgument);
+}
+
+// Gemma 3 270M (scripts/fetch-model.sh gemma3-270m; skipped without it) has
+// one KV head for four query heads: with TP = 2 each rank computes two query
+// heads and holds a replica of the KV head (ShardAttentionHeads). A prompt
+// longer than the sliding window (512 on 15 of 18 layers), prefilled in
+// chunks and decoded past the window, gives exactly the single engine's
+// tokens, and a sharded forward pass its logits bit for bit (kExact).
+TEST(TensorParallelGemma3, ReplicatedKvHeadMatchesOneRank) {
+  if (!std::filesystem::exists(GemmaPath())) {
+    GTEST_SKIP() << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh "
+                    "gemma3-270m (scripts/test.sh does)";
+  }
+  auto whole = LoadShard(0, 1, TpMode::kExact, GemmaPath());
+  ASSERT_NE(whole, nullptr);
+  const ModelConfig& f = whole->config();
+  ASSERT_EQ(f.n_kv_heads, 1);
+  ASSERT_EQ(f.n_heads, 4);
+  for (int r = 0; r < 2; ++r) {
+    auto s = LoadShard(r, 2, TpMode::kExact, GemmaPath());
+    ASSERT_NE(s, nullptr);
+    EXPECT_EQ(s->config().n_kv_heads, 1);
+    EXPECT_EQ(s->config().n_heads, 2);
+    EXPECT_EQ(s->kv_head_range().begin, 0);
+    EXPECT_EQ(s->kv_head_range().end, 1);
+    EXPECT_EQ(s->q_head_range().begin, 2 * r);
+    EXPECT_EQ(s->q_head_range().end, 2 * r + 2);
+    EXPECT_EQ(s->layers()[0].wq->Rows(), 2 * f.head_dim);
+    EXPECT_EQ(s->layers()[0].wk->Rows(), f.head_dim);
+  }
+  ModelLoadOptions three;
+  three.shard = {0, 3};
+  auto bad = Model::Load(GemmaPath(), three);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("replicating"), std::string::npos)
+      << bad.status().ToString();
+
+  std::ifstream in(SourceDir() + "/tests/data/kjv_genesis_exodus.txt");
+  ASSERT_TRUE(in.good());
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> long_prompt = whole->tokenizer()->Encode(text.substr(0, 4000), true, false);
+  ASSERT_GT(static_cast<int>(long_prompt.size()), 600);
+  long_prompt.resize(600);
+  ASSERT_GT(600, f.sliding_window);
+
+  // Sharded forward of a short prompt: the logits of the whole model, bit for bit.
+  {
+    const std::vector<int32_t> ids(long_prompt.begin(), long_prompt.begin() + 40);
+    const int64_t n = static_cast<int64_t>(ids.size());
+    auto pool = testutil::MakePool(*whole, 8);
+    ThreadPool threads(1);
+    auto want = testutil::ChunkedLogits(*whole, pool.get(), &threads, ids, n, n);
+    ASSERT_TRUE(want.ok()) << want.status().ToString();
+    InProcessTpGroup group(2, std::chrono::seconds(60));
+    std::vector<std::vector<float>> got(2);
+    std::vector<Status> status(2);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        auto shard = LoadShard(r, 2, TpMode::kExact, GemmaPath());
+        if (shard == nullptr) {
+          status[r] = Internal("load");
+          return;
+        }
+        auto p = testutil::MakePool(*shard, 8);
+        ThreadPool t(1);
+        std::vector<BlockId> blocks;
+        for (int64_t i = 0; i < (n + 15) / 16; ++i) blocks.push_back(*p->Allocate());
+        ForwardPass fwd(*shard, p.get(), &t);
+        fwd.SetCollective(group.rank(r));
+        SeqStep s;
+        s.blocks.assign(blocks.begin(), blocks.end());
+        s.tokens.assign(ids.begin(), ids.end());
+        s.logits = r == 0 ? LogitRows::kAll : LogitRows::kNone;
+        ForwardOutput out;
+        status[r] = fwd.Run(std::span<const SeqStep>(&s, 1), &out);
+        got[r] = std::move(out.logits);
+        for (BlockId b : blocks) p->Release(b);
+      });
+    }
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(status[r].ok()) << status[r].ToString();
+    ASSERT_EQ(got[0].size(), want->size());
+    EXPECT_EQ(std::memcmp(got[0].data(), want->data(), 4 * want->size()), 0)
+        << "TP = 2 logits differ from the whole model's";
+  }
+
+  // The engine, chunked prefill (several 128-token chunks, mixed with the
+  // short request's decode steps), 48 tokens past the window.
+  EngineOptions o;
+  o.threads = 1;
+  o.kv_dtype = KvDtype::kF32;
+  o.kv_capacity_bytes = 64ll << 20;
+  o.max_step_tokens = 128;
+  std::vector<RequestSpec> reqs(2);
+  reqs[0].id = 1;
+  reqs[0].prompt = whole->tokenizer()->Encode("The capital of France is", true, false);
+  reqs[1].id = 2;
+  reqs[1].prompt = long_prompt;
+  for (RequestSpec& r : reqs) {
+    r.sampling.max_tokens = 48;
+    r.sampling.ignore_eos = true;
+  }
+  auto single = Engine::Create(o, whole);
+  ASSERT_TRUE(single.ok()) << single.status().ToString();
+  auto want = RunAll(**single, reqs);
+  TpHarness h(2, o, GemmaPath());
+  const int64_t free_before = h.engine().pool()->free_blocks();
+  auto got = RunAll(h.engine(), reqs);
+  EXPECT_TRUE(h.follower_status().ok()) << h.follower_status().ToString();
+  for (const RequestSpec& r : reqs) {
+    EXPECT_EQ(got[r.id], want[r.id]) << "request " << r.id;
+    EXPECT_EQ(got[r.id].size(), 48u);
+  }
+  EXPECT_EQ(h.engine().pool()->available_blocks(), free_before) << "blocks leaked";
 }
 
 }  // namespace

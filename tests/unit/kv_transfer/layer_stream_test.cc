@@ -181,6 +181,36 @@ TEST(HeadSharding, ShardsAndRoutesCoverEveryHeadOnce) {
   EXPECT_EQ(routes[2].src_rank, 1);
 }
 
+// More ranks than KV heads (Gemma 3 270M: 1 KV head, TP 2): each rank holds the
+// one head its query heads share, the routes deliver it to every holder, and a
+// replicated source sends each head once (from its first holder).
+TEST(HeadSharding, ReplicatesHeadsWhenRanksOutnumberThem) {
+  EXPECT_EQ(*ShardHeads(1, 2, 0), (HeadRange{0, 1}));
+  EXPECT_EQ(*ShardHeads(1, 2, 1), (HeadRange{0, 1}));
+  EXPECT_EQ(*ShardHeads(2, 4, 1), (HeadRange{0, 1}));
+  EXPECT_EQ(*ShardHeads(2, 4, 2), (HeadRange{1, 2}));
+  EXPECT_EQ(*ShardHeads(3, 6, 5), (HeadRange{2, 3}));
+  EXPECT_FALSE(ShardHeads(2, 3, 0).ok());  // 3 ranks cannot replicate 2 heads evenly
+  EXPECT_FALSE(ShardHeads(1, 2, 2).ok());
+  auto one_to_two = *PlanHeadRoutes(1, 1, 2);
+  ASSERT_EQ(one_to_two.size(), 2u);
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(one_to_two[d].src_rank, 0);
+    EXPECT_EQ(one_to_two[d].dst_rank, d);
+    EXPECT_EQ(one_to_two[d].global, (HeadRange{0, 1}));
+    EXPECT_EQ(one_to_two[d].dst_local, (HeadRange{0, 1}));
+  }
+  // 6 -> 3 with 3 heads: src ranks 2h and 2h + 1 both hold head h; dst h gets
+  // it once, from rank 2h.
+  auto six_to_three = *PlanHeadRoutes(3, 6, 3);
+  ASSERT_EQ(six_to_three.size(), 3u);
+  for (int d = 0; d < 3; ++d) {
+    EXPECT_EQ(six_to_three[d].src_rank, 2 * d);
+    EXPECT_EQ(six_to_three[d].global, (HeadRange{d, d + 1}));
+    EXPECT_EQ(six_to_three[d].src_local, (HeadRange{0, 1}));
+  }
+}
+
 // Prefill TP S -> decode TP D over one local fabric: every decode rank ends
 // up with exactly the slabs of its own heads, byte-identical to the source.
 void ReshardAndCheck(int src_tp, int dst_tp) {
@@ -242,6 +272,9 @@ TEST(HeadSharding, ReassemblyMatchesSourceAcrossTpSizes) {
   ReshardAndCheck(2, 3);
   ReshardAndCheck(3, 1);
   ReshardAndCheck(2, 2);
+  ReshardAndCheck(1, 6);  // every head on two decode ranks
+  ReshardAndCheck(6, 2);  // replicated source
+  ReshardAndCheck(6, 6);
 }
 
 }  // namespace

@@ -63,6 +63,19 @@ TEST(Handshake, InvalidConfigNamesField) {
   EXPECT_NE(st.message().find("tp_rank"), std::string::npos) << st.ToString();
 }
 
+// More TP ranks than KV heads is valid when the heads replicate evenly.
+TEST(Handshake, TpSizeMayReplicateKvHeads) {
+  PeerConfig a = Base();  // 3 KV heads
+  a.tp_size = 6;
+  a.tp_rank = 5;
+  EXPECT_TRUE(ValidatePeerConfig(a).ok());
+  a.tp_size = 4;
+  a.tp_rank = 0;
+  Status st = ValidatePeerConfig(a);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("tp_size"), std::string::npos) << st.ToString();
+}
+
 TEST(Handshake, ProtoRoundTripAndBadProto) {
   PeerConfig a = Base();
   a.tp_size = 3;

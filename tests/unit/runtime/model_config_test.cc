@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "engine/gguf/gguf.h"
+#include "engine/runtime/model.h"
+#include "kv_transfer/head_sharding.h"
 #include "tests/testing/synthetic_model.h"
 
 namespace kvrelay::engine {
@@ -115,6 +117,52 @@ TEST(ModelConfigTest, ClearErrors) {
   GgufValue width{GgufValueType::kUint32, uint32_t{80}};  // tensors stay 64 wide
   auto bad_dims = ConfigOf(Mutate("", "llama.embedding_length", width));
   EXPECT_FALSE(bad_dims.ok());
+}
+
+// Every valid attention-head shard: the query heads of all ranks cover each
+// head once, a rank's query heads read only its KV heads, and its KV heads
+// are the ones kv_transfer::ShardHeads routes to it (so a prefill worker sends
+// each decode rank what its forward pass reads), replicated or not.
+TEST(AttentionHeadShardTest, CoversQueryHeadsAndAgreesWithKvTransfer) {
+  int replicated = 0;
+  for (int n_kv = 1; n_kv <= 8; ++n_kv) {
+    for (int group = 1; group <= 6; ++group) {
+      const int n_heads = n_kv * group;
+      for (int size = 1; size <= 16; ++size) {
+        if (!ShardAttentionHeads(n_heads, n_kv, size, 0).ok()) {
+          EXPECT_TRUE(size > n_kv) << n_heads << "/" << n_kv << " tp " << size;
+          continue;
+        }
+        std::vector<int> q_seen(n_heads, 0);
+        for (int r = 0; r < size; ++r) {
+          auto s = ShardAttentionHeads(n_heads, n_kv, size, r);
+          ASSERT_TRUE(s.ok()) << s.status().ToString();
+          auto kv = kv_transfer::ShardHeads(n_kv, size, r);
+          ASSERT_TRUE(kv.ok()) << kv.status().ToString();
+          EXPECT_EQ(s->kv.begin, kv->begin);
+          EXPECT_EQ(s->kv.end, kv->end);
+          ASSERT_GT(s->q.size(), 0);
+          for (int h = s->q.begin; h < s->q.end; ++h) {
+            ++q_seen[h];
+            EXPECT_GE(h / group, s->kv.begin);
+            EXPECT_LT(h / group, s->kv.end);
+          }
+        }
+        EXPECT_EQ(q_seen, std::vector<int>(n_heads, 1)) << n_heads << "/" << n_kv << " tp " << size;
+        replicated += size > n_kv;
+      }
+    }
+  }
+  EXPECT_GT(replicated, 10);
+  // Gemma 3 270M: 4 query heads, 1 KV head.
+  auto r1 = ShardAttentionHeads(4, 1, 2, 1);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_EQ(r1->q.begin, 2);
+  EXPECT_EQ(r1->q.end, 4);
+  EXPECT_EQ(r1->kv.begin, 0);
+  EXPECT_EQ(r1->kv.end, 1);
+  EXPECT_FALSE(ShardAttentionHeads(4, 1, 3, 0).ok());  // 4 query heads over 3 ranks
+  EXPECT_FALSE(ShardAttentionHeads(4, 1, 2, 2).ok());  // rank outside the group
 }
 
 }  // namespace
