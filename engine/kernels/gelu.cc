@@ -25,7 +25,14 @@ const std::vector<uint16_t>& GeluTable() {
 }  // namespace
 
 float GeluTanhF32(float g) {
-  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * g * (1.0f + kGeluCoefA * g * g)));
+  // ggml builds its table in ggml-cpu.c, C compiled as gnu11 (GCC then
+  // contracts a * b + c into one fma) with -mfma: 1 + (0.044715 g) g is one
+  // fused operation there. Unfused, one of the 37376 fp16 inputs in
+  // (-10, 10) rounds the other way (g = -1.999, fp16 0xBFFF; gelu_test in
+  // tests/unit/kernels/ops_test.cc), which Gemma 3's FFN meets often enough
+  // to move llama.cpp-exact logits.
+  const float inner = std::fma(kGeluCoefA * g, g, 1.0f);
+  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * g * inner));
 }
 
 void GeluTanhMulGgml(const float* gate, const float* up, int64_t n, float* out) {

@@ -1,8 +1,11 @@
 // Portable scalar kernels: the fallback for CPUs without AVX2, and the
-// yardstick the vector path is tested against. Same arithmetic as the AVX2
-// path (integer block dots, one float scale per block); only the order of the
-// float additions differs.
+// yardstick the vector path is tested against. The same arithmetic as the AVX2
+// path in the same order (its 8 float lanes, lane m holding elements
+// 4m..4m+3 of every block, reduced as its Hsum; std::fma where it fuses), so
+// both return the same bits (tests/unit/kernels/matmul_test.cc) and both are
+// llama.cpp's (its AVX2 vec_dot / sgemm use those lanes too).
 #include <cmath>
+#include <cstring>
 
 #include "engine/gguf/ggml_type.h"
 #include "engine/kernels/kernel_table.h"
@@ -35,8 +38,14 @@ void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const Quanti
   }
 }
 
+// The AVX2 path's horizontal sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+float Hsum8(const float* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
 // Q4_0 and Q4_1 share one kernel: with unsigned nibbles u, Q4_0 is
-// d * u + (-8 d), so both are d * u + m and the m term becomes m * s.
+// d * u + (-8 d), so both are d * u + m and the m term becomes m * s
+// (summed apart, fused, and added after the lanes, as the AVX2 tiles).
 template <bool kHasMin>
 void GemmQ4(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
             int64_t t0, int64_t t1, float* y, int64_t ldy) {
@@ -45,7 +54,8 @@ void GemmQ4(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     for (int64_t t = t0; t < t1; ++t) {
-      float acc = 0;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      float ms = 0;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * kBytes;
         uint16_t dh;
@@ -61,13 +71,19 @@ void GemmQ4(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q
         }
         const uint8_t* qs = blk + (kHasMin ? 4 : 2);
         const int8_t* xq = a.q + (t * nb + b) * kBlock;
-        int isum = 0;
-        for (int j = 0; j < 16; ++j) {
-          isum += (qs[j] & 0x0F) * xq[j] + (qs[j] >> 4) * xq[j + 16];
+        const float d = dw * a.d[t * nb + b];
+        // Element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16].
+        for (int lane = 0; lane < 8; ++lane) {
+          int isum = 0;
+          for (int j = 4 * lane; j < 4 * lane + 4; ++j) {
+            const int u = j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+            isum += u * xq[j];
+          }
+          acc[lane] = std::fma(static_cast<float>(isum), d, acc[lane]);
         }
-        acc += dw * a.d[t * nb + b] * static_cast<float>(isum) + m * a.s[t * nb + b];
+        ms = std::fma(m, a.s[t * nb + b], ms);
       }
-      y[t * ldy + r] = acc;
+      y[t * ldy + r] = Hsum8(acc) + ms;
     }
   }
 }
@@ -78,18 +94,21 @@ void GemmQ8_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     for (int64_t t = t0; t < t1; ++t) {
-      float acc = 0;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * sizeof(BlockQ8_0);
         uint16_t dh;
         std::memcpy(&dh, blk, 2);
         const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
         const int8_t* xq = a.q + (t * nb + b) * kBlock;
-        int isum = 0;
-        for (int j = 0; j < kBlock; ++j) isum += qs[j] * xq[j];
-        acc += HalfToFloat(dh) * a.d[t * nb + b] * static_cast<float>(isum);
+        const float d = HalfToFloat(dh) * a.d[t * nb + b];
+        for (int lane = 0; lane < 8; ++lane) {
+          int isum = 0;
+          for (int j = 4 * lane; j < 4 * lane + 4; ++j) isum += qs[j] * xq[j];
+          acc[lane] = std::fma(static_cast<float>(isum), d, acc[lane]);
+        }
       }
-      y[t * ldy + r] = acc;
+      y[t * ldy + r] = Hsum8(acc);
     }
   }
 }

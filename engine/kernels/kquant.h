@@ -10,13 +10,22 @@
 // (a float, not rounded to fp16), and bsums = the sum of every 16 q_j.
 // So |x_j - d q_j| <= |d| / 2 = amax / 254 per element.
 //
-// Every dot is an exact integer sum per 256-block (per 32-block for Q5_0)
-// times float scales, in the same order on every path: the scalar and vector
-// kernels return bit-identical results (a test checks it).
-//   Q4_K block: y += (fp16 d * dx) * sum_s sc_s * sum_j q4_j x8_j
-//                  - (fp16 dmin * dx) * sum_s m_s * bsum_s
-//   Q6_K block: y += (fp16 d * dx) * sum_s sc_s * sum_j (q6_j - 32) x8_j
-//   Q5_0 block: y += (fp16 d * dx) * sum_j (q5_j - 16) x8_j   (dx = the Q8_0 scale)
+// Every dot is made of exact integer sums times float scales, accumulated in
+// the order of llama.cpp's CPU backend (AVX2 build) for a prompt pass, and in
+// the same order on every path: the scalar and vector kernels return
+// bit-identical results (tests/unit/kernels/kquant_test.cc).
+//   Q4_K (ggml_gemm_q4_K_8x8_q8_K, the interleaved repack llama.cpp uses on
+//   AVX2): per pair p of 32-element sub-blocks (64 elements), in order,
+//     acc  = fma(float(sc_2p dot_2p + sc_2p+1 dot_2p+1), fp16 d * dx, acc)
+//     accm = fma(float(m_2p bsum_2p + m_2p+1 bsum_2p+1), fp16 dmin * dx, accm)
+//   and y = acc - accm at the end.
+//   Q6_K (its tiled K-quant matmul): per block,
+//     acc = fma(fp16 d * float(sum_s sc_s sum_j (q6_j - 32) x8_j), dx, acc).
+//   Q5_0 block: 8 lanes acc_m = fma(fp16 d * dx, float(lane m), acc_m), lane m
+//   holding elements 4m..4m+3, reduced as ggml's hsum (dx = the Q8_0 scale).
+// llama.cpp itself sums a batch's last len % 4 rows (Q4_K) and batches of
+// fewer than 8 rows (Q6_K) in other orders; kvrelay uses the orders above for
+// every row, so its results never depend on batching (docs/ENGINE_NUMERICS.md).
 #pragma once
 
 #include <cstdint>

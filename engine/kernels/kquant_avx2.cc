@@ -55,7 +55,7 @@ void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
     const uint8_t* row = w + r * row_bytes;
     for (int64_t tt = t0; tt < t1; tt += kTokTile) {
       const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - tt));
-      float acc[kTokTile] = {0, 0, 0, 0};
+      float acc[kTokTile] = {0, 0, 0, 0}, acc_min[kTokTile] = {0, 0, 0, 0};
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * kQ4KBytes;
         _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kQ4KBytes), _MM_HINT_T0);
@@ -77,21 +77,40 @@ void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
         for (int k = 0; k < nt; ++k) {
           const int64_t t = tt + k;
           const int8_t* xq = a.q + (t * nb + b) * kBlockK;
-          __m256i sum = _mm256_setzero_si256();
-          for (int s = 0; s < 8; ++s) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * s));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[s], xv), scv[s]));
+          // u[j]: the 8 int32 lanes of sub-blocks 2j and 2j+1 (64 elements).
+          __m256i u[4];
+          for (int j = 0; j < 4; ++j) {
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * j));
+            const __m256i x1 =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64 * j + 32));
+            u[j] = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wv[2 * j], x0), scv[2 * j]),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(wv[2 * j + 1], x1), scv[2 * j + 1]));
           }
+          // Four exact sums at once: lane j of sumi = all lanes of u[j].
+          const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]),
+                                              _mm256_hadd_epi32(u[2], u[3]));
+          const __m128i sumi =
+              _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+          // Lane s of mb: mn[s] * (bsum of sub-block s); lane j of summ: pair j.
           const __m256i bs = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
-          const int summ = HsumI32(_mm256_madd_epi16(bs, minv));
-          const int sumi = HsumI32(sum);
+          const __m256i mb = _mm256_madd_epi16(bs, minv);
+          const __m256i mh = _mm256_hadd_epi32(mb, mb);
+          const __m128i summ =
+              _mm_unpacklo_epi64(_mm256_castsi256_si128(mh), _mm256_extracti128_si256(mh, 1));
+          alignas(16) float fi[4], fm[4];
+          _mm_store_ps(fi, _mm_cvtepi32_ps(sumi));
+          _mm_store_ps(fm, _mm_cvtepi32_ps(summ));
           const float dx = a.d[t * nb + b];
-          acc[k] = std::fma(dw * dx, static_cast<float>(sumi), acc[k]);
-          acc[k] = std::fma(-(dmw * dx), static_cast<float>(summ), acc[k]);
+          const float dd = dw * dx, dm = dmw * dx;
+          for (int j = 0; j < 4; ++j) {
+            acc[k] = std::fma(fi[j], dd, acc[k]);
+            acc_min[k] = std::fma(fm[j], dm, acc_min[k]);
+          }
         }
       }
-      for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];
+      for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k] - acc_min[k];
     }
   }
 }
@@ -143,8 +162,8 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
               reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
           sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
           const int sumi = HsumI32(sum);
-          acc[k] =
-              std::fma(LoadHalfAt(blk + 208) * a.d[t * nb + b], static_cast<float>(sumi), acc[k]);
+          acc[k] = std::fma(LoadHalfAt(blk + 208) * static_cast<float>(sumi), a.d[t * nb + b],
+                            acc[k]);
         }
       }
       for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];

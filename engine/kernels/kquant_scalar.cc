@@ -59,13 +59,17 @@ constexpr int64_t kQ4KBytes = 4 + 12 + 128;
 constexpr int64_t kQ6KBytes = 128 + 64 + 16 + 2;
 constexpr int64_t kQ5_0Bytes = 2 + 4 + 16;
 
+// Q4_K in llama.cpp's order for a prompt pass (ggml_gemm_q4_K_8x8_q8_K, the
+// interleaved repack its CPU backend uses on AVX2): two float accumulators,
+// one fma per 64 elements (a pair of sub-blocks) into each, subtracted at the
+// end.
 void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q8KActs& a,
              int64_t t0, int64_t t1, float* y, int64_t ldy) {
   const int64_t nb = a.nb;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     for (int64_t t = t0; t < t1; ++t) {
-      float acc = 0;
+      float acc = 0, acc_min = 0;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * kQ4KBytes;
         uint8_t sc[8], mn[8];
@@ -73,21 +77,22 @@ void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
         const uint8_t* qs = blk + 16;
         const int8_t* xq = a.q + (t * nb + b) * kBlockK;
         const int16_t* bs = a.bsums + (t * nb + b) * (kBlockK / 16);
-        int sumi = 0, summ = 0;
+        const float dx = a.d[t * nb + b];
+        const float dd = LoadHalfAt(blk) * dx, dm = LoadHalfAt(blk + 2) * dx;
         for (int j = 0; j < 4; ++j) {
           int lo = 0, hi = 0;
           for (int l = 0; l < 32; ++l) {
             lo += (qs[32 * j + l] & 0x0F) * xq[64 * j + l];
             hi += (qs[32 * j + l] >> 4) * xq[64 * j + 32 + l];
           }
-          sumi += sc[2 * j] * lo + sc[2 * j + 1] * hi;
+          const int sumi = sc[2 * j] * lo + sc[2 * j + 1] * hi;
+          const int summ = mn[2 * j] * (bs[4 * j] + bs[4 * j + 1]) +
+                           mn[2 * j + 1] * (bs[4 * j + 2] + bs[4 * j + 3]);
+          acc = std::fma(static_cast<float>(sumi), dd, acc);
+          acc_min = std::fma(static_cast<float>(summ), dm, acc_min);
         }
-        for (int s = 0; s < 8; ++s) summ += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-        const float dx = a.d[t * nb + b];
-        acc = std::fma(LoadHalfAt(blk) * dx, static_cast<float>(sumi), acc);
-        acc = std::fma(-(LoadHalfAt(blk + 2) * dx), static_cast<float>(summ), acc);
       }
-      y[t * ldy + r] = acc;
+      y[t * ldy + r] = acc - acc_min;
     }
   }
 }
@@ -128,7 +133,9 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
           for (int j = 0; j < 16; ++j) dot += v[16 * s + j] * xq[16 * s + j];
           sumi += sc[s] * (dot - 32 * bs[s]);
         }
-        acc = std::fma(LoadHalfAt(blk + 208) * a.d[t * nb + b], static_cast<float>(sumi), acc);
+        // llama.cpp's prompt-pass order (its tiled K-quant matmul): the
+        // weight scale times the block sum first, then fused with dx.
+        acc = std::fma(LoadHalfAt(blk + 208) * static_cast<float>(sumi), a.d[t * nb + b], acc);
       }
       y[t * ldy + r] = acc;
     }

@@ -27,12 +27,16 @@ tests/data/llamacpp_reference.json with:
 Usage (see setup_venv.sh):
   .venv-reference/bin/python tools/reference/record_llamacpp.py [--model M] [--out F]
       [--tokenization-only] [--kv-type f32|f16] [--prompt-bos] [--long-prompt-tokens N]
+      [--step-tokens S]
 
 Gemma 3 270M (tests/data/llamacpp_reference_gemma3.json):
   ... record_llamacpp.py --model models/gemma-3-270m-q4_k_m.gguf \
-      --out tests/data/llamacpp_reference_gemma3.json --prompt-bos --long-prompt-tokens 700
+      --out tests/data/llamacpp_reference_gemma3.json --prompt-bos --long-prompt-tokens 700 \
+      --step-tokens 8
 --prompt-bos starts every prompt with BOS (Gemma expects it; the default model's
 recording has none). A model without a chat template gets no chat prompts.
+--step-tokens 8 gives every recorded position llama.cpp's prompt-pass arithmetic
+on a K-quant model (see greedy(); the default model's recording used 2).
 
 The forward passes run with flash attention off and an f32 KV cache by default
 (the settings are written to the file's "settings" object).
@@ -208,33 +212,62 @@ def record_tokenization(llm, out):
                    "template": template, "renderings": chat}
 
 
-def greedy(llm, ids, last, two_token_steps):
-    """N_GREEDY argmax tokens after `ids` (whose last logits row is `last`).
+def eval_prompt_pass(llm, ids, step_tokens):
+    """Evaluates `ids` from an empty cache; returns the logits of every position.
 
-    llama.cpp's CPU backend computes attention differently for a batch of one
-    token (its sgemm path needs 2+ columns, so V * softmax falls back to
-    vec_dot_f32 with another summation order) than for longer batches. With
-    two_token_steps every step evaluates the previous token again together
-    with the new one (the cache is cut back by one first), so every position
-    is computed by the same arithmetic as the prompt pass: these are the
-    logits of one full causal pass over the sequence. Without it, each new
-    token is evaluated alone, as ordinary llama.cpp decoding does.
+    With step_tokens > 2 the last step_tokens positions are evaluated once
+    more, as one batch of step_tokens: llama.cpp's repacked Q4_K kernel
+    (ggml_gemm_q4_K_8x8_q8_K) serves rows in groups of four and leaves the
+    len(ids) % 4 last rows of a batch to its one-row kernel, which sums in
+    another order. Re-evaluated in a batch of 8, those rows get the arithmetic
+    every other row of the prompt pass had (see greedy()).
     """
     llm.reset()
     llm.eval(ids)
+    if step_tokens > 2 and len(ids) % 4 != 0:
+        if len(ids) < step_tokens:
+            sys.exit(f"a prompt of {len(ids)} tokens is shorter than --step-tokens {step_tokens}")
+        llm.n_tokens -= step_tokens
+        llm.eval(ids[-step_tokens:])
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def greedy(llm, ids, step_tokens):
+    """N_GREEDY argmax tokens after `ids`, and the smallest top-2 margin seen.
+
+    llama.cpp's CPU backend is not batch-invariant: the arithmetic of a row
+    depends on how many rows its batch has. For a batch of one token its
+    sgemm path (which needs 2+ columns) is skipped, so V * softmax falls back
+    to vec_dot_f32 with another summation order; on K-quant models the
+    repacked Q4_K kernel sums groups of 4 rows in another order than single
+    rows, and Q6_K goes through the tiled matmul only for batches of 8+ rows.
+    With step_tokens = S >= 2, every step evaluates the previous S - 1 tokens
+    again together with the new one (the cache is cut back first), so every
+    position is computed by the same arithmetic as the prompt pass: these are
+    the logits of one full causal pass over the sequence. S = 2 suffices for
+    the default model (Q4_1 / Q8_0); Gemma 3's Q4_K_M file needs S = 8 (a
+    multiple of 4, and 8 rows). With step_tokens = 1 each new token is
+    evaluated alone, as ordinary llama.cpp decoding does.
+    """
+    if step_tokens > 1:
+        last = eval_prompt_pass(llm, ids, step_tokens)[-1]
+    else:
+        llm.reset()
+        llm.eval(ids)
+        last = np.array(llm.scores[len(ids) - 1], dtype=np.float32)
     gen, min_margin = [], float("inf")
-    prev = ids[-1]
+    seq = list(ids)
     for _ in range(N_GREEDY):
         nxt = int(np.argmax(last))
         min_margin = min(min_margin, top2_margin(last))
         gen.append(nxt)
-        if two_token_steps:
-            llm.n_tokens -= 1
-            llm.eval([prev, nxt])
+        seq.append(nxt)
+        if step_tokens > 1:
+            llm.n_tokens -= step_tokens - 1
+            llm.eval(seq[-step_tokens:])
         else:
             llm.eval([nxt])
         last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-        prev = nxt
     return gen, min_margin
 
 
@@ -256,6 +289,9 @@ def main():
                     help="start every logits/greedy prompt with the BOS token")
     ap.add_argument("--long-prompt-tokens", type=int, default=0,
                     help="also record one prompt of this many tokens (a 'long' section)")
+    ap.add_argument("--step-tokens", type=int, default=2,
+                    help="tokens per greedy step for 'generated' (prompt-pass arithmetic; "
+                         "see greedy(); 8 for K-quant models)")
     args = ap.parse_args()
 
     if args.tokenization_only:
@@ -282,14 +318,18 @@ def main():
         "llama_cpp_python_version": llama_cpp.__version__,
         "settings": {
             "n_ctx": n_ctx, "n_batch": n_ctx, "n_ubatch": n_ctx, "n_threads": N_THREADS,
+            "step_tokens": args.step_tokens,
             "prompt_bos": args.prompt_bos,
             "logits_all": True, "kv_cache_type": args.kv_type, "flash_attn": False,
             "backend": "CPU",
             "tokenize": "llama_tokenize(text, add_special, parse_special)",
             "greedy": "argmax over raw logits (ties -> lowest id), repeat_penalty 1.0, "
                       "no BOS added (the prompt ids are evaluated as recorded); "
-                      "'generated': each step evaluates the previous and the new token "
-                      "as one 2-token batch (prompt-pass arithmetic at every position); "
+                      f"'generated': each step evaluates the previous {args.step_tokens - 1} "
+                      f"token(s) and the new one as one {args.step_tokens}-token batch "
+                      "(prompt-pass arithmetic at every position; with step_tokens > 2 the "
+                      "last step_tokens prompt positions are evaluated again as one batch "
+                      "when the prompt length is not a multiple of 4); "
                       "'generated_one_token_steps': each new token alone (llama.cpp's "
                       "ordinary decoding, whose attention sums in another order)",
             "logits_rounding": "4 decimals",
@@ -312,9 +352,7 @@ def main():
     for p in prompts:
         ids = bos + [int(i) for i in llm.tokenize(p["text"].encode("utf-8"), add_bos=False,
                                                    special=True)]
-        llm.reset()
-        llm.eval(ids)
-        scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        scores = eval_prompt_pass(llm, ids, args.step_tokens)
         positions, margins = [], []
         for row in scores:
             top = np.argsort(-row, kind="stable")[:TOP_K]
@@ -327,8 +365,8 @@ def main():
         entry["top2_margin"] = margins
         logits_out.append(entry)
 
-        gen, min_margin = greedy(llm, ids, scores[-1], two_token_steps=True)
-        gen1, min_margin1 = greedy(llm, ids, scores[-1], two_token_steps=False)
+        gen, min_margin = greedy(llm, ids, args.step_tokens)
+        gen1, min_margin1 = greedy(llm, ids, 1)
         greedy_out.append({"kind": p["kind"], "text": p["text"], "prompt_ids": ids,
                            "generated": gen, "min_top2_margin": r4(min_margin),
                            "generated_one_token_steps": gen1,
@@ -347,11 +385,9 @@ def main():
         ids = bos + [int(i) for i in llm.tokenize(text.encode("utf-8"), add_bos=False,
                                                    special=False)]
         ids = ids[: args.long_prompt_tokens]
-        llm.reset()
-        llm.eval(ids)
-        scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
-        gen, min_margin = greedy(llm, ids, scores[-1], two_token_steps=True)
-        gen1, min_margin1 = greedy(llm, ids, scores[-1], two_token_steps=False)
+        scores = eval_prompt_pass(llm, ids, args.step_tokens)
+        gen, min_margin = greedy(llm, ids, args.step_tokens)
+        gen1, min_margin1 = greedy(llm, ids, 1)
         out["long"] = {"source": "tests/data/kjv_genesis_exodus.txt, first tokens",
                        "ids": ids,
                        "argmax": [int(np.argmax(r)) for r in scores],

@@ -4,10 +4,12 @@
 For every plain prompt of a reference file written by record_llamacpp.py, runs
 `kvrelay generate --json` (greedy, --max-tokens N), checks that kvrelay's prompt
 ids are the recorded ones, then lets llama.cpp evaluate prompt + kvrelay's
-tokens in one batch (f32 KV cache, flash attention off, as the recording) and
-counts the positions where llama.cpp's argmax is kvrelay's next token. Prints
-one line per prompt and the total; the numbers are llama.cpp's judgement of
-kvrelay's output (nothing is written).
+tokens in one batch (f32 KV cache, flash attention off, as the recording; with
+the recording's step_tokens > 2 the last positions are evaluated again as one
+batch, so every position has llama.cpp's prompt-pass arithmetic, see
+record_llamacpp.eval_prompt_pass) and counts the positions where llama.cpp's
+argmax is kvrelay's next token. Prints one line per prompt and the total; the
+numbers are llama.cpp's judgement of kvrelay's output (nothing is written).
 
   /root/.cache/kvrelay-ref-venv/bin/python tools/reference/score_kvrelay_greedy.py \\
       --model models/gemma-3-270m-q4_k_m.gguf --ref tests/data/llamacpp_reference_gemma3.json
@@ -22,6 +24,9 @@ import sys
 import numpy as np
 from llama_cpp import Llama
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record_llamacpp import eval_prompt_pass  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -33,6 +38,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     ref = json.load(open(args.ref, encoding="utf-8"))
+    step_tokens = ref["settings"].get("step_tokens", 2)
     llm = Llama(model_path=args.model, n_ctx=1024, n_batch=1024, n_ubatch=1024, n_threads=2,
                 n_threads_batch=2, logits_all=True, seed=0, verbose=False, flash_attn=False,
                 type_k=0, type_v=0)
@@ -48,9 +54,7 @@ def main():
             sys.exit(f"kvrelay's prompt ids differ from the recording for {g['text']!r}")
         gen = res["token_ids"]
         seq = res["prompt_ids"] + gen
-        llm.reset()
-        llm.eval(seq[:-1])
-        scores = np.array(llm.scores[: len(seq) - 1], dtype=np.float32)
+        scores = eval_prompt_pass(llm, seq[:-1], step_tokens)
         n0 = len(res["prompt_ids"]) - 1
         ok = sum(1 for i, t in enumerate(gen) if int(np.argmax(scores[n0 + i])) == t)
         total += len(gen)

@@ -8,35 +8,33 @@
 // The model (~250 MB) is fetched by scripts/fetch-model.sh gemma3-270m, which
 // scripts/test.sh runs; without it every test here is skipped with a message.
 //
-// Error bound. Unlike the default model, this is not bit-exact: kvrelay
-// quantizes activations exactly as ggml does (Q8_0 per 32 for Q5_0 / Q8_0
-// weights, Q8_K per 256 for Q4_K / Q6_K) and its integer block dots are ggml's,
-// but llama.cpp repacks Q4_K (and Q8_0) weights into interleaved layouts whose
-// kernels sum the per-block float terms in another order, so the two engines'
-// matmul outputs differ by float re-association (~1e-7 relative). Through 18
-// layers that flips the rounding of a few int8 activations and the logits
-// move. kMaxLogitError is therefore a measured bound, not a derived one:
-// measured (AVX2 / AVX-512 VNNI, 2026-12-01) over the top-32 and 64 probe
-// logits at all 162 positions of the 6 prompts: worst 1.07, per-position worst
-// median 0.38, p90 0.58; the bound 1.5 leaves ~40% headroom. Top-1 can only
-// differ where llama.cpp's top-2 margin is below the error of a difference,
-// 2 * kMaxLogitError = kFlipMargin. Two experiments show the engine's choices
-// are the ones that bring it closer to llama.cpp: the exact tanh GELU instead
-// of ggml's fp16 table raises the worst error to 2.19 (median 0.44), and f32
-// dequantized Q4_K / Q6_K instead of Q8_K activations to 2.28 (median 0.46).
+// Error bound. As for the default model (llamacpp_conformance_test.cc), the
+// engine reproduces llama.cpp's arithmetic operation for operation, so the two
+// engines' logits are the same floats and the only difference left is the
+// recording's 4-decimal rounding (<= 5e-5): kMaxLogitError = 1e-4, and top-1
+// may differ only where llama.cpp's top-2 margin is below 2 * kMaxLogitError.
+// What that took on this model (docs/ENGINE_NUMERICS.md, "Gemma 3"):
+//   Q4_K in the order of llama.cpp's repacked kernel (ggml_gemm_q4_K_8x8_q8_K:
+//     one fma per 64 elements into a scale and a min accumulator), Q6_K in the
+//     order of its tiled matmul (fp16 d * block sum, then fused with dx), and
+//     the GELU table entry that ggml's FMA-contracted build rounds otherwise
+//     (tests/unit/kernels);
+//   a recording whose every position has llama.cpp's prompt-pass arithmetic:
+//     llama.cpp sums a batch's last len % 4 rows (Q4_K) and batches of < 8
+//     rows (Q6_K) in other orders, so record_llamacpp.py --step-tokens 8
+//     re-evaluates a prompt's tail as one batch of 8 and takes every greedy
+//     step as a batch of 8 (the engine uses the prompt-pass order for every
+//     row, whatever its batch).
+// Measured (2026-12-01, AVX-512 VNNI; forced AVX2 and scalar paths give the
+// same bits): top-1 162/162 and worst |logit error| 0.0000 over the top-32
+// and 64 probe logits of 6 prompts; 700/700 on the 700-token prompt (window
+// 512); kvrelay's argmax on llama.cpp's greedy sequences 448/448; all 7
+// greedy continuations (64 tokens) identical, the one past the window too.
+// Before (order of the default model's kernels, unfused GELU entry): 156/162,
+// 664/700, 445/448 (99.3%), worst 1.07.
 //
-// Measured against the issue's targets (see also
-// tools/reference/score_kvrelay_greedy.py, where llama.cpp scores kvrelay's
-// own greedy continuations: 375/384 = 97.7% of positions agree):
-//   top-1 at every position: 156/162 short-prompt positions, 664/700 on the
-//     700-token prompt; every difference is at a llama.cpp margin < kFlipMargin;
-//   kvrelay's argmax on llama.cpp's greedy sequences: 445/448 = 99.3% (the
-//     issue asks 99.5%; asserted >= 99%).
-// The bit-exact claims of the default model do not carry over; closing the gap
-// needs llama.cpp's summation order for repacked Q4_K (q4_K_8x8) and Q6_K.
-//
-// Without AVX2 the other kernels (Q8_0 LM head, attention) sum in another order
-// than this was measured with, so the llama.cpp comparisons are skipped there.
+// The comparisons are skipped on a CPU without AVX2 only because the
+// (bit-identical) scalar path is slow there.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -57,7 +55,7 @@
 namespace kvrelay::engine {
 namespace {
 
-constexpr double kMaxLogitError = 1.5;
+constexpr double kMaxLogitError = 1e-4;
 constexpr double kFlipMargin = 2 * kMaxLogitError;
 
 std::string SourceDir() {
@@ -89,10 +87,9 @@ Fixture& Get() {
   return f;
 }
 
-// The AVX-512 path gives the AVX2 path's bits (tests/unit/kernels), so both are measured.
-bool NoAvx2() {
-  return ResolvedKernelPath() != KernelPath::kAvx2 && ResolvedKernelPath() != KernelPath::kAvx512;
-}
+// Every kernel path gives the AVX2 path's bits (tests/unit/kernels), so a
+// forced one (KVRELAY_KERNELS=scalar|avx2|avx512) is compared too.
+bool NoAvx2() { return !KernelPathSupported(KernelPath::kAvx2); }
 
 #define SKIP_WITHOUT_GEMMA(f)                                                               \
   do {                                                                                      \
@@ -161,7 +158,7 @@ TEST(Gemma3, TokenizerMatchesLlamaCppOnTheCorpus) {
 TEST(Gemma3, LogitsTop1AndMaxError) {
   Fixture& f = Get();
   SKIP_WITHOUT_GEMMA(f);
-  if (NoAvx2()) GTEST_SKIP() << "measured on the AVX2 kernel path";
+  if (NoAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   const int vocab = f.model->config().vocab;
   auto pool = testutil::MakePool(*f.model, 64, 16);
   ThreadPool threads(ThreadPool::DefaultThreads());
@@ -200,7 +197,7 @@ TEST(Gemma3, LogitsTop1AndMaxError) {
   std::sort(pos_errors.begin(), pos_errors.end());
   std::printf("per-position worst |logit error| over the top-32: median %.4f, p90 %.4f\n",
               pos_errors[pos_errors.size() / 2], pos_errors[pos_errors.size() * 9 / 10]);
-  std::printf("top-1 agreement %lld/%lld, worst |logit error| %.4f (bound %.2f)\n",
+  std::printf("top-1 agreement %lld/%lld, worst |logit error| %.4f (bound %.0e)\n",
               static_cast<long long>(top1), static_cast<long long>(positions), worst,
               kMaxLogitError);
   EXPECT_LE(worst, kMaxLogitError);
@@ -238,14 +235,14 @@ std::map<RequestId, std::vector<int32_t>> EngineGreedy(
 }
 
 // llama.cpp's greedy sequence scored by kvrelay in one causal pass: kvrelay's
-// argmax at every generated position must be llama.cpp's token where
-// llama.cpp's margin there is clear, and overall at >= 99.5% of positions.
-// Then kvrelay's own greedy run must reproduce llama.cpp's sequence wherever
-// the sequence's minimum margin is clear.
+// argmax at every generated position must be llama.cpp's token at >= 99.5% of
+// positions (measured: all). Then kvrelay's own greedy run (an Engine: chunked
+// prefill, one-token decode steps) must reproduce llama.cpp's sequence
+// wherever the sequence's minimum margin is clear (measured: every one).
 TEST(Gemma3, GreedyAgreesWithLlamaCpp) {
   Fixture& f = Get();
   SKIP_WITHOUT_GEMMA(f);
-  if (NoAvx2()) GTEST_SKIP() << "measured on the AVX2 kernel path";
+  if (NoAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   const int vocab = f.model->config().vocab;
   auto pool = testutil::MakePool(*f.model, 256, 16);
   ThreadPool threads(ThreadPool::DefaultThreads());
@@ -272,7 +269,7 @@ TEST(Gemma3, GreedyAgreesWithLlamaCpp) {
   }
   std::printf("kvrelay argmax on llama.cpp's greedy sequences: %lld/%lld positions\n",
               static_cast<long long>(agree), static_cast<long long>(scored));
-  EXPECT_GE(static_cast<double>(agree), 0.99 * static_cast<double>(scored));
+  EXPECT_GE(static_cast<double>(agree), 0.995 * static_cast<double>(scored));  // measured 448/448
 
   auto got = EngineGreedy(f.model, prompts, 64, 512);
   int eligible = 0, identical = 0;
@@ -290,12 +287,10 @@ TEST(Gemma3, GreedyAgreesWithLlamaCpp) {
     }
     identical += mine == want;
   }
-  // Measured: 4 of 7 identical over all 64 tokens (min margins 2.59, 0.097,
-  // 0.032 and the 700-token prompt past the window, 0.106); the others part
-  // at a near tie (first 36, 7, 3 tokens identical).
+  // Measured: 7 of 7 identical over all 64 tokens (every min margin >= 0.0019).
   std::printf("greedy continuations identical: %d of %zu (%d with a clear margin)\n", identical,
               entries.size(), eligible);
-  EXPECT_GE(identical, 4);
+  EXPECT_EQ(eligible, static_cast<int>(entries.size()));
   EXPECT_EQ(got[static_cast<RequestId>(entries.size())],
             entries.back()["generated"].get<std::vector<int32_t>>())
       << "the continuation of the long prompt, decoded past the window";
@@ -307,7 +302,7 @@ TEST(Gemma3, GreedyAgreesWithLlamaCpp) {
 TEST(Gemma3, SlidingWindowPastTheWindow) {
   Fixture& f = Get();
   SKIP_WITHOUT_GEMMA(f);
-  if (NoAvx2()) GTEST_SKIP() << "measured on the AVX2 kernel path";
+  if (NoAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   ASSERT_TRUE(f.ref.contains("long"));
   const auto& lg = f.ref["long"];
   const auto ids = lg["ids"].get<std::vector<int32_t>>();
@@ -334,7 +329,7 @@ TEST(Gemma3, SlidingWindowPastTheWindow) {
   }
   std::printf("long prompt: top-1 %d/%zu, past the window %d/%d\n", agree, ids.size(), agree_beyond,
               beyond);
-  EXPECT_GE(agree, static_cast<int>(0.94 * static_cast<double>(ids.size())));  // measured 664/700
+  EXPECT_EQ(agree, static_cast<int>(ids.size()));  // measured 700/700 (margins all > kFlipMargin)
   // Chunked prefill: 100-token chunks, so chunks start inside and beyond the window.
   auto one = EngineGreedy(f.model, {ids}, 32, 1024);
   auto chunked = EngineGreedy(f.model, {ids}, 32, 100);

@@ -34,9 +34,11 @@
 // difference in a single op (an exp, the order of one sum) flips the rounding
 // of some int8 activation and the logits move by 0.5 to 2 (measured in
 // docs/ENGINE_NUMERICS.md); with such kernels the old test needed a bound of
-// 2.0 and reached 380/388 top-1. The bit-exact claim is for the AVX2 path (the
-// reference is llama.cpp's AVX2 build); the scalar matmul fallback sums in a
-// different order, so on a CPU without AVX2 this test is skipped.
+// 2.0 and reached 380/388 top-1. The reference is llama.cpp's AVX2 build; the
+// AVX-512 and scalar paths return the AVX2 path's bits (tests/unit/kernels), and
+// forced onto them (KVRELAY_KERNELS=avx512|scalar) this test passes unchanged.
+// On a CPU without AVX2 it is skipped only because the scalar path is slow
+// (5 minutes for this test on the shared 2-core machine).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -80,10 +82,9 @@ Fixture& Get() {
   return f;
 }
 
-// The AVX-512 path gives the AVX2 path's bits (tests/unit/kernels), so both compare.
-bool SkipWithoutAvx2() {
-  return ResolvedKernelPath() != KernelPath::kAvx2 && ResolvedKernelPath() != KernelPath::kAvx512;
-}
+// Every kernel path gives the AVX2 path's bits (tests/unit/kernels), so a
+// forced path (KVRELAY_KERNELS) compares too; see the header for the skip.
+bool SkipWithoutAvx2() { return !KernelPathSupported(KernelPath::kAvx2); }
 
 TEST(LlamaCppConformance, ReferenceSettings) {
   Fixture& f = Get();
@@ -94,7 +95,7 @@ TEST(LlamaCppConformance, ReferenceSettings) {
 }
 
 TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
-  if (SkipWithoutAvx2()) GTEST_SKIP() << "bit-exact comparison needs the AVX2 kernel path";
+  if (SkipWithoutAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   const int vocab = f.model->config().vocab;
@@ -145,7 +146,7 @@ TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
 }
 
 TEST(LlamaCppConformance, GreedyContinuations) {
-  if (SkipWithoutAvx2()) GTEST_SKIP() << "bit-exact comparison needs the AVX2 kernel path";
+  if (SkipWithoutAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   EngineOptions o;

@@ -167,12 +167,17 @@ bool CpuHasAvx512Vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
-// Every vector table against the scalar one, called directly (MatMul picks
-// only the best table of the CPU).
-TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
+std::vector<const kernels::KQuantKernels*> VectorTables() {
   std::vector<const kernels::KQuantKernels*> tables;
   if (KernelPathSupported(KernelPath::kAvx2)) tables.push_back(&kernels::Avx2KQuantKernels());
   if (CpuHasAvx512Vnni()) tables.push_back(&kernels::Avx512KQuantKernels());
+  return tables;
+}
+
+// Every vector table against the scalar one, called directly (MatMul picks
+// only the best table of the CPU).
+TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
+  const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
   if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
   const int64_t rows = 13, cols = 32 * 11, tokens = 7;
   std::vector<uint8_t> bytes = RandomBytes(GgmlType::kQ5_0, rows, cols, 99);
@@ -189,6 +194,155 @@ TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
     std::vector<float> got(rows * tokens);
     t->gemm_q5_0(bytes.data(), rb, 0, rows, acts, 0, tokens, got.data(), rows);
     EXPECT_EQ(std::memcmp(got.data(), want.data(), 4 * got.size()), 0) << t->name;
+  }
+}
+
+// Q8_K activations of `tokens` x `cols` (a multiple of 256), ggml's quantizer.
+struct Q8KBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;
+  kernels::Q8KActs acts;
+};
+Q8KBuffers QuantizeQ8K(const std::vector<float>& x, int64_t tokens, int64_t cols) {
+  Q8KBuffers b;
+  const int64_t nb = cols / 256;
+  b.q.resize(tokens * cols);
+  b.d.resize(tokens * nb);
+  b.bsums.resize(tokens * nb * 16);
+  b.acts = {b.q.data(), b.d.data(), b.bsums.data(), nb};
+  kernels::ScalarKQuantKernels().quantize_q8k(x.data(), cols, 0, tokens, b.acts);
+  return b;
+}
+
+// The same for Q4_K and Q6_K, every table and the scalar one (the AVX-512
+// table shares the AVX2 K-quant kernels; KVRELAY_KERNELS picks among these).
+TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
+  const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
+  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  const int64_t rows = 11, cols = 256 * 5, tokens = 9;
+  const std::vector<float> x = RandomActs(tokens * cols, 7);
+  const Q8KBuffers a = QuantizeQ8K(x, tokens, cols);
+  for (GgmlType type : {GgmlType::kQ4_K, GgmlType::kQ6_K}) {
+    std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, 8);
+    const int64_t rb = RowBytes(type, cols).value();
+    auto gemm = [&](const kernels::KQuantKernels& k) {
+      return type == GgmlType::kQ4_K ? k.gemm_q4_k : k.gemm_q6_k;
+    };
+    std::vector<float> want(rows * tokens);
+    gemm(kernels::ScalarKQuantKernels())(bytes.data(), rb, 0, rows, a.acts, 0, tokens,
+                                         want.data(), rows);
+    for (const kernels::KQuantKernels* t : tables) {
+      std::vector<float> got(rows * tokens);
+      // Odd token and row sub-ranges: the vector kernels' tiles of 4 tokens
+      // end mid-tile.
+      gemm(*t)(bytes.data(), rb, 0, 5, a.acts, 0, tokens, got.data(), rows);
+      gemm(*t)(bytes.data(), rb, 5, rows, a.acts, 0, 3, got.data(), rows);
+      gemm(*t)(bytes.data(), rb, 5, rows, a.acts, 3, tokens, got.data(), rows);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), 4 * got.size()), 0)
+          << GgmlTypeName(type) << " " << t->name;
+    }
+  }
+}
+
+// The float order of the K-quant dots is llama.cpp's for a prompt pass
+// (kquant.h): written out here from the block layout, step by step, and
+// compared bit for bit (the two orders it replaced differ on these data).
+TEST(KQuantOrder, Q4KAndQ6KSumAsGgmlsPromptPass) {
+  const int64_t cols = 256 * 4, rows = 6, tokens = 3;
+  const std::vector<float> x = RandomActs(tokens * cols, 21);
+  const Q8KBuffers a = QuantizeQ8K(x, tokens, cols);
+  const int64_t nb = cols / 256;
+  auto half = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return Fp16ToFp32(h);
+  };
+  {
+    std::vector<uint8_t> w = RandomBytes(GgmlType::kQ4_K, rows, cols, 22);
+    const int64_t rb = RowBytes(GgmlType::kQ4_K, cols).value();
+    std::vector<float> got(rows * tokens);
+    kernels::ScalarKQuantKernels().gemm_q4_k(w.data(), rb, 0, rows, a.acts, 0, tokens, got.data(),
+                                             rows);
+    int differs_from_one_accumulator = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        float acc = 0, accm = 0, single = 0;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = w.data() + r * rb + b * 144;
+          uint8_t sc[8], mn[8];
+          kernels::UnpackQ4KScales(blk + 4, sc, mn);
+          const int8_t* xq = a.q.data() + (t * nb + b) * 256;
+          const int16_t* bs = a.bsums.data() + (t * nb + b) * 16;
+          const float dx = a.d[t * nb + b];
+          int64_t block_i = 0, block_m = 0;
+          for (int p = 0; p < 4; ++p) {
+            int64_t i = 0, m = 0;
+            for (int half_p = 0; half_p < 2; ++half_p) {
+              const int s = 2 * p + half_p;
+              int64_t dot = 0;
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t byte = blk[16 + 32 * p + l];
+                dot += (half_p == 0 ? (byte & 0x0F) : (byte >> 4)) * xq[32 * s + l];
+              }
+              i += sc[s] * dot;
+              m += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+            }
+            acc = std::fma(static_cast<float>(i), half(blk) * dx, acc);
+            accm = std::fma(static_cast<float>(m), half(blk + 2) * dx, accm);
+            block_i += i;
+            block_m += m;
+          }
+          // The order kvrelay used before: one accumulator, one fma per block each.
+          single = std::fma(half(blk) * dx, static_cast<float>(block_i), single);
+          single = std::fma(-(half(blk + 2) * dx), static_cast<float>(block_m), single);
+        }
+        const float want = acc - accm;
+        EXPECT_EQ(std::memcmp(&got[t * rows + r], &want, 4), 0) << "Q4_K r " << r << " t " << t;
+        differs_from_one_accumulator += std::memcmp(&single, &want, 4) != 0;
+      }
+    }
+    EXPECT_GT(differs_from_one_accumulator, 0) << "the data do not tell the orders apart";
+  }
+  {
+    std::vector<uint8_t> w = RandomBytes(GgmlType::kQ6_K, rows, cols, 23);
+    const int64_t rb = RowBytes(GgmlType::kQ6_K, cols).value();
+    std::vector<float> got(rows * tokens);
+    kernels::ScalarKQuantKernels().gemm_q6_k(w.data(), rb, 0, rows, a.acts, 0, tokens, got.data(),
+                                             rows);
+    int differs_from_scale_first = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        float acc = 0, scale_first = 0;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = w.data() + r * rb + b * 210;
+          // ggml's Q6_K layout: low nibbles in ql, two high bits in qh, 16 int8
+          // scales (one per 16 elements), fp16 d last.
+          int v[256];
+          for (int n = 0; n < 2; ++n) {
+            const uint8_t* ql = blk + 64 * n;
+            const uint8_t* qh = blk + 128 + 32 * n;
+            for (int l = 0; l < 32; ++l) {
+              v[128 * n + l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+              v[128 * n + l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+              v[128 * n + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+              v[128 * n + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+          }
+          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          const float d = half(blk + 208);
+          const int8_t* xq = a.q.data() + (t * nb + b) * 256;
+          int64_t sumi = 0;
+          for (int j = 0; j < 256; ++j) sumi += int64_t{sc[j / 16]} * (v[j] - 32) * xq[j];
+          const float dx = a.d[t * nb + b];
+          acc = std::fma(d * static_cast<float>(sumi), dx, acc);
+          scale_first = std::fma(d * dx, static_cast<float>(sumi), scale_first);
+        }
+        EXPECT_EQ(std::memcmp(&got[t * rows + r], &acc, 4), 0) << "Q6_K r " << r << " t " << t;
+        differs_from_scale_first += std::memcmp(&scale_first, &acc, 4) != 0;
+      }
+    }
+    EXPECT_GT(differs_from_scale_first, 0) << "the data do not tell the orders apart";
   }
 }
 

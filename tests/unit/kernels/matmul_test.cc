@@ -349,6 +349,29 @@ TEST(MatMulAvx512, BitIdenticalToAvx2) {
   }
 }
 
+// The scalar fallback gives the AVX2 products' bits too (the same lanes and
+// reduction, std::fma where AVX2 fuses), so KVRELAY_KERNELS=scalar computes
+// what the vector paths and llama.cpp compute.
+TEST(MatMulScalar, BitIdenticalToAvx2) {
+  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+  uint32_t seed = 700;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    for (const Shape& s : std::vector<Shape>{{1, 32, 1}, {7, 32 * 18, 1}, {9, 32 * 5, 7},
+                                             {13, 32 * 18, 9}, {33, 32 * 48, 20}}) {
+      const Weights w = RandomWeights(type, s.rows, s.cols, seed++);
+      const std::vector<float> x = RandomActs(s.tokens * s.cols, seed++);
+      std::vector<float> y2(s.rows * s.tokens), ys(s.rows * s.tokens, std::nanf(""));
+      MatMulWithPath(w.tensor, x.data(), s.tokens, y2.data(), nullptr, KernelPath::kAvx2);
+      MatMulWithPath(w.tensor, x.data(), s.tokens, ys.data(), nullptr, KernelPath::kScalar);
+      for (size_t i = 0; i < y2.size(); ++i) {
+        ASSERT_EQ(std::memcmp(&y2[i], &ys[i], 4), 0)
+            << GgmlTypeName(type) << " " << s.rows << "x" << s.cols << " T=" << s.tokens
+            << " element " << i << ": avx2 " << y2[i] << " scalar " << ys[i];
+      }
+    }
+  }
+}
+
 // A row's result does not depend on how rows are split over threads or
 // grouped into tiles: every output sees the same operations in the same order.
 TEST(MatMulThreads, ResultIndependentOfThreadCount) {

@@ -11,6 +11,9 @@
 #include <random>
 #include <vector>
 
+#include "engine/gguf/ggml_type.h"
+#include "engine/kernels/gelu.h"
+
 namespace kvrelay::engine {
 namespace {
 
@@ -259,6 +262,35 @@ TEST(Ops, AttendRowOneKeyIsItsValue) {
                     out.data(), path);
       for (int e = 0; e < hd; ++e) EXPECT_EQ(out[e], v[e]) << e;
     }
+  }
+}
+
+// GELU through ggml's fp16 table. The entry at fp16 0xBFFF (g = -1.999) is
+// the one that depends on the fused 1 + 0.044715 g^2 of ggml's CPU build:
+// llama.cpp (llama-cpp-python 0.3.36, AVX2 + FMA) holds fp16 0xA9D3 there
+// (read back from its Gemma 3 FFN: gelu(g) * up == fp32(0xA9D3) * up), the
+// unfused formula gives 0xA9D2.
+TEST(Ops, GeluTableMatchesGgmlsFusedEntry) {
+  const float g = Fp16ToFp32(0xBFFF);
+  const float up = 1.0f;
+  float y = 0;
+  GeluTanhMulGgml(&g, &up, 1, &y);
+  EXPECT_EQ(Fp32ToFp16(y), 0xA9D3) << y;
+  // Outside (-10, 10) ggml skips the table: 0 below, g * up above.
+  const float gs[] = {-10.0f, -12.5f, 10.0f, 11.0f}, ups[] = {3.0f, 3.0f, 0.5f, -2.0f};
+  float ys[4];
+  GeluTanhMulGgml(gs, ups, 4, ys);
+  EXPECT_EQ(ys[0], 0.0f);
+  EXPECT_EQ(ys[1], 0.0f);
+  EXPECT_EQ(ys[2], 5.0f);
+  EXPECT_EQ(ys[3], -22.0f);
+  // And the table is the function to fp16 precision near its ends and middle.
+  for (float v : {-3.0f, -0.5f, 0.25f, 1.0f, 4.0f}) {
+    float out = 0;
+    GeluTanhMulGgml(&v, &up, 1, &out);
+    const double x = Fp16ToFp32(Fp32ToFp16(v));
+    const double want = 0.5 * x * (1 + std::tanh(0.7978845608028654 * x * (1 + 0.044715 * x * x)));
+    EXPECT_NEAR(out, want, 1e-3 * std::max(1.0, std::abs(want))) << v;
   }
 }
 
