@@ -3,8 +3,9 @@
 # thread count, alternating the two programs run by run, and prints the
 # medians and the ratios kvrelay / llama.cpp for pp<P> and tg<G>.
 #
-#   bench/compare_llamacpp.sh [--model M] [--threads T] [--reps N] [--pp 512] [--tg 128]
+#   bench/compare_llamacpp.sh [--model M | --gemma] [--threads T] [--reps N] [--pp 512] [--tg 128]
 #                             [--kvrelay path/to/kvrelay] [--llama-bench path/to/llama-bench]
+# --gemma = --model models/gemma-3-270m-q4_k_m.gguf (scripts/fetch-model.sh gemma3-270m).
 #
 # llama.cpp: llama.cpp's own llama-bench when --llama-bench is given or
 # ~/.cache/kvrelay-bench/llama-build/bin/llama-bench exists (built natively from
@@ -27,6 +28,7 @@ llama_bench=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
+    --gemma) model=models/gemma-3-270m-q4_k_m.gguf; shift ;;
     --threads) threads=$2; shift 2 ;;
     --reps) reps=$2; shift 2 ;;
     --pp) pp=$2; shift 2 ;;
