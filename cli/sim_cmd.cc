@@ -6,6 +6,7 @@
 // `bench transfer`, `bench prefix` and `bench serve` as child processes (the
 // measurements are theirs, not re-implemented here) and read their --json
 // reports or their printed tables.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +19,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -123,6 +125,28 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
                     "): " + ss.str().substr(0, 500));
   }
   return ss.str();
+}
+
+// Starts this binary with `args` in the background (output discarded);
+// the caller kills and reaps it.
+Result<pid_t> SpawnSelf(const std::vector<std::string>& args) {
+  std::vector<std::string> argv_s = {SelfExe()};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  const pid_t pid = fork();
+  if (pid < 0) return Internal("fork failed");
+  if (pid == 0) {
+    const int devnull = open("/dev/null", O_WRONLY);
+    if (devnull >= 0) {
+      dup2(devnull, STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
+    }
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 Result<json> ReadJson(const std::string& path) {
@@ -387,29 +411,76 @@ Result<deploy::LaunchOptions> LaunchFor(const Topology& t, const std::string& mo
   return o;
 }
 
-// Starts `t`, runs `bench serve` with `serve_args` once per entry, stops it.
-Result<std::vector<json>> ServeRuns(const Topology& t, const std::string& model, int threads,
-                                    const std::string& kv_dtype,
-                                    const std::vector<std::vector<std::string>>& serve_args) {
+// CPU seconds (user + system) of a process so far, from /proc/PID/stat; its
+// short name (comm) in *name. -1 when it cannot be read.
+double ProcessCpuSeconds(pid_t pid, std::string* name) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return -1;
+  const size_t open = line.find('('), close = line.rfind(')');
+  if (open == std::string::npos || close == std::string::npos) return -1;
+  if (name) *name = line.substr(open + 1, close - open - 1);
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  // Fields 3..15 of proc(5): state ... utime (14) stime (15).
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::atof(field.c_str());
+    if (i == 15) stime = std::atof(field.c_str());
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// CPU seconds per process kind ("kvrelay-coordin", "kvrelay-prefill",
+// "kvrelay-decode", "kvrelay-worker") of a launched cluster, summed.
+std::map<std::string, double> ClusterCpu(const deploy::LocalLauncher& launcher) {
+  std::map<std::string, double> out;
+  for (pid_t pid : launcher.processes().LivePids()) {
+    std::string name;
+    const double s = ProcessCpuSeconds(pid, &name);
+    if (s >= 0) out[name] += s;
+  }
+  return out;
+}
+
+// One bench serve run on a launched topology, with the CPU each kind of
+// process spent during it.
+struct ServeRun {
+  json report;
+  std::map<std::string, double> cpu_s;
+};
+
+// Starts `t`, warms it up, runs `bench serve` with `serve_args` once per
+// entry, stops it.
+Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& model, int threads,
+                                        const std::string& kv_dtype, int64_t input_len,
+                                        const std::vector<std::vector<std::string>>& serve_args) {
   ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
   deploy::LocalLauncher launcher(opts);
   std::fprintf(stderr, "sim: starting %s\n", t.name.c_str());
   RETURN_IF_ERROR(launcher.Start().WithContext("starting " + t.name));
   const std::string url = "http://127.0.0.1:" + std::to_string(launcher.http_port());
-  std::vector<json> out;
-  // Two warm-up requests (page faults, lazy init), not reported.
-  auto warm = RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", "2",
-                       "--input-len", "64", "--output-len", "4", "--seed", "999"},
-                      300);
-  if (!warm.ok()) {
-    launcher.Stop();
-    return warm.status();
+  std::vector<ServeRun> out;
+  // Warm-up, not reported: page faults, lazy initialisation and the first
+  // KV transfers, at the measured prompt size, on every worker (4 at once
+  // reach both colocated workers), then one alone.
+  for (const char* n : {"4", "1"}) {
+    auto warm = RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", n,
+                         "--input-len", std::to_string(input_len), "--output-len", "8", "--seed",
+                         "999"},
+                        300);
+    if (!warm.ok()) {
+      launcher.Stop();
+      return warm.status();
+    }
   }
   for (size_t i = 0; i < serve_args.size(); ++i) {
     const std::string path = TempPath("serve-" + std::to_string(i) + ".json");
     std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
     a.insert(a.end(), serve_args[i].begin(), serve_args[i].end());
+    const auto cpu0 = ClusterCpu(launcher);
     auto r = RunSelf(a, 900, /*allow_failure=*/true);
+    auto cpu1 = ClusterCpu(launcher);
     auto j = r.ok() ? ReadJson(path) : Result<json>(r.status());
     fs::remove(path);
     if (j.ok() && j->value("completed", 0) == 0) j = Unavailable("no request completed");
@@ -422,7 +493,11 @@ Result<std::vector<json>> ServeRuns(const Topology& t, const std::string& model,
                    j->value("failed", 0), j->value("num_prompts", 0), t.name.c_str(),
                    j->value("errors", json::array()).dump().c_str());
     }
-    out.push_back(*j);
+    for (auto& [k, v] : cpu1) {
+      auto it = cpu0.find(k);
+      v -= it == cpu0.end() ? 0 : it->second;
+    }
+    out.push_back({*j, cpu1});
   }
   launcher.Stop();
   return out;
@@ -438,14 +513,14 @@ const std::vector<Topology>& Topologies(int colocated) {
 
 constexpr char kSimCalibrateUsage[] =
     "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
-    "[--quick] [--skip-serve] [--skip-store]";
+    "[--quick] [--skip-serve] [--skip-store] [--skip-contention]";
 
 int RunCalibrate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
                          "input-len", "output-len", "colocated", "name"},
-                        {"quick", "skip-serve", "skip-store", "help"});
+                        {"quick", "skip-serve", "skip-store", "skip-contention", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim calibrate: %s\n", f.status().message().c_str());
     return 2;
@@ -549,6 +624,82 @@ int RunCalibrate(const std::vector<std::string>& args) {
     }
   }
 
+  // 1b. Two engine processes at once (each with a core of its own): how much
+  //     a step slows down while another process computes next to it.
+  p.contention = {0, 0, "not measured (--skip-contention or fewer than 2 cores): none"};
+  if (std::thread::hardware_concurrency() >= 2 && !f->Has("skip-contention")) {
+    const std::vector<std::string> base = {"bench",      "engine", "--model", model,
+                                           "--threads",  th,       "--kv-dtype", kv_dtype,
+                                           "--skip-batches"};
+    auto with = [&](std::vector<std::string> a, const std::vector<std::string>& more) {
+      a.insert(a.end(), more.begin(), more.end());
+      return a;
+    };
+    const auto decode_fg = with(base, {"--pp", "16", "--tg", "64", "--reps", "3"});
+    const auto prefill_fg = with(base, {"--pp", "128", "--tg", "1", "--reps", "5"});
+    const auto prefill_bg = with(base, {"--pp", "512", "--tg", "1", "--reps", "100000"});
+    const auto decode_bg = with(base, {"--pp", "16", "--tg", "1024", "--reps", "100000"});
+    // The foreground's median (decode step or prefill pass), with `bg` running
+    // next to it when given.
+    auto timed = [&](const std::vector<std::string>& fg, const std::vector<std::string>* bg,
+                     bool decode) -> Result<double> {
+      pid_t pid = -1;
+      if (bg) {
+        ASSIGN_OR_RETURN(pid, SpawnSelf(*bg));
+        // Running (model loaded, computing) before the foreground starts.
+        const Deadline ready = Deadline::AfterMs(60'000);
+        while (ProcessCpuSeconds(pid, nullptr) < 0.5 && !ready.Expired()) {
+          if (waitpid(pid, nullptr, WNOHANG) == pid) {
+            return Internal("the background bench engine exited before it computed");
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+      const std::string path = TempPath("contention.json");
+      auto o = RunSelf(with(fg, {"--json", path}), 600);
+      if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+      if (!o.ok()) return o.status();
+      ASSIGN_OR_RETURN(json j, ReadJson(path));
+      fs::remove(path);
+      return decode ? j["tg"].value("median_step_s", 0.0) : j["prefill"].value("median_s", 0.0);
+    };
+    std::vector<double> dr, pr;
+    for (int round = 0; round < 2; ++round) {
+      auto ds = timed(decode_fg, nullptr, true);
+      auto dc = timed(decode_fg, &prefill_bg, true);
+      auto ps = timed(prefill_fg, nullptr, false);
+      auto pc = timed(prefill_fg, &decode_bg, false);
+      for (const Status& st : {ds.status(), dc.status(), ps.status(), pc.status()}) {
+        if (!st.ok()) return fail(st);
+      }
+      if (*ds > 0 && *ps > 0) {
+        dr.push_back(*dc / *ds);
+        pr.push_back(*pc / *ps);
+      }
+      std::printf(
+          "contention round %d: decode step %.3f ms alone, %.3f ms next to a prefill; prefill "
+          "128 %.1f ms alone, %.1f ms next to a decode\n",
+          round + 1, *ds * 1e3, *dc * 1e3, *ps * 1e3, *pc * 1e3);
+    }
+    if (!dr.empty()) {
+      std::sort(dr.begin(), dr.end());
+      std::sort(pr.begin(), pr.end());
+      // The lower of the rounds: other load on the machine only adds.
+      p.contention.decode_alpha = std::max(0.0, dr.front() - 1);
+      p.contention.prefill_alpha = std::max(0.0, pr.front() - 1);
+      p.contention.source =
+          "kvrelay bench engine --threads " + th +
+          " alone and next to a second bench engine process (decode tg 64 next to pp 512; pp "
+          "128 next to tg 1024), the smaller ratio - 1 of 2 rounds, " +
+          date;
+      std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n",
+                  p.contention.decode_alpha, p.contention.prefill_alpha);
+    }
+  }
+
   // 2. KV transfer: bytes -> seconds over the cluster's transport (tcp).
   {
     auto o = RunSelf({"bench", "transfer", "--backend", "tcp", "--min-bytes", "65536",
@@ -625,16 +776,32 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
+    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
-      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, {serve});
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, {serve});
       if (!r.ok()) return fail(r.status());
-      const json& j = r->front();
+      const json& j = r->front().report;
+      const auto& cpu = r->front().cpu_s;
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
+      // One request at a time: the decode processes step from the first
+      // token to the last of each request and wait otherwise.
+      double decode_wall = 0, tokens = 0;
+      for (const auto& q : j["requests"]) {
+        decode_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
+        tokens += q.value("output_tokens", 0.0);
+      }
+      auto cpu_of = [&](const char* name) {
+        auto it = cpu.find(name);
+        return it == cpu.end() ? 0.0 : it->second;
+      };
+      decode_cores.push_back(decode_wall > 0 ? cpu_of("kvrelay-decode") / decode_wall : 0);
       std::printf(
           "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
-          "model %.2f)\n",
+          "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
+          "while decoding)\n",
           t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
-          decode_s * 1e3);
+          decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
+          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back());
     }
     const std::string src =
         "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
@@ -656,10 +823,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
     p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
     p.decode.source = source("1P+1D");
+    // The TP 2 group's cores: its ranks' CPU over its stepping time (they
+    // block in the collectives), at most 2; 0 (= 2) when not measurable.
+    const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
     p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,
-               source("1P+1D TP2") + "; TP 2 step / TP 1 step"};
+               source("1P+1D TP2") +
+                   "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
+                   "decode time (first to last token of each request)",
+               tp_cores};
   } else {
-    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder"};
+    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0};
   }
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
   std::printf("wrote %s\n", out_path.c_str());
@@ -668,28 +841,70 @@ int RunCalibrate(const std::vector<std::string>& args) {
 
 // ------------------------------------------------------- kvrelay sim validate
 
-struct Compared {
-  std::string topology;
-  double rate;
-  json real;
-  sim::SimResult sim;
-};
-
 double RelErr(double sim, double real) {
   return real != 0 ? std::fabs(sim - real) / std::fabs(real) : (sim == 0 ? 0 : 1);
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+constexpr int kMetrics = 5;
+constexpr const char* kMetricNames[kMetrics] = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                                                "tpot_p90_ms", "output_tok_s"};
+
+// One (topology, rate) point: its real runs (one per repeat) and their replays.
+struct Compared {
+  std::string topology;
+  double rate = 0;
+  std::vector<json> real;
+  std::vector<sim::SimResult> sim;
+  double real_m[kMetrics] = {}, sim_m[kMetrics] = {};  // medians over the repeats
+};
+
+// The five compared figures of a real run and of its simulation.
+void RealMetrics(const json& j, double* m) {
+  m[0] = j["ttft_ms"].value("p50", 0.0);
+  m[1] = j["ttft_ms"].value("p90", 0.0);
+  m[2] = j["tpot_ms"].value("p50", 0.0);
+  m[3] = j["tpot_ms"].value("p90", 0.0);
+  m[4] = j.value("output_token_throughput", 0.0);
+}
+void SimMetrics(const sim::SimResult& r, double* m) {
+  m[0] = r.ttft_ms.p50;
+  m[1] = r.ttft_ms.p90;
+  m[2] = r.tpot_ms.p50;
+  m[3] = r.tpot_ms.p90;
+  m[4] = r.output_token_throughput;
+}
+
+// The requests of a real run, arriving when bench serve actually sent them
+// (workload order kept: index i of the result is request i of the run).
+std::vector<sim::SimRequest> ReplayOf(const json& j, int64_t in, int64_t out) {
+  std::vector<sim::SimRequest> w;
+  for (const auto& q : j["requests"]) {
+    const int64_t p = q.value("prompt_tokens", 0), o = q.value("output_tokens", 0);
+    w.push_back({q.value("start_s", 0.0), p > 0 ? p : in, o > 0 ? o : out, -1, 0});
+  }
+  return w;
+}
+
 constexpr char kSimValidateUsage[] =
-    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
-    "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
-    "[--json OUT]";
+    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 32 | "
+    "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
+    "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
+    "[--per-request] [--json OUT]";
 
 int RunValidate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;
   auto f = Flags::Parse(args,
-                        {"model", "profile", "rates", "num-prompts", "input-len", "output-len",
-                         "threads", "kv-dtype", "colocated", "json", "topologies"},
-                        {"help"});
+                        {"model", "profile", "rates", "num-prompts", "seconds-per-point",
+                         "min-prompts", "repeats", "input-len", "output-len", "threads",
+                         "kv-dtype", "colocated", "json", "topologies", "save-real", "from-real"},
+                        {"help", "per-request"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim validate: %s\n", f.status().message().c_str());
     return 2;
@@ -705,14 +920,27 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   auto profile = sim::LoadProfile(f->Get("profile"));
   if (!profile.ok()) return fail(profile.status());
-  auto n = f->GetInt("num-prompts", 24);
+  auto n = f->GetInt("num-prompts", 0);
+  auto seconds = f->GetDouble("seconds-per-point", 32);
+  auto min_prompts = f->GetInt("min-prompts", 16);
+  auto repeats = f->GetInt("repeats", 1);
   auto in = f->GetInt("input-len", 128);
   auto out = f->GetInt("output-len", 32);
   auto threads = f->GetInt("threads", 1);
   auto colocated = f->GetInt("colocated", 2);
-  for (const Status& s :
-       {n.status(), in.status(), out.status(), threads.status(), colocated.status()}) {
+  for (const Status& s : {n.status(), seconds.status(), min_prompts.status(), repeats.status(),
+                          in.status(), out.status(), threads.status(), colocated.status()}) {
     if (!s.ok()) return fail(s);
+  }
+  if (*repeats < 1 || *repeats > 9 || *n < 0 || !(*seconds > 0) || *min_prompts < 1) {
+    std::fprintf(stderr,
+                 "sim validate: --repeats in [1, 9], --num-prompts >= 0, --seconds-per-point > "
+                 "0, --min-prompts >= 1\n");
+    return 2;
+  }
+  if (f->Has("save-real") && f->Has("from-real")) {
+    std::fprintf(stderr, "sim validate: --save-real and --from-real exclude each other\n");
+    return 2;
   }
   std::vector<double> rates;
   {
@@ -728,76 +956,152 @@ int RunValidate(const std::vector<std::string>& args) {
       rates.push_back(r);
     }
   }
+  // Requests per point: the same duration at every rate (unless --num-prompts).
+  auto prompts_at = [&](double rate) {
+    return *n > 0 ? *n
+                  : std::max<int64_t>(*min_prompts, std::llround(rate * *seconds));
+  };
   const std::string which = f->Get("topologies", "colocated,1p1d,1p1d-tp2");
+  const std::string save_dir = f->Get("save-real"), from_dir = f->Get("from-real");
+  if (!save_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(save_dir, ec);
+    if (ec) return fail(InvalidArgument("cannot create " + save_dir + ": " + ec.message()));
+  }
+  auto real_path = [&](const std::string& dir, const char* key, size_t ri, int64_t rep) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "%s-rate%g-rep%lld.json", key, rates[ri],
+                  static_cast<long long>(rep));
+    return (fs::path(dir) / name).string();
+  };
   std::vector<Compared> rows;
   const auto& topos = Topologies(static_cast<int>(*colocated));
   const char* keys[] = {"colocated", "1p1d", "1p1d-tp2"};
+  const TimePoint t0 = Clock::now();
   for (size_t ti = 0; ti < topos.size(); ++ti) {
     if (("," + which + ",").find("," + std::string(keys[ti]) + ",") == std::string::npos) continue;
     const Topology& t = topos[ti];
-    std::vector<std::vector<std::string>> serve;
-    for (size_t ri = 0; ri < rates.size(); ++ri) {
-      char rate[32];
-      std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
-      serve.push_back({"--rate", rate, "--num-prompts", std::to_string(*n), "--input-len",
-                       std::to_string(*in), "--output-len", std::to_string(*out), "--seed",
-                       std::to_string(ri + 1)});
-    }
-    auto real = ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), serve);
-    if (!real.ok()) return fail(real.status());
-    for (size_t ri = 0; ri < rates.size(); ++ri) {
-      const json& j = (*real)[ri];
-      // The same requests, arriving when bench serve actually sent them.
-      std::vector<sim::SimRequest> w;
-      for (const auto& q : j["requests"]) {
-        w.push_back({q.value("start_s", 0.0), *in, *out, -1, 0});
+    std::vector<json> reals;  // rate-major, then repeat
+    if (!from_dir.empty()) {
+      for (size_t ri = 0; ri < rates.size(); ++ri) {
+        for (int64_t rep = 0; rep < *repeats; ++rep) {
+          auto j = ReadJson(real_path(from_dir, keys[ti], ri, rep));
+          if (!j.ok()) return fail(j.status());
+          reals.push_back(*j);
+        }
       }
-      std::sort(w.begin(), w.end(),
-                [](const auto& a, const auto& b) { return a.arrival_s < b.arrival_s; });
-      sim::ClusterConfig c;
-      c.colocated = t.colocated;
-      c.prefill = t.prefill;
-      c.decode = t.decode;
-      c.tp = t.tp;
-      c.shared_host_cores = static_cast<int>(std::thread::hardware_concurrency());
-      auto r = sim::Simulate(*profile, c, w);
-      if (!r.ok()) return fail(r.status());
-      rows.push_back({t.name, rates[ri], j, *r});
+    } else {
+      // Repeats interleaved (rate 1, 2, 3, 1, 2, 3, ...) so a slow spell of
+      // the machine does not fall on one point's every repeat.
+      std::vector<std::vector<std::string>> serve;
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        for (size_t ri = 0; ri < rates.size(); ++ri) {
+          char rate[32];
+          std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
+          serve.push_back({"--rate", rate, "--num-prompts", std::to_string(prompts_at(rates[ri])),
+                           "--input-len", std::to_string(*in), "--output-len",
+                           std::to_string(*out), "--seed", std::to_string(ri + 1)});
+        }
+      }
+      auto real = ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), *in,
+                            serve);
+      if (!real.ok()) return fail(real.status());
+      reals.resize(real->size());
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        for (size_t ri = 0; ri < rates.size(); ++ri) {
+          json& j = reals[ri * static_cast<size_t>(*repeats) + static_cast<size_t>(rep)];
+          j = (*real)[static_cast<size_t>(rep) * rates.size() + ri].report;
+          if (!save_dir.empty()) {
+            std::ofstream o(real_path(save_dir, keys[ti], ri, rep));
+            o << j.dump() << "\n";
+            if (!o) return fail(DataLoss("cannot write " + real_path(save_dir, keys[ti], ri, rep)));
+          }
+        }
+      }
+    }
+    for (size_t ri = 0; ri < rates.size(); ++ri) {
+      Compared row;
+      row.topology = t.name;
+      row.rate = rates[ri];
+      std::vector<double> rm[kMetrics], sm[kMetrics];
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        const json& j = reals[ri * static_cast<size_t>(*repeats) + static_cast<size_t>(rep)];
+        sim::ClusterConfig c;
+        c.colocated = t.colocated;
+        c.prefill = t.prefill;
+        c.decode = t.decode;
+        c.tp = t.tp;
+        c.shared_host_cores = static_cast<int>(std::thread::hardware_concurrency());
+        auto r = sim::Simulate(*profile, c, ReplayOf(j, *in, *out));
+        if (!r.ok()) return fail(r.status());
+        double a[kMetrics], b[kMetrics];
+        RealMetrics(j, a);
+        SimMetrics(*r, b);
+        for (int k = 0; k < kMetrics; ++k) {
+          rm[k].push_back(a[k]);
+          sm[k].push_back(b[k]);
+        }
+        row.real.push_back(j);
+        row.sim.push_back(std::move(*r));
+      }
+      for (int k = 0; k < kMetrics; ++k) {
+        row.real_m[k] = Median(rm[k]);
+        row.sim_m[k] = Median(sm[k]);
+      }
+      rows.push_back(std::move(row));
     }
   }
+  const double wall_s = SecondsSince(t0);
   double max_err = 0;
+  std::vector<double> errs;
   std::printf("\n%-14s %5s | %-23s | %-23s | %-23s | %-23s | %-21s\n", "topology", "rate",
               "TTFT p50 real/sim ms", "TTFT p90 real/sim ms", "TPOT p50 real/sim ms",
               "TPOT p90 real/sim ms", "out tok/s real/sim");
   json report = json::array();
   for (const auto& row : rows) {
-    const json& j = row.real;
-    const double vals[5][2] = {
-        {j["ttft_ms"].value("p50", 0.0), row.sim.ttft_ms.p50},
-        {j["ttft_ms"].value("p90", 0.0), row.sim.ttft_ms.p90},
-        {j["tpot_ms"].value("p50", 0.0), row.sim.tpot_ms.p50},
-        {j["tpot_ms"].value("p90", 0.0), row.sim.tpot_ms.p90},
-        {j.value("output_token_throughput", 0.0), row.sim.output_token_throughput}};
     std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
-    json e = {{"topology", row.topology}, {"rate", row.rate}};
-    const char* names[5] = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
-                            "output_tok_s"};
-    for (int k = 0; k < 5; ++k) {
-      const double err = RelErr(vals[k][1], vals[k][0]);
+    json e = {{"topology", row.topology}, {"rate", row.rate}, {"repeats", row.real.size()}};
+    for (int k = 0; k < kMetrics; ++k) {
+      const double real = row.real_m[k], sim = row.sim_m[k];
+      const double err = RelErr(sim, real);
       max_err = std::max(max_err, err);
-      std::printf(" %7.1f/%7.1f %+5.0f%% |", vals[k][0], vals[k][1],
-                  100 * (vals[k][1] - vals[k][0]) / vals[k][0]);
-      e[names[k]] = {{"real", vals[k][0]}, {"sim", vals[k][1]}, {"rel_err", err}};
+      errs.push_back(err);
+      std::printf(" %7.1f/%7.1f %+5.0f%% |", real, sim, real != 0 ? 100 * (sim - real) / real : 0);
+      e[kMetricNames[k]] = {{"real", real}, {"sim", sim}, {"rel_err", err}};
     }
     std::printf("\n");
+    // Per request, real vs simulated (the first repeat): where the model misses.
+    json per = json::array();
+    const json& j = row.real.front();
+    const auto& sr = row.sim.front().requests;
+    for (size_t i = 0; i < sr.size() && i < j["requests"].size(); ++i) {
+      const json& q = j["requests"][i];
+      const double ttft = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
+      const int o = q.value("output_tokens", 0);
+      const double tpot = o > 1 ? (e2e - ttft) / (o - 1) : 0;
+      per.push_back({{"start_s", q.value("start_s", 0.0)},
+                     {"ttft_ms", {ttft, sr[i].ttft_s() * 1e3}},
+                     {"tpot_ms", {tpot, sr[i].tpot_s() * 1e3}}});
+      if (f->Has("per-request")) {
+        std::printf("    req %2zu at %7.3f s: TTFT %7.1f/%7.1f ms  TPOT %6.2f/%6.2f ms\n", i,
+                    q.value("start_s", 0.0), ttft, sr[i].ttft_s() * 1e3, tpot,
+                    sr[i].tpot_s() * 1e3);
+      }
+    }
+    e["requests"] = per;
     report.push_back(e);
   }
+  const double median_err = Median(errs);
+  const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });
+  std::printf("cells within 15%%: %lld of %zu; median relative error %.3f; %.0f s\n",
+              static_cast<long long>(within), errs.size(), median_err, wall_s);
   if (f->Has("json")) {
     std::ofstream o(f->Get("json"));
     o << json{{"profile", f->Get("profile")},
               {"date", UtcNow()},
               {"cpu", CpuModel()},
               {"rows", report},
+              {"median_relative_error", median_err},
               {"max_relative_error", max_err}}
              .dump(2)
       << "\n";

@@ -131,12 +131,20 @@ struct Worker {
   int64_t capacity_blocks = 0;
   int64_t used_blocks = 0;  // allocated + reserved
   bool stepping = false;
-  int processes = 1;         // a decode group: one per TP rank
   double step_scale = 1;     // fixed + decode part of a step
   double prefill_scale = 1;  // prefill part
   double step_add_s = 0;
   double ttft_add_s = 0;
   double link_free_s = 0;  // prefill: egress link busy until
+  // Shared host (fluid model): cores kept busy while stepping, the solo
+  // seconds of the current step still to do, its rate since `since`, its
+  // contention alpha, and the generation of its pending step-end event.
+  double cores = 1;
+  double work_left = 0;
+  double rate = 1;
+  double since = 0;
+  double alpha = 0;
+  uint64_t version = 0;
   int64_t queued_tokens = 0;
   std::unique_ptr<BlockLru> cache;  // pool prefix cache (prefill / colocated)
   std::unique_ptr<BlockLru> store;  // spill tier
@@ -175,7 +183,8 @@ class Simulator {
   void Submit(Worker& w, uint32_t r);
   void MaybeStep(size_t wi);
   bool Schedule(Worker& w);
-  void OnStepEnd(size_t wi);
+  void OnStepEnd(size_t wi, uint64_t version);
+  void Rerate();
   void OnKvReady(uint32_t r);
   void Finish(uint32_t r, double t);
   void Reject(uint32_t r);
@@ -202,7 +211,8 @@ class Simulator {
   std::unordered_map<std::string, size_t> by_id_;
   std::vector<ReqState> reqs_;
   uint64_t next_order_ = 0;
-  int busy_processes_ = 0;  // worker processes inside a step (shared_host_cores)
+  std::vector<size_t> stepping_;  // workers inside a step (shared_host_cores only)
+  double busy_cores_ = 0;         // the cores they keep busy
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
 };
@@ -249,7 +259,7 @@ void Simulator::Setup() {
     std::snprintf(id, sizeof(id), "decode-%05d", i);
     add(Worker::Kind::kDecode, id, profile_.decode, tp.step_scale, tp.per_step_s,
         profile_.kv_pool_blocks);
-    workers_.back().processes = config_.tp;
+    workers_.back().cores = tp.cores > 0 ? tp.cores : config_.tp;
   }
   prefill_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kPrefill);
   decode_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kDecode);
@@ -512,17 +522,49 @@ void Simulator::MaybeStep(size_t wi) {
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
   const StepCost& k = profile_.step;
-  double d = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
-             w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
-                                k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn) +
-             w.step_add_s;
-  busy_processes_ += w.processes;
-  if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {
-    d *= static_cast<double>(busy_processes_) / config_.shared_host_cores;
-  }
+  const double fixed = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
+                       w.step_add_s;
+  const double prefill = w.prefill_scale * (k.per_seq_s * prefill_seqs +
+                                            k.per_token_s * prefill_tokens + k.per_attn_s * attn +
+                                            k.per_ctx_attn_s * ctx_attn);
+  const double d = fixed + prefill;
   w.stepping = true;
   SyncInfo(w);
-  events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi));
+  if (config_.shared_host_cores <= 0) {
+    events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi), w.version);
+    return;
+  }
+  w.work_left = d;
+  w.since = now;
+  w.rate = 0;  // Rerate schedules its end
+  w.alpha = d > 0 ? (fixed * profile_.contention.decode_alpha +
+                     prefill * profile_.contention.prefill_alpha) /
+                        d
+                  : 0;
+  stepping_.push_back(wi);
+  busy_cores_ += w.cores;
+  Rerate();
+}
+
+// The fluid model of ClusterConfig::shared_host_cores: brings every stepping
+// worker's remaining work up to now at its old rate, then gives each its new
+// rate and (when that changed) a new step-end event; the superseded event
+// carries an old version and is ignored.
+void Simulator::Rerate() {
+  const double now = events_.now();
+  const double n = config_.shared_host_cores;
+  const double share = busy_cores_ > n ? n / busy_cores_ : 1.0;
+  for (size_t wi : stepping_) {
+    Worker& w = workers_[wi];
+    w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
+    w.since = now;
+    const double others = std::max(0.0, std::min(busy_cores_ - w.cores, n - w.cores));
+    const double rate = share / (1 + w.alpha * others);
+    if (rate == w.rate) continue;
+    w.rate = rate;
+    ++w.version;
+    events_.Push(now + w.work_left / rate, kStepEnd, static_cast<uint32_t>(wi), w.version);
+  }
 }
 
 void Simulator::Commit(Worker& w, Seq& s) {
@@ -540,10 +582,16 @@ void Simulator::Commit(Worker& w, Seq& s) {
   }
 }
 
-void Simulator::OnStepEnd(size_t wi) {
+void Simulator::OnStepEnd(size_t wi, uint64_t version) {
   Worker& w = workers_[wi];
+  if (!w.stepping || version != w.version) return;  // re-rated since: a later event ends it
   w.stepping = false;
-  busy_processes_ -= w.processes;
+  if (config_.shared_host_cores > 0) {
+    stepping_.erase(std::find(stepping_.begin(), stepping_.end(), wi));
+    busy_cores_ -= w.cores;
+    if (stepping_.empty()) busy_cores_ = 0;  // no drift from the sums
+    Rerate();
+  }
   const double now = events_.now();
   std::vector<Seq>& still = w.running_scratch;
   still.clear();
@@ -675,7 +723,7 @@ Result<SimResult> Simulator::Run() {
         OnStart(static_cast<uint32_t>(e.arg));
         break;
       case kStepEnd:
-        OnStepEnd(e.target);
+        OnStepEnd(e.target, e.arg);
         break;
       case kKvReady:
         OnKvReady(static_cast<uint32_t>(e.arg));

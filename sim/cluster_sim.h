@@ -48,8 +48,13 @@ struct ClusterConfig {
   int64_t store_blocks = 0;          // prefix tier (RocksDB) per prefill/colocated worker; 0 = none
   // 0: every worker (every TP rank) has a machine of its own. N > 0: all of
   // them share one host of N cores (the single-node topologies `kvrelay sim
-  // validate` compares with): a step that starts while more worker processes
-  // are computing than there are cores takes longer by busy / N.
+  // validate` compares with), as a fluid model: a stepping worker keeps
+  // c cores busy (1; a TP group profile.tp[T].cores), and while the busy
+  // workers want D cores in all, each one's step advances at rate
+  //   min(1, N / D) / (1 + alpha x min(D - c, N - c))
+  // of its solo speed, alpha the profile's contention for the step's mix of
+  // decode and prefill work; every start and end of a step re-rates the
+  // others' remaining work.
   int shared_host_cores = 0;
 
   Status Validate() const;

@@ -56,9 +56,25 @@ struct LinkCost {
 };
 
 // A decode group of TP size T: step time = step_scale * (TP 1 step) + per_step_s.
+// cores: the CPU cores the group keeps busy while it steps, for processes
+// sharing a host (ClusterConfig::shared_host_cores); its ranks block in the
+// collectives, so it is less than T. 0 means T.
 struct TpCost {
   double step_scale = 1.0;
   double per_step_s = 0;
+  std::string source;
+  double cores = 0;
+};
+
+// Worker processes slowing each other down on one host (the single-node
+// topologies; ClusterConfig::shared_host_cores), beyond sharing its cores:
+// while other processes keep c more cores busy, a step's decode (and fixed)
+// part runs 1 + decode_alpha x c times slower and its prefill part
+// 1 + prefill_alpha x c (shared caches, memory bandwidth). Calibrated by
+// running `bench engine` alone and next to another `bench engine`.
+struct HostContention {
+  double decode_alpha = 0;
+  double prefill_alpha = 0;
   std::string source;
 };
 
@@ -98,6 +114,7 @@ struct Profile {
   std::string transport = "tcp";               // the one the cluster uses
   LinkCost store_restore;                      // prefix tier (RocksDB) restore
   std::map<int, TpCost> tp;                    // by T (>= 2; T = 1 is the identity)
+  HostContention contention;                   // optional (0 = none); shared hosts only
   ServingOverhead colocated;
   ServingOverhead prefill;  // the prefill role of a disaggregated topology
   ServingOverhead decode;   // the decode role (TP 1); TP T adds tp[T]
