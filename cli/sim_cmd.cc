@@ -7,6 +7,7 @@
 // measurements are theirs, not re-implemented here) and read their --json
 // reports or their printed tables.
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -62,6 +63,15 @@ std::string CpuModel() {
     }
   }
   return "unknown CPU";
+}
+
+// The cores this process may run on (its affinity mask: taskset, cgroup
+// cpusets), which the launched cluster inherits.
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 std::string SelfExe() {
@@ -174,6 +184,8 @@ Result<sim::ClusterConfig> ParseTopology(const Flags& f) {
   ASSIGN_OR_RETURN(int64_t max_queue, f.GetInt("max-queue", 256));
   ASSIGN_OR_RETURN(int64_t store, f.GetInt("store-blocks", 0));
   ASSIGN_OR_RETURN(int64_t host_cores, f.GetInt("shared-host-cores", 0));
+  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", 0));
+  c.heartbeat_s = heartbeat_ms / 1e3;
   c.shared_host_cores = static_cast<int>(std::clamp<int64_t>(host_cores, 0, 1 << 20));
   for (int64_t v : {colocated, prefill, decode, tp, max_running, max_queue}) {
     if (v < 0 || v > 1'000'000'000) return InvalidArgument("topology flags must be in [0, 1e9]");
@@ -233,7 +245,8 @@ json SummaryJson(const sim::SimResult& r) {
 constexpr char kSimUsage[] =
     "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
     "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
-    "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]";
+    "[--colocated C | --prefill P --decode D --tp T] [--router R] [--shared-host-cores N] "
+    "[--heartbeat-ms MS (0 = exact router inputs; the real cluster: 500)] [--json OUT]";
 
 int RunSim(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimUsage)) return 0;
@@ -257,6 +270,7 @@ int RunSim(const std::vector<std::string>& args) {
                          "max-queue",
                          "store-blocks",
                          "shared-host-cores",
+                         "heartbeat-ms",
                          "ttft-slo-ms",
                          "tpot-slo-ms",
                          "json",
@@ -431,22 +445,24 @@ double ProcessCpuSeconds(pid_t pid, std::string* name) {
   return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
 }
 
-// CPU seconds per process kind ("kvrelay-coordin", "kvrelay-prefill",
-// "kvrelay-decode", "kvrelay-worker") of a launched cluster, summed.
-std::map<std::string, double> ClusterCpu(const deploy::LocalLauncher& launcher) {
-  std::map<std::string, double> out;
+// CPU seconds of each process of a launched cluster (its short name:
+// "kvrelay-coordin", "kvrelay-prefill", "kvrelay-decode", "kvrelay-worker"),
+// in spawn order.
+std::vector<std::pair<std::string, double>> ClusterCpu(const deploy::LocalLauncher& launcher) {
+  std::vector<std::pair<std::string, double>> out;
   for (pid_t pid : launcher.processes().LivePids()) {
     std::string name;
     const double s = ProcessCpuSeconds(pid, &name);
-    if (s >= 0) out[name] += s;
+    if (s >= 0) out.push_back({name, s});
   }
   return out;
 }
 
-// One bench serve run on a launched topology, with the CPU each kind of
-// process spent during it.
+// One bench serve run on a launched topology, with the CPU each process
+// spent during it (per process, and summed per kind of process).
 struct ServeRun {
   json report;
+  std::vector<std::pair<std::string, double>> cpu_per_process;
   std::map<std::string, double> cpu_s;
 };
 
@@ -493,11 +509,18 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
                    j->value("failed", 0), j->value("num_prompts", 0), t.name.c_str(),
                    j->value("errors", json::array()).dump().c_str());
     }
-    for (auto& [k, v] : cpu1) {
-      auto it = cpu0.find(k);
-      v -= it == cpu0.end() ? 0 : it->second;
+    ServeRun run;
+    run.report = std::move(*j);
+    json cpu = json::array();
+    for (size_t k = 0; k < cpu1.size(); ++k) {
+      const double d = cpu1[k].second - (k < cpu0.size() ? cpu0[k].second : 0);
+      run.cpu_per_process.push_back({cpu1[k].first, d});
+      run.cpu_s[cpu1[k].first] += d;
+      cpu.push_back({cpu1[k].first, d});
     }
-    out.push_back({*j, cpu1});
+    // Kept with the report (sim validate --save-real): which process did the work.
+    run.report["cluster_cpu_s"] = cpu;
+    out.push_back(std::move(run));
   }
   launcher.Stop();
   return out;
@@ -553,7 +576,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   if (!m.ok()) return fail(m.status());
   sim::Profile p;
   p.name = f->Get("name", "calibrated");
-  p.hardware = CpuModel() + ", " + std::to_string(std::thread::hardware_concurrency()) + " cores";
+  p.hardware = CpuModel() + ", " + std::to_string(UsableCores()) + " cores";
   p.model = fs::path(model).filename().string();
   p.measured_at = UtcNow();
   const engine::KvLayout layout = (*m)->MakeKvLayout(*dtype, 16);
@@ -627,7 +650,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   // 1b. Two engine processes at once (each with a core of its own): how much
   //     a step slows down while another process computes next to it.
   p.contention = {0, 0, "not measured (--skip-contention or fewer than 2 cores): none"};
-  if (std::thread::hardware_concurrency() >= 2 && !f->Has("skip-contention")) {
+  if (UsableCores() >= 2 && !f->Has("skip-contention")) {
     const std::vector<std::string> base = {"bench",      "engine", "--model", model,
                                            "--threads",  th,       "--kv-dtype", kv_dtype,
                                            "--skip-batches"};
@@ -1031,7 +1054,9 @@ int RunValidate(const std::vector<std::string>& args) {
         c.prefill = t.prefill;
         c.decode = t.decode;
         c.tp = t.tp;
-        c.shared_host_cores = static_cast<int>(std::thread::hardware_concurrency());
+        c.shared_host_cores = UsableCores();
+        // The router sees heartbeats, every 500 ms (kvrelay launch's default).
+        c.heartbeat_s = 0.5;
         auto r = sim::Simulate(*profile, c, ReplayOf(j, *in, *out));
         if (!r.ok()) return fail(r.status());
         double a[kMetrics], b[kMetrics];
@@ -1088,7 +1113,22 @@ int RunValidate(const std::vector<std::string>& args) {
                     sr[i].tpot_s() * 1e3);
       }
     }
+    if (f->Has("per-request")) {
+      std::map<int, int> by_worker;
+      for (const auto& t : sr) ++by_worker[t.prefill_worker];
+      std::printf("    simulated requests per (prefill/colocated) worker:");
+      for (const auto& [wk, cnt] : by_worker) std::printf(" #%d %d", wk, cnt);
+      std::printf("\n");
+    }
+    if (f->Has("per-request") && j.contains("cluster_cpu_s")) {
+      std::printf("    CPU during the run:");
+      for (const auto& c : j["cluster_cpu_s"]) {
+        std::printf(" %s %.2f s", c[0].get<std::string>().c_str(), c[1].get<double>());
+      }
+      std::printf("\n");
+    }
     e["requests"] = per;
+    if (j.contains("cluster_cpu_s")) e["cluster_cpu_s"] = j["cluster_cpu_s"];
     report.push_back(e);
   }
   const double median_err = Median(errs);

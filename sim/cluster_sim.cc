@@ -34,6 +34,9 @@ Status ClusterConfig::Validate() const {
   if (coordinator_max_queue < 0) return InvalidArgument("cluster: max_queue must be >= 0");
   if (store_blocks < 0) return InvalidArgument("cluster: store_blocks must be >= 0");
   if (shared_host_cores < 0) return InvalidArgument("cluster: shared_host_cores must be >= 0");
+  if (!(heartbeat_s >= 0) || !std::isfinite(heartbeat_s)) {
+    return InvalidArgument("cluster: heartbeat_s must be >= 0");
+  }
   return Status::Ok();
 }
 
@@ -145,6 +148,24 @@ struct Worker {
   double since = 0;
   double alpha = 0;
   uint64_t version = 0;
+  // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
+  // last published (after a step; as the real loop does before it reads new
+  // tasks) and the latest publication at or before the heartbeat tick that
+  // preceded it; prompt tokens submitted during the current step (not yet
+  // read by the real worker's loop when it publishes).
+  struct Snapshot {
+    double time = -1e300;
+    int64_t queued_tokens = 0, running = 0, queued_requests = 0, free_kv_blocks = 0;
+  };
+  Snapshot published, at_tick;
+  // The coordinator's own accounting on top of the last heartbeat ("queue
+  // accounting until the next heartbeat refreshes it"): prompt tokens it
+  // routed here and KV blocks it reserved here since the tick `routed_tick`.
+  double routed_tick = -1;
+  int64_t routed_tokens = 0;
+  int64_t reserved_blocks = 0;
+  int64_t submitted_in_step = 0;
+  int64_t requests_in_step = 0;
   int64_t queued_tokens = 0;
   std::unique_ptr<BlockLru> cache;  // pool prefix cache (prefill / colocated)
   std::unique_ptr<BlockLru> store;  // spill tier
@@ -194,6 +215,8 @@ class Simulator {
   void Preempt(Worker& w, size_t index);
   void Commit(Worker& w, Seq& s);
   void SyncInfo(Worker& w);
+  void Publish(Worker& w);
+  void RefreshViews();
   int64_t BlocksFor(int64_t tokens) const {
     return (tokens + profile_.block_tokens - 1) / profile_.block_tokens;
   }
@@ -242,6 +265,7 @@ void Simulator::Setup() {
     info.free_kv_blocks = capacity;
     w.info = infos_.size();
     infos_.push_back(info);
+    w.published.free_kv_blocks = w.at_tick.free_kv_blocks = capacity;  // as registered
     by_id_[id] = workers_.size();
     workers_.push_back(std::move(w));
   };
@@ -275,7 +299,43 @@ PrefixBlockHash Simulator::HashOf(uint32_t r, int64_t block) const {
   return BlockHash(shared ? static_cast<uint64_t>(q.prefix_group) : r, shared, block);
 }
 
+// Heartbeats: a worker publishes its state after each step; every
+// heartbeat_s (ticks at multiples of it) the coordinator receives the latest
+// publication. Publish keeps `at_tick` = the latest publication at or before
+// the last tick preceding `published`.
+void Simulator::Publish(Worker& w) {
+  const double now = events_.now(), hb = config_.heartbeat_s;
+  if (std::floor(now / hb) * hb >= w.published.time) w.at_tick = w.published;
+  w.published.time = now;
+  w.published.queued_tokens = std::max<int64_t>(0, w.queued_tokens - w.submitted_in_step);
+  w.published.running = static_cast<int64_t>(w.running.size());
+  w.published.queued_requests =
+      std::max<int64_t>(0, static_cast<int64_t>(w.waiting.size()) - w.requests_in_step);
+  w.published.free_kv_blocks = w.capacity_blocks - w.used_blocks;
+}
+
+// The router's view now, as coordinator/cluster_backend_state.h keeps it:
+// what the last heartbeat tick carried, plus the prompt tokens routed to and
+// the blocks reserved on each worker since that tick.
+void Simulator::RefreshViews() {
+  const double tick = std::floor(events_.now() / config_.heartbeat_s) * config_.heartbeat_s;
+  for (Worker& w : workers_) {
+    if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
+      w.routed_tick = tick;
+      w.routed_tokens = 0;
+      w.reserved_blocks = 0;
+    }
+    const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
+    WorkerInfo& info = infos_[w.info];
+    info.queued_tokens = v.queued_tokens + w.routed_tokens;
+    info.running = v.running;
+    info.queued_requests = v.queued_requests;
+    info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
+  }
+}
+
 void Simulator::SyncInfo(Worker& w) {
+  if (config_.heartbeat_s > 0) return;  // the router sees heartbeats (RefreshViews)
   WorkerInfo& info = infos_[w.info];
   info.queued_tokens = w.queued_tokens;
   info.running = static_cast<int64_t>(w.running.size());
@@ -306,6 +366,7 @@ void Simulator::OnStart(uint32_t r) {
   for (int64_t b = 0; b < q.prompt_tokens / profile_.block_tokens; ++b) {
     chain.push_back(HashOf(r, b));
   }
+  if (config_.heartbeat_s > 0) RefreshViews();
   coordinator::RouteRequest route;
   route.prefix_blocks = chain;
   route.prompt_tokens = q.prompt_tokens;
@@ -318,6 +379,7 @@ void Simulator::OnStart(uint32_t r) {
   }
   const size_t pw = by_id_.at(*p);
   st.t.prefill_worker = static_cast<int32_t>(pw);
+  if (config_.heartbeat_s > 0) workers_[pw].routed_tokens += q.prompt_tokens;
   if (workers_[pw].kind != Worker::Kind::kColocated) {
     auto d = router_.PickDecodeAmong(route, decode_candidates_);
     if (!d.ok()) {
@@ -330,6 +392,7 @@ void Simulator::OnStart(uint32_t r) {
     // The decode group reserves blocks for prompt + output before the prefill.
     st.reserved_blocks = BlocksFor(q.prompt_tokens + q.output_tokens);
     workers_[dw].used_blocks += st.reserved_blocks;
+    if (config_.heartbeat_s > 0) workers_[dw].reserved_blocks += st.reserved_blocks;
     SyncInfo(workers_[dw]);
   } else {
     st.t.decode_worker = static_cast<int32_t>(pw);
@@ -346,6 +409,10 @@ void Simulator::Submit(Worker& w, uint32_t r) {
   s.tokens = q.prompt_tokens;
   s.max_generate = w.kind == Worker::Kind::kPrefill ? 1 : q.output_tokens;
   w.queued_tokens += q.prompt_tokens;
+  if (w.stepping) {
+    w.submitted_in_step += q.prompt_tokens;
+    ++w.requests_in_step;
+  }
   w.waiting.push_back(s);
   SyncInfo(w);
   MaybeStep(by_id_.at(w.id));
@@ -529,6 +596,8 @@ void Simulator::MaybeStep(size_t wi) {
                                             k.per_ctx_attn_s * ctx_attn);
   const double d = fixed + prefill;
   w.stepping = true;
+  w.submitted_in_step = 0;
+  w.requests_in_step = 0;
   SyncInfo(w);
   if (config_.shared_host_cores <= 0) {
     events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi), w.version);
@@ -657,6 +726,7 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
   }
   w.running.swap(still);
   SyncInfo(w);
+  if (config_.heartbeat_s > 0) Publish(w);
   MaybeStep(wi);
 }
 

@@ -19,8 +19,8 @@
 //  * A KV transfer is a FIFO link per prefill worker (its NIC): with
 //    layer-wise streaming, only the last layer's share is exposed after the
 //    prefill unless the link is the bottleneck.
-//  * Worker state the router sees is exact at every decision (heartbeat
-//    staleness is not modelled).
+//  * Worker state the router sees is exact at every decision, or (with
+//    ClusterConfig::heartbeat_s) what the workers' last heartbeats carried.
 //
 // Deterministic: the same inputs give the same outputs, bit for bit.
 #pragma once
@@ -56,6 +56,15 @@ struct ClusterConfig {
   // decode and prefill work; every start and end of a step re-rates the
   // others' remaining work.
   int shared_host_cores = 0;
+  // 0: the router sees every worker's state exactly at each decision. > 0:
+  // as the real coordinator, it sees what the workers' heartbeats carried
+  // (every heartbeat_s, the real default 0.5 s; ticks at its multiples): the
+  // state each worker published after its last step before the latest tick,
+  // plus the prompt tokens (and decode blocks) the coordinator itself routed
+  // there since that tick. A prompt leaves a worker's queued count when its
+  // prefill ends, so after a tick the router sees mostly empty queues and
+  // ties go to the lowest worker id.
+  double heartbeat_s = 0;
 
   Status Validate() const;
   // Machines (one per worker, one per TP rank) the configuration occupies.

@@ -306,6 +306,50 @@ TEST(ContentionTest, TpGroupCores) {
   EXPECT_NEAR(two->requests[0].finish_s, kv + 0.375 + 0.25, 1e-12);
 }
 
+// The router sees what heartbeats carried (ticks every 0.5 s here) plus the
+// prompt tokens the coordinator routed since the last tick; a worker
+// publishes its state after each step, and a prompt leaves its queued count
+// when its prefill ends. Hand-computed with 0.25 s steps of 16 tokens:
+//  * A at 0, B at 0.125: A's 16 routed tokens show on worker 0 until the next
+//    tick, so B goes to worker 1 (as with exact inputs).
+//  * A at 0.375, B at 0.5: the 0.5 tick replaced the accounting with worker
+//    0's last publication (none: its step ends at 0.625), so B ties and goes
+//    to worker 0 (lowest id) and waits for A's step: TTFT 0.625 + 0.25 - 0.5.
+//    Exact inputs see A's pending prompt there and send B to worker 1.
+//  * A has 48 tokens (3 chunks, ends 0.75; publishes 32, 16, 0 queued at
+//    0.25, 0.5, 0.75); B at 0.875 sees the 0.5 tick's 16 on worker 0 and
+//    goes to worker 1, where exact inputs (both idle) pick worker 0.
+TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
+  Profile p = Simple(0.25);
+  p.max_step_tokens = 16;
+  ClusterConfig c = Colocated(2);
+  c.heartbeat_s = 0.5;
+  auto within = Simulate(p, c, {{0.0, 16, 1, -1, 0}, {0.125, 16, 1, -1, 0}});
+  ASSERT_TRUE(within.ok()) << within.status().ToString();
+  EXPECT_EQ(within->requests[1].prefill_worker, 1);
+  EXPECT_EQ(within->requests[1].ttft_s(), 0.25);
+
+  const std::vector<SimRequest> herd = {{0.375, 16, 1, -1, 0}, {0.5, 16, 1, -1, 0}};
+  auto stale = Simulate(p, c, herd);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(stale->requests[1].prefill_worker, 0);
+  EXPECT_EQ(stale->requests[1].ttft_s(), 0.625 + 0.25 - 0.5);
+  const std::vector<SimRequest> busy = {{0.0, 48, 1, -1, 0}, {0.875, 16, 1, -1, 0}};
+  auto seen = Simulate(p, c, busy);
+  ASSERT_TRUE(seen.ok());
+  EXPECT_EQ(seen->requests[0].ttft_s(), 0.75);
+  EXPECT_EQ(seen->requests[1].prefill_worker, 1);
+
+  c.heartbeat_s = 0;  // exact inputs
+  auto exact = Simulate(p, c, herd);
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->requests[1].prefill_worker, 1);
+  EXPECT_EQ(exact->requests[1].ttft_s(), 0.25);
+  auto idle = Simulate(p, c, busy);
+  ASSERT_TRUE(idle.ok());
+  EXPECT_EQ(idle->requests[1].prefill_worker, 0);
+}
+
 TEST(SimulatorTest, DeterministicForASeed) {
   Profile p = Simple(0.01, 1.0 / 4096);
   WorkloadOptions wo;
