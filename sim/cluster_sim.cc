@@ -37,6 +37,9 @@ Status ClusterConfig::Validate() const {
   if (!(heartbeat_s >= 0) || !std::isfinite(heartbeat_s)) {
     return InvalidArgument("cluster: heartbeat_s must be >= 0");
   }
+  if (heartbeat_phase_s != 0 && !(heartbeat_phase_s > 0 && heartbeat_phase_s < heartbeat_s)) {
+    return InvalidArgument("cluster: heartbeat_phase_s must be in [0, heartbeat_s)");
+  }
   return Status::Ok();
 }
 
@@ -151,8 +154,7 @@ struct Worker {
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
   // last published (after a step; as the real loop does before it reads new
   // tasks) and the latest publication at or before the heartbeat tick that
-  // preceded it; prompt tokens submitted during the current step (not yet
-  // read by the real worker's loop when it publishes).
+  // preceded it.
   struct Snapshot {
     double time = -1e300;
     int64_t queued_tokens = 0, running = 0, queued_requests = 0, free_kv_blocks = 0;
@@ -164,6 +166,8 @@ struct Worker {
   double routed_tick = -1;
   int64_t routed_tokens = 0;
   int64_t reserved_blocks = 0;
+  // Prompt tokens / requests submitted during the current step: the real
+  // loop has not read them yet when it publishes after the step.
   int64_t submitted_in_step = 0;
   int64_t requests_in_step = 0;
   int64_t queued_tokens = 0;
@@ -216,6 +220,11 @@ class Simulator {
   void Commit(Worker& w, Seq& s);
   void SyncInfo(Worker& w);
   void Publish(Worker& w);
+  // The last heartbeat tick at or before t.
+  double LastTick(double t) const {
+    const double hb = config_.heartbeat_s, phase = config_.heartbeat_phase_s;
+    return phase + std::floor((t - phase) / hb) * hb;
+  }
   void RefreshViews();
   int64_t BlocksFor(int64_t tokens) const {
     return (tokens + profile_.block_tokens - 1) / profile_.block_tokens;
@@ -304,8 +313,8 @@ PrefixBlockHash Simulator::HashOf(uint32_t r, int64_t block) const {
 // publication. Publish keeps `at_tick` = the latest publication at or before
 // the last tick preceding `published`.
 void Simulator::Publish(Worker& w) {
-  const double now = events_.now(), hb = config_.heartbeat_s;
-  if (std::floor(now / hb) * hb >= w.published.time) w.at_tick = w.published;
+  const double now = events_.now();
+  if (LastTick(now) >= w.published.time) w.at_tick = w.published;
   w.published.time = now;
   w.published.queued_tokens = std::max<int64_t>(0, w.queued_tokens - w.submitted_in_step);
   w.published.running = static_cast<int64_t>(w.running.size());
@@ -318,7 +327,7 @@ void Simulator::Publish(Worker& w) {
 // what the last heartbeat tick carried, plus the prompt tokens routed to and
 // the blocks reserved on each worker since that tick.
 void Simulator::RefreshViews() {
-  const double tick = std::floor(events_.now() / config_.heartbeat_s) * config_.heartbeat_s;
+  const double tick = LastTick(events_.now());
   for (Worker& w : workers_) {
     if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
       w.routed_tick = tick;

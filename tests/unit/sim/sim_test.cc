@@ -316,6 +316,7 @@ TEST(ContentionTest, TpGroupCores) {
 //    0's last publication (none: its step ends at 0.625), so B ties and goes
 //    to worker 0 (lowest id) and waits for A's step: TTFT 0.625 + 0.25 - 0.5.
 //    Exact inputs see A's pending prompt there and send B to worker 1.
+//    With ticks at 0.25 + k/2 instead, A and B share a window: worker 1.
 //  * A has 48 tokens (3 chunks, ends 0.75; publishes 32, 16, 0 queued at
 //    0.25, 0.5, 0.75); B at 0.875 sees the 0.5 tick's 16 on worker 0 and
 //    goes to worker 1, where exact inputs (both idle) pick worker 0.
@@ -334,6 +335,13 @@ TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
   ASSERT_TRUE(stale.ok());
   EXPECT_EQ(stale->requests[1].prefill_worker, 0);
   EXPECT_EQ(stale->requests[1].ttft_s(), 0.625 + 0.25 - 0.5);
+  c.heartbeat_phase_s = 0.25;  // ticks at 0.25, 0.75: A and B share a window
+  auto shifted = Simulate(p, c, herd);
+  ASSERT_TRUE(shifted.ok());
+  EXPECT_EQ(shifted->requests[1].prefill_worker, 1);
+  c.heartbeat_phase_s = 0.5;  // not in [0, heartbeat_s)
+  EXPECT_FALSE(Simulate(p, c, herd).ok());
+  c.heartbeat_phase_s = 0;
   const std::vector<SimRequest> busy = {{0.0, 48, 1, -1, 0}, {0.875, 16, 1, -1, 0}};
   auto seen = Simulate(p, c, busy);
   ASSERT_TRUE(seen.ok());
