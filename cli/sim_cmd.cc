@@ -481,10 +481,10 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
   // KV transfers, at the measured prompt size, on every worker (4 at once
   // reach both colocated workers), then one alone.
   for (const char* n : {"4", "1"}) {
-    auto warm = RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", n,
-                         "--input-len", std::to_string(input_len), "--output-len", "8", "--seed",
-                         "999"},
-                        300);
+    auto warm =
+        RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", n, "--input-len",
+                 std::to_string(input_len), "--output-len", "8", "--seed", "999"},
+                300);
     if (!warm.ok()) {
       launcher.Stop();
       return warm.status();
@@ -651,9 +651,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
   //     a step slows down while another process computes next to it.
   p.contention = {0, 0, "not measured (--skip-contention or fewer than 2 cores): none"};
   if (UsableCores() >= 2 && !f->Has("skip-contention")) {
-    const std::vector<std::string> base = {"bench",      "engine", "--model", model,
-                                           "--threads",  th,       "--kv-dtype", kv_dtype,
-                                           "--skip-batches"};
+    const std::vector<std::string> base = {"bench",      "engine",    "--model",
+                                           model,        "--threads", th,
+                                           "--kv-dtype", kv_dtype,    "--skip-batches"};
     auto with = [&](std::vector<std::string> a, const std::vector<std::string>& more) {
       a.insert(a.end(), more.begin(), more.end());
       return a;
@@ -718,8 +718,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
           " alone and next to a second bench engine process (decode tg 64 next to pp 512; pp "
           "128 next to tg 1024), the smaller ratio - 1 of 2 rounds, " +
           date;
-      std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n",
-                  p.contention.decode_alpha, p.contention.prefill_alpha);
+      std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n", p.contention.decode_alpha,
+                  p.contention.prefill_alpha);
     }
   }
 
@@ -886,6 +886,7 @@ struct Compared {
   std::vector<json> real;
   std::vector<sim::SimResult> sim;
   double real_m[kMetrics] = {}, sim_m[kMetrics] = {};  // medians over the repeats
+  double real_spread[kMetrics] = {};                   // (max - min) / median of the real runs
 };
 
 // The five compared figures of a real run and of its simulation.
@@ -984,8 +985,7 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   // Requests per point: the same duration at every rate (unless --num-prompts).
   auto prompts_at = [&](double rate) {
-    return *n > 0 ? *n
-                  : std::max<int64_t>(*min_prompts, std::llround(rate * *seconds));
+    return *n > 0 ? *n : std::max<int64_t>(*min_prompts, std::llround(rate * *seconds));
   };
   const std::string which = f->Get("topologies", "colocated,1p1d,1p1d-tp2");
   const std::string save_dir = f->Get("save-real"), from_dir = f->Get("from-real");
@@ -1025,12 +1025,12 @@ int RunValidate(const std::vector<std::string>& args) {
           char rate[32];
           std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
           serve.push_back({"--rate", rate, "--num-prompts", std::to_string(prompts_at(rates[ri])),
-                           "--input-len", std::to_string(*in), "--output-len",
-                           std::to_string(*out), "--seed", std::to_string(ri + 1)});
+                           "--input-len", std::to_string(*in), "--output-len", std::to_string(*out),
+                           "--seed", std::to_string(ri + 1)});
         }
       }
-      auto real = ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), *in,
-                            serve);
+      auto real =
+          ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), *in, serve);
       if (!real.ok()) return fail(real.status());
       reals.resize(real->size());
       for (int64_t rep = 0; rep < *repeats; ++rep) {
@@ -1084,13 +1084,16 @@ int RunValidate(const std::vector<std::string>& args) {
       for (int k = 0; k < kMetrics; ++k) {
         row.real_m[k] = Median(rm[k]);
         row.sim_m[k] = Median(sm[k]);
+        // How far the real system is from itself over the repeats.
+        const auto [lo, hi] = std::minmax_element(rm[k].begin(), rm[k].end());
+        row.real_spread[k] = row.real_m[k] != 0 ? (*hi - *lo) / std::fabs(row.real_m[k]) : 0;
       }
       rows.push_back(std::move(row));
     }
   }
   const double wall_s = SecondsSince(t0);
   double max_err = 0;
-  std::vector<double> errs;
+  std::vector<double> errs, spreads;
   std::printf("\n%-14s %5s | %-23s | %-23s | %-23s | %-23s | %-21s\n", "topology", "rate",
               "TTFT p50 real/sim ms", "TTFT p90 real/sim ms", "TPOT p50 real/sim ms",
               "TPOT p90 real/sim ms", "out tok/s real/sim");
@@ -1104,7 +1107,9 @@ int RunValidate(const std::vector<std::string>& args) {
       max_err = std::max(max_err, err);
       errs.push_back(err);
       std::printf(" %7.1f/%7.1f %+5.0f%% |", real, sim, real != 0 ? 100 * (sim - real) / real : 0);
-      e[kMetricNames[k]] = {{"real", real}, {"sim", sim}, {"rel_err", err}};
+      e[kMetricNames[k]] = {
+          {"real", real}, {"sim", sim}, {"rel_err", err}, {"real_spread", row.real_spread[k]}};
+      spreads.push_back(row.real_spread[k]);
     }
     std::printf("\n");
     // Per request, real vs simulated (the first repeat): where the model misses.
@@ -1147,6 +1152,12 @@ int RunValidate(const std::vector<std::string>& args) {
   const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });
   std::printf("cells within 15%%: %lld of %zu; median relative error %.3f; %.0f s\n",
               static_cast<long long>(within), errs.size(), median_err, wall_s);
+  if (*repeats > 1) {
+    std::printf(
+        "real run-to-run spread over %lld repeats ((max - min) / median): median %.3f, max %.3f\n",
+        static_cast<long long>(*repeats), Median(spreads),
+        *std::max_element(spreads.begin(), spreads.end()));
+  }
   if (f->Has("json")) {
     std::ofstream o(f->Get("json"));
     o << json{{"profile", f->Get("profile")},

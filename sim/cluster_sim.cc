@@ -598,11 +598,11 @@ void Simulator::MaybeStep(size_t wi) {
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
   const StepCost& k = profile_.step;
-  const double fixed = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
-                       w.step_add_s;
-  const double prefill = w.prefill_scale * (k.per_seq_s * prefill_seqs +
-                                            k.per_token_s * prefill_tokens + k.per_attn_s * attn +
-                                            k.per_ctx_attn_s * ctx_attn);
+  const double fixed =
+      w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) + w.step_add_s;
+  const double prefill =
+      w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
+                         k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn);
   const double d = fixed + prefill;
   w.stepping = true;
   w.submitted_in_step = 0;

@@ -37,8 +37,7 @@ Status Profile::Validate() const {
     return InvalidArgument("profile.store_restore: latency_s must be >= 0, bytes_per_s > 0");
   }
   for (const auto& [t, c] : tp) {
-    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) ||
-        c.cores > t) {
+    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t) {
       return InvalidArgument("profile.tp." + std::to_string(t) +
                              ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T");
     }
@@ -47,8 +46,7 @@ Status Profile::Validate() const {
       !std::isfinite(contention.decode_alpha) || !std::isfinite(contention.prefill_alpha)) {
     return InvalidArgument("profile.contention: decode_alpha and prefill_alpha must be >= 0");
   }
-  if ((contention.decode_alpha > 0 || contention.prefill_alpha > 0) &&
-      contention.source.empty()) {
+  if ((contention.decode_alpha > 0 || contention.prefill_alpha > 0) && contention.source.empty()) {
     return InvalidArgument("profile.contention.source must say where it is from");
   }
   for (const auto* o : {&colocated, &prefill, &decode}) {
