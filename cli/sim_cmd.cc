@@ -9,6 +9,8 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,6 +76,18 @@ int UsableCores() {
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+// "load average 0.52 (2 cores)": printed by calibrate and validate at their
+// start and end, because their figures mean little on a busy machine.
+std::string LoadLine() {
+  std::ifstream f("/proc/loadavg");
+  double one = -1;
+  f >> one;
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "load average %.2f (%d cores)%s", one, UsableCores(),
+                one > UsableCores() ? ": a busy machine, the figures are noisy" : "");
+  return buf;
+}
+
 std::string SelfExe() {
   std::error_code ec;
   auto p = fs::read_symlink("/proc/self/exe", ec);
@@ -81,11 +95,11 @@ std::string SelfExe() {
 }
 
 // Runs this binary with `args`, stdout to a string (stderr passes through),
-// killed at the deadline. Error unless it exits 0 (or, with allow_failure,
-// unless it was killed: bench serve exits 1 when some requests failed and
-// still writes its report).
+// killed at the deadline; *cpu_s (when given) receives the CPU seconds it used. Error unless it
+// exits 0 (or, with allow_failure, unless it was killed: bench serve exits 1 when some requests
+// failed and still writes its report).
 Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
-                            bool allow_failure = false) {
+                            bool allow_failure = false, double* cpu_s = nullptr) {
   char tmpl[] = "/tmp/kvrelay-sim-XXXXXX";
   const int fd = mkstemp(tmpl);
   if (fd < 0) return Internal("mkstemp failed");
@@ -113,7 +127,12 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
   int status = 0;
   bool exited = false;
   while (!exited) {
-    const pid_t r = waitpid(pid, &status, WNOHANG);
+    struct rusage ru {};
+    const pid_t r = wait4(pid, &status, WNOHANG, &ru);
+    if (r == pid && cpu_s) {
+      *cpu_s = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+               static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+    }
     if (r == pid) {
       exited = true;
       break;
@@ -138,13 +157,14 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
 }
 
 // Starts this binary with `args` in the background (output discarded);
-// the caller kills and reaps it.
+// the caller kills and reaps it (and it is killed if the caller dies).
 Result<pid_t> SpawnSelf(const std::vector<std::string>& args) {
   std::vector<std::string> argv_s = {SelfExe()};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   const pid_t pid = fork();
   if (pid < 0) return Internal("fork failed");
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives the calibration
     const int devnull = open("/dev/null", O_WRONLY);
     if (devnull >= 0) {
       dup2(devnull, STDOUT_FILENO);
@@ -586,6 +606,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   p.kv_pool_blocks = *cap_mb * (1 << 20) / layout.BlockBytes();
   const std::string th = std::to_string(*threads), rp = std::to_string(*reps);
   const std::string date = p.measured_at;
+  std::printf("calibrating at %s, %s\n", date.c_str(), LoadLine().c_str());
 
   // 1. Engine steps: prefill (tokens x cached context), decode (batch x context).
   std::vector<std::vector<std::string>> runs = {
@@ -660,12 +681,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
     };
     const auto decode_fg = with(base, {"--pp", "16", "--tg", "64", "--reps", "3"});
     const auto prefill_fg = with(base, {"--pp", "128", "--tg", "1", "--reps", "5"});
-    const auto prefill_bg = with(base, {"--pp", "512", "--tg", "1", "--reps", "100000"});
-    const auto decode_bg = with(base, {"--pp", "16", "--tg", "1024", "--reps", "100000"});
-    // The foreground's median (decode step or prefill pass), with `bg` running
-    // next to it when given.
+    // Backgrounds long enough for any foreground (minutes), and finite.
+    const auto prefill_bg = with(base, {"--pp", "512", "--tg", "1", "--reps", "200"});
+    const auto decode_bg = with(base, {"--pp", "16", "--tg", "1024", "--reps", "30"});
+    // The foreground's median (decode step or prefill pass) and its CPU
+    // seconds in all, with `bg` running next to it when given.
+    struct Timed {
+      double median_s = 0, cpu_s = 0;
+    };
     auto timed = [&](const std::vector<std::string>& fg, const std::vector<std::string>* bg,
-                     bool decode) -> Result<double> {
+                     bool decode) -> Result<Timed> {
       pid_t pid = -1;
       if (bg) {
         ASSIGN_OR_RETURN(pid, SpawnSelf(*bg));
@@ -679,7 +704,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
         }
       }
       const std::string path = TempPath("contention.json");
-      auto o = RunSelf(with(fg, {"--json", path}), 600);
+      Timed t;
+      auto o = RunSelf(with(fg, {"--json", path}), 600, false, &t.cpu_s);
       if (pid > 0) {
         kill(pid, SIGKILL);
         waitpid(pid, nullptr, 0);
@@ -687,8 +713,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
       if (!o.ok()) return o.status();
       ASSIGN_OR_RETURN(json j, ReadJson(path));
       fs::remove(path);
-      return decode ? j["tg"].value("median_step_s", 0.0) : j["prefill"].value("median_s", 0.0);
+      t.median_s =
+          decode ? j["tg"].value("median_step_s", 0.0) : j["prefill"].value("median_s", 0.0);
+      return t;
     };
+    // The slowdown is read from the foreground's CPU time, not its wall
+    // time: cache and memory-bandwidth interference make the same work take
+    // more CPU, while other load on the machine (which the simulator does not
+    // model) only delays it. On a quiet machine the two agree.
     std::vector<double> dr, pr;
     for (int round = 0; round < 2; ++round) {
       auto ds = timed(decode_fg, nullptr, true);
@@ -698,25 +730,30 @@ int RunCalibrate(const std::vector<std::string>& args) {
       for (const Status& st : {ds.status(), dc.status(), ps.status(), pc.status()}) {
         if (!st.ok()) return fail(st);
       }
-      if (*ds > 0 && *ps > 0) {
-        dr.push_back(*dc / *ds);
-        pr.push_back(*pc / *ps);
+      if (ds->cpu_s > 0 && ps->cpu_s > 0) {
+        dr.push_back(dc->cpu_s / ds->cpu_s);
+        pr.push_back(pc->cpu_s / ps->cpu_s);
       }
       std::printf(
-          "contention round %d: decode step %.3f ms alone, %.3f ms next to a prefill; prefill "
-          "128 %.1f ms alone, %.1f ms next to a decode\n",
-          round + 1, *ds * 1e3, *dc * 1e3, *ps * 1e3, *pc * 1e3);
+          "contention round %d: decode (tg 64 x4) alone %.3f ms/step, %.2f s CPU; next to a "
+          "prefill %.3f ms/step, %.2f s CPU. prefill (pp 128 x6) alone %.1f ms, %.2f s CPU; next "
+          "to a decode %.1f ms, %.2f s CPU\n",
+          round + 1, ds->median_s * 1e3, ds->cpu_s, dc->median_s * 1e3, dc->cpu_s,
+          ps->median_s * 1e3, ps->cpu_s, pc->median_s * 1e3, pc->cpu_s);
     }
     if (!dr.empty()) {
-      std::sort(dr.begin(), dr.end());
-      std::sort(pr.begin(), pr.end());
-      // The lower of the rounds: other load on the machine only adds.
-      p.contention.decode_alpha = std::max(0.0, dr.front() - 1);
-      p.contention.prefill_alpha = std::max(0.0, pr.front() - 1);
+      auto mean = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (double x : v) sum += x;
+        return sum / static_cast<double>(v.size());
+      };
+      p.contention.decode_alpha = std::max(0.0, mean(dr) - 1);
+      p.contention.prefill_alpha = std::max(0.0, mean(pr) - 1);
       p.contention.source =
           "kvrelay bench engine --threads " + th +
           " alone and next to a second bench engine process (decode tg 64 next to pp 512; pp "
-          "128 next to tg 1024), the smaller ratio - 1 of 2 rounds, " +
+          "128 next to tg 1024): the foreground's CPU seconds (model load included), the "
+          "mean ratio of 2 rounds - 1 (0 at least), " +
           date;
       std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n", p.contention.decode_alpha,
                   p.contention.prefill_alpha);
@@ -858,7 +895,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0};
   }
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
-  std::printf("wrote %s\n", out_path.c_str());
+  std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());
   return 0;
 }
 
@@ -1004,6 +1041,7 @@ int RunValidate(const std::vector<std::string>& args) {
   const auto& topos = Topologies(static_cast<int>(*colocated));
   const char* keys[] = {"colocated", "1p1d", "1p1d-tp2"};
   const TimePoint t0 = Clock::now();
+  const std::string load_start = LoadLine();
   for (size_t ti = 0; ti < topos.size(); ++ti) {
     if (("," + which + ",").find("," + std::string(keys[ti]) + ",") == std::string::npos) continue;
     const Topology& t = topos[ti];
@@ -1150,6 +1188,10 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   const double median_err = Median(errs);
   const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });
+  if (from_dir.empty()) {
+    std::printf("%s; real runs from %s (start) to %s (end)\n", UtcNow().c_str(), load_start.c_str(),
+                LoadLine().c_str());
+  }
   std::printf("cells within 15%%: %lld of %zu; median relative error %.3f; %.0f s\n",
               static_cast<long long>(within), errs.size(), median_err, wall_s);
   if (*repeats > 1) {
