@@ -488,9 +488,35 @@ struct ServeRun {
 
 // Starts `t`, warms it up, runs `bench serve` with `serve_args` once per
 // entry, stops it.
+// A process of this binary that keeps a core busy during one of the runs.
+struct Background {
+  size_t run = SIZE_MAX;  // index into serve_args; SIZE_MAX = none
+  std::vector<std::string> args;
+};
+
+// Starts `args` in the background and waits until it computes (0.5 s of CPU).
+Result<pid_t> StartBusy(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(pid_t pid, SpawnSelf(args));
+  const Deadline ready = Deadline::AfterMs(60'000);
+  while (ProcessCpuSeconds(pid, nullptr) < 0.5 && !ready.Expired()) {
+    if (waitpid(pid, nullptr, WNOHANG) == pid) {
+      return Internal("the background process exited before it computed");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return pid;
+}
+
+void StopBusy(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
 Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& model, int threads,
                                         const std::string& kv_dtype, int64_t input_len,
-                                        const std::vector<std::vector<std::string>>& serve_args) {
+                                        const std::vector<std::vector<std::string>>& serve_args,
+                                        const Background& background = {}) {
   ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
   deploy::LocalLauncher launcher(opts);
   std::fprintf(stderr, "sim: starting %s\n", t.name.c_str());
@@ -514,9 +540,19 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
     const std::string path = TempPath("serve-" + std::to_string(i) + ".json");
     std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
     a.insert(a.end(), serve_args[i].begin(), serve_args[i].end());
+    pid_t busy = -1;
+    if (i == background.run) {
+      auto b = StartBusy(background.args);
+      if (!b.ok()) {
+        launcher.Stop();
+        return b.status();
+      }
+      busy = *b;
+    }
     const auto cpu0 = ClusterCpu(launcher);
     auto r = RunSelf(a, 900, /*allow_failure=*/true);
     auto cpu1 = ClusterCpu(launcher);
+    StopBusy(busy);
     auto j = r.ok() ? ReadJson(path) : Result<json>(r.status());
     fs::remove(path);
     if (j.ok() && j->value("completed", 0) == 0) j = Unavailable("no request completed");
@@ -693,23 +729,13 @@ int RunCalibrate(const std::vector<std::string>& args) {
                      bool decode) -> Result<Timed> {
       pid_t pid = -1;
       if (bg) {
-        ASSIGN_OR_RETURN(pid, SpawnSelf(*bg));
         // Running (model loaded, computing) before the foreground starts.
-        const Deadline ready = Deadline::AfterMs(60'000);
-        while (ProcessCpuSeconds(pid, nullptr) < 0.5 && !ready.Expired()) {
-          if (waitpid(pid, nullptr, WNOHANG) == pid) {
-            return Internal("the background bench engine exited before it computed");
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
+        ASSIGN_OR_RETURN(pid, StartBusy(*bg));
       }
       const std::string path = TempPath("contention.json");
       Timed t;
       auto o = RunSelf(with(fg, {"--json", path}), 600, false, &t.cpu_s);
-      if (pid > 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, nullptr, 0);
-      }
+      StopBusy(pid);
       if (!o.ok()) return o.status();
       ASSIGN_OR_RETURN(json j, ReadJson(path));
       fs::remove(path);
@@ -837,9 +863,29 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "4242"};
     std::vector<ServePoint> pts;
     std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
-      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, {serve});
+      // The TP 2 group runs a second time next to a process that keeps one
+      // core busy (a prefill bench engine), as the prefill worker does.
+      const bool tp = t.tp > 1 && UsableCores() >= 2;
+      Background bg;
+      if (tp) {
+        bg.run = 1;
+        bg.args = {"bench", "engine",     "--model", model,  "--threads",
+                   th,      "--kv-dtype", kv_dtype,  "--pp", "512",
+                   "--tg",  "1",          "--reps",  "200",  "--skip-batches"};
+      }
+      std::vector<std::vector<std::string>> runs = {serve};
+      if (tp) runs.push_back(serve);
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
+      if (tp) {
+        const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
+        const double busy = (*r)[1].report["tpot_ms"].value("p50", 0.0);
+        tp_busy_slowdown = alone > 0 ? busy / alone : 0;
+        std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
+                    t.name.c_str(), busy, alone, tp_busy_slowdown);
+      }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
@@ -884,15 +930,31 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
     p.decode.source = source("1P+1D");
     // The TP 2 group's cores: its ranks' CPU over its stepping time (they
-    // block in the collectives), at most 2; 0 (= 2) when not measurable.
+    // block in the collectives), at most 2 (0 = 2 when not measurable). Its
+    // busy_alpha: what makes the model reproduce its slowdown s next to one
+    // busy core, 1 / s = share / (1 + busy_alpha x others), with the share
+    // and the other busy cores the fluid model gives that situation.
+    const double n_cores = UsableCores();
     const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
+    double busy_alpha = 0;
+    if (tp_busy_slowdown > 0) {
+      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
+      const double share = demand > n_cores ? n_cores / demand : 1.0;
+      const double others = std::max(1e-9, std::min(demand - c, n_cores - c));
+      busy_alpha = std::max(0.0, (tp_busy_slowdown * share - 1) / others);
+    }
+    std::printf(
+        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> busy_alpha "
+        "%.3f\n",
+        decode_cores[2], tp_busy_slowdown, busy_alpha);
     p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,
                source("1P+1D TP2") +
                    "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
-                   "decode time (first to last token of each request)",
-               tp_cores};
+                   "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
+                   "engine prefill that keeps a core busy",
+               tp_cores, busy_alpha};
   } else {
-    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0};
+    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0, 0.0};
   }
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
   std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());

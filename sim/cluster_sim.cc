@@ -150,6 +150,7 @@ struct Worker {
   double rate = 1;
   double since = 0;
   double alpha = 0;
+  double tp_alpha = -1;  // a TP group: its busy_alpha replaces the mix
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
   // last published (after a step; as the real loop does before it reads new
@@ -293,6 +294,7 @@ void Simulator::Setup() {
     add(Worker::Kind::kDecode, id, profile_.decode, tp.step_scale, tp.per_step_s,
         profile_.kv_pool_blocks);
     workers_.back().cores = tp.cores > 0 ? tp.cores : config_.tp;
+    if (config_.tp > 1) workers_.back().tp_alpha = tp.busy_alpha;
   }
   prefill_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kPrefill);
   decode_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kDecode);
@@ -615,10 +617,13 @@ void Simulator::MaybeStep(size_t wi) {
   w.work_left = d;
   w.since = now;
   w.rate = 0;  // Rerate schedules its end
-  w.alpha = d > 0 ? (fixed * profile_.contention.decode_alpha +
-                     prefill * profile_.contention.prefill_alpha) /
-                        d
-                  : 0;
+  if (w.tp_alpha >= 0) {
+    w.alpha = w.tp_alpha;
+  } else {
+    const double mixed =
+        fixed * profile_.contention.decode_alpha + prefill * profile_.contention.prefill_alpha;
+    w.alpha = d > 0 ? mixed / d : 0;
+  }
   stepping_.push_back(wi);
   busy_cores_ += w.cores;
   Rerate();

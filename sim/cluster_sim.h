@@ -53,8 +53,8 @@ struct ClusterConfig {
   // workers want D cores in all, each one's step advances at rate
   //   min(1, N / D) / (1 + alpha x min(D - c, N - c))
   // of its solo speed, alpha the profile's contention for the step's mix of
-  // decode and prefill work; every start and end of a step re-rates the
-  // others' remaining work.
+  // decode and prefill work (a TP group: profile.tp[T].busy_alpha); every
+  // start and end of a step re-rates the others' remaining work.
   int shared_host_cores = 0;
   // 0: the router sees every worker's state exactly at each decision. > 0:
   // as the real coordinator, it sees what the workers' heartbeats carried

@@ -37,9 +37,11 @@ Status Profile::Validate() const {
     return InvalidArgument("profile.store_restore: latency_s must be >= 0, bytes_per_s > 0");
   }
   for (const auto& [t, c] : tp) {
-    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t) {
+    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t ||
+        !(c.busy_alpha >= 0) || !std::isfinite(c.busy_alpha)) {
       return InvalidArgument("profile.tp." + std::to_string(t) +
-                             ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T");
+                             ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
+                             "busy_alpha >= 0");
     }
   }
   if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
@@ -62,7 +64,7 @@ Status Profile::Validate() const {
 const LinkCost& Profile::Link() const { return transports.at(transport); }
 
 TpCost Profile::Tp(int t) const {
-  if (t <= 1) return TpCost{1.0, 0.0, "identity", 1.0};
+  if (t <= 1) return TpCost{1.0, 0.0, "identity", 1.0, 0.0};
   auto it = tp.find(t);
   return it == tp.end() ? TpCost{} : it->second;
 }
@@ -126,6 +128,7 @@ std::string ProfileToJson(const Profile& p) {
     tp[std::to_string(t)] = {{"step_scale", c.step_scale},
                              {"per_step_s", c.per_step_s},
                              {"cores", c.cores},
+                             {"busy_alpha", c.busy_alpha},
                              {"source", c.source}};
   }
   json j = {
@@ -212,6 +215,7 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "step_scale", &c.step_scale, true));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "per_step_s", &c.per_step_s, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
+      RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
       p.tp[t] = c;
     }

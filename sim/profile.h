@@ -56,14 +56,18 @@ struct LinkCost {
 };
 
 // A decode group of TP size T: step time = step_scale * (TP 1 step) + per_step_s.
-// cores: the CPU cores the group keeps busy while it steps, for processes
-// sharing a host (ClusterConfig::shared_host_cores); its ranks block in the
-// collectives, so it is less than T. 0 means T.
+// For processes sharing a host (ClusterConfig::shared_host_cores): cores is
+// what the group keeps busy while it steps (its ranks block in the
+// collectives, so less than T; 0 means T), and a step of the group runs
+// 1 + busy_alpha x (other busy cores) slower (its ranks synchronise in every
+// layer: one that loses its core stalls the others), in place of the
+// profile's contention alpha.
 struct TpCost {
   double step_scale = 1.0;
   double per_step_s = 0;
   std::string source;
   double cores = 0;
+  double busy_alpha = 0;
 };
 
 // Worker processes slowing each other down on one host (the single-node

@@ -285,7 +285,7 @@ TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
 // cores = 1 the host is not oversubscribed (1 + 1 = 2): B's TTFT is 0.25 and
 // A finishes 0.5 after its KV. With cores = 2 (the default) 3 cores are
 // wanted of 2: both steps run at 2/3 speed (0.375 s), then A's last alone.
-TEST(ContentionTest, TpGroupCores) {
+TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   Profile p = Simple(0.25);
   p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
   p.tp[2] = {1.0, 0.0, "test", 1.0};
@@ -304,6 +304,16 @@ TEST(ContentionTest, TpGroupCores) {
   ASSERT_TRUE(two.ok());
   EXPECT_NEAR(two->requests[1].ttft_s(), 0.375, 1e-12);
   EXPECT_NEAR(two->requests[0].finish_s, kv + 0.375 + 0.25, 1e-12);
+  // busy_alpha 1 with cores 1: the group's step runs at 1/2 while B's prefill
+  // holds the other core (0.125 of it done by kv + 0.25), the rest alone
+  // (kv + 0.375), then its last step; B's prefill is not slowed (its own
+  // alpha is the profile's contention, 0).
+  p.tp[2].cores = 1;
+  p.tp[2].busy_alpha = 1;
+  auto gang = Simulate(p, c, w);
+  ASSERT_TRUE(gang.ok());
+  EXPECT_EQ(gang->requests[1].ttft_s(), 0.25);
+  EXPECT_EQ(gang->requests[0].finish_s, kv + 0.375 + 0.25);
 }
 
 // The router sees what heartbeats carried (ticks every 0.5 s here) plus the
@@ -411,13 +421,14 @@ TEST(SimulatorTest, BadInputIsAnError) {
 
 TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   Profile p = Simple(0.25, 0.001);
-  p.tp[2] = {0.75, 0.002, "test", 1.25};
+  p.tp[2] = {0.75, 0.002, "test", 1.25, 0.5};
   p.contention = {0.125, 0.0625, "test"};
   auto back = ProfileFromJson(ProfileToJson(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->step.per_token_s, 0.001);
   EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
   EXPECT_EQ(back->tp.at(2).cores, 1.25);
+  EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
   EXPECT_EQ(back->contention.decode_alpha, 0.125);
   EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
   Profile wide = p;
