@@ -31,6 +31,9 @@ struct KernelTable {
   GemmQFn gemm_q8_0;
   GemmF32Fn gemm_f32;
   GemmF16Fn gemm_f16;
+  // True when quantize also fills QuantizedActs::qp / dt / st (when they are
+  // non-null) and the quantized products read them for batches of 2+ tokens.
+  bool pair_layout = false;
 };
 
 // Always available.

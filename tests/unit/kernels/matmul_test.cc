@@ -320,7 +320,8 @@ TEST(Quantize, Avx2MatchesScalarBitForBit) {
 // The AVX-512 VNNI products give the AVX2 products' bits (same 8-lane float
 // accumulators in the same order, same integer lanes), for every tile shape
 // the driver uses: 1..4 rows x 1..8 tokens, odd token counts (a half-used
-// token pair), single tokens (paired rows), odd row counts.
+// token pair), single tokens (paired rows), odd row counts, rows longer than
+// one scale-table pass, and a second token tile.
 TEST(MatMulAvx512, BitIdenticalToAvx2) {
   if (!KernelPathSupported(KernelPath::kAvx512)) {
     GTEST_SKIP() << "CPU (or OS) without AVX-512 F/BW/VL/DQ/VNNI";
@@ -335,7 +336,13 @@ TEST(MatMulAvx512, BitIdenticalToAvx2) {
                                              {9, 32 * 5, 7},
                                              {13, 32 * 18, 9},
                                              {33, 32 * 48, 64},
-                                             {577, 32 * 18, 17}}) {
+                                             {577, 32 * 18, 17},
+                                             // More blocks than one pass of
+                                             // the pair tiles' scale table.
+                                             {6, 32 * 70, 12},
+                                             // Two token tiles (the second
+                                             // starts at token 180).
+                                             {5, 32 * 18, 201}}) {
       const Weights w = RandomWeights(type, s.rows, s.cols, seed++);
       const std::vector<float> x = RandomActs(s.tokens * s.cols, seed++);
       std::vector<float> y2(s.rows * s.tokens), y5(s.rows * s.tokens, std::nanf(""));
