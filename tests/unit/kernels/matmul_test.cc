@@ -356,6 +356,33 @@ TEST(MatMulAvx512, BitIdenticalToAvx2) {
   }
 }
 
+// Batch invariance: token t of a batched product equals the same token
+// multiplied alone, bit for bit, on every path (a sequence's logits must not
+// depend on what else is in the decode batch: docs/ENGINE_NUMERICS.md).
+TEST(MatMulBatch, TokenOfBatchEqualsTokenAlone) {
+  ThreadPool pool(2, "kbi");
+  uint32_t seed = 900;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    const Weights w = RandomWeights(type, 37, 32 * 18, seed++);
+    const int64_t cols = w.tensor.Cols(), rows = w.tensor.Rows();
+    for (int64_t batch : {2, 7, 64}) {
+      const std::vector<float> x = RandomActs(batch * cols, seed++);
+      for (KernelPath path : Paths()) {
+        std::vector<float> all(rows * batch), one(rows);
+        MatMulWithPath(w.tensor, x.data(), batch, all.data(), &pool, path);
+        for (int64_t t = 0; t < batch; ++t) {
+          MatMulWithPath(w.tensor, x.data() + t * cols, 1, one.data(), nullptr, path);
+          for (int64_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(one[r], all[t * rows + r])
+                << GgmlTypeName(type) << " " << KernelPathName(path) << " batch " << batch
+                << " token " << t << " row " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
 // A row's result does not depend on how rows are split over threads or
 // grouped into tiles: every output sees the same operations in the same order.
 TEST(MatMulThreads, ResultIndependentOfThreadCount) {
