@@ -329,22 +329,25 @@ TEST_P(ForwardTest, LongContextDecodeEqualsPrefillBitForBit) {
   // difference in an attention output.
   auto m = LoadSynthetic(o);
   ASSERT_NE(m, nullptr);
-  auto pool = MakePool(*m, 48, 16);
-  ASSERT_NE(pool, nullptr);
   const int vocab = m->config().vocab;
   auto tokens = RandomTokens(620, vocab, 21);
   ThreadPool two(2), three(3);
-  auto full = ChunkedLogits(*m, pool.get(), &two, tokens, 620, 1);
-  ASSERT_TRUE(full.ok()) << full.status().ToString();
-  // Positions 600..619 decoded one at a time (600+ keys: split when supported).
-  for (ThreadPool* threads : {&two, &three}) {
-    auto decoded = ChunkedLogits(*m, pool.get(), threads, tokens, 600, 1);
-    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
-    ASSERT_EQ(decoded->size(), full->size());
-    for (size_t i = 600 * static_cast<size_t>(vocab); i < full->size(); ++i) {
-      ASSERT_EQ((*decoded)[i], (*full)[i])
-          << "position " << i / vocab << " logit " << i % vocab << " threads "
-          << threads->num_threads();
+  // In-place f32 slabs and a decoded (f16) pool: both feed the split path.
+  for (KvDtype dtype : {KvDtype::kF32, KvDtype::kF16}) {
+    auto pool = MakePool(*m, 48, 16, dtype);
+    ASSERT_NE(pool, nullptr);
+    auto full = ChunkedLogits(*m, pool.get(), &two, tokens, 620, 1);
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    // Positions 600..619 decoded one at a time (600+ keys: split when supported).
+    for (ThreadPool* threads : {&two, &three}) {
+      auto decoded = ChunkedLogits(*m, pool.get(), threads, tokens, 600, 1);
+      ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+      ASSERT_EQ(decoded->size(), full->size());
+      for (size_t i = 600 * static_cast<size_t>(vocab); i < full->size(); ++i) {
+        ASSERT_EQ((*decoded)[i], (*full)[i])
+            << "position " << i / vocab << " logit " << i % vocab << " threads "
+            << threads->num_threads() << (dtype == KvDtype::kF16 ? " f16" : " f32");
+      }
     }
   }
 }
