@@ -377,7 +377,8 @@ void TilePairs(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedA
 using PairTileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, int,
                             float*, int64_t);
 
-// Tokens [t0, t0 + nt) of the batch -> the pair layout's copies of q, d, s.
+// Tokens [t0, t1) of the batch -> the pair layout's copy of q (the AVX2
+// quantize fills dt / st).
 void QuantizePairs(int64_t t0, int64_t t1, const QuantizedActs& a) {
   const int64_t nb = a.nb;
   for (int64_t t = t0; t < t1; ++t) {
@@ -386,8 +387,6 @@ void QuantizePairs(int64_t t0, int64_t t1, const QuantizedActs& a) {
       const __m256i v = Load256(a.q + (t * nb + b) * kBlock);
       const __m512i e = _mm512_maskz_expand_epi32(words, _mm512_castsi256_si512(v));
       _mm512_mask_storeu_epi32(a.qp + ((t / 2) * nb + b) * 64, words, e);
-      a.dt[b * a.ldt + t] = a.d[t * nb + b];
-      a.st[b * a.ldt + t] = a.s[t * nb + b];
     }
   }
 }
@@ -451,8 +450,8 @@ void GemmQ8_0(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const Quanti
   Drive<Kind::kQ8_0>(w, rb, r0, r1, a, t0, t1, y, ldy);
 }
 
-// The AVX2 quantization (the same bits on both paths), plus the pair layout
-// when matmul.cc asks for it.
+// The AVX2 quantization (the same bits on both paths, and dt / st), plus the
+// pair layout when matmul.cc asks for it.
 void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const QuantizedActs& a) {
   Avx2Kernels().quantize(x, cols, t0, t1, a);
   if (a.qp != nullptr) QuantizePairs(t0, t1, a);

@@ -48,9 +48,10 @@ struct QuantizedActs {
   float* d = nullptr;
   float* s = nullptr;
   int64_t nb = 0;  // blocks per token
-  // Optional copies in the layout of the AVX-512 batched tiles (filled by the
-  // quantize of a table with pair_layout, when matmul.cc provides them; the
-  // values are the same numbers as q / d / s, only placed differently):
+  // Optional copies in the layouts of the batched tiles (filled by the
+  // quantize of a table with token_major_scales (dt, st) or pair_layout (all
+  // three), when matmul.cc provides them; the values are the same numbers as
+  // q / d / s, only placed differently):
   //   qp[((t / 2) * nb + b) * 64 + 8 i + 4 (t % 2) + k] = q[(t * nb + b) * 32 + 4 i + k]
   //     (i < 8, k < 4: the 4-byte groups of the two tokens of a pair interleaved,
   //     so one 512-bit vpdpbusd gives both tokens' 8 ggml lanes, interleaved)
