@@ -9,7 +9,6 @@
 namespace kvrelay::coordinator {
 namespace {
 
-using nlohmann::json;
 using api_fields::Field;
 using api_fields::GetBool;
 using api_fields::GetInt;
@@ -18,6 +17,7 @@ using api_fields::ParseResponseFormat;
 using api_fields::ParseTools;
 using api_fields::TypeName;
 using api_fields::WrongType;
+using nlohmann::json;
 
 constexpr int kMaxJsonDepth = 64;
 
@@ -48,7 +48,6 @@ bool DepthWithin(std::string_view body, int max_depth) {
   }
   return true;
 }
-
 
 std::optional<ApiError> ParseContent(const json& content, const std::string& field,
                                      std::string* out) {
@@ -240,7 +239,6 @@ std::optional<ApiError> ParseLogitBias(const json& lb,
   }
   return std::nullopt;
 }
-
 
 // The request fields ParseCompletionRequest understands (some only in their
 // no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the

@@ -5,11 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "coordinator/openai_api.h"
 
@@ -21,10 +20,10 @@ ApiError WrongType(const std::string& field, const char* expected, const nlohman
 // The member `name` when it is present and not null, else nullptr.
 const nlohmann::json* Field(const nlohmann::json& obj, const char* name);
 // Each leaves *out untouched when the field is absent or null.
-std::optional<ApiError> GetNumber(const nlohmann::json& obj, const char* name, double lo,
-                                  double hi, std::optional<double>* out);
-std::optional<ApiError> GetInt(const nlohmann::json& obj, const char* name, int64_t lo,
-                               int64_t hi, std::optional<int64_t>* out);
+std::optional<ApiError> GetNumber(const nlohmann::json& obj, const char* name, double lo, double hi,
+                                  std::optional<double>* out);
+std::optional<ApiError> GetInt(const nlohmann::json& obj, const char* name, int64_t lo, int64_t hi,
+                               std::optional<int64_t>* out);
 std::optional<ApiError> GetBool(const nlohmann::json& obj, const char* name, bool* out);
 
 // response_format: text, json_object or json_schema (compiled now).
