@@ -310,7 +310,7 @@ inline __m512 FoldPairs(__m512 a, __m512 b) {
 // The 16 dot products q . k_{jb + c} for c < 16 (keys outside [lo, hi) read
 // as zero rows and are masked off by the caller), in key order.
 __attribute__((always_inline)) inline __m512 Dot16(const float* q, const float* kblk, int hd,
-                                                  int lo, int hi) {
+                                                   int lo, int hi) {
   __m512 x[8];
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {

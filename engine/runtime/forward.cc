@@ -410,8 +410,8 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
     max_off[r + 1] = max_off[r] + c.n_heads * (last - first + 1);
     for (int kvh_i = 0; kvh_i < kvh; ++kvh_i) {
       for (int64_t ch = first; ch <= last; ++ch) {
-        items.push_back({static_cast<int32_t>(r), kvh_i, ch * kSplitChunk, (ch + 1) * kSplitChunk,
-                         true});
+        items.push_back(
+            {static_cast<int32_t>(r), kvh_i, ch * kSplitChunk, (ch + 1) * kSplitChunk, true});
       }
     }
   }
@@ -489,8 +489,8 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       for (int g = 0; g < group; ++g) {
         const int h = kv_head * group + g;
         float* o = attn_.data() + tok_off[row.s] * qd + static_cast<int64_t>(h) * hd;
-        AttendValuesGgml(split_scores + row.score_off + h * row.j1, vp, B, hd, row.j0,
-                         row.j1, e0, e0 + 32, o);
+        AttendValuesGgml(split_scores + row.score_off + h * row.j1, vp, B, hd, row.j0, row.j1, e0,
+                         e0 + 32, o);
       }
     }
   });
