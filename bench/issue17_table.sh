@@ -70,14 +70,21 @@ contention() {
 }
 if [[ $ONLY == contention ]]; then contention; exit 0; fi
 
+SECTION_PID=""
+trap '[[ -n $SECTION_PID ]] && kill -TERM "$SECTION_PID" 2>/dev/null; exit 130' TERM INT
 # section NAME TIMEOUT_S CMD...: runs CMD under a timeout, log in $OUT/NAME.log.
 section() {
   local name=$1 limit=$2; shift 2
   local t0; t0=$(date +%s)
   echo
   echo "== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # In the background so a TERM / Ctrl-C of this script reaches the section
+  # (timeout forwards it to the section's whole process group).
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1 &
+  SECTION_PID=$!
+  wait "$SECTION_PID"
   local rc=$?
+  SECTION_PID=""
   [[ $rc == 124 || $rc == 137 ]] && echo "   (timed out after ${limit}s: partial results)"
   [[ $rc != 0 && $rc != 124 && $rc != 137 ]] && echo "   (exit status $rc; see $OUT/$name.log)"
   echo "   [$(($(date +%s) - t0)) s]"
