@@ -60,6 +60,11 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;
+    uint32_t prefill_rank = 0;  // the data-plane peer sending it
+    // Layers verified here minus follower acks pending, and when it last
+    // changed (the no-progress deadline, kv_progress_timeout).
+    int64_t progress = -1;
+    TimePoint progress_at;
   };
 
   void OnReserveBlocks(const proto::ReserveBlocks& m);
