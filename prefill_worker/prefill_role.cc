@@ -83,9 +83,26 @@ Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoi
     const int peer = static_cast<int>(target.ranks(i));
     const std::string& info =
         i < target.kv_addresses_size() ? target.kv_addresses(i) : target.kv_address();
-    RETURN_IF_ERROR(
-        ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_timeout))
-            .WithContext("connecting to decode rank " + std::to_string(peer)));
+    // The coordinator routes only to registered (so listening) decode ranks:
+    // one that does not accept within kv_progress_timeout is gone (its
+    // process died after the task was sent) or cut off. The wait blocks this
+    // worker's loop, so it is short, and an address that just failed fails
+    // at once for as long again (tasks queued for a dead group do not each
+    // wait; a restarted rank listens on a new port, or is back by then).
+    const auto now = Clock::now();
+    std::erase_if(unreachable_, [&](const auto& kv) {
+      return now - kv.second > ctx_.options->kv_progress_timeout;
+    });
+    if (unreachable_.count(info) != 0) {
+      return Unavailable("decode rank " + std::to_string(peer) + " at " + info +
+                         " did not accept a data connection moments ago");
+    }
+    Status s = ctx_.transport->ConnectPeer(peer, info,
+                                           Deadline::After(ctx_.options->kv_progress_timeout));
+    if (!s.ok()) {
+      unreachable_[info] = Clock::now();
+      return s.WithContext("connecting to decode rank " + std::to_string(peer));
+    }
     out->decode_ranks.push_back(peer);
   }
   return Status::Ok();

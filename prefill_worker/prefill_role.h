@@ -22,6 +22,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/kv_cache/block_table.h"
@@ -127,6 +128,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     TimePoint at;
   };
   std::map<engine::RequestId, Delivered> delivered_;
+  // Decode KV addresses whose connect just failed, and when (ConnectDecodeGroup).
+  std::map<std::string, TimePoint> unreachable_;
 };
 
 }  // namespace kvrelay::prefill_worker
