@@ -26,8 +26,8 @@ Status DecodeRole::Init(worker::WorkerContext& ctx) {
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
     if (o.tp_over_mpi()) {
-      ASSIGN_OR_RETURN(mpi_collective_,
-                       MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), o.tp_step_timeout));
+      ASSIGN_OR_RETURN(mpi_collective_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                                o.tp_step_timeout));
     }
     ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(), o.rank,
                                           engine_.get(), mpi_collective_.get()));

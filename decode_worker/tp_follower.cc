@@ -69,8 +69,8 @@ Status Follower::Join() {
   if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
   engine::TpCollective* collective = group_.get();
   if (options_.tp_over_mpi()) {
-    ASSIGN_OR_RETURN(
-        mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), options_.tp_step_timeout));
+    ASSIGN_OR_RETURN(mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                   options_.tp_step_timeout));
     collective = mpi_.get();
   }
   ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(options_.engine, base_.model,

@@ -87,7 +87,7 @@ struct TpGroupOptions {
   int tp_rank = 0;
   int tp_size = 1;
   std::string leader_host = "127.0.0.1";
-  uint16_t leader_port = 0;                  // rank 0 listens here (0 = ephemeral, see port())
+  uint16_t leader_port = 0;  // rank 0 listens here (0 = ephemeral, see port())
   // Any single wait for a peer inside one step: a collective's
   // contribution, a send the peer must drain (WorkerOptions::tp_step_timeout).
   std::chrono::milliseconds timeout{2000};

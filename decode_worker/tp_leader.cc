@@ -132,10 +132,9 @@ void TpLeader::CheckFollowers() {
     for (int r = 1; r < static_cast<int>(pong_seq_.size()); ++r) {
       if (pong_seq_[r] >= ping_seq_) continue;
       if (now - ping_sent_at_ <= step_timeout_) return;  // still in time
-      liveness_ = DeadlineExceeded(
-          "TP rank " + std::to_string(r) + " did not answer within " +
-          std::to_string(step_timeout_.count()) +
-          " ms (--tp-step-timeout-ms): it is stopped, stalled or gone");
+      liveness_ = DeadlineExceeded("TP rank " + std::to_string(r) + " did not answer within " +
+                                   std::to_string(step_timeout_.count()) +
+                                   " ms (--tp-step-timeout-ms): it is stopped, stalled or gone");
       LOG_ERROR << liveness_.message();
       return;
     }

@@ -72,10 +72,10 @@ class TpLeader {
   std::vector<uint32_t> data_ranks_;
   std::vector<std::string> kv_conn_infos_;
   const std::chrono::milliseconds step_timeout_;
-  uint64_t ping_seq_ = 0;          // the last ping sent (0: none yet)
-  TimePoint ping_sent_at_;         // when it was sent
-  std::vector<uint64_t> pong_seq_;  // per rank: the last ping it answered
-  Status liveness_;                // sticky: a follower missed its ping deadline
+  uint64_t ping_seq_ = 0;            // the last ping sent (0: none yet)
+  TimePoint ping_sent_at_;           // when it was sent
+  std::vector<uint64_t> pong_seq_;   // per rank: the last ping it answered
+  Status liveness_;                  // sticky: a follower missed its ping deadline
   std::vector<KvAck> pending_acks_;  // read by CheckFollowers, returned by PollAcks
 };
 

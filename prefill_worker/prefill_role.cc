@@ -97,8 +97,8 @@ Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoi
       return Unavailable("decode rank " + std::to_string(peer) + " at " + info +
                          " did not accept a data connection moments ago");
     }
-    Status s = ctx_.transport->ConnectPeer(peer, info,
-                                           Deadline::After(ctx_.options->kv_progress_timeout));
+    Status s =
+        ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_progress_timeout));
     if (!s.ok()) {
       unreachable_[info] = Clock::now();
       return s.WithContext("connecting to decode rank " + std::to_string(peer));
@@ -377,10 +377,10 @@ void PrefillRole::OnCancel(const proto::Cancel& c) {
     // it fails now); the next request to that group connects again.
     if (c.reason().rfind("peer failed: DEADLINE_EXCEEDED", 0) == 0) {
       for (int peer : d->second.decode_ranks) {
-        ctx_.transport->AbandonPeer(
-            peer, Unavailable("decode rank " + std::to_string(peer) + " never received the KV of "
-                              "request " + std::to_string(c.request_id()) +
-                              " delivered to it: dropping its data connection"));
+        const std::string why =
+            "decode rank " + std::to_string(peer) + " never received the KV of request " +
+            std::to_string(c.request_id()) + " delivered to it: dropping its data connection";
+        ctx_.transport->AbandonPeer(peer, Unavailable(why));
         peer_progress_.erase(peer);
       }
     }

@@ -68,9 +68,9 @@ constexpr double kTpStepTimeoutS = 2.0;
 constexpr auto kCoordinatorStop = milliseconds(1000);
 // Every request ends (or completes) within the time its fault takes to be
 // detectable plus this: 2 heartbeat intervals for the cluster to act on it,
-// and 2 s of slack for a loaded 2-core host (its latency under ~70% load
+// and 3 s of slack for a loaded 2-core host (its latency under ~70% load
 // included). Asserted; the measured figures are printed.
-constexpr double kFinalStatusSlackS = 2 * kHeartbeatS + 2.0;
+constexpr double kFinalStatusSlackS = 2 * kHeartbeatS + 3.0;
 // A right answer, sent after the fault, ends within this of the fault
 // detection.
 constexpr double kServingAgainBoundS = 5.0;
@@ -241,8 +241,8 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
       // or an error) within the fault's detection time plus the slack.
       const double t = Seconds(o.ended - std::max(o.sent, fault_at));
       worst_after_fault = std::max(worst_after_fault, t);
-      EXPECT_LT(t, final_bound) << "request " << i << " (HTTP " << o.http_status
-                                << ") ended " << t << " s after the fault: " << o.error;
+      EXPECT_LT(t, final_bound) << "request " << i << " (HTTP " << o.http_status << ") ended " << t
+                                << " s after the fault: " << o.error;
     }
     if (o.http_status == 200) {
       ++ok;
@@ -326,18 +326,17 @@ TEST_P(FaultMatrixTest, EveryRequestEndsRightAndServingResumes) {
   for (int r = 0; r < rounds && !HasFatalFailure(); ++r) RunOnce(GetParam(), r);
 }
 
-INSTANTIATE_TEST_SUITE_P(Faults, FaultMatrixTest,
-                         ::testing::Values(Case{"kill_prefill", "prefill-0", Fault::kKill},
-                                           Case{"stop_prefill", "prefill-0", Fault::kStop},
-                                           Case{"kill_decode", "decode-0", Fault::kKill},
-                                           Case{"stop_decode", "decode-0", Fault::kStop},
-                                           Case{"kill_tp_follower", "decode-0-tp1", Fault::kKill, 2},
-                                           Case{"stop_tp_follower", "decode-0-tp1", Fault::kStop, 2},
-                                           Case{"kill_coordinator", "coordinator", Fault::kKill},
-                                           Case{"stop_coordinator", "coordinator", Fault::kStop}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(info.param.name);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Faults, FaultMatrixTest,
+    ::testing::Values(Case{"kill_prefill", "prefill-0", Fault::kKill},
+                      Case{"stop_prefill", "prefill-0", Fault::kStop},
+                      Case{"kill_decode", "decode-0", Fault::kKill},
+                      Case{"stop_decode", "decode-0", Fault::kStop},
+                      Case{"kill_tp_follower", "decode-0-tp1", Fault::kKill, 2},
+                      Case{"stop_tp_follower", "decode-0-tp1", Fault::kStop, 2},
+                      Case{"kill_coordinator", "coordinator", Fault::kKill},
+                      Case{"stop_coordinator", "coordinator", Fault::kStop}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // deploy/mpirun/launch.sh -X tcp -R: a worker killed with SIGKILL is started
 // again by its rank's supervisor (outside MPI), registers, and the cluster
@@ -547,7 +546,8 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
     const Outcome& o = outcomes[i];
     EXPECT_LT(o.seconds(), kFinalStatusBoundS) << "request " << i << ": " << o.error;
     if (o.ended > fault_at) {
-      worst_after_fault = std::max(worst_after_fault, Seconds(o.ended - std::max(o.sent, fault_at)));
+      worst_after_fault =
+          std::max(worst_after_fault, Seconds(o.ended - std::max(o.sent, fault_at)));
     }
     if (fault == KvFault::kBlackhole && o.ended > fault_at) {
       // A cut without a reset ends its requests by the no-progress deadline
@@ -581,8 +581,8 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   EXPECT_TRUE(serving) << "the cluster did not answer right within 60 s of the fault";
   if (fault == KvFault::kBlackhole) {
     EXPECT_GE(first_ok_after, 0) << "no request sent after the fault completed during the load";
-    EXPECT_LT(first_ok_after, kServingAgainBoundS) << "serving again only after " << first_ok_after
-                                                   << " s";
+    EXPECT_LT(first_ok_after, kServingAgainBoundS)
+        << "serving again only after " << first_ok_after << " s";
   }
   for (int i = 0; i < 3; ++i) {
     Outcome o = Complete(port_, prompts_[i % 2], kMaxTokens, kRequestTimeoutMs);
@@ -606,14 +606,13 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
       "worst time to final status after the fault %.2f s (any request %.2f s), first right "
       "answer sent after the fault %.2f s after it; first error: %s\n",
       KvFaultName(fault), capacity, rate, outcomes.size(), affected,
-      outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()),
-      worst_final, worst_after_fault, first_ok_after, first_error.c_str());
+      outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()), worst_final,
+      worst_after_fault, first_ok_after, first_error.c_str());
   std::fflush(stdout);
 }
 
 INSTANTIATE_TEST_SUITE_P(Faults, KvPathFaultTest,
-                         ::testing::Values(KvFault::kCut, KvFault::kCorrupt,
-                                           KvFault::kBlackhole),
+                         ::testing::Values(KvFault::kCut, KvFault::kCorrupt, KvFault::kBlackhole),
                          [](const ::testing::TestParamInfo<KvFault>& info) {
                            return std::string(KvFaultName(info.param));
                          });

@@ -68,7 +68,7 @@ class TcpRelay {
   std::atomic<bool> stop_{false};
   std::atomic<bool> cut_{false};
   std::atomic<uint64_t> generation_{0};  // bumped by Cut: pumps of older generations end
-  std::atomic<uint64_t> epoch_{0};  // bumped by Blackhole: pumps of older epochs go silent
+  std::atomic<uint64_t> epoch_{0};       // bumped by Blackhole: pumps of older epochs go silent
   std::atomic<bool> corrupt_{false};
   std::atomic<bool> corrupted_{false};
   std::atomic<uint64_t> forwarded_{0};
