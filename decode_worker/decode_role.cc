@@ -20,7 +20,10 @@ DecodeRole::~DecodeRole() {
 Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
+  // The connector (layer streams, TP mirrors) addresses blocks of every layer.
+  engine::EngineOptions eo = o.engine;
+  eo.kv_groups = engine::KvGroupsMode::kOne;
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
     if (o.tp_over_mpi()) {
