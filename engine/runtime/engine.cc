@@ -136,9 +136,9 @@ class Engine::Impl {
   }
 
   Status Submit(RequestSpec spec) {
-    if (connector_ != nullptr && groups_.size() > 1) {
+    if (connector_ != nullptr && groups_.size() > 1 && !connector_->SupportsKvGroups()) {
       return FailedPrecondition(
-          "a KV connector needs one KV cache group, this engine has " + groups_.DebugString() +
+          "this KV connector needs one KV cache group, the engine has " + groups_.DebugString() +
           " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
     }
     RETURN_IF_ERROR(CheckSpec(spec));
@@ -154,7 +154,18 @@ class Engine::Impl {
                                 " needs remote KV but the engine has no connector");
     }
     ASSIGN_OR_RETURN(seq->blocks, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
-    RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
+    if (groups_.size() == 1) {
+      RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
+    } else {
+      // Every group's table covers the whole prompt while it loads; the
+      // sliding-window tables drop what is out of the window once it decodes.
+      std::vector<std::vector<BlockId>> tables{seq->blocks.ids()};
+      for (BlockTable& t : seq->group_tables) {
+        ASSIGN_OR_RETURN(t, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
+        tables.push_back(t.ids());
+      }
+      RETURN_IF_ERROR(connector_->StartRemoteLoadGroups(seq->spec, groups_, tables));
+    }
     const RequestId id = seq->spec.id;
     loading_[id] = std::move(seq);
     return Status::Ok();
@@ -507,7 +518,7 @@ class Engine::Impl {
   // Blocks the pool does not hold but a lower tier does (connector admission
   // side): loaded into fresh blocks owned by `s` from the start, committed.
   void LoadExternalPrefix(Sequence& s) {
-    if (connector_ == nullptr) return;
+    if (connector_ == nullptr || groups_.size() > 1) return;  // a tier's blocks hold every layer
     const int64_t hits = s.n_committed;
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
     BlockTable loaded(pool_.get());

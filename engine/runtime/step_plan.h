@@ -43,7 +43,7 @@ struct SeqStep {
   int64_t cache_len = 0;        // positions already in the KV cache
   std::vector<int32_t> tokens;  // new tokens (>= 1)
   LogitRows logits = LogitRows::kLast;
-  std::vector<std::vector<BlockId>> group_blocks;  // groups 1.. only
+  std::vector<std::vector<BlockId>> group_blocks = {};  // groups 1.. only
 
   int64_t end() const { return cache_len + static_cast<int64_t>(tokens.size()); }
 };

@@ -81,7 +81,7 @@ struct Outcome {
 Outcome RunToEnd(Engine& e, const std::vector<RequestId>& ids, Outcome r = {},
                  int max_steps = 10000) {
   const KvCacheGroups& g = e.kv_groups();
-  for (int guard = 0; e.HasWork() && guard < max_steps; ++guard) {
+  for (int guard = 0; (e.HasWork() || e.loading() > 0) && guard < max_steps; ++guard) {
     auto events = e.Step();
     EXPECT_TRUE(events.ok()) << events.status().ToString();
     if (!events.ok()) break;
@@ -209,6 +209,90 @@ TEST(KvGroupsEngineTest, PreemptionKeepsOutputs) {
   EXPECT_EQ(one_pre, 0);
   EXPECT_GT(preemptions, 0);
   for (RequestId id : ids) EXPECT_EQ(grouped.tokens.at(id), one.tokens.at(id)) << id;
+}
+
+// Disaggregated: a one-group prefill engine computes the prompt (longer than
+// the window); a grouped decode engine receives every layer of every block
+// into its group tables (as worker::StartGroupedSegmentReceivers lays the
+// stream out), decodes past the window with bounded sliding-window blocks and
+// gives the colocated tokens.
+class GroupedLoader : public KvConnector {
+ public:
+  bool SupportsKvGroups() const override { return true; }
+  Status StartRemoteLoadGroups(const RequestSpec& request, const KvCacheGroups& groups,
+                               std::span<const std::vector<BlockId>> t) override {
+    id = request.id;
+    tables.assign(t.begin(), t.end());
+    EXPECT_EQ(static_cast<int>(t.size()), groups.size());
+    return Status::Ok();
+  }
+  std::vector<RemoteLoadDone> PollRemoteLoads() override {
+    std::vector<RemoteLoadDone> out;
+    if (first_token >= 0) out.push_back({id, Status::Ok(), first_token});
+    first_token = -1;
+    return out;
+  }
+  RequestId id = 0;
+  std::vector<std::vector<BlockId>> tables;
+  int32_t first_token = -1;
+};
+
+class Keeper : public KvConnector {
+ public:
+  bool RequestFinished(const TokenEvent&, BlockTable& blocks) override {
+    kept = std::move(blocks);
+    return true;
+  }
+  BlockTable kept;
+};
+
+TEST(KvGroupsEngineTest, DisaggregatedIntoGroupsEqualsColocated) {
+  const std::vector<int32_t> prompt = RandomPrompt(26, 21);  // 7 blocks, past the window
+  auto colo = MakeEngine(KvGroupsMode::kAuto);
+  ASSERT_NE(colo, nullptr);
+  ASSERT_TRUE(colo->Submit(Spec(1, prompt, 40)).ok());
+  const Outcome want = RunToEnd(*colo, {1});
+
+  auto prefill = MakeEngine(KvGroupsMode::kOne);
+  auto decode = MakeEngine(KvGroupsMode::kAuto);
+  ASSERT_NE(prefill, nullptr);
+  ASSERT_NE(decode, nullptr);
+  Keeper keeper;
+  GroupedLoader loader;
+  prefill->SetKvConnector(&keeper);
+  decode->SetKvConnector(&loader);
+  RequestSpec p = Spec(1, prompt, 40);
+  p.mode = RequestMode::kPrefillOnly;
+  ASSERT_TRUE(prefill->Submit(p).ok());
+  const Outcome first = RunToEnd(*prefill, {1});
+  ASSERT_EQ(first.tokens.at(1).size(), 1u);
+  ASSERT_EQ(keeper.kept.size(), 7);
+
+  RequestSpec r = Spec(1, prompt, 40);
+  r.mode = RequestMode::kRemotePrompt;
+  ASSERT_TRUE(decode->Submit(r).ok());
+  const KvCacheGroups& g = decode->kv_groups();
+  ASSERT_EQ(loader.tables.size(), 3u);
+  auto loading = decode->HeldBlocks(1);
+  ASSERT_TRUE(loading.ok());
+  EXPECT_EQ(*loading, (std::vector<int64_t>{7, 7, 7}));  // the whole prompt while it loads
+  for (int64_t i = 0; i < 7; ++i) {
+    for (int l = 0; l < g.n_layers(); ++l) {
+      auto src = prefill->pool()->LayerData(keeper.kept[i], l);
+      auto dst = decode->pool()->LayerData(loader.tables[g.group_of[l]][i], g.slot_of[l]);
+      ASSERT_EQ(src.size(), dst.size());
+      std::copy(src.begin(), src.end(), dst.begin());
+    }
+  }
+  keeper.kept.Release();
+  loader.first_token = first.tokens.at(1)[0];
+  Outcome got = RunToEnd(*decode, {1});
+  got.tokens[1].insert(got.tokens[1].begin(), first.tokens.at(1)[0]);
+  EXPECT_EQ(got.tokens.at(1), want.tokens.at(1));
+  EXPECT_GT(got.most_window_held, 0);
+  EXPECT_LE(got.most_window_held, kWindowBlocks);
+  ExpectAllBlocksReturned(*decode);
+  ExpectAllBlocksReturned(*prefill);
 }
 
 struct NullConnector : KvConnector {};
