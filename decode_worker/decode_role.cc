@@ -133,10 +133,10 @@ Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
   Incoming in;
   in.blocks = static_cast<int64_t>(tables[0].size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  ASSIGN_OR_RETURN(in.receivers, worker::StartGroupedSegmentReceivers(
-                                     ctx_.transport, static_cast<int>(reserving_prefill_rank_),
-                                     engine_->pool(), groups, ctx_.model->fingerprint(),
-                                     request.id, tables, own));
+  ASSIGN_OR_RETURN(in.receivers,
+                   worker::StartGroupedSegmentReceivers(
+                       ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
+                       groups, ctx_.model->fingerprint(), request.id, tables, own));
   // The prefill side addresses the stream by group 0's ids.
   reserved_blocks_.assign(tables[0].begin(), tables[0].end());
   incoming_[request.id] = std::move(in);

@@ -64,7 +64,8 @@ struct StreamBuffers {
     if (!layer_data.empty()) {
       return layer_data[static_cast<size_t>(layer) * block_layer0.size() + block];
     }
-    const int64_t stride = layer_stride != 0 ? layer_stride : 2 * layout.kv_heads * layout.slab_bytes;
+    const int64_t stride =
+        layer_stride != 0 ? layer_stride : 2 * layout.kv_heads * layout.slab_bytes;
     return block_layer0[block] + layer * stride;
   }
 };

@@ -74,12 +74,11 @@ kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
   return buffers;
 }
 
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>>
-StartGroupedSegmentReceivers(kv_transfer::Transport* transport, int peer,
-                             engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
-                             const engine::ModelFingerprint& model, engine::RequestId id,
-                             std::span<const std::vector<engine::BlockId>> tables,
-                             kv_transfer::HeadRange own) {
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
+    engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
+    kv_transfer::HeadRange own) {
   std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
   engine::KvLayout layout = pool->layout();
   layout.layers = groups.n_layers();  // the stream carries every model layer

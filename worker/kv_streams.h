@@ -66,11 +66,10 @@ kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
     std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
     kv_transfer::HeadRange local);
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>>
-StartGroupedSegmentReceivers(kv_transfer::Transport* transport, int peer,
-                             engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
-                             const engine::ModelFingerprint& model, engine::RequestId id,
-                             std::span<const std::vector<engine::BlockId>> tables,
-                             kv_transfer::HeadRange own);
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
+    engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
+    kv_transfer::HeadRange own);
 
 }  // namespace kvrelay::worker

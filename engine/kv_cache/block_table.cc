@@ -70,8 +70,8 @@ int64_t BlockTable::DropLeading(int64_t n) {
 }
 
 int64_t BlockTable::held() const {
-  return static_cast<int64_t>(std::count_if(ids_.begin(), ids_.end(),
-                                            [](BlockId id) { return id != kNoBlock; }));
+  return static_cast<int64_t>(
+      std::count_if(ids_.begin(), ids_.end(), [](BlockId id) { return id != kNoBlock; }));
 }
 
 }  // namespace kvrelay::engine

@@ -39,8 +39,7 @@ KvCacheGroups KvCacheGroups::FromLayerWindows(std::span<const int> windows, bool
     one_window = one_window && w == window;
   }
   if (!split || full.empty() || sliding.empty() || !one_window) return One(n);
-  const int per_block =
-      std::gcd(static_cast<int>(full.size()), static_cast<int>(sliding.size()));
+  const int per_block = std::gcd(static_cast<int>(full.size()), static_cast<int>(sliding.size()));
   KvCacheGroups g;
   g.group_of.assign(static_cast<size_t>(n), 0);
   g.slot_of.assign(static_cast<size_t>(n), 0);
@@ -61,7 +60,8 @@ KvCacheGroups KvCacheGroups::FromLayerWindows(std::span<const int> windows, bool
 
 int64_t KvCacheGroups::DroppableBlocks(int group, int64_t next_pos, int block_tokens) const {
   if (!sliding(group) || block_tokens <= 0) return 0;
-  const int64_t first_read = std::max<int64_t>(0, next_pos - window[static_cast<size_t>(group)] + 1);
+  const int64_t first_read =
+      std::max<int64_t>(0, next_pos - window[static_cast<size_t>(group)] + 1);
   return first_read / block_tokens;
 }
 

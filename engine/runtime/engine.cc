@@ -137,9 +137,9 @@ class Engine::Impl {
 
   Status Submit(RequestSpec spec) {
     if (connector_ != nullptr && groups_.size() > 1 && !connector_->SupportsKvGroups()) {
-      return FailedPrecondition(
-          "this KV connector needs one KV cache group, the engine has " + groups_.DebugString() +
-          " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
+      return FailedPrecondition("this KV connector needs one KV cache group, the engine has " +
+                                groups_.DebugString() +
+                                " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
     }
     RETURN_IF_ERROR(CheckSpec(spec));
     auto seq = NewSequence(std::move(spec));
@@ -782,11 +782,13 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
     const double context = static_cast<double>(c.context_length);
     double tokens = 0;
     for (int g = 0; g < groups.size(); ++g) {
-      tokens += groups.sliding(g)
-                    ? std::min(context, static_cast<double>(groups.WindowBlocksBound(
-                                            g, options.max_step_tokens, options.block_tokens) *
-                                        options.block_tokens))
-                    : context;
+      tokens +=
+          groups.sliding(g)
+              ? std::min(context,
+                         static_cast<double>(groups.WindowBlocksBound(g, options.max_step_tokens,
+                                                                      options.block_tokens) *
+                                             options.block_tokens))
+              : context;
     }
     const double want = per_token * tokens * options.max_running;
     po.capacity_bytes = static_cast<int64_t>(std::min(want, static_cast<double>(1LL << 30)));

@@ -263,10 +263,9 @@ Status ForwardPass::CheckGroups(std::span<const SeqStep> seqs) const {
   for (size_t s = 0; s < seqs.size(); ++s) {
     const SeqStep& q = seqs[s];
     if (q.group_blocks.size() != extra) {
-      return InvalidArgument("sequence " + std::to_string(s) + ": " +
-                             std::to_string(q.group_blocks.size() + 1) +
-                             " block tables for a KV cache of " + std::to_string(extra + 1) +
-                             " groups");
+      return InvalidArgument(
+          "sequence " + std::to_string(s) + ": " + std::to_string(q.group_blocks.size() + 1) +
+          " block tables for a KV cache of " + std::to_string(extra + 1) + " groups");
     }
     const int64_t nb = (q.end() + B - 1) / B;
     for (size_t g = 1; g <= extra; ++g) {
@@ -276,13 +275,12 @@ Status ForwardPass::CheckGroups(std::span<const SeqStep> seqs) const {
                                " block table of " + std::to_string(table.size()) +
                                " blocks cannot hold " + std::to_string(q.end()) + " positions");
       }
-      for (int64_t b = groups_.DroppableBlocks(static_cast<int>(g), q.cache_len, B); b < nb;
-           ++b) {
+      for (int64_t b = groups_.DroppableBlocks(static_cast<int>(g), q.cache_len, B); b < nb; ++b) {
         const BlockId id = table[static_cast<size_t>(b)];
         if (id < 0 || id >= pool_->total_blocks()) {
-          return InvalidArgument("sequence " + std::to_string(s) + ": group " +
-                                 std::to_string(g) + " has bad block id " + std::to_string(id) +
-                                 " at block " + std::to_string(b));
+          return InvalidArgument("sequence " + std::to_string(s) + ": group " + std::to_string(g) +
+                                 " has bad block id " + std::to_string(id) + " at block " +
+                                 std::to_string(b));
         }
       }
     }

@@ -115,7 +115,8 @@ TEST_P(LayerStreamTest, ScatteredLayerAddressesReceiveEveryLayer) {
           << "block " << i << " layer " << l;
     }
   }
-  EXPECT_TRUE(std::all_of(unused.bytes.begin(), unused.bytes.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(
+      std::all_of(unused.bytes.begin(), unused.bytes.end(), [](uint8_t b) { return b == 0; }));
   // A wrong number of addresses is refused up front.
   StreamBuffers short_rb = rb;
   short_rb.layer_data.pop_back();
