@@ -111,8 +111,6 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
   Incoming in;
   in.blocks = static_cast<int64_t>(blocks.size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  in.prefill_rank = reserving_prefill_rank_;
-  in.progress_at = Clock::now();
   ASSIGN_OR_RETURN(in.receivers,
                    worker::StartSegmentReceivers(
                        ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
