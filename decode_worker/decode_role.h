@@ -46,6 +46,12 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   // --- engine::KvConnector (load side) ---
   Status StartRemoteLoad(const engine::RequestSpec& request,
                          std::span<const engine::BlockId> blocks) override;
+  // KV cache groups (a gemma3 model, TP = 1): the sliding-window layers hold
+  // only their window once the request decodes.
+  bool SupportsKvGroups() const override { return tp_ == nullptr; }
+  Status StartRemoteLoadGroups(const engine::RequestSpec& request,
+                               const engine::KvCacheGroups& groups,
+                               std::span<const std::vector<engine::BlockId>> tables) override;
   std::vector<RemoteLoadDone> PollRemoteLoads() override;
   void CancelRemoteLoad(engine::RequestId id) override;
 
@@ -60,6 +66,11 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;
+    // Layers verified here minus follower acks pending, and when it last
+    // changed (the no-progress deadline, kv_progress_timeout; -1: not polled
+    // yet, the first poll sets both).
+    int64_t progress = -1;
+    TimePoint progress_at;
   };
 
   void OnReserveBlocks(const proto::ReserveBlocks& m);

@@ -103,6 +103,18 @@ Status Worker::Init() {
   return Status::Ok();
 }
 
+namespace {
+// The pool's total (or available) blocks in blocks of every layer, the unit
+// the coordinator's router counts a request's need in: an engine with KV
+// cache groups has groups-times smaller blocks (a conservative count, as its
+// sliding-window groups need fewer).
+int64_t WholeBlocks(engine::Engine& e, bool available) {
+  engine::KvBlockPool* pool = e.pool();
+  const int64_t n = available ? pool->available_blocks() : pool->total_blocks();
+  return n / e.kv_groups().size();
+}
+}  // namespace
+
 proto::RegisterWorker Worker::Registration() const {
   proto::RegisterWorker reg;
   reg.set_worker_id(options_.worker_id);
@@ -110,7 +122,7 @@ proto::RegisterWorker Worker::Registration() const {
   reg.set_rank(static_cast<uint32_t>(options_.rank));
   reg.set_tp_size(static_cast<uint32_t>(options_.tp_size));
   protocols::ToProto(base_.peer_config, reg.mutable_config());
-  reg.set_capacity_blocks(static_cast<uint64_t>(role_->engine()->pool()->total_blocks()));
+  reg.set_capacity_blocks(static_cast<uint64_t>(WholeBlocks(*role_->engine(), false)));
   reg.set_kv_address(base_.transport->conn_info());
   role_->DescribeRegistration(&reg);
   if (reg.tp_ranks_size() == 0) reg.add_tp_ranks(static_cast<uint32_t>(options_.rank));
@@ -119,8 +131,8 @@ proto::RegisterWorker Worker::Registration() const {
 
 void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   engine::Engine* e = role_->engine();
-  hb->set_free_blocks(static_cast<uint64_t>(e->pool()->available_blocks()));
-  hb->set_capacity_blocks(static_cast<uint64_t>(e->pool()->total_blocks()));
+  hb->set_free_blocks(static_cast<uint64_t>(WholeBlocks(*e, true)));
+  hb->set_capacity_blocks(static_cast<uint64_t>(WholeBlocks(*e, false)));
   hb->set_running_requests(static_cast<uint32_t>(e->running()));
   hb->set_queued_tokens(static_cast<uint32_t>(counters_.queued_tokens));
   hb->set_prefix_hit_tokens(static_cast<uint64_t>(e->stats().prompt_tokens_cached));
@@ -192,7 +204,9 @@ void Worker::DropRequests() {
   (void)engine->Step();  // drains the cancel events nobody is waiting for
   events_->Reset();
   counters_.queued_tokens = 0;
-  if (n > 0) LOG_WARNING << "dropped " << n << " request(s) of the lost coordinator link";
+  if (n > 0) {
+    LOG_WARNING << "dropped " << n << " request(s); the coordinator ends or re-runs them";
+  }
 }
 
 Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
@@ -239,6 +253,12 @@ Status Worker::Run(const std::atomic<bool>& stop) {
              << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
     bool link_lost = false;
     result = Serve(stop, &link_lost);
+    if (!link_lost && !stop.load() && !result.ok()) {
+      // This worker cannot serve any more (its TP group broke): say why
+      // before the link closes, so the coordinator stops routing here at once
+      // and ends or re-runs every request it had here.
+      control_->Leave(options_.worker_id, result.ToString());
+    }
     DropRequests();
     if (!link_lost || stop.load()) break;
     LOG_WARNING << result.ToString() << "; reconnecting";

@@ -1115,9 +1115,14 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
 // Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
 // sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
 // single engine's tokens colocated, disaggregated (layer-wise KV transfer) and
-// disaggregated into a decode group of TP = 2. The model has one KV head for
-// four query heads, so both TP ranks hold a replica of it and the prefill
-// worker streams it to each (engine::ShardAttentionHeads, kv_transfer::ShardHeads).
+// disaggregated into a decode group of TP = 2. The single engine and the
+// decode worker split the KV cache into groups (the sliding-window layers hold
+// only their window, engine/kv_cache/kv_groups.h); the prefill and colocated
+// workers and TP groups keep one group: the layer stream lands in the decode
+// side's group tables. The model has one KV head for four query heads, so both
+// TP ranks hold a replica of it and the prefill worker streams it to each
+// (engine::ShardAttentionHeads, kv_transfer::ShardHeads). Every worker's KV is
+// back to none in use afterwards.
 TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
   const std::string model_path = SourceDir() + "/models/gemma-3-270m-q4_k_m.gguf";
   if (!fs::exists(model_path)) {
@@ -1155,6 +1160,19 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
     EXPECT_EQ(got.text, ref.Text(expected))
         << (colocated ? "colocated"
                       : "disaggregated (1 prefill, 1 decode of TP " + std::to_string(tp) + ")");
+    // Unreferenced prefix-cache blocks count as free: utilization goes back to 0.
+    std::map<std::string, double> util;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          util = WorkerGauge(cluster->http_port(), "kvrelay_worker_kv_utilization");
+          if (util.size() != static_cast<size_t>(prefill + decode + colocated)) return false;
+          for (const auto& [w, v] : util) {
+            if (v > 1e-9) return false;
+          }
+          return true;
+        },
+        milliseconds(15'000)))
+        << "KV still in use after the request (" << util.size() << " workers reporting)";
   }
 }
 
