@@ -407,10 +407,14 @@ TEST(TensorParallelGemma3, ReplicatedKvHeadMatchesOneRank) {
     r.sampling.max_tokens = 48;
     r.sampling.ignore_eos = true;
   }
+  // The single engine with its default KV cache groups (sliding layers hold
+  // only their window); a TP group keeps one group (Engine::SetTensorParallel).
   auto single = Engine::Create(o, whole);
   ASSERT_TRUE(single.ok()) << single.status().ToString();
   auto want = RunAll(**single, reqs);
-  TpHarness h(2, o, GemmaPath());
+  EngineOptions tp_options = o;
+  tp_options.kv_groups = KvGroupsMode::kOne;
+  TpHarness h(2, tp_options, GemmaPath());
   const int64_t free_before = h.engine().pool()->free_blocks();
   auto got = RunAll(h.engine(), reqs);
   EXPECT_TRUE(h.follower_status().ok()) << h.follower_status().ToString();
