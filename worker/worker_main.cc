@@ -46,7 +46,12 @@ FlagSpec WorkerSpec(const std::string& program) {
            {"tp-leader", "127.0.0.1:0", "TP group leader HOST:PORT"},
            {"tp-mode", "exact", "exact|reduce"},
            {"tp-comm", "auto", "TP communicator: tcp|mpi|auto"},
-           {"cluster-key-file", "", "the cluster secret (required)"}}};
+           {"cluster-key-file", "", "the cluster secret (required)"},
+           {protocols::kControlTlsCertFlag, "",
+            "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
+           {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},
+           {protocols::kControlTlsCaFlag, "",
+            "control link TLS: the cluster CA the coordinator's certificate must chain to"}}};
 }
 
 Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parsed) {
@@ -129,6 +134,9 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parse
     return InvalidArgument("--cluster-key-file FILE is required (the coordinator's cluster key)");
   }
   ASSIGN_OR_RETURN(o.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
+  o.control_tls.cert_file = flags.Get(protocols::kControlTlsCertFlag, "");
+  o.control_tls.key_file = flags.Get(protocols::kControlTlsKeyFlag, "");
+  o.control_tls.ca_file = flags.Get(protocols::kControlTlsCaFlag, "");
   RETURN_IF_ERROR(o.Validate());
   return o;
 }
