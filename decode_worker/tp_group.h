@@ -23,6 +23,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "common/status.h"
 #include "engine/runtime/tp_collective.h"
 #include "protocols/cluster_auth.h"
+#include "protocols/port_counters.h"
 
 namespace kvrelay::decode_worker {
 
@@ -72,12 +74,19 @@ class TpLink {
   Result<TpMessage> Receive(Deadline deadline);
   int fd() const { return fd_; }
   bool has_buffered_message() const;
+  // Messages announcing more are refused (the link breaks with DataLoss and
+  // refused_oversized() turns true). kMaxTpMessageBytes unless lowered: rank 0
+  // lowers it to the auth messages' size until a follower authenticated.
+  void set_max_message_bytes(uint64_t bytes) { max_message_bytes_ = bytes; }
+  bool refused_oversized() const { return oversized_; }
   const Status& status() const { return broken_; }  // OK until the link failed
 
  private:
   int fd_;
   std::string rbuf_;  // bytes received but not yet returned
   Status broken_;
+  uint64_t max_message_bytes_ = kMaxTpMessageBytes;
+  bool oversized_ = false;
 };
 
 struct TpGroupOptions {
@@ -117,6 +126,11 @@ class TcpTpGroup : public engine::TpCollective {
       Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
       const std::function<std::string(const Status&)>& refusal);
 
+  // Rank 0: what the TP port refused while the group formed (auth failures,
+  // oversized messages before authentication, a follower naming another rank
+  // than the one it authenticated as). Thread-safe.
+  protocols::PortSecurityCounters security_counters() const;
+
   // Rank 0 -> every follower.
   Status Broadcast(TpMsg type, const std::string& payload);
   // Rank 0: the next non-collective message from any follower (queued ones
@@ -147,6 +161,8 @@ class TcpTpGroup : public engine::TpCollective {
       links_;  // rank 0: index = rank (0 unused); else [0] = leader
   std::deque<std::pair<int, TpMessage>> inbox_;  // rank 0: follower messages seen mid-collective
   std::vector<float> scratch_;
+  mutable std::mutex counters_mu_;
+  protocols::PortSecurityCounters counters_;  // guarded by counters_mu_
 };
 
 }  // namespace kvrelay::decode_worker

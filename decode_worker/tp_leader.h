@@ -51,6 +51,8 @@ class TpLeader {
   Status status() const;
   // Tells the followers to stop (best effort: a broken link is fine).
   void Shutdown();
+  // What the group's TP port refused while it formed.
+  protocols::PortSecurityCounters security_counters() const { return group_->security_counters(); }
 
  private:
   explicit TpLeader(std::unique_ptr<TcpTpGroup> group) : group_(std::move(group)) {}

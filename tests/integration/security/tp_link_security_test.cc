@@ -90,6 +90,60 @@ TEST(TpLinkSecurity, AStrangersHelloIsDroppedAndTheGroupStillForms) {
   while ((n = ::read(stranger, buf, sizeof(buf))) > 0) total += n;
   EXPECT_LT(total, 64);
   ::close(stranger);
+  const auto counted = leader.group->security_counters();
+  EXPECT_EQ(counted.auth_failures, 1u);
+  EXPECT_EQ(counted.oversized_frames, 0u);
+  EXPECT_EQ(counted.foreign_frames, 0u);
+}
+
+// Before authenticating, a stranger can announce no more than an auth
+// message: a 64 MiB header is refused at once (today rank 0 buffered up to
+// 256 MiB), counted, and the group still forms.
+TEST(TpLinkSecurity, AnOversizedMessageBeforeAuthenticationIsRefusedAndCounted) {
+  const auto key = NewKey();
+  Leader leader;
+  leader.group = std::move(TcpTpGroup::Listen(Options(0, 0, key))).value();
+  const uint16_t port = leader.group->port();
+  const int stranger = Dial(port);
+  uint8_t header[16];
+  const uint32_t magic = 0x5054564B, type = 1;
+  const uint64_t len = uint64_t{64} << 20;  // under the old 256 MiB limit
+  std::memcpy(header, &magic, 4);
+  std::memcpy(header + 4, &type, 4);
+  std::memcpy(header + 8, &len, 8);
+  ASSERT_EQ(::write(stranger, header, sizeof(header)), static_cast<ssize_t>(sizeof(header)));
+  const std::string some(4096, 'x');
+  ASSERT_EQ(::write(stranger, some.data(), some.size()), static_cast<ssize_t>(some.size()));
+  leader.Start();
+  auto follower =
+      TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(follower.ok()) << follower.status().ToString();
+  leader.thread.join();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  ::close(stranger);
+  const auto counted = leader.group->security_counters();
+  EXPECT_EQ(counted.auth_failures, 1u);
+  EXPECT_EQ(counted.oversized_frames, 1u);
+}
+
+// A member with the key that authenticated as rank 2 but says hello as rank 1
+// is refused and counted as foreign.
+TEST(TpLinkSecurity, AFollowerSpeakingForAnotherRankIsCounted) {
+  const auto key = NewKey();
+  Leader leader;
+  TpGroupOptions o = Options(0, 0, key);
+  o.tp_size = 3;
+  leader.group = std::move(TcpTpGroup::Listen(o)).value();
+  const uint16_t port = leader.group->port();
+  leader.Start();
+  TpGroupOptions f = Options(2, port, key);
+  f.tp_size = 3;
+  auto impostor = TcpTpGroup::Connect(f, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(impostor.ok()) << impostor.status().ToString();
+  leader.thread.join();
+  EXPECT_FALSE(leader.hellos.ok());
+  EXPECT_EQ(leader.group->security_counters().foreign_frames, 1u);
+  EXPECT_EQ(leader.group->security_counters().auth_failures, 0u);
 }
 
 TEST(TpLinkSecurity, AFollowerWithAnotherKeyIsRefusedWithAClearMessage) {
