@@ -64,6 +64,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 start_cluster() {
   local name=$1; shift
   PORT=$(free_port)
+  : >"$OUTDIR/$name.launch.log"
   "$KVRELAY" launch --prefill "$P" --decode "$D" --no-kv-store --port "$PORT" \
     --threads-per-worker 1 --kv-dtype f32 "$@" >"$OUTDIR/$name.launch.log" 2>&1 &
   launcher=$!
