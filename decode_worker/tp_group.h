@@ -155,14 +155,14 @@ class TcpTpGroup : public engine::TpCollective {
   Status Collective(const float* in, int64_t n_in, float* out, int64_t n_out, bool reduce);
 
   TpGroupOptions options_;
+  mutable std::mutex counters_mu_;
+  protocols::PortSecurityCounters counters_;  // guarded by counters_mu_
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   std::vector<std::unique_ptr<TpLink>>
       links_;  // rank 0: index = rank (0 unused); else [0] = leader
   std::deque<std::pair<int, TpMessage>> inbox_;  // rank 0: follower messages seen mid-collective
   std::vector<float> scratch_;
-  mutable std::mutex counters_mu_;
-  protocols::PortSecurityCounters counters_;  // guarded by counters_mu_
 };
 
 }  // namespace kvrelay::decode_worker

@@ -23,6 +23,11 @@ FlagSpec WorkerSpec(const std::string& program) {
           0,
           {{"id", "<role>-<rank>", "worker id"},
            {"coordinator", "127.0.0.1:9000", "coordinator control plane HOST:PORT"},
+           {protocols::kControlTlsCertFlag, "",
+            "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
+           {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},
+           {protocols::kControlTlsCaFlag, "",
+            "control link TLS: the cluster CA the coordinator's certificate must chain to"},
            {"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
            {"kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)),
             "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
@@ -46,12 +51,7 @@ FlagSpec WorkerSpec(const std::string& program) {
            {"tp-leader", "127.0.0.1:0", "TP group leader HOST:PORT"},
            {"tp-mode", "exact", "exact|reduce"},
            {"tp-comm", "auto", "TP communicator: tcp|mpi|auto"},
-           {"cluster-key-file", "", "the cluster secret (required)"},
-           {protocols::kControlTlsCertFlag, "",
-            "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
-           {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},
-           {protocols::kControlTlsCaFlag, "",
-            "control link TLS: the cluster CA the coordinator's certificate must chain to"}}};
+           {"cluster-key-file", "", "the cluster secret (required)"}}};
 }
 
 Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parsed) {
