@@ -110,6 +110,10 @@ class TcpTpGroup : public engine::TpCollective {
   ~TcpTpGroup() override;
 
   uint16_t port() const { return port_; }  // rank 0's listening port
+  // Rank 0: what the TP port refused while the group formed (auth failures,
+  // oversized messages before authentication, a follower naming another rank
+  // than the one it authenticated as). Thread-safe.
+  protocols::PortSecurityCounters security_counters() const;
   // OK while every link works; else the first link's error (the group is
   // then unusable: a TP group cannot continue without one of its ranks).
   Status status() const;
@@ -125,11 +129,6 @@ class TcpTpGroup : public engine::TpCollective {
   Result<std::vector<std::string>> Accept(
       Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
       const std::function<std::string(const Status&)>& refusal);
-
-  // Rank 0: what the TP port refused while the group formed (auth failures,
-  // oversized messages before authentication, a follower naming another rank
-  // than the one it authenticated as). Thread-safe.
-  protocols::PortSecurityCounters security_counters() const;
 
   // Rank 0 -> every follower.
   Status Broadcast(TpMsg type, const std::string& payload);
