@@ -74,7 +74,7 @@ void BM_MatMul(benchmark::State& state, GgmlType type, KernelPath path) {
 void Shapes(benchmark::internal::Benchmark* b) {
   // {rows, cols} of the layer matrices, decode (1 token), a small batch and prefill.
   for (auto rc : std::vector<std::pair<int, int>>{{576, 576}, {1536, 576}, {576, 1536}}) {
-    for (int tokens : {1, 16, 512}) {
+    for (int tokens : {1, 16, 64, 512}) {
       for (int threads : {1, 2}) b->Args({rc.first, rc.second, tokens, threads});
     }
   }

@@ -31,6 +31,11 @@ struct KernelTable {
   GemmQFn gemm_q8_0;
   GemmF32Fn gemm_f32;
   GemmF16Fn gemm_f16;
+  // True when quantize also fills QuantizedActs::dt / st (token-major
+  // scales), resp. qp / dt / st (pair_layout), when they are non-null, and the
+  // quantized products read them for batches of 2+ tokens.
+  bool token_major_scales = false;
+  bool pair_layout = false;
 };
 
 // Always available.

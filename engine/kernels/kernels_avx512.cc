@@ -7,8 +7,10 @@
 // Bit-identical to the AVX2 path (and so to llama.cpp's AVX2 arithmetic,
 // docs/ENGINE_NUMERICS.md): every output keeps ggml's 8-lane float
 // accumulator, updated block by block in order with fma(int dot, d_w * d_x).
-// In batched products a 512-bit register holds two such accumulators side by
-// side (two tokens of one row); single-token products use 256-bit VNNI.
+// In batched products a 512-bit register holds two such accumulators (two
+// tokens of one row): interleaved lane by lane on the pair layout that
+// matmul.cc asks this table's quantize for (TilePairs), side by side
+// otherwise (TileTokens); single-token products use 256-bit VNNI.
 // The per-lane integer values are the same as the AVX2 path's: vpdpbusd sums
 // four adjacent u8 x s8 products into a lane, exactly what maddubs + madd
 // (pairs, then pairs of pairs) give when maddubs does not saturate (see the
@@ -236,6 +238,160 @@ void TileRow(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedAct
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, float*,
                         int64_t);
 
+// ---- Batched tiles on the pair layout (QuantizedActs::qp / dt / st) ----
+//
+// Same per-output arithmetic as TileTokens (and so as AVX2 and llama.cpp):
+// lane i of output (r, t) is fma(float(int lane i of block b), fp32(d_w * d_x),
+// acc) for b in order, then ggml's 8-lane sum plus the min term
+// fma(m_rb, s_tb, ms) in block order. What changes is only where values sit:
+// one zmm holds two tokens' 8 lanes interleaved (lane 2i: token 2p, lane
+// 2i + 1: token 2p + 1), so
+//   - the 8-lane scale of a (row, token pair) is one 64-bit broadcast of the
+//     two products d_w * d_x, loaded from a per-tile table computed 8 tokens
+//     per vector multiply (instead of two broadcasts, an insert and a
+//     multiply per pair per row), and
+//   - the activations of a pair are one aligned 64-byte load.
+// Per (row, token pair, block) the loop body is vpdpbusd, vcvtdq2ps, a
+// broadcast load and one FMA.
+
+// 32 nibbles of a Q4 block -> the 32 elements' bytes with each 4-byte group
+// duplicated (zmm byte 8i + k and 8i + 4 + k = element 4i + k): the weight
+// operand that meets a pair block of qp. Lanes 2 and 3 (elements 16..31)
+// take the high nibbles: a per-lane 16-bit shift by 4 before the mask.
+inline __m512i UnpackQ4Pairs(const uint8_t* qs) {
+  const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i sh = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                      0x0004000400040004, 0, 0, 0, 0);
+  const __m512i nib = _mm512_and_si512(_mm512_srlv_epi16(b, sh), _mm512_set1_epi8(0x0F));
+  // Byte j of 128-bit lane L <- byte (8L + 4 (j / 8) + j % 4) % 16.
+  const __m512i idx =
+      _mm512_set_epi8(15, 14, 13, 12, 15, 14, 13, 12, 11, 10, 9, 8, 11, 10, 9, 8,  //
+                      7, 6, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0, 3, 2, 1, 0,              //
+                      15, 14, 13, 12, 15, 14, 13, 12, 11, 10, 9, 8, 11, 10, 9, 8,  //
+                      7, 6, 5, 4, 7, 6, 5, 4, 3, 2, 1, 0, 3, 2, 1, 0);
+  return _mm512_shuffle_epi8(nib, idx);
+}
+
+// 32 int8 of a Q8_0 block -> each 4-byte group duplicated, as UnpackQ4Pairs.
+inline __m512i LoadQ8Pairs(const uint8_t* qs) {
+  const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  return _mm512_permutexvar_epi32(
+      idx, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs))));
+}
+
+// Blocks per pass of TilePairs: its table of d_w * d_x ([block][row][8
+// tokens], on the stack) covers this many blocks, 8 KiB at 4 rows.
+constexpr int64_t kPairChunk = 64;
+
+// R rows x up to 2P tokens (nt valid, t0 even) on the pair layout.
+template <Kind K, int R, int P>
+void TilePairs(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedActs& a, int64_t t0,
+               int nt, float* y, int64_t ldy) {
+  using F = Fmt<K>;
+  const int64_t nb = a.nb;
+  const uint8_t* rows[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) rows[r] = w + (r0 + r) * row_bytes;
+  __m256 ms[R];
+  __m512 acc[R][P];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    ms[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  }
+  const int8_t* xq = a.qp + (t0 / 2) * nb * 64;
+  const __m512i bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  alignas(64) float scales[kPairChunk * R * 8];
+  for (int64_t b0 = 0; b0 < nb; b0 += kPairChunk) {
+    const int64_t b1 = nb - b0 < kPairChunk ? nb : b0 + kPairChunk;
+    // Pass 1: the scale products of every (block, row, token) and the min
+    // terms (both one vector op per row and block for 8 tokens).
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m256 dx = _mm256_loadu_ps(a.dt + b * a.ldt + t0);
+      __m256 sx = _mm256_setzero_ps();
+      if constexpr (F::kHasMinTerm) sx = _mm256_loadu_ps(a.st + b * a.ldt + t0);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = rows[r] + b * F::kBytes;
+        _mm256_store_ps(scales + ((b - b0) * R + r) * 8,
+                        _mm256_mul_ps(_mm256_set1_ps(LoadHalf(blk)), dx));
+        if constexpr (F::kHasMinTerm) {
+          ms[r] = _mm256_fmadd_ps(_mm256_set1_ps(F::Min(blk)), sx, ms[r]);
+        }
+      }
+    }
+    // Pass 2: the block dots.
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512i wv[R];
+      __m512i wbias[R];  // Q8_0: -128 * (sum of each lane's 4 weights)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = rows[r] + b * F::kBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
+        if constexpr (K == Kind::kQ8_0) {
+          wv[r] = LoadQ8Pairs(blk + 2);
+          wbias[r] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias128, wv[r]));
+        } else {
+          wv[r] = UnpackQ4Pairs(blk + (K == Kind::kQ4_1 ? 4 : 2));
+        }
+      }
+      const float* sc = scales + (b - b0) * R * 8;
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const __m512i xv = _mm512_load_si512(reinterpret_cast<const void*>(xq + (p * nb + b) * 64));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          __m512i d;
+          if constexpr (K == Kind::kQ8_0) {
+            // u8 (x + 128) x s8 w, minus 128 * sum w: the same int32 lanes as
+            // the AVX2 sign trick (both exact).
+            d = _mm512_dpbusd_epi32(wbias[r], _mm512_xor_si512(xv, bias128), wv[r]);
+          } else {
+            d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
+          }
+          const __m512 lane = _mm512_cvtepi32_ps(d);
+          double s2;
+          std::memcpy(&s2, sc + r * 8 + 2 * p, sizeof(s2));
+          acc[r][p] = _mm512_fmadd_ps(lane, _mm512_castpd_ps(_mm512_set1_pd(s2)), acc[r][p]);
+        }
+      }
+    }
+  }
+  // Even lanes -> token 2p, odd lanes -> token 2p + 1, then ggml's 8-lane sum.
+  const __m512i split = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, ms[r]);
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const __m512 v = _mm512_permutexvar_ps(split, acc[r][p]);
+      const int t = 2 * p;
+      if (t < nt) y[(t0 + t) * ldy + r0 + r] = HsumLo(v) + m8[t];
+      if (t + 1 < nt) y[(t0 + t + 1) * ldy + r0 + r] = HsumHi(v) + m8[t + 1];
+    }
+  }
+}
+
+using PairTileFn = void (*)(const uint8_t*, int64_t, int64_t, const QuantizedActs&, int64_t, int,
+                            float*, int64_t);
+
+// Tokens [t0, t1) of the batch -> the pair layout's copy of q (the AVX2
+// quantize fills dt / st).
+void QuantizePairs(int64_t t0, int64_t t1, const QuantizedActs& a) {
+  const int64_t nb = a.nb;
+  for (int64_t t = t0; t < t1; ++t) {
+    const __mmask16 words = (t & 1) != 0 ? 0xAAAA : 0x5555;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256i v = Load256(a.q + (t * nb + b) * kBlock);
+      const __m512i e = _mm512_maskz_expand_epi32(words, _mm512_castsi256_si512(v));
+      _mm512_mask_storeu_epi32(a.qp + ((t / 2) * nb + b) * 64, words, e);
+    }
+  }
+}
+
 // Batched products: tiles of up to 4 rows x 8 tokens, so each unpacked weight
 // block is reused by 8 tokens and each activation pair by 4 rows (16 of the 32
 // zmm registers hold accumulators). Single tokens: one row at a time.
@@ -252,9 +408,25 @@ void Drive(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Qu
       {TileTokens<K, 4, 1>, TileTokens<K, 4, 2>, TileTokens<K, 4, 3>, TileTokens<K, 4, 4>,
        TileTokens<K, 4, 5>, TileTokens<K, 4, 6>, TileTokens<K, 4, 7>, TileTokens<K, 4, 8>},
   };
+  static constexpr PairTileFn kPairTiles[4][4] = {
+      {TilePairs<K, 1, 1>, TilePairs<K, 1, 2>, TilePairs<K, 1, 3>, TilePairs<K, 1, 4>},
+      {TilePairs<K, 2, 1>, TilePairs<K, 2, 2>, TilePairs<K, 2, 3>, TilePairs<K, 2, 4>},
+      {TilePairs<K, 3, 1>, TilePairs<K, 3, 2>, TilePairs<K, 3, 3>, TilePairs<K, 3, 4>},
+      {TilePairs<K, 4, 1>, TilePairs<K, 4, 2>, TilePairs<K, 4, 3>, TilePairs<K, 4, 4>},
+  };
   const int64_t nt = t1 - t0;
   if (nt == 1) {
     for (int64_t r = r0; r < r1; ++r) TileRow<K>(w, row_bytes, r, a, t0, y, ldy);
+    return;
+  }
+  if (a.qp != nullptr && t0 % 2 == 0) {
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int64_t nr = r1 - r < 4 ? r1 - r : 4;
+      for (int64_t t = t0; t < t1; t += 8) {
+        const int ntt = static_cast<int>(t1 - t < 8 ? t1 - t : 8);
+        kPairTiles[nr - 1][(ntt + 1) / 2 - 1](w, row_bytes, r, a, t, ntt, y, ldy);
+      }
+    }
     return;
   }
   for (int64_t r = r0; r < r1; r += 4) {
@@ -279,6 +451,13 @@ void GemmQ8_0(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const Quanti
   Drive<Kind::kQ8_0>(w, rb, r0, r1, a, t0, t1, y, ldy);
 }
 
+// The AVX2 quantization (the same bits on both paths, and dt / st), plus the
+// pair layout when matmul.cc asks for it.
+void Quantize(const float* x, int64_t cols, int64_t t0, int64_t t1, const QuantizedActs& a) {
+  Avx2Kernels().quantize(x, cols, t0, t1, a);
+  if (a.qp != nullptr) QuantizePairs(t0, t1, a);
+}
+
 }  // namespace
 
 const KernelTable& Avx512Kernels() {
@@ -288,6 +467,8 @@ const KernelTable& Avx512Kernels() {
   static const KernelTable table = [] {
     KernelTable t = Avx2Kernels();
     t.name = "avx512";
+    t.quantize = &Quantize;
+    t.pair_layout = true;
     t.gemm_q4_0 = &GemmQ4_0;
     t.gemm_q4_1 = &GemmQ4_1;
     t.gemm_q8_0 = &GemmQ8_0;

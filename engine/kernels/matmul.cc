@@ -1,6 +1,7 @@
 #include "engine/kernels/matmul.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -81,6 +82,10 @@ struct Scratch {
   std::vector<float> d, s, f;
   std::vector<float> kd;  // Q8_K activations (own vectors: d and s grow together)
   std::vector<int16_t> bsums;
+  // The pair layout of QuantizedActs (AVX-512 batched tiles); qp is used
+  // from a 64-byte aligned offset so each pair block is one cache line.
+  std::vector<int8_t> qp;
+  std::vector<float> dt, st;
 };
 Scratch& ThreadScratch() {
   thread_local Scratch scratch;
@@ -153,7 +158,32 @@ void MatMulQuantized(const KernelTable& k, std::span<QuantJob> jobs, int64_t col
     scratch.d.resize(n_tokens * nb);
     scratch.s.resize(n_tokens * nb);
   }
-  const QuantizedActs acts{scratch.q.data(), scratch.d.data(), scratch.s.data(), nb};
+  QuantizedActs acts{scratch.q.data(), scratch.d.data(), scratch.s.data(), nb};
+  if ((k.pair_layout || k.token_major_scales) && n_tokens >= 2) {
+    // Pairs of tokens (the last one padded), and a token stride for dt / st
+    // with room for an 8-token vector load at any even token of the batch.
+    const int64_t pairs = (n_tokens + 1) / 2;
+    const int64_t ldt = (n_tokens + 7) / 8 * 8 + 8;
+    if (static_cast<int64_t>(scratch.dt.size()) < nb * ldt) {
+      scratch.dt.resize(nb * ldt);
+      scratch.st.resize(nb * ldt);
+    }
+    acts.dt = scratch.dt.data();
+    acts.st = scratch.st.data();
+    acts.ldt = ldt;
+    if (k.pair_layout) {
+      const size_t qp_bytes = static_cast<size_t>(pairs * nb * 64);
+      if (scratch.qp.size() < qp_bytes + 64) scratch.qp.resize(qp_bytes + 64);
+      const uintptr_t base = reinterpret_cast<uintptr_t>(scratch.qp.data());
+      acts.qp = scratch.qp.data() + ((64 - base % 64) % 64);
+      // Padding entries are zero (quantize writes only real tokens).
+      if (n_tokens % 2 != 0) std::memset(acts.qp + (pairs - 1) * nb * 64, 0, nb * 64);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      std::fill(acts.dt + b * ldt + n_tokens, acts.dt + (b + 1) * ldt, 0.0f);
+      std::fill(acts.st + b * ldt + n_tokens, acts.st + (b + 1) * ldt, 0.0f);
+    }
+  }
   int64_t units = 0;
   int64_t total_rows = 0;
   for (QuantJob& job : jobs) {

@@ -309,7 +309,8 @@ inline __m512 FoldPairs(__m512 a, __m512 b) {
 
 // The 16 dot products q . k_{jb + c} for c < 16 (keys outside [lo, hi) read
 // as zero rows and are masked off by the caller), in key order.
-inline __m512 Dot16(const float* q, const float* kblk, int hd, int lo, int hi) {
+__attribute__((always_inline)) inline __m512 Dot16(const float* q, const float* kblk, int hd,
+                                                   int lo, int hi) {
   __m512 x[8];
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {
@@ -326,20 +327,29 @@ inline __m512 Dot16(const float* q, const float* kblk, int hd, int lo, int hi) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-void AttendAvx512(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
-                  int64_t j0, int64_t j1, float scale, float* scores, float* out) {
+// Pass 1 of AttendAvx512: scores[j] for j in [max(j0, c0), min(j1, c1)) and
+// their max (-inf when empty). c0 is a multiple of 16 or <= j0, so the keys go
+// through Dot16 in the same groups of 16 (aligned at position 0) whatever the
+// chunking: every score is computed by the same operations.
+float Avx512Scores(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
+                   int64_t c0, int64_t c1, float scale, float* scores) {
+  const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 vmx = _mm512_set1_ps(-INFINITY);
-  for (int64_t jb = j0 & ~int64_t{15}; jb < j1; jb += 16) {
-    const int lo = static_cast<int>(std::max<int64_t>(0, j0 - jb));
-    const int hi = static_cast<int>(std::min<int64_t>(16, j1 - jb));
+  for (int64_t jb = a & ~int64_t{15}; jb < z; jb += 16) {
+    const int lo = static_cast<int>(std::max<int64_t>(0, a - jb));
+    const int hi = static_cast<int>(std::min<int64_t>(16, z - jb));
     const float* kblk = kb[jb / B] + (jb % B) * hd;
     const __m512 sc = _mm512_mul_ps(Dot16(q, kblk, hd, lo, hi), vscale);
     const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     _mm512_mask_storeu_ps(scores + jb, m, sc);
     vmx = _mm512_mask_max_ps(vmx, m, vmx, sc);
   }
-  const float mx = _mm512_reduce_max_ps(vmx);
+  return _mm512_reduce_max_ps(vmx);
+}
+
+// Pass 2: scores [j0, j1) -> probabilities, given the max of all of them.
+void Avx512Softmax(float* scores, int64_t j0, int64_t j1, float mx) {
   // exp in groups of 8 aligned at position 0, as AttendAvx2.
   double sum = 0;
   const __m256 mx8 = _mm256_set1_ps(mx);
@@ -360,8 +370,13 @@ void AttendAvx512(const float* q, const float* const* kb, const float* const* vb
     const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     _mm512_mask_storeu_ps(scores + g, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + g), vinv));
   }
-  // V * p: lane (j mod 8) of an 8-lane accumulator per output element.
-  for (int e0 = 0; e0 < hd; e0 += 32) {
+}
+
+// Pass 3: out[e0, e1) (multiples of 32) = sum_j p_j v_j[e], lane (j mod 8) of
+// an 8-lane accumulator per output element, positions in order.
+void Avx512Values(const float* scores, const float* const* vb, int B, int hd, int64_t j0,
+                  int64_t j1, int e0_begin, int e0_end, float* out) {
+  for (int e0 = e0_begin; e0 < e0_end; e0 += 32) {
     __m512 a[8], b[8];
 #pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) a[l] = b[l] = _mm512_setzero_ps();
@@ -400,6 +415,13 @@ void AttendAvx512(const float* q, const float* const* kb, const float* const* vb
     _mm512_storeu_ps(out + e0, ta);
     _mm512_storeu_ps(out + e0 + 16, tb);
   }
+}
+
+void AttendAvx512(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                  int64_t j0, int64_t j1, float scale, float* scores, float* out) {
+  const float mx = Avx512Scores(q, kb, B, hd, j0, j1, j0, j1, scale, scores);
+  Avx512Softmax(scores, j0, j1, mx);
+  Avx512Values(scores, vb, B, hd, j0, j1, 0, hd, out);
 }
 
 #pragma GCC diagnostic pop
@@ -519,6 +541,30 @@ void AttendRowGgml(const float* q, const float* const* k_blocks, const float* co
   }
   AttendScalar(q, k_blocks, v_blocks, block_tokens, hd, j0, j1, scale, single_token, scores, acc,
                out);
+}
+
+bool AttendSplitSupported(int block_tokens, int hd, KernelPath path) {
+  if (path == KernelPath::kAuto) path = ResolvedKernelPath();
+  return path == KernelPath::kAvx512 && KernelPathSupported(KernelPath::kAvx512) && hd % 32 == 0 &&
+         block_tokens % 16 == 0;
+}
+
+float AttendScoresGgml(const float* q, const float* const* k_blocks, int block_tokens, int hd,
+                       int64_t j0, int64_t j1, int64_t c0, int64_t c1, float scale, float* scores) {
+  return Avx512Scores(q, k_blocks, block_tokens, hd, j0, j1, c0, c1, scale, scores);
+}
+
+void AttendSoftmaxGgml(float* scores, int64_t j0, int64_t j1, float max_score) {
+  Avx512Softmax(scores, j0, j1, max_score);
+}
+
+void AttendValuesGgml(const float* p, const float* const* v_blocks, int block_tokens, int hd,
+                      int64_t j0, int64_t j1, int e0, int e1, float* out) {
+  if (j1 <= j0) {
+    for (int e = e0; e < e1; ++e) out[e] = 0.0f;
+    return;
+  }
+  Avx512Values(p, v_blocks, block_tokens, hd, j0, j1, e0, e1, out);
 }
 
 }  // namespace kvrelay::engine

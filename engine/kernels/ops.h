@@ -71,6 +71,26 @@ void AttendRowGgml(const float* q, const float* const* k_blocks, const float* co
                    int block_tokens, int hd, int64_t j0, int64_t j1, float scale, bool single_token,
                    float* scores, float* acc, float* out, KernelPath path = KernelPath::kAuto);
 
+// AttendRowGgml (single_token = false) in three passes, so one long row can
+// be spread over threads with AttendRowGgml's bits (every pass computes each
+// value with the same operations; only which thread runs which part changes):
+//   1. AttendScoresGgml over chunks [c0, c1) of the positions (c0 a multiple
+//      of 16, or <= j0): writes scores[j] for j in [max(j0, c0), min(j1, c1))
+//      and returns their max (-inf for an empty range); the row's max is the
+//      max of the chunks' (max is exact in any order);
+//   2. AttendSoftmaxGgml once per row: scores -> probabilities in place
+//      (exp groups and the double sum in position order, as AttendRowGgml);
+//   3. AttendValuesGgml over slices [e0, e1) of the head (multiples of 32):
+//      out[e0, e1), each element accumulated over all positions in order.
+// Only where AttendSplitSupported (the AVX-512 path, hd % 32 == 0,
+// block_tokens % 16 == 0); elsewhere callers use AttendRowGgml.
+bool AttendSplitSupported(int block_tokens, int hd, KernelPath path = KernelPath::kAuto);
+float AttendScoresGgml(const float* q, const float* const* k_blocks, int block_tokens, int hd,
+                       int64_t j0, int64_t j1, int64_t c0, int64_t c1, float scale, float* scores);
+void AttendSoftmaxGgml(float* scores, int64_t j0, int64_t j1, float max_score);
+void AttendValuesGgml(const float* p, const float* const* v_blocks, int block_tokens, int hd,
+                      int64_t j0, int64_t j1, int e0, int e1, float* out);
+
 // Several products that read the SAME input x (Q/K/V, or gate/up): x is
 // quantized once and all of them run in a single parallel section, which saves
 // thread wake-ups in decode. ys[i] is [n_tokens][ws[i]->Rows()]. All ws must

@@ -48,6 +48,20 @@ struct QuantizedActs {
   float* d = nullptr;
   float* s = nullptr;
   int64_t nb = 0;  // blocks per token
+  // Optional copies in the layouts of the batched tiles (filled by the
+  // quantize of a table with token_major_scales (dt, st) or pair_layout (all
+  // three), when matmul.cc provides them; the values are the same numbers as
+  // q / d / s, only placed differently):
+  //   qp[((t / 2) * nb + b) * 64 + 8 i + 4 (t % 2) + k] = q[(t * nb + b) * 32 + 4 i + k]
+  //     (i < 8, k < 4: the 4-byte groups of the two tokens of a pair interleaved,
+  //     so one 512-bit vpdpbusd gives both tokens' 8 ggml lanes, interleaved)
+  //   dt[b * ldt + t] = d[t * nb + b], st[b * ldt + t] = s[t * nb + b]
+  //     (token-contiguous per block: one vector multiply scales 8 tokens)
+  // Entries for padding tokens (t >= n_tokens, up to ldt) are zero.
+  int8_t* qp = nullptr;
+  float* dt = nullptr;
+  float* st = nullptr;
+  int64_t ldt = 0;
 };
 
 // IEEE half -> float, exact (no F16C needed).

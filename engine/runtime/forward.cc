@@ -343,29 +343,105 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
     ParallelFor(threads_, static_cast<int64_t>(S) * kvh, fill);
   }
 
-  // Work items: (sequence, query head, tile of up to 16 new tokens).
-  constexpr int64_t kTile = 16;
-  struct Item {
-    int32_t s, head;
-    int64_t i0, i1;
-  };
-  std::vector<Item> items;
-  for (size_t s = 0; s < S; ++s) {
-    const int64_t n = static_cast<int64_t>(seqs[s].tokens.size());
-    for (int h = 0; h < c.n_heads; ++h) {
-      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-        items.push_back({static_cast<int32_t>(s), h, i0, std::min(n, i0 + kTile)});
-      }
-    }
-  }
   // q_scale != 0: Q was already scaled (gemma3), the softmax uses 1.
   const float scale = c.q_scale != 0.0f ? 1.0f : 1.0f / std::sqrt(static_cast<float>(hd));
   const int window = c.LayerWindow(layer);
+
+  // Decode rows (one new token) over a long context are split over the
+  // context (flash-decoding's partition, with AttendRowGgml's bits:
+  // engine/kernels/ops.h AttendScoresGgml): scores in chunks of kSplitChunk
+  // positions, aligned at position 0 (so the split depends only on positions,
+  // never on the batch or the thread count), then one softmax per row, then
+  // the values in slices of 32 head elements. Every item covers the `group`
+  // query heads of one KV head, so each chunk of K and each slice of V is
+  // read from memory once for the group and reused from cache.
+  constexpr int64_t kSplitChunk = 256;
+  constexpr int64_t kSplitMinKeys = 512;
+  struct SplitRow {
+    int32_t s;
+    int64_t j0, j1;
+    int64_t score_off;  // this sequence's group x len scores in split_scores
+  };
+  std::vector<SplitRow> split_rows;
+  std::vector<char> is_split(S, 0);
+  int64_t split_floats = 0;
+  if (AttendSplitSupported(B, hd)) {
+    for (size_t s = 0; s < S; ++s) {
+      if (seqs[s].tokens.size() != 1) continue;
+      const int64_t pos = seqs[s].cache_len;
+      const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      if (pos + 1 - j0 < kSplitMinKeys) continue;
+      is_split[s] = 1;
+      split_rows.push_back({static_cast<int32_t>(s), j0, pos + 1, split_floats});
+      split_floats += static_cast<int64_t>(c.n_heads) * (pos + 1);
+    }
+  }
+  // Owner-thread scratch; the pool's threads use it through these pointers
+  // (a thread_local named inside the lambdas would be their own copy).
+  thread_local std::vector<float> split_scores_buf, split_max_buf;
+  if (static_cast<int64_t>(split_scores_buf.size()) < split_floats) {
+    split_scores_buf.resize(split_floats);
+  }
+  float* const split_scores = split_scores_buf.data();
+
+  // Work items of the first pass: (sequence, query head, tile of up to 16 new
+  // tokens) for whole rows; (split row, kv head, chunk) for split rows.
+  constexpr int64_t kTile = 16;
+  struct Item {
+    int32_t s, head;  // split items: s indexes split_rows, head is the kv head
+    int64_t i0, i1;   // split items: the chunk [i0, i1) of positions
+    bool split;
+  };
+  std::vector<Item> items;
+  for (size_t s = 0; s < S; ++s) {
+    if (is_split[s]) continue;
+    const int64_t n = static_cast<int64_t>(seqs[s].tokens.size());
+    for (int h = 0; h < c.n_heads; ++h) {
+      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+        items.push_back({static_cast<int32_t>(s), h, i0, std::min(n, i0 + kTile), false});
+      }
+    }
+  }
+  // Chunk maxima: [split row][query head][chunk index].
+  std::vector<int64_t> max_off(split_rows.size() + 1, 0);
+  for (size_t r = 0; r < split_rows.size(); ++r) {
+    const SplitRow& row = split_rows[r];
+    const int64_t first = row.j0 / kSplitChunk, last = (row.j1 - 1) / kSplitChunk;
+    max_off[r + 1] = max_off[r] + c.n_heads * (last - first + 1);
+    for (int kvh_i = 0; kvh_i < kvh; ++kvh_i) {
+      for (int64_t ch = first; ch <= last; ++ch) {
+        items.push_back(
+            {static_cast<int32_t>(r), kvh_i, ch * kSplitChunk, (ch + 1) * kSplitChunk, true});
+      }
+    }
+  }
+  if (static_cast<int64_t>(split_max_buf.size()) < max_off.back()) {
+    split_max_buf.resize(max_off.back());
+  }
+  float* const split_max = split_max_buf.data();
+  const auto split_seq_q = [&](const SplitRow& row, int head) {
+    return q_.data() + tok_off[row.s] * qd + static_cast<int64_t>(head) * hd;
+  };
   ParallelFor(threads_, static_cast<int64_t>(items.size()), [&](int64_t a, int64_t b, int) {
     std::vector<float> scores(max_len);
     std::vector<float> acc(8 * hd);
     for (int64_t it = a; it < b; ++it) {
       const Item& item = items[it];
+      if (item.split) {
+        const SplitRow& row = split_rows[item.s];
+        const int64_t len = row.j1;
+        const int64_t nb = (len + B - 1) / B;
+        const float* const* kp = kptr_.data() + ptr_off[row.s] + item.head * nb;
+        const int64_t first = row.j0 / kSplitChunk, ch = item.i0 / kSplitChunk;
+        const int64_t chunks = max_off[item.s + 1] - max_off[item.s];
+        for (int g = 0; g < group; ++g) {
+          const int h = item.head * group + g;
+          split_max[max_off[item.s] + h * (chunks / c.n_heads) + (ch - first)] =
+              AttendScoresGgml(split_seq_q(row, h), kp, B, hd, row.j0, row.j1, item.i0, item.i1,
+                               scale, split_scores + row.score_off + h * len);
+        }
+        continue;
+      }
       const SeqStep& q = seqs[item.s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
       const int kv_head = item.head / group;
@@ -383,6 +459,38 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
         // (docs/ENGINE_NUMERICS.md).
         AttendRowGgml(qv, kp, vp, B, hd, j0, pos + 1, scale, /*single_token=*/false, scores.data(),
                       acc.data(), o);
+      }
+    }
+  });
+  if (split_rows.empty()) return;
+
+  // Softmax of every split row (query head), the max over its chunks' maxima.
+  const int64_t n_split = static_cast<int64_t>(split_rows.size());
+  ParallelFor(threads_, n_split * c.n_heads, [&](int64_t a, int64_t b, int) {
+    for (int64_t it = a; it < b; ++it) {
+      const SplitRow& row = split_rows[it / c.n_heads];
+      const int h = static_cast<int>(it % c.n_heads);
+      const int64_t chunks = (max_off[it / c.n_heads + 1] - max_off[it / c.n_heads]) / c.n_heads;
+      const float* m = split_max + max_off[it / c.n_heads] + h * chunks;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < chunks; ++i) mx = std::max(mx, m[i]);
+      AttendSoftmaxGgml(split_scores + row.score_off + h * row.j1, row.j0, row.j1, mx);
+    }
+  });
+  // Values: (split row, kv head, slice of 32 head elements), the group's heads in turn.
+  const int slices = hd / 32;
+  ParallelFor(threads_, n_split * kvh * slices, [&](int64_t a, int64_t b, int) {
+    for (int64_t it = a; it < b; ++it) {
+      const SplitRow& row = split_rows[it / (kvh * slices)];
+      const int kv_head = static_cast<int>(it / slices % kvh);
+      const int e0 = static_cast<int>(it % slices) * 32;
+      const int64_t nb = (row.j1 + B - 1) / B;
+      const float* const* vp = vptr_.data() + ptr_off[row.s] + kv_head * nb;
+      for (int g = 0; g < group; ++g) {
+        const int h = kv_head * group + g;
+        float* o = attn_.data() + tok_off[row.s] * qd + static_cast<int64_t>(h) * hd;
+        AttendValuesGgml(split_scores + row.score_off + h * row.j1, vp, B, hd, row.j0, row.j1, e0,
+                         e0 + 32, o);
       }
     }
   });

@@ -320,7 +320,8 @@ TEST(Quantize, Avx2MatchesScalarBitForBit) {
 // The AVX-512 VNNI products give the AVX2 products' bits (same 8-lane float
 // accumulators in the same order, same integer lanes), for every tile shape
 // the driver uses: 1..4 rows x 1..8 tokens, odd token counts (a half-used
-// token pair), single tokens (paired rows), odd row counts.
+// token pair), single tokens (paired rows), odd row counts, rows longer than
+// one scale-table pass, and a second token tile.
 TEST(MatMulAvx512, BitIdenticalToAvx2) {
   if (!KernelPathSupported(KernelPath::kAvx512)) {
     GTEST_SKIP() << "CPU (or OS) without AVX-512 F/BW/VL/DQ/VNNI";
@@ -335,7 +336,13 @@ TEST(MatMulAvx512, BitIdenticalToAvx2) {
                                              {9, 32 * 5, 7},
                                              {13, 32 * 18, 9},
                                              {33, 32 * 48, 64},
-                                             {577, 32 * 18, 17}}) {
+                                             {577, 32 * 18, 17},
+                                             // More blocks than one pass of
+                                             // the pair tiles' scale table.
+                                             {6, 32 * 70, 12},
+                                             // Two token tiles (the second
+                                             // starts at token 180).
+                                             {5, 32 * 18, 201}}) {
       const Weights w = RandomWeights(type, s.rows, s.cols, seed++);
       const std::vector<float> x = RandomActs(s.tokens * s.cols, seed++);
       std::vector<float> y2(s.rows * s.tokens), y5(s.rows * s.tokens, std::nanf(""));
@@ -344,6 +351,33 @@ TEST(MatMulAvx512, BitIdenticalToAvx2) {
       for (size_t i = 0; i < y2.size(); ++i) {
         ASSERT_EQ(y2[i], y5[i]) << GgmlTypeName(type) << " " << s.rows << "x" << s.cols
                                 << " T=" << s.tokens << " element " << i;
+      }
+    }
+  }
+}
+
+// Batch invariance: token t of a batched product equals the same token
+// multiplied alone, bit for bit, on every path (a sequence's logits must not
+// depend on what else is in the decode batch: docs/ENGINE_NUMERICS.md).
+TEST(MatMulBatch, TokenOfBatchEqualsTokenAlone) {
+  ThreadPool pool(2, "kbi");
+  uint32_t seed = 900;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    const Weights w = RandomWeights(type, 37, 32 * 18, seed++);
+    const int64_t cols = w.tensor.Cols(), rows = w.tensor.Rows();
+    for (int64_t batch : {2, 7, 64}) {
+      const std::vector<float> x = RandomActs(batch * cols, seed++);
+      for (KernelPath path : Paths()) {
+        std::vector<float> all(rows * batch), one(rows);
+        MatMulWithPath(w.tensor, x.data(), batch, all.data(), &pool, path);
+        for (int64_t t = 0; t < batch; ++t) {
+          MatMulWithPath(w.tensor, x.data() + t * cols, 1, one.data(), nullptr, path);
+          for (int64_t r = 0; r < rows; ++r) {
+            ASSERT_EQ(one[r], all[t * rows + r])
+                << GgmlTypeName(type) << " " << KernelPathName(path) << " batch " << batch
+                << " token " << t << " row " << r;
+          }
+        }
       }
     }
   }

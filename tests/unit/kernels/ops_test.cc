@@ -246,6 +246,52 @@ TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
 // Head sizes of real models, and one that is not a multiple of 8.
 INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36, 32, 96));
 
+// The three-pass split (scores over position chunks, one softmax, values over
+// head slices) gives AttendRowGgml's bits for any chunking, including chunks
+// that start before j0, end past j1 or are empty.
+TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
+  const int B = 32;
+  for (int hd : {64, 128}) {
+    if (!AttendSplitSupported(B, hd)) GTEST_SKIP() << "split attention needs the AVX-512 path";
+    const int n = 600;
+    const auto k = Random(int64_t{n} * hd, 1.0f, 31), v = Random(int64_t{n} * hd, 2.0f, 32);
+    std::vector<const float*> kb, vb;
+    for (int b = 0; b * B < n; ++b) {
+      kb.push_back(k.data() + b * B * hd);
+      vb.push_back(v.data() + b * B * hd);
+    }
+    std::vector<float> scores(n), split_scores(n), acc(32 * hd), out(hd), split(hd);
+    for (uint32_t seed = 0; seed < 4; ++seed) {
+      const auto q = Random(hd, 1.5f, 200 + seed);
+      for (auto [j0, j1] : {std::pair<int64_t, int64_t>{0, 1},
+                            {0, 600},
+                            {3, 517},
+                            {130, 131},
+                            {255, 600},
+                            {17, 64}}) {
+        AttendRowGgml(q.data(), kb.data(), vb.data(), B, hd, j0, j1, 0.125f, false, scores.data(),
+                      acc.data(), out.data());
+        for (int64_t chunk : {16, 48, 256, 1024}) {
+          float mx = -INFINITY;
+          for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+            mx = std::max(mx, AttendScoresGgml(q.data(), kb.data(), B, hd, j0, j1, c0, c0 + chunk,
+                                               0.125f, split_scores.data()));
+          }
+          AttendSoftmaxGgml(split_scores.data(), j0, j1, mx);
+          for (int e0 = 0; e0 < hd; e0 += 32) {
+            AttendValuesGgml(split_scores.data(), vb.data(), B, hd, j0, j1, e0, e0 + 32,
+                             split.data());
+          }
+          for (int e = 0; e < hd; ++e) {
+            ASSERT_EQ(Bits(out[e]), Bits(split[e]))
+                << "hd " << hd << " [" << j0 << "," << j1 << ") chunk " << chunk << " e=" << e;
+          }
+        }
+      }
+    }
+  }
+}
+
 // One key: the output is exactly its value row (softmax weight 1).
 TEST(Ops, AttendRowOneKeyIsItsValue) {
   const int hd = 64;

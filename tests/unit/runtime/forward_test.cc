@@ -312,6 +312,46 @@ TEST_P(ForwardTest, DecodedPoolPathAgreesWithInPlaceF32) {
   EXPECT_GT(diff, 0.0);  // the f16 path really was taken
 }
 
+// Decode rows over a long context take the split attention (position chunks,
+// then head slices, over the pool's threads: forward.cc) where the kernels
+// support it; prefill rows take the whole-row path. Both give the same bits,
+// so decoding token by token reproduces a full prefill's logits exactly, and
+// so does a different thread count.
+TEST_P(ForwardTest, LongContextDecodeEqualsPrefillBitForBit) {
+  testing::SyntheticModelOptions o;
+  o.arch = GetParam();
+  if (o.arch == "gemma3") o.sliding_window = 9;  // layer 0 slides, layer 1 is global
+  o.d_model = 128;
+  o.heads = 2;
+  o.kv_heads = 1;  // head_dim 64: the split path's shape
+  o.context_length = 1024;
+  // Float weights: no int8 activation rounding that could hide a one-ulp
+  // difference in an attention output.
+  auto m = LoadSynthetic(o);
+  ASSERT_NE(m, nullptr);
+  const int vocab = m->config().vocab;
+  auto tokens = RandomTokens(620, vocab, 21);
+  ThreadPool two(2), three(3);
+  // In-place f32 slabs and a decoded (f16) pool: both feed the split path.
+  for (KvDtype dtype : {KvDtype::kF32, KvDtype::kF16}) {
+    auto pool = MakePool(*m, 48, 16, dtype);
+    ASSERT_NE(pool, nullptr);
+    auto full = ChunkedLogits(*m, pool.get(), &two, tokens, 620, 1);
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    // Positions 600..619 decoded one at a time (600+ keys: split when supported).
+    for (ThreadPool* threads : {&two, &three}) {
+      auto decoded = ChunkedLogits(*m, pool.get(), threads, tokens, 600, 1);
+      ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+      ASSERT_EQ(decoded->size(), full->size());
+      for (size_t i = 600 * static_cast<size_t>(vocab); i < full->size(); ++i) {
+        ASSERT_EQ((*decoded)[i], (*full)[i])
+            << "position " << i / vocab << " logit " << i % vocab << " threads "
+            << threads->num_threads() << (dtype == KvDtype::kF16 ? " f16" : " f32");
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest, ::testing::Values("llama", "qwen2", "gemma3"));
 
 TEST(ForwardErrors, RejectsBadInput) {
