@@ -145,6 +145,7 @@ int Run(const std::vector<std::string>& args) {
   eo.threads = static_cast<int>(*threads);
   eo.max_step_tokens = 512;
   eo.max_running = 4;
+  eo.kv_groups = engine::KvGroupsMode::kOne;  // the tiers persist blocks of every layer
   auto new_engine = [&]() { return engine::Engine::Create(eo, model); };
 
   fs::remove_all(dir);

@@ -463,6 +463,7 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   eo.max_running = 1;
   eo.max_context = 2 * kTokens;
   eo.threads = cfg.threads;
+  eo.kv_groups = engine::KvGroupsMode::kOne;  // the connector streams every layer
   auto created = engine::Engine::Create(eo);
   if (!created.ok()) {
     LOG_ERROR << "bench transfer: engine: " << created.status().ToString();

@@ -20,7 +20,11 @@ DecodeRole::~DecodeRole() {
 Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
+  // TP followers mirror one-group block tables; at TP = 1 the KV streams land
+  // in every group's blocks (StartRemoteLoadGroups).
+  engine::EngineOptions eo = o.engine;
+  if (o.tp_size > 1) eo.kv_groups = engine::KvGroupsMode::kOne;
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
     if (o.tp_over_mpi()) {
@@ -114,6 +118,27 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
     in.follower_acks_pending = ctx_.options->tp_size - 1;
   }
   reserved_blocks_.assign(blocks.begin(), blocks.end());
+  incoming_[request.id] = std::move(in);
+  ctx_.events->ExpectDecodeOnly(request.id);
+  return Status::Ok();
+}
+
+Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
+                                         const engine::KvCacheGroups& groups,
+                                         std::span<const std::vector<BlockId>> tables) {
+  if (groups.size() == 1) return StartRemoteLoad(request, tables[0]);
+  if (tp_ != nullptr) return FailedPrecondition("a TP decode group needs one KV cache group");
+  const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
+                                   ctx_.model->kv_head_range().end};
+  Incoming in;
+  in.blocks = static_cast<int64_t>(tables[0].size());
+  in.deadline = Deadline::After(ctx_.options->kv_timeout);
+  ASSIGN_OR_RETURN(in.receivers,
+                   worker::StartGroupedSegmentReceivers(
+                       ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
+                       groups, ctx_.model->fingerprint(), request.id, tables, own));
+  // The prefill side addresses the stream by group 0's ids.
+  reserved_blocks_.assign(tables[0].begin(), tables[0].end());
   incoming_[request.id] = std::move(in);
   ctx_.events->ExpectDecodeOnly(request.id);
   return Status::Ok();

@@ -49,6 +49,12 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   // --- engine::KvConnector (load side) ---
   Status StartRemoteLoad(const engine::RequestSpec& request,
                          std::span<const engine::BlockId> blocks) override;
+  // KV cache groups (a gemma3 model, TP = 1): the sliding-window layers hold
+  // only their window once the request decodes.
+  bool SupportsKvGroups() const override { return tp_ == nullptr; }
+  Status StartRemoteLoadGroups(const engine::RequestSpec& request,
+                               const engine::KvCacheGroups& groups,
+                               std::span<const std::vector<engine::BlockId>> tables) override;
   std::vector<RemoteLoadDone> PollRemoteLoads() override;
   void CancelRemoteLoad(engine::RequestId id) override;
 

@@ -47,8 +47,8 @@ TransferDesc LayerDesc(int peer, const StreamSpec& spec, const StreamBuffers& b,
     s.layer_end = layer + 1;
     s.head_begin = b.local_heads.begin;
     s.head_end = b.local_heads.end;
-    s.layer_data = b.block_layer0[i] + layer * stride;
-    s.layer_stride = stride;
+    s.layer_data = b.LayerAddress(i, layer);
+    s.layer_stride = stride;  // one layer per slice: never stepped over
     d.slices.push_back(s);
   }
   return d;
@@ -71,6 +71,12 @@ Status CheckSpec(const StreamSpec& spec, const StreamBuffers& b) {
                            " dst_blocks but " + std::to_string(b.block_layer0.size()) +
                            " block buffers");
   }
+  if (!b.layer_data.empty() &&
+      b.layer_data.size() != static_cast<size_t>(spec.layers) * b.block_layer0.size()) {
+    return InvalidArgument("layer stream: " + std::to_string(b.layer_data.size()) +
+                           " layer addresses for " + std::to_string(spec.layers) + " layers of " +
+                           std::to_string(b.block_layer0.size()) + " blocks");
+  }
   if (b.local_heads.size() != spec.global_heads.size() || b.local_heads.size() <= 0) {
     return InvalidArgument("layer stream: local head range size " +
                            std::to_string(b.local_heads.size()) + " != global head range size " +
@@ -87,8 +93,7 @@ uint32_t StreamTag(uint32_t stream_id, int layer, bool payload) {
 
 uint64_t SliceChecksum(const StreamBuffers& b, size_t block, int layer) {
   const int64_t slab = b.layout.slab_bytes;
-  const int64_t stride = b.layer_stride != 0 ? b.layer_stride : 2 * b.layout.kv_heads * slab;
-  const uint8_t* base = b.block_layer0[block] + layer * stride;
+  const uint8_t* base = b.LayerAddress(block, layer);
   const size_t n = static_cast<size_t>(b.local_heads.size() * slab);
   uint64_t k = Xxh3_64(base + b.local_heads.begin * slab, n, 0);
   return Xxh3_64(base + (b.layout.kv_heads + b.local_heads.begin) * slab, n, k);

@@ -53,6 +53,21 @@ struct StreamBuffers {
   HeadRange local_heads;               // heads of this stream in the caller's buffer
   std::vector<uint8_t*> block_layer0;  // per block (same order as dst_blocks): layer 0 address
   int64_t layer_stride = 0;            // 0: contiguous (2 * kv_heads * slab_bytes)
+  // Optional, [layer * blocks + block]: where each (block, layer) lives when a
+  // block's layers are not a fixed stride apart (an engine with KV cache
+  // groups keeps each group's layers in its own pool blocks). Overrides
+  // block_layer0 + layer * layer_stride; block_layer0 still has one entry
+  // per block.
+  std::vector<uint8_t*> layer_data;
+
+  uint8_t* LayerAddress(size_t block, int layer) const {
+    if (!layer_data.empty()) {
+      return layer_data[static_cast<size_t>(layer) * block_layer0.size() + block];
+    }
+    const int64_t stride =
+        layer_stride != 0 ? layer_stride : 2 * layout.kv_heads * layout.slab_bytes;
+    return block_layer0[block] + layer * stride;
+  }
 };
 
 // xxh3 of one block's layer slice (K piece then V piece of the head range).

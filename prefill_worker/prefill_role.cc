@@ -19,7 +19,10 @@ PrefillRole::~PrefillRole() { Shutdown(); }
 Status PrefillRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
+  // The connector (layer streams, the prefix tiers) addresses blocks of every layer.
+  engine::EngineOptions eo = o.engine;
+  eo.kv_groups = engine::KvGroupsMode::kOne;
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
   if (!o.kv_store_path.empty()) {
     kv_store::HostRamTier::Options ram;
     ram.capacity_bytes = o.kv_ram_tier_bytes;

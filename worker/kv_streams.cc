@@ -52,4 +52,47 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
   return receivers;
 }
 
+kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
+    engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
+    std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
+    kv_transfer::HeadRange local) {
+  const engine::KvLayout& layout = pool->layout();
+  kv_transfer::StreamBuffers buffers;
+  buffers.layout.kv_heads = layout.kv_heads;
+  buffers.layout.slab_bytes = layout.SlabBytes();
+  buffers.local_heads = local;
+  for (int64_t i = range.first; i < range.first + range.count; ++i) {
+    buffers.block_layer0.push_back(pool->LayerData(tables[0][static_cast<size_t>(i)], 0).data());
+  }
+  for (int l = 0; l < groups.n_layers(); ++l) {
+    const std::vector<engine::BlockId>& table = tables[static_cast<size_t>(groups.group_of[l])];
+    for (int64_t i = range.first; i < range.first + range.count; ++i) {
+      buffers.layer_data.push_back(
+          pool->LayerData(table[static_cast<size_t>(i)], groups.slot_of[l]).data());
+    }
+  }
+  return buffers;
+}
+
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
+    engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
+    kv_transfer::HeadRange own) {
+  std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
+  engine::KvLayout layout = pool->layout();
+  layout.layers = groups.n_layers();  // the stream carries every model layer
+  const std::span<const engine::BlockId> blocks = tables[0];
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  for (int64_t g = 0; g < StreamSegments(n); ++g) {
+    const BlockRange r = StreamSegment(n, g);
+    const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
+    receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
+        transport, peer, MakeStreamSpec(layout, model, id, g, seg, own),
+        MakeGroupedStreamBuffers(pool, groups, tables, r, {0, own.size()})));
+    RETURN_IF_ERROR(receivers.back()->Start());
+  }
+  return receivers;
+}
+
 }  // namespace kvrelay::worker

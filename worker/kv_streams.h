@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/step_plan.h"
 #include "kv_transfer/head_sharding.h"
 #include "kv_transfer/layer_stream.h"
@@ -55,5 +56,20 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
 kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
                                              std::span<const engine::BlockId> blocks,
                                              kv_transfer::HeadRange local);
+
+// An engine with several KV cache groups (engine/kv_cache/kv_groups.h):
+// the stream still carries every model layer of each block, and model layer
+// l of block i lands in layer groups.slot_of[l] of
+// tables[groups.group_of[l]][i]. The streams' dst_blocks are group 0's ids
+// (what the reservation reported), so the wire format is the one-group one.
+kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
+    engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
+    std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
+    kv_transfer::HeadRange local);
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
+    const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
+    engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
+    kv_transfer::HeadRange own);
 
 }  // namespace kvrelay::worker

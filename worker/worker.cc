@@ -106,6 +106,18 @@ Status Worker::Init() {
   return Status::Ok();
 }
 
+namespace {
+// The pool's total (or available) blocks in blocks of every layer, the unit
+// the coordinator's router counts a request's need in: an engine with KV
+// cache groups has groups-times smaller blocks (a conservative count, as its
+// sliding-window groups need fewer).
+int64_t WholeBlocks(engine::Engine& e, bool available) {
+  engine::KvBlockPool* pool = e.pool();
+  const int64_t n = available ? pool->available_blocks() : pool->total_blocks();
+  return n / e.kv_groups().size();
+}
+}  // namespace
+
 proto::RegisterWorker Worker::Registration() const {
   proto::RegisterWorker reg;
   reg.set_worker_id(options_.worker_id);
@@ -113,7 +125,7 @@ proto::RegisterWorker Worker::Registration() const {
   reg.set_rank(static_cast<uint32_t>(options_.rank));
   reg.set_tp_size(static_cast<uint32_t>(options_.tp_size));
   protocols::ToProto(base_.peer_config, reg.mutable_config());
-  reg.set_capacity_blocks(static_cast<uint64_t>(role_->engine()->pool()->total_blocks()));
+  reg.set_capacity_blocks(static_cast<uint64_t>(WholeBlocks(*role_->engine(), false)));
   reg.set_kv_address(base_.transport->conn_info());
   role_->DescribeRegistration(&reg);
   if (reg.tp_ranks_size() == 0) reg.add_tp_ranks(static_cast<uint32_t>(options_.rank));
@@ -122,8 +134,8 @@ proto::RegisterWorker Worker::Registration() const {
 
 void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   engine::Engine* e = role_->engine();
-  hb->set_free_blocks(static_cast<uint64_t>(e->pool()->available_blocks()));
-  hb->set_capacity_blocks(static_cast<uint64_t>(e->pool()->total_blocks()));
+  hb->set_free_blocks(static_cast<uint64_t>(WholeBlocks(*e, true)));
+  hb->set_capacity_blocks(static_cast<uint64_t>(WholeBlocks(*e, false)));
   hb->set_running_requests(static_cast<uint32_t>(e->running()));
   hb->set_queued_tokens(static_cast<uint32_t>(counters_.queued_tokens));
   hb->set_prefix_hit_tokens(static_cast<uint64_t>(e->stats().prompt_tokens_cached));

@@ -1,5 +1,6 @@
 #include "engine/kv_cache/block_table.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace kvrelay::engine {
@@ -36,22 +37,41 @@ void BlockTable::Append(BlockTable&& other) {
 
 void BlockTable::Replace(int64_t i, BlockId id) {
   BlockId& slot = ids_[static_cast<size_t>(i)];
-  pool_->Release(slot);
+  if (slot != kNoBlock) pool_->Release(slot);
   slot = id;
 }
 
 void BlockTable::Truncate(int64_t n) {
   while (size() > n) {
-    pool_->Release(ids_.back());
+    if (ids_.back() != kNoBlock) pool_->Release(ids_.back());
     ids_.pop_back();
   }
 }
 
 void BlockTable::Release() {
   if (pool_ != nullptr) {
-    for (BlockId id : ids_) pool_->Release(id);
+    for (BlockId id : ids_) {
+      if (id != kNoBlock) pool_->Release(id);
+    }
   }
   ids_.clear();
+}
+
+int64_t BlockTable::DropLeading(int64_t n) {
+  int64_t dropped = 0;
+  for (int64_t i = 0; i < std::min(n, size()); ++i) {
+    BlockId& slot = ids_[static_cast<size_t>(i)];
+    if (slot == kNoBlock) continue;
+    pool_->Release(slot);
+    slot = kNoBlock;
+    ++dropped;
+  }
+  return dropped;
+}
+
+int64_t BlockTable::held() const {
+  return static_cast<int64_t>(
+      std::count_if(ids_.begin(), ids_.end(), [](BlockId id) { return id != kNoBlock; }));
 }
 
 }  // namespace kvrelay::engine

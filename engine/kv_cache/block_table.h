@@ -6,6 +6,10 @@
 // cancel, error, preemption, peer death — by destruction, never by a hand-
 // written release loop. Move-only. Thread-compatible, like the pool: use it
 // only on the pool's owner thread. The pool must outlive the table.
+//
+// An entry may be a hole (kNoBlock): a sliding-window table (kv_groups.h)
+// drops the blocks its sequence never reads again but keeps indexing by
+// position / B. A hole holds no reference.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +51,11 @@ class BlockTable {
   void Replace(int64_t i, BlockId id);
   // Keeps the first n entries, dropping the references of the rest.
   void Truncate(int64_t n);
+  // Drops the references of entries [0, n) and makes them holes (kNoBlock).
+  // Returns how many references it dropped.
+  int64_t DropLeading(int64_t n);
+  // Entries that are not holes (references held).
+  int64_t held() const;
   // Drops every reference. Idempotent.
   void Release();
 

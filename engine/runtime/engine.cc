@@ -56,7 +56,10 @@ struct Sequence {
   int64_t n_prompt = 0;
   int64_t n_generated = 0;
   int64_t n_computed = 0;         // leading tokens whose K/V are in `blocks`
-  BlockTable blocks;              // one reference held per entry
+  BlockTable blocks;              // KV cache group 0's table; one reference held per entry
+  // Groups 1.. (kv_groups.h), same indexing; a sliding-window group's
+  // entries before its window are holes. Empty with one group.
+  std::vector<BlockTable> group_tables;
   int64_t n_committed = 0;        // leading blocks registered in the prefix cache
   std::vector<BlockHash> hashes;  // chain hashes of the leading full blocks
   int64_t cached_prompt_tokens = 0;
@@ -71,12 +74,13 @@ struct Sequence {
 class Engine::Impl {
  public:
   Impl(const EngineOptions& options, std::shared_ptr<const Model> model,
-       std::unique_ptr<KvBlockPool> pool)
+       std::unique_ptr<KvBlockPool> pool, KvCacheGroups groups)
       : options_(options),
         model_(std::move(model)),
         pool_(std::move(pool)),
+        groups_(std::move(groups)),
         threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "engine"),
-        forward_(*model_, pool_.get(), &threads_) {
+        forward_(*model_, pool_.get(), groups_, &threads_) {
     max_context_ = options_.max_context > 0
                        ? std::min<int64_t>(options_.max_context, model_->config().context_length)
                        : model_->config().context_length;
@@ -122,7 +126,7 @@ class Engine::Impl {
     }
     // The most positions whose K/V it will ever hold.
     const int64_t max_len = std::min<int64_t>(n + spec.sampling.max_tokens, max_context_) - 1;
-    const int64_t need = BlocksFor(std::max<int64_t>(max_len, n));
+    const int64_t need = MostBlocksHeld(std::max<int64_t>(max_len, n));
     if (need > pool_->total_blocks()) {
       return ResourceExhausted(name + " needs " + std::to_string(need) +
                                " KV blocks but the pool has only " +
@@ -132,6 +136,11 @@ class Engine::Impl {
   }
 
   Status Submit(RequestSpec spec) {
+    if (connector_ != nullptr && groups_.size() > 1 && !connector_->SupportsKvGroups()) {
+      return FailedPrecondition("this KV connector needs one KV cache group, the engine has " +
+                                groups_.DebugString() +
+                                " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
+    }
     RETURN_IF_ERROR(CheckSpec(spec));
     auto seq = NewSequence(std::move(spec));
     if (seq->spec.mode != RequestMode::kRemotePrompt) {
@@ -145,7 +154,18 @@ class Engine::Impl {
                                 " needs remote KV but the engine has no connector");
     }
     ASSIGN_OR_RETURN(seq->blocks, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
-    RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
+    if (groups_.size() == 1) {
+      RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
+    } else {
+      // Every group's table covers the whole prompt while it loads; the
+      // sliding-window tables drop what is out of the window once it decodes.
+      std::vector<std::vector<BlockId>> tables{seq->blocks.ids()};
+      for (BlockTable& t : seq->group_tables) {
+        ASSIGN_OR_RETURN(t, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
+        tables.push_back(t.ids());
+      }
+      RETURN_IF_ERROR(connector_->StartRemoteLoadGroups(seq->spec, groups_, tables));
+    }
     const RequestId id = seq->spec.id;
     loading_[id] = std::move(seq);
     return Status::Ok();
@@ -259,10 +279,19 @@ class Engine::Impl {
     return constraints_.get();
   }
 
+  Result<std::vector<int64_t>> HeldBlocks(RequestId id) const {
+    const Sequence* s = Find(id);
+    if (s == nullptr) return NotFound("no live request " + std::to_string(id));
+    std::vector<int64_t> held{s->blocks.held()};
+    for (const BlockTable& t : s->group_tables) held.push_back(t.held());
+    return held;
+  }
+
   EngineOptions options_;
   mutable std::unique_ptr<grammar::ConstraintCache> constraints_;
   std::shared_ptr<const Model> model_;
   std::unique_ptr<KvBlockPool> pool_;
+  KvCacheGroups groups_;  // the groups pool_'s blocks serve
   ThreadPool threads_;
   ForwardPass forward_;
   // Set when options.device is not the CPU; then it runs every step.
@@ -279,18 +308,50 @@ class Engine::Impl {
     return (positions + B - 1) / B;
   }
 
-  bool Exists(RequestId id) const {
+  bool Exists(RequestId id) const { return Find(id) != nullptr; }
+
+  const Sequence* Find(RequestId id) const {
     for (const auto* list : {&waiting_, &running_}) {
       for (const auto& s : *list) {
-        if (s->spec.id == id) return true;
+        if (s->spec.id == id) return s.get();
       }
     }
-    return loading_.count(id) > 0;
+    auto it = loading_.find(id);
+    return it == loading_.end() ? nullptr : it->second.get();
+  }
+
+  // The most pool blocks a sequence of `positions` holds at once over all
+  // groups: every position's block in a full-attention group, a window and a
+  // step's chunk in a sliding-window group.
+  int64_t MostBlocksHeld(int64_t positions) const {
+    const int64_t full = BlocksFor(positions);
+    int64_t need = 0;
+    for (int g = 0; g < groups_.size(); ++g) {
+      need += groups_.sliding(g)
+                  ? std::min(full, groups_.WindowBlocksBound(g, options_.max_step_tokens,
+                                                             options_.block_tokens) +
+                                       1)  // + a copy-on-write in flight
+                  : full;
+    }
+    return need;
+  }
+
+  BlockTable& Table(Sequence& s, int g) {
+    return g == 0 ? s.blocks : s.group_tables[static_cast<size_t>(g - 1)];
+  }
+
+  // Releases the blocks of s's sliding-window tables that no step from
+  // position s.n_computed on reads.
+  void DropOutOfWindow(Sequence& s) {
+    for (int g = 1; g < groups_.size(); ++g) {
+      Table(s, g).DropLeading(groups_.DroppableBlocks(g, s.n_computed, options_.block_tokens));
+    }
   }
 
   std::unique_ptr<Sequence> NewSequence(RequestSpec spec) {
     auto seq = std::make_unique<Sequence>();
     seq->blocks = BlockTable(pool_.get());
+    for (int g = 1; g < groups_.size(); ++g) seq->group_tables.emplace_back(pool_.get());
     seq->arrival = next_arrival_++;
     seq->tokens = spec.prompt;
     seq->n_prompt = static_cast<int64_t>(spec.prompt.size());
@@ -311,6 +372,7 @@ class Engine::Impl {
 
   void ReleaseBlocks(Sequence& s) {
     s.blocks.Release();
+    for (BlockTable& t : s.group_tables) t.Release();
     s.n_computed = 0;
     s.n_committed = 0;
   }
@@ -365,24 +427,33 @@ class Engine::Impl {
   bool EnsureBlocks(Sequence& s, int64_t chunk) {
     const int B = options_.block_tokens;
     const int64_t need = BlocksFor(s.n_computed + chunk);
-    while (s.blocks.size() < need) {
-      auto b = pool_->Allocate();
-      if (!b.ok()) return false;
-      s.blocks.Adopt(*b);
+    DropOutOfWindow(s);  // before allocating, so the blocks it frees serve this step
+    for (int g = 0; g < groups_.size(); ++g) {
+      BlockTable& table = Table(s, g);
+      while (table.size() < need) {
+        auto b = pool_->Allocate();
+        if (!b.ok()) return false;
+        table.Adopt(*b);
+      }
     }
     // Copy-on-write: the block that receives the first new position may be
     // shared (a prefix cache hit covering the whole prompt, or a loaded
-    // block that someone else also references).
+    // block that someone else also references). A committed block is
+    // immutable in every group.
     const int64_t first = s.n_computed / B;
     for (int64_t i = first; i < need; ++i) {
-      if (pool_->refcount(s.blocks[i]) > 1 || i < s.n_committed) {
-        auto b = pool_->Allocate();
-        if (!b.ok()) return false;
-        pool_->CopyBlock(s.blocks[i], *b);
-        if (tp_.publish) step_copies_.push_back({s.blocks[i], *b});
-        s.blocks.Replace(i, *b);
-        if (i < s.n_committed) s.n_committed = i;
+      const bool committed = i < s.n_committed;
+      for (int g = 0; g < groups_.size(); ++g) {
+        BlockTable& table = Table(s, g);
+        if (pool_->refcount(table[i]) > 1 || committed) {
+          auto b = pool_->Allocate();
+          if (!b.ok()) return false;
+          pool_->CopyBlock(table[i], *b);
+          if (tp_.publish) step_copies_.push_back({table[i], *b});
+          table.Replace(i, *b);
+        }
       }
+      if (committed) s.n_committed = i;
     }
     return true;
   }
@@ -393,7 +464,11 @@ class Engine::Impl {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), n), B,
                                 model_->fingerprint(), s.spec.tenant_salt);
-    s.blocks.Adopt(pool_->MatchPrefix(s.hashes));
+    if (groups_.size() > 1) {
+      MatchGroupedPrefix(s);
+    } else {
+      s.blocks.Adopt(pool_->MatchPrefix(s.hashes));
+    }
     s.n_committed = s.blocks.size();
     LoadExternalPrefix(s);
     // At least the last token is computed again: its logits are needed.
@@ -404,10 +479,46 @@ class Engine::Impl {
     }
   }
 
+  // Several groups (vLLM's hybrid rule): a hit of k blocks needs group 0's
+  // blocks [0, k) and, in a sliding-window group, only the blocks the first
+  // recomputed position reads, [DroppableBlocks(p), k) with p =
+  // min(k * B, n - 1); the entries before them stay holes. The longest k for
+  // which every group holds its part wins.
+  void MatchGroupedPrefix(Sequence& s) {
+    const int B = options_.block_tokens;
+    const int64_t n = static_cast<int64_t>(s.tokens.size());
+    const int64_t g0_hits = [&] {
+      int64_t k = 0;
+      while (k < static_cast<int64_t>(s.hashes.size()) && pool_->IsCached(s.hashes[k])) ++k;
+      return k;
+    }();
+    auto first_needed = [&](int g, int64_t k) {
+      return groups_.DroppableBlocks(g, std::min(k * B, n - 1), B);
+    };
+    auto covered = [&](int64_t k) {
+      for (int g = 0; g < groups_.size(); ++g) {
+        for (int64_t i = first_needed(g, k); i < k; ++i) {
+          if (!pool_->IsCached(GroupBlockHash(s.hashes[i], g))) return false;
+        }
+      }
+      return true;
+    };
+    int64_t k = g0_hits;
+    while (k > 0 && !covered(k)) --k;
+    for (int g = 0; g < groups_.size(); ++g) {
+      const int64_t lo = first_needed(g, k);
+      std::vector<BlockHash> keys;
+      for (int64_t i = lo; i < k; ++i) keys.push_back(GroupBlockHash(s.hashes[i], g));
+      BlockTable& table = Table(s, g);
+      for (int64_t i = 0; i < lo; ++i) table.Adopt(kNoBlock);
+      table.Adopt(pool_->MatchPrefix(keys));  // all present: checked above
+    }
+  }
+
   // Blocks the pool does not hold but a lower tier does (connector admission
   // side): loaded into fresh blocks owned by `s` from the start, committed.
   void LoadExternalPrefix(Sequence& s) {
-    if (connector_ == nullptr) return;
+    if (connector_ == nullptr || groups_.size() > 1) return;  // a tier's blocks hold every layer
     const int64_t hits = s.n_committed;
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
     BlockTable loaded(pool_.get());
@@ -430,7 +541,12 @@ class Engine::Impl {
       s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), full * B), B,
                                   model_->fingerprint(), s.spec.tenant_salt);
     }
-    for (int64_t i = s.n_committed; i < full; ++i) pool_->Commit(s.blocks[i], s.hashes[i]);
+    for (int64_t i = s.n_committed; i < full; ++i) {
+      for (int g = 0; g < groups_.size(); ++g) {
+        const BlockId b = Table(s, g)[i];
+        if (b != kNoBlock) pool_->Commit(b, GroupBlockHash(s.hashes[i], g));
+      }
+    }
     s.n_committed = full;
   }
 
@@ -568,6 +684,9 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     q.cache_len = s.n_computed;
     q.tokens.assign(s.tokens.begin() + s.n_computed, s.tokens.begin() + s.n_computed + s.chunk);
     q.blocks.assign(s.blocks.ids().begin(), s.blocks.ids().begin() + BlocksFor(q.end()));
+    for (const BlockTable& t : s.group_tables) {
+      q.group_blocks.emplace_back(t.ids().begin(), t.ids().begin() + BlocksFor(q.end()));
+    }
     const bool last = q.end() == static_cast<int64_t>(s.tokens.size());
     q.logits = last ? LogitRows::kLast : LogitRows::kNone;
     if (s.n_generated == 0) stats_.prompt_tokens_computed += s.chunk;
@@ -600,6 +719,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     s.n_computed += s.chunk;
     s.chunk = 0;
     CommitFullBlocks(s);
+    DropOutOfWindow(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
     TokenEvent ev;
@@ -642,25 +762,48 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
                                                std::shared_ptr<const Model> model) {
   RETURN_IF_ERROR(options.Validate());
   if (model == nullptr) return InvalidArgument("Engine::Create: null model");
+  ASSIGN_OR_RETURN(DeviceSpec device, ParseDevice(options.device));
+  const ModelConfig& c = model->config();
+  KvCacheGroups groups = KvCacheGroups::One(c.n_layers);
+  if (options.kv_groups == KvGroupsMode::kAuto && device.kind == DeviceKind::kCpu) {
+    std::vector<int> windows;
+    for (int l = 0; l < c.n_layers; ++l) windows.push_back(c.LayerWindow(l));
+    groups = KvCacheGroups::FromLayerWindows(windows, /*split=*/true);
+  }
   KvBlockPool::Options po;
   po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
+  po.layout.layers = groups.layers_per_block();
   po.capacity_bytes = options.kv_capacity_bytes;
   if (po.capacity_bytes == 0) {
+    // Room for max_running sequences of the whole context: a block per B
+    // tokens in every full-attention group, a window and a step's chunk in
+    // every sliding-window group.
     const double per_token = po.layout.BytesPerToken();
-    const double want =
-        per_token * static_cast<double>(model->config().context_length) * options.max_running;
+    const double context = static_cast<double>(c.context_length);
+    double tokens = 0;
+    for (int g = 0; g < groups.size(); ++g) {
+      tokens +=
+          groups.sliding(g)
+              ? std::min(context,
+                         static_cast<double>(groups.WindowBlocksBound(g, options.max_step_tokens,
+                                                                      options.block_tokens) *
+                                             options.block_tokens))
+              : context;
+    }
+    const double want = per_token * tokens * options.max_running;
     po.capacity_bytes = static_cast<int64_t>(std::min(want, static_cast<double>(1LL << 30)));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvBlockPool> pool, KvBlockPool::Create(po));
-  ASSIGN_OR_RETURN(DeviceSpec device, ParseDevice(options.device));
+  if (groups.size() > 1) LOG_INFO << "KV cache: " << groups.DebugString();
   if (device.kind == DeviceKind::kCpu) {
-    return std::unique_ptr<Engine>(
-        new Engine(std::make_unique<Impl>(options, std::move(model), std::move(pool))));
+    return std::unique_ptr<Engine>(new Engine(
+        std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups))));
   }
   // A device backend mirrors the pool: host writes it did not make must reach it.
   auto tracked = std::make_unique<HostWriteTrackingPool>(std::move(pool));
   HostWriteTrackingPool* tracker = tracked.get();
-  auto impl = std::make_unique<Impl>(options, std::move(model), std::move(tracked));
+  auto impl =
+      std::make_unique<Impl>(options, std::move(model), std::move(tracked), std::move(groups));
   ComputeBackendOptions bo;
   bo.device = device;
   ASSIGN_OR_RETURN(impl->backend_,
@@ -680,6 +823,11 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   if (hooks.collective == nullptr || !hooks.publish) {
     return InvalidArgument("SetTensorParallel needs a collective and a publish function");
   }
+  if (impl_->groups_.size() > 1) {
+    return FailedPrecondition("tensor parallelism needs one KV cache group, this engine has " +
+                              impl_->groups_.DebugString() +
+                              " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
+  }
   Status dtype = CheckTensorParallelDtype(impl_->options_.kv_dtype);
   if (!dtype.ok()) return FailedPrecondition(dtype.message());
   if (impl_->model_->shard().size != hooks.collective->size() ||
@@ -696,6 +844,10 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   return Status::Ok();
 }
 KvBlockPool* Engine::pool() { return impl_->pool_.get(); }
+const KvCacheGroups& Engine::kv_groups() const { return impl_->groups_; }
+Result<std::vector<int64_t>> Engine::HeldBlocks(RequestId id) const {
+  return impl_->HeldBlocks(id);
+}
 const Model& Engine::model() const { return *impl_->model_; }
 const EngineOptions& Engine::options() const { return impl_->options_; }
 Engine::Stats Engine::stats() const { return impl_->stats_; }

@@ -31,6 +31,7 @@
 
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/kv_connector.h"
 #include "engine/runtime/sampler.h"
 #include "engine/runtime/step_plan.h"
@@ -39,6 +40,20 @@ namespace kvrelay::engine {
 
 class Model;
 struct TensorParallelHooks;
+
+// How the engine splits its KV cache into groups (engine/kv_cache/kv_groups.h).
+enum class KvGroupsMode : uint8_t {
+  // A model that mixes full-attention and sliding-window layers (gemma3) gets
+  // full-attention and sliding-window groups, so a sequence holds only the
+  // blocks inside its window on the sliding layers; any other model gets one
+  // group (exactly the one-table engine). The CPU backend only.
+  kAuto = 0,
+  // One group of every layer whatever the model. A KvConnector (prefill,
+  // decode and colocated worker roles: layer streams, the RocksDB / host-RAM
+  // tiers) and tensor parallelism address blocks holding every layer and
+  // need it.
+  kOne = 1,
+};
 
 struct EngineOptions {
   std::string model_path;  // GGUF file; ignored when a Model is passed to Create
@@ -55,6 +70,7 @@ struct EngineOptions {
   // (engine/runtime/compute_backend.h). Create fails with Unavailable when
   // no CUDA device is found, Unimplemented in a build without CUDA.
   std::string device = "cpu";
+  KvGroupsMode kv_groups = KvGroupsMode::kAuto;
 
   Status Validate() const;
 };
@@ -136,7 +152,10 @@ class Engine {
 
   // --- disaggregation and tiers ---
   // Installs the KV connector (kv_connector.h; not owned, must outlive the
-  // engine, may be null). Call before the first Submit.
+  // engine, may be null). Call before the first Submit. The connector's
+  // blocks hold every layer: an engine with several KV cache groups
+  // (kv_groups()) fails every Submit with FailedPrecondition while one is set
+  // (create it with EngineOptions::kv_groups = kOne).
   void SetKvConnector(KvConnector* connector);
   // kRemotePrompt requests whose KV is still being loaded.
   int64_t loading() const;
@@ -148,6 +167,13 @@ class Engine {
   Status SetTensorParallel(const TensorParallelHooks& hooks);
 
   KvBlockPool* pool();
+  // The KV cache groups the pool's blocks serve (one unless kv_groups split
+  // a mixed-attention model); the pool's blocks hold layers_per_block() layers.
+  const KvCacheGroups& kv_groups() const;
+  // Pool blocks request `id` holds now, per KV cache group (holes of a
+  // sliding-window table not counted). NotFound unless it is queued, loading
+  // or running.
+  Result<std::vector<int64_t>> HeldBlocks(RequestId id) const;
   const Model& model() const;
   const EngineOptions& options() const;
   // Counters since creation.

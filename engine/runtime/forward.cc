@@ -50,7 +50,11 @@ void RmsNorm(const float* x, const float* w, int n, float eps, float* y) {
 }
 
 ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* threads)
-    : model_(model), pool_(pool), threads_(threads) {
+    : ForwardPass(model, pool, KvCacheGroups::One(model.config().n_layers), threads) {}
+
+ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, KvCacheGroups groups,
+                         ThreadPool* threads)
+    : model_(model), pool_(pool), groups_(std::move(groups)), threads_(threads) {
   // Column ranges of every rank's head outputs and FFN activations.
   const TensorParallelShard& shard = model_.shard();
   const ModelConfig& full = model_.full_config();
@@ -68,12 +72,14 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
                         const std::function<void(int layer)>& layer_hook) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
-  if (kl.layers != c.n_layers || kl.kv_heads != c.n_kv_heads || kl.head_dim != c.head_dim) {
+  if (groups_.n_layers() != c.n_layers || kl.layers != groups_.layers_per_block() ||
+      kl.kv_heads != c.n_kv_heads || kl.head_dim != c.head_dim) {
     return InvalidArgument("KV pool layout does not match the model");
   }
   if (c.head_dim > 1024) return Unimplemented("head_dim > 1024 is not supported");
   const int B = kl.block_tokens;
   ASSIGN_OR_RETURN(const StepShape shape, CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
+  RETURN_IF_ERROR(CheckGroups(seqs));
   const int64_t T = shape.tokens;
   out->logits.clear();
   out->row_begin.assign(1, 0);
@@ -168,11 +174,12 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     }
     // K/V of the new tokens into the pool (owner thread only: the pool is
     // thread-compatible).
+    const int slot = groups_.slot_of[l];
     for (int64_t t = 0; t < T; ++t) {
       const SeqStep& q = seqs[tok_seq_[t]];
       const int64_t pos = tok_pos_[t];
-      pool_->WriteToken(q.blocks[pos / B], l, static_cast<int>(pos % B), k_.data() + t * kvd,
-                        v_.data() + t * kvd);
+      pool_->WriteToken(TableOf(q, l)[pos / B], slot, static_cast<int>(pos % B),
+                        k_.data() + t * kvd, v_.data() + t * kvd);
     }
     if (layer_hook) layer_hook(l);
     Attention(l, seqs);
@@ -250,6 +257,37 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   return Status::Ok();
 }
 
+Status ForwardPass::CheckGroups(std::span<const SeqStep> seqs) const {
+  const int B = pool_->layout().block_tokens;
+  const size_t extra = static_cast<size_t>(groups_.size() - 1);
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const SeqStep& q = seqs[s];
+    if (q.group_blocks.size() != extra) {
+      return InvalidArgument(
+          "sequence " + std::to_string(s) + ": " + std::to_string(q.group_blocks.size() + 1) +
+          " block tables for a KV cache of " + std::to_string(extra + 1) + " groups");
+    }
+    const int64_t nb = (q.end() + B - 1) / B;
+    for (size_t g = 1; g <= extra; ++g) {
+      const std::vector<BlockId>& table = q.group_blocks[g - 1];
+      if (static_cast<int64_t>(table.size()) < nb) {
+        return InvalidArgument("sequence " + std::to_string(s) + ": group " + std::to_string(g) +
+                               " block table of " + std::to_string(table.size()) +
+                               " blocks cannot hold " + std::to_string(q.end()) + " positions");
+      }
+      for (int64_t b = groups_.DroppableBlocks(static_cast<int>(g), q.cache_len, B); b < nb; ++b) {
+        const BlockId id = table[static_cast<size_t>(b)];
+        if (id < 0 || id >= pool_->total_blocks()) {
+          return InvalidArgument("sequence " + std::to_string(s) + ": group " + std::to_string(g) +
+                                 " has bad block id " + std::to_string(id) + " at block " +
+                                 std::to_string(b));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 void ForwardPass::PostNorm(const std::vector<float>& weight, int64_t T) {
   const ModelConfig& c = model_.config();
   const int d = c.d_model;
@@ -281,6 +319,7 @@ Status ForwardPass::GatherColumns(const float* local, const std::vector<UnitRang
 void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   const ModelConfig& c = model_.config();
   const int B = pool_->layout().block_tokens;
+  const int slot = groups_.slot_of[layer];
   const int hd = c.head_dim, kvh = c.n_kv_heads, group = c.n_heads / c.n_kv_heads;
   const int qd = c.q_dim();
   const size_t S = seqs.size();
@@ -309,6 +348,7 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       const size_t s = item / kvh;
       const int h = static_cast<int>(item % kvh);
       const SeqStep& q = seqs[s];
+      const std::vector<BlockId>& table = TableOf(q, layer);
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
       const int64_t nb = (len + B - 1) / B;
       const float** kp = kptr_.data() + ptr_off[s] + h * nb;
@@ -325,12 +365,13 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
           vp[blk] = nullptr;
           continue;
         }
+        const BlockId id = table[blk];
         if (in_place) {
-          kp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, false, h);
-          vp[blk] = pool_->HeadSlabF32(q.blocks[blk], layer, true, h);
+          kp[blk] = pool_->HeadSlabF32(id, slot, false, h);
+          vp[blk] = pool_->HeadSlabF32(id, slot, true, h);
         } else {
           const int n = static_cast<int>(std::min<int64_t>(B, len - blk * B));
-          pool_->ReadHead(q.blocks[blk], layer, h, n, kbuf + blk * B * hd, vbuf + blk * B * hd);
+          pool_->ReadHead(id, slot, h, n, kbuf + blk * B * hd, vbuf + blk * B * hd);
           kp[blk] = kbuf + blk * B * hd;
           vp[blk] = vbuf + blk * B * hd;
         }

@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/model.h"
 #include "engine/runtime/step_plan.h"
 #include "engine/runtime/tp_collective.h"
@@ -37,6 +38,12 @@ class ForwardPass {
  public:
   // `model`, `pool` and `threads` must outlive the ForwardPass; threads may be null.
   ForwardPass(const Model& model, KvBlockPool* pool, ThreadPool* threads);
+  // KV cache groups (kv_groups.h): the pool's blocks hold
+  // groups.layers_per_block() layers; model layer l lives in layer
+  // groups.slot_of[l] of the blocks of group groups.group_of[l]'s table
+  // (SeqStep::blocks for group 0, SeqStep::group_blocks[g - 1] otherwise).
+  // The constructor above is KvCacheGroups::One.
+  ForwardPass(const Model& model, KvBlockPool* pool, KvCacheGroups groups, ThreadPool* threads);
 
   // Runs the step. `layer_hook` (may be empty) is called after layer l's K/V
   // of all sequences are written. InvalidArgument for a bad sequence (token
@@ -54,8 +61,16 @@ class ForwardPass {
   // proj_ rows [0, T) := RmsNorm(proj_ row) * weight (gemma3's post-norms).
   void PostNorm(const std::vector<float>& weight, int64_t T);
 
+  // q's block table of the group that holds model layer `layer`.
+  const std::vector<BlockId>& TableOf(const SeqStep& q, int layer) const {
+    const int g = groups_.group_of[layer];
+    return g == 0 ? q.blocks : q.group_blocks[static_cast<size_t>(g - 1)];
+  }
+  Status CheckGroups(std::span<const SeqStep> seqs) const;
+
   const Model& model_;
   KvBlockPool* pool_;
+  KvCacheGroups groups_;
   ThreadPool* threads_;
   // Concatenates every rank's [T x width_r] block of `local` into full
   // [T x sum width] rows of `out` (kExact mode).

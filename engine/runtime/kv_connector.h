@@ -27,6 +27,7 @@
 #include "common/status.h"
 #include "engine/kv_cache/block_table.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/step_plan.h"
 
 namespace kvrelay::engine {
@@ -58,6 +59,19 @@ class KvConnector {
     (void)request;
     (void)blocks;
     return FailedPrecondition("this engine's connector cannot load remote KV");
+  }
+  // Engines with several KV cache groups (engine/kv_cache/kv_groups.h) admit
+  // a kRemotePrompt request through this instead: tables[g] is group g's
+  // table of ceil(prompt / B) blocks (each holding groups.layers_per_block()
+  // layers; model layer l is layer groups.slot_of[l] of
+  // tables[groups.group_of[l]]). Such an engine refuses requests unless
+  // SupportsKvGroups(); it never calls LoadPrefix (a tier's blocks hold
+  // every layer), and SaveLayer's plan then carries SeqStep::group_blocks.
+  virtual bool SupportsKvGroups() const { return false; }
+  virtual Status StartRemoteLoadGroups(const RequestSpec& request, const KvCacheGroups& groups,
+                                       std::span<const std::vector<BlockId>> tables) {
+    if (groups.size() == 1 && tables.size() == 1) return StartRemoteLoad(request, tables[0]);
+    return FailedPrecondition("this engine's connector cannot load KV into several groups");
   }
   struct RemoteLoadDone {
     RequestId request = 0;

@@ -30,12 +30,20 @@ enum class LogitRows : uint8_t {
 // One sequence's part of a step: `tokens` are computed at positions
 // cache_len, cache_len + 1, ...; their K/V are written to blocks[pos / B],
 // slot pos % B, and attention reads every position <= the query's.
+//
+// With several KV cache groups (engine/kv_cache/kv_groups.h) `blocks` is
+// group 0's table and group_blocks[g - 1] group g's, all indexed by pos / B
+// and naming blocks of the same pool. A sliding-window group's entries wholly
+// before the window of the first new token
+// (KvCacheGroups::DroppableBlocks(g, cache_len, B)) may be kNoBlock. With one
+// group `group_blocks` is empty.
 struct SeqStep {
   RequestId request = 0;        // the engine request (0 for bare forward calls)
   std::vector<BlockId> blocks;  // covers at least cache_len + tokens.size() positions
   int64_t cache_len = 0;        // positions already in the KV cache
   std::vector<int32_t> tokens;  // new tokens (>= 1)
   LogitRows logits = LogitRows::kLast;
+  std::vector<std::vector<BlockId>> group_blocks = {};  // groups 1.. only
 
   int64_t end() const { return cache_len + static_cast<int64_t>(tokens.size()); }
 };
@@ -44,7 +52,7 @@ struct SeqStep {
 inline SeqStep MakeSeqStep(std::span<const BlockId> blocks, int64_t cache_len,
                            std::span<const int32_t> tokens, LogitRows logits = LogitRows::kLast) {
   return SeqStep{
-      0, {blocks.begin(), blocks.end()}, cache_len, {tokens.begin(), tokens.end()}, logits};
+      0, {blocks.begin(), blocks.end()}, cache_len, {tokens.begin(), tokens.end()}, logits, {}};
 }
 
 // A copy-on-write of a shared block, done before the forward.

@@ -1115,6 +1115,11 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
 // Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
 // sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
 // single engine's tokens colocated and disaggregated (layer-wise KV transfer).
+// The single engine and the decode worker split the KV cache into groups (the
+// sliding-window layers hold only their window, engine/kv_cache/kv_groups.h);
+// the prefill and colocated workers keep one group: the layer stream lands in
+// the decode side's group tables. Every worker's KV is back to none in use
+// afterwards.
 // TP = 2 is not covered: the model has one KV head and a TP rank needs at least
 // one (Model::ApplyShard).
 TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
@@ -1153,6 +1158,19 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
     EXPECT_EQ(got.completion_tokens, kTokens);
     EXPECT_EQ(got.text, ref.Text(expected))
         << (colocated ? "colocated" : "disaggregated (1 prefill, 1 decode)");
+    // Unreferenced prefix-cache blocks count as free: utilization goes back to 0.
+    std::map<std::string, double> util;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          util = WorkerGauge(cluster->http_port(), "kvrelay_worker_kv_utilization");
+          if (util.size() != static_cast<size_t>(prefill + decode + colocated)) return false;
+          for (const auto& [w, v] : util) {
+            if (v > 1e-9) return false;
+          }
+          return true;
+        },
+        milliseconds(15'000)))
+        << "KV still in use after the request (" << util.size() << " workers reporting)";
   }
 }
 

@@ -342,5 +342,109 @@ TEST(Gemma3, SlidingWindowPastTheWindow) {
   EXPECT_EQ(one[1].size(), 32u);
 }
 
+// KV cache groups on the real model (engine/kv_cache/kv_groups.h): the
+// 700-token prompt (past the 512 window) decoded 128 tokens further, with
+// prefill chunks straddling the window edge, gives the one-group engine's
+// tokens (and llama.cpp's first 64); each of the 5 sliding-window groups
+// holds at most ceil(512 / 16) + 1 = 33 blocks of the sequence while the
+// full-attention group grows with its length; the same prompt again is a
+// prefix hit with the same tokens; every block comes back.
+TEST(Gemma3, SlidingWindowKvIsBoundedAndTokensEqualOneGroup) {
+  Fixture& f = Get();
+  SKIP_WITHOUT_GEMMA(f);
+  ASSERT_TRUE(f.ref.contains("long"));
+  const auto prompt = f.ref["long"]["ids"].get<std::vector<int32_t>>();
+  const int window = f.model->config().sliding_window;
+  ASSERT_GT(static_cast<int>(prompt.size()), window);
+  constexpr int kTokens = 128;  // positions 700..827
+  constexpr int kBlock = 16;
+  const int64_t bound = (window + kBlock - 1) / kBlock + 1;
+  struct Run {
+    std::vector<int32_t> tokens, again;
+    int64_t again_cached = 0;
+    std::vector<int64_t> most;  // per group: most blocks held between steps
+    int64_t full_at_end = 0;    // full-attention blocks held at the last step
+    int64_t blocks_total = 0, block_bytes = 0;
+  };
+  auto run = [&](KvGroupsMode mode) {
+    Run r;
+    EngineOptions o;
+    o.threads = ThreadPool::DefaultThreads();
+    o.kv_capacity_bytes = 256ll << 20;
+    o.max_step_tokens = 200;  // chunks start at 0, 200, 400 (inside) and 600 (past the window)
+    o.block_tokens = kBlock;
+    o.kv_groups = mode;
+    auto engine = Engine::Create(o, f.model);
+    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+    if (!engine.ok()) return r;
+    Engine& e = **engine;
+    const KvCacheGroups& g = e.kv_groups();
+    r.most.assign(static_cast<size_t>(g.size()), 0);
+    r.blocks_total = e.pool()->total_blocks();
+    r.block_bytes = e.pool()->layout().BlockBytes();
+    auto submit = [&](RequestId id, int n) {
+      RequestSpec spec;
+      spec.id = id;
+      spec.prompt = prompt;
+      spec.sampling.max_tokens = n;
+      spec.sampling.ignore_eos = true;
+      EXPECT_TRUE(e.Submit(spec).ok());
+    };
+    auto drain = [&](RequestId id, std::vector<int32_t>* out, int64_t* cached, bool track) {
+      while (e.HasWork()) {
+        auto ev = e.Step();
+        EXPECT_TRUE(ev.ok()) << ev.status().ToString();
+        if (!ev.ok()) return;
+        for (const TokenEvent& t : *ev) {
+          if (t.token >= 0) out->push_back(t.token);
+          *cached = t.cached_prompt_tokens;
+        }
+        auto held = e.HeldBlocks(id);
+        if (!held.ok() || !track) continue;  // finished, or the second request
+        for (int k = 0; k < g.size(); ++k) r.most[k] = std::max(r.most[k], (*held)[k]);
+        r.full_at_end = (*held)[0];
+      }
+    };
+    int64_t ignored = 0;
+    submit(1, kTokens);
+    drain(1, &r.tokens, &ignored, true);
+    submit(2, 32);
+    drain(2, &r.again, &r.again_cached, false);
+    EXPECT_EQ(e.pool()->available_blocks(), e.pool()->total_blocks());
+    for (BlockId b = 0; b < e.pool()->total_blocks(); ++b) EXPECT_EQ(e.pool()->refcount(b), 0);
+    return r;
+  };
+  const Run one = run(KvGroupsMode::kOne);
+  const Run grouped = run(KvGroupsMode::kAuto);
+  ASSERT_EQ(one.most.size(), 1u);
+  ASSERT_EQ(grouped.most.size(), 6u);  // 1 full-attention + 5 sliding-window groups of 3 layers
+  EXPECT_EQ(grouped.tokens.size(), static_cast<size_t>(kTokens));
+  EXPECT_EQ(grouped.tokens, one.tokens);
+  const auto want = f.ref["long"]["generated"].get<std::vector<int32_t>>();
+  EXPECT_EQ(std::vector<int32_t>(grouped.tokens.begin(), grouped.tokens.begin() + 64), want)
+      << "llama.cpp's continuation of the long prompt";
+  // A prefix hit on the grouped engine: 43 full blocks, the window's blocks of
+  // the sliding groups.
+  EXPECT_EQ(grouped.again_cached, 688);
+  EXPECT_EQ(one.again_cached, 688);
+  EXPECT_EQ(grouped.again, std::vector<int32_t>(one.tokens.begin(), one.tokens.begin() + 32));
+  EXPECT_EQ(one.again, grouped.again);
+  for (int k = 1; k < 6; ++k) EXPECT_LE(grouped.most[k], bound) << "sliding-window group " << k;
+  // The full group holds every block of the sequence (827 positions written).
+  EXPECT_EQ(grouped.full_at_end, (827 + kBlock - 1) / kBlock);
+  std::printf(
+      "blocks held by the sequence at %zu positions: one group %lld blocks x 18 layers (%.1f "
+      "MiB); grouped: full-attention %lld x 3 layers, sliding-window groups at most %lld %lld "
+      "%lld %lld %lld x 3 layers (bound %lld) = %.1f MiB\n",
+      prompt.size() + kTokens - 1, static_cast<long long>(one.most[0]),
+      one.most[0] * one.block_bytes / 1048576.0, static_cast<long long>(grouped.most[0]),
+      static_cast<long long>(grouped.most[1]), static_cast<long long>(grouped.most[2]),
+      static_cast<long long>(grouped.most[3]), static_cast<long long>(grouped.most[4]),
+      static_cast<long long>(grouped.most[5]), static_cast<long long>(bound),
+      (grouped.most[0] + grouped.most[1] + grouped.most[2] + grouped.most[3] + grouped.most[4] +
+       grouped.most[5]) *
+          grouped.block_bytes / 1048576.0);
+}
+
 }  // namespace
 }  // namespace kvrelay::engine

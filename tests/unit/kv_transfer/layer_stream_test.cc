@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kv_transfer/head_sharding.h"
@@ -81,6 +82,46 @@ TEST_P(LayerStreamTest, LayersCompleteOneByOneAndBytesMatch) {
   EXPECT_TRUE(src.bytes == dst.bytes);
   EXPECT_EQ(pair.a->inflight(), 0);
   EXPECT_EQ(pair.b->inflight(), 0);
+}
+
+// A receiver whose blocks keep their layers apart (an engine with KV cache
+// groups: layer l of block i at layer_data[l * blocks + i]) gets the bytes of
+// a contiguous sender, verified.
+TEST_P(LayerStreamTest, ScatteredLayerAddressesReceiveEveryLayer) {
+  auto pair = MakePair(GetParam());
+  constexpr int kBlocks = 4;
+  Blocks src(kHeads, kBlocks, 7);
+  const size_t layer_bytes = static_cast<size_t>(2 * kHeads * kSlab);
+  // One buffer per layer, the blocks of that layer side by side, in reverse
+  // block order so no fixed stride can describe them.
+  std::vector<std::vector<uint8_t>> per_layer(kLayers,
+                                              std::vector<uint8_t>(layer_bytes * kBlocks, 0));
+  Blocks unused(kHeads, kBlocks, 0);
+  StreamBuffers rb = Buffers(unused, {0, kHeads});
+  for (int l = 0; l < kLayers; ++l) {
+    for (int i = 0; i < kBlocks; ++i) {
+      rb.layer_data.push_back(per_layer[l].data() + (kBlocks - 1 - i) * layer_bytes);
+    }
+  }
+  LayerStreamReceiver rx(pair.b.get(), 0, Spec(3, kBlocks, {0, kHeads}), rb);
+  LayerStreamSender tx(pair.a.get(), 1, Spec(3, kBlocks, {0, kHeads}), Buffers(src, {0, kHeads}));
+  ASSERT_TRUE(rx.Start().ok());
+  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(tx.SendLayer(l).ok());
+  ASSERT_TRUE(tx.Finish(Deadline::AfterMs(10000)).ok());
+  ASSERT_TRUE(rx.WaitAll(Deadline::AfterMs(10000)).ok()) << rx.status().ToString();
+  for (int l = 0; l < kLayers; ++l) {
+    for (int i = 0; i < kBlocks; ++i) {
+      ASSERT_EQ(std::memcmp(rb.layer_data[l * kBlocks + i], src.slab(i, l, 0, 0), layer_bytes), 0)
+          << "block " << i << " layer " << l;
+    }
+  }
+  EXPECT_TRUE(
+      std::all_of(unused.bytes.begin(), unused.bytes.end(), [](uint8_t b) { return b == 0; }));
+  // A wrong number of addresses is refused up front.
+  StreamBuffers short_rb = rb;
+  short_rb.layer_data.pop_back();
+  LayerStreamReceiver bad(pair.b.get(), 0, Spec(4, kBlocks, {0, kHeads}), short_rb);
+  EXPECT_EQ(bad.Start().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_P(LayerStreamTest, CorruptedPayloadIsCaughtAndNothingIsComplete) {
