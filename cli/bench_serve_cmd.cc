@@ -377,7 +377,14 @@ int BenchServe(const std::vector<std::string>& args) {
                            {"e2e_ms", o.e2e_s * 1000},
                            {"prompt_tokens", o.prompt_tokens},
                            {"output_tokens", o.output_tokens},
-                           {"cached_tokens", o.cached_tokens}});
+                           {"cached_tokens", o.cached_tokens},
+                           // Gaps between streamed chunks: where a model of
+                           // the server misses, token by token.
+                           {"itl_ms", [&o] {
+                              json a = json::array();
+                              for (double x : o.itl_s) a.push_back(x * 1000);
+                              return a;
+                            }()}});
   }
   report["requests"] = std::move(per_request);
   auto line = [&](const char* name, const Stats& s) {

@@ -6,7 +6,11 @@
 // `bench transfer`, `bench prefix` and `bench serve` as child processes (the
 // measurements are theirs, not re-implemented here) and read their --json
 // reports or their printed tables.
+#include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +22,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -62,6 +67,27 @@ std::string CpuModel() {
   return "unknown CPU";
 }
 
+// The cores this process may run on (its affinity mask: taskset, cgroup
+// cpusets), which the launched cluster inherits.
+int UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// "load average 0.52 (2 cores)": printed by calibrate and validate at their
+// start and end, because their figures mean little on a busy machine.
+std::string LoadLine() {
+  std::ifstream f("/proc/loadavg");
+  double one = -1;
+  f >> one;
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "load average %.2f (%d cores)%s", one, UsableCores(),
+                one > UsableCores() ? ": a busy machine, the figures are noisy" : "");
+  return buf;
+}
+
 std::string SelfExe() {
   std::error_code ec;
   auto p = fs::read_symlink("/proc/self/exe", ec);
@@ -69,11 +95,11 @@ std::string SelfExe() {
 }
 
 // Runs this binary with `args`, stdout to a string (stderr passes through),
-// killed at the deadline. Error unless it exits 0 (or, with allow_failure,
-// unless it was killed: bench serve exits 1 when some requests failed and
-// still writes its report).
+// killed at the deadline; *cpu_s (when given) receives the CPU seconds it used. Error unless it
+// exits 0 (or, with allow_failure, unless it was killed: bench serve exits 1 when some requests
+// failed and still writes its report).
 Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
-                            bool allow_failure = false) {
+                            bool allow_failure = false, double* cpu_s = nullptr) {
   char tmpl[] = "/tmp/kvrelay-sim-XXXXXX";
   const int fd = mkstemp(tmpl);
   if (fd < 0) return Internal("mkstemp failed");
@@ -101,7 +127,12 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
   int status = 0;
   bool exited = false;
   while (!exited) {
-    const pid_t r = waitpid(pid, &status, WNOHANG);
+    struct rusage ru {};
+    const pid_t r = wait4(pid, &status, WNOHANG, &ru);
+    if (r == pid && cpu_s) {
+      *cpu_s = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+               static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+    }
     if (r == pid) {
       exited = true;
       break;
@@ -123,6 +154,29 @@ Result<std::string> RunSelf(const std::vector<std::string>& args, int timeout_s,
                     "): " + ss.str().substr(0, 500));
   }
   return ss.str();
+}
+
+// Starts this binary with `args` in the background (output discarded);
+// the caller kills and reaps it (and it is killed if the caller dies).
+Result<pid_t> SpawnSelf(const std::vector<std::string>& args) {
+  std::vector<std::string> argv_s = {SelfExe()};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  const pid_t pid = fork();
+  if (pid < 0) return Internal("fork failed");
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives the calibration
+    const int devnull = open("/dev/null", O_WRONLY);
+    if (devnull >= 0) {
+      dup2(devnull, STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
+    }
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 Result<json> ReadJson(const std::string& path) {
@@ -150,6 +204,8 @@ Result<sim::ClusterConfig> ParseTopology(const Flags& f) {
   ASSIGN_OR_RETURN(int64_t max_queue, f.GetInt("max-queue", 256));
   ASSIGN_OR_RETURN(int64_t store, f.GetInt("store-blocks", 0));
   ASSIGN_OR_RETURN(int64_t host_cores, f.GetInt("shared-host-cores", 0));
+  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", 0));
+  c.heartbeat_s = heartbeat_ms / 1e3;
   c.shared_host_cores = static_cast<int>(std::clamp<int64_t>(host_cores, 0, 1 << 20));
   for (int64_t v : {colocated, prefill, decode, tp, max_running, max_queue}) {
     if (v < 0 || v > 1'000'000'000) return InvalidArgument("topology flags must be in [0, 1e9]");
@@ -209,7 +265,8 @@ json SummaryJson(const sim::SimResult& r) {
 constexpr char kSimUsage[] =
     "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
     "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
-    "[--colocated C | --prefill P --decode D --tp T] [--router R] [--json OUT]";
+    "[--colocated C | --prefill P --decode D --tp T] [--router R] [--shared-host-cores N] "
+    "[--heartbeat-ms MS (0 = exact router inputs; the real cluster: 500)] [--json OUT]";
 
 int RunSim(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimUsage)) return 0;
@@ -233,6 +290,7 @@ int RunSim(const std::vector<std::string>& args) {
                          "max-queue",
                          "store-blocks",
                          "shared-host-cores",
+                         "heartbeat-ms",
                          "ttft-slo-ms",
                          "tpot-slo-ms",
                          "json",
@@ -387,29 +445,114 @@ Result<deploy::LaunchOptions> LaunchFor(const Topology& t, const std::string& mo
   return o;
 }
 
-// Starts `t`, runs `bench serve` with `serve_args` once per entry, stops it.
-Result<std::vector<json>> ServeRuns(const Topology& t, const std::string& model, int threads,
-                                    const std::string& kv_dtype,
-                                    const std::vector<std::vector<std::string>>& serve_args) {
+// CPU seconds (user + system) of a process so far, from /proc/PID/stat; its
+// short name (comm) in *name. -1 when it cannot be read.
+double ProcessCpuSeconds(pid_t pid, std::string* name) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return -1;
+  const size_t open = line.find('('), close = line.rfind(')');
+  if (open == std::string::npos || close == std::string::npos) return -1;
+  if (name) *name = line.substr(open + 1, close - open - 1);
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  // Fields 3..15 of proc(5): state ... utime (14) stime (15).
+  for (int i = 3; i <= 15 && rest >> field; ++i) {
+    if (i == 14) utime = std::atof(field.c_str());
+    if (i == 15) stime = std::atof(field.c_str());
+  }
+  return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// CPU seconds of each process of a launched cluster (its short name:
+// "kvrelay-coordin", "kvrelay-prefill", "kvrelay-decode", "kvrelay-worker"),
+// in spawn order.
+std::vector<std::pair<std::string, double>> ClusterCpu(const deploy::LocalLauncher& launcher) {
+  std::vector<std::pair<std::string, double>> out;
+  for (pid_t pid : launcher.processes().LivePids()) {
+    std::string name;
+    const double s = ProcessCpuSeconds(pid, &name);
+    if (s >= 0) out.push_back({name, s});
+  }
+  return out;
+}
+
+// One bench serve run on a launched topology, with the CPU each process
+// spent during it (per process, and summed per kind of process).
+struct ServeRun {
+  json report;
+  std::vector<std::pair<std::string, double>> cpu_per_process;
+  std::map<std::string, double> cpu_s;
+};
+
+// Starts `t`, warms it up, runs `bench serve` with `serve_args` once per
+// entry, stops it.
+// A process of this binary that keeps a core busy during one of the runs.
+struct Background {
+  size_t run = SIZE_MAX;  // index into serve_args; SIZE_MAX = none
+  std::vector<std::string> args;
+};
+
+// Starts `args` in the background and waits until it computes (0.5 s of CPU).
+Result<pid_t> StartBusy(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(pid_t pid, SpawnSelf(args));
+  const Deadline ready = Deadline::AfterMs(60'000);
+  while (ProcessCpuSeconds(pid, nullptr) < 0.5 && !ready.Expired()) {
+    if (waitpid(pid, nullptr, WNOHANG) == pid) {
+      return Internal("the background process exited before it computed");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return pid;
+}
+
+void StopBusy(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+}
+
+Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& model, int threads,
+                                        const std::string& kv_dtype, int64_t input_len,
+                                        const std::vector<std::vector<std::string>>& serve_args,
+                                        const Background& background = {}) {
   ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
   deploy::LocalLauncher launcher(opts);
   std::fprintf(stderr, "sim: starting %s\n", t.name.c_str());
   RETURN_IF_ERROR(launcher.Start().WithContext("starting " + t.name));
   const std::string url = "http://127.0.0.1:" + std::to_string(launcher.http_port());
-  std::vector<json> out;
-  // Two warm-up requests (page faults, lazy init), not reported.
-  auto warm = RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", "2",
-                       "--input-len", "64", "--output-len", "4", "--seed", "999"},
-                      300);
-  if (!warm.ok()) {
-    launcher.Stop();
-    return warm.status();
+  std::vector<ServeRun> out;
+  // Warm-up, not reported: page faults, lazy initialisation and the first
+  // KV transfers, at the measured prompt size, on every worker (4 at once
+  // reach both colocated workers), then one alone.
+  for (const char* n : {"4", "1"}) {
+    auto warm =
+        RunSelf({"bench", "serve", "--url", url, "--rate", "inf", "--num-prompts", n, "--input-len",
+                 std::to_string(input_len), "--output-len", "8", "--seed", "999"},
+                300);
+    if (!warm.ok()) {
+      launcher.Stop();
+      return warm.status();
+    }
   }
   for (size_t i = 0; i < serve_args.size(); ++i) {
     const std::string path = TempPath("serve-" + std::to_string(i) + ".json");
     std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
     a.insert(a.end(), serve_args[i].begin(), serve_args[i].end());
+    pid_t busy = -1;
+    if (i == background.run) {
+      auto b = StartBusy(background.args);
+      if (!b.ok()) {
+        launcher.Stop();
+        return b.status();
+      }
+      busy = *b;
+    }
+    const auto cpu0 = ClusterCpu(launcher);
     auto r = RunSelf(a, 900, /*allow_failure=*/true);
+    auto cpu1 = ClusterCpu(launcher);
+    StopBusy(busy);
     auto j = r.ok() ? ReadJson(path) : Result<json>(r.status());
     fs::remove(path);
     if (j.ok() && j->value("completed", 0) == 0) j = Unavailable("no request completed");
@@ -422,7 +565,18 @@ Result<std::vector<json>> ServeRuns(const Topology& t, const std::string& model,
                    j->value("failed", 0), j->value("num_prompts", 0), t.name.c_str(),
                    j->value("errors", json::array()).dump().c_str());
     }
-    out.push_back(*j);
+    ServeRun run;
+    run.report = std::move(*j);
+    json cpu = json::array();
+    for (size_t k = 0; k < cpu1.size(); ++k) {
+      const double d = cpu1[k].second - (k < cpu0.size() ? cpu0[k].second : 0);
+      run.cpu_per_process.push_back({cpu1[k].first, d});
+      run.cpu_s[cpu1[k].first] += d;
+      cpu.push_back({cpu1[k].first, d});
+    }
+    // Kept with the report (sim validate --save-real): which process did the work.
+    run.report["cluster_cpu_s"] = cpu;
+    out.push_back(std::move(run));
   }
   launcher.Stop();
   return out;
@@ -438,14 +592,14 @@ const std::vector<Topology>& Topologies(int colocated) {
 
 constexpr char kSimCalibrateUsage[] =
     "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
-    "[--quick] [--skip-serve] [--skip-store]";
+    "[--quick] [--skip-serve] [--skip-store] [--skip-contention]";
 
 int RunCalibrate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
                          "input-len", "output-len", "colocated", "name"},
-                        {"quick", "skip-serve", "skip-store", "help"});
+                        {"quick", "skip-serve", "skip-store", "skip-contention", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim calibrate: %s\n", f.status().message().c_str());
     return 2;
@@ -478,7 +632,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   if (!m.ok()) return fail(m.status());
   sim::Profile p;
   p.name = f->Get("name", "calibrated");
-  p.hardware = CpuModel() + ", " + std::to_string(std::thread::hardware_concurrency()) + " cores";
+  p.hardware = CpuModel() + ", " + std::to_string(UsableCores()) + " cores";
   p.model = fs::path(model).filename().string();
   p.measured_at = UtcNow();
   const engine::KvLayout layout = (*m)->MakeKvLayout(*dtype, 16);
@@ -488,6 +642,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   p.kv_pool_blocks = *cap_mb * (1 << 20) / layout.BlockBytes();
   const std::string th = std::to_string(*threads), rp = std::to_string(*reps);
   const std::string date = p.measured_at;
+  std::printf("calibrating at %s, %s\n", date.c_str(), LoadLine().c_str());
 
   // 1. Engine steps: prefill (tokens x cached context), decode (batch x context).
   std::vector<std::vector<std::string>> runs = {
@@ -546,6 +701,88 @@ int RunCalibrate(const std::vector<std::string>& args) {
       const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
       std::printf("%-32s %12.3f %12.3f %+7.1f%%\n", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
                   100 * (m2 - s.seconds) / s.seconds);
+    }
+  }
+
+  // 1b. Two engine processes at once (each with a core of its own): how much
+  //     a step slows down while another process computes next to it.
+  p.contention = {0, 0, "not measured (--skip-contention or fewer than 2 cores): none"};
+  if (UsableCores() >= 2 && !f->Has("skip-contention")) {
+    const std::vector<std::string> base = {"bench",      "engine",    "--model",
+                                           model,        "--threads", th,
+                                           "--kv-dtype", kv_dtype,    "--skip-batches"};
+    auto with = [&](std::vector<std::string> a, const std::vector<std::string>& more) {
+      a.insert(a.end(), more.begin(), more.end());
+      return a;
+    };
+    const auto decode_fg = with(base, {"--pp", "16", "--tg", "64", "--reps", "3"});
+    const auto prefill_fg = with(base, {"--pp", "128", "--tg", "1", "--reps", "5"});
+    // Backgrounds long enough for any foreground (minutes), and finite.
+    const auto prefill_bg = with(base, {"--pp", "512", "--tg", "1", "--reps", "200"});
+    const auto decode_bg = with(base, {"--pp", "16", "--tg", "1024", "--reps", "30"});
+    // The foreground's median (decode step or prefill pass) and its CPU
+    // seconds in all, with `bg` running next to it when given.
+    struct Timed {
+      double median_s = 0, cpu_s = 0;
+    };
+    auto timed = [&](const std::vector<std::string>& fg, const std::vector<std::string>* bg,
+                     bool decode) -> Result<Timed> {
+      pid_t pid = -1;
+      if (bg) {
+        // Running (model loaded, computing) before the foreground starts.
+        ASSIGN_OR_RETURN(pid, StartBusy(*bg));
+      }
+      const std::string path = TempPath("contention.json");
+      Timed t;
+      auto o = RunSelf(with(fg, {"--json", path}), 600, false, &t.cpu_s);
+      StopBusy(pid);
+      if (!o.ok()) return o.status();
+      ASSIGN_OR_RETURN(json j, ReadJson(path));
+      fs::remove(path);
+      t.median_s =
+          decode ? j["tg"].value("median_step_s", 0.0) : j["prefill"].value("median_s", 0.0);
+      return t;
+    };
+    // The slowdown is read from the foreground's CPU time, not its wall
+    // time: cache and memory-bandwidth interference make the same work take
+    // more CPU, while other load on the machine (which the simulator does not
+    // model) only delays it. On a quiet machine the two agree.
+    std::vector<double> dr, pr;
+    for (int round = 0; round < 2; ++round) {
+      auto ds = timed(decode_fg, nullptr, true);
+      auto dc = timed(decode_fg, &prefill_bg, true);
+      auto ps = timed(prefill_fg, nullptr, false);
+      auto pc = timed(prefill_fg, &decode_bg, false);
+      for (const Status& st : {ds.status(), dc.status(), ps.status(), pc.status()}) {
+        if (!st.ok()) return fail(st);
+      }
+      if (ds->cpu_s > 0 && ps->cpu_s > 0) {
+        dr.push_back(dc->cpu_s / ds->cpu_s);
+        pr.push_back(pc->cpu_s / ps->cpu_s);
+      }
+      std::printf(
+          "contention round %d: decode (tg 64 x4) alone %.3f ms/step, %.2f s CPU; next to a "
+          "prefill %.3f ms/step, %.2f s CPU. prefill (pp 128 x6) alone %.1f ms, %.2f s CPU; next "
+          "to a decode %.1f ms, %.2f s CPU\n",
+          round + 1, ds->median_s * 1e3, ds->cpu_s, dc->median_s * 1e3, dc->cpu_s,
+          ps->median_s * 1e3, ps->cpu_s, pc->median_s * 1e3, pc->cpu_s);
+    }
+    if (!dr.empty()) {
+      auto mean = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (double x : v) sum += x;
+        return sum / static_cast<double>(v.size());
+      };
+      p.contention.decode_alpha = std::max(0.0, mean(dr) - 1);
+      p.contention.prefill_alpha = std::max(0.0, mean(pr) - 1);
+      p.contention.source =
+          "kvrelay bench engine --threads " + th +
+          " alone and next to a second bench engine process (decode tg 64 next to pp 512; pp "
+          "128 next to tg 1024): the foreground's CPU seconds (model load included), the "
+          "mean ratio of 2 rounds - 1 (0 at least), " +
+          date;
+      std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n", p.contention.decode_alpha,
+                  p.contention.prefill_alpha);
     }
   }
 
@@ -625,16 +862,52 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
+    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
-      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, {serve});
+      // The TP 2 group runs a second time next to a process that keeps one
+      // core busy (a prefill bench engine), as the prefill worker does.
+      const bool tp = t.tp > 1 && UsableCores() >= 2;
+      Background bg;
+      if (tp) {
+        bg.run = 1;
+        bg.args = {"bench", "engine",     "--model", model,  "--threads",
+                   th,      "--kv-dtype", kv_dtype,  "--pp", "512",
+                   "--tg",  "1",          "--reps",  "200",  "--skip-batches"};
+      }
+      std::vector<std::vector<std::string>> runs = {serve};
+      if (tp) runs.push_back(serve);
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
-      const json& j = r->front();
+      if (tp) {
+        const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
+        const double busy = (*r)[1].report["tpot_ms"].value("p50", 0.0);
+        tp_busy_slowdown = alone > 0 ? busy / alone : 0;
+        std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
+                    t.name.c_str(), busy, alone, tp_busy_slowdown);
+      }
+      const json& j = r->front().report;
+      const auto& cpu = r->front().cpu_s;
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
+      // One request at a time: the decode processes step from the first
+      // token to the last of each request and wait otherwise.
+      double decode_wall = 0, tokens = 0;
+      for (const auto& q : j["requests"]) {
+        decode_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
+        tokens += q.value("output_tokens", 0.0);
+      }
+      auto cpu_of = [&](const char* name) {
+        auto it = cpu.find(name);
+        return it == cpu.end() ? 0.0 : it->second;
+      };
+      decode_cores.push_back(decode_wall > 0 ? cpu_of("kvrelay-decode") / decode_wall : 0);
       std::printf(
           "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
-          "model %.2f)\n",
+          "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
+          "while decoding)\n",
           t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
-          decode_s * 1e3);
+          decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
+          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back());
     }
     const std::string src =
         "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
@@ -656,40 +929,105 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
     p.decode.step_scale = std::max(0.05, pts[1].tpot_s / decode_s);
     p.decode.source = source("1P+1D");
+    // The TP 2 group's cores: its ranks' CPU over its stepping time (they
+    // block in the collectives), at most 2 (0 = 2 when not measurable). Its
+    // busy_alpha: what makes the model reproduce its slowdown s next to one
+    // busy core, 1 / s = share / (1 + busy_alpha x others), with the share
+    // and the other busy cores the fluid model gives that situation.
+    const double n_cores = UsableCores();
+    const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
+    double busy_alpha = 0;
+    if (tp_busy_slowdown > 0) {
+      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
+      const double share = demand > n_cores ? n_cores / demand : 1.0;
+      const double others = std::max(1e-9, std::min(demand - c, n_cores - c));
+      busy_alpha = std::max(0.0, (tp_busy_slowdown * share - 1) / others);
+    }
+    std::printf(
+        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> busy_alpha "
+        "%.3f\n",
+        decode_cores[2], tp_busy_slowdown, busy_alpha);
     p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,
-               source("1P+1D TP2") + "; TP 2 step / TP 1 step"};
+               source("1P+1D TP2") +
+                   "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
+                   "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
+                   "engine prefill that keeps a core busy",
+               tp_cores, busy_alpha};
   } else {
-    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder"};
+    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0, 0.0};
   }
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
-  std::printf("wrote %s\n", out_path.c_str());
+  std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());
   return 0;
 }
 
 // ------------------------------------------------------- kvrelay sim validate
 
-struct Compared {
-  std::string topology;
-  double rate;
-  json real;
-  sim::SimResult sim;
-};
-
 double RelErr(double sim, double real) {
   return real != 0 ? std::fabs(sim - real) / std::fabs(real) : (sim == 0 ? 0 : 1);
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+constexpr int kMetrics = 5;
+constexpr const char* kMetricNames[kMetrics] = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                                                "tpot_p90_ms", "output_tok_s"};
+
+// One (topology, rate) point: its real runs (one per repeat) and their replays.
+struct Compared {
+  std::string topology;
+  double rate = 0;
+  std::vector<json> real;
+  std::vector<sim::SimResult> sim;
+  double real_m[kMetrics] = {}, sim_m[kMetrics] = {};  // medians over the repeats
+  double real_spread[kMetrics] = {};                   // (max - min) / median of the real runs
+};
+
+// The five compared figures of a real run and of its simulation.
+void RealMetrics(const json& j, double* m) {
+  m[0] = j["ttft_ms"].value("p50", 0.0);
+  m[1] = j["ttft_ms"].value("p90", 0.0);
+  m[2] = j["tpot_ms"].value("p50", 0.0);
+  m[3] = j["tpot_ms"].value("p90", 0.0);
+  m[4] = j.value("output_token_throughput", 0.0);
+}
+void SimMetrics(const sim::SimResult& r, double* m) {
+  m[0] = r.ttft_ms.p50;
+  m[1] = r.ttft_ms.p90;
+  m[2] = r.tpot_ms.p50;
+  m[3] = r.tpot_ms.p90;
+  m[4] = r.output_token_throughput;
+}
+
+// The requests of a real run, arriving when bench serve actually sent them
+// (workload order kept: index i of the result is request i of the run).
+std::vector<sim::SimRequest> ReplayOf(const json& j, int64_t in, int64_t out) {
+  std::vector<sim::SimRequest> w;
+  for (const auto& q : j["requests"]) {
+    const int64_t p = q.value("prompt_tokens", 0), o = q.value("output_tokens", 0);
+    w.push_back({q.value("start_s", 0.0), p > 0 ? p : in, o > 0 ? o : out, -1, 0});
+  }
+  return w;
+}
+
 constexpr char kSimValidateUsage[] =
-    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--num-prompts 24] "
-    "[--input-len 128] [--output-len 32] [--topologies colocated,1p1d,1p1d-tp2] "
-    "[--json OUT]";
+    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 32 | "
+    "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
+    "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
+    "[--phases 8] [--per-request] [--json OUT]";
 
 int RunValidate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;
   auto f = Flags::Parse(args,
-                        {"model", "profile", "rates", "num-prompts", "input-len", "output-len",
-                         "threads", "kv-dtype", "colocated", "json", "topologies"},
-                        {"help"});
+                        {"model", "profile", "rates", "num-prompts", "seconds-per-point",
+                         "min-prompts", "repeats", "phases", "input-len", "output-len", "threads",
+                         "kv-dtype", "colocated", "json", "topologies", "save-real", "from-real"},
+                        {"help", "per-request"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim validate: %s\n", f.status().message().c_str());
     return 2;
@@ -705,14 +1043,30 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   auto profile = sim::LoadProfile(f->Get("profile"));
   if (!profile.ok()) return fail(profile.status());
-  auto n = f->GetInt("num-prompts", 24);
+  auto n = f->GetInt("num-prompts", 0);
+  auto seconds = f->GetDouble("seconds-per-point", 32);
+  auto min_prompts = f->GetInt("min-prompts", 16);
+  auto repeats = f->GetInt("repeats", 1);
+  auto phases = f->GetInt("phases", 8);
   auto in = f->GetInt("input-len", 128);
   auto out = f->GetInt("output-len", 32);
   auto threads = f->GetInt("threads", 1);
   auto colocated = f->GetInt("colocated", 2);
   for (const Status& s :
-       {n.status(), in.status(), out.status(), threads.status(), colocated.status()}) {
+       {n.status(), seconds.status(), min_prompts.status(), repeats.status(), phases.status(),
+        in.status(), out.status(), threads.status(), colocated.status()}) {
     if (!s.ok()) return fail(s);
+  }
+  if (*repeats < 1 || *repeats > 9 || *phases < 1 || *phases > 64 || *n < 0 || !(*seconds > 0) ||
+      *min_prompts < 1) {
+    std::fprintf(stderr,
+                 "sim validate: --repeats in [1, 9], --phases in [1, 64], --num-prompts >= 0, "
+                 "--seconds-per-point > 0, --min-prompts >= 1\n");
+    return 2;
+  }
+  if (f->Has("save-real") && f->Has("from-real")) {
+    std::fprintf(stderr, "sim validate: --save-real and --from-real exclude each other\n");
+    return 2;
   }
   std::vector<double> rates;
   {
@@ -728,69 +1082,185 @@ int RunValidate(const std::vector<std::string>& args) {
       rates.push_back(r);
     }
   }
+  // Requests per point: the same duration at every rate (unless --num-prompts).
+  auto prompts_at = [&](double rate) {
+    return *n > 0 ? *n : std::max<int64_t>(*min_prompts, std::llround(rate * *seconds));
+  };
   const std::string which = f->Get("topologies", "colocated,1p1d,1p1d-tp2");
+  const std::string save_dir = f->Get("save-real"), from_dir = f->Get("from-real");
+  if (!save_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(save_dir, ec);
+    if (ec) return fail(InvalidArgument("cannot create " + save_dir + ": " + ec.message()));
+  }
+  auto real_path = [&](const std::string& dir, const char* key, size_t ri, int64_t rep) {
+    char name[96];
+    std::snprintf(name, sizeof(name), "%s-rate%g-rep%lld.json", key, rates[ri],
+                  static_cast<long long>(rep));
+    return (fs::path(dir) / name).string();
+  };
   std::vector<Compared> rows;
   const auto& topos = Topologies(static_cast<int>(*colocated));
   const char* keys[] = {"colocated", "1p1d", "1p1d-tp2"};
+  const TimePoint t0 = Clock::now();
+  const std::string load_start = LoadLine();
   for (size_t ti = 0; ti < topos.size(); ++ti) {
     if (("," + which + ",").find("," + std::string(keys[ti]) + ",") == std::string::npos) continue;
     const Topology& t = topos[ti];
-    std::vector<std::vector<std::string>> serve;
-    for (size_t ri = 0; ri < rates.size(); ++ri) {
-      char rate[32];
-      std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
-      serve.push_back({"--rate", rate, "--num-prompts", std::to_string(*n), "--input-len",
-                       std::to_string(*in), "--output-len", std::to_string(*out), "--seed",
-                       std::to_string(ri + 1)});
-    }
-    auto real = ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), serve);
-    if (!real.ok()) return fail(real.status());
-    for (size_t ri = 0; ri < rates.size(); ++ri) {
-      const json& j = (*real)[ri];
-      // The same requests, arriving when bench serve actually sent them.
-      std::vector<sim::SimRequest> w;
-      for (const auto& q : j["requests"]) {
-        w.push_back({q.value("start_s", 0.0), *in, *out, -1, 0});
+    std::vector<json> reals;  // rate-major, then repeat
+    if (!from_dir.empty()) {
+      for (size_t ri = 0; ri < rates.size(); ++ri) {
+        for (int64_t rep = 0; rep < *repeats; ++rep) {
+          auto j = ReadJson(real_path(from_dir, keys[ti], ri, rep));
+          if (!j.ok()) return fail(j.status());
+          reals.push_back(*j);
+        }
       }
-      std::sort(w.begin(), w.end(),
-                [](const auto& a, const auto& b) { return a.arrival_s < b.arrival_s; });
-      sim::ClusterConfig c;
-      c.colocated = t.colocated;
-      c.prefill = t.prefill;
-      c.decode = t.decode;
-      c.tp = t.tp;
-      c.shared_host_cores = static_cast<int>(std::thread::hardware_concurrency());
-      auto r = sim::Simulate(*profile, c, w);
-      if (!r.ok()) return fail(r.status());
-      rows.push_back({t.name, rates[ri], j, *r});
+    } else {
+      // Repeats interleaved (rate 1, 2, 3, 1, 2, 3, ...) so a slow spell of
+      // the machine does not fall on one point's every repeat.
+      std::vector<std::vector<std::string>> serve;
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        for (size_t ri = 0; ri < rates.size(); ++ri) {
+          char rate[32];
+          std::snprintf(rate, sizeof(rate), "%g", rates[ri]);
+          serve.push_back({"--rate", rate, "--num-prompts", std::to_string(prompts_at(rates[ri])),
+                           "--input-len", std::to_string(*in), "--output-len", std::to_string(*out),
+                           "--seed", std::to_string(ri + 1)});
+        }
+      }
+      auto real =
+          ServeRuns(t, model, static_cast<int>(*threads), f->Get("kv-dtype", "f16"), *in, serve);
+      if (!real.ok()) return fail(real.status());
+      reals.resize(real->size());
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        for (size_t ri = 0; ri < rates.size(); ++ri) {
+          json& j = reals[ri * static_cast<size_t>(*repeats) + static_cast<size_t>(rep)];
+          j = (*real)[static_cast<size_t>(rep) * rates.size() + ri].report;
+          if (!save_dir.empty()) {
+            std::ofstream o(real_path(save_dir, keys[ti], ri, rep));
+            o << j.dump() << "\n";
+            if (!o) return fail(DataLoss("cannot write " + real_path(save_dir, keys[ti], ri, rep)));
+          }
+        }
+      }
+    }
+    for (size_t ri = 0; ri < rates.size(); ++ri) {
+      Compared row;
+      row.topology = t.name;
+      row.rate = rates[ri];
+      std::vector<double> rm[kMetrics], sm[kMetrics];
+      for (int64_t rep = 0; rep < *repeats; ++rep) {
+        const json& j = reals[ri * static_cast<size_t>(*repeats) + static_cast<size_t>(rep)];
+        sim::ClusterConfig c;
+        c.colocated = t.colocated;
+        c.prefill = t.prefill;
+        c.decode = t.decode;
+        c.tp = t.tp;
+        c.shared_host_cores = UsableCores();
+        // The router sees heartbeats, every 500 ms (kvrelay launch's default),
+        // whose phase against the arrivals is unknown: each figure is the
+        // median over --phases evenly spaced phases.
+        c.heartbeat_s = 0.5;
+        const auto replay = ReplayOf(j, *in, *out);
+        std::vector<double> by_phase[kMetrics];
+        for (int64_t ph = 0; ph < *phases; ++ph) {
+          c.heartbeat_phase_s = c.heartbeat_s * static_cast<double>(ph) / *phases;
+          auto r = sim::Simulate(*profile, c, replay);
+          if (!r.ok()) return fail(r.status());
+          double b[kMetrics];
+          SimMetrics(*r, b);
+          for (int k = 0; k < kMetrics; ++k) by_phase[k].push_back(b[k]);
+          if (ph == 0) row.sim.push_back(std::move(*r));
+        }
+        double a[kMetrics];
+        RealMetrics(j, a);
+        for (int k = 0; k < kMetrics; ++k) {
+          rm[k].push_back(a[k]);
+          sm[k].push_back(Median(by_phase[k]));
+        }
+        row.real.push_back(j);
+      }
+      for (int k = 0; k < kMetrics; ++k) {
+        row.real_m[k] = Median(rm[k]);
+        row.sim_m[k] = Median(sm[k]);
+        // How far the real system is from itself over the repeats.
+        const auto [lo, hi] = std::minmax_element(rm[k].begin(), rm[k].end());
+        row.real_spread[k] = row.real_m[k] != 0 ? (*hi - *lo) / std::fabs(row.real_m[k]) : 0;
+      }
+      rows.push_back(std::move(row));
     }
   }
+  const double wall_s = SecondsSince(t0);
   double max_err = 0;
+  std::vector<double> errs, spreads;
   std::printf("\n%-14s %5s | %-23s | %-23s | %-23s | %-23s | %-21s\n", "topology", "rate",
               "TTFT p50 real/sim ms", "TTFT p90 real/sim ms", "TPOT p50 real/sim ms",
               "TPOT p90 real/sim ms", "out tok/s real/sim");
   json report = json::array();
   for (const auto& row : rows) {
-    const json& j = row.real;
-    const double vals[5][2] = {
-        {j["ttft_ms"].value("p50", 0.0), row.sim.ttft_ms.p50},
-        {j["ttft_ms"].value("p90", 0.0), row.sim.ttft_ms.p90},
-        {j["tpot_ms"].value("p50", 0.0), row.sim.tpot_ms.p50},
-        {j["tpot_ms"].value("p90", 0.0), row.sim.tpot_ms.p90},
-        {j.value("output_token_throughput", 0.0), row.sim.output_token_throughput}};
     std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
-    json e = {{"topology", row.topology}, {"rate", row.rate}};
-    const char* names[5] = {"ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms",
-                            "output_tok_s"};
-    for (int k = 0; k < 5; ++k) {
-      const double err = RelErr(vals[k][1], vals[k][0]);
+    json e = {{"topology", row.topology}, {"rate", row.rate}, {"repeats", row.real.size()}};
+    for (int k = 0; k < kMetrics; ++k) {
+      const double real = row.real_m[k], sim = row.sim_m[k];
+      const double err = RelErr(sim, real);
       max_err = std::max(max_err, err);
-      std::printf(" %7.1f/%7.1f %+5.0f%% |", vals[k][0], vals[k][1],
-                  100 * (vals[k][1] - vals[k][0]) / vals[k][0]);
-      e[names[k]] = {{"real", vals[k][0]}, {"sim", vals[k][1]}, {"rel_err", err}};
+      errs.push_back(err);
+      std::printf(" %7.1f/%7.1f %+5.0f%% |", real, sim, real != 0 ? 100 * (sim - real) / real : 0);
+      e[kMetricNames[k]] = {
+          {"real", real}, {"sim", sim}, {"rel_err", err}, {"real_spread", row.real_spread[k]}};
+      spreads.push_back(row.real_spread[k]);
     }
     std::printf("\n");
+    // Per request, real vs simulated (the first repeat): where the model misses.
+    json per = json::array();
+    const json& j = row.real.front();
+    const auto& sr = row.sim.front().requests;
+    for (size_t i = 0; i < sr.size() && i < j["requests"].size(); ++i) {
+      const json& q = j["requests"][i];
+      const double ttft = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
+      const int o = q.value("output_tokens", 0);
+      const double tpot = o > 1 ? (e2e - ttft) / (o - 1) : 0;
+      per.push_back({{"start_s", q.value("start_s", 0.0)},
+                     {"ttft_ms", {ttft, sr[i].ttft_s() * 1e3}},
+                     {"tpot_ms", {tpot, sr[i].tpot_s() * 1e3}}});
+      if (f->Has("per-request")) {
+        std::printf("    req %2zu at %7.3f s: TTFT %7.1f/%7.1f ms  TPOT %6.2f/%6.2f ms\n", i,
+                    q.value("start_s", 0.0), ttft, sr[i].ttft_s() * 1e3, tpot,
+                    sr[i].tpot_s() * 1e3);
+      }
+    }
+    if (f->Has("per-request")) {
+      std::map<int, int> by_worker;
+      for (const auto& t : sr) ++by_worker[t.prefill_worker];
+      std::printf("    simulated requests per (prefill/colocated) worker:");
+      for (const auto& [wk, cnt] : by_worker) std::printf(" #%d %d", wk, cnt);
+      std::printf("\n");
+    }
+    if (f->Has("per-request") && j.contains("cluster_cpu_s")) {
+      std::printf("    CPU during the run:");
+      for (const auto& c : j["cluster_cpu_s"]) {
+        std::printf(" %s %.2f s", c[0].get<std::string>().c_str(), c[1].get<double>());
+      }
+      std::printf("\n");
+    }
+    e["requests"] = per;
+    if (j.contains("cluster_cpu_s")) e["cluster_cpu_s"] = j["cluster_cpu_s"];
     report.push_back(e);
+  }
+  const double median_err = Median(errs);
+  const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });
+  if (from_dir.empty()) {
+    std::printf("%s; real runs from %s (start) to %s (end)\n", UtcNow().c_str(), load_start.c_str(),
+                LoadLine().c_str());
+  }
+  std::printf("cells within 15%%: %lld of %zu; median relative error %.3f; %.0f s\n",
+              static_cast<long long>(within), errs.size(), median_err, wall_s);
+  if (*repeats > 1) {
+    std::printf(
+        "real run-to-run spread over %lld repeats ((max - min) / median): median %.3f, max %.3f\n",
+        static_cast<long long>(*repeats), Median(spreads),
+        *std::max_element(spreads.begin(), spreads.end()));
   }
   if (f->Has("json")) {
     std::ofstream o(f->Get("json"));
@@ -798,6 +1268,7 @@ int RunValidate(const std::vector<std::string>& args) {
               {"date", UtcNow()},
               {"cpu", CpuModel()},
               {"rows", report},
+              {"median_relative_error", median_err},
               {"max_relative_error", max_err}}
              .dump(2)
       << "\n";

@@ -183,7 +183,12 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
                                                : static_cast<uint32_t>(StatusCode::kInternal)),
                          worker_id + ": " + fin.message());
         const std::string other = worker_id == r.prefill_id ? r.decode_id : r.prefill_id;
-        if (other != worker_id) SendCancel(other, fin.request_id(), "peer failed");
+        // The reason names the failure (code first): a prefill worker that
+        // already delivered this request's KV learns from a decode-side
+        // DEADLINE_EXCEEDED that its data connection is dead.
+        if (other != worker_id) {
+          SendCancel(other, fin.request_id(), "peer failed: " + e.error.ToString().substr(0, 200));
+        }
       }
       out.emplace_back(r.sink, e);
       requests.erase(it);

@@ -1,5 +1,7 @@
 #include "decode_worker/decode_role.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 #include "kv_transfer/mpi_session.h"
 #include "protocols/messages.h"
@@ -28,8 +30,8 @@ Status DecodeRole::Init(worker::WorkerContext& ctx) {
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
     if (o.tp_over_mpi()) {
-      ASSIGN_OR_RETURN(mpi_collective_,
-                       MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), o.kv_timeout));
+      ASSIGN_OR_RETURN(mpi_collective_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                                o.tp_step_timeout));
     }
     ASSIGN_OR_RETURN(tp_, TpLeader::Start(o, ctx_.peer_config, ctx_.transport->conn_info(), o.rank,
                                           engine_.get(), mpi_collective_.get()));
@@ -165,14 +167,34 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
     Incoming& in = it->second;
     Status s;
     bool all_here = in.follower_acks_pending == 0;
+    int64_t layers = 0;
     for (auto& receiver : in.receivers) {
       if (s.ok()) s = receiver->Progress();
       all_here = all_here && receiver->complete();
+      layers += receiver->layers_complete();
     }
     if (s.ok()) s = in.follower_error;
+    const auto now = Clock::now();
+    // Progress: a layer of ours verified, or a follower's heads all here.
+    const int64_t progress = layers - in.follower_acks_pending;
+    if (progress != in.progress) {
+      in.progress = progress;
+      in.progress_at = now;
+    }
     if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+    }
+    // After StartDecode every byte is in the prefill side's transport (it
+    // reports the first token only then), so the rest moves at link speed:
+    // silence for kv_progress_timeout is a path cut without a reset.
+    const auto stalled_since = std::max(in.progress_at, in.first_token_at);
+    if (s.ok() && !all_here && in.first_token >= 0 &&
+        now - stalled_since > ctx_.options->kv_progress_timeout) {
+      s = DeadlineExceeded("KV of request " + std::to_string(id) + " made no progress for " +
+                           std::to_string(ctx_.options->kv_progress_timeout.count()) +
+                           " ms after the prefill side handed it over (--kv-progress-timeout-ms; "
+                           "the KV path is cut?)");
     }
     if (!s.ok()) {
       in.receivers.clear();  // cancels outstanding receives before the blocks go back
@@ -202,9 +224,12 @@ void DecodeRole::CancelRemoteLoad(RequestId id) {
 }
 
 void DecodeRole::Progress() {
-  // A follower that died while the group was idle shows up as a closed link
-  // (health() then fails and the worker leaves).
-  if (tp_ != nullptr && incoming_.empty()) ApplyFollowerAcks();
+  if (tp_ == nullptr) return;
+  // A follower that died while the group was idle shows up as a closed link,
+  // one that stopped as an unanswered ping (health() then fails and the
+  // worker leaves).
+  tp_->CheckFollowers();
+  if (incoming_.empty()) ApplyFollowerAcks();
 }
 
 Status DecodeRole::health() const {

@@ -69,6 +69,11 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;
+    // Layers verified here minus follower acks pending, and when it last
+    // changed (the no-progress deadline, kv_progress_timeout; -1: not polled
+    // yet, the first poll sets both).
+    int64_t progress = -1;
+    TimePoint progress_at;
   };
 
   void OnReserveBlocks(const proto::ReserveBlocks& m);

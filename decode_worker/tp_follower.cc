@@ -50,7 +50,7 @@ Status Follower::Join() {
   g.tp_size = options_.tp_size;
   g.leader_host = options_.tp_host;
   g.leader_port = options_.tp_port;
-  g.timeout = options_.kv_timeout;
+  g.timeout = options_.tp_step_timeout;
   g.cluster_key = options_.cluster_key;
   const Deadline deadline = Deadline::After(options_.connect_timeout);
   proto::TpHello hello;
@@ -69,8 +69,8 @@ Status Follower::Join() {
   if (!setup.accepted()) return FailedPrecondition("TP rank 0 refused: " + setup.reason());
   engine::TpCollective* collective = group_.get();
   if (options_.tp_over_mpi()) {
-    ASSIGN_OR_RETURN(
-        mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(), options_.kv_timeout));
+    ASSIGN_OR_RETURN(mpi_, MpiTpCollective::Create(kv_transfer::MpiSession::tp_comm(),
+                                                   options_.tp_step_timeout));
     collective = mpi_.get();
   }
   ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(options_.engine, base_.model,
@@ -173,6 +173,10 @@ Status Follower::Run(const std::atomic<bool>& stop) {
         if (c.ParseFromString(m->payload)) incoming_.erase(c.request_id());
         break;
       }
+      case TpMsg::kPing:
+        // Rank 0's liveness check between steps: answered at once.
+        RETURN_IF_ERROR(group_->SendToLeader(TpMsg::kPong, m->payload));
+        break;
       case TpMsg::kShutdown:
         return Status::Ok();
       default:

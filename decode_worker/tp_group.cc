@@ -202,7 +202,7 @@ Result<TpMessage> TpLink::Receive(Deadline deadline) {
       std::memcpy(&magic, rbuf_.data(), 4);
       std::memcpy(&type, rbuf_.data() + 4, 4);
       std::memcpy(&len, rbuf_.data() + 8, 8);
-      if (magic != kMagic || type < 1 || type > static_cast<uint32_t>(TpMsg::kShutdown)) {
+      if (magic != kMagic || type < 1 || type > kLastTpMsg) {
         return broken_ = DataLoss("TP link: bad message header (magic " + std::to_string(magic) +
                                   ", type " + std::to_string(type) + ")");
       }
@@ -359,6 +359,7 @@ protocols::PortSecurityCounters TcpTpGroup::security_counters() const {
 }
 
 Status TcpTpGroup::status() const {
+  if (!broken_.ok()) return broken_;
   for (const auto& l : links_) {
     if (l != nullptr && !l->status().ok()) return l->status();
   }
@@ -366,7 +367,10 @@ Status TcpTpGroup::status() const {
 }
 
 Status TcpTpGroup::Broadcast(TpMsg type, const std::string& payload) {
-  const Deadline d = Deadline::After(options_.timeout);
+  return Broadcast(type, payload, Deadline::After(options_.timeout));
+}
+
+Status TcpTpGroup::Broadcast(TpMsg type, const std::string& payload, Deadline d) {
   for (int r = 1; r < options_.tp_size; ++r) {
     RETURN_IF_ERROR(
         links_[r]->Send(type, payload, d).WithContext("to TP rank " + std::to_string(r)));
@@ -423,6 +427,17 @@ Result<std::string> TcpTpGroup::ReceiveData(int r, Deadline deadline) {
 
 Status TcpTpGroup::Collective(const float* in, int64_t n_in, float* out, int64_t n_out,
                               bool reduce) {
+  if (!broken_.ok()) return broken_;
+  Status st = CollectiveOnce(in, n_in, out, n_out, reduce);
+  // A collective that failed (a rank missed the step deadline, sent garbage
+  // or left) leaves the ranks at different points of the step: the group
+  // cannot step again, and says so at once (status()).
+  if (!st.ok()) broken_ = st;
+  return st;
+}
+
+Status TcpTpGroup::CollectiveOnce(const float* in, int64_t n_in, float* out, int64_t n_out,
+                                  bool reduce) {
   const Deadline deadline = Deadline::After(options_.timeout);
   const size_t in_bytes = static_cast<size_t>(n_in) * sizeof(float);
   const size_t out_bytes = static_cast<size_t>(n_out) * sizeof(float);
@@ -431,6 +446,10 @@ Status TcpTpGroup::Collective(const float* in, int64_t n_in, float* out, int64_t
     while (true) {
       ASSIGN_OR_RETURN(TpMessage m, links_[0]->Receive(deadline));
       if (m.type == TpMsg::kShutdown) return Cancelled("TP rank 0 is shutting down");
+      if (m.type == TpMsg::kPing) {  // (pings come between steps; answered wherever seen)
+        RETURN_IF_ERROR(links_[0]->Send(TpMsg::kPong, m.payload, deadline));
+        continue;
+      }
       if (m.type != TpMsg::kData) {
         return DataLoss("TP collective: expected data from rank 0, got message type " +
                         std::to_string(static_cast<uint32_t>(m.type)));

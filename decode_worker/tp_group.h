@@ -45,7 +45,10 @@ enum class TpMsg : uint32_t {
   kKvDone = 6,    // proto::TpKvDone, follower -> rank 0
   kData = 7,      // collective payload: raw floats
   kShutdown = 8,  // empty: rank 0 is stopping
+  kPing = 9,      // u64 sequence number, rank 0 -> follower: are you there?
+  kPong = 10,     // the ping's sequence number, follower -> rank 0, at once
 };
+inline constexpr uint32_t kLastTpMsg = static_cast<uint32_t>(TpMsg::kPong);
 
 struct TpMessage {
   TpMsg type = TpMsg::kShutdown;
@@ -93,8 +96,10 @@ struct TpGroupOptions {
   int tp_rank = 0;
   int tp_size = 1;
   std::string leader_host = "127.0.0.1";
-  uint16_t leader_port = 0;                  // rank 0 listens here (0 = ephemeral, see port())
-  std::chrono::milliseconds timeout{30000};  // any single wait for a peer
+  uint16_t leader_port = 0;  // rank 0 listens here (0 = ephemeral, see port())
+  // Any single wait for a peer inside one step: a collective's
+  // contribution, a send the peer must drain (WorkerOptions::tp_step_timeout).
+  std::chrono::milliseconds timeout{2000};
   // Followers prove it to rank 0 and rank 0 to them (protocols/cluster_auth.h)
   // before any TP message; a connection that cannot is dropped, not joined.
   protocols::ClusterKey cluster_key;
@@ -130,8 +135,9 @@ class TcpTpGroup : public engine::TpCollective {
       Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
       const std::function<std::string(const Status&)>& refusal);
 
-  // Rank 0 -> every follower.
+  // Rank 0 -> every follower, each send within `timeout` (or `deadline`).
   Status Broadcast(TpMsg type, const std::string& payload);
+  Status Broadcast(TpMsg type, const std::string& payload, Deadline deadline);
   // Rank 0: the next non-collective message from any follower (queued ones
   // first); nullopt when none arrived by the deadline. Unavailable when a
   // follower is gone.
@@ -152,6 +158,7 @@ class TcpTpGroup : public engine::TpCollective {
   // Rank 0: the next kData message of follower r (other messages are queued).
   Result<std::string> ReceiveData(int r, Deadline deadline);
   Status Collective(const float* in, int64_t n_in, float* out, int64_t n_out, bool reduce);
+  Status CollectiveOnce(const float* in, int64_t n_in, float* out, int64_t n_out, bool reduce);
 
   TpGroupOptions options_;
   mutable std::mutex counters_mu_;
@@ -162,6 +169,7 @@ class TcpTpGroup : public engine::TpCollective {
       links_;  // rank 0: index = rank (0 unused); else [0] = leader
   std::deque<std::pair<int, TpMessage>> inbox_;  // rank 0: follower messages seen mid-collective
   std::vector<float> scratch_;
+  Status broken_;  // the first failed collective: the group cannot step again
 };
 
 }  // namespace kvrelay::decode_worker

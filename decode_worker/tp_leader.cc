@@ -1,5 +1,8 @@
 #include "decode_worker/tp_leader.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "common/logging.h"
 #include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_plan_codec.h"
@@ -18,10 +21,11 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
   g.tp_size = options.tp_size;
   g.leader_host = options.tp_host;
   g.leader_port = options.tp_port;
-  g.timeout = options.kv_timeout;
+  g.timeout = options.tp_step_timeout;
   g.cluster_key = options.cluster_key;
   ASSIGN_OR_RETURN(std::unique_ptr<TcpTpGroup> group, TcpTpGroup::Listen(g));
-  std::unique_ptr<TpLeader> leader(new TpLeader(std::move(group)));
+  std::unique_ptr<TpLeader> leader(new TpLeader(std::move(group), options.tp_step_timeout));
+  leader->pong_seq_.assign(options.tp_size, 0);
   leader->kv_conn_infos_.assign(options.tp_size, "");
   leader->data_ranks_.assign(options.tp_size, 0);
   leader->kv_conn_infos_[0] = kv_conn_info;
@@ -89,11 +93,16 @@ void TpLeader::CancelKv(engine::RequestId id) {
 }
 
 std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
-  std::vector<KvAck> acks;
+  std::vector<KvAck> acks = std::move(pending_acks_);
+  pending_acks_.clear();
   while (true) {
     auto m = group_->PollFollowers(Deadline::After(std::chrono::nanoseconds(0)));
     if (!m.ok() || !m->has_value()) break;  // a broken link shows in status()
     auto& [rank, msg] = **m;
+    if (msg.type == TpMsg::kPong) {
+      OnPong(rank, msg.payload);
+      continue;
+    }
     if (msg.type != TpMsg::kKvDone) continue;
     proto::TpKvDone done;
     if (!done.ParseFromString(msg.payload)) continue;
@@ -105,12 +114,49 @@ std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
   return acks;
 }
 
+void TpLeader::OnPong(int rank, const std::string& payload) {
+  uint64_t seq = 0;
+  if (payload.size() != sizeof(seq) || rank < 1 || rank >= static_cast<int>(pong_seq_.size())) {
+    return;
+  }
+  std::memcpy(&seq, payload.data(), sizeof(seq));
+  if (seq <= ping_seq_) pong_seq_[rank] = std::max(pong_seq_[rank], seq);
+}
+
+void TpLeader::CheckFollowers() {
+  if (!liveness_.ok() || !group_->status().ok()) return;
+  // Pongs already here (also those queued during a step) count first.
+  for (auto& ack : PollAcks()) pending_acks_.push_back(std::move(ack));
+  const auto now = Clock::now();
+  if (ping_seq_ > 0) {
+    for (int r = 1; r < static_cast<int>(pong_seq_.size()); ++r) {
+      if (pong_seq_[r] >= ping_seq_) continue;
+      if (now - ping_sent_at_ <= step_timeout_) return;  // still in time
+      liveness_ = DeadlineExceeded("TP rank " + std::to_string(r) + " did not answer within " +
+                                   std::to_string(step_timeout_.count()) +
+                                   " ms (--tp-step-timeout-ms): it is stopped, stalled or gone");
+      LOG_ERROR << liveness_.message();
+      return;
+    }
+  }
+  if (ping_seq_ > 0 && now - ping_sent_at_ < step_timeout_ / 4) return;
+  ++ping_seq_;
+  ping_sent_at_ = now;
+  std::string payload(sizeof(ping_seq_), '\0');
+  std::memcpy(payload.data(), &ping_seq_, sizeof(ping_seq_));
+  // A send that cannot even be queued in time breaks the link (status()).
+  (void)group_->Broadcast(TpMsg::kPing, payload);
+}
+
 Status TpLeader::status() const {
+  RETURN_IF_ERROR(liveness_);
   RETURN_IF_ERROR(group_->status());
   if (auto* mpi = dynamic_cast<const MpiTpCollective*>(collective_)) return mpi->status();
   return Status::Ok();
 }
 
-void TpLeader::Shutdown() { (void)group_->Broadcast(TpMsg::kShutdown, ""); }
+void TpLeader::Shutdown() {
+  (void)group_->Broadcast(TpMsg::kShutdown, "", Deadline::After(std::chrono::milliseconds(200)));
+}
 
 }  // namespace kvrelay::decode_worker

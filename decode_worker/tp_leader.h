@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "decode_worker/tp_group.h"
 #include "engine/runtime/engine.h"
@@ -47,20 +48,37 @@ class TpLeader {
   };
   // Acknowledgements that arrived (never blocks). A broken link shows in status().
   std::vector<KvAck> PollAcks();
-  // OK while every follower's link (and the MPI collective) works.
+  // Liveness between steps (every loop turn; never blocks beyond a short
+  // send): pings every follower every step_timeout / 4 and, when a follower
+  // has not answered the last ping within step_timeout (SIGSTOPped, stalled,
+  // its host gone quiet without closing the link), breaks the group. Steps
+  // themselves are bounded by the collective's own step_timeout; this catches
+  // a follower that stops while the group is idle or only receiving KV.
+  void CheckFollowers();
+  // OK while every follower's link (and the MPI collective) works and every
+  // follower answers its pings.
   Status status() const;
-  // Tells the followers to stop (best effort: a broken link is fine).
+  // Tells the followers to stop (best effort, bounded by a short deadline: a
+  // broken link or a stopped follower is fine).
   void Shutdown();
   // What the group's TP port refused while it formed.
   protocols::PortSecurityCounters security_counters() const { return group_->security_counters(); }
 
  private:
-  explicit TpLeader(std::unique_ptr<TcpTpGroup> group) : group_(std::move(group)) {}
+  TpLeader(std::unique_ptr<TcpTpGroup> group, std::chrono::milliseconds step_timeout)
+      : group_(std::move(group)), step_timeout_(step_timeout) {}
+  void OnPong(int rank, const std::string& payload);
 
   std::unique_ptr<TcpTpGroup> group_;
   engine::TpCollective* collective_ = nullptr;  // the forward's; group_ when not MPI
   std::vector<uint32_t> data_ranks_;
   std::vector<std::string> kv_conn_infos_;
+  const std::chrono::milliseconds step_timeout_;
+  uint64_t ping_seq_ = 0;            // the last ping sent (0: none yet)
+  TimePoint ping_sent_at_;           // when it was sent
+  std::vector<uint64_t> pong_seq_;   // per rank: the last ping it answered
+  Status liveness_;                  // sticky: a follower missed its ping deadline
+  std::vector<KvAck> pending_acks_;  // read by CheckFollowers, returned by PollAcks
 };
 
 }  // namespace kvrelay::decode_worker

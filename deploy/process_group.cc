@@ -178,6 +178,7 @@ void ProcessGroup::StopChild(const std::string& name, std::chrono::milliseconds 
   for (Child& c : children_) {
     if (c.spec.name != name || c.reaped) continue;
     kill(c.pid, SIGTERM);
+    kill(c.pid, SIGCONT);  // a stopped child (SIGSTOP) acts on SIGTERM only once resumed
     const Deadline deadline = Deadline::After(grace);
     int status = 0;
     while (waitpid(c.pid, &status, WNOHANG) != c.pid) {
@@ -202,6 +203,7 @@ void ProcessGroup::Stop(std::chrono::milliseconds grace) {
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) {
     if (it->reaped) continue;
     kill(it->pid, SIGTERM);
+    kill(it->pid, SIGCONT);  // a stopped child acts on SIGTERM only once resumed
     const Deadline one = Deadline::After(
         std::min<std::chrono::nanoseconds>(std::chrono::seconds(2), deadline.Remaining()));
     while (!one.Expired()) {

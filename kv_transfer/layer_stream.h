@@ -88,6 +88,10 @@ class LayerStreamSender {
   // some are in flight; the first error cancels the rest and is returned.
   Result<bool> Poll();
   int layers_sent() const;
+  // Posted sends not yet finished (as of the last Poll); with a deadline on
+  // progress, a number that stops falling means the path is stuck.
+  int unfinished() const { return static_cast<int>(handles_.size()); }
+  int peer() const { return peer_; }
   // Cancels every unfinished send (also done by the destructor).
   void CancelAll();
   // A send ended kAborted (its peer was abandoned while the transport still

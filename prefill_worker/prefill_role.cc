@@ -86,9 +86,26 @@ Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoi
     const int peer = static_cast<int>(target.ranks(i));
     const std::string& info =
         i < target.kv_addresses_size() ? target.kv_addresses(i) : target.kv_address();
-    RETURN_IF_ERROR(
-        ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_timeout))
-            .WithContext("connecting to decode rank " + std::to_string(peer)));
+    // The coordinator routes only to registered (so listening) decode ranks:
+    // one that does not accept within kv_progress_timeout is gone (its
+    // process died after the task was sent) or cut off. The wait blocks this
+    // worker's loop, so it is short, and an address that just failed fails
+    // at once for as long again (tasks queued for a dead group do not each
+    // wait; a restarted rank listens on a new port, or is back by then).
+    const auto now = Clock::now();
+    std::erase_if(unreachable_, [&](const auto& kv) {
+      return now - kv.second > ctx_.options->kv_progress_timeout;
+    });
+    if (unreachable_.count(info) != 0) {
+      return Unavailable("decode rank " + std::to_string(peer) + " at " + info +
+                         " did not accept a data connection moments ago");
+    }
+    Status s =
+        ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_progress_timeout));
+    if (!s.ok()) {
+      unreachable_[info] = Clock::now();
+      return s.WithContext("connecting to decode rank " + std::to_string(peer));
+    }
     out->decode_ranks.push_back(peer);
   }
   return Status::Ok();
@@ -245,6 +262,7 @@ void PrefillRole::PollDeliveries() {
     const RequestId id = it->first;
     Status s;
     bool all_done = true;
+    std::map<int, int> unfinished;
     for (auto& segment : out.senders) {
       if (segment.empty() && s.ok()) {
         s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
@@ -256,6 +274,7 @@ void PrefillRole::PollDeliveries() {
           s = done.status();
         } else {
           all_done = all_done && *done;
+          unfinished[sender->peer()] += sender->unfinished();
         }
       }
     }
@@ -263,16 +282,50 @@ void PrefillRole::PollDeliveries() {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
     }
+    // No-progress deadline: a peer none of whose sends finished for
+    // kv_progress_timeout (while this delivery waited on it) is behind a cut
+    // path that reports no error. Its data connection is dropped — every send
+    // queued on it fails now, instead of at kv_timeout — and the next request
+    // for it connects again.
+    const auto now = Clock::now();
+    for (const auto& [peer, n] : unfinished) {
+      auto prev = out.unfinished.find(peer);
+      if (prev == out.unfinished.end() ? !peer_progress_.count(peer) : n < prev->second) {
+        peer_progress_[peer] = now;
+      }
+    }
+    out.unfinished = unfinished;
+    std::vector<int> stuck;
+    for (const auto& [peer, n] : unfinished) {
+      if (n > 0 && now - std::max(peer_progress_[peer], out.deliver_start) >
+                       ctx_.options->kv_progress_timeout) {
+        stuck.push_back(peer);
+      }
+    }
+    if (s.ok() && !all_done && !stuck.empty()) {
+      s = DeadlineExceeded("KV of request " + std::to_string(id) + " made no progress to decode " +
+                           "rank " + std::to_string(stuck.front()) + " for " +
+                           std::to_string(ctx_.options->kv_progress_timeout.count()) +
+                           " ms (--kv-progress-timeout-ms; the KV path is cut?)");
+      for (int peer : stuck) {
+        ctx_.transport->AbandonPeer(peer, s);
+        peer_progress_.erase(peer);
+      }
+    }
     if (s.ok() && !all_done) {
       it = next;
       continue;
     }
     ctx_.counters->transfer_seconds += SecondsSince(out.deliver_start);
     if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
+    if (s.ok()) delivered_[id] = {out.decode_ranks, now};
     Retire(it);  // senders first, then the blocks (Outgoing's member order)
     ctx_.events->HandOverDone(id, s);
     it = next;
   }
+  std::erase_if(delivered_, [&](const auto& kv) {
+    return Clock::now() - kv.second.at > ctx_.options->kv_timeout;
+  });
 }
 
 void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
@@ -321,6 +374,21 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
 }
 
 void PrefillRole::OnCancel(const proto::Cancel& c) {
+  if (auto d = delivered_.find(c.request_id()); d != delivered_.end()) {
+    // Delivered here, then timed out on the decode side: the bytes went into
+    // a connection that is cut without a reset. Drop it (every send queued on
+    // it fails now); the next request to that group connects again.
+    if (c.reason().rfind("peer failed: DEADLINE_EXCEEDED", 0) == 0) {
+      for (int peer : d->second.decode_ranks) {
+        const std::string why =
+            "decode rank " + std::to_string(peer) + " never received the KV of request " +
+            std::to_string(c.request_id()) + " delivered to it: dropping its data connection";
+        ctx_.transport->AbandonPeer(peer, Unavailable(why));
+        peer_progress_.erase(peer);
+      }
+    }
+    delivered_.erase(d);
+  }
   if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) {
     ctx_.events->ForgetHandOver(c.request_id());
     Retire(it);

@@ -22,6 +22,7 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/kv_cache/block_table.h"
@@ -85,6 +86,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     bool delivering = false;
     Deadline deliver_by;
     TimePoint deliver_start;
+    // Sends still unfinished per decode peer at the last poll (the
+    // no-progress deadline, WorkerOptions::kv_progress_timeout).
+    std::map<int, int> unfinished;
   };
 
   void OnPrefillTask(const proto::PrefillTask& task);
@@ -111,6 +115,21 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::map<engine::RequestId, Outgoing> outgoing_;
   std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
   int delivering_ = 0;                // Outgoings with delivering set
+  // Per decode peer: when a delivery's send to it last finished (or a
+  // delivery to it started). A delivery whose peer has not moved for
+  // kv_progress_timeout is stuck on a path cut without a reset.
+  std::map<int, TimePoint> peer_progress_;
+  // Requests whose KV was delivered (every byte handed to the transport) in
+  // the last kv_timeout, and their decode ranks: a decode side that then
+  // times out receiving it (a Cancel "peer failed: DEADLINE_EXCEEDED") saw
+  // the bytes vanish on a connection that reports no error, which is dropped.
+  struct Delivered {
+    std::vector<int> decode_ranks;
+    TimePoint at;
+  };
+  std::map<engine::RequestId, Delivered> delivered_;
+  // Decode KV addresses whose connect just failed, and when (ConnectDecodeGroup).
+  std::map<std::string, TimePoint> unreachable_;
 };
 
 }  // namespace kvrelay::prefill_worker

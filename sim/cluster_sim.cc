@@ -34,6 +34,12 @@ Status ClusterConfig::Validate() const {
   if (coordinator_max_queue < 0) return InvalidArgument("cluster: max_queue must be >= 0");
   if (store_blocks < 0) return InvalidArgument("cluster: store_blocks must be >= 0");
   if (shared_host_cores < 0) return InvalidArgument("cluster: shared_host_cores must be >= 0");
+  if (!(heartbeat_s >= 0) || !std::isfinite(heartbeat_s)) {
+    return InvalidArgument("cluster: heartbeat_s must be >= 0");
+  }
+  if (heartbeat_phase_s != 0 && !(heartbeat_phase_s > 0 && heartbeat_phase_s < heartbeat_s)) {
+    return InvalidArgument("cluster: heartbeat_phase_s must be in [0, heartbeat_s)");
+  }
   return Status::Ok();
 }
 
@@ -131,12 +137,40 @@ struct Worker {
   int64_t capacity_blocks = 0;
   int64_t used_blocks = 0;  // allocated + reserved
   bool stepping = false;
-  int processes = 1;         // a decode group: one per TP rank
   double step_scale = 1;     // fixed + decode part of a step
   double prefill_scale = 1;  // prefill part
   double step_add_s = 0;
   double ttft_add_s = 0;
   double link_free_s = 0;  // prefill: egress link busy until
+  // Shared host (fluid model): cores kept busy while stepping, the solo
+  // seconds of the current step still to do, its rate since `since`, its
+  // contention alpha, and the generation of its pending step-end event.
+  double cores = 1;
+  double work_left = 0;
+  double rate = 1;
+  double since = 0;
+  double alpha = 0;
+  double tp_alpha = -1;  // a TP group: its busy_alpha replaces the mix
+  uint64_t version = 0;
+  // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
+  // last published (after a step; as the real loop does before it reads new
+  // tasks) and the latest publication at or before the heartbeat tick that
+  // preceded it.
+  struct Snapshot {
+    double time = -1e300;
+    int64_t queued_tokens = 0, running = 0, queued_requests = 0, free_kv_blocks = 0;
+  };
+  Snapshot published, at_tick;
+  // The coordinator's own accounting on top of the last heartbeat ("queue
+  // accounting until the next heartbeat refreshes it"): prompt tokens it
+  // routed here and KV blocks it reserved here since the tick `routed_tick`.
+  double routed_tick = -1;
+  int64_t routed_tokens = 0;
+  int64_t reserved_blocks = 0;
+  // Prompt tokens / requests submitted during the current step: the real
+  // loop has not read them yet when it publishes after the step.
+  int64_t submitted_in_step = 0;
+  int64_t requests_in_step = 0;
   int64_t queued_tokens = 0;
   std::unique_ptr<BlockLru> cache;  // pool prefix cache (prefill / colocated)
   std::unique_ptr<BlockLru> store;  // spill tier
@@ -175,7 +209,8 @@ class Simulator {
   void Submit(Worker& w, uint32_t r);
   void MaybeStep(size_t wi);
   bool Schedule(Worker& w);
-  void OnStepEnd(size_t wi);
+  void OnStepEnd(size_t wi, uint64_t version);
+  void Rerate();
   void OnKvReady(uint32_t r);
   void Finish(uint32_t r, double t);
   void Reject(uint32_t r);
@@ -185,6 +220,13 @@ class Simulator {
   void Preempt(Worker& w, size_t index);
   void Commit(Worker& w, Seq& s);
   void SyncInfo(Worker& w);
+  void Publish(Worker& w);
+  // The last heartbeat tick at or before t.
+  double LastTick(double t) const {
+    const double hb = config_.heartbeat_s, phase = config_.heartbeat_phase_s;
+    return phase + std::floor((t - phase) / hb) * hb;
+  }
+  void RefreshViews();
   int64_t BlocksFor(int64_t tokens) const {
     return (tokens + profile_.block_tokens - 1) / profile_.block_tokens;
   }
@@ -202,7 +244,8 @@ class Simulator {
   std::unordered_map<std::string, size_t> by_id_;
   std::vector<ReqState> reqs_;
   uint64_t next_order_ = 0;
-  int busy_processes_ = 0;  // worker processes inside a step (shared_host_cores)
+  std::vector<size_t> stepping_;  // workers inside a step (shared_host_cores only)
+  double busy_cores_ = 0;         // the cores they keep busy
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
 };
@@ -232,6 +275,7 @@ void Simulator::Setup() {
     info.free_kv_blocks = capacity;
     w.info = infos_.size();
     infos_.push_back(info);
+    w.published.free_kv_blocks = w.at_tick.free_kv_blocks = capacity;  // as registered
     by_id_[id] = workers_.size();
     workers_.push_back(std::move(w));
   };
@@ -249,7 +293,8 @@ void Simulator::Setup() {
     std::snprintf(id, sizeof(id), "decode-%05d", i);
     add(Worker::Kind::kDecode, id, profile_.decode, tp.step_scale, tp.per_step_s,
         profile_.kv_pool_blocks);
-    workers_.back().processes = config_.tp;
+    workers_.back().cores = tp.cores > 0 ? tp.cores : config_.tp;
+    if (config_.tp > 1) workers_.back().tp_alpha = tp.busy_alpha;
   }
   prefill_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kPrefill);
   decode_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kDecode);
@@ -265,7 +310,43 @@ PrefixBlockHash Simulator::HashOf(uint32_t r, int64_t block) const {
   return BlockHash(shared ? static_cast<uint64_t>(q.prefix_group) : r, shared, block);
 }
 
+// Heartbeats: a worker publishes its state after each step; every
+// heartbeat_s (ticks at multiples of it) the coordinator receives the latest
+// publication. Publish keeps `at_tick` = the latest publication at or before
+// the last tick preceding `published`.
+void Simulator::Publish(Worker& w) {
+  const double now = events_.now();
+  if (LastTick(now) >= w.published.time) w.at_tick = w.published;
+  w.published.time = now;
+  w.published.queued_tokens = std::max<int64_t>(0, w.queued_tokens - w.submitted_in_step);
+  w.published.running = static_cast<int64_t>(w.running.size());
+  w.published.queued_requests =
+      std::max<int64_t>(0, static_cast<int64_t>(w.waiting.size()) - w.requests_in_step);
+  w.published.free_kv_blocks = w.capacity_blocks - w.used_blocks;
+}
+
+// The router's view now, as coordinator/cluster_backend_state.h keeps it:
+// what the last heartbeat tick carried, plus the prompt tokens routed to and
+// the blocks reserved on each worker since that tick.
+void Simulator::RefreshViews() {
+  const double tick = LastTick(events_.now());
+  for (Worker& w : workers_) {
+    if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
+      w.routed_tick = tick;
+      w.routed_tokens = 0;
+      w.reserved_blocks = 0;
+    }
+    const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
+    WorkerInfo& info = infos_[w.info];
+    info.queued_tokens = v.queued_tokens + w.routed_tokens;
+    info.running = v.running;
+    info.queued_requests = v.queued_requests;
+    info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
+  }
+}
+
 void Simulator::SyncInfo(Worker& w) {
+  if (config_.heartbeat_s > 0) return;  // the router sees heartbeats (RefreshViews)
   WorkerInfo& info = infos_[w.info];
   info.queued_tokens = w.queued_tokens;
   info.running = static_cast<int64_t>(w.running.size());
@@ -296,6 +377,7 @@ void Simulator::OnStart(uint32_t r) {
   for (int64_t b = 0; b < q.prompt_tokens / profile_.block_tokens; ++b) {
     chain.push_back(HashOf(r, b));
   }
+  if (config_.heartbeat_s > 0) RefreshViews();
   coordinator::RouteRequest route;
   route.prefix_blocks = chain;
   route.prompt_tokens = q.prompt_tokens;
@@ -308,6 +390,7 @@ void Simulator::OnStart(uint32_t r) {
   }
   const size_t pw = by_id_.at(*p);
   st.t.prefill_worker = static_cast<int32_t>(pw);
+  if (config_.heartbeat_s > 0) workers_[pw].routed_tokens += q.prompt_tokens;
   if (workers_[pw].kind != Worker::Kind::kColocated) {
     auto d = router_.PickDecodeAmong(route, decode_candidates_);
     if (!d.ok()) {
@@ -320,6 +403,7 @@ void Simulator::OnStart(uint32_t r) {
     // The decode group reserves blocks for prompt + output before the prefill.
     st.reserved_blocks = BlocksFor(q.prompt_tokens + q.output_tokens);
     workers_[dw].used_blocks += st.reserved_blocks;
+    if (config_.heartbeat_s > 0) workers_[dw].reserved_blocks += st.reserved_blocks;
     SyncInfo(workers_[dw]);
   } else {
     st.t.decode_worker = static_cast<int32_t>(pw);
@@ -336,6 +420,10 @@ void Simulator::Submit(Worker& w, uint32_t r) {
   s.tokens = q.prompt_tokens;
   s.max_generate = w.kind == Worker::Kind::kPrefill ? 1 : q.output_tokens;
   w.queued_tokens += q.prompt_tokens;
+  if (w.stepping) {
+    w.submitted_in_step += q.prompt_tokens;
+    ++w.requests_in_step;
+  }
   w.waiting.push_back(s);
   SyncInfo(w);
   MaybeStep(by_id_.at(w.id));
@@ -512,17 +600,54 @@ void Simulator::MaybeStep(size_t wi) {
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
   const StepCost& k = profile_.step;
-  double d = w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) +
-             w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
-                                k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn) +
-             w.step_add_s;
-  busy_processes_ += w.processes;
-  if (config_.shared_host_cores > 0 && busy_processes_ > config_.shared_host_cores) {
-    d *= static_cast<double>(busy_processes_) / config_.shared_host_cores;
-  }
+  const double fixed =
+      w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) + w.step_add_s;
+  const double prefill =
+      w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
+                         k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn);
+  const double d = fixed + prefill;
   w.stepping = true;
+  w.submitted_in_step = 0;
+  w.requests_in_step = 0;
   SyncInfo(w);
-  events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi));
+  if (config_.shared_host_cores <= 0) {
+    events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi), w.version);
+    return;
+  }
+  w.work_left = d;
+  w.since = now;
+  w.rate = 0;  // Rerate schedules its end
+  if (w.tp_alpha >= 0) {
+    w.alpha = w.tp_alpha;
+  } else {
+    const double mixed =
+        fixed * profile_.contention.decode_alpha + prefill * profile_.contention.prefill_alpha;
+    w.alpha = d > 0 ? mixed / d : 0;
+  }
+  stepping_.push_back(wi);
+  busy_cores_ += w.cores;
+  Rerate();
+}
+
+// The fluid model of ClusterConfig::shared_host_cores: brings every stepping
+// worker's remaining work up to now at its old rate, then gives each its new
+// rate and (when that changed) a new step-end event; the superseded event
+// carries an old version and is ignored.
+void Simulator::Rerate() {
+  const double now = events_.now();
+  const double n = config_.shared_host_cores;
+  const double share = busy_cores_ > n ? n / busy_cores_ : 1.0;
+  for (size_t wi : stepping_) {
+    Worker& w = workers_[wi];
+    w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
+    w.since = now;
+    const double others = std::max(0.0, std::min(busy_cores_ - w.cores, n - w.cores));
+    const double rate = share / (1 + w.alpha * others);
+    if (rate == w.rate) continue;
+    w.rate = rate;
+    ++w.version;
+    events_.Push(now + w.work_left / rate, kStepEnd, static_cast<uint32_t>(wi), w.version);
+  }
 }
 
 void Simulator::Commit(Worker& w, Seq& s) {
@@ -540,10 +665,16 @@ void Simulator::Commit(Worker& w, Seq& s) {
   }
 }
 
-void Simulator::OnStepEnd(size_t wi) {
+void Simulator::OnStepEnd(size_t wi, uint64_t version) {
   Worker& w = workers_[wi];
+  if (!w.stepping || version != w.version) return;  // re-rated since: a later event ends it
   w.stepping = false;
-  busy_processes_ -= w.processes;
+  if (config_.shared_host_cores > 0) {
+    stepping_.erase(std::find(stepping_.begin(), stepping_.end(), wi));
+    busy_cores_ -= w.cores;
+    if (stepping_.empty()) busy_cores_ = 0;  // no drift from the sums
+    Rerate();
+  }
   const double now = events_.now();
   std::vector<Seq>& still = w.running_scratch;
   still.clear();
@@ -609,6 +740,7 @@ void Simulator::OnStepEnd(size_t wi) {
   }
   w.running.swap(still);
   SyncInfo(w);
+  if (config_.heartbeat_s > 0) Publish(w);
   MaybeStep(wi);
 }
 
@@ -675,7 +807,7 @@ Result<SimResult> Simulator::Run() {
         OnStart(static_cast<uint32_t>(e.arg));
         break;
       case kStepEnd:
-        OnStepEnd(e.target);
+        OnStepEnd(e.target, e.arg);
         break;
       case kKvReady:
         OnKvReady(static_cast<uint32_t>(e.arg));

@@ -19,8 +19,8 @@
 //  * A KV transfer is a FIFO link per prefill worker (its NIC): with
 //    layer-wise streaming, only the last layer's share is exposed after the
 //    prefill unless the link is the bottleneck.
-//  * Worker state the router sees is exact at every decision (heartbeat
-//    staleness is not modelled).
+//  * Worker state the router sees is exact at every decision, or (with
+//    ClusterConfig::heartbeat_s) what the workers' last heartbeats carried.
 //
 // Deterministic: the same inputs give the same outputs, bit for bit.
 #pragma once
@@ -48,9 +48,26 @@ struct ClusterConfig {
   int64_t store_blocks = 0;          // prefix tier (RocksDB) per prefill/colocated worker; 0 = none
   // 0: every worker (every TP rank) has a machine of its own. N > 0: all of
   // them share one host of N cores (the single-node topologies `kvrelay sim
-  // validate` compares with): a step that starts while more worker processes
-  // are computing than there are cores takes longer by busy / N.
+  // validate` compares with), as a fluid model: a stepping worker keeps
+  // c cores busy (1; a TP group profile.tp[T].cores), and while the busy
+  // workers want D cores in all, each one's step advances at rate
+  //   min(1, N / D) / (1 + alpha x min(D - c, N - c))
+  // of its solo speed, alpha the profile's contention for the step's mix of
+  // decode and prefill work (a TP group: profile.tp[T].busy_alpha); every
+  // start and end of a step re-rates the others' remaining work.
   int shared_host_cores = 0;
+  // 0: the router sees every worker's state exactly at each decision. > 0:
+  // as the real coordinator, it sees what the workers' heartbeats carried
+  // (every heartbeat_s, the real default 0.5 s): the
+  // state each worker published after its last step before the latest tick,
+  // plus the prompt tokens (and decode blocks) the coordinator itself routed
+  // there since that tick. A prompt leaves a worker's queued count when its
+  // prefill ends, so after a tick the router sees mostly empty queues and
+  // ties go to the lowest worker id.
+  double heartbeat_s = 0;
+  // Ticks at heartbeat_phase_s + k heartbeat_s (the real phase is each
+  // worker's registration time, unknown to a replay).
+  double heartbeat_phase_s = 0;
 
   Status Validate() const;
   // Machines (one per worker, one per TP rank) the configuration occupies.

@@ -37,10 +37,19 @@ Status Profile::Validate() const {
     return InvalidArgument("profile.store_restore: latency_s must be >= 0, bytes_per_s > 0");
   }
   for (const auto& [t, c] : tp) {
-    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0)) {
+    if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t ||
+        !(c.busy_alpha >= 0) || !std::isfinite(c.busy_alpha)) {
       return InvalidArgument("profile.tp." + std::to_string(t) +
-                             ": T >= 2, step_scale > 0, per_step_s >= 0");
+                             ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
+                             "busy_alpha >= 0");
     }
+  }
+  if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
+      !std::isfinite(contention.decode_alpha) || !std::isfinite(contention.prefill_alpha)) {
+    return InvalidArgument("profile.contention: decode_alpha and prefill_alpha must be >= 0");
+  }
+  if ((contention.decode_alpha > 0 || contention.prefill_alpha > 0) && contention.source.empty()) {
+    return InvalidArgument("profile.contention.source must say where it is from");
   }
   for (const auto* o : {&colocated, &prefill, &decode}) {
     if (!(o->ttft_s >= 0) || !(o->step_scale > 0) || !(o->prefill_scale > 0) ||
@@ -55,7 +64,7 @@ Status Profile::Validate() const {
 const LinkCost& Profile::Link() const { return transports.at(transport); }
 
 TpCost Profile::Tp(int t) const {
-  if (t <= 1) return TpCost{1.0, 0.0, "identity"};
+  if (t <= 1) return TpCost{1.0, 0.0, "identity", 1.0, 0.0};
   auto it = tp.find(t);
   return it == tp.end() ? TpCost{} : it->second;
 }
@@ -116,8 +125,11 @@ std::string ProfileToJson(const Profile& p) {
   for (const auto& [name, l] : p.transports) transports[name] = LinkJson(l);
   json tp = json::object();
   for (const auto& [t, c] : p.tp) {
-    tp[std::to_string(t)] = {
-        {"step_scale", c.step_scale}, {"per_step_s", c.per_step_s}, {"source", c.source}};
+    tp[std::to_string(t)] = {{"step_scale", c.step_scale},
+                             {"per_step_s", c.per_step_s},
+                             {"cores", c.cores},
+                             {"busy_alpha", c.busy_alpha},
+                             {"source", c.source}};
   }
   json j = {
       {"name", p.name},
@@ -143,6 +155,10 @@ std::string ProfileToJson(const Profile& p) {
       {"transports", transports},
       {"store_restore", LinkJson(p.store_restore)},
       {"tp", tp},
+      {"contention",
+       {{"decode_alpha", p.contention.decode_alpha},
+        {"prefill_alpha", p.contention.prefill_alpha},
+        {"source", p.contention.source}}},
       {"colocated", OverheadJson(p.colocated)},
       {"prefill", OverheadJson(p.prefill)},
       {"decode", OverheadJson(p.decode)},
@@ -198,9 +214,18 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       TpCost c;
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "step_scale", &c.step_scale, true));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "per_step_s", &c.per_step_s, false));
+      RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
+      RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
       p.tp[t] = c;
     }
+  }
+  if (j.contains("contention")) {
+    const json& c = j["contention"];
+    if (!c.is_object()) return InvalidArgument("profile: contention must be an object");
+    RETURN_IF_ERROR(Read(c, "contention.", "decode_alpha", &p.contention.decode_alpha, false));
+    RETURN_IF_ERROR(Read(c, "contention.", "prefill_alpha", &p.contention.prefill_alpha, false));
+    RETURN_IF_ERROR(Read(c, "contention.", "source", &p.contention.source, false));
   }
   RETURN_IF_ERROR(ReadOverhead(j, "colocated", &p.colocated));
   RETURN_IF_ERROR(ReadOverhead(j, "prefill", &p.prefill));

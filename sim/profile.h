@@ -56,9 +56,29 @@ struct LinkCost {
 };
 
 // A decode group of TP size T: step time = step_scale * (TP 1 step) + per_step_s.
+// For processes sharing a host (ClusterConfig::shared_host_cores): cores is
+// what the group keeps busy while it steps (its ranks block in the
+// collectives, so less than T; 0 means T), and a step of the group runs
+// 1 + busy_alpha x (other busy cores) slower (its ranks synchronise in every
+// layer: one that loses its core stalls the others), in place of the
+// profile's contention alpha.
 struct TpCost {
   double step_scale = 1.0;
   double per_step_s = 0;
+  std::string source;
+  double cores = 0;
+  double busy_alpha = 0;
+};
+
+// Worker processes slowing each other down on one host (the single-node
+// topologies; ClusterConfig::shared_host_cores), beyond sharing its cores:
+// while other processes keep c more cores busy, a step's decode (and fixed)
+// part runs 1 + decode_alpha x c times slower and its prefill part
+// 1 + prefill_alpha x c (shared caches, memory bandwidth). Calibrated by
+// running `bench engine` alone and next to another `bench engine`.
+struct HostContention {
+  double decode_alpha = 0;
+  double prefill_alpha = 0;
   std::string source;
 };
 
@@ -98,6 +118,7 @@ struct Profile {
   std::string transport = "tcp";               // the one the cluster uses
   LinkCost store_restore;                      // prefix tier (RocksDB) restore
   std::map<int, TpCost> tp;                    // by T (>= 2; T = 1 is the identity)
+  HostContention contention;                   // optional (0 = none); shared hosts only
   ServingOverhead colocated;
   ServingOverhead prefill;  // the prefill role of a disaggregated topology
   ServingOverhead decode;   // the decode role (TP 1); TP T adds tp[T]

@@ -215,7 +215,9 @@ void Worker::DropRequests() {
   (void)engine->Step();  // drains the cancel events nobody is waiting for
   events_->Reset();
   counters_.queued_tokens = 0;
-  if (n > 0) LOG_WARNING << "dropped " << n << " request(s) of the lost coordinator link";
+  if (n > 0) {
+    LOG_WARNING << "dropped " << n << " request(s); the coordinator ends or re-runs them";
+  }
 }
 
 Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
@@ -262,6 +264,12 @@ Status Worker::Run(const std::atomic<bool>& stop) {
              << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
     bool link_lost = false;
     result = Serve(stop, &link_lost);
+    if (!link_lost && !stop.load() && !result.ok()) {
+      // This worker cannot serve any more (its TP group broke): say why
+      // before the link closes, so the coordinator stops routing here at once
+      // and ends or re-runs every request it had here.
+      control_->Leave(options_.worker_id, result.ToString());
+    }
     DropRequests();
     if (!link_lost || stop.load()) break;
     LOG_WARNING << result.ToString() << "; reconnecting";

@@ -46,11 +46,15 @@ FlagSpec WorkerSpec(const std::string& program) {
            {"kv-store", "", "RocksDB prefix store directory (default: none)"},
            {"kv-store-capacity-mb", "2048", "prefix store capacity"},
            {"kv-timeout-ms", "30000", "KV transfer deadline"},
+           {"kv-progress-timeout-ms", "2000",
+            "a handed-over KV stream that moves no byte for this long fails (a cut link)"},
            {"tp-size", "1", "tensor-parallel ranks of the decode group"},
            {"tp-rank", "0", "this process's TP rank"},
            {"tp-leader", "127.0.0.1:0", "TP group leader HOST:PORT"},
            {"tp-mode", "exact", "exact|reduce"},
            {"tp-comm", "auto", "TP communicator: tcp|mpi|auto"},
+           {"tp-step-timeout-ms", "2000",
+            "a TP rank that does not answer a step (or ping) in this long breaks the group"},
            {"cluster-key-file", "", "the cluster secret (required)"}}};
 }
 
@@ -106,6 +110,10 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parse
   o.kv_store_capacity_bytes = store_mb << 20;
   ASSIGN_OR_RETURN(int64_t kv_timeout, flags.GetInt("kv-timeout-ms", 30000));
   o.kv_timeout = std::chrono::milliseconds(kv_timeout);
+  ASSIGN_OR_RETURN(int64_t kv_progress, flags.GetInt("kv-progress-timeout-ms", 2000));
+  o.kv_progress_timeout = std::chrono::milliseconds(kv_progress);
+  ASSIGN_OR_RETURN(int64_t tp_step, flags.GetInt("tp-step-timeout-ms", 2000));
+  o.tp_step_timeout = std::chrono::milliseconds(tp_step);
   ASSIGN_OR_RETURN(int64_t tp_size, flags.GetInt("tp-size", 1));
   ASSIGN_OR_RETURN(int64_t tp_rank, flags.GetInt("tp-rank", 0));
   o.tp_size = static_cast<int>(tp_size);

@@ -47,6 +47,12 @@ Status WorkerOptions::Validate() const {
     return InvalidArgument("rank " + std::to_string(rank) + " is outside world size " +
                            std::to_string(world_size));
   }
+  if (kv_timeout.count() <= 0 || kv_progress_timeout.count() <= 0) {
+    return InvalidArgument("--kv-timeout-ms and --kv-progress-timeout-ms must be positive");
+  }
+  if (tp_step_timeout.count() <= 0) {
+    return InvalidArgument("--tp-step-timeout-ms must be positive");
+  }
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size) {
     return InvalidArgument("TP rank " + std::to_string(tp_rank) + " is outside TP size " +
                            std::to_string(tp_size));

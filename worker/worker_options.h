@@ -55,6 +55,26 @@ struct WorkerOptions {
   std::string tp_comm = "auto";
   std::chrono::milliseconds connect_timeout{30000};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
+  // A KV stream whose sender has handed every byte to its transport (decode
+  // side: StartDecode arrived; prefill side: a delivery in flight) moves at
+  // link speed: ms for this model's prompts. No byte for this long means the
+  // path is cut without a reset (a link down, a relay that stops forwarding),
+  // which no socket error reports: the request fails then, its blocks go back
+  // and the sender drops the dead data connection (the next send reconnects),
+  // instead of everything waiting for kv_timeout. 2 s = 4 default heartbeat
+  // intervals (500 ms): far above a live link's gaps on a loaded host, well
+  // under kv_timeout.
+  std::chrono::milliseconds kv_progress_timeout{2000};
+  // The deadline of every wait inside a TP group for a peer's part of one
+  // step (a collective's contribution, a step plan or ping sent). A normal
+  // decode step of this model takes ~5-50 ms even on a loaded 2-core host, and
+  // a rank answers a ping within one loop turn (<= 100 ms), so a rank silent
+  // for 2 s (>= 40 normal steps) is stopped, stalled or dead: rank 0 then ends
+  // every request of the group with an error, returns their blocks, leaves the
+  // coordinator and exits, and the supervisor (kvrelay launch, launch.sh -R)
+  // restarts the group. Short enough that every request has its final status
+  // well inside the 30 s kv_timeout the group used before.
+  std::chrono::milliseconds tp_step_timeout{2000};
   // The cluster secret (--cluster-key-file), proved on every internal port:
   // the control link, the TCP KV data plane, the TP link. Required.
   protocols::ClusterKey cluster_key;

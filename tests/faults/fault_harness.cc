@@ -176,7 +176,8 @@ std::string LaunchedCluster::LogTail(size_t bytes) const {
 void LaunchedCluster::Stop() {
   if (launcher_ > 0) {
     kill(launcher_, SIGCONT);  // in case a test left something stopped
-    for (pid_t p : {Pid("prefill-0"), Pid("prefill-1"), Pid("decode-0"), Pid("decode-1")}) {
+    for (pid_t p : {Pid("coordinator"), Pid("prefill-0"), Pid("prefill-1"), Pid("decode-0"),
+                    Pid("decode-1"), Pid("decode-0-tp1"), Pid("decode-1-tp1")}) {
       if (p > 0) kill(p, SIGCONT);
     }
     kill(launcher_, SIGTERM);

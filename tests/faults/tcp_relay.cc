@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace kvrelay::faults {
@@ -84,16 +85,23 @@ void TcpRelay::AcceptLoop() {
       continue;
     }
     const uint64_t generation = generation_.load();
+    const uint64_t epoch = epoch_.load();
     std::lock_guard lock(mu_);
-    pumps_.emplace_back([this, client, server, generation] { Pump(client, server, generation); });
+    pumps_.emplace_back(
+        [this, client, server, generation, epoch] { Pump(client, server, generation, epoch); });
   }
 }
 
-void TcpRelay::Pump(int client, int server, uint64_t generation) {
+void TcpRelay::Pump(int client, int server, uint64_t generation, uint64_t epoch) {
   std::vector<char> buf(256 << 10);
   FrameCursor cursor;
   pollfd fds[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
   while (!stop_.load() && generation_.load() == generation) {
+    if (epoch_.load() != epoch) {
+      // Black-holed: read nothing, write nothing, close nothing.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     if (poll(fds, 2, 50) <= 0) continue;
     bool closed = false;
     for (int i = 0; i < 2 && !closed; ++i) {

@@ -34,6 +34,10 @@ class TcpRelay {
   uint16_t port() const { return port_; }
   void Cut();      // close every relayed connection; refuse new ones
   void Restore();  // accept and relay again
+  // A cut without a reset (a link that goes quiet, a middlebox that lost the
+  // flow): every connection open now stops forwarding in both directions and
+  // is never closed (until Stop); connections made later are relayed normally.
+  void Blackhole() { epoch_.fetch_add(1); }
   void CorruptNext() { corrupt_.store(true); }
   // Bytes forwarded towards the target so far; connections cut so far.
   uint64_t forwarded() const { return forwarded_.load(); }
@@ -45,7 +49,7 @@ class TcpRelay {
  private:
   TcpRelay() = default;
   void AcceptLoop();
-  void Pump(int client, int server, uint64_t generation);
+  void Pump(int client, int server, uint64_t generation, uint64_t epoch);
   // Follows the frames in `data` (towards the target) and applies an armed
   // corruption inside a large kKvData payload.
   struct FrameCursor {
@@ -64,6 +68,7 @@ class TcpRelay {
   std::atomic<bool> stop_{false};
   std::atomic<bool> cut_{false};
   std::atomic<uint64_t> generation_{0};  // bumped by Cut: pumps of older generations end
+  std::atomic<uint64_t> epoch_{0};       // bumped by Blackhole: pumps of older epochs go silent
   std::atomic<bool> corrupt_{false};
   std::atomic<bool> corrupted_{false};
   std::atomic<uint64_t> forwarded_{0};

@@ -218,22 +218,154 @@ TEST(SimulatorTest, PrefixCacheHitsAndPrefixAwareRouting) {
   EXPECT_EQ(same->requests[1].cached_tokens, 48);
 }
 
-// Worker processes sharing one host: a step that starts while more processes
-// compute than there are cores is stretched by busy / cores (rate fixed at
-// the step's start).
-TEST(SimulatorTest, SharedHostCoresStretchSteps) {
+// Worker processes sharing one host, as a fluid model: while more processes
+// step than there are cores, each advances at cores / busy of its solo speed,
+// and every start or end of a step re-rates the others' remaining work.
+// Hand-computed: A (0.5 s of work) starts at 0, B (0.5 s) at 0.25 on one
+// core. A alone does 0.25 by 0.25; then both run at rate 1/2, so A's last
+// 0.25 takes 0.5 s (ends 0.75) while B does 0.25; B's last 0.25 runs alone
+// (ends 1.0).
+TEST(ContentionTest, SharedCoresAreAFluidShare) {
   Profile p = Simple(0.5);
   ClusterConfig c = Colocated(2);
   c.router = coordinator::RouterPolicy::kRoundRobin;
   c.shared_host_cores = 1;
-  auto r = Simulate(p, c, Evenly(2, 0.0, 16, 1));
-  ASSERT_TRUE(r.ok());
-  EXPECT_EQ(r->requests[0].ttft_s(), 0.5);  // alone when it started
-  EXPECT_EQ(r->requests[1].ttft_s(), 1.0);  // two processes on one core
+  auto r = Simulate(p, c, Evenly(2, 0.25, 16, 1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->requests[0].first_token_s, 0.75);
+  EXPECT_EQ(r->requests[1].first_token_s, 1.0);
+  EXPECT_NE(r->requests[0].prefill_worker, r->requests[1].prefill_worker);
+  // Both at once: both at half speed throughout.
+  auto same = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->requests[0].ttft_s(), 1.0);
+  EXPECT_EQ(same->requests[1].ttft_s(), 1.0);
+  // A core each and no contention: as if alone.
   c.shared_host_cores = 2;
-  auto roomy = Simulate(p, c, Evenly(2, 0.0, 16, 1));
+  auto roomy = Simulate(p, c, Evenly(2, 0.25, 16, 1));
   ASSERT_TRUE(roomy.ok());
+  EXPECT_EQ(roomy->requests[0].ttft_s(), 0.5);
   EXPECT_EQ(roomy->requests[1].ttft_s(), 0.5);
+}
+
+// Contention between processes that each have a core: a step runs
+// 1 + alpha x (other busy cores) slower, alpha weighted by the step's fixed /
+// decode part (decode_alpha) and prefill part (prefill_alpha).
+// Hand-computed on 2 cores: A (1 s of work) from 0, B (1 s) from 0.5. Each
+// step is 0.5 s fixed + 0.5 s prefill, so alpha = (0.5 x 1.5 + 0.5 x 0.5) / 1
+// = 1 and both run at rate 1 / (1 + 1) = 1/2 while both step: A's last 0.5
+// ends at 1.5, B has done 0.5 by then and its last 0.5 runs alone (ends 2.0).
+TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
+  Profile p = Simple(0.5, 1.0 / 64);  // a 32-token prompt: 0.5 s fixed + 0.5 s prefill
+  p.contention = {1.5, 0.5, "test"};
+  ClusterConfig c = Colocated(2);
+  c.router = coordinator::RouterPolicy::kRoundRobin;
+  c.shared_host_cores = 2;
+  auto r = Simulate(p, c, Evenly(2, 0.5, 32, 1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->requests[0].first_token_s, 1.5);
+  EXPECT_EQ(r->requests[1].first_token_s, 2.0);
+  // Apart in time: no contention at all.
+  auto apart = Simulate(p, c, Evenly(2, 1.0, 32, 1));
+  ASSERT_TRUE(apart.ok());
+  EXPECT_EQ(apart->requests[0].ttft_s(), 1.0);
+  EXPECT_EQ(apart->requests[1].ttft_s(), 1.0);
+  // Without a shared host the profile's contention does not apply.
+  c.shared_host_cores = 0;
+  auto own = Simulate(p, c, Evenly(2, 0.5, 32, 1));
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(own->requests[0].ttft_s(), 1.0);
+  EXPECT_EQ(own->requests[1].ttft_s(), 1.0);
+}
+
+// A TP group keeps profile.tp[T].cores busy while it steps (its ranks wait
+// in the collectives), T when not given. 1P+1D TP 2 on 2 cores, 0.25 s steps:
+// A's prefill [0, 0.25], its KV lands 2^-15 s later (32 KiB at 1 GiB/s) and
+// its two decode steps start then, B's prefill at the same instant. With
+// cores = 1 the host is not oversubscribed (1 + 1 = 2): B's TTFT is 0.25 and
+// A finishes 0.5 after its KV. With cores = 2 (the default) 3 cores are
+// wanted of 2: both steps run at 2/3 speed (0.375 s), then A's last alone.
+TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
+  Profile p = Simple(0.25);
+  p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
+  p.tp[2] = {1.0, 0.0, "test", 1.0};
+  ClusterConfig c;
+  c.tp = 2;
+  c.shared_host_cores = 2;
+  const double kv = 0.25 + 1.0 / (1 << 15);
+  const std::vector<SimRequest> w = {{0.0, 32, 3, -1, 0}, {kv, 32, 1, -1, 0}};
+  auto one = Simulate(p, c, w);
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(one->requests[0].kv_ready_s, kv);
+  EXPECT_EQ(one->requests[1].ttft_s(), 0.25);
+  EXPECT_EQ(one->requests[0].finish_s, kv + 0.5);
+  p.tp[2].cores = 0;  // = T
+  auto two = Simulate(p, c, w);
+  ASSERT_TRUE(two.ok());
+  EXPECT_NEAR(two->requests[1].ttft_s(), 0.375, 1e-12);
+  EXPECT_NEAR(two->requests[0].finish_s, kv + 0.375 + 0.25, 1e-12);
+  // busy_alpha 1 with cores 1: the group's step runs at 1/2 while B's prefill
+  // holds the other core (0.125 of it done by kv + 0.25), the rest alone
+  // (kv + 0.375), then its last step; B's prefill is not slowed (its own
+  // alpha is the profile's contention, 0).
+  p.tp[2].cores = 1;
+  p.tp[2].busy_alpha = 1;
+  auto gang = Simulate(p, c, w);
+  ASSERT_TRUE(gang.ok());
+  EXPECT_EQ(gang->requests[1].ttft_s(), 0.25);
+  EXPECT_EQ(gang->requests[0].finish_s, kv + 0.375 + 0.25);
+}
+
+// The router sees what heartbeats carried (ticks every 0.5 s here) plus the
+// prompt tokens the coordinator routed since the last tick; a worker
+// publishes its state after each step, and a prompt leaves its queued count
+// when its prefill ends. Hand-computed with 0.25 s steps of 16 tokens:
+//  * A at 0, B at 0.125: A's 16 routed tokens show on worker 0 until the next
+//    tick, so B goes to worker 1 (as with exact inputs).
+//  * A at 0.375, B at 0.5: the 0.5 tick replaced the accounting with worker
+//    0's last publication (none: its step ends at 0.625), so B ties and goes
+//    to worker 0 (lowest id) and waits for A's step: TTFT 0.625 + 0.25 - 0.5.
+//    Exact inputs see A's pending prompt there and send B to worker 1.
+//    With ticks at 0.25 + k/2 instead, A and B share a window: worker 1.
+//  * A has 48 tokens (3 chunks, ends 0.75; publishes 32, 16, 0 queued at
+//    0.25, 0.5, 0.75); B at 0.875 sees the 0.5 tick's 16 on worker 0 and
+//    goes to worker 1, where exact inputs (both idle) pick worker 0.
+TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
+  Profile p = Simple(0.25);
+  p.max_step_tokens = 16;
+  ClusterConfig c = Colocated(2);
+  c.heartbeat_s = 0.5;
+  auto within = Simulate(p, c, {{0.0, 16, 1, -1, 0}, {0.125, 16, 1, -1, 0}});
+  ASSERT_TRUE(within.ok()) << within.status().ToString();
+  EXPECT_EQ(within->requests[1].prefill_worker, 1);
+  EXPECT_EQ(within->requests[1].ttft_s(), 0.25);
+
+  const std::vector<SimRequest> herd = {{0.375, 16, 1, -1, 0}, {0.5, 16, 1, -1, 0}};
+  auto stale = Simulate(p, c, herd);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ(stale->requests[1].prefill_worker, 0);
+  EXPECT_EQ(stale->requests[1].ttft_s(), 0.625 + 0.25 - 0.5);
+  c.heartbeat_phase_s = 0.25;  // ticks at 0.25, 0.75: A and B share a window
+  auto shifted = Simulate(p, c, herd);
+  ASSERT_TRUE(shifted.ok());
+  EXPECT_EQ(shifted->requests[1].prefill_worker, 1);
+  c.heartbeat_phase_s = 0.5;  // not in [0, heartbeat_s)
+  EXPECT_FALSE(Simulate(p, c, herd).ok());
+  c.heartbeat_phase_s = 0;
+  const std::vector<SimRequest> busy = {{0.0, 48, 1, -1, 0}, {0.875, 16, 1, -1, 0}};
+  auto seen = Simulate(p, c, busy);
+  ASSERT_TRUE(seen.ok());
+  EXPECT_EQ(seen->requests[0].ttft_s(), 0.75);
+  EXPECT_EQ(seen->requests[1].prefill_worker, 1);
+
+  c.heartbeat_s = 0;  // exact inputs
+  auto exact = Simulate(p, c, herd);
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->requests[1].prefill_worker, 1);
+  EXPECT_EQ(exact->requests[1].ttft_s(), 0.25);
+  auto idle = Simulate(p, c, busy);
+  ASSERT_TRUE(idle.ok());
+  EXPECT_EQ(idle->requests[1].prefill_worker, 0);
 }
 
 TEST(SimulatorTest, DeterministicForASeed) {
@@ -289,11 +421,22 @@ TEST(SimulatorTest, BadInputIsAnError) {
 
 TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   Profile p = Simple(0.25, 0.001);
-  p.tp[2] = {0.75, 0.002, "test"};
+  p.tp[2] = {0.75, 0.002, "test", 1.25, 0.5};
+  p.contention = {0.125, 0.0625, "test"};
   auto back = ProfileFromJson(ProfileToJson(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   EXPECT_EQ(back->step.per_token_s, 0.001);
   EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
+  EXPECT_EQ(back->tp.at(2).cores, 1.25);
+  EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
+  EXPECT_EQ(back->contention.decode_alpha, 0.125);
+  EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
+  Profile wide = p;
+  wide.tp[2].cores = 3;  // more cores than ranks
+  EXPECT_FALSE(wide.Validate().ok());
+  Profile unsourced = p;
+  unsourced.contention.source.clear();
+  EXPECT_FALSE(unsourced.Validate().ok());
   auto bad = ProfileFromJson(R"({"name": "x", "layers": 2})");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("kv_bytes_per_token"), std::string::npos);
