@@ -288,9 +288,19 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
       if (link->refused_oversized()) ++counters_.oversized_frames;
       continue;
     }
-    ASSIGN_OR_RETURN(TpMessage hello, link->Receive(deadline));
-    if (hello.type != TpMsg::kHello) return InvalidArgument("TP follower did not say hello first");
-    auto answer = setup(hello.payload);
+    // From here the peer holds the cluster key, but it may still be a
+    // misconfigured or stale member (a second rank 1, a rank of another
+    // group): it is refused with the reason and dropped, and the group keeps
+    // forming from the connections that fit, until the deadline.
+    auto hello =
+        link->Receive(Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
+    if (!hello.ok() || hello->type != TpMsg::kHello) {
+      LOG_WARNING << "TP group: dropping a follower that did not say hello: "
+                  << (hello.ok() ? std::string("another message came first")
+                                 : hello.status().message());
+      continue;
+    }
+    auto answer = setup(hello->payload);
     if (answer.ok() && *peer_name != TpAuthName(answer->rank)) {
       {
         std::lock_guard lock(counters_mu_);
@@ -306,12 +316,16 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
                           std::to_string(options_.tp_size) + ") or already joined");
     }
     if (!answer.ok()) {
+      LOG_WARNING << "TP group: refusing a follower: " << answer.status().message();
       (void)link->Send(TpMsg::kSetup, refusal(answer.status()), deadline);
-      return answer.status().WithContext("refusing a TP follower");
+      continue;
     }
     const int r = answer->rank;
-    RETURN_IF_ERROR(link->Send(TpMsg::kSetup, answer->payload, deadline));
-    hellos[r] = std::move(hello.payload);
+    if (Status sent = link->Send(TpMsg::kSetup, answer->payload, deadline); !sent.ok()) {
+      LOG_WARNING << "TP group: follower rank " << r << " left during setup: " << sent.message();
+      continue;
+    }
+    hellos[r] = std::move(hello->payload);
     links_[r] = std::move(link);
     ++joined;
   }

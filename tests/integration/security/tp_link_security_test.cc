@@ -48,8 +48,13 @@ struct Leader {
       hellos = group->Accept(
           Deadline::AfterMs(15000),
           [](const std::string& hello) -> Result<TcpTpGroup::SetupAnswer> {
-            if (hello != "hello-from-rank-1") return InvalidArgument("not a follower's hello");
-            return TcpTpGroup::SetupAnswer{1, "setup-for-rank-1"};
+            const std::string prefix = "hello-from-rank-";
+            if (hello.size() != prefix.size() + 1 || hello.compare(0, prefix.size(), prefix) != 0 ||
+                hello.back() < '1' || hello.back() > '9') {
+              return InvalidArgument("not a follower's hello");
+            }
+            const int rank = hello.back() - '0';
+            return TcpTpGroup::SetupAnswer{rank, "setup-for-rank-" + std::to_string(rank)};
           },
           [](const Status& s) { return s.message(); });
     });
@@ -127,8 +132,9 @@ TEST(TpLinkSecurity, AnOversizedMessageBeforeAuthenticationIsRefusedAndCounted) 
 }
 
 // A member with the key that authenticated as rank 2 but says hello as rank 1
-// is refused and counted as foreign.
-TEST(TpLinkSecurity, AFollowerSpeakingForAnotherRankIsCounted) {
+// is refused and counted as foreign, and the group still forms from the real
+// followers (before, that one connection failed the whole group).
+TEST(TpLinkSecurity, AFollowerSpeakingForAnotherRankIsCountedAndDropped) {
   const auto key = NewKey();
   Leader leader;
   TpGroupOptions o = Options(0, 0, key);
@@ -140,8 +146,19 @@ TEST(TpLinkSecurity, AFollowerSpeakingForAnotherRankIsCounted) {
   f.tp_size = 3;
   auto impostor = TcpTpGroup::Connect(f, "hello-from-rank-1", Deadline::AfterMs(10000));
   ASSERT_TRUE(impostor.ok()) << impostor.status().ToString();
+  // A second rank 1 after the real one is refused as well.
+  TpGroupOptions f1 = Options(1, port, key);
+  f1.tp_size = 3;
+  auto rank1 = TcpTpGroup::Connect(f1, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(rank1.ok()) << rank1.status().ToString();
+  auto duplicate = TcpTpGroup::Connect(f1, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(duplicate.ok()) << duplicate.status().ToString();
+  auto rank2 = TcpTpGroup::Connect(f, "hello-from-rank-2", Deadline::AfterMs(10000));
+  ASSERT_TRUE(rank2.ok()) << rank2.status().ToString();
   leader.thread.join();
-  EXPECT_FALSE(leader.hellos.ok());
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  EXPECT_EQ((*leader.hellos)[1], "hello-from-rank-1");
+  EXPECT_EQ((*leader.hellos)[2], "hello-from-rank-2");
   EXPECT_EQ(leader.group->security_counters().foreign_frames, 1u);
   EXPECT_EQ(leader.group->security_counters().auth_failures, 0u);
 }
