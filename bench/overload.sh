@@ -1,31 +1,46 @@
 #!/usr/bin/env bash
 # Goodput under overload (issue #14): a `kvrelay launch` cluster (1 prefill +
-# 1 decode by default) driven by `kvrelay bench serve` at 1x, 2x and 4x its
-# measured saturation rate, once with admission control shedding early
-# (--max-running R --max-queue-delay-ms Q: 429 + Retry-After when the
-# predicted queue wait passes Q) and once with the coordinator's defaults
-# (64 running, no delay bound) for comparison.
+# 1 decode by default) driven by `kvrelay bench serve`: closed loops first to
+# find the peak, then open loops at 1x, 2x and 4x the saturation rate, once
+# with admission control shedding early (--max-running R --max-queue-delay-ms
+# Q: 429 + Retry-After when the predicted queue wait passes Q) and once with
+# the coordinator's defaults (64 running, no delay bound) for comparison.
 #
-# Saturation = the request throughput of a closed loop of R clients. Goodput of
-# the admitted = requests whose TTFT met --ttft-slo-ms / requests not shed.
+# Goodput = requests whose TTFT met --ttft-slo-ms per second of the span their
+# arrivals covered (bench/overload_report.py; the whole-run figure, good /
+# duration, is printed too). Peak goodput = the best goodput of closed loops
+# of C clients, C in -c, on a cluster with the coordinator's defaults (a
+# closed loop of C keeps C requests in flight without queueing: what the
+# cluster sustains at that concurrency); saturation = that loop's request
+# rate, and `-r auto` (the default) gives the shedding config that C as
+# --max-running. The open loops offer 1x/2x/4x the saturation rate, -n x the
+# multiplier requests each (every level runs about as long), the same rates
+# for every config. On a shared machine the capacity drifts between runs, so
+# each config's "of peak" is against a closed loop of that C run in the same
+# cluster just before and just after its open loops (the larger of the two).
 #
-#   bench/overload.sh [-n prompts-per-rate] [-r max-running] [-q max-queue-delay-ms]
+#   bench/overload.sh [-n prompts-at-1x] [-r max-running] [-q max-queue-delay-ms]
 #                     [-s ttft-slo-ms] [-i input-len] [-o output-len] [-m "1 2 4"]
-#                     [-P prefill] [-D decode] [-O out-dir]
-# Prints one table; the JSON of every run is kept in out-dir (default out/overload).
+#                     [-c "2 4 8 16"] [-P prefill] [-D decode] [-O out-dir] [-x "defaults shed"]
+# Prints one table, then "goodput_vs_peak CONFIG Mx FRACTION" per config and
+# load; the JSON of every run is kept in out-dir (default out/overload).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-N=48 R=4 Q=2000 SLO=5000 IN=64 OUT=16 MULT="1 2 4" P=1 D=1 OUTDIR=out/overload
-while getopts "n:r:q:s:i:o:m:P:D:O:" opt; do
+N=48 R=auto Q=2000 SLO=5000 IN=64 OUT=16 MULT="1 2 4" CONC="2 4 8 16" P=1 D=1 OUTDIR=out/overload
+CONFIGS="defaults shed"
+while getopts "n:r:q:s:i:o:m:c:P:D:O:x:" opt; do
   case $opt in
     n) N=$OPTARG ;; r) R=$OPTARG ;; q) Q=$OPTARG ;; s) SLO=$OPTARG ;; i) IN=$OPTARG ;;
-    o) OUT=$OPTARG ;; m) MULT=$OPTARG ;; P) P=$OPTARG ;; D) D=$OPTARG ;; O) OUTDIR=$OPTARG ;;
+    o) OUT=$OPTARG ;; m) MULT=$OPTARG ;; c) CONC=$OPTARG ;; P) P=$OPTARG ;; D) D=$OPTARG ;;
+    O) OUTDIR=$OPTARG ;; x) CONFIGS=$OPTARG ;;
     *) echo "usage: $0 [-n N] [-r max-running] [-q max-queue-delay-ms] [-s ttft-slo-ms]" \
-            "[-i input-len] [-o output-len] [-m multipliers] [-P prefill] [-D decode] [-O dir]" >&2
+            "[-i input-len] [-o output-len] [-m multipliers] [-c concurrencies] [-P prefill]" \
+            "[-D decode] [-O dir] [-x configs]" >&2
        exit 2 ;;
   esac
 done
+REPORT=bench/overload_report.py
 KVRELAY=build/cli/kvrelay
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -x "$KVRELAY" ] || { echo "overload.sh: build $KVRELAY first" >&2; exit 2; }
@@ -49,6 +64,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 start_cluster() {
   local name=$1; shift
   PORT=$(free_port)
+  : >"$OUTDIR/$name.launch.log"
   "$KVRELAY" launch --prefill "$P" --decode "$D" --no-kv-store --port "$PORT" \
     --threads-per-worker 1 --kv-dtype f32 "$@" >"$OUTDIR/$name.launch.log" 2>&1 &
   launcher=$!
@@ -67,48 +83,57 @@ bench() {  # bench JSON-OUT [bench serve flags...]
     --ttft-slo-ms "$SLO" --timeout-s 120 --json "$out" "$@" >"$out.txt" 2>&1 || true
 }
 
+PEAK="" SAT="" BEST_C=""
+# measure_peak: closed loops of C clients on the running cluster; the best
+# goodput, its request rate and its C.
+measure_peak() {
+  local name=$1 best=0 best_rate=0 best_c="" c g rt
+  for c in $CONC; do
+    bench "$OUTDIR/$name.closed$c.json" --rate inf --num-prompts $((c * 8)) --max-concurrency "$c" --seed $((1 + c))
+    g=$(python3 "$REPORT" window "$OUTDIR/$name.closed$c.json" "$SLO")
+    rt=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['request_throughput'])" \
+         "$OUTDIR/$name.closed$c.json")
+    echo "overload.sh: closed loop of $c clients: goodput $g req/s, throughput $rt req/s"
+    if python3 -c "import sys; sys.exit(0 if float(sys.argv[1]) > float(sys.argv[2]) else 1)" "$g" "$best"; then
+      best=$g best_rate=$rt best_c=$c
+    fi
+  done
+  PEAK=$best SAT=$best_rate BEST_C=$best_c
+  echo "overload.sh: peak goodput $PEAK req/s (closed loop of $BEST_C), saturation $SAT req/s"
+}
+
 run_config() {  # run_config NAME [launch flags...]
   local name=$1; shift
   start_cluster "$name" "$@"
   bench "$OUTDIR/$name.warmup.json" --rate inf --num-prompts 4 --max-concurrency 2 --seed 99
-  # Saturation: a closed loop of R clients.
-  bench "$OUTDIR/$name.saturation.json" --rate inf --num-prompts $((R * 4)) --max-concurrency "$R" --seed 1
-  SAT=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['request_throughput'])" \
-        "$OUTDIR/$name.saturation.json")
+  [ -n "$PEAK" ] || measure_peak "$name"
+  # The reference closed loops around the open ones (see the header).
+  bench "$OUTDIR/$name.peak-before.json" --rate inf --num-prompts $((BEST_C * 8)) --max-concurrency "$BEST_C" --seed 7
   for m in $MULT; do
     rate=$(python3 -c "print(round($SAT * $m, 3))")
-    bench "$OUTDIR/$name.x$m.json" --rate "$rate" --num-prompts "$N" --max-concurrency 512 --seed $((10 + m))
+    bench "$OUTDIR/$name.x$m.json" --rate "$rate" --num-prompts $((N * m)) --max-concurrency 1024 --seed $((10 + m))
   done
+  bench "$OUTDIR/$name.peak-after.json" --rate inf --num-prompts $((BEST_C * 8)) --max-concurrency "$BEST_C" --seed 8
   stop_cluster
 }
 
 date -u +"overload.sh: %Y-%m-%dT%H:%M:%SZ on $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) CPUs"
-run_config shed --max-running "$R" --max-queue-delay-ms "$Q"
-run_config defaults
-
-python3 - "$OUTDIR" "$MULT" "$SLO" "$R" "$Q" <<'EOF'
-import json, statistics, sys
-out, mult, slo, r, q = sys.argv[1], sys.argv[2].split(), sys.argv[3], sys.argv[4], sys.argv[5]
-print(f"TTFT deadline {slo} ms; shed = --max-running {r} --max-queue-delay-ms {q}; "
-      "defaults = --max-running 64, no delay bound")
-print("| config | load | offered req/s | requests | shed (429/503 + Retry-After) | median time to refusal | "
-      "failed | met deadline | goodput of admitted | TTFT p50 / p90 of completed |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for name in ("shed", "defaults"):
-    for m in mult:
-        try:
-            j = json.load(open(f"{out}/{name}.x{m}.json"))
-        except (OSError, ValueError):
-            print(f"| {name} | {m}x | (run failed: see {out}/{name}.x{m}.json.txt) |")
-            continue
-        reqs = j["requests"]
-        refused = [x["e2e_ms"] for x in reqs if not x["ok"] and x.get("retry_after")
-                   and x.get("http_status") in (429, 503)]
-        admitted = len(reqs) - len(refused)
-        good = j["good_requests"]
-        failed = j["failed"] - len(refused)
-        med = f"{statistics.median(refused):.0f} ms" if refused else "-"
-        gp = f"{100.0 * good / admitted:.0f}%" if admitted else "-"
-        print(f"| {name} | {m}x | {j['rate']:.2f} | {len(reqs)} | {len(refused)} | {med} | {failed} | "
-              f"{good} | {gp} | {j['ttft_ms']['p50']:.0f} / {j['ttft_ms']['p90']:.0f} ms |")
-EOF
+case " $CONFIGS " in
+  *" defaults "*) ;;
+  *)  # the peak is measured with the coordinator's defaults (no admission cap)
+    start_cluster peak
+    bench "$OUTDIR/peak.warmup.json" --rate inf --num-prompts 4 --max-concurrency 2 --seed 99
+    measure_peak peak
+    stop_cluster ;;
+esac
+for c in defaults shed; do
+  case " $CONFIGS " in *" $c "*) ;; *) continue ;; esac
+  if [ "$c" = defaults ]; then
+    run_config defaults
+  else
+    [ "$R" = auto ] && R=$BEST_C
+    run_config shed --max-running "$R" --max-queue-delay-ms "$Q"
+  fi
+done
+[ "$R" = auto ] && R=$BEST_C
+python3 "$REPORT" table "$OUTDIR" "$MULT" "$SLO" "$R" "$Q" "$PEAK" "$SAT" "$CONFIGS" "$BEST_C"

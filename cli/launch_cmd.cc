@@ -54,6 +54,9 @@ FlagSpec LaunchSpec() {
        {"demo", "", "send this prompt as one chat request, print the answer, stop"},
        {"max-tokens", "128", "max_tokens of the --demo request"},
        {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"},
+       {"control-tls-dir", "",
+        "mutual TLS on the control plane with the certificates scripts/make-cluster-certs.sh "
+        "wrote to this directory"},
        {"max-running", "0", "coordinator: requests in the backend at most (0 = its default, 64)"},
        {"max-queue-delay-ms", "0",
         "coordinator: refuse (429) when the predicted queue wait exceeds this (0 = no bound)"},
@@ -105,6 +108,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
   o.decode_device = flags.Get("decode-device", o.decode_device);
   o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
+  o.control_tls_dir = flags.Get("control-tls-dir", "");
   o.restart = !flags.Has("no-restart");
   ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 0));
   ASSIGN_OR_RETURN(int64_t max_delay, flags.GetInt("max-queue-delay-ms", 0));

@@ -14,6 +14,7 @@
 
 #include "common/status.h"
 #include "engine/runtime/sampler.h"
+#include "protocols/port_counters.h"
 
 namespace kvrelay::coordinator {
 
@@ -80,6 +81,9 @@ struct WorkerInfo {
   int64_t transfer_bytes = 0;         // cumulative KV bytes sent/received
   double transfer_seconds = 0;        // cumulative seconds spent in KV transfer
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
+  // What the worker's KV data port and TP link refused (cumulative, from heartbeats).
+  protocols::PortSecurityCounters kv_port;
+  protocols::PortSecurityCounters tp_port;
 };
 
 // A cumulative count a backend keeps (e.g. what its control plane refused),

@@ -52,6 +52,12 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
       w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
       w->info.transfer_seconds = hb.transfer_seconds();
+      auto take = [](const proto::PortSecurityCounters& c, protocols::PortSecurityCounters* out) {
+        *out = {c.auth_failures(), c.refused_connections(), c.oversized_frames(),
+                c.foreign_frames()};
+      };
+      take(hb.kv_port(), &w->info.kv_port);
+      take(hb.tp_port(), &w->info.tp_port);
       break;
     }
     case MessageType::kPrefixCacheEvent: {
@@ -231,6 +237,7 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
   conn_options.require_authentication = true;
   conn_options.auth_timeout = options.auth_timeout;
   conn_options.frame_timeout = options.frame_timeout;
+  conn_options.tls = options.tls;
   auto on_accept = [weak](std::shared_ptr<FramedConnection> conn) {
     std::weak_ptr<FramedConnection> weak_conn = conn;
     conn->Start(
@@ -257,6 +264,9 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
             if (reason.code() == StatusCode::kResourceExhausted &&
                 reason.message().find("bad frame") != std::string::npos) {
               ++state->counters.oversized_frames;
+            }
+            if (protocols::IsTlsHandshakeFailure(reason)) {
+              ++state->counters.tls_handshake_failures;
             }
             auto c = weak_conn.lock();
             const FramedConnection* key = c.get();
@@ -296,7 +306,8 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
   };
   b->tick_ = tick;
   boost::asio::post(b->io_->context(), [tick] { (*tick)(); });
-  LOG_INFO << "control plane listening on " << options.host << ":" << b->port_;
+  LOG_INFO << "control plane listening on " << options.host << ":" << b->port_
+           << (options.tls ? " (mutual TLS 1.3)" : "");
   return b;
 }
 
@@ -405,7 +416,10 @@ std::vector<BackendCounter> ClusterBackend::Counters() {
            static_cast<double>(c.oversized_frames)},
           {"kvrelay_control_foreign_frames_total",
            "Worker frames about a request the sender does not own, dropped.",
-           static_cast<double>(c.foreign_frames)}};
+           static_cast<double>(c.foreign_frames)},
+          {"kvrelay_control_tls_handshake_failures_total",
+           "Control-plane connections that failed the TLS handshake (TLS on).",
+           static_cast<double>(c.tls_handshake_failures)}};
 }
 
 std::vector<WorkerInfo> ClusterBackend::Workers() {

@@ -50,6 +50,7 @@
 #include "protocols/framed_connection.h"
 #include "protocols/handshake.h"
 #include "protocols/io_thread.h"
+#include "protocols/tls.h"
 
 namespace kvrelay::coordinator {
 
@@ -70,14 +71,19 @@ struct ClusterBackendOptions {
   std::chrono::milliseconds auth_timeout{5000};
   std::chrono::milliseconds frame_timeout{10000};
   protocols::ServerLimits limits;
+  // Mutual TLS on the control port (--control-tls-*, protocols/tls.h): every
+  // worker must present a certificate the cluster CA signed, then still prove
+  // the cluster key inside the TLS session. Null = plaintext.
+  std::shared_ptr<protocols::TlsContext> tls;
 };
 
 // What the control plane refused, for tests and metrics.
 struct ControlSecurityCounters {
-  uint64_t auth_failures = 0;        // connections that failed the challenge-response
-  uint64_t refused_connections = 0;  // closed at accept (ServerLimits)
-  uint64_t foreign_frames = 0;       // frames about a request the sender does not own, dropped
-  uint64_t oversized_frames = 0;     // connections closed at a frame header over their limit
+  uint64_t auth_failures = 0;           // connections that failed the challenge-response
+  uint64_t refused_connections = 0;     // closed at accept (ServerLimits)
+  uint64_t foreign_frames = 0;          // frames about a request the sender does not own, dropped
+  uint64_t oversized_frames = 0;        // connections closed at a frame header over their limit
+  uint64_t tls_handshake_failures = 0;  // TLS port: plaintext peer, no or foreign certificate
 };
 
 class ClusterBackend final : public Backend {

@@ -58,7 +58,12 @@ const FlagSpec kSpec = {
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
      {"cluster-key-file", "",
-      "cluster mode: the cluster secret every worker must prove (required)"}}};
+      "cluster mode: the cluster secret every worker must prove (required)"},
+     {protocols::kControlTlsCertFlag, "",
+      "cluster mode: control-port TLS certificate (PEM; with -key and -ca: mutual TLS 1.3)"},
+     {protocols::kControlTlsKeyFlag, "", "cluster mode: the control-port certificate's key"},
+     {protocols::kControlTlsCaFlag, "",
+      "cluster mode: the cluster CA every worker's certificate must chain to"}}};
 
 std::string ModelNameFromPath(const std::string& path) {
   std::string name = path.substr(path.find_last_of('/') + 1);
@@ -162,6 +167,13 @@ Status Run(const std::vector<std::string>& args) {
     }
     ASSIGN_OR_RETURN(co.cluster_key,
                      protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
+    protocols::TlsOptions tls;
+    tls.cert_file = flags.Get(protocols::kControlTlsCertFlag, "");
+    tls.key_file = flags.Get(protocols::kControlTlsKeyFlag, "");
+    tls.ca_file = flags.Get(protocols::kControlTlsCaFlag, "");
+    if (tls.enabled()) {
+      ASSIGN_OR_RETURN(co.tls, protocols::TlsContext::Create(tls));
+    }
     co.control_port = static_cast<uint16_t>(control_port);
     co.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
     co.router.policy = policy;

@@ -112,8 +112,14 @@ Result<std::string> Router::PickPrefillAmong(const RouteRequest& request,
       for (const WorkerInfo* w : candidates) {
         int64_t matched = prefix_index_.MatchedBlocks(w->id, request.prefix_blocks);
         int64_t score = matched * std::max<int64_t>(1, w->block_tokens) - w->queued_tokens;
-        if (best == nullptr || score > best_score ||
-            (score == best_score && w->queued_tokens < best->queued_tokens)) {
+        // Ties (every worker idle right after a heartbeat, nothing cached)
+        // go to the worker with less queued work, then the smaller running
+        // batch: without the second key every short prompt of a colocated
+        // cluster went to the lowest id while the others' batches sat empty.
+        const bool better_tie = score == best_score && (w->queued_tokens != best->queued_tokens
+                                                            ? w->queued_tokens < best->queued_tokens
+                                                            : w->running < best->running);
+        if (best == nullptr || score > best_score || better_tie) {
           best = w;
           best_score = score;
         }

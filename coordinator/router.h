@@ -6,6 +6,7 @@
 //   prefix_aware  (default) the worker whose cache holds the longest leading
 //                 run of the request's prefix blocks, minus its queued work:
 //                 score = cached_blocks * block_tokens - queued_tokens.
+//                 Ties: fewer queued tokens, then fewer running sequences.
 // Decode placement (every policy): among healthy decode workers with enough
 // free KV blocks for prompt + max_new_tokens and room in the running batch,
 // the best free-block fraction minus running-batch fraction.

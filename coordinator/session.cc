@@ -309,6 +309,27 @@ void Session::HandleMetrics() {
     core_->AdvanceWorkerCounter("kvrelay_worker_transfer_seconds_total",
                                 "Seconds the worker spent in KV transfer.", w.id,
                                 w.transfer_seconds);
+    // What the worker's internal ports refused, named as the control port's.
+    for (const auto& [port, c] : {std::pair{"kv", &w.kv_port}, std::pair{"tp", &w.tp_port}}) {
+      const std::string p = std::string("kvrelay_worker_") + port + "_";
+      const std::string what = std::string(port) == "kv" ? "KV data port" : "TP link";
+      core_->AdvanceWorkerCounter(p + "auth_failures_total",
+                                  "Connections to the worker's " + what +
+                                      " that failed the cluster-key challenge-response.",
+                                  w.id, static_cast<double>(c->auth_failures));
+      core_->AdvanceWorkerCounter(
+          p + "refused_connections_total",
+          "Connections to the worker's " + what + " refused at accept (connection limits).", w.id,
+          static_cast<double>(c->refused_connections));
+      core_->AdvanceWorkerCounter(
+          p + "oversized_frames_total",
+          "Connections to the worker's " + what + " closed at a header over its size limit.", w.id,
+          static_cast<double>(c->oversized_frames));
+      core_->AdvanceWorkerCounter(p + "foreign_frames_total",
+                                  "Authenticated peers of the worker's " + what +
+                                      " that spoke for another identity, refused.",
+                                  w.id, static_cast<double>(c->foreign_frames));
+    }
   }
   core_->UpdateAdmissionGauges();
   core_->ExportBackendCounters();

@@ -41,6 +41,9 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   void Progress() override;
   bool polling() const override { return !incoming_.empty(); }
   Status health() const override;
+  protocols::PortSecurityCounters tp_security_counters() const override {
+    return tp_ ? tp_->security_counters() : protocols::PortSecurityCounters{};
+  }
   void Shutdown() override;
 
   // --- engine::KvConnector (load side) ---

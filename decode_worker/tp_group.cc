@@ -120,6 +120,8 @@ Result<std::string> AuthenticateFollower(TpLink& link, const protocols::ClusterK
                                          Deadline deadline) {
   using protocols::MessageType;
   protocols::AuthResponder auth(key, protocols::kAuthChannelTp);
+  // A stranger can make rank 0 buffer no more than an auth message.
+  link.set_max_message_bytes(protocols::kFrameHeaderBytes + protocols::kMaxUnauthenticatedPayload);
   auto run = [&]() -> Status {
     ASSIGN_OR_RETURN(protocols::Frame hello, ReceiveAuth(link, TpMsg::kHello, deadline));
     ASSIGN_OR_RETURN(std::string challenge, auth.OnHello(hello));
@@ -135,6 +137,7 @@ Result<std::string> AuthenticateFollower(TpLink& link, const protocols::ClusterK
                    protocols::AuthResponder::RefusalPayload("authentication failed"), deadline);
     return st;
   }
+  link.set_max_message_bytes(kMaxTpMessageBytes);
   return auth.peer_name();
 }
 
@@ -203,10 +206,11 @@ Result<TpMessage> TpLink::Receive(Deadline deadline) {
         return broken_ = DataLoss("TP link: bad message header (magic " + std::to_string(magic) +
                                   ", type " + std::to_string(type) + ")");
       }
-      if (len > kMaxTpMessageBytes) {
+      if (len > max_message_bytes_) {
+        oversized_ = true;
         return broken_ =
                    DataLoss("TP link: message of " + std::to_string(len) +
-                            " bytes exceeds the limit of " + std::to_string(kMaxTpMessageBytes));
+                            " bytes exceeds the limit of " + std::to_string(max_message_bytes_));
       }
       if (rbuf_.size() >= kHeaderBytes + len) {
         TpMessage m;
@@ -279,12 +283,29 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
         Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
     if (!peer_name.ok()) {
       LOG_WARNING << "TP group: dropping a connection: " << peer_name.status().message();
+      std::lock_guard lock(counters_mu_);
+      ++counters_.auth_failures;
+      if (link->refused_oversized()) ++counters_.oversized_frames;
       continue;
     }
-    ASSIGN_OR_RETURN(TpMessage hello, link->Receive(deadline));
-    if (hello.type != TpMsg::kHello) return InvalidArgument("TP follower did not say hello first");
-    auto answer = setup(hello.payload);
+    // From here the peer holds the cluster key, but it may still be a
+    // misconfigured or stale member (a second rank 1, a rank of another
+    // group): it is refused with the reason and dropped, and the group keeps
+    // forming from the connections that fit, until the deadline.
+    auto hello =
+        link->Receive(Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
+    if (!hello.ok() || hello->type != TpMsg::kHello) {
+      LOG_WARNING << "TP group: dropping a follower that did not say hello: "
+                  << (hello.ok() ? std::string("another message came first")
+                                 : hello.status().message());
+      continue;
+    }
+    auto answer = setup(hello->payload);
     if (answer.ok() && *peer_name != TpAuthName(answer->rank)) {
+      {
+        std::lock_guard lock(counters_mu_);
+        ++counters_.foreign_frames;
+      }
       answer = FailedPrecondition("TP follower authenticated as '" + *peer_name +
                                   "' but says it is rank " + std::to_string(answer->rank));
     }
@@ -295,12 +316,16 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
                           std::to_string(options_.tp_size) + ") or already joined");
     }
     if (!answer.ok()) {
+      LOG_WARNING << "TP group: refusing a follower: " << answer.status().message();
       (void)link->Send(TpMsg::kSetup, refusal(answer.status()), deadline);
-      return answer.status().WithContext("refusing a TP follower");
+      continue;
     }
     const int r = answer->rank;
-    RETURN_IF_ERROR(link->Send(TpMsg::kSetup, answer->payload, deadline));
-    hellos[r] = std::move(hello.payload);
+    if (Status sent = link->Send(TpMsg::kSetup, answer->payload, deadline); !sent.ok()) {
+      LOG_WARNING << "TP group: follower rank " << r << " left during setup: " << sent.message();
+      continue;
+    }
+    hellos[r] = std::move(hello->payload);
     links_[r] = std::move(link);
     ++joined;
   }
@@ -340,6 +365,11 @@ Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Connect(const TpGroupOptions& op
           .WithContext("joining TP rank 0 (check --cluster-key-file)"));
   RETURN_IF_ERROR(g->links_[0]->Send(TpMsg::kHello, hello, deadline));
   return g;
+}
+
+protocols::PortSecurityCounters TcpTpGroup::security_counters() const {
+  std::lock_guard lock(counters_mu_);
+  return counters_;
 }
 
 Status TcpTpGroup::status() const {

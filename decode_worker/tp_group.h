@@ -23,6 +23,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,6 +32,7 @@
 #include "common/status.h"
 #include "engine/runtime/tp_collective.h"
 #include "protocols/cluster_auth.h"
+#include "protocols/port_counters.h"
 
 namespace kvrelay::decode_worker {
 
@@ -75,12 +77,19 @@ class TpLink {
   Result<TpMessage> Receive(Deadline deadline);
   int fd() const { return fd_; }
   bool has_buffered_message() const;
+  // Messages announcing more are refused (the link breaks with DataLoss and
+  // refused_oversized() turns true). kMaxTpMessageBytes unless lowered: rank 0
+  // lowers it to the auth messages' size until a follower authenticated.
+  void set_max_message_bytes(uint64_t bytes) { max_message_bytes_ = bytes; }
+  bool refused_oversized() const { return oversized_; }
   const Status& status() const { return broken_; }  // OK until the link failed
 
  private:
   int fd_;
   std::string rbuf_;  // bytes received but not yet returned
   Status broken_;
+  uint64_t max_message_bytes_ = kMaxTpMessageBytes;
+  bool oversized_ = false;
 };
 
 struct TpGroupOptions {
@@ -106,6 +115,10 @@ class TcpTpGroup : public engine::TpCollective {
   ~TcpTpGroup() override;
 
   uint16_t port() const { return port_; }  // rank 0's listening port
+  // Rank 0: what the TP port refused while the group formed (auth failures,
+  // oversized messages before authentication, a follower naming another rank
+  // than the one it authenticated as). Thread-safe.
+  protocols::PortSecurityCounters security_counters() const;
   // OK while every link works; else the first link's error (the group is
   // then unusable: a TP group cannot continue without one of its ranks).
   Status status() const;
@@ -148,6 +161,8 @@ class TcpTpGroup : public engine::TpCollective {
   Status CollectiveOnce(const float* in, int64_t n_in, float* out, int64_t n_out, bool reduce);
 
   TpGroupOptions options_;
+  mutable std::mutex counters_mu_;
+  protocols::PortSecurityCounters counters_;  // guarded by counters_mu_
   int listen_fd_ = -1;
   uint16_t port_ = 0;
   std::vector<std::unique_ptr<TpLink>>

@@ -61,6 +61,8 @@ class TpLeader {
   // Tells the followers to stop (best effort, bounded by a short deadline: a
   // broken link or a stopped follower is fine).
   void Shutdown();
+  // What the group's TP port refused while it formed.
+  protocols::PortSecurityCounters security_counters() const { return group_->security_counters(); }
 
  private:
   TpLeader(std::unique_ptr<TcpTpGroup> group, std::chrono::milliseconds step_timeout)

@@ -26,6 +26,16 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("need at least one prefill and one decode worker, or --colocated N");
   }
   if (tp < 1) return InvalidArgument("--tp must be >= 1");
+  if (!control_tls_dir.empty()) {
+    for (const char* f :
+         {"ca.crt", "coordinator.crt", "coordinator.key", "worker.crt", "worker.key"}) {
+      const std::string path = control_tls_dir + "/" + f;
+      if (access(path.c_str(), R_OK) != 0) {
+        return InvalidArgument("--control-tls-dir: cannot read " + path +
+                               " (make the directory with scripts/make-cluster-certs.sh)");
+      }
+    }
+  }
   if (tp_mode != "exact" && tp_mode != "reduce") {
     return InvalidArgument("--tp-mode must be exact or reduce, got '" + tp_mode + "'");
   }
@@ -111,6 +121,11 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
                                    // stays on loopback whatever --host the HTTP API is given.
                                    "--control-host", "127.0.0.1", "--cluster-key-file", key_file_,
                                    "--kv-dtype", options_.kv_dtype, "--router", options_.router};
+  if (!options_.control_tls_dir.empty()) {
+    const std::string& d = options_.control_tls_dir;
+    argv.insert(argv.end(), {"--control-tls-cert", d + "/coordinator.crt", "--control-tls-key",
+                             d + "/coordinator.key", "--control-tls-ca", d + "/ca.crt"});
+  }
   if (options_.heartbeat_ms > 0) {
     argv.push_back("--heartbeat-ms");
     argv.push_back(std::to_string(options_.heartbeat_ms));
@@ -209,6 +224,11 @@ Status LocalLauncher::Start() {
                                      options_.host,
                                      "--cluster-key-file",
                                      key_file_};
+    if (!options_.control_tls_dir.empty()) {
+      const std::string& d = options_.control_tls_dir;
+      argv.insert(argv.end(), {"--control-tls-cert", d + "/worker.crt", "--control-tls-key",
+                               d + "/worker.key", "--control-tls-ca", d + "/ca.crt"});
+    }
     if (options_.kv_timeout_ms > 0) {
       argv.push_back("--kv-timeout-ms");
       argv.push_back(std::to_string(options_.kv_timeout_ms));

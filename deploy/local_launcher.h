@@ -58,6 +58,11 @@ struct LaunchOptions {
   // fresh key is generated for this launch (mode 0600, in a private temporary
   // directory removed by Stop()).
   std::string cluster_key_file;
+  // Mutual TLS on the control plane: a directory as scripts/make-cluster-
+  // certs.sh writes it (ca.crt, coordinator.crt/.key, worker.crt/.key); the
+  // coordinator gets --control-tls-* with its pair, every worker its own.
+  // Empty = plaintext control links (loopback only here).
+  std::string control_tls_dir;
   // Supervise's restart policy. restart = false: the first exit ends
   // supervision (the cluster is stopped). Otherwise a dead process (for a TP
   // group: the whole group, its survivors stopped first, since a group cannot

@@ -163,6 +163,11 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
                [self = shared_from_this()] { self->ReadHeader(); });
   }
 
+  void CountOversized() {
+    std::lock_guard lock(t_->domain_->mu);
+    ++t_->oversized_frames_;
+  }
+
   // Sends the refusal, then closes.
   void Refuse(const Status& why) {
     {
@@ -199,6 +204,7 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
         std::span<const uint8_t, kFrameHeaderBytes>(head_, kFrameHeaderBytes),
         static_cast<uint32_t>(max_payload));
     if (!fh.ok()) {
+      if (fh.status().code() == StatusCode::kResourceExhausted) CountOversized();
       if (!auth_.authenticated()) return Refuse(fh.status().WithContext("unauthenticated frame"));
       return Fail(fh.status().WithContext("bad kv data frame"));
     }
@@ -229,6 +235,7 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
       }
       return ReadHeader();
     }
+    if (h.total > t_->options_.max_transfer_bytes) CountOversized();
     if (fh->type != static_cast<uint16_t>(MessageType::kKvData) || h.offset > h.total ||
         len > h.total - h.offset || h.total > t_->options_.max_transfer_bytes) {
       return Fail(InvalidArgument("kv data frame with type " + std::to_string(fh->type) +
@@ -264,17 +271,21 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
 
   void OnHello() {
     if (closed_) return;
+    if (auth_.peer_name() != KvAuthName(hello_.rank)) {
+      {
+        std::lock_guard lock(t_->domain_->mu);
+        ++t_->foreign_frames_;
+      }
+      return Fail(FailedPrecondition("kv data connection authenticated as '" +
+                                     auth_.peer_name().substr(0, 64) + "' but says it is rank " +
+                                     std::to_string(hello_.rank)));
+    }
     if (hello_.world_size != static_cast<uint32_t>(t_->options_.world_size) ||
         hello_.rank >= hello_.world_size || hello_.rank == static_cast<uint32_t>(t_->rank())) {
       return Fail(InvalidArgument("kv data connection: hello from rank " +
                                   std::to_string(hello_.rank) + " of world " +
                                   std::to_string(hello_.world_size) + " does not fit world " +
                                   std::to_string(t_->options_.world_size)));
-    }
-    if (auth_.peer_name() != KvAuthName(hello_.rank)) {
-      return Fail(FailedPrecondition("kv data connection authenticated as '" +
-                                     auth_.peer_name().substr(0, 64) + "' but says it is rank " +
-                                     std::to_string(hello_.rank)));
     }
     peer_ = static_cast<int>(hello_.rank);
     auth_timer_.cancel();
@@ -425,6 +436,11 @@ uint64_t TcpTransport::refused_connections() const {
 uint64_t TcpTransport::auth_failures() const {
   std::lock_guard lock(domain_->mu);
   return auth_failures_;
+}
+
+protocols::PortSecurityCounters TcpTransport::security_counters() const {
+  std::lock_guard lock(domain_->mu);
+  return {auth_failures_, refused_connections_, oversized_frames_, foreign_frames_};
 }
 
 TcpTransport::~TcpTransport() { Shutdown(); }

@@ -139,11 +139,16 @@ class TcpTransport final : public TransportBase {
   std::unordered_map<int, std::weak_ptr<Inbound>> inbound_by_peer_;
   uint64_t refused_connections_ = 0;
   uint64_t auth_failures_ = 0;
+  uint64_t oversized_frames_ = 0;
+  uint64_t foreign_frames_ = 0;
 
  public:
   // Connections closed at accept (limits) and that failed authentication.
   uint64_t refused_connections() const;
   uint64_t auth_failures() const;
+  // Those, plus connections closed at a frame or chunk header over its limit
+  // and hellos naming another rank than the one authenticated.
+  protocols::PortSecurityCounters security_counters() const override;
 };
 
 }  // namespace kvrelay::kv_transfer

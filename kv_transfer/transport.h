@@ -38,6 +38,7 @@
 #include "common/clock.h"
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "protocols/port_counters.h"
 
 namespace kvrelay::kv_transfer {
 
@@ -132,6 +133,9 @@ class Transport {
   }
   // Bytes of caller memory abandoned to the backend so far (kAborted).
   virtual int64_t quarantined_bytes() const { return 0; }
+  // What this endpoint's data port refused so far (backends with a port of
+  // their own: tcp); zeros for the others.
+  virtual protocols::PortSecurityCounters security_counters() const { return {}; }
 
   // --- data movement ---
   // Starts sending / receiving. InvalidArgument for a malformed desc (names

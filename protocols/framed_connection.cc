@@ -3,6 +3,8 @@
 #include <atomic>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/ssl/error.hpp>
+#include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/write.hpp>
 #include <cstring>
 #include <future>
@@ -15,7 +17,21 @@ namespace kvrelay::protocols {
 namespace {
 // The close reason of an orderly EOF at a frame boundary.
 constexpr const char* kPeerClosedMessage = "peer closed the connection";
+constexpr std::string_view kTlsFailedMessage = "TLS handshake failed";
 }  // namespace
+
+bool IsTlsHandshakeFailure(const Status& close_reason) {
+  return close_reason.code() == StatusCode::kFailedPrecondition &&
+         close_reason.message().rfind(kTlsFailedMessage, 0) == 0;
+}
+
+struct FramedConnection::Tls {
+  Tls(boost::asio::ip::tcp::socket& socket, TlsContext& context)
+      : stream(socket, context.context()) {}
+  // Over the connection's socket (a reference): closing socket_ aborts the
+  // stream's operations, and socket options still apply to socket_.
+  boost::asio::ssl::stream<boost::asio::ip::tcp::socket&> stream;
+};
 
 namespace asio = boost::asio;
 using asio::ip::tcp;
@@ -48,6 +64,7 @@ FramedConnection::FramedConnection(IoThread& io, tcp::socket socket, ConnectionO
       authenticated_(!options_.require_authentication) {
   boost::system::error_code ignored;
   socket_.set_option(tcp::no_delay(true), ignored);
+  if (options_.tls) tls_ = std::make_unique<Tls>(socket_, *options_.tls);
 }
 
 FramedConnection::~FramedConnection() = default;
@@ -101,6 +118,7 @@ Result<std::shared_ptr<FramedConnection>> FramedConnection::Connect(
     auto cec = future.get();
     if (!cec) {
       auto conn = Adopt(io, std::move(a->socket), std::move(options));
+      conn->tls_client_ = true;
       conn->Start();
       LOG_DEBUG << "connected " << conn->name() << " to " << host << ":" << port << " (attempt "
                 << attempt << ")";
@@ -122,8 +140,39 @@ void FramedConnection::Start(FrameHandler on_frame, CloseHandler on_close) {
   asio::post(io_.context(), [self] {
     self->ArmIdleTimer();
     self->ArmAuthTimer();
-    self->DoRead();
+    if (self->tls_) {
+      self->StartTls();
+    } else {
+      self->DoRead();
+    }
   });
+}
+
+void FramedConnection::StartTls() {
+  if (closed()) return;
+  const auto role = tls_client_ ? asio::ssl::stream_base::client : asio::ssl::stream_base::server;
+  tls_->stream.async_handshake(
+      role, [self = shared_from_this()](const boost::system::error_code& ec) {
+        if (ec) {
+          if (ec == asio::error::operation_aborted) return;  // closed meanwhile
+          // For OpenSSL errors the message is its reason: "certificate verify
+          // failed", "wrong version number" (a plaintext peer), ...
+          self->CloseOnIo(FailedPrecondition(std::string(kTlsFailedMessage) + ": " + ec.message()));
+          return;
+        }
+        self->tls_ready_ = true;
+        bool kick = false;
+        {
+          std::lock_guard lock(self->mutex_);
+          if (!self->closed_ && !self->writing_ &&
+              (!self->send_queue_.empty() || self->close_after_flush_)) {
+            self->writing_ = true;
+            kick = true;
+          }
+        }
+        if (kick) self->DoWrite();
+        self->DoRead();
+      });
 }
 
 void FramedConnection::ArmAuthTimer() {
@@ -198,34 +247,38 @@ void FramedConnection::DoRead() {
   const size_t chunk = authenticated() ? options_.read_chunk_bytes
                                        : std::min<size_t>(options_.read_chunk_bytes, 4096);
   if (read_buffer_.size() != chunk) read_buffer_.assign(chunk, 0);
-  socket_.async_read_some(
-      asio::buffer(read_buffer_),
-      [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
-        if (ec) {
-          if (ec == asio::error::eof) {
-            Status truncated = self->decoder_.Finish();
-            self->CloseOnIo(truncated.ok() ? Unavailable(kPeerClosedMessage)
-                                           : truncated.WithContext(kPeerClosedMessage));
-          } else if (ec != asio::error::operation_aborted) {
-            self->CloseOnIo(FromAsio(ec, "read"));
-          }
-          return;
-        }
-        if (self->closed()) return;  // closed while this read completed: deliver nothing
-        Status st = self->decoder_.Feed(self->read_buffer_.data(), n);
-        // Frames decoded before a bad one are still delivered.
-        while (auto frame = self->decoder_.Next()) {
-          self->Deliver(std::move(*frame));
-          if (self->closed()) return;
-        }
-        if (!st.ok()) {
-          self->CloseOnIo(st.WithContext("bad frame"));
-          return;
-        }
-        self->UpdateFrameTimer();
-        self->ArmIdleTimer();
-        self->DoRead();
-      });
+  auto on_read = [self = shared_from_this()](const boost::system::error_code& ec, size_t n) {
+    if (ec) {
+      // A TLS peer that closes without close_notify reads as stream_truncated.
+      if (ec == asio::error::eof || ec == asio::ssl::error::stream_truncated) {
+        Status truncated = self->decoder_.Finish();
+        self->CloseOnIo(truncated.ok() ? Unavailable(kPeerClosedMessage)
+                                       : truncated.WithContext(kPeerClosedMessage));
+      } else if (ec != asio::error::operation_aborted) {
+        self->CloseOnIo(FromAsio(ec, "read"));
+      }
+      return;
+    }
+    if (self->closed()) return;  // closed while this read completed: deliver nothing
+    Status st = self->decoder_.Feed(self->read_buffer_.data(), n);
+    // Frames decoded before a bad one are still delivered.
+    while (auto frame = self->decoder_.Next()) {
+      self->Deliver(std::move(*frame));
+      if (self->closed()) return;
+    }
+    if (!st.ok()) {
+      self->CloseOnIo(st.WithContext("bad frame"));
+      return;
+    }
+    self->UpdateFrameTimer();
+    self->ArmIdleTimer();
+    self->DoRead();
+  };
+  if (tls_) {
+    tls_->stream.async_read_some(asio::buffer(read_buffer_), std::move(on_read));
+  } else {
+    socket_.async_read_some(asio::buffer(read_buffer_), std::move(on_read));
+  }
 }
 
 void FramedConnection::Deliver(Frame frame) {
@@ -334,8 +387,8 @@ void FramedConnection::DoWrite() {
   write_buffers_.clear();
   {
     std::lock_guard lock(mutex_);
-    if (closed_) {
-      writing_ = false;
+    if (closed_ || (tls_ && !tls_ready_)) {
+      writing_ = false;  // StartTls kicks the queue once the handshake succeeded
       return;
     }
     if (send_queue_.empty()) {
@@ -356,26 +409,30 @@ void FramedConnection::DoWrite() {
     return;
   }
   if (write_buffers_.empty()) return;
-  asio::async_write(socket_, write_buffers_,
-                    [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
-                      if (ec) {
-                        if (ec != asio::error::operation_aborted) {
-                          self->CloseOnIo(FromAsio(ec, "write"));
-                        }
-                        return;
-                      }
-                      WriteDone done;
-                      {
-                        std::lock_guard lock(self->mutex_);
-                        if (!self->send_queue_.empty()) {
-                          done = std::move(self->send_queue_.front().on_done);
-                          self->send_queue_.pop_front();
-                        }
-                        self->cv_.notify_all();  // room for SendEncodedWait
-                      }
-                      if (done) done(Status::Ok());
-                      self->DoWrite();
-                    });
+  auto on_written = [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+    if (ec) {
+      if (ec != asio::error::operation_aborted) {
+        self->CloseOnIo(FromAsio(ec, "write"));
+      }
+      return;
+    }
+    WriteDone done;
+    {
+      std::lock_guard lock(self->mutex_);
+      if (!self->send_queue_.empty()) {
+        done = std::move(self->send_queue_.front().on_done);
+        self->send_queue_.pop_front();
+      }
+      self->cv_.notify_all();  // room for SendEncodedWait
+    }
+    if (done) done(Status::Ok());
+    self->DoWrite();
+  };
+  if (tls_) {
+    asio::async_write(tls_->stream, write_buffers_, std::move(on_written));
+  } else {
+    asio::async_write(socket_, write_buffers_, std::move(on_written));
+  }
 }
 
 Result<Frame> FramedConnection::Receive(Deadline deadline) {

@@ -28,6 +28,7 @@
 #include "common/status.h"
 #include "protocols/frame_codec.h"
 #include "protocols/io_thread.h"
+#include "protocols/tls.h"
 
 namespace kvrelay::protocols {
 
@@ -52,7 +53,17 @@ struct ConnectionOptions {
   bool require_authentication = false;
   std::chrono::milliseconds auth_timeout{5000};
   size_t read_chunk_bytes = 256 << 10;
+  // Mutual TLS 1.3 (protocols/tls.h) before the first frame when set: an
+  // accepted connection (Adopt, FramedServer) is the TLS server, Connect's the
+  // client. Frames queued meanwhile are sent once the handshake succeeded; a
+  // failed handshake closes the connection with a status IsTlsHandshakeFailure
+  // recognises. The auth timeout (require_authentication) bounds it on servers.
+  std::shared_ptr<TlsContext> tls;
 };
+
+// Whether `close_reason` is a failed TLS handshake (a plaintext peer on a TLS
+// port, a certificate the CA did not sign, no certificate at all).
+bool IsTlsHandshakeFailure(const Status& close_reason);
 
 // Limits of a FramedServer: connections over them are closed at accept.
 struct ServerLimits {
@@ -149,10 +160,16 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   void UpdateFrameTimer();               // io thread: armed while a frame is partial
   void CloseOnIo(const Status& reason);  // io thread
   void Deliver(Frame frame);             // io thread
+  void StartTls();                       // io thread: the handshake, then DoRead
+
+  struct Tls;  // the TLS stream over socket_ (framed_connection.cc); io thread only
 
   IoThread& io_;
   ConnectionOptions options_;
   boost::asio::ip::tcp::socket socket_;    // touched on the io thread only
+  std::unique_ptr<Tls> tls_;               // null without TLS; io thread only after Start
+  bool tls_client_ = false;                // set by Connect before Start
+  bool tls_ready_ = false;                 // io thread only: the handshake succeeded
   boost::asio::steady_timer idle_timer_;   // io thread only
   boost::asio::steady_timer auth_timer_;   // io thread only
   boost::asio::steady_timer frame_timer_;  // io thread only

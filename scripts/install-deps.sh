@@ -11,6 +11,7 @@ PACKAGES=(
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libxxhash-dev libssl-dev
+  openssl  # scripts/make-cluster-certs.sh and the control-plane TLS tests make certificates with it
   libicu-dev
   python3 python3-venv python3-yaml
   iproute2 util-linux  # ip, tc, nsenter, unshare: tests/multinode's emulated hosts

@@ -79,6 +79,9 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   copts.require_authentication = true;
   copts.auth_timeout = std::chrono::milliseconds(0);
   copts.frame_timeout = std::chrono::milliseconds(10'000);
+  // With TLS the handshake (certificates against the cluster CA) runs first;
+  // its failure surfaces as the close reason of ClientHandshake's first read.
+  copts.tls = options_.tls;
   ASSIGN_OR_RETURN(conn_, protocols::FramedConnection::Connect(*io_, options_.host, options_.port,
                                                                copts, deadline));
   // Connect() has already started reading; a second Start() would run two

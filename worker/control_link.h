@@ -44,6 +44,8 @@ class ControlLink {
     uint16_t port = 9000;
     protocols::PeerConfig peer_config;
     protocols::ClusterKey cluster_key;  // proved before anything else is said
+    // Mutual TLS under the handshake (protocols/tls.h); null = plaintext.
+    std::shared_ptr<protocols::TlsContext> tls;
     std::chrono::milliseconds connect_timeout{30000};
   };
   explicit ControlLink(Options options);

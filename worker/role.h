@@ -75,6 +75,9 @@ class Role {
   virtual bool HandOver(engine::RequestId /*id*/, bool /*deliver*/) { return false; }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
+  // What the role's own internal port (a TP group's link) refused so far;
+  // heartbeats carry it to the coordinator's /metrics. Zeros without one.
+  virtual protocols::PortSecurityCounters tp_security_counters() const { return {}; }
   // The coordinator link is gone (it forgets this worker's requests): let go
   // of what the role holds outside the engine; the shell then cancels every
   // engine request. The engine's prefix cache stays for the next registration.

@@ -80,6 +80,9 @@ Status Worker::Init() {
   c.port = options_.coordinator_port;
   c.peer_config = base_.peer_config;
   c.cluster_key = options_.cluster_key;
+  if (options_.control_tls.enabled()) {
+    ASSIGN_OR_RETURN(c.tls, protocols::TlsContext::Create(options_.control_tls));
+  }
   c.connect_timeout = options_.connect_timeout;
   control_ = std::make_unique<ControlLink>(c);
   events_ = std::make_unique<EventReporter>(
@@ -139,6 +142,14 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   hb->set_transfer_bytes(static_cast<uint64_t>(counters_.transfer_bytes));
   hb->set_transfer_seconds(counters_.transfer_seconds);
   hb->set_quarantined_kv_blocks(static_cast<uint64_t>(counters_.quarantined_blocks));
+  auto fill = [](const protocols::PortSecurityCounters& c, proto::PortSecurityCounters* out) {
+    out->set_auth_failures(c.auth_failures);
+    out->set_refused_connections(c.refused_connections);
+    out->set_oversized_frames(c.oversized_frames);
+    out->set_foreign_frames(c.foreign_frames);
+  };
+  if (base_.transport) fill(base_.transport->security_counters(), hb->mutable_kv_port());
+  fill(role_->tp_security_counters(), hb->mutable_tp_port());
 }
 
 std::chrono::nanoseconds Worker::Idle() const {

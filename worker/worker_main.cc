@@ -23,6 +23,11 @@ FlagSpec WorkerSpec(const std::string& program) {
           0,
           {{"id", "<role>-<rank>", "worker id"},
            {"coordinator", "127.0.0.1:9000", "coordinator control plane HOST:PORT"},
+           {protocols::kControlTlsCertFlag, "",
+            "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
+           {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},
+           {protocols::kControlTlsCaFlag, "",
+            "control link TLS: the cluster CA the coordinator's certificate must chain to"},
            {"model", "models/SmolLM2-135M-Instruct.Q4_1.gguf", "GGUF model path"},
            {"kv-dtype", std::string(engine::KvDtypeName(engine::kDefaultKvDtype)),
             "KV cache dtype: f32|f16|bf16|int8|kivi4|kivi2"},
@@ -137,6 +142,9 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parse
     return InvalidArgument("--cluster-key-file FILE is required (the coordinator's cluster key)");
   }
   ASSIGN_OR_RETURN(o.cluster_key, protocols::ClusterKey::LoadFile(flags.Get("cluster-key-file")));
+  o.control_tls.cert_file = flags.Get(protocols::kControlTlsCertFlag, "");
+  o.control_tls.key_file = flags.Get(protocols::kControlTlsKeyFlag, "");
+  o.control_tls.ca_file = flags.Get(protocols::kControlTlsCaFlag, "");
   RETURN_IF_ERROR(o.Validate());
   return o;
 }

@@ -37,6 +37,12 @@ Status WorkerOptions::Validate() const {
     return InvalidArgument(
         "a cluster key is required (--cluster-key-file, the coordinator's file)");
   }
+  if (control_tls.enabled() && (control_tls.cert_file.empty() || control_tls.key_file.empty() ||
+                                control_tls.ca_file.empty())) {
+    return InvalidArgument(
+        "control link TLS needs all of --control-tls-cert, --control-tls-key and "
+        "--control-tls-ca");
+  }
   if (rank < 0 || rank >= world_size) {
     return InvalidArgument("rank " + std::to_string(rank) + " is outside world size " +
                            std::to_string(world_size));

@@ -11,6 +11,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "protocols/cluster_auth.h"
+#include "protocols/tls.h"
 
 namespace kvrelay::worker {
 
@@ -77,6 +78,9 @@ struct WorkerOptions {
   // The cluster secret (--cluster-key-file), proved on every internal port:
   // the control link, the TCP KV data plane, the TP link. Required.
   protocols::ClusterKey cluster_key;
+  // Mutual TLS on the control link (--control-tls-cert/-key/-ca, protocols/
+  // tls.h); off when none is set. The cluster key is still proved inside it.
+  protocols::TlsOptions control_tls;
 
   bool tp_follower() const { return tp_size > 1 && tp_rank > 0; }
   // Whether this TP group's collectives run over MPI (see tp_comm).

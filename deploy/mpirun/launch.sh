@@ -12,7 +12,7 @@
 #                           [-m model] [-p http-port] [-C control-port] [-b bin-dir]
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
 #                           [-K cluster-key-file] [-X kv-transport] [-W kv-timeout-ms]
-#                           [-M tp-comm] [-R max-restarts]
+#                           [-M tp-comm] [-R max-restarts] [-S tls-dir]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -33,6 +33,12 @@
 # asked), every process gets -K FILE, or a fresh key written (mode 0600) for
 # this launch and removed when it ends; across hosts -K must name a file that
 # exists on every host.
+#
+# -S DIR runs the control plane over mutual TLS 1.3 with the certificates
+# scripts/make-cluster-certs.sh wrote to DIR (the coordinator gets
+# coordinator.crt/.key, every worker worker.crt/.key, all ca.crt); across hosts
+# DIR must exist at the same path on every host. The cluster key is still
+# proved inside TLS.
 #
 # -X passes --kv-transport to the workers (tcp | mpi | auto; without -X the
 # binaries choose: auto = MPI when started by mpirun and MPI is initialised).
@@ -64,18 +70,19 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
-RESTARTS="" WINDOW=60
+RESTARTS="" WINDOW=60 TLSDIR=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
-while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:" opt; do
+while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:S:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
     c) COORD=$OPTARG ;; m) MODEL=$OPTARG ;; p) PORT=$OPTARG ;; b) BIN=$OPTARG ;;
     C) CONTROL=$OPTARG ;; k) KV=$OPTARG ;; t) THREADS=$OPTARG ;; B) HEARTBEAT=$OPTARG ;;
     K) KEYFILE=$OPTARG ;; X) TRANSPORT=$OPTARG ;; W) KVTIMEOUT=$OPTARG ;; M) TPCOMM=$OPTARG ;;
-    R) RESTARTS=$OPTARG ;; w) WINDOW=$OPTARG ;;
+    R) RESTARTS=$OPTARG ;; w) WINDOW=$OPTARG ;; S) TLSDIR=$OPTARG ;;
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
-            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto] [-R max-restarts [-w window-s]]" >&2
+            "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto] [-R max-restarts [-w window-s]]" \
+            "[-S tls-dir]" >&2
        exit 2 ;;
   esac
 done
@@ -186,7 +193,18 @@ transport=()
 [ -n "$TRANSPORT" ] && transport=(--kv-transport "$TRANSPORT")
 [ -n "$KVTIMEOUT" ] && transport+=(--kv-timeout-ms "$KVTIMEOUT")
 [ -n "$TPCOMM" ] && transport+=(--tp-comm "$TPCOMM")
-wargs=("${key[@]}" "${transport[@]}")
+ctls=() wtls=()
+if [ -n "$TLSDIR" ]; then
+  for f in ca.crt coordinator.crt coordinator.key worker.crt worker.key; do
+    [ -r "$TLSDIR/$f" ] || { echo "launch.sh: -S: cannot read $TLSDIR/$f (scripts/make-cluster-certs.sh DIR)" >&2; exit 2; }
+  done
+  TLSDIR=$(realpath "$TLSDIR")
+  ctls=(--control-tls-cert "$TLSDIR/coordinator.crt" --control-tls-key "$TLSDIR/coordinator.key"
+        --control-tls-ca "$TLSDIR/ca.crt")
+  wtls=(--control-tls-cert "$TLSDIR/worker.crt" --control-tls-key "$TLSDIR/worker.key"
+        --control-tls-ca "$TLSDIR/ca.crt")
+fi
+wargs=("${key[@]}" "${transport[@]}" "${wtls[@]}")
 
 # mpirun runs as a child (not exec) so the EXIT trap can remove a generated
 # key. It gets its own session: a TERM/INT for this script (or its process
@@ -199,7 +217,7 @@ setsid mpirun "${args[@]}" \
     a=$(kvr_addr coordinator) || exit 1
     kvr_run coordinator "$@" --host "$a" --control-host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
-    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" : \
+    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" "${ctls[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     kvr_run "prefill-$((OMPI_COMM_WORLD_RANK - 1))" "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" \

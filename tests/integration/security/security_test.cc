@@ -25,6 +25,7 @@
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"
+#include "tests/testing/worker_metrics.h"
 
 namespace kvrelay {
 namespace {
@@ -369,6 +370,80 @@ TEST_F(SecurityTest, RefusalsAreCountedOnMetrics) {
   }
   EXPECT_GE(counter("kvrelay_control_auth_failures_total"), auth_before + 1);
   EXPECT_GE(counter("kvrelay_control_oversized_frames_total"), oversized_before + 1);
+  ExpectServing();
+}
+
+// What a worker's KV data port refuses is counted, per worker, on the
+// coordinator's /metrics (carried by the worker's heartbeats): an oversized
+// frame from a stranger (an authentication failure too), a member that
+// authenticated as one rank and says it is another, connections over the cap.
+TEST_F(SecurityTest, KvPortRefusalsAreCountedOnTheWorkersMetrics) {
+  const pid_t decode = launcher_->processes().Pid("decode-0");
+  ASSERT_GT(decode, 0);
+  const auto ports = ListeningPorts(decode);
+  ASSERT_EQ(ports.size(), 1u) << "the decode worker listens on its KV port only";
+  auto value = [](const std::string& what) {
+    auto v = testing::WorkerGauge(launcher_->http_port(), "kvrelay_worker_kv_" + what + "_total");
+    auto it = v.find("decode-0");
+    return it == v.end() ? -1.0 : it->second;
+  };
+  const std::vector<std::string> kinds = {"auth_failures", "refused_connections",
+                                          "oversized_frames", "foreign_frames"};
+  std::map<std::string, double> before;
+  for (const auto& k : kinds) {
+    before[k] = value(k);
+    ASSERT_GE(before[k], 0) << "no kvrelay_worker_kv_" << k << "_total{worker=\"decode-0\"}";
+  }
+  {
+    auto big = Dial(ports[0]);
+    ASSERT_TRUE(big);
+    std::string head(protocols::kFrameHeaderBytes, '\0');
+    protocols::EncodeFrameHeader(static_cast<uint16_t>(MessageType::kAuthHello), 1u << 20,
+                                 reinterpret_cast<uint8_t*>(head.data()));
+    ASSERT_TRUE(big->SendEncoded(head + std::string(64, 'x')).ok());
+    EXPECT_NE(big->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  {
+    // A member with the key: authenticated as rank 0 (the prefill worker's
+    // name), then says it is rank 5.
+    auto member = Dial(ports[0]);
+    ASSERT_TRUE(member);
+    ASSERT_TRUE(protocols::ClientAuthenticate(*member, Key(), protocols::kAuthChannelKv,
+                                              "kv-rank-0", Deadline::AfterMs(10000))
+                    .ok());
+    const uint32_t hello[2] = {5, 2};
+    ASSERT_TRUE(member
+                    ->Send(MessageType::kHello,
+                           std::string_view(reinterpret_cast<const char*>(hello), sizeof(hello)))
+                    .ok());
+    EXPECT_NE(member->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  std::vector<std::shared_ptr<protocols::FramedConnection>> strangers;
+  for (int i = 0; i < 64; ++i) {
+    auto c = Dial(ports[0]);
+    ASSERT_TRUE(c);
+    strangers.push_back(c);
+    if (c->WaitClosed(Deadline::AfterMs(20)).code() != StatusCode::kDeadlineExceeded) break;
+  }
+  const Deadline deadline = Deadline::AfterMs(15000);
+  auto all_counted = [&] {
+    return value("auth_failures") >= before["auth_failures"] + 1 &&
+           value("oversized_frames") >= before["oversized_frames"] + 1 &&
+           value("foreign_frames") >= before["foreign_frames"] + 1 &&
+           value("refused_connections") >= before["refused_connections"] + 1;
+  };
+  while (!all_counted() && !deadline.Expired()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (auto& c : strangers) c->Close(Cancelled("done"));
+  EXPECT_GE(value("auth_failures"), before["auth_failures"] + 1);
+  EXPECT_GE(value("oversized_frames"), before["oversized_frames"] + 1);
+  EXPECT_GE(value("foreign_frames"), before["foreign_frames"] + 1);
+  EXPECT_GE(value("refused_connections"), before["refused_connections"] + 1);
+  // The TP link's series exist too (zeros: this decode worker has no TP group).
+  EXPECT_EQ(testing::WorkerGauge(launcher_->http_port(), "kvrelay_worker_tp_auth_failures_total")
+                .count("decode-0"),
+            1u);
   ExpectServing();
 }
 

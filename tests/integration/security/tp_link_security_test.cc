@@ -48,8 +48,13 @@ struct Leader {
       hellos = group->Accept(
           Deadline::AfterMs(15000),
           [](const std::string& hello) -> Result<TcpTpGroup::SetupAnswer> {
-            if (hello != "hello-from-rank-1") return InvalidArgument("not a follower's hello");
-            return TcpTpGroup::SetupAnswer{1, "setup-for-rank-1"};
+            const std::string prefix = "hello-from-rank-";
+            if (hello.size() != prefix.size() + 1 || hello.compare(0, prefix.size(), prefix) != 0 ||
+                hello.back() < '1' || hello.back() > '9') {
+              return InvalidArgument("not a follower's hello");
+            }
+            const int rank = hello.back() - '0';
+            return TcpTpGroup::SetupAnswer{rank, "setup-for-rank-" + std::to_string(rank)};
           },
           [](const Status& s) { return s.message(); });
     });
@@ -90,6 +95,72 @@ TEST(TpLinkSecurity, AStrangersHelloIsDroppedAndTheGroupStillForms) {
   while ((n = ::read(stranger, buf, sizeof(buf))) > 0) total += n;
   EXPECT_LT(total, 64);
   ::close(stranger);
+  const auto counted = leader.group->security_counters();
+  EXPECT_EQ(counted.auth_failures, 1u);
+  EXPECT_EQ(counted.oversized_frames, 0u);
+  EXPECT_EQ(counted.foreign_frames, 0u);
+}
+
+// Before authenticating, a stranger can announce no more than an auth
+// message: a 64 MiB header is refused at once (today rank 0 buffered up to
+// 256 MiB), counted, and the group still forms.
+TEST(TpLinkSecurity, AnOversizedMessageBeforeAuthenticationIsRefusedAndCounted) {
+  const auto key = NewKey();
+  Leader leader;
+  leader.group = std::move(TcpTpGroup::Listen(Options(0, 0, key))).value();
+  const uint16_t port = leader.group->port();
+  const int stranger = Dial(port);
+  uint8_t header[16];
+  const uint32_t magic = 0x5054564B, type = 1;
+  const uint64_t len = uint64_t{64} << 20;  // under the old 256 MiB limit
+  std::memcpy(header, &magic, 4);
+  std::memcpy(header + 4, &type, 4);
+  std::memcpy(header + 8, &len, 8);
+  ASSERT_EQ(::write(stranger, header, sizeof(header)), static_cast<ssize_t>(sizeof(header)));
+  const std::string some(4096, 'x');
+  ASSERT_EQ(::write(stranger, some.data(), some.size()), static_cast<ssize_t>(some.size()));
+  leader.Start();
+  auto follower =
+      TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(follower.ok()) << follower.status().ToString();
+  leader.thread.join();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  ::close(stranger);
+  const auto counted = leader.group->security_counters();
+  EXPECT_EQ(counted.auth_failures, 1u);
+  EXPECT_EQ(counted.oversized_frames, 1u);
+}
+
+// A member with the key that authenticated as rank 2 but says hello as rank 1
+// is refused and counted as foreign, and the group still forms from the real
+// followers (before, that one connection failed the whole group).
+TEST(TpLinkSecurity, AFollowerSpeakingForAnotherRankIsCountedAndDropped) {
+  const auto key = NewKey();
+  Leader leader;
+  TpGroupOptions o = Options(0, 0, key);
+  o.tp_size = 3;
+  leader.group = std::move(TcpTpGroup::Listen(o)).value();
+  const uint16_t port = leader.group->port();
+  leader.Start();
+  TpGroupOptions f = Options(2, port, key);
+  f.tp_size = 3;
+  auto impostor = TcpTpGroup::Connect(f, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(impostor.ok()) << impostor.status().ToString();
+  // A second rank 1 after the real one is refused as well.
+  TpGroupOptions f1 = Options(1, port, key);
+  f1.tp_size = 3;
+  auto rank1 = TcpTpGroup::Connect(f1, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(rank1.ok()) << rank1.status().ToString();
+  auto duplicate = TcpTpGroup::Connect(f1, "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(duplicate.ok()) << duplicate.status().ToString();
+  auto rank2 = TcpTpGroup::Connect(f, "hello-from-rank-2", Deadline::AfterMs(10000));
+  ASSERT_TRUE(rank2.ok()) << rank2.status().ToString();
+  leader.thread.join();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  EXPECT_EQ((*leader.hellos)[1], "hello-from-rank-1");
+  EXPECT_EQ((*leader.hellos)[2], "hello-from-rank-2");
+  EXPECT_EQ(leader.group->security_counters().foreign_frames, 1u);
+  EXPECT_EQ(leader.group->security_counters().auth_failures, 0u);
 }
 
 TEST(TpLinkSecurity, AFollowerWithAnotherKeyIsRefusedWithAClearMessage) {

@@ -103,6 +103,15 @@ TEST(RouterTest, PrefixAwarePrefersCachedPrefixMinusQueuedWork) {
   Router fresh({RouterPolicy::kPrefixAware});
   ws[0].queued_tokens = 30;
   EXPECT_EQ(*fresh.PickPrefill(req, ws), "p-1");
+  // Equal scores and queues (idle right after a heartbeat): the smaller
+  // running batch wins, not the lowest id.
+  ws[0].queued_tokens = 0;
+  ws[1].queued_tokens = 0;
+  ws[0].running = 3;
+  ws[1].running = 1;
+  EXPECT_EQ(*fresh.PickPrefill(req, ws), "p-1");
+  ws[1].running = 3;
+  EXPECT_EQ(*fresh.PickPrefill(req, ws), "p-0");
 }
 
 TEST(RouterTest, NoHealthyWorkerIsUnavailable) {

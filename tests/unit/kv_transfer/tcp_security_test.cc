@@ -268,5 +268,66 @@ TEST(TcpSecurity, ConnectionsOverTheCapAreClosedAtAccept) {
   ExpectTransferWorks(send_side.get(), recv_side.get(), 15);
 }
 
+// Each kind of refusal on the data port is counted (security_counters(),
+// exported by the worker's heartbeats on the coordinator's /metrics).
+TEST(TcpSecurity, EveryRefusalIsCounted) {
+  TcpTransport::Options o;
+  o.rank = 1;
+  o.world_size = 3;
+  o.cluster_key = TestKey();
+  o.max_unauthenticated = 2;
+  o.auth_timeout = std::chrono::milliseconds(2000);
+  auto recv_side = std::move(TcpTransport::Create(o)).value();
+  EXPECT_EQ(recv_side->security_counters().auth_failures, 0u);
+  protocols::IoThread io("count-io");
+  auto wait_for = [&](auto get, uint64_t want) {
+    for (int i = 0; i < 2500 && get(recv_side->security_counters()) < want; ++i) usleep(2000);
+    return get(recv_side->security_counters());
+  };
+  // Oversized before authentication: a 1 MiB header (limit 1 KiB) is refused
+  // at the header, as an authentication failure too.
+  {
+    auto c = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
+                                                  Deadline::AfterMs(5000));
+    ASSERT_TRUE(c.ok());
+    std::string head(protocols::kFrameHeaderBytes, '\0');
+    protocols::EncodeFrameHeader(static_cast<uint16_t>(protocols::MessageType::kAuthHello),
+                                 1u << 20, reinterpret_cast<uint8_t*>(head.data()));
+    ASSERT_TRUE((*c)->SendEncoded(head + std::string(64, 'x')).ok());
+    EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_EQ(wait_for([](auto c) { return c.oversized_frames; }, 1), 1u);
+  EXPECT_GE(wait_for([](auto c) { return c.auth_failures; }, 1), 1u);
+  // Foreign: authenticated as rank 2, says it is rank 0.
+  {
+    auto c = DialAuthenticated(io, recv_side->port(), 2, TestKey());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE(SendHello(**c, 0, 3).ok());
+    EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_EQ(wait_for([](auto c) { return c.foreign_frames; }, 1), 1u);
+  // Oversized after authentication: a chunk announcing more than max_transfer_bytes.
+  {
+    auto c = DialAuthenticated(io, recv_side->port(), 2, TestKey());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE(SendHello(**c, 2, 3).ok());
+    ASSERT_TRUE(SendChunk(**c, 21, 0, uint64_t{1} << 50, std::string(64, 'h')).ok());
+    EXPECT_NE((*c)->WaitClosed(Deadline::AfterMs(5000)).code(), StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_EQ(wait_for([](auto c) { return c.oversized_frames; }, 2), 2u);
+  // Refused at accept: more silent strangers than max_unauthenticated.
+  std::vector<std::shared_ptr<protocols::FramedConnection>> strangers;
+  for (int i = 0; i < 20 && recv_side->security_counters().refused_connections == 0; ++i) {
+    auto c = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
+                                                  Deadline::AfterMs(5000));
+    ASSERT_TRUE(c.ok());
+    strangers.push_back(*c);
+    (void)(*c)->WaitClosed(Deadline::AfterMs(100));
+  }
+  EXPECT_GE(recv_side->security_counters().refused_connections, 1u);
+  for (auto& c : strangers) c->Close(Cancelled("done"));
+  EXPECT_EQ(recv_side->security_counters().foreign_frames, 1u);
+}
+
 }  // namespace
 }  // namespace kvrelay::kv_transfer
