@@ -388,7 +388,7 @@ TEST(MatMulBatch, TokenOfBatchEqualsTokenAlone) {
   for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
     const Weights w = RandomWeights(type, 37, 32 * 18, seed++);
     const int64_t cols = w.tensor.Cols(), rows = w.tensor.Rows();
-    for (int64_t batch : {2, 7, 64}) {
+    for (int64_t batch : {2, 3, 7, 64}) {
       const std::vector<float> x = RandomActs(batch * cols, seed++);
       for (KernelPath path : Paths()) {
         std::vector<float> all(rows * batch), one(rows);
