@@ -41,7 +41,8 @@ Result<std::vector<HeadRoute>> PlanHeadRoutes(int kv_heads, int src_tp, int dst_
     for (int h = dr.begin; h < dr.end;) {
       int s = 0;
       while (s < src_tp && !(src[s].begin <= h && h < src[s].end)) ++s;
-      if (s == src_tp) return Internal("head sharding: no src rank holds head " + std::to_string(h));
+      if (s == src_tp)
+        return Internal("head sharding: no src rank holds head " + std::to_string(h));
       const HeadRange g{h, std::min(dr.end, src[s].end)};
       routes.push_back({s,
                         d,

@@ -88,8 +88,8 @@ void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
                 _mm256_madd_epi16(_mm256_maddubs_epi16(wv[2 * j + 1], x1), scv[2 * j + 1]));
           }
           // Four exact sums at once: lane j of sumi = all lanes of u[j].
-          const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]),
-                                              _mm256_hadd_epi32(u[2], u[3]));
+          const __m256i h =
+              _mm256_hadd_epi32(_mm256_hadd_epi32(u[0], u[1]), _mm256_hadd_epi32(u[2], u[3]));
           const __m128i sumi =
               _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
           // Lane s of mb: mn[s] * (bsum of sub-block s); lane j of summ: pair j.
@@ -162,8 +162,8 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
               reinterpret_cast<const __m256i*>(a.bsums + (t * nb + b) * (kBlockK / 16)));
           sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
           const int sumi = HsumI32(sum);
-          acc[k] = std::fma(LoadHalfAt(blk + 208) * static_cast<float>(sumi), a.d[t * nb + b],
-                            acc[k]);
+          acc[k] =
+              std::fma(LoadHalfAt(blk + 208) * static_cast<float>(sumi), a.d[t * nb + b], acc[k]);
         }
       }
       for (int k = 0; k < nt; ++k) y[(tt + k) * ldy + r] = acc[k];

@@ -55,8 +55,8 @@ struct Sequence {
   std::vector<int32_t> tokens;  // prompt then generated tokens
   int64_t n_prompt = 0;
   int64_t n_generated = 0;
-  int64_t n_computed = 0;         // leading tokens whose K/V are in `blocks`
-  BlockTable blocks;              // KV cache group 0's table; one reference held per entry
+  int64_t n_computed = 0;  // leading tokens whose K/V are in `blocks`
+  BlockTable blocks;       // KV cache group 0's table; one reference held per entry
   // Groups 1.. (kv_groups.h), same indexing; a sliding-window group's
   // entries before its window are holes. Empty with one group.
   std::vector<BlockTable> group_tables;

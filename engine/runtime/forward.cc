@@ -61,11 +61,10 @@ ForwardPass::ForwardPass(const Model& model, KvBlockPool* pool, KvCacheGroups gr
   const int ffn_unit = full.ffn_dim / model_.ffn_units();
   for (int r = 0; r < shard.size; ++r) {
     // The model loaded, so its shard (and every rank's) is a valid one.
-    const UnitRange h = shard.size == 1
-                            ? UnitRange{0, full.n_heads}
-                            : ShardAttentionHeads(full.n_heads, full.n_kv_heads, shard.size, r)
-                                  .value()
-                                  .q;
+    const UnitRange h =
+        shard.size == 1
+            ? UnitRange{0, full.n_heads}
+            : ShardAttentionHeads(full.n_heads, full.n_kv_heads, shard.size, r).value().q;
     q_cols_.push_back({h.begin * full.head_dim, h.end * full.head_dim});
     const UnitRange f = SplitUnits(model_.ffn_units(), shard.size, r);
     ffn_cols_.push_back({f.begin * ffn_unit, f.end * ffn_unit});

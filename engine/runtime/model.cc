@@ -49,8 +49,8 @@ Result<AttentionHeadShard> ShardAttentionHeads(int n_heads, int n_kv_heads, int 
     return s;
   }
   if (size % n_kv_heads != 0 || n_heads % size != 0) {
-    return InvalidArgument("tensor-parallel size " + std::to_string(size) + " exceeds the model's " +
-                           std::to_string(n_kv_heads) +
+    return InvalidArgument("tensor-parallel size " + std::to_string(size) +
+                           " exceeds the model's " + std::to_string(n_kv_heads) +
                            " KV heads; replicating them needs a size that is a multiple of the "
                            "KV heads and divides the " +
                            std::to_string(n_heads) + " query heads");

@@ -42,10 +42,10 @@ struct LayerWeights {
 // Tensor-parallel slice of a model: rank `rank` of `size` keeps the attention
 // heads ShardAttentionHeads gives it (a contiguous range of KV heads and the
 // query heads of their GQA groups, or with fewer KV heads than ranks a range of
-// query heads and their replicated KV head) and a range of FFN columns. Q/K/V and gate/up are split by output rows (views into the
-// mapping). In kReduce mode attn_output and ffn_down are split by input
-// columns (repacked copies, cut at quantization-block boundaries) and their
-// per-rank partial outputs sum to the unsharded ones.
+// query heads and their replicated KV head) and a range of FFN columns. Q/K/V and gate/up are split
+// by output rows (views into the mapping). In kReduce mode attn_output and ffn_down are split by
+// input columns (repacked copies, cut at quantization-block boundaries) and their per-rank partial
+// outputs sum to the unsharded ones.
 enum class TpMode : uint8_t {
   // Q/K/V, gate and up split by output rows; attn_output and ffn_down stay
   // whole on every rank and read the all-gathered head outputs / FFN

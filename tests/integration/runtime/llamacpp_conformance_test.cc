@@ -95,7 +95,8 @@ TEST(LlamaCppConformance, ReferenceSettings) {
 }
 
 TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
-  if (SkipWithoutAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
+  if (SkipWithoutAvx2())
+    GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   const int vocab = f.model->config().vocab;
@@ -146,7 +147,8 @@ TEST(LlamaCppConformance, LogitsTop1AndMaxError) {
 }
 
 TEST(LlamaCppConformance, GreedyContinuations) {
-  if (SkipWithoutAvx2()) GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
+  if (SkipWithoutAvx2())
+    GTEST_SKIP() << "CPU without AVX2: the (bit-identical) scalar path is too slow";
   Fixture& f = Get();
   ASSERT_NE(f.model, nullptr);
   EngineOptions o;

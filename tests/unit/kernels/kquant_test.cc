@@ -230,15 +230,15 @@ TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
       return type == GgmlType::kQ4_K ? k.gemm_q4_k : k.gemm_q6_k;
     };
     std::vector<float> want(rows * tokens);
-    gemm(kernels::ScalarKQuantKernels())(bytes.data(), rb, 0, rows, a.acts, 0, tokens,
-                                         want.data(), rows);
+    gemm(kernels::ScalarKQuantKernels())(bytes.data(), rb, 0, rows, a.acts, 0, tokens, want.data(),
+                                         rows);
     for (const kernels::KQuantKernels* t : tables) {
       std::vector<float> got(rows * tokens);
       // Odd token and row sub-ranges: the vector kernels' tiles of 4 tokens
       // end mid-tile.
-      gemm(*t)(bytes.data(), rb, 0, 5, a.acts, 0, tokens, got.data(), rows);
-      gemm(*t)(bytes.data(), rb, 5, rows, a.acts, 0, 3, got.data(), rows);
-      gemm(*t)(bytes.data(), rb, 5, rows, a.acts, 3, tokens, got.data(), rows);
+      gemm (*t)(bytes.data(), rb, 0, 5, a.acts, 0, tokens, got.data(), rows);
+      gemm (*t)(bytes.data(), rb, 5, rows, a.acts, 0, 3, got.data(), rows);
+      gemm (*t)(bytes.data(), rb, 5, rows, a.acts, 3, tokens, got.data(), rows);
       EXPECT_EQ(std::memcmp(got.data(), want.data(), 4 * got.size()), 0)
           << GgmlTypeName(type) << " " << t->name;
     }

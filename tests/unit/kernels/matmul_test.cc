@@ -363,8 +363,8 @@ TEST(MatMulScalar, BitIdenticalToAvx2) {
   if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
   uint32_t seed = 700;
   for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
-    for (const Shape& s : std::vector<Shape>{{1, 32, 1}, {7, 32 * 18, 1}, {9, 32 * 5, 7},
-                                             {13, 32 * 18, 9}, {33, 32 * 48, 20}}) {
+    for (const Shape& s : std::vector<Shape>{
+             {1, 32, 1}, {7, 32 * 18, 1}, {9, 32 * 5, 7}, {13, 32 * 18, 9}, {33, 32 * 48, 20}}) {
       const Weights w = RandomWeights(type, s.rows, s.cols, seed++);
       const std::vector<float> x = RandomActs(s.tokens * s.cols, seed++);
       std::vector<float> y2(s.rows * s.tokens), ys(s.rows * s.tokens, std::nanf(""));
