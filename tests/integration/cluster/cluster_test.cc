@@ -36,6 +36,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "tests/testing/openai_client_report.h"
+#include "tests/testing/test_env.h"
 #include "tests/testing/worker_metrics.h"
 
 namespace kvrelay {
@@ -745,11 +746,8 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   };
   std::string log;
-  if (!fs::exists(venv + "/bin/python")) {
-    if (run("python3 -m venv '" + venv + "' 2>&1 && '" + venv + "/bin/pip' install -q openai 2>&1",
-            &log) != 0) {
-      GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
-    }
+  if (env_venv == nullptr && kvrelay::testing::EnsureOpenAiVenv(venv, &log) != 0) {
+    GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
   }
   coordinator::HttpCallSpec models;
   models.port = port_;

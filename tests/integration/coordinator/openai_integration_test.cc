@@ -26,6 +26,7 @@ using nlohmann::json;
 namespace fs = std::filesystem;
 
 using testing::BinaryDir;
+using testing::EnsureOpenAiVenv;
 using testing::RunCommand;
 using testing::SourceDir;
 
@@ -143,12 +144,8 @@ TEST_F(OpenAiIntegrationTest, GreedyStreamingMatchesNonStreaming) {
 TEST_F(OpenAiIntegrationTest, OfficialPythonClient) {
   const std::string venv = BinaryDir() + "/openai-venv";
   std::string log;
-  if (!fs::exists(venv + "/bin/python")) {
-    if (RunCommand(
-            "python3 -m venv '" + venv + "' 2>&1 && '" + venv + "/bin/pip' install -q openai 2>&1",
-            &log) != 0) {
-      GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
-    }
+  if (EnsureOpenAiVenv(venv, &log) != 0) {
+    GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
   }
   std::string out;
   std::string script = SourceDir() + "/tests/integration/coordinator/openai_client_check.py";
