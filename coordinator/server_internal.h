@@ -180,9 +180,6 @@ class Session : public std::enable_shared_from_this<Session> {
   void DoRead();
   void OnHeader(beast::error_code ec);
   void OnRead(beast::error_code ec);
-  // Framing checks RFC 9112 asks of a server; the error to answer (and close
-  // after) when the request cannot be trusted.
-  std::optional<HttpError> CheckFraming();
   void Handle();
   std::optional<std::string> Authenticate();  // tenant, or nullopt after answering 401
   void HandleMetrics();

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "common/logging.h"
+#include "coordinator/http_request.h"
 #include "coordinator/server_internal.h"
 
 namespace kvrelay::coordinator::internal {
@@ -25,27 +26,8 @@ constexpr size_t kLingerBytes = 1 << 20;
 constexpr const char* kAllowGet = "GET, HEAD, OPTIONS";
 constexpr const char* kAllowPost = "POST, OPTIONS";
 
-bool IsParseError(const beast::error_code& ec) {
-  return ec.category() == beast::http::make_error_code(http::error::bad_method).category() &&
-         ec != http::error::end_of_stream && ec != http::error::partial_message;
-}
-
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
-  return s;
-}
-
-// The path of a request target: origin-form "/p?q" or absolute-form
-// "http://host/p?q" (RFC 9112 §3.2.2: a server must accept both).
-std::string_view PathOf(std::string_view target) {
-  if (target.starts_with("http://") || target.starts_with("https://")) {
-    size_t start = target.find("//") + 2;
-    size_t slash = target.find('/', start);
-    target = slash == std::string_view::npos ? std::string_view("/") : target.substr(slash);
-  }
-  if (size_t q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-  return target;
+RequestLimits LimitsOf(const ServerOptions& o) {
+  return RequestLimits{o.max_body_bytes, o.max_header_bytes};
 }
 
 }  // namespace
@@ -69,8 +51,7 @@ void Session::Run() {
 void Session::DoRead() {
   if (closed_) return;
   parser_.emplace();
-  parser_->body_limit(core_->options.max_body_bytes);
-  parser_->header_limit(static_cast<uint32_t>(core_->options.max_header_bytes));
+  ConfigureRequestParser(LimitsOf(core_->options), &*parser_);
   info_ = RequestInfo{};
   stream_.expires_after(std::chrono::milliseconds(core_->options.header_timeout_ms));
   http::async_read_header(
@@ -84,18 +65,8 @@ void Session::OnHeader(beast::error_code ec) {
     info_.version = h.version();
     info_.keep_alive = h.keep_alive();
     info_.head = h.method() == http::verb::head;
-    if (auto err = CheckFraming()) return SendError(*err);
-    auto expect = h.find(http::field::expect);
-    if (expect != h.end() && h.version() >= 11) {
-      std::string_view v(expect->value().data(), expect->value().size());
-      if (!beast::iequals(beast::string_view(Trim(v).data(), Trim(v).size()), "100-continue")) {
-        HttpError e;
-        e.api.http_status = 417;
-        e.api.message = "unsupported Expect: " + std::string(v);
-        e.api.code = "expectation_failed";
-        e.close = true;
-        return SendError(e);
-      }
+    if (auto err = CheckRequestHeader(h)) return SendError(*err);
+    if (WantsContinue(h)) {
       if (!parser_->is_done()) {
         // RFC 9110 §10.1.1: the client waits for this before sending the body.
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -116,56 +87,14 @@ void Session::OnHeader(beast::error_code ec) {
   OnRead(ec);
 }
 
-std::optional<HttpError> Session::CheckFraming() {
-  const auto& h = parser_->get();
-  // RFC 9112 §3.2: a 1.1 request has exactly one Host.
-  const auto hosts = h.count(http::field::host);
-  if (h.version() >= 11 && hosts != 1) {
-    return MalformedRequest(hosts == 0 ? "missing Host header" : "more than one Host header");
-  }
-  // RFC 9112 §6.1: only "chunked" is understood here, so any other coding
-  // (or a list ending in anything but chunked) leaves the body's length
-  // unknown; reading on would parse the body as the next request.
-  const auto codings = h.count(http::field::transfer_encoding);
-  if (codings > 0) {
-    if (h.version() < 11) return MalformedRequest("Transfer-Encoding in an HTTP/1.0 request");
-    if (codings > 1) return MalformedRequest("more than one Transfer-Encoding header");
-    auto te = h.find(http::field::transfer_encoding);
-    std::string_view v(te->value().data(), te->value().size());
-    if (!beast::iequals(beast::string_view(Trim(v).data(), Trim(v).size()), "chunked")) {
-      return MalformedRequest("unsupported Transfer-Encoding '" + std::string(v) +
-                              "': only 'chunked' is accepted");
-    }
-  }
-  return std::nullopt;
-}
-
 void Session::OnRead(beast::error_code ec) {
-  if (ec == http::error::body_limit) {
-    endpoint_label_ = "other";
-    HttpError e;
-    e.api.http_status = 413;
-    e.api.message =
-        "request body exceeds " + std::to_string(core_->options.max_body_bytes) + " bytes";
-    e.api.code = "request_too_large";
-    e.close = true;
-    return SendError(e);
+  if (ec) {
+    if (auto err = ReadError(ec, LimitsOf(core_->options))) {
+      endpoint_label_ = "other";
+      return SendError(*err);
+    }
+    return Close();  // end of stream, timeout, reset
   }
-  if (ec == http::error::header_limit) {
-    endpoint_label_ = "other";
-    HttpError e;
-    e.api.http_status = 431;
-    e.api.message =
-        "request headers exceed " + std::to_string(core_->options.max_header_bytes) + " bytes";
-    e.api.code = "headers_too_large";
-    e.close = true;
-    return SendError(e);
-  }
-  if (IsParseError(ec)) {
-    endpoint_label_ = "other";
-    return SendError(MalformedRequest("malformed HTTP request: " + ec.message()));
-  }
-  if (ec) return Close();  // end of stream, timeout, reset
   req_ = parser_->release();
   Handle();
 }
@@ -193,7 +122,7 @@ std::optional<std::string> Session::Authenticate() {
 
 void Session::Handle() {
   const std::string_view target =
-      PathOf(std::string_view(req_.target().data(), req_.target().size()));
+      RequestPath(std::string_view(req_.target().data(), req_.target().size()));
   const http::verb method = req_.method();
   const bool get = method == http::verb::get || method == http::verb::head;
   const std::string_view method_name(req_.method_string().data(), req_.method_string().size());
@@ -229,9 +158,8 @@ void Session::Handle() {
       SendJson(http::status::ok, ModelsJson(core_->options.model_name, UnixSeconds())["data"][0]);
     });
   }
-  if (target == "/v1/chat/completions" || target == "/v1/completions") {
-    Endpoint endpoint =
-        target == "/v1/completions" ? Endpoint::kCompletions : Endpoint::kChatCompletions;
+  if (const std::optional<Endpoint> completion = CompletionEndpoint(target)) {
+    const Endpoint endpoint = *completion;
     endpoint_label_ = EndpointName(endpoint);
     if (method == http::verb::options) return SendNoContent({{"Allow", kAllowPost}});
     if (method != http::verb::post) {

@@ -99,6 +99,7 @@ int main(int argc, char** argv) {
       {"auth_handshake", kvrelay::fuzz::FuzzAuthHandshake, kvrelay::fuzz::AuthSeeds},
       {"block_codec", kvrelay::fuzz::FuzzBlockCodec, kvrelay::fuzz::BlockCodecSeeds},
       {"layer_manifest", kvrelay::fuzz::FuzzLayerManifest, kvrelay::fuzz::LayerManifestSeeds},
+      {"http_request", kvrelay::fuzz::FuzzHttpRequest, kvrelay::fuzz::HttpRequestSeeds},
   };
   std::mt19937 rng(14);
   for (const Target& t : targets) {
