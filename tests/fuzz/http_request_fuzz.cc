@@ -236,6 +236,12 @@ std::vector<std::string> HttpRequestSeeds() {
       std::string(1, '\1') + chunked(chat_path, chat),
       std::string(1, '\0') + chunked(cmpl_path, completion, " Chunked "),
       // The malformed Transfer-Encoding cases of the issue.
+      // The issue's: a body that is itself a request, behind codings the
+      // server must refuse rather than read the body as the next request.
+      std::string(1, '\0') + "POST /v1/completions HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: "
+                             "xchunked\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: c\r\n\r\n",
+      std::string(1, '\0') + chunked(chat_path, chat, "gzip"),
+      std::string(1, '\0') + chunked(chat_path, chat, "chunked, identity"),
       std::string(1, '\0') + chunked(chat_path, chat, "gzip, chunked"),
       std::string(1, '\0') + chunked(chat_path, chat, "chunked, gzip"),
       std::string(1, '\0') + chunked(chat_path, chat, "identity"),
