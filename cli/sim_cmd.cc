@@ -204,7 +204,7 @@ Result<sim::ClusterConfig> ParseTopology(const Flags& f) {
   ASSIGN_OR_RETURN(int64_t max_queue, f.GetInt("max-queue", 256));
   ASSIGN_OR_RETURN(int64_t store, f.GetInt("store-blocks", 0));
   ASSIGN_OR_RETURN(int64_t host_cores, f.GetInt("shared-host-cores", 0));
-  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", 0));
+  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", sim::kDefaultHeartbeatS * 1e3));
   c.heartbeat_s = heartbeat_ms / 1e3;
   c.shared_host_cores = static_cast<int>(std::clamp<int64_t>(host_cores, 0, 1 << 20));
   for (int64_t v : {colocated, prefill, decode, tp, max_running, max_queue}) {
@@ -266,7 +266,8 @@ constexpr char kSimUsage[] =
     "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
     "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
     "[--colocated C | --prefill P --decode D --tp T] [--router R] [--shared-host-cores N] "
-    "[--heartbeat-ms MS (0 = exact router inputs; the real cluster: 500)] [--json OUT]";
+    "[--heartbeat-ms 500 (the router sees the workers' heartbeats, as the real coordinator; 0 = "
+    "exact router inputs)] [--json OUT]";
 
 int RunSim(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimUsage)) return 0;
@@ -341,8 +342,13 @@ int RunSim(const std::vector<std::string>& args) {
     std::fprintf(stderr, "sim: %s\n", r.status().ToString().c_str());
     return 1;
   }
-  std::printf("simulated %s (%d nodes), profile '%s': %zu requests\n", config->Name().c_str(),
-              config->Nodes(), profile->name.c_str(), workload->size());
+  std::printf("simulated %s (%d nodes), profile '%s': %zu requests; router inputs: %s\n",
+              config->Name().c_str(), config->Nodes(), profile->name.c_str(), workload->size(),
+              config->heartbeat_s > 0
+                  ? ("heartbeats every " + std::to_string(std::lround(config->heartbeat_s * 1e3)) +
+                     " ms")
+                        .c_str()
+                  : "exact (--heartbeat-ms 0)");
   std::printf("completed %lld, rejected %lld, in %.2f simulated s\n",
               static_cast<long long>(r->completed), static_cast<long long>(r->rejected),
               r->duration_s);
@@ -367,6 +373,7 @@ int RunSim(const std::vector<std::string>& args) {
     json j = SummaryJson(*r);
     j["config"] = config->Name();
     j["nodes"] = config->Nodes();
+    j["heartbeat_ms"] = config->heartbeat_s * 1e3;
     j["requests"] = workload->size();
     j["wall_s"] = wall;
     j["cpu_s"] = cpu;

@@ -37,6 +37,12 @@
 
 namespace kvrelay::sim {
 
+// The coordinator's heartbeat period (kvrelay launch's default, 500 ms): what
+// `kvrelay sim` and `kvrelay plan` use unless told otherwise (--heartbeat-ms 0
+// = exact router inputs). ClusterConfig itself defaults to exact inputs, which
+// the closed-form tests rely on.
+inline constexpr double kDefaultHeartbeatS = 0.5;
+
 struct ClusterConfig {
   int colocated = 0;  // colocated workers (prefill + decode in one engine)
   int prefill = 1;    // prefill workers (TP 1)
