@@ -167,6 +167,7 @@ struct Worker {
   double routed_tick = -1;
   int64_t routed_tokens = 0;
   int64_t reserved_blocks = 0;
+  bool view_dirty = false;  // in Simulator::dirty_views_: its router view is recomputed
   // Prompt tokens / requests submitted during the current step: the real
   // loop has not read them yet when it publishes after the step.
   int64_t submitted_in_step = 0;
@@ -231,6 +232,12 @@ class Simulator {
     return phase + std::floor((t - phase) / hb) * hb;
   }
   void RefreshViews();
+  void RefreshView(Worker& w, double tick);
+  void MarkViewDirty(size_t wi) {
+    if (workers_[wi].view_dirty) return;
+    workers_[wi].view_dirty = true;
+    dirty_views_.push_back(wi);
+  }
   int64_t BlocksFor(int64_t tokens) const {
     return (tokens + profile_.block_tokens - 1) / profile_.block_tokens;
   }
@@ -248,6 +255,10 @@ class Simulator {
   std::unordered_map<std::string, size_t> by_id_;
   std::vector<ReqState> reqs_;
   uint64_t next_order_ = 0;
+  // Heartbeats: the tick the router views were last computed for, and the
+  // workers whose view may have changed since (a publication, a routing).
+  double views_tick_ = -1e300;
+  std::vector<size_t> dirty_views_;
   std::vector<size_t> stepping_;  // workers inside a step (shared_host_cores only)
   double busy_cores_ = 0;         // the cores they keep busy
   // The coordinator and the client as fluid processes of one core each, busy
@@ -351,21 +362,35 @@ void Simulator::Publish(Worker& w) {
 // The router's view now, as coordinator/cluster_backend_state.h keeps it:
 // what the last heartbeat tick carried, plus the prompt tokens routed to and
 // the blocks reserved on each worker since that tick.
+// A view is a function of the tick, the worker's publications and the
+// coordinator's accounting since the tick, so only a new tick (every worker)
+// or a worker's publication or routing (that worker) changes it: recomputing
+// those alone is the same as recomputing all of them at every decision
+// (O(workers) per tick instead of per request).
 void Simulator::RefreshViews() {
   const double tick = LastTick(events_.now());
-  for (Worker& w : workers_) {
-    if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
-      w.routed_tick = tick;
-      w.routed_tokens = 0;
-      w.reserved_blocks = 0;
-    }
-    const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
-    WorkerInfo& info = infos_[w.info];
-    info.queued_tokens = v.queued_tokens + w.routed_tokens;
-    info.running = v.running;
-    info.queued_requests = v.queued_requests;
-    info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
+  if (tick != views_tick_) {
+    views_tick_ = tick;
+    for (Worker& w : workers_) RefreshView(w, tick);
+  } else {
+    for (size_t wi : dirty_views_) RefreshView(workers_[wi], tick);
   }
+  for (size_t wi : dirty_views_) workers_[wi].view_dirty = false;
+  dirty_views_.clear();
+}
+
+void Simulator::RefreshView(Worker& w, double tick) {
+  if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
+    w.routed_tick = tick;
+    w.routed_tokens = 0;
+    w.reserved_blocks = 0;
+  }
+  const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
+  WorkerInfo& info = infos_[w.info];
+  info.queued_tokens = v.queued_tokens + w.routed_tokens;
+  info.running = v.running;
+  info.queued_requests = v.queued_requests;
+  info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
 }
 
 void Simulator::SyncInfo(Worker& w) {
@@ -414,7 +439,10 @@ void Simulator::OnStart(uint32_t r) {
   }
   const size_t pw = by_id_.at(*p);
   st.t.prefill_worker = static_cast<int32_t>(pw);
-  if (config_.heartbeat_s > 0) workers_[pw].routed_tokens += q.prompt_tokens;
+  if (config_.heartbeat_s > 0) {
+    workers_[pw].routed_tokens += q.prompt_tokens;
+    MarkViewDirty(pw);
+  }
   if (workers_[pw].kind != Worker::Kind::kColocated) {
     auto d = router_.PickDecodeAmong(route, decode_candidates_);
     if (!d.ok()) {
@@ -427,7 +455,10 @@ void Simulator::OnStart(uint32_t r) {
     // The decode group reserves blocks for prompt + output before the prefill.
     st.reserved_blocks = BlocksFor(q.prompt_tokens + q.output_tokens);
     workers_[dw].used_blocks += st.reserved_blocks;
-    if (config_.heartbeat_s > 0) workers_[dw].reserved_blocks += st.reserved_blocks;
+    if (config_.heartbeat_s > 0) {
+      workers_[dw].reserved_blocks += st.reserved_blocks;
+      MarkViewDirty(dw);
+    }
     SyncInfo(workers_[dw]);
   } else {
     st.t.decode_worker = static_cast<int32_t>(pw);
@@ -811,7 +842,10 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
     AddServiceWork(i, services_[i].per_token_s * static_cast<double>(tokens));
   }
   SyncInfo(w);
-  if (config_.heartbeat_s > 0) Publish(w);
+  if (config_.heartbeat_s > 0) {
+    Publish(w);
+    MarkViewDirty(wi);
+  }
   MaybeStep(wi);
 }
 
