@@ -1009,8 +1009,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
         }
         auto x = sim::NonNegativeLeastSquares(a, 2, b, w);
         if (!x.ok()) return x.status();
-        *per_request = (*x)[0];
-        *per_token = (*x)[1];
+        *per_request = std::max(0.0, (*x)[0]);  // no "-0" from the refit
+        *per_token = std::max(0.0, (*x)[1]);
         return Status::Ok();
       };
       sim::ServingCpu& s = p.serving_cpu;
