@@ -31,7 +31,7 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
   // held (a prefix hit needs only in-window blocks): positions before every
   // later query's window, which the decode side never reads.
   if (engine_->kv_groups().size() > 1) {
-    hole_slab_.assign(static_cast<size_t>(engine_->pool()->layout().SlabBytes()), 0);
+    hole_layer_.assign(static_cast<size_t>(engine_->pool()->layout().LayerBytes()), 0);
   }
   if (!o.kv_store_path.empty()) {
     kv_store::HostRamTier::Options ram;
@@ -242,7 +242,7 @@ Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) 
         ctx_.transport, out.decode_ranks[k],
         worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
         worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
-                                         heads, hole_slab_.data())));
+                                         heads, hole_layer_.data())));
   }
   return Status::Ok();
 }

@@ -124,7 +124,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<kv_store::TieredCache> tiered_;
   // Zeros of one block layer, read in place of a never-held sliding-window
   // block. Declared before outgoing_ and quarantine_: destroyed after them.
-  std::vector<uint8_t> hole_slab_;
+  std::vector<uint8_t> hole_layer_;
   std::map<engine::RequestId, Outgoing> outgoing_;
   std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
   int delivering_ = 0;                // Outgoings with delivering set

@@ -55,7 +55,7 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
 kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
     std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local, uint8_t* hole_slab) {
+    kv_transfer::HeadRange local, uint8_t* hole_layer) {
   const engine::KvLayout& layout = pool->layout();
   kv_transfer::StreamBuffers buffers;
   buffers.layout.kv_heads = layout.kv_heads;
@@ -68,8 +68,8 @@ kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     const std::vector<engine::BlockId>& table = tables[static_cast<size_t>(groups.group_of[l])];
     for (int64_t i = range.first; i < range.first + range.count; ++i) {
       const engine::BlockId b = table[static_cast<size_t>(i)];
-      buffers.layer_data.push_back(b == engine::kNoBlock && hole_slab != nullptr
-                                       ? hole_slab
+      buffers.layer_data.push_back(b == engine::kNoBlock && hole_layer != nullptr
+                                       ? hole_layer
                                        : pool->LayerData(b, groups.slot_of[l]).data());
     }
   }

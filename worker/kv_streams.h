@@ -64,11 +64,12 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
 // (what the reservation reported), so the wire format is the one-group one.
 // A sender whose sliding-window tables have holes (kNoBlock: a block the
 // engine never held, wholly before every later query's window) passes
-// `hole_slab`, one block layer that stands in for each such entry.
+// `hole_layer`, zeros of one block layer (KvLayout::LayerBytes), read in
+// place of each such entry. Without it every entry must name a block.
 kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
     std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local, uint8_t* hole_slab = nullptr);
+    kv_transfer::HeadRange local, uint8_t* hole_layer = nullptr);
 Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
     kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
     const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,

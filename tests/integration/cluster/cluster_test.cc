@@ -1222,6 +1222,12 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
         milliseconds(15'000)))
         << decoder << " reports " << peaks.size() << " KV cache groups";
     ASSERT_EQ(peaks.size(), engine_peaks.size()) << decoder;
+    std::string line;
+    for (const testing::KvGroupPeak& p : peaks) {
+      line += " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
+    }
+    std::printf("[ KV groups ] %s (TP %d): most blocks per group:%s\n", decoder.c_str(), tp,
+                line.c_str());
     for (size_t g = 0; g < peaks.size(); ++g) {
       EXPECT_EQ(peaks[g].window, groups.window[g]) << decoder << " group " << g;
       EXPECT_EQ(static_cast<int64_t>(peaks[g].blocks), engine_peaks[g])
