@@ -113,7 +113,8 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   const engine::KvCacheGroups& groups = follower_->kv_groups();
   std::vector<std::vector<BlockId>> tables;
   tables.emplace_back(m.block_ids().begin(), m.block_ids().end());
-  for (const auto& t : m.group_block_ids()) tables.emplace_back(t.blocks().begin(), t.blocks().end());
+  for (const auto& t : m.group_block_ids())
+    tables.emplace_back(t.blocks().begin(), t.blocks().end());
   if (static_cast<int>(tables.size()) != groups.size()) {
     Ack(id, InvalidArgument("KV expectation with " + std::to_string(tables.size()) +
                             " block tables for a KV cache of " + std::to_string(groups.size()) +

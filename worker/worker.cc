@@ -146,8 +146,8 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   const std::vector<int64_t> peaks = e->stats().peak_group_blocks;
   for (int g = 0; g < groups.size(); ++g) {
     hb->add_kv_group_window(static_cast<uint32_t>(groups.window[static_cast<size_t>(g)]));
-    hb->add_kv_group_peak_blocks(
-        static_cast<uint64_t>(g < static_cast<int>(peaks.size()) ? peaks[static_cast<size_t>(g)] : 0));
+    hb->add_kv_group_peak_blocks(static_cast<uint64_t>(
+        g < static_cast<int>(peaks.size()) ? peaks[static_cast<size_t>(g)] : 0));
   }
   auto fill = [](const protocols::PortSecurityCounters& c, proto::PortSecurityCounters* out) {
     out->set_auth_failures(c.auth_failures);

@@ -163,8 +163,7 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
                                                        TpCollective* collective) {
   if (model == nullptr) return InvalidArgument("TpFollower needs a model shard and a collective");
   const int n_layers = model->config().n_layers;
-  return Create(options, std::move(model), KvCacheGroups::One(n_layers), total_blocks,
-                collective);
+  return Create(options, std::move(model), KvCacheGroups::One(n_layers), total_blocks, collective);
 }
 
 Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& options,
@@ -178,8 +177,8 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
   if (total_blocks <= 0) return InvalidArgument("TpFollower: total_blocks must be > 0");
   KvBlockPool::Options po;
   if (groups.n_layers() != model->config().n_layers || groups.size() < 1) {
-    return InvalidArgument("TpFollower: KV cache groups " + groups.DebugString() + " do not cover " +
-                           std::to_string(model->config().n_layers) + " layers");
+    return InvalidArgument("TpFollower: KV cache groups " + groups.DebugString() +
+                           " do not cover " + std::to_string(model->config().n_layers) + " layers");
   }
   po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
   po.layout.layers = groups.layers_per_block();
@@ -189,9 +188,8 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
     return Internal("follower pool has " + std::to_string(pool->total_blocks()) +
                     " blocks, rank 0 has " + std::to_string(total_blocks));
   }
-  return std::unique_ptr<TpFollower>(new TpFollower(
-      std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups),
-                             collective)));
+  return std::unique_ptr<TpFollower>(new TpFollower(std::make_unique<Impl>(
+      options, std::move(model), std::move(pool), std::move(groups), collective)));
 }
 
 TpFollower::TpFollower(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -1224,7 +1224,8 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
     ASSERT_EQ(peaks.size(), engine_peaks.size()) << decoder;
     std::string line;
     for (const testing::KvGroupPeak& p : peaks) {
-      line += " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
+      line +=
+          " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
     }
     std::printf("[ KV groups ] %s (TP %d): most blocks per group:%s\n", decoder.c_str(), tp,
                 line.c_str());

@@ -163,9 +163,9 @@ class TpHarness {
     queues_.resize(tp);
     for (int r = 1; r < tp; ++r) {
       // Followers mirror rank 0's KV cache groups (as TpSetup tells them).
-      auto f = TpFollower::Create(options, LoadShard(r, tp, TpMode::kExact, path),
-                                  engine_->kv_groups(), engine_->pool()->total_blocks(),
-                                  group_.rank(r));
+      auto f =
+          TpFollower::Create(options, LoadShard(r, tp, TpMode::kExact, path), engine_->kv_groups(),
+                             engine_->pool()->total_blocks(), group_.rank(r));
       EXPECT_TRUE(f.ok()) << f.status().ToString();
       followers_.push_back(std::move(f).value());
     }

@@ -69,10 +69,12 @@ TEST(GroupedStreamBuffersTest, EachLayerFromItsGroupsBlockAndHolesFromTheStandIn
   for (int l = 0; l < 4; ++l) {
     const auto& table = tables[static_cast<size_t>(groups.group_of[static_cast<size_t>(l)])];
     for (size_t i = 0; i < 3; ++i) {
-      const uint8_t* want = table[i] == kNoBlock
-                                ? hole.data()
-                                : p->LayerData(table[i], groups.slot_of[static_cast<size_t>(l)]).data();
-      EXPECT_EQ(b.layer_data[static_cast<size_t>(l) * 3 + i], want) << "layer " << l << " block " << i;
+      const uint8_t* want =
+          table[i] == kNoBlock
+              ? hole.data()
+              : p->LayerData(table[i], groups.slot_of[static_cast<size_t>(l)]).data();
+      EXPECT_EQ(b.layer_data[static_cast<size_t>(l) * 3 + i], want)
+          << "layer " << l << " block " << i;
     }
   }
   EXPECT_EQ(b.layer_data[1 * 3 + 0], hole.data());  // layer 1 (sliding) of block 0
