@@ -189,8 +189,14 @@ float DotVecAvx2(const float* a, const float* b, int n) {
 // their running max (std::fmax in position order) carried in mx.
 float Avx2ScoresStep(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
                      int64_t c0, int64_t c1, float scale, float* scores, float mx) {
-  for (int64_t j = std::max(j0, c0), z = std::min(j1, c1); j < z; ++j) {
-    const float* k = kb[j / B] + (j % B) * hd;
+  const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
+  int64_t blk = a / B, in_blk = a % B;  // walk with j: no division per key
+  for (int64_t j = a; j < z; ++j) {
+    const float* k = kb[blk] + in_blk * hd;
+    if (++in_blk == B) {
+      ++blk;
+      in_blk = 0;
+    }
     const float s = DotVecAvx2(q, k, hd) * scale;
     scores[j] = s;
     mx = std::fmax(mx, s);
@@ -225,8 +231,14 @@ float Avx2SoftmaxExp(float* scores, int64_t j0, int64_t j1, float mx) {
 // 8-lane FMA accumulator per output element (acc: 8 x hd, lane-major).
 void Avx2ValuesStep(const float* scores, float inv, const float* const* vb, int B, int hd,
                     int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
-  for (int64_t j = std::max(j0, c0), z = std::min(j1, c1); j < z; ++j) {
-    const float* v = vb[j / B] + (j % B) * hd;
+  const int64_t first = std::max(j0, c0), z = std::min(j1, c1);
+  int64_t blk = first / B, in_blk = first % B;  // walk with j: no division per position
+  for (int64_t j = first; j < z; ++j) {
+    const float* v = vb[blk] + in_blk * hd;
+    if (++in_blk == B) {
+      ++blk;
+      in_blk = 0;
+    }
     float* a = acc + (j & 7) * hd;
     const __m256 p = _mm256_set1_ps(scores[j] * inv);
     int e = 0;
@@ -399,6 +411,34 @@ __attribute__((always_inline)) inline __m512 Dot16(const float* q, const float* 
   return _mm512_permutexvar_ps(order, r);
 }
 
+// Dot16 for a whole group of 16 keys with the head size fixed (kHd > 0) and
+// q held in registers (qv[m] = q[16 m, 16 m + 16)): the same FMAs and folds as
+// Dot16, without its per-key range tests or q reloads.
+template <int kHd>
+__attribute__((always_inline)) inline __m512 DotPairReg(const __m512* qv, const float* k) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int m = 0; m < kHd / 16; m += 2) {
+    a = _mm512_fmadd_ps(qv[m], _mm512_loadu_ps(k + 16 * m), a);
+    b = _mm512_fmadd_ps(qv[m + 1], _mm512_loadu_ps(k + 16 * m + 16), b);
+  }
+  return _mm512_add_ps(a, b);
+}
+template <int kHd>
+__attribute__((always_inline)) inline __m512 Dot16Full(const __m512* qv, const float* kblk) {
+  __m512 x[8];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    x[p] = Fold256(DotPairReg<kHd>(qv, kblk + 2 * p * kHd),
+                   DotPairReg<kHd>(qv, kblk + (2 * p + 1) * kHd));
+  }
+  const __m512 u0 = Fold128(x[0], x[1]), u1 = Fold128(x[2], x[3]);
+  const __m512 u2 = Fold128(x[4], x[5]), u3 = Fold128(x[6], x[7]);
+  const __m512 r = FoldPairs(FoldPairs(u0, u1), FoldPairs(u2, u3));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
 // Pass 1 of AttendAvx512: scores[j] for j in [max(j0, c0), min(j1, c1)),
 // their running max folded into vmx (masked lane-wise max, the groups in
 // position order) and returned. c0 is a multiple of 16 or <= j0, so the keys go
@@ -414,11 +454,28 @@ __m512 Avx512ScoresStep(const float* q, const float* const* kb, int B, int hd_rt
   const int hd = kHd > 0 ? kHd : hd_rt;
   const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t jb = a & ~int64_t{15}; jb < z; jb += 16) {
+  __m512 qv[kHd > 0 ? kHd / 16 : 1];
+  if constexpr (kHd > 0) {
+    for (int m = 0; m < kHd / 16; ++m) qv[m] = _mm512_loadu_ps(q + 16 * m);
+  }
+  // The block and the offset in it walk with jb (B % 16 == 0): no division per group.
+  int64_t jb = a & ~int64_t{15};
+  int64_t blk = jb / B, in_blk = jb % B;
+  for (; jb < z; jb += 16) {
     const int lo = static_cast<int>(std::max<int64_t>(0, a - jb));
     const int hi = static_cast<int>(std::min<int64_t>(16, z - jb));
-    const float* kblk = kb[jb / B] + (jb % B) * hd;
-    const __m512 sc = _mm512_mul_ps(Dot16(q, kblk, hd, lo, hi), vscale);
+    const float* kblk = kb[blk] + in_blk * hd;
+    if ((in_blk += 16) == B) {
+      ++blk;
+      in_blk = 0;
+    }
+    __m512 dots;
+    if constexpr (kHd > 0) {
+      dots = lo == 0 && hi == 16 ? Dot16Full<kHd>(qv, kblk) : Dot16(q, kblk, hd, lo, hi);
+    } else {
+      dots = Dot16(q, kblk, hd, lo, hi);
+    }
+    const __m512 sc = _mm512_mul_ps(dots, vscale);
     const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     _mm512_mask_storeu_ps(scores + jb, m, sc);
     vmx = _mm512_mask_max_ps(vmx, m, vmx, sc);
@@ -496,8 +553,13 @@ void Avx512ValuesStep(const float* scores, const float* const* vb, int B, int hd
         b[l] = _mm512_loadu_ps(acc_in + l * hd + e0 + 16);
       }
     }
+    int64_t blk = g_begin / B, in_blk = g_begin % B;  // walk with g (B % 8 == 0)
     for (int64_t g = g_begin; g < g_end; g += 8) {
-      const float* vblk = vb[g / B] + (g % B) * hd + e0;  // B % 8 == 0: one block
+      const float* vblk = vb[blk] + in_blk * hd + e0;  // B % 8 == 0: one block
+      if ((in_blk += 8) == B) {
+        ++blk;
+        in_blk = 0;
+      }
       // One walking pointer (8 precomputed row offsets spill registers).
       const float* v = vblk;
       const float* pj = scores + g;
