@@ -71,6 +71,11 @@ float ExpGgmlScalar(float x) {
   return std::fma(s2, p, s2) * s1;
 }
 
+// ggml_vec_max_f32's MAX(max, x) (inline, unlike std::fmax's libm call). It
+// can differ from std::fmax only in the sign of a zero max, which no result
+// sees: exp(s - (+0)) and exp(s - (-0)) are the same for every s.
+inline float MaxGgml(float mx, float s) { return mx > s ? mx : s; }
+
 // ggml's 8-lane horizontal sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
 inline float Hsum8Scalar(const float* a) {
   const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
@@ -184,22 +189,69 @@ float DotVecAvx2(const float* a, const float* b, int n) {
   return static_cast<float>(sum);
 }
 
+// DotVecAvx2 of q with the 8 consecutive rows k, k + hd, ..., k + 7 hd (hd a
+// multiple of 32), in key order: per key the same four 8-lane FMA chains and
+// x = (s0 + s2) + (s1 + s3); then DotVecAvx2's horizontal sum
+// ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7)) for 8 keys at once: lane
+// halves added by pairs of keys, then two hadds pair exactly those terms. (The
+// float result of DotVecAvx2 goes through double unchanged when hd % 32 == 0.)
+inline __m256 Dot8Avx2(const float* q, const float* k, int hd) {
+  __m256 u[4];
+  for (int p = 0; p < 4; ++p) {
+    __m256 x[2];
+    for (int c = 0; c < 2; ++c) {
+      const float* b = k + (2 * p + c) * hd;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int i = 0; i < hd; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+      }
+      x[c] = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+    }
+    // [x_a.lo + x_a.hi | x_b.lo + x_b.hi]
+    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                         _mm256_permute2f128_ps(x[0], x[1], 0x31));
+  }
+  // Low halves: keys 0, 2, 4, 6; high halves: keys 1, 3, 5, 7.
+  const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // AttendAvx2's passes (single == false), also run chunk by chunk by the tile
 // path (AttendTileGgml): scores of the positions in [max(j0, c0), min(j1, c1)),
-// their running max (std::fmax in position order) carried in mx.
+// their running max (MaxGgml in position order) carried in mx.
 float Avx2ScoresStep(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
                      int64_t c0, int64_t c1, float scale, float* scores, float mx) {
   const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
   int64_t blk = a / B, in_blk = a % B;  // walk with j: no division per key
-  for (int64_t j = a; j < z; ++j) {
+  const bool eights = hd % 32 == 0 && B % 8 == 0;
+  for (int64_t j = a; j < z;) {
     const float* k = kb[blk] + in_blk * hd;
+    if (eights && (j & 7) == 0 && j + 8 <= z) {
+      // 8 keys (one block: B % 8 == 0) at once, the same dot products.
+      alignas(32) float s8[8];
+      _mm256_store_ps(s8, _mm256_mul_ps(Dot8Avx2(q, k, hd), _mm256_set1_ps(scale)));
+      for (int l = 0; l < 8; ++l) {
+        scores[j + l] = s8[l];
+        mx = MaxGgml(mx, s8[l]);
+      }
+      j += 8;
+      if ((in_blk += 8) == B) {
+        ++blk;
+        in_blk = 0;
+      }
+      continue;
+    }
     if (++in_blk == B) {
       ++blk;
       in_blk = 0;
     }
     const float s = DotVecAvx2(q, k, hd) * scale;
     scores[j] = s;
-    mx = std::fmax(mx, s);
+    mx = MaxGgml(mx, s);
+    ++j;
   }
   return mx;
 }
@@ -213,6 +265,12 @@ float Avx2SoftmaxExp(float* scores, int64_t j0, int64_t j1, float mx) {
   const int64_t g0 = j0 & ~int64_t{7};
   alignas(32) float buf[8];
   for (int64_t g = g0; g < j1; g += 8) {
+    if (g >= j0 && g + 8 <= j1) {  // a whole group: no masking
+      const __m256 e = Exp8Ggml(_mm256_sub_ps(_mm256_loadu_ps(scores + g), vmx));
+      sum += static_cast<double>(Hsum8(e));
+      _mm256_storeu_ps(scores + g, e);
+      continue;
+    }
     for (int l = 0; l < 8; ++l) {
       const int64_t j = g + l;
       buf[l] = j >= j0 && j < j1 ? scores[j] : -INFINITY;
@@ -232,6 +290,38 @@ float Avx2SoftmaxExp(float* scores, int64_t j0, int64_t j1, float mx) {
 void Avx2ValuesStep(const float* scores, float inv, const float* const* vb, int B, int hd,
                     int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
   const int64_t first = std::max(j0, c0), z = std::min(j1, c1);
+  if (hd % 8 == 0 && B % 8 == 0 && first < z) {
+    // 8 output elements at a time with their 8 lane accumulators in registers
+    // (the same FMAs, each accumulator's positions in order), in groups of 8
+    // positions aligned at 0 (one block each: B % 8 == 0).
+    const int64_t g_begin = first & ~int64_t{7};
+    for (int e0 = 0; e0 < hd; e0 += 8) {
+      __m256 a[8];
+      for (int l = 0; l < 8; ++l) a[l] = _mm256_loadu_ps(acc + l * hd + e0);
+      int64_t blk = g_begin / B, in_blk = g_begin % B;
+      for (int64_t g = g_begin; g < z; g += 8) {
+        const float* v = vb[blk] + in_blk * hd + e0;
+        if ((in_blk += 8) == B) {
+          ++blk;
+          in_blk = 0;
+        }
+        if (g >= first && g + 8 <= z) {
+          for (int l = 0; l < 8; ++l) {
+            a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(v + l * hd), _mm256_set1_ps(scores[g + l] * inv),
+                                   a[l]);
+          }
+        } else {
+          for (int l = 0; l < 8; ++l) {
+            if (g + l < first || g + l >= z) continue;
+            a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(v + l * hd), _mm256_set1_ps(scores[g + l] * inv),
+                                   a[l]);
+          }
+        }
+      }
+      for (int l = 0; l < 8; ++l) _mm256_storeu_ps(acc + l * hd + e0, a[l]);
+    }
+    return;
+  }
   int64_t blk = first / B, in_blk = first % B;  // walk with j: no division per position
   for (int64_t j = first; j < z; ++j) {
     const float* v = vb[blk] + in_blk * hd;
@@ -678,7 +768,7 @@ float ScalarScoresStep(const float* q, const float* const* kb, int B, int hd, in
     const float* k = kb[j / B] + (j % B) * hd;
     const float s = DotVecScalar(q, k, hd) * scale;
     scores[j] = s;
-    mx = std::fmax(mx, s);
+    mx = MaxGgml(mx, s);
   }
   return mx;
 }
