@@ -398,8 +398,8 @@ void AttendTileAvx2(const AttendTileRow* rows, int n, const float* const* kb,
     for (int r = 0; r < n; ++r) {
       const AttendTileRow& row = rows[r];
       if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      mx[r] = Avx2ScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale,
-                             scores + r * stride, mx[r]);
+      mx[r] = Avx2ScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                             mx[r]);
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -574,8 +574,7 @@ __m512 Avx512ScoresStep(const float* q, const float* const* kb, int B, int hd_rt
 }
 
 __m512 Avx512ScoresAny(const float* q, const float* const* kb, int B, int hd, int64_t j0,
-                       int64_t j1, int64_t c0, int64_t c1, float scale, float* scores,
-                       __m512 vmx) {
+                       int64_t j1, int64_t c0, int64_t c1, float scale, float* scores, __m512 vmx) {
   switch (hd) {
     case 64:
       return Avx512ScoresStep<64>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
@@ -728,8 +727,8 @@ void AttendTileAvx512(const AttendTileRow* rows, int n, const float* const* kb,
     for (int r = 0; r < n; ++r) {
       const AttendTileRow& row = rows[r];
       if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      vmx[r] = Avx512ScoresAny(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale,
-                               scores + r * stride, vmx[r]);
+      vmx[r] = Avx512ScoresAny(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                               vmx[r]);
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -832,8 +831,8 @@ void AttendTileScalar(const AttendTileRow* rows, int n, const float* const* kb,
     for (int r = 0; r < n; ++r) {
       const AttendTileRow& row = rows[r];
       if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      mx[r] = ScalarScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale,
-                               scores + r * stride, mx[r]);
+      mx[r] = ScalarScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                               mx[r]);
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -958,7 +957,6 @@ void AttendValuesGgml(const float* p, const float* const* v_blocks, int block_to
   }
   Avx512Values(p, v_blocks, block_tokens, hd, j0, j1, e0, e1, out);
 }
-
 
 namespace {
 int64_t TileStride(int64_t max_j1) { return (std::max<int64_t>(max_j1, 1) + 15) & ~int64_t{15}; }

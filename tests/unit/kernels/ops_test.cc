@@ -307,8 +307,8 @@ TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
   struct Case {
     int64_t cache_len, tokens, window;
   };
-  const Case cases[] = {{0, 25, 0},   {0, 70, 0},    {130, 21, 0}, {517, 19, 0},
-                        {0, 40, 37},  {600, 21, 200}, {250, 1, 0},  {3, 5, 0}};
+  const Case cases[] = {{0, 25, 0},  {0, 70, 0},     {130, 21, 0}, {517, 19, 0},
+                        {0, 40, 37}, {600, 21, 200}, {250, 1, 0},  {3, 5, 0}};
   for (int hd : {64, 128, 36}) {
     const auto k = Random(int64_t{n} * hd, 1.0f, 41), v = Random(int64_t{n} * hd, 2.0f, 42);
     for (int B : {16, 32, 8}) {
