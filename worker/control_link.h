@@ -47,6 +47,11 @@ class ControlLink {
     // Mutual TLS under the handshake (protocols/tls.h); null = plaintext.
     std::shared_ptr<protocols::TlsContext> tls;
     std::chrono::milliseconds connect_timeout{30000};
+    // Nothing heard from the coordinator for this long (it sends a heartbeat
+    // every interval it announced at registration) closes the link, and the
+    // worker re-registers with backoff: how a stopped or cut-off coordinator
+    // is noticed, as a closed connection is not. 0 = 3 announced intervals.
+    std::chrono::milliseconds coordinator_timeout{0};
   };
   explicit ControlLink(Options options);
   ~ControlLink();
@@ -55,6 +60,8 @@ class ControlLink {
   // the coordinator accepted it. Replaces a previous connection.
   Status Connect(const proto::RegisterWorker& reg, Deadline deadline);
   bool connected() const { return conn_ != nullptr && !conn_->closed(); }
+  // The coordinator-liveness deadline in force (after Connect).
+  std::chrono::milliseconds coordinator_timeout() const;
   void Close(const Status& why);
 
   template <typename Message>
