@@ -55,7 +55,7 @@ FlagSpec LaunchSpec() {
         "workers: a KV stream moving nothing this long fails (0 = their default, 2000)"},
        {"coordinator-timeout-ms", "0",
         "workers: re-register after hearing nothing from the coordinator this long (0 = 3 "
-        "heartbeat intervals)"},
+        "heartbeat intervals, at least 2000)"},
        {"bin-dir", "", "where kvrelay-coordinator etc. live (default: next to kvrelay)"},
        {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
         "how long to wait for the cluster to be ready"},

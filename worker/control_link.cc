@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 namespace kvrelay::worker {
 
 using protocols::MessageType;
@@ -109,8 +111,8 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
 }
 
 std::chrono::milliseconds ControlLink::coordinator_timeout() const {
-  return options_.coordinator_timeout.count() > 0 ? options_.coordinator_timeout
-                                                  : 3 * heartbeat_interval_;
+  if (options_.coordinator_timeout.count() > 0) return options_.coordinator_timeout;
+  return std::max<std::chrono::milliseconds>(3 * heartbeat_interval_, kMinCoordinatorTimeout);
 }
 
 void ControlLink::Leave(const std::string& worker_id, const std::string& why) {

@@ -50,7 +50,8 @@ class ControlLink {
     // Nothing heard from the coordinator for this long (it sends a heartbeat
     // every interval it announced at registration) closes the link, and the
     // worker re-registers with backoff: how a stopped or cut-off coordinator
-    // is noticed, as a closed connection is not. 0 = 3 announced intervals.
+    // is noticed, as a closed connection is not. 0 = 3 announced intervals,
+    // at least kMinCoordinatorTimeout.
     std::chrono::milliseconds coordinator_timeout{0};
   };
   explicit ControlLink(Options options);
@@ -94,6 +95,12 @@ class ControlLink {
   std::unique_ptr<protocols::IoThread> io_;
   std::shared_ptr<protocols::FramedConnection> conn_;
   static constexpr std::chrono::seconds kStallWindow{10};
+  // The default coordinator deadline's floor: nothing is gained by noticing a
+  // silent coordinator fast (no request reaches this worker or its clients
+  // meanwhile, and the coordinator itself ends the requests it holds), while
+  // a false positive costs this worker's streaming requests; 2 s rides out
+  // a coordinator scheduled late on a loaded host at short intervals.
+  static constexpr std::chrono::milliseconds kMinCoordinatorTimeout{2000};
 
   void StartHeartbeats();
   void StopHeartbeats();

@@ -25,7 +25,7 @@ FlagSpec WorkerSpec(const std::string& program) {
            {"coordinator", "127.0.0.1:9000", "coordinator control plane HOST:PORT"},
            {"coordinator-timeout-ms", "0",
             "nothing from the coordinator for this long: drop the link and re-register "
-            "(0 = 3 of its heartbeat intervals)"},
+            "(0 = 3 of its heartbeat intervals, at least 2000)"},
            {protocols::kControlTlsCertFlag, "",
             "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
            {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},

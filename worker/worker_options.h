@@ -58,11 +58,12 @@ struct WorkerOptions {
   // interval) and the worker drops its link, ends its requests there and
   // re-registers with backoff (--coordinator-timeout-ms): a SIGSTOPped or
   // cut-off coordinator keeps its sockets open, so without it a worker would
-  // wait forever. 0 = 3 of the heartbeat intervals the coordinator announces
-  // (1.5 s at the default 500 ms), the same margin the coordinator gives its
-  // workers by default: a false positive costs this worker's streaming
-  // requests, and a coordinator's heartbeat can be scheduled hundreds of ms
-  // late on a loaded host.
+  // wait forever. 0 = 3 of the heartbeat intervals the coordinator announces,
+  // at least 2 s (1.5 s -> 2 s at the default 500 ms). No hurry is needed:
+  // while the coordinator is silent no request reaches this worker or its
+  // clients, and the coordinator ends the requests it holds itself; a false
+  // positive costs this worker's streaming requests, and a coordinator can be
+  // scheduled hundreds of ms late on a loaded host.
   std::chrono::milliseconds coordinator_timeout{0};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
   // A KV stream whose sender has handed every byte to its transport (decode

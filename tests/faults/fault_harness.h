@@ -37,10 +37,12 @@ class LaunchedCluster {
     int decode = 1;
     int heartbeat_ms = 200;
     // Silent-fault deadlines (kvrelay launch --heartbeat-timeout-ms,
-    // --tp-step-timeout-ms, --kv-progress-timeout-ms); 0 = the defaults.
+    // --tp-step-timeout-ms, --kv-progress-timeout-ms, --coordinator-
+    // timeout-ms); 0 = the defaults.
     int heartbeat_timeout_ms = 0;
     int tp_step_timeout_ms = 0;
     int kv_progress_timeout_ms = 0;
+    int coordinator_timeout_ms = 0;  // --coordinator-timeout-ms
     int kv_timeout_ms = 10'000;
     int max_restarts = 5;
     // deploy/mpirun/launch.sh -X tcp -R max_restarts instead of kvrelay launch.

@@ -86,8 +86,8 @@ constexpr double kTpStepTimeoutS = 1.2 * kHeartbeatS;
 // The workers' --kv-progress-timeout-ms (the KV path cases): a stream that
 // moves nothing for 1.5 H fails, counted from its last byte, before the cut.
 constexpr double kKvProgressTimeoutS = 1.5 * kHeartbeatS;
-// The workers' coordinator-liveness deadline: their default, 3 H (worker/
-// worker_options.h coordinator_timeout).
+// The workers' coordinator-liveness deadline (--coordinator-timeout-ms): 3 H,
+// as their default would be at this interval (worker/worker_options.h).
 constexpr double kCoordinatorTimeoutS = 3 * kHeartbeatS;
 // How long the coordinator stays SIGSTOPped. Short: past its own 1.5 H
 // worker deadline (it must not drop its workers for its own stall) and under
@@ -135,6 +135,7 @@ class FaultMatrixTest : public ::testing::TestWithParam<Case> {
     o.heartbeat_ms = static_cast<int>(kHeartbeatS * 1000);
     o.heartbeat_timeout_ms = static_cast<int>(kHeartbeatTimeoutS * 1000);
     o.tp_step_timeout_ms = static_cast<int>(kTpStepTimeoutS * 1000);
+    o.coordinator_timeout_ms = static_cast<int>(kCoordinatorTimeoutS * 1000);
     if (GetParam().tp > 1) o.extra = {"--tp", std::to_string(GetParam().tp)};
     auto c = LaunchedCluster::Start(o);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
