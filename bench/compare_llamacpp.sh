@@ -4,15 +4,21 @@
 # medians and the ratios kvrelay / llama.cpp for pp<P> and tg<G>.
 #
 #   bench/compare_llamacpp.sh [--model M | --gemma] [--threads T] [--reps N] [--pp 512] [--tg 128]
-#                             [--kvrelay path/to/kvrelay] [--llama-bench path/to/llama-bench]
+#                             [--llama-build native|avx2] [--kvrelay path/to/kvrelay]
+#                             [--llama-bench path/to/llama-bench] [--python-llama]
 # --gemma = --model models/gemma-3-270m-q4_k_m.gguf (scripts/fetch-model.sh gemma3-270m).
 #
-# llama.cpp: llama.cpp's own llama-bench when --llama-bench is given or
-# ~/.cache/kvrelay-bench/llama-build/bin/llama-bench exists (built natively from
-# the llama.cpp inside the pinned llama-cpp-python sdist; one untimed warm-up,
-# then one timed run per call, -r 1); else llama-cpp-python from a private venv:
-# /opt/llamacpp-venv if it exists, else .venv-llamacpp (created with
-# `pip install llama-cpp-python` on first use).
+# llama.cpp: its own llama-bench (one untimed warm-up, then one timed run per
+# call, -r 1), built by bench/build_llamacpp.sh from the llama.cpp inside the
+# pinned llama-cpp-python sdist when it is not built yet:
+#   --llama-build native (default): -march=native with AMX off, kvrelay with the
+#                 kernels it picks at run time;
+#   --llama-build avx2: llama.cpp built for an AVX2-only CPU and kvrelay forced
+#                 to its AVX2 kernels (KVRELAY_KERNELS=avx2): the AVX2-only
+#                 machine's comparison, emulated on an AVX-512 one.
+# --llama-bench PATH uses that binary instead; --python-llama uses
+# llama-cpp-python from a private venv (/opt/llamacpp-venv if it exists, else
+# .venv-llamacpp, created with `pip install llama-cpp-python` on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,8 +29,8 @@ pp=512
 tg=128
 kvrelay=""
 llama_bench=""
-[[ -x $HOME/.cache/kvrelay-bench/llama-build/bin/llama-bench ]] &&
-  llama_bench=$HOME/.cache/kvrelay-bench/llama-build/bin/llama-bench
+llama_build=native
+python_llama=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
@@ -35,6 +41,8 @@ while [[ $# -gt 0 ]]; do
     --tg) tg=$2; shift 2 ;;
     --kvrelay) kvrelay=$2; shift 2 ;;
     --llama-bench) llama_bench=$2; shift 2 ;;
+    --llama-build) llama_build=$2; shift 2 ;;
+    --python-llama) python_llama=1; shift ;;
     *) echo "compare_llamacpp.sh: unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -45,6 +53,15 @@ if [[ -z "$kvrelay" ]]; then
 fi
 [[ -x "$kvrelay" ]] || { echo "compare_llamacpp.sh: no kvrelay binary (build it or pass --kvrelay)" >&2; exit 1; }
 [[ -f "$model" ]] || { echo "compare_llamacpp.sh: model not found: $model" >&2; exit 1; }
+
+case $llama_build in
+  native) ;;
+  avx2) export KVRELAY_KERNELS=avx2 ;;
+  *) echo "compare_llamacpp.sh: --llama-build native|avx2" >&2; exit 2 ;;
+esac
+if [[ -z "$llama_bench" && $python_llama == 0 ]]; then
+  llama_bench=$(bench/build_llamacpp.sh "$llama_build")/llama-bench
+fi
 
 py=""
 if [[ -n "$llama_bench" ]]; then
@@ -62,7 +79,8 @@ fi
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 kv_pp=(); kv_tg=(); ll_pp=(); ll_tg=()
-echo "model $model, threads $threads, $reps alternating runs each (pp$pp, tg$tg)"
+echo "model $model, threads $threads, $reps alternating runs each (pp$pp, tg$tg)," \
+  "llama.cpp build $llama_build${KVRELAY_KERNELS:+, kvrelay kernels $KVRELAY_KERNELS}"
 for ((i = 1; i <= reps; i++)); do
   out=$("$kvrelay" bench engine --model "$model" --threads "$threads" --reps 1 --pp "$pp" \
         --tg "$tg" --skip-batches)

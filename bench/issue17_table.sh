@@ -11,20 +11,24 @@
 #                                              bench/ttft_cold.sh
 #   8.   saturated serving, serve.sh topology vs llama-server
 #                                              bench/serve_saturated.sh
-# Needs build/cli/kvrelay and build/bin (a Release build) and llama.cpp's tools in
-# ~/.cache/kvrelay-bench/llama-build/bin (bench/compare_llamacpp.sh documents how
-# they are built). Logs go to $OUT (default /tmp/kvrelay-issue17).
+# Needs build/cli/kvrelay and build/bin (a Release build); llama.cpp's tools are
+# built by bench/build_llamacpp.sh when missing. Logs go to $OUT (default
+# /tmp/kvrelay-issue17).
 #
-#   bench/issue17_table.sh [--threads T] [--quick]
+#   bench/issue17_table.sh [--threads T] [--quick] [--avx2]
 # --quick: one repetition per measure (a smoke run of the script, ~6 minutes).
+# --avx2: the AVX2-only machine's table on this one: kvrelay forced to its AVX2
+#         kernels (KVRELAY_KERNELS=avx2, inherited by every process it starts)
+#         against llama.cpp built for AVX2 (bench/build_llamacpp.sh avx2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-T=$(nproc) REPS=3 QUICK=0 ONLY=""
+T=$(nproc) REPS=3 QUICK=0 ONLY="" FLAVOR=native
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --threads) T=$2; shift 2 ;;
     --quick) QUICK=1; REPS=1; shift ;;
+    --avx2) FLAVOR=avx2; shift ;;
     --reps) REPS=$2; shift 2 ;;               # internal: the contention section
     --only-contention) ONLY=contention; shift ;;
     *) echo "issue17_table.sh: unknown flag $1" >&2; exit 2 ;;
@@ -33,7 +37,10 @@ done
 OUT=${OUT:-/tmp/kvrelay-issue17}
 mkdir -p "$OUT"
 KV=build/cli/kvrelay
-LLAMA_BENCH=$HOME/.cache/kvrelay-bench/llama-build/bin/llama-bench
+[[ $FLAVOR == avx2 ]] && export KVRELAY_KERNELS=avx2
+LLAMA_BIN=$(bench/build_llamacpp.sh "$FLAVOR") || { echo "issue17_table.sh: llama.cpp build failed" >&2; exit 1; }
+LLAMA_BENCH=$LLAMA_BIN/llama-bench
+export LLAMA_SERVER=$LLAMA_BIN/llama-server  # bench/ttft_cold.sh, bench/serve_saturated.sh
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -x $KV ]] || { echo "issue17_table.sh: build/cli/kvrelay missing (scripts/build.sh build)" >&2; exit 1; }
 START=$(date +%s)
@@ -91,16 +98,16 @@ section() {
   return 0
 }
 
-echo "# issue #17 table, $(date -u +%FT%TZ), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
+echo "# issue #17 table ($FLAVOR llama.cpp build), $(date -u +%FT%TZ), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)," \
   "$(nproc) cores, threads $T, kernels $($KV bench engine --threads 1 --reps 1 --pp 16 --tg 1 \
   --skip-batches 2>/dev/null | sed -n 's/.*kernels \([a-z0-9]*\).*/\1/p')"
 echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-section pp512_tg128 150 bench/compare_llamacpp.sh --threads "$T" --reps "$REPS" --pp 512 --tg 128
+section pp512_tg128 150 bench/compare_llamacpp.sh --llama-build "$FLAVOR" --threads "$T" --reps "$REPS" --pp 512 --tg 128
 grep -E "^(pp|tg)[0-9]" "$OUT/pp512_tg128.log"
-section pp2048 200 bench/compare_llamacpp.sh --threads "$T" --reps "$REPS" --pp 2048 --tg 16
+section pp2048 200 bench/compare_llamacpp.sh --llama-build "$FLAVOR" --threads "$T" --reps "$REPS" --pp 2048 --tg 16
 grep -E "^pp[0-9]" "$OUT/pp2048.log"
-section pp4096 240 bench/compare_llamacpp.sh --threads "$T" --reps $((REPS > 1 ? 2 : 1)) --pp 4096 --tg 16
+section pp4096 240 bench/compare_llamacpp.sh --llama-build "$FLAVOR" --threads "$T" --reps $((REPS > 1 ? 2 : 1)) --pp 4096 --tg 16
 grep -E "^pp[0-9]" "$OUT/pp4096.log"
 
 section batched_decode 90 "$KV" bench engine --threads "$T" --reps "$REPS" --pp 16 --tg 1 \
@@ -111,7 +118,8 @@ section long_context_decode 120 "$KV" bench engine --threads "$T" --reps 1 --pp 
   --batches 1 --batch-steps 16 --context 4096
 grep -E "^decode batch 1" "$OUT/long_context_decode.log" | tail -1 | sed 's/^/context 4096: /'
 
-section contention 150 "$0" --only-contention --threads "$T" --reps "$REPS"
+section contention 150 "$0" --only-contention --threads "$T" --reps "$REPS" \
+  $([[ $FLAVOR == avx2 ]] && echo --avx2)
 grep -E "^contention" "$OUT/contention.log"
 
 section ttft_cold 240 bench/ttft_cold.sh --reps "$REPS"

@@ -10,7 +10,7 @@
 #   bench/serve_saturated.sh [--prompts 48] [--input-len 128] [--output-len 32]
 #                            [--concurrency 32] [--slots 16] [--threads T]
 #
-# llama-server: LLAMA_SERVER, else ~/.cache/kvrelay-bench/llama-build/bin/llama-server
+# llama-server: LLAMA_SERVER, else built natively by bench/build_llamacpp.sh
 # (bench/compare_llamacpp.sh builds it); without it only kvrelay runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
-LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/kvrelay-bench/llama-build/bin/llama-server}
+# llama.cpp built natively (AMX off) by bench/build_llamacpp.sh unless LLAMA_SERVER names one.
+LLAMA_SERVER=${LLAMA_SERVER:-$(bench/build_llamacpp.sh native)/llama-server}
 OUT=${OUT:-/tmp/kvrelay-saturated}
 mkdir -p "$OUT"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }

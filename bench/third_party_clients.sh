@@ -71,20 +71,7 @@ wait_http() {
 # --- llama-server: a long build on 2 cores, so it starts first, in the background ---
 build_llama_server() {
   [[ -x $LLAMA_SERVER ]] && return 0
-  local src=$CACHE/src
-  mkdir -p "$src"
-  if [[ ! -d $src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION ]]; then
-    python3 -m pip download -q --no-deps --no-binary :all: -d "$src" \
-      "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
-    tar xzf "$src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$src"
-  fi
-  local launcher=()
-  command -v ccache >/dev/null && launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  cmake -S "$src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp" -B "$CACHE/llama-build" \
-    -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF "${launcher[@]}"
-  nice cmake --build "$CACHE/llama-build" --target llama-server -j "$(nproc)"
+  CACHE=$CACHE bench/build_llamacpp.sh native
 }
 if ((WITH_LLAMA)) && [[ ! -x $LLAMA_SERVER ]]; then
   say "building llama-server (llama.cpp of llama-cpp-python $LLAMA_CPP_PYTHON_VERSION) in the background"

@@ -21,7 +21,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
-LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/kvrelay-bench/llama-build/bin/llama-server}
+# llama.cpp built natively (AMX off) by bench/build_llamacpp.sh unless LLAMA_SERVER names one.
+LLAMA_SERVER=${LLAMA_SERVER:-$(bench/build_llamacpp.sh native)/llama-server}
 OUT=${OUT:-/tmp/kvrelay-ttft}
 mkdir -p "$OUT"
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
