@@ -52,6 +52,9 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
       w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
       w->info.transfer_seconds = hb.transfer_seconds();
+      w->info.kv_group_window.assign(hb.kv_group_window().begin(), hb.kv_group_window().end());
+      w->info.kv_group_peak_blocks.assign(hb.kv_group_peak_blocks().begin(),
+                                          hb.kv_group_peak_blocks().end());
       auto take = [](const proto::PortSecurityCounters& c, protocols::PortSecurityCounters* out) {
         *out = {c.auth_failures(), c.refused_connections(), c.oversized_frames(),
                 c.foreign_frames()};

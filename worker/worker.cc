@@ -143,6 +143,13 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   hb->set_transfer_bytes(static_cast<uint64_t>(counters_.transfer_bytes));
   hb->set_transfer_seconds(counters_.transfer_seconds);
   hb->set_quarantined_kv_blocks(static_cast<uint64_t>(counters_.quarantined_blocks));
+  const engine::KvCacheGroups& groups = e->kv_groups();
+  const std::vector<int64_t> peaks = e->stats().peak_group_blocks;
+  for (int g = 0; g < groups.size(); ++g) {
+    hb->add_kv_group_window(static_cast<uint32_t>(groups.window[static_cast<size_t>(g)]));
+    hb->add_kv_group_peak_blocks(static_cast<uint64_t>(
+        g < static_cast<int>(peaks.size()) ? peaks[static_cast<size_t>(g)] : 0));
+  }
   auto fill = [](const protocols::PortSecurityCounters& c, proto::PortSecurityCounters* out) {
     out->set_auth_failures(c.auth_failures);
     out->set_refused_connections(c.refused_connections);
