@@ -227,13 +227,13 @@ void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
     if (now - w.last_seen > limit) late.push_back(id);
   }
   for (const auto& id : late) {
-    DropWorker(id,
-               DeadlineExceeded("no heartbeat for " +
-                                std::to_string(
-                                    std::chrono::duration_cast<std::chrono::milliseconds>(limit)
-                                        .count()) +
-                                " ms"),
-               out);
+    DropWorker(
+        id,
+        DeadlineExceeded(
+            "no heartbeat for " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()) +
+            " ms"),
+        out);
   }
   // The coordinator's own heartbeat, every interval: a worker that hears
   // nothing for its coordinator_timeout takes this process for stopped or

@@ -309,9 +309,9 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
           ASSIGN_OR_RETURN(protocols::Frame proof, ParseAuth(m, TpMsg::kHello));
           return p.auth.OnProof(proof);
         }();
-        Status sent = mine.ok() ? SendAuth(*p.link, TpMsg::kSetup, MessageType::kAuthProof, *mine,
-                                           p.deadline)
-                                : mine.status();
+        Status sent =
+            mine.ok() ? SendAuth(*p.link, TpMsg::kSetup, MessageType::kAuthProof, *mine, p.deadline)
+                      : mine.status();
         if (!sent.ok()) return auth_failed(p, sent), false;
         p.link->set_max_message_bytes(kMaxTpMessageBytes);
         p.stage = PendingFollower::Stage::kTpHello;
@@ -437,8 +437,8 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
           }
           continue;
         }
-        pending.push_back(std::make_unique<PendingFollower>(fd, options_.cluster_key,
-                                                            stage_deadline()));
+        pending.push_back(
+            std::make_unique<PendingFollower>(fd, options_.cluster_key, stage_deadline()));
       }
     }
   }

@@ -243,11 +243,10 @@ Status LocalLauncher::Start() {
       argv.push_back("--kv-timeout-ms");
       argv.push_back(std::to_string(options_.kv_timeout_ms));
     }
-    for (const auto& [flag, ms] : {std::pair{"--tp-step-timeout-ms", options_.tp_step_timeout_ms},
-                                   std::pair{"--kv-progress-timeout-ms",
-                                             options_.kv_progress_timeout_ms},
-                                   std::pair{"--coordinator-timeout-ms",
-                                             options_.coordinator_timeout_ms}}) {
+    for (const auto& [flag, ms] :
+         {std::pair{"--tp-step-timeout-ms", options_.tp_step_timeout_ms},
+          std::pair{"--kv-progress-timeout-ms", options_.kv_progress_timeout_ms},
+          std::pair{"--coordinator-timeout-ms", options_.coordinator_timeout_ms}}) {
       if (ms > 0) argv.insert(argv.end(), {flag, std::to_string(ms)});
     }
     if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {

@@ -90,12 +90,11 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
             "-W",        std::to_string(options.kv_timeout_ms)};
   }
   if (!options.mpirun) {
-    for (const auto& [flag, ms] : {std::pair{"--heartbeat-timeout-ms", options.heartbeat_timeout_ms},
-                                   std::pair{"--tp-step-timeout-ms", options.tp_step_timeout_ms},
-                                   std::pair{"--kv-progress-timeout-ms",
-                                             options.kv_progress_timeout_ms},
-                                   std::pair{"--coordinator-timeout-ms",
-                                             options.coordinator_timeout_ms}}) {
+    for (const auto& [flag, ms] :
+         {std::pair{"--heartbeat-timeout-ms", options.heartbeat_timeout_ms},
+          std::pair{"--tp-step-timeout-ms", options.tp_step_timeout_ms},
+          std::pair{"--kv-progress-timeout-ms", options.kv_progress_timeout_ms},
+          std::pair{"--coordinator-timeout-ms", options.coordinator_timeout_ms}}) {
       if (ms > 0) args.insert(args.end(), {flag, std::to_string(ms)});
     }
   }

@@ -391,12 +391,13 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   std::printf(
       "FAULT %s round %d: capacity %.2f req/s, load %.2f req/s, %zu requests, %d affected "
       "(%.1f%%), worst time to final status after the fault %.2f s (any request %.2f s, "
-      "bound %.2f s, answers + %.2f s ordinary latency), worst latency %.2f s, first right answer sent after the fault %.2f s "
+      "bound %.2f s, answers + %.2f s ordinary latency), worst latency %.2f s, first right answer "
+      "sent after the fault %.2f s "
       "after it, victim healthy again after %.2f s, %d re-registrations; first error: %s\n",
       c.name, round, capacity, rate, outcomes.size(), affected,
       outcomes.empty() ? 0.0 : 100.0 * affected / static_cast<double>(outcomes.size()), worst_final,
-      worst_after_fault, final_bound, ordinary, worst_latency, first_ok_after, Seconds(back_at - clock_at),
-      reregistered, first_error.c_str());
+      worst_after_fault, final_bound, ordinary, worst_latency, first_ok_after,
+      Seconds(back_at - clock_at), reregistered, first_error.c_str());
   std::fflush(stdout);
 }
 

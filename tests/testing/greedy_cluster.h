@@ -99,12 +99,13 @@ class GreedyCluster {
     spec.port = launcher_->http_port();
     spec.target = "/v1/completions";
     spec.headers = {{"Content-Type", "application/json"}};
-    spec.body = nlohmann::json{{"model", std::filesystem::path(model_path_).stem().string()},
-                               {"prompt", prompt},
-                               {"max_tokens", n},
-                               {"temperature", 0},
-                               {"ignore_eos", true}}
-                    .dump();
+    spec.body = nlohmann::json{
+        {"model", std::filesystem::path(model_path_).stem().string()},
+        {"prompt", prompt},
+        {"max_tokens", n},
+        {"temperature", 0},
+        {"ignore_eos",
+         true}}.dump();
     spec.timeout_ms = 120'000;
     auto r = coordinator::HttpCall(spec);
     if (!r.ok()) return {0, r.status().ToString()};

@@ -7,10 +7,9 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <poll.h>
 
 #include <chrono>
 #include <cstring>
