@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -116,6 +117,68 @@ BENCHMARK_CAPTURE(BM_MatMul, f32_avx2, GgmlType::kF32, KernelPath::kAvx2)
     ->Args({576, 576, 1, 1})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
+
+// Prefill attention of one KV head of SmolLM2 (3 query heads, head size 64,
+// 16-position blocks): the last 96 prompt tokens of a prompt of C positions,
+// row by row (AttendRowGgml, tiled = 0) or in tiles of 16 tokens x 3 heads
+// (AttendTileGgml, tiled = 1), as forward.cc issues them. Same bits; CPU time
+// of the one thread (a fair A/B on a shared machine).
+// BM_AttendPrefill/<path>/<C>/<tiled>; counter: (row, key) pairs per second.
+void BM_AttendPrefill(benchmark::State& state, KernelPath path) {
+  if (!KernelPathSupported(path)) {
+    state.SkipWithError("path not supported on this CPU");
+    return;
+  }
+  const int64_t ctx = state.range(0);
+  const bool tiled = state.range(1) != 0;
+  const int hd = 64, B = 16, group = 3;
+  const int64_t tokens = 96, tile_tokens = 16;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g;
+  std::vector<float> k(ctx * hd), v(ctx * hd), q(tokens * group * hd), out(tokens * group * hd);
+  for (float& x : k) x = g(rng);
+  for (float& x : v) x = g(rng);
+  for (float& x : q) x = g(rng);
+  std::vector<const float*> kb, vb;
+  for (int64_t b = 0; b * B < ctx; ++b) {
+    kb.push_back(k.data() + b * B * hd);
+    vb.push_back(v.data() + b * B * hd);
+  }
+  std::vector<AttendTileRow> rows;
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t pos = ctx - tokens + i;
+    for (int h = 0; h < group; ++h) {
+      const int64_t r = static_cast<int64_t>(rows.size());
+      rows.push_back({q.data() + r * hd, out.data() + r * hd, 0, pos + 1});
+      pairs += pos + 1;
+    }
+  }
+  std::vector<float> scratch(AttendTileScratchFloats(tile_tokens * group, ctx, hd));
+  std::vector<float> scores(ctx), acc(8 * hd);
+  for (auto _ : state) {
+    if (tiled) {
+      for (int64_t r0 = 0; r0 < static_cast<int64_t>(rows.size()); r0 += tile_tokens * group) {
+        AttendTileGgml(std::span<const AttendTileRow>(rows.data() + r0, tile_tokens * group),
+                       kb.data(), vb.data(), B, hd, 0.125f, scratch.data(), path);
+      }
+    } else {
+      for (const AttendTileRow& r : rows) {
+        AttendRowGgml(r.q, kb.data(), vb.data(), B, hd, r.j0, r.j1, 0.125f, false, scores.data(),
+                      acc.data(), r.out, path);
+      }
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["pairs"] =
+      benchmark::Counter(static_cast<double>(pairs), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK_CAPTURE(BM_AttendPrefill, avx512, KernelPath::kAvx512)
+    ->ArgsProduct({{512, 2048, 4096}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_AttendPrefill, avx2, KernelPath::kAvx2)
+    ->ArgsProduct({{512, 4096}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
 
 void BM_SiluMul(benchmark::State& state) {
   std::vector<float> g(1536, 0.3f), u(1536, 1.1f), o(1536);

@@ -165,9 +165,13 @@ int RunGenerate(const std::vector<std::string>& args) {
   const double decode_s = SecondsSince(first_token_at);
   const double decode_tps =
       out_ids.size() > 1 && decode_s > 0 ? (out_ids.size() - 1) / decode_s : 0.0;
-  const int64_t kv_bytes =
-      static_cast<int64_t>(m->MakeKvLayout(*dtype, eo.block_tokens).BytesPerToken() *
-                           static_cast<double>(prompt_ids.size() + out_ids.size()));
+  // What the request held at most, in whole pool blocks of every KV cache
+  // group (a sliding-window group holds only its window: the one-group rate
+  // of bytes per token times the length overstates a grouped cache).
+  int64_t kv_bytes = 0;
+  for (int64_t blocks : e.stats().peak_group_blocks) {
+    kv_bytes += blocks * e.pool()->layout().BlockBytes();
+  }
   if (json) {
     nlohmann::json j;
     j["prompt_ids"] = prompt_ids;

@@ -48,6 +48,14 @@ FlagSpec LaunchSpec() {
        {"router", d.router, "coordinator routing policy"},
        {"kv-timeout-ms", "0", "KV transfer deadline (0 = the workers' default, 30000)"},
        {"heartbeat-ms", "0", "worker heartbeat interval (0 = the default, 500)"},
+       {"heartbeat-timeout-ms", "0",
+        "coordinator: drop a worker silent this long (0 = 3 heartbeat intervals)"},
+       {"tp-step-timeout-ms", "0", "workers: TP step deadline (0 = their default, 2000)"},
+       {"kv-progress-timeout-ms", "0",
+        "workers: a KV stream moving nothing this long fails (0 = their default, 2000)"},
+       {"coordinator-timeout-ms", "0",
+        "workers: re-register after hearing nothing from the coordinator this long (0 = 3 "
+        "heartbeat intervals, at least 2000)"},
        {"bin-dir", "", "where kvrelay-coordinator etc. live (default: next to kvrelay)"},
        {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
         "how long to wait for the cluster to be ready"},
@@ -90,6 +98,10 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
   ASSIGN_OR_RETURN(int64_t ready, flags.GetInt("ready-timeout-ms", 120000));
   ASSIGN_OR_RETURN(o.kv_timeout_ms, flags.GetInt("kv-timeout-ms", 0));
   ASSIGN_OR_RETURN(o.heartbeat_ms, flags.GetInt("heartbeat-ms", 0));
+  ASSIGN_OR_RETURN(o.heartbeat_timeout_ms, flags.GetInt("heartbeat-timeout-ms", 0));
+  ASSIGN_OR_RETURN(o.tp_step_timeout_ms, flags.GetInt("tp-step-timeout-ms", 0));
+  ASSIGN_OR_RETURN(o.kv_progress_timeout_ms, flags.GetInt("kv-progress-timeout-ms", 0));
+  ASSIGN_OR_RETURN(o.coordinator_timeout_ms, flags.GetInt("coordinator-timeout-ms", 0));
   o.prefill = static_cast<int>(prefill);
   o.decode = static_cast<int>(decode);
   o.tp = static_cast<int>(tp);

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -61,14 +62,16 @@ std::string FindPlotScript() {
 constexpr char kPlanUsage[] =
     "plan --profile P [--input-len 128 --output-len 32] [--shared-prefix L "
     "--prefix-groups G] [--ttft-slo-ms 1000 --tpot-slo-ms 50] [--max-nodes 8] "
-    "[--tp 1,2,4,8] [--plots DIR] [--scale-nodes 8,16,32,64] [--json OUT]";
+    "[--tp 1,2,4,8] [--heartbeat-ms 500 (0 = exact router inputs)] [--plots DIR] "
+    "[--scale-nodes 8,16,32,64] [--json OUT]";
 
 int RunPlan(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kPlanUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"profile", "input-len", "output-len", "shared-prefix", "prefix-groups",
                          "ttft-slo-ms", "tpot-slo-ms", "max-nodes", "tp", "router", "seed",
-                         "requests-per-node", "top", "plots", "scale-nodes", "python", "json"},
+                         "requests-per-node", "top", "plots", "scale-nodes", "python", "json",
+                         "heartbeat-ms"},
                         {"no-colocated", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "plan: %s\n", f.status().message().c_str());
@@ -92,9 +95,10 @@ int RunPlan(const std::vector<std::string>& args) {
   auto seed = f->GetInt("seed", 1);
   auto rpn = f->GetInt("requests-per-node", 300);
   auto top = f->GetInt("top", 10);
+  auto heartbeat_ms = f->GetDouble("heartbeat-ms", sim::kDefaultHeartbeatS * 1e3);
   for (const Status& s :
        {in.status(), out.status(), shared.status(), groups.status(), ttft.status(), tpot.status(),
-        max_nodes.status(), seed.status(), rpn.status(), top.status()}) {
+        max_nodes.status(), seed.status(), rpn.status(), top.status(), heartbeat_ms.status()}) {
     if (!s.ok()) return fail(s, 2);
   }
   o.workload.prompt_tokens = *in;
@@ -106,6 +110,7 @@ int RunPlan(const std::vector<std::string>& args) {
   o.tpot_slo_s = *tpot / 1e3;
   o.max_nodes = static_cast<int>(*max_nodes);
   o.requests_per_node = *rpn;
+  o.heartbeat_s = *heartbeat_ms / 1e3;
   o.include_colocated = !f->Has("no-colocated");
   auto router = coordinator::ParseRouterPolicy(f->Get("router", "prefix_aware"));
   if (!router.ok()) return fail(router.status(), 2);
@@ -120,10 +125,12 @@ int RunPlan(const std::vector<std::string>& args) {
 
   std::printf(
       "plan: profile '%s' (%s), workload %lld in / %lld out, shared prefix %lld x %lld "
-      "groups; SLO TTFT p90 <= %.0f ms, TPOT p90 <= %.1f ms; up to %d nodes\n",
+      "groups; SLO TTFT p90 <= %.0f ms, TPOT p90 <= %.1f ms; up to %d nodes; router inputs: %s\n",
       profile->name.c_str(), profile->hardware.c_str(), static_cast<long long>(*in),
       static_cast<long long>(*out), static_cast<long long>(*shared),
-      static_cast<long long>(*groups), *ttft, *tpot, o.max_nodes);
+      static_cast<long long>(*groups), *ttft, *tpot, o.max_nodes,
+      o.heartbeat_s > 0 ? ("heartbeats every " + std::to_string(std::lround(*heartbeat_ms)) + " ms").c_str()
+                        : "exact (--heartbeat-ms 0)");
   const TimePoint t0 = Clock::now();
   auto plan = sim::Plan(*profile, o);
   if (!plan.ok()) return fail(plan.status(), 1);
@@ -196,6 +203,7 @@ int RunPlan(const std::vector<std::string>& args) {
               {"shared_prefix", *shared},
               {"prefix_groups", *groups}}},
             {"slo", {{"ttft_p90_ms", *ttft}, {"tpot_p90_ms", *tpot}}},
+            {"heartbeat_ms", *heartbeat_ms},
             {"ranked", json::array()},
             {"scaling", scaling}};
   for (const auto& c : plan->ranked) j["ranked"].push_back(CandidateJson(c));

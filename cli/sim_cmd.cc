@@ -204,7 +204,7 @@ Result<sim::ClusterConfig> ParseTopology(const Flags& f) {
   ASSIGN_OR_RETURN(int64_t max_queue, f.GetInt("max-queue", 256));
   ASSIGN_OR_RETURN(int64_t store, f.GetInt("store-blocks", 0));
   ASSIGN_OR_RETURN(int64_t host_cores, f.GetInt("shared-host-cores", 0));
-  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", 0));
+  ASSIGN_OR_RETURN(double heartbeat_ms, f.GetDouble("heartbeat-ms", sim::kDefaultHeartbeatS * 1e3));
   c.heartbeat_s = heartbeat_ms / 1e3;
   c.shared_host_cores = static_cast<int>(std::clamp<int64_t>(host_cores, 0, 1 << 20));
   for (int64_t v : {colocated, prefill, decode, tp, max_running, max_queue}) {
@@ -266,7 +266,8 @@ constexpr char kSimUsage[] =
     "sim --profile P [--trace CSV | --rate R --num-prompts N --input-len I "
     "--output-len O [--shared-prefix L --prefix-groups G] [--seed S]] "
     "[--colocated C | --prefill P --decode D --tp T] [--router R] [--shared-host-cores N] "
-    "[--heartbeat-ms MS (0 = exact router inputs; the real cluster: 500)] [--json OUT]";
+    "[--heartbeat-ms 500 (the router sees the workers' heartbeats, as the real coordinator; 0 = "
+    "exact router inputs)] [--json OUT]";
 
 int RunSim(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimUsage)) return 0;
@@ -341,8 +342,13 @@ int RunSim(const std::vector<std::string>& args) {
     std::fprintf(stderr, "sim: %s\n", r.status().ToString().c_str());
     return 1;
   }
-  std::printf("simulated %s (%d nodes), profile '%s': %zu requests\n", config->Name().c_str(),
-              config->Nodes(), profile->name.c_str(), workload->size());
+  std::printf("simulated %s (%d nodes), profile '%s': %zu requests; router inputs: %s\n",
+              config->Name().c_str(), config->Nodes(), profile->name.c_str(), workload->size(),
+              config->heartbeat_s > 0
+                  ? ("heartbeats every " + std::to_string(std::lround(config->heartbeat_s * 1e3)) +
+                     " ms")
+                        .c_str()
+                  : "exact (--heartbeat-ms 0)");
   std::printf("completed %lld, rejected %lld, in %.2f simulated s\n",
               static_cast<long long>(r->completed), static_cast<long long>(r->rejected),
               r->duration_s);
@@ -367,6 +373,7 @@ int RunSim(const std::vector<std::string>& args) {
     json j = SummaryJson(*r);
     j["config"] = config->Name();
     j["nodes"] = config->Nodes();
+    j["heartbeat_ms"] = config->heartbeat_s * 1e3;
     j["requests"] = workload->size();
     j["wall_s"] = wall;
     j["cpu_s"] = cpu;
@@ -484,6 +491,8 @@ struct ServeRun {
   json report;
   std::vector<std::pair<std::string, double>> cpu_per_process;
   std::map<std::string, double> cpu_s;
+  double client_cpu_s = 0;  // the bench serve process itself (getrusage)
+  double wall_s = 0;        // of the bench serve process
 };
 
 // Starts `t`, warms it up, runs `bench serve` with `serve_args` once per
@@ -513,10 +522,15 @@ void StopBusy(pid_t pid) {
   waitpid(pid, nullptr, 0);
 }
 
+// With idle_cpu_per_s, the cluster's CPU per second while it serves nothing
+// (heartbeats, polling) is measured first, over idle_probe_s, per kind of
+// process.
 Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& model, int threads,
                                         const std::string& kv_dtype, int64_t input_len,
                                         const std::vector<std::vector<std::string>>& serve_args,
-                                        const Background& background = {}) {
+                                        const Background& background = {},
+                                        std::map<std::string, double>* idle_cpu_per_s = nullptr,
+                                        double idle_probe_s = 3) {
   ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
   deploy::LocalLauncher launcher(opts);
   std::fprintf(stderr, "sim: starting %s\n", t.name.c_str());
@@ -536,6 +550,16 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
       return warm.status();
     }
   }
+  if (idle_cpu_per_s) {
+    const auto before = ClusterCpu(launcher);
+    const TimePoint t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(idle_probe_s * 1e3)));
+    const auto after = ClusterCpu(launcher);
+    const double wall = SecondsSince(t0);
+    for (size_t k = 0; k < after.size() && k < before.size(); ++k) {
+      (*idle_cpu_per_s)[after[k].first] += (after[k].second - before[k].second) / wall;
+    }
+  }
   for (size_t i = 0; i < serve_args.size(); ++i) {
     const std::string path = TempPath("serve-" + std::to_string(i) + ".json");
     std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
@@ -550,7 +574,10 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
       busy = *b;
     }
     const auto cpu0 = ClusterCpu(launcher);
-    auto r = RunSelf(a, 900, /*allow_failure=*/true);
+    const TimePoint started = Clock::now();
+    double client_cpu_s = 0;
+    auto r = RunSelf(a, 900, /*allow_failure=*/true, &client_cpu_s);
+    const double wall_s = SecondsSince(started);
     auto cpu1 = ClusterCpu(launcher);
     StopBusy(busy);
     auto j = r.ok() ? ReadJson(path) : Result<json>(r.status());
@@ -567,6 +594,8 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
     }
     ServeRun run;
     run.report = std::move(*j);
+    run.client_cpu_s = client_cpu_s;
+    run.wall_s = wall_s;
     json cpu = json::array();
     for (size_t k = 0; k < cpu1.size(); ++k) {
       const double d = cpu1[k].second - (k < cpu0.size() ? cpu0[k].second : 0);
@@ -576,6 +605,7 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
     }
     // Kept with the report (sim validate --save-real): which process did the work.
     run.report["cluster_cpu_s"] = cpu;
+    run.report["client_cpu_s"] = client_cpu_s;
     out.push_back(std::move(run));
   }
   launcher.Stop();
@@ -845,6 +875,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   // 4. The serving path around the engine: low-load bench serve (one request
   //    at a time) on each real topology; what the step model does not explain.
   p.colocated.source = p.prefill.source = p.decode.source = "not measured (--skip-serve)";
+  p.serving_cpu.source = "not measured (--skip-serve): none";
   if (!f->Has("skip-serve")) {
     const double in = static_cast<double>(*input_len), out = static_cast<double>(*output_len);
     const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
@@ -947,6 +978,76 @@ int RunCalibrate(const std::vector<std::string>& args) {
         "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> busy_alpha "
         "%.3f\n",
         decode_cores[2], tp_busy_slowdown, busy_alpha);
+    // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
+    //     (/proc) and the bench serve client's (getrusage) over two runs on
+    //     the colocated topology that differ only in output length, less the
+    //     coordinator's idle CPU (heartbeats) over the same wall time; per
+    //     request and per output token by solving the two. The client's
+    //     start and exit fall in its per-request figure (the same N both runs).
+    {
+      const Topology& t = Topologies(static_cast<int>(*colocated))[0];
+      const std::string n = f->Has("quick") ? "16" : "48";
+      auto run_with = [&](const char* out_len, const char* seed) {
+        return std::vector<std::string>{"--rate",        "inf",   "--max-concurrency",
+                                        "2",             "--num-prompts", n,
+                                        "--input-len",   std::to_string(*input_len),
+                                        "--output-len",  out_len, "--seed", seed};
+      };
+      std::map<std::string, double> idle;
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len,
+                         {run_with(std::to_string(*output_len).c_str(), "5151"),
+                          run_with("2", "5252")},
+                         {}, &idle);
+      if (!r.ok()) return fail(r.status());
+      auto fit = [&](auto cpu_of_run, double idle_per_s, double* per_request, double* per_token) {
+        std::vector<double> a, b, w;
+        for (const ServeRun& run : *r) {
+          a.push_back(run.report.value("completed", 0.0));
+          a.push_back(run.report.value("total_output_tokens", 0.0));
+          b.push_back(std::max(0.0, cpu_of_run(run) - idle_per_s * run.wall_s));
+          w.push_back(1.0);
+        }
+        auto x = sim::NonNegativeLeastSquares(a, 2, b, w);
+        if (!x.ok()) return x.status();
+        *per_request = std::max(0.0, (*x)[0]);  // no "-0" from the refit
+        *per_token = std::max(0.0, (*x)[1]);
+        return Status::Ok();
+      };
+      sim::ServingCpu& s = p.serving_cpu;
+      const double coord_idle = idle.count("kvrelay-coordin") ? idle["kvrelay-coordin"] : 0.0;
+      Status st = fit(
+          [](const ServeRun& run) {
+            auto it = run.cpu_s.find("kvrelay-coordin");
+            return it == run.cpu_s.end() ? 0.0 : it->second;
+          },
+          coord_idle, &s.coordinator_per_request_s, &s.coordinator_per_token_s);
+      if (st.ok()) {
+        st = fit([](const ServeRun& run) { return run.client_cpu_s; }, 0.0,
+                 &s.client_per_request_s, &s.client_per_token_s);
+      }
+      if (!st.ok()) return fail(st);
+      char line[400];
+      std::snprintf(line, sizeof(line),
+                    "coordinator %.3f s + %.3f s CPU, client %.3f s + %.3f s CPU over %s "
+                    "requests of %lld / 2 output tokens (wall %.1f s + %.1f s); coordinator "
+                    "idle %.4f cores",
+                    (*r)[0].cpu_s["kvrelay-coordin"], (*r)[1].cpu_s["kvrelay-coordin"],
+                    (*r)[0].client_cpu_s, (*r)[1].client_cpu_s, n.c_str(),
+                    static_cast<long long>(*output_len), (*r)[0].wall_s, (*r)[1].wall_s,
+                    coord_idle);
+      s.source = "kvrelay bench serve --rate inf --max-concurrency 2 --num-prompts " + n +
+                 " --input-len " + std::to_string(*input_len) + " --output-len " +
+                 std::to_string(*output_len) + " and 2 on kvrelay launch (" + t.name +
+                 "): the coordinator's CPU (/proc, 10 ms ticks) less its idle CPU over the "
+                 "same wall time, the client's (getrusage); per request and per output token "
+                 "solved from the two runs: " +
+                 line + ", " + date;
+      std::printf(
+          "serving path CPU: coordinator %.2f ms/request + %.3f ms/output token, client %.2f "
+          "ms/request + %.3f ms/output token (%s)\n",
+          s.coordinator_per_request_s * 1e3, s.coordinator_per_token_s * 1e3,
+          s.client_per_request_s * 1e3, s.client_per_token_s * 1e3, line);
+    }
     p.tp[2] = {std::max(0.05, pts[2].tpot_s / (p.decode.step_scale * decode_s)), 0.0,
                source("1P+1D TP2") +
                    "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
@@ -1245,11 +1346,53 @@ int RunValidate(const std::vector<std::string>& args) {
       for (const auto& c : j["cluster_cpu_s"]) {
         std::printf(" %s %.2f s", c[0].get<std::string>().c_str(), c[1].get<double>());
       }
-      std::printf("\n");
+      if (j.contains("client_cpu_s")) std::printf(" client %.2f s", j.value("client_cpu_s", 0.0));
+      std::printf("; simulated: workers %.2f s (solo), serving path %.2f s\n",
+                  row.sim.front().worker_cpu_s, row.sim.front().serving_cpu_s);
     }
     e["requests"] = per;
     if (j.contains("cluster_cpu_s")) e["cluster_cpu_s"] = j["cluster_cpu_s"];
     report.push_back(e);
+  }
+  // Whether the profile still describes the machine: requests that had the
+  // cluster to themselves (no other request in flight at any time during
+  // theirs) depend on nothing but the calibrated costs, so their real vs
+  // simulated medians show the drift since `sim calibrate` apart from the
+  // queueing and contention the other cells test.
+  {
+    std::map<std::string, std::vector<double>> ttft_ratio, tpot_ratio;
+    std::vector<std::string> order;
+    for (const auto& row : rows) {
+      if (!ttft_ratio.count(row.topology)) order.push_back(row.topology);
+      auto& tr = ttft_ratio[row.topology];
+      auto& pr = tpot_ratio[row.topology];
+      for (size_t rep = 0; rep < row.real.size() && rep < row.sim.size(); ++rep) {
+        const json& q = row.real[rep]["requests"];
+        const auto& sr = row.sim[rep].requests;
+        std::vector<std::pair<double, double>> span;
+        for (const auto& x : q) {
+          const double s = x.value("start_s", 0.0);
+          span.push_back({s, s + x.value("e2e_ms", 0.0) / 1e3});
+        }
+        for (size_t i = 0; i < span.size() && i < sr.size(); ++i) {
+          bool alone = true;
+          for (size_t k = 0; k < span.size() && alone; ++k) {
+            alone = k == i || span[k].second <= span[i].first || span[k].first >= span[i].second;
+          }
+          const int o = q[i].value("output_tokens", 0);
+          if (!alone || o < 2 || sr[i].ttft_s() <= 0 || sr[i].tpot_s() <= 0) continue;
+          const double ttft = q[i].value("ttft_ms", 0.0) / 1e3;
+          tr.push_back(ttft / sr[i].ttft_s());
+          pr.push_back((q[i].value("e2e_ms", 0.0) / 1e3 - ttft) / (o - 1) / sr[i].tpot_s());
+        }
+      }
+    }
+    std::printf("requests alone in the cluster, real / simulated (medians; the profile's drift):");
+    for (const auto& t : order) {
+      std::printf(" %s n=%zu TTFT %+.1f%% TPOT %+.1f%%;", t.c_str(), ttft_ratio[t].size(),
+                  100 * (Median(ttft_ratio[t]) - 1), 100 * (Median(tpot_ratio[t]) - 1));
+    }
+    std::printf("\n");
   }
   const double median_err = Median(errs);
   const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });

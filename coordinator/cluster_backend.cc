@@ -52,6 +52,9 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
       w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
       w->info.transfer_seconds = hb.transfer_seconds();
+      w->info.kv_group_window.assign(hb.kv_group_window().begin(), hb.kv_group_window().end());
+      w->info.kv_group_peak_blocks.assign(hb.kv_group_peak_blocks().begin(),
+                                          hb.kv_group_peak_blocks().end());
       auto take = [](const proto::PortSecurityCounters& c, protocols::PortSecurityCounters* out) {
         *out = {c.auth_failures(), c.refused_connections(), c.oversized_frames(),
                 c.foreign_frames()};
@@ -203,16 +206,42 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
 }
 
 void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
-  const auto limit = options.heartbeat_interval * options.missed_heartbeats;
+  const auto now = Clock::now();
+  const auto limit = options.worker_timeout();
+  // The watchdog runs every tick_period(); a tick much later than that means
+  // this process did not run meanwhile (SIGSTOP, a starved host) and the
+  // workers' frames of that time are still unread in the sockets: the gap is
+  // not held against them (their silence before it still counts).
+  if (last_tick != TimePoint{} && now - last_tick > 2 * tick_period()) {
+    const auto stalled = now - last_tick - tick_period();
+    for (auto& [id, w] : workers) w.last_seen += stalled;
+    if (now - last_tick > limit / 2) {  // worth saying; shorter gaps are a loaded host's jitter
+      LOG_WARNING << "the control loop did not run for "
+                  << std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick).count()
+                  << " ms: worker silence during it is not counted";
+    }
+  }
+  last_tick = now;
   std::vector<std::string> late;
   for (auto& [id, w] : workers) {
-    if (Clock::now() - w.last_seen > limit) late.push_back(id);
+    if (now - w.last_seen > limit) late.push_back(id);
   }
   for (const auto& id : late) {
-    DropWorker(id,
-               DeadlineExceeded("no heartbeat for " + std::to_string(options.missed_heartbeats) +
-                                " intervals"),
-               out);
+    DropWorker(
+        id,
+        DeadlineExceeded(
+            "no heartbeat for " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()) +
+            " ms"),
+        out);
+  }
+  // The coordinator's own heartbeat, every interval: a worker that hears
+  // nothing for its coordinator_timeout takes this process for stopped or
+  // cut off, drops its link and re-registers (with backoff) until it answers.
+  if (now - last_beat >= options.heartbeat_interval) {
+    last_beat = now;
+    const proto::Heartbeat beat;  // empty: the coordinator is alive
+    for (auto& [id, w] : workers) SendTo(w.conn, MessageType::kHeartbeat, beat);
   }
 }
 
@@ -222,6 +251,14 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
   RETURN_IF_ERROR(protocols::ValidatePeerConfig(options.config).WithContext("cluster config"));
   if (options.heartbeat_interval.count() <= 0 || options.missed_heartbeats < 1) {
     return InvalidArgument("heartbeat_interval and missed_heartbeats must be positive");
+  }
+  if (options.heartbeat_timeout.count() < 0 ||
+      (options.heartbeat_timeout.count() > 0 &&
+       options.heartbeat_timeout < options.heartbeat_interval)) {
+    return InvalidArgument(
+        "heartbeat_timeout (--heartbeat-timeout-ms) must be 0 (= missed_heartbeats intervals) or "
+        "at least one heartbeat interval: a shorter one drops every live worker between two of "
+        "its heartbeats");
   }
   if (options.cluster_key.empty()) {
     return InvalidArgument(
@@ -297,7 +334,7 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
       state->CheckHeartbeats(out);
     }
     Deliver(out);
-    state->timer->expires_after(state->options.heartbeat_interval);
+    state->timer->expires_after(state->tick_period());
     auto next = tick_weak.lock();
     if (!next) return;
     state->timer->async_wait([next](const boost::system::error_code& ec) {

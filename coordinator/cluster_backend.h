@@ -26,8 +26,9 @@
 // Unauthenticated connections are limited in number, in frame size and in
 // time (ServerLimits, ConnectionOptions::require_authentication).
 //
-// Failure: a worker whose connection closes, or that misses
-// `missed_heartbeats` heartbeat intervals, is dropped. Its requests that have
+// Failure: a worker whose connection closes, or that is silent for
+// `worker_timeout()` (missed_heartbeats intervals unless heartbeat_timeout
+// says otherwise), is dropped. Its requests that have
 // produced no token yet are re-run once on the workers left; the others end
 // with an error event (UNAVAILABLE) and the peer worker is told to cancel,
 // which releases the blocks there — except requests a lost prefill worker
@@ -59,8 +60,27 @@ struct ClusterBackendOptions {
   // not the HTTP API's: the control port is internal.
   std::string host = "127.0.0.1";
   uint16_t control_port = 0;  // 0 = ephemeral, see control_port()
+  // Workers heartbeat every heartbeat_interval; the coordinator sends each
+  // registered worker a heartbeat at the same interval (its liveness for the
+  // worker, WorkerOptions::coordinator_timeout).
   std::chrono::milliseconds heartbeat_interval{500};
-  int missed_heartbeats = 3;  // a silent worker is dropped after this many intervals
+  int missed_heartbeats = 3;
+  // A worker silent for this long is dropped (--heartbeat-timeout-ms); 0 =
+  // missed_heartbeats intervals. The default (3 intervals, 1.5 s at 500 ms)
+  // lets a heartbeat arrive two whole intervals late before a live worker is
+  // taken for dead: a false drop fails that worker's streaming requests, and
+  // on a loaded 2-core host a heartbeat thread can be scheduled hundreds of
+  // ms late. A deployment that wants a silent fault's requests to end within
+  // 2 intervals sets ~1.5 intervals (the fault matrix does, at 1 s), which
+  // tolerates a heartbeat half an interval late. Checked every tenth of it,
+  // so a silent worker is dropped within 1.1 x this after its last frame;
+  // time the coordinator itself did not run (stopped, starved) is not held
+  // against the workers.
+  std::chrono::milliseconds heartbeat_timeout{0};
+  std::chrono::milliseconds worker_timeout() const {
+    return heartbeat_timeout.count() > 0 ? heartbeat_timeout
+                                         : heartbeat_interval * missed_heartbeats;
+  }
   RouterOptions router;
   // What every worker must agree with (handshake); tp fields are ignored.
   protocols::PeerConfig config;

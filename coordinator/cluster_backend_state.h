@@ -117,6 +117,15 @@ struct ClusterBackend::State {
   ControlSecurityCounters counters;                            // guarded by mu
   std::map<uint64_t, RequestEntry> requests;                   // guarded by mu
   std::unique_ptr<boost::asio::steady_timer> timer;            // io thread only
+  TimePoint last_tick{};                                       // guarded by mu: watchdog's last run
+  TimePoint last_beat{};                                       // guarded by mu: our last heartbeat
+
+  // How often the watchdog runs: a tenth of the worker timeout (so a silent
+  // worker is dropped within 1.1 x it), at most one heartbeat interval.
+  std::chrono::milliseconds tick_period() const {
+    const auto t = std::chrono::duration_cast<std::chrono::milliseconds>(options.worker_timeout());
+    return std::min(std::max(t / 10, std::chrono::milliseconds(5)), options.heartbeat_interval);
+  }
 
   WorkerEntry* FindWorker(const std::string& id) {
     auto it = workers.find(id);

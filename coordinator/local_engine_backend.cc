@@ -95,7 +95,15 @@ void LocalEngineBackend::UpdateSnapshot() {
     w.free_kv_blocks = pool->available_blocks();
     w.block_tokens = pool->layout().block_tokens;
   }
-  w.prefix_hit_tokens = engine_->stats().prompt_tokens_cached;
+  const engine::Engine::Stats stats = engine_->stats();
+  w.prefix_hit_tokens = stats.prompt_tokens_cached;
+  const engine::KvCacheGroups& groups = engine_->kv_groups();
+  for (int g = 0; g < groups.size(); ++g) {
+    w.kv_group_window.push_back(groups.window[static_cast<size_t>(g)]);
+    w.kv_group_peak_blocks.push_back(g < static_cast<int>(stats.peak_group_blocks.size())
+                                         ? stats.peak_group_blocks[static_cast<size_t>(g)]
+                                         : 0);
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   w.healthy = failure_.ok();
   snapshot_ = w;

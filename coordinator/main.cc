@@ -56,6 +56,8 @@ const FlagSpec kSpec = {
      {"max-connections-per-client", "1024", "open connections per client address"},
      {"control-port", "", "cluster mode: the workers' control port (0 = pick a free one)"},
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
+     {"heartbeat-timeout-ms", "0",
+      "cluster mode: drop a worker silent this long (0 = 3 heartbeat intervals)"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
      {"cluster-key-file", "",
       "cluster mode: the cluster secret every worker must prove (required)"},
@@ -155,6 +157,7 @@ Status Run(const std::vector<std::string>& args) {
     // tokenizer, chat template, fingerprint and KV layout.
     ASSIGN_OR_RETURN(int64_t control_port, flags.GetInt("control-port", 9000));
     ASSIGN_OR_RETURN(int64_t heartbeat_ms, flags.GetInt("heartbeat-ms", 500));
+    ASSIGN_OR_RETURN(int64_t heartbeat_timeout_ms, flags.GetInt("heartbeat-timeout-ms", 0));
     if (control_port < 0 || control_port > 65535)
       return InvalidArgument("--control-port must be 0..65535");
     ClusterBackendOptions co;
@@ -176,6 +179,7 @@ Status Run(const std::vector<std::string>& args) {
     }
     co.control_port = static_cast<uint16_t>(control_port);
     co.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
+    co.heartbeat_timeout = std::chrono::milliseconds(heartbeat_timeout_ms);
     co.router.policy = policy;
     const engine::KvLayout layout = model->MakeKvLayout(eo.kv_dtype, eo.block_tokens);
     co.config.model_fingerprint = model->fingerprint();

@@ -227,6 +227,16 @@ void Session::HandleMetrics() {
                 "references them.",
                 l)
         ->Set(static_cast<double>(w.quarantined_kv_blocks));
+    for (size_t g = 0; g < w.kv_group_peak_blocks.size() && g < w.kv_group_window.size(); ++g) {
+      const MetricLabels lg = core_->Labels({{"worker", w.id},
+                                             {"group", std::to_string(g)},
+                                             {"window", std::to_string(w.kv_group_window[g])}});
+      m->GetGauge("kvrelay_worker_kv_group_peak_blocks",
+                  "Most KV blocks one sequence held in this KV cache group between steps "
+                  "(window 0: full attention).",
+                  lg)
+          ->Set(static_cast<double>(w.kv_group_peak_blocks[g]));
+    }
     // Cumulative figures are counters (#18), fed from the snapshots.
     core_->AdvanceWorkerCounter("kvrelay_worker_prefix_hit_tokens_total",
                                 "Prompt tokens the worker served from its prefix cache.", w.id,

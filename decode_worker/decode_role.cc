@@ -22,11 +22,9 @@ DecodeRole::~DecodeRole() {
 Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  // TP followers mirror one-group block tables; at TP = 1 the KV streams land
-  // in every group's blocks (StartRemoteLoadGroups).
-  engine::EngineOptions eo = o.engine;
-  if (o.tp_size > 1) eo.kv_groups = engine::KvGroupsMode::kOne;
-  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
+  // The KV streams land in every group's blocks (StartRemoteLoadGroups); TP
+  // followers mirror the groups (TpSetup) and get every group's table.
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
   engine_->SetKvConnector(this);
   if (o.tp_size > 1) {
     if (o.tp_over_mpi()) {
@@ -129,7 +127,6 @@ Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
                                          const engine::KvCacheGroups& groups,
                                          std::span<const std::vector<BlockId>> tables) {
   if (groups.size() == 1) return StartRemoteLoad(request, tables[0]);
-  if (tp_ != nullptr) return FailedPrecondition("a TP decode group needs one KV cache group");
   const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
@@ -139,6 +136,10 @@ Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
                    worker::StartGroupedSegmentReceivers(
                        ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
                        groups, ctx_.model->fingerprint(), request.id, tables, own));
+  if (tp_ != nullptr) {
+    RETURN_IF_ERROR(tp_->ExpectKvGroups(request.id, reserving_prefill_rank_, tables));
+    in.follower_acks_pending = ctx_.options->tp_size - 1;
+  }
   // The prefill side addresses the stream by group 0's ids.
   reserved_blocks_.assign(tables[0].begin(), tables[0].end());
   incoming_[request.id] = std::move(in);

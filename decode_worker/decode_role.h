@@ -51,7 +51,8 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
                          std::span<const engine::BlockId> blocks) override;
   // KV cache groups (a gemma3 model, TP = 1): the sliding-window layers hold
   // only their window once the request decodes.
-  bool SupportsKvGroups() const override { return tp_ == nullptr; }
+  // TP followers mirror the groups (TpSetup) and get every table.
+  bool SupportsKvGroups() const override { return true; }
   Status StartRemoteLoadGroups(const engine::RequestSpec& request,
                                const engine::KvCacheGroups& groups,
                                std::span<const std::vector<engine::BlockId>> tables) override;

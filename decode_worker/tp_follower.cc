@@ -73,13 +73,29 @@ Status Follower::Join() {
                                                    options_.tp_step_timeout));
     collective = mpi_.get();
   }
-  ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(options_.engine, base_.model,
+  // Rank 0's KV cache groups, rebuilt from this shard's own layer windows
+  // and checked layer by layer: a follower that would group differently
+  // (another model file, another grouping rule) must not join.
+  const engine::ModelConfig& c = base_.model->config();
+  engine::KvCacheGroups groups = engine::KvCacheGroups::One(c.n_layers);
+  if (setup.kv_group_of_layer_size() > 0) {
+    std::vector<int> windows;
+    for (int l = 0; l < c.n_layers; ++l) windows.push_back(c.LayerWindow(l));
+    groups = engine::KvCacheGroups::FromLayerWindows(windows, /*split=*/true);
+    std::vector<int> want(setup.kv_group_of_layer().begin(), setup.kv_group_of_layer().end());
+    if (want != groups.group_of) {
+      return FailedPrecondition("TP rank 0's KV cache groups (" +
+                                std::to_string(setup.kv_group_of_layer_size()) +
+                                " layers) differ from this rank's " + groups.DebugString());
+    }
+  }
+  ASSIGN_OR_RETURN(follower_, engine::TpFollower::Create(options_.engine, base_.model, groups,
                                                          static_cast<int64_t>(setup.total_blocks()),
                                                          collective));
   LOG_INFO << "joined TP group as rank " << options_.tp_rank << " of " << options_.tp_size
            << " (kv heads [" << base_.model->kv_head_range().begin << ", "
            << base_.model->kv_head_range().end << "), kv data " << base_.transport->conn_info()
-           << ")";
+           << ", KV cache " << groups.DebugString() << ")";
   return Status::Ok();
 }
 
@@ -94,11 +110,27 @@ void Follower::Ack(engine::RequestId id, const Status& s) {
 
 void Follower::ExpectKv(const proto::TpExpectKv& m) {
   const engine::RequestId id = m.request_id();
-  std::vector<BlockId> blocks(m.block_ids().begin(), m.block_ids().end());
-  for (BlockId b : blocks) {
-    if (b < 0 || b >= follower_->pool()->total_blocks()) {
-      Ack(id, InvalidArgument("block id " + std::to_string(b) + " is outside the pool"));
+  const engine::KvCacheGroups& groups = follower_->kv_groups();
+  std::vector<std::vector<BlockId>> tables;
+  tables.emplace_back(m.block_ids().begin(), m.block_ids().end());
+  for (const auto& t : m.group_block_ids())
+    tables.emplace_back(t.blocks().begin(), t.blocks().end());
+  if (static_cast<int>(tables.size()) != groups.size()) {
+    Ack(id, InvalidArgument("KV expectation with " + std::to_string(tables.size()) +
+                            " block tables for a KV cache of " + std::to_string(groups.size()) +
+                            " groups"));
+    return;
+  }
+  for (const auto& table : tables) {
+    if (table.size() != tables[0].size()) {
+      Ack(id, InvalidArgument("KV expectation with block tables of unequal length"));
       return;
+    }
+    for (BlockId b : table) {
+      if (b < 0 || b >= follower_->pool()->total_blocks()) {
+        Ack(id, InvalidArgument("block id " + std::to_string(b) + " is outside the pool"));
+        return;
+      }
     }
   }
   const kv_transfer::HeadRange own{base_.model->kv_head_range().begin,
@@ -109,8 +141,13 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   // registered (so live, maybe restarted) prefill rank.
   base_.transport->PeerRejoined(static_cast<int>(m.prefill_rank()));
   auto receivers =
-      worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
-                                    follower_->pool(), base_.model->fingerprint(), id, blocks, own);
+      groups.size() == 1
+          ? worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
+                                          follower_->pool(), base_.model->fingerprint(), id,
+                                          tables[0], own)
+          : worker::StartGroupedSegmentReceivers(
+                base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
+                groups, base_.model->fingerprint(), id, tables, own);
   if (!receivers.ok()) {
     Ack(id, receivers.status());
     return;

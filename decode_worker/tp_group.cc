@@ -10,6 +10,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -80,8 +81,8 @@ Status SendAuth(TpLink& link, TpMsg type, protocols::MessageType inner, const st
   return link.Send(type, frame, deadline);
 }
 
-Result<protocols::Frame> ReceiveAuth(TpLink& link, TpMsg type, Deadline deadline) {
-  ASSIGN_OR_RETURN(TpMessage m, link.Receive(deadline));
+// One auth message (a protocols frame inside a TP message of `type`).
+Result<protocols::Frame> ParseAuth(const TpMessage& m, TpMsg type) {
   if (m.type != type || m.payload.size() < protocols::kFrameHeaderBytes) {
     return FailedPrecondition("authentication failed: TP peer sent message type " +
                               std::to_string(static_cast<uint32_t>(m.type)) +
@@ -102,6 +103,11 @@ Result<protocols::Frame> ReceiveAuth(TpLink& link, TpMsg type, Deadline deadline
   return f;
 }
 
+Result<protocols::Frame> ReceiveAuth(TpLink& link, TpMsg type, Deadline deadline) {
+  ASSIGN_OR_RETURN(TpMessage m, link.Receive(deadline));
+  return ParseAuth(m, type);
+}
+
 Status AuthenticateToLeader(TpLink& link, const protocols::ClusterKey& key, int tp_rank,
                             Deadline deadline) {
   using protocols::MessageType;
@@ -113,32 +119,6 @@ Status AuthenticateToLeader(TpLink& link, const protocols::ClusterKey& key, int 
   RETURN_IF_ERROR(SendAuth(link, TpMsg::kHello, MessageType::kAuthProof, proof, deadline));
   ASSIGN_OR_RETURN(protocols::Frame result, ReceiveAuth(link, TpMsg::kSetup, deadline));
   return auth.OnResult(result);
-}
-
-// Rank 0's side; returns the name the follower authenticated as.
-Result<std::string> AuthenticateFollower(TpLink& link, const protocols::ClusterKey& key,
-                                         Deadline deadline) {
-  using protocols::MessageType;
-  protocols::AuthResponder auth(key, protocols::kAuthChannelTp);
-  // A stranger can make rank 0 buffer no more than an auth message.
-  link.set_max_message_bytes(protocols::kFrameHeaderBytes + protocols::kMaxUnauthenticatedPayload);
-  auto run = [&]() -> Status {
-    ASSIGN_OR_RETURN(protocols::Frame hello, ReceiveAuth(link, TpMsg::kHello, deadline));
-    ASSIGN_OR_RETURN(std::string challenge, auth.OnHello(hello));
-    RETURN_IF_ERROR(
-        SendAuth(link, TpMsg::kSetup, MessageType::kAuthChallenge, challenge, deadline));
-    ASSIGN_OR_RETURN(protocols::Frame proof, ReceiveAuth(link, TpMsg::kHello, deadline));
-    ASSIGN_OR_RETURN(std::string mine, auth.OnProof(proof));
-    return SendAuth(link, TpMsg::kSetup, MessageType::kAuthProof, mine, deadline);
-  };
-  Status st = run();
-  if (!st.ok()) {
-    (void)SendAuth(link, TpMsg::kSetup, MessageType::kAuthProof,
-                   protocols::AuthResponder::RefusalPayload("authentication failed"), deadline);
-    return st;
-  }
-  link.set_max_message_bytes(kMaxTpMessageBytes);
-  return auth.peer_name();
 }
 
 }  // namespace
@@ -251,7 +231,7 @@ Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Listen(const TpGroupOptions& opt
   int one = 1;
   ::setsockopt(g->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(g->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(g->listen_fd_, options.tp_size) != 0) {
+      ::listen(g->listen_fd_, SOMAXCONN) != 0) {
     return Unavailable("TP group: cannot listen on " + options.leader_host + ":" +
                        std::to_string(options.leader_port) + ": " + std::strerror(errno));
   }
@@ -263,50 +243,100 @@ Result<std::unique_ptr<TcpTpGroup>> TcpTpGroup::Listen(const TpGroupOptions& opt
   return g;
 }
 
+namespace {
+
+// A connection rank 0 accepted that has not joined yet: it runs the
+// cluster-key challenge-response (kHello, kProof), then must say its TpHello.
+// Every pending connection advances as its messages arrive, each stage within
+// its own deadline, so a silent one delays nobody else.
+struct PendingFollower {
+  enum class Stage { kAuthHello, kAuthProof, kTpHello };
+  PendingFollower(int fd, const protocols::ClusterKey& key, Deadline d)
+      : link(std::make_unique<TpLink>(fd)), auth(key, protocols::kAuthChannelTp), deadline(d) {
+    // A stranger can make rank 0 buffer no more than an auth message.
+    link->set_max_message_bytes(protocols::kFrameHeaderBytes +
+                                protocols::kMaxUnauthenticatedPayload);
+  }
+  bool authenticated() const { return stage == Stage::kTpHello; }
+  std::unique_ptr<TpLink> link;
+  protocols::AuthResponder auth;
+  Stage stage = Stage::kAuthHello;
+  Deadline deadline;
+};
+
+constexpr auto kTpStageTimeout = std::chrono::seconds(5);  // each of auth, hello
+
+}  // namespace
+
 Result<std::vector<std::string>> TcpTpGroup::Accept(
     Deadline deadline, const std::function<Result<SetupAnswer>(const std::string&)>& setup,
     const std::function<std::string(const Status&)>& refusal) {
+  using protocols::MessageType;
   std::vector<std::string> hellos(options_.tp_size);
+  std::vector<std::unique_ptr<PendingFollower>> pending;
   int joined = 0;
-  while (joined < options_.tp_size - 1) {
-    RETURN_IF_ERROR(WaitFd(listen_fd_, POLLIN, deadline)
-                        .WithContext("waiting for " +
-                                     std::to_string(options_.tp_size - 1 - joined) +
-                                     " TP follower(s) to connect"));
-    const int fd = ::accept(listen_fd_, nullptr, nullptr);
-    if (fd < 0) continue;
-    auto link = std::make_unique<TpLink>(fd);
-    // A connection that cannot prove the cluster key is dropped, not joined,
-    // and does not stop the group from forming.
-    auto peer_name = AuthenticateFollower(
-        *link, options_.cluster_key,
-        Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
-    if (!peer_name.ok()) {
-      LOG_WARNING << "TP group: dropping a connection: " << peer_name.status().message();
-      std::lock_guard lock(counters_mu_);
-      ++counters_.auth_failures;
-      if (link->refused_oversized()) ++counters_.oversized_frames;
-      continue;
+  auto stage_deadline = [&] {
+    return Deadline{std::min(deadline.at, Deadline::After(kTpStageTimeout).at)};
+  };
+  // A connection that cannot prove the cluster key is dropped, not joined,
+  // and does not stop the group from forming.
+  auto auth_failed = [&](PendingFollower& p, const Status& why) {
+    LOG_WARNING << "TP group: dropping a connection: " << why.message();
+    (void)SendAuth(*p.link, TpMsg::kSetup, MessageType::kAuthProof,
+                   protocols::AuthResponder::RefusalPayload("authentication failed"),
+                   Deadline::After(std::chrono::milliseconds(50)));
+    std::lock_guard lock(counters_mu_);
+    ++counters_.auth_failures;
+    if (p.link->refused_oversized()) ++counters_.oversized_frames;
+  };
+  // One message of a pending connection; false drops the connection.
+  auto on_message = [&](PendingFollower& p, TpMessage m) -> bool {
+    switch (p.stage) {
+      case PendingFollower::Stage::kAuthHello: {
+        auto challenge = [&]() -> Result<std::string> {
+          ASSIGN_OR_RETURN(protocols::Frame hello, ParseAuth(m, TpMsg::kHello));
+          return p.auth.OnHello(hello);
+        }();
+        Status sent = challenge.ok() ? SendAuth(*p.link, TpMsg::kSetup, MessageType::kAuthChallenge,
+                                                *challenge, p.deadline)
+                                     : challenge.status();
+        if (!sent.ok()) return auth_failed(p, sent), false;
+        p.stage = PendingFollower::Stage::kAuthProof;
+        return true;
+      }
+      case PendingFollower::Stage::kAuthProof: {
+        auto mine = [&]() -> Result<std::string> {
+          ASSIGN_OR_RETURN(protocols::Frame proof, ParseAuth(m, TpMsg::kHello));
+          return p.auth.OnProof(proof);
+        }();
+        Status sent =
+            mine.ok() ? SendAuth(*p.link, TpMsg::kSetup, MessageType::kAuthProof, *mine, p.deadline)
+                      : mine.status();
+        if (!sent.ok()) return auth_failed(p, sent), false;
+        p.link->set_max_message_bytes(kMaxTpMessageBytes);
+        p.stage = PendingFollower::Stage::kTpHello;
+        p.deadline = stage_deadline();
+        return true;
+      }
+      case PendingFollower::Stage::kTpHello:
+        break;
     }
     // From here the peer holds the cluster key, but it may still be a
     // misconfigured or stale member (a second rank 1, a rank of another
     // group): it is refused with the reason and dropped, and the group keeps
     // forming from the connections that fit, until the deadline.
-    auto hello =
-        link->Receive(Deadline{std::min(deadline.at, Deadline::After(std::chrono::seconds(5)).at)});
-    if (!hello.ok() || hello->type != TpMsg::kHello) {
-      LOG_WARNING << "TP group: dropping a follower that did not say hello: "
-                  << (hello.ok() ? std::string("another message came first")
-                                 : hello.status().message());
-      continue;
+    if (m.type != TpMsg::kHello) {
+      LOG_WARNING << "TP group: dropping a follower that did not say hello: another message "
+                     "came first";
+      return false;
     }
-    auto answer = setup(hello->payload);
-    if (answer.ok() && *peer_name != TpAuthName(answer->rank)) {
+    auto answer = setup(m.payload);
+    if (answer.ok() && p.auth.peer_name() != TpAuthName(answer->rank)) {
       {
         std::lock_guard lock(counters_mu_);
         ++counters_.foreign_frames;
       }
-      answer = FailedPrecondition("TP follower authenticated as '" + *peer_name +
+      answer = FailedPrecondition("TP follower authenticated as '" + p.auth.peer_name() +
                                   "' but says it is rank " + std::to_string(answer->rank));
     }
     if (answer.ok() &&
@@ -317,17 +347,100 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
     }
     if (!answer.ok()) {
       LOG_WARNING << "TP group: refusing a follower: " << answer.status().message();
-      (void)link->Send(TpMsg::kSetup, refusal(answer.status()), deadline);
-      continue;
+      (void)p.link->Send(TpMsg::kSetup, refusal(answer.status()), p.deadline);
+      return false;
     }
     const int r = answer->rank;
-    if (Status sent = link->Send(TpMsg::kSetup, answer->payload, deadline); !sent.ok()) {
+    if (Status sent = p.link->Send(TpMsg::kSetup, answer->payload, p.deadline); !sent.ok()) {
       LOG_WARNING << "TP group: follower rank " << r << " left during setup: " << sent.message();
-      continue;
+      return false;
     }
-    hellos[r] = std::move(hello->payload);
-    links_[r] = std::move(link);
+    hellos[r] = std::move(m.payload);
+    links_[r] = std::move(p.link);
     ++joined;
+    return false;  // joined: no longer pending
+  };
+
+  while (joined < options_.tp_size - 1) {
+    if (deadline.Expired()) {
+      return DeadlineExceeded("waiting for " + std::to_string(options_.tp_size - 1 - joined) +
+                              " TP follower(s) to connect: TP link: peer did not answer in time");
+    }
+    // Stages past their deadline end first.
+    for (auto it = pending.begin(); it != pending.end();) {
+      PendingFollower& p = **it;
+      if (!p.deadline.Expired()) {
+        ++it;
+        continue;
+      }
+      if (p.authenticated()) {
+        LOG_WARNING << "TP group: dropping a follower that did not say hello: TP link: peer did "
+                       "not answer in time";
+      } else {
+        auth_failed(p, DeadlineExceeded("TP link: peer did not answer in time"));
+      }
+      it = pending.erase(it);
+    }
+    Deadline wake = deadline;
+    for (const auto& p : pending) wake.at = std::min(wake.at, p->deadline.at);
+    std::vector<pollfd> fds;
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (const auto& p : pending) fds.push_back({p->link->fd(), POLLIN, 0});
+    const int rc = ::poll(fds.data(), fds.size(), wake.Expired() ? 0 : PollMs(wake));
+    if (rc < 0 && errno != EINTR) return Unavailable(std::string("poll: ") + std::strerror(errno));
+    if (rc <= 0) continue;
+    // Messages of the pending connections, each as far as it has arrived.
+    std::vector<bool> keep(pending.size(), true);
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (fds[i + 1].revents == 0) continue;
+      PendingFollower& p = *pending[i];
+      while (keep[i]) {
+        auto m = p.link->Receive(Deadline::After(std::chrono::milliseconds(0)));
+        if (!m.ok()) {
+          if (m.status().code() == StatusCode::kDeadlineExceeded) break;  // the rest not here yet
+          if (p.authenticated()) {
+            LOG_WARNING << "TP group: dropping a follower that did not say hello: "
+                        << m.status().message();
+          } else {
+            auth_failed(p, m.status());
+          }
+          keep[i] = false;
+          break;
+        }
+        keep[i] = on_message(p, std::move(*m));
+      }
+    }
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (!keep[i]) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    // New connections: each starts its own authentication, up to
+    // max_unauthenticated at once; more are closed at once and counted (a
+    // local process opening silent connections cannot grow rank 0's memory
+    // or delay the real followers, only occupy these slots until their
+    // deadlines).
+    if ((fds[0].revents & POLLIN) != 0 && joined < options_.tp_size - 1) {
+      for (;;) {
+        const int fd = ::accept(listen_fd_, nullptr, nullptr);
+        if (fd < 0) break;  // EAGAIN: none left
+        const size_t strangers = static_cast<size_t>(std::count_if(
+            pending.begin(), pending.end(), [](const auto& p) { return !p->authenticated(); }));
+        if (strangers >= options_.max_unauthenticated) {
+          ::close(fd);
+          uint64_t n;
+          {
+            std::lock_guard lock(counters_mu_);
+            n = ++counters_.refused_connections;
+          }
+          if (n <= 10 || n % 1000 == 0) {
+            LOG_WARNING << "TP group: refusing a connection: " << strangers
+                        << " unauthenticated connections already (" << n << " refused so far)";
+          }
+          continue;
+        }
+        pending.push_back(
+            std::make_unique<PendingFollower>(fd, options_.cluster_key, stage_deadline()));
+      }
+    }
   }
   ::close(listen_fd_);
   listen_fd_ = -1;

@@ -103,6 +103,11 @@ struct TpGroupOptions {
   // Followers prove it to rank 0 and rank 0 to them (protocols/cluster_auth.h)
   // before any TP message; a connection that cannot is dropped, not joined.
   protocols::ClusterKey cluster_key;
+  // Rank 0 authenticates every connection concurrently, each within 5 s;
+  // connections beyond this many still unauthenticated are closed at accept
+  // and counted (refused_connections), as the KV port does (its 32): a group
+  // has a handful of followers, so 16 leaves room for them beside strangers.
+  size_t max_unauthenticated = 16;
 };
 
 class TcpTpGroup : public engine::TpCollective {
@@ -117,7 +122,8 @@ class TcpTpGroup : public engine::TpCollective {
   uint16_t port() const { return port_; }  // rank 0's listening port
   // Rank 0: what the TP port refused while the group formed (auth failures,
   // oversized messages before authentication, a follower naming another rank
-  // than the one it authenticated as). Thread-safe.
+  // than the one it authenticated as, connections over max_unauthenticated).
+  // Thread-safe.
   protocols::PortSecurityCounters security_counters() const;
   // OK while every link works; else the first link's error (the group is
   // then unusable: a TP group cannot continue without one of its ranks).

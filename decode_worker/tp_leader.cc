@@ -33,6 +33,11 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
   LOG_INFO << "TP rank 0 waiting for " << options.tp_size - 1 << " follower(s) on "
            << options.tp_host << ":" << leader->group_->port();
   const int64_t total_blocks = engine->pool()->total_blocks();
+  // Followers mirror rank 0's KV cache groups (empty: one group).
+  std::vector<uint32_t> group_of_layer;
+  if (engine->kv_groups().size() > 1) {
+    for (int g : engine->kv_groups().group_of) group_of_layer.push_back(static_cast<uint32_t>(g));
+  }
   TpLeader* self = leader.get();
   auto check = [&](const std::string& payload) -> Result<TcpTpGroup::SetupAnswer> {
     proto::TpHello hello;
@@ -56,6 +61,7 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
     proto::TpSetup setup;
     setup.set_accepted(true);
     setup.set_total_blocks(static_cast<uint64_t>(total_blocks));
+    setup.mutable_kv_group_of_layer()->Add(group_of_layer.begin(), group_of_layer.end());
     return TcpTpGroup::SetupAnswer{r, setup.SerializeAsString()};
   };
   auto refusal = [](const Status& why) {
@@ -83,6 +89,18 @@ Status TpLeader::ExpectKv(engine::RequestId id, uint32_t prefill_rank,
   e.set_request_id(id);
   e.set_prefill_rank(prefill_rank);
   for (engine::BlockId b : blocks) e.add_block_ids(b);
+  return group_->Broadcast(TpMsg::kExpectKv, e.SerializeAsString());
+}
+
+Status TpLeader::ExpectKvGroups(engine::RequestId id, uint32_t prefill_rank,
+                                std::span<const std::vector<engine::BlockId>> tables) {
+  proto::TpExpectKv e;
+  e.set_request_id(id);
+  e.set_prefill_rank(prefill_rank);
+  if (!tables.empty()) e.mutable_block_ids()->Add(tables[0].begin(), tables[0].end());
+  for (size_t g = 1; g < tables.size(); ++g) {
+    e.add_group_block_ids()->mutable_blocks()->Add(tables[g].begin(), tables[g].end());
+  }
   return group_->Broadcast(TpMsg::kExpectKv, e.SerializeAsString());
 }
 

@@ -40,6 +40,10 @@ class TpLeader {
   // into the same block ids.
   Status ExpectKv(engine::RequestId id, uint32_t prefill_rank,
                   std::span<const engine::BlockId> blocks);
+  // The same into every KV cache group's table (tables[g], group g of the
+  // engine's groups, which the followers mirror since TpSetup).
+  Status ExpectKvGroups(engine::RequestId id, uint32_t prefill_rank,
+                        std::span<const std::vector<engine::BlockId>> tables);
   void CancelKv(engine::RequestId id);
   struct KvAck {
     engine::RequestId request = 0;

@@ -14,6 +14,9 @@ proto::TpStepPlan ToProto(const engine::StepPlan& plan) {
     ps->mutable_blocks()->Add(q.blocks.begin(), q.blocks.end());
     ps->set_cache_len(q.cache_len);
     ps->mutable_tokens()->Add(q.tokens.begin(), q.tokens.end());
+    for (const auto& table : q.group_blocks) {
+      ps->add_group_blocks()->mutable_blocks()->Add(table.begin(), table.end());
+    }
   }
   return m;
 }
@@ -27,6 +30,9 @@ engine::StepPlan FromProto(const proto::TpStepPlan& m) {
     s.cache_len = q.cache_len();
     s.tokens.assign(q.tokens().begin(), q.tokens().end());
     s.logits = engine::LogitRows::kNone;
+    for (const auto& table : q.group_blocks()) {
+      s.group_blocks.emplace_back(table.blocks().begin(), table.blocks().end());
+    }
     plan.seqs.push_back(std::move(s));
   }
   return plan;

@@ -43,6 +43,12 @@ Status LaunchOptions::Validate() const {
   if (prefill_threads < 0) return InvalidArgument("--prefill-threads must be >= 0");
   if (kv_timeout_ms < 0) return InvalidArgument("--kv-timeout-ms must be >= 0");
   if (heartbeat_ms < 0) return InvalidArgument("--heartbeat-ms must be >= 0");
+  if (heartbeat_timeout_ms < 0 || tp_step_timeout_ms < 0 || kv_progress_timeout_ms < 0 ||
+      coordinator_timeout_ms < 0) {
+    return InvalidArgument(
+        "--heartbeat-timeout-ms, --tp-step-timeout-ms, --kv-progress-timeout-ms and "
+        "--coordinator-timeout-ms must be >= 0 (0 = the default)");
+  }
   if (max_restarts < 0) return InvalidArgument("--max-restarts must be >= 0");
   if (restart_window_s < 1) return InvalidArgument("--restart-window-s must be >= 1");
   if (restart_backoff_ms < 0 || restart_backoff_max_ms < restart_backoff_ms) {
@@ -129,6 +135,10 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
   if (options_.heartbeat_ms > 0) {
     argv.push_back("--heartbeat-ms");
     argv.push_back(std::to_string(options_.heartbeat_ms));
+  }
+  if (options_.heartbeat_timeout_ms > 0) {
+    argv.push_back("--heartbeat-timeout-ms");
+    argv.push_back(std::to_string(options_.heartbeat_timeout_ms));
   }
   if (options_.coordinator_max_running > 0) {
     argv.push_back("--max-running");
@@ -232,6 +242,12 @@ Status LocalLauncher::Start() {
     if (options_.kv_timeout_ms > 0) {
       argv.push_back("--kv-timeout-ms");
       argv.push_back(std::to_string(options_.kv_timeout_ms));
+    }
+    for (const auto& [flag, ms] :
+         {std::pair{"--tp-step-timeout-ms", options_.tp_step_timeout_ms},
+          std::pair{"--kv-progress-timeout-ms", options_.kv_progress_timeout_ms},
+          std::pair{"--coordinator-timeout-ms", options_.coordinator_timeout_ms}}) {
+      if (ms > 0) argv.insert(argv.end(), {flag, std::to_string(ms)});
     }
     if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {
       argv.push_back("--device");

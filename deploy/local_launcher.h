@@ -51,6 +51,15 @@ struct LaunchOptions {
   // The coordinator's --heartbeat-ms (a worker is lost after 3 missed
   // intervals); 0 = its default (500 ms).
   int64_t heartbeat_ms = 0;
+  // Silent-fault deadlines, each 0 = that process's default: the
+  // coordinator's --heartbeat-timeout-ms (a silent worker is dropped), and
+  // every worker's --tp-step-timeout-ms (a silent TP rank breaks its group),
+  // --kv-progress-timeout-ms (a KV stream that moves nothing fails) and
+  // --coordinator-timeout-ms (a silent coordinator: re-register).
+  int64_t heartbeat_timeout_ms = 0;
+  int64_t tp_step_timeout_ms = 0;
+  int64_t kv_progress_timeout_ms = 0;
+  int64_t coordinator_timeout_ms = 0;
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;

@@ -19,10 +19,20 @@ PrefillRole::~PrefillRole() { Shutdown(); }
 Status PrefillRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  // The connector (layer streams, the prefix tiers) addresses blocks of every layer.
+  // The prefix tiers persist blocks of every layer (kv_store/block_codec.h),
+  // so a worker with a store keeps one KV cache group. Without one the
+  // engine's groups stay (a sliding-window group holds only its window of a
+  // long generation) and the layer streams gather each model layer from its
+  // group's block (SaveLayer).
   engine::EngineOptions eo = o.engine;
-  eo.kv_groups = engine::KvGroupsMode::kOne;
+  if (!o.kv_store_path.empty()) eo.kv_groups = engine::KvGroupsMode::kOne;
   ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
+  // Read by the streams in place of a sliding-window block the engine never
+  // held (a prefix hit needs only in-window blocks): positions before every
+  // later query's window, which the decode side never reads.
+  if (engine_->kv_groups().size() > 1) {
+    hole_layer_.assign(static_cast<size_t>(engine_->pool()->layout().LayerBytes()), 0);
+  }
   if (!o.kv_store_path.empty()) {
     kv_store::HostRamTier::Options ram;
     ram.capacity_bytes = o.kv_ram_tier_bytes;
@@ -137,6 +147,10 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
       return;
     }
     out.senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
+    if (engine_->kv_groups().size() > 1) {
+      out.tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
+                        std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
+    }
     outgoing_[id] = std::move(out);
   }
   const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
@@ -187,6 +201,52 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
   return Status::Ok();
 }
 
+void PrefillRole::RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out) {
+  // The step's tables name the blocks its layers write (and the earlier
+  // blocks still in each window); what a sliding-window table dropped was
+  // recorded by the step that still had it. Each block recorded is pinned
+  // until the streams end, so the engine's drop cannot free it.
+  for (size_t g = 0; g < out.tables.size(); ++g) {
+    const std::vector<BlockId>& plan_table = g == 0 ? seq.blocks : seq.group_blocks[g - 1];
+    std::vector<BlockId>& table = out.tables[g];
+    const size_t n = std::min(plan_table.size(), table.size());
+    for (size_t i = 0; i < n; ++i) {
+      const BlockId b = plan_table[i];
+      if (b == engine::kNoBlock || b == table[i]) continue;
+      engine_->pool()->Ref(b);
+      out.pinned.Adopt(b);
+      table[i] = b;  // a re-written block (copy-on-write, recompute) replaces the old
+    }
+  }
+}
+
+Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) {
+  const worker::BlockRange r =
+      worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
+  for (int64_t i = r.first; i < r.first + r.count; ++i) {
+    if (out.tables[0][static_cast<size_t>(i)] == engine::kNoBlock) {
+      return Internal("request " + std::to_string(id) + ": block " + std::to_string(i) +
+                      " of its full-attention group was never computed");
+    }
+  }
+  const auto dst = std::span<const BlockId>(out.dst_blocks)
+                       .subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
+  const int tp = static_cast<int>(out.decode_ranks.size());
+  auto& senders = out.senders[static_cast<size_t>(g)];
+  for (int k = 0; k < tp; ++k) {
+    ASSIGN_OR_RETURN(kv_transfer::HeadRange heads,
+                     kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, k));
+    // The wire format is the one-group one (every model layer of each
+    // block, ctx_.layout); each layer is read from its group's block.
+    senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
+        ctx_.transport, out.decode_ranks[k],
+        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
+        worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
+                                         heads, hole_layer_.data())));
+  }
+  return Status::Ok();
+}
+
 void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
   // Heartbeats go out from the link's own thread; keep what they report fresh
   // in the middle of a long step.
@@ -197,6 +257,7 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
     if (it == outgoing_.end()) continue;
     Outgoing& out = it->second;
     const int64_t n = static_cast<int64_t>(out.dst_blocks.size());
+    if (layer == 0 && !out.tables.empty()) RecordGroupBlocks(seq, out);
     for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
       const worker::BlockRange r = worker::StreamSegment(n, g);
       // The segment is streamed from the step whose chunk completes it.
@@ -204,7 +265,9 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
       auto& senders = out.senders[static_cast<size_t>(g)];
       if (senders.empty()) {
         if (layer != 0) continue;  // became ready mid-step: impossible, the step is one chunk
-        if (Status s = StartSegment(seq.request, out, g, seq.blocks); !s.ok()) {
+        const Status s = out.tables.empty() ? StartSegment(seq.request, out, g, seq.blocks)
+                                            : StartGroupedSegment(seq.request, out, g);
+        if (!s.ok()) {
           LOG_ERROR << "KV stream of request " << seq.request << ": " << s.ToString();
           continue;
         }

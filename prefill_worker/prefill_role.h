@@ -65,6 +65,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
                   engine::BlockTable& loaded) override;
   void SaveLayer(int layer, const engine::StepPlan& plan) override;
   bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
+  // Only a worker without a prefix store keeps groups (Init): the engine
+  // then never calls LoadPrefix, and SaveLayer gathers the groups' blocks.
+  bool SupportsKvGroups() const override { return true; }
 
  private:
   // A prefill-only request whose KV goes to a decode group: one stream per
@@ -76,6 +79,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     // free (and reuse) a block a send still reads.
     engine::BlockTable pinned;
     engine::BlockTable blocks;  // the prompt's blocks, once the engine finished the request
+    // With KV cache groups: per group, the prompt's blocks as the steps
+    // computed them (kNoBlock: never held), each one pinned. Empty with one group.
+    std::vector<std::vector<engine::BlockId>> tables;
     // senders[segment][tp rank]; empty until the segment's blocks are computed.
     std::vector<std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>>> senders;
     std::vector<int> decode_ranks;  // data-plane peers, in TP order
@@ -97,6 +103,10 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // Starts segment `g`'s senders from the request's blocks `table` (its own).
   Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g,
                       std::span<const engine::BlockId> table);
+  // With KV cache groups: records (and pins) the step's blocks of every group.
+  void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
+  // Segment `g`'s senders from out.tables.
+  Status StartGroupedSegment(engine::RequestId id, Outgoing& out, int64_t g);
   void OnCancel(const proto::Cancel& c);
   // Ends `it`'s streams (cancelling what is unfinished) and drops it. When a
   // send ended kAborted (its decode peer was abandoned while MPI owned the
@@ -112,6 +122,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<kv_store::HostRamTier> ram_tier_;
   std::unique_ptr<kv_store::RocksDbTier> disk_tier_;
   std::unique_ptr<kv_store::TieredCache> tiered_;
+  // Zeros of one block layer, read in place of a never-held sliding-window
+  // block. Declared before outgoing_ and quarantine_: destroyed after them.
+  std::vector<uint8_t> hole_layer_;
   std::map<engine::RequestId, Outgoing> outgoing_;
   std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
   int delivering_ = 0;                // Outgoings with delivering set

@@ -230,6 +230,23 @@ void FramedConnection::UpdateFrameTimer() {
   });
 }
 
+void FramedConnection::SetIdleTimeout(std::chrono::milliseconds timeout) {
+  auto apply = [self = shared_from_this(), timeout] {
+    if (self->closed()) return;
+    self->options_.idle_timeout = timeout;
+    if (timeout.count() > 0) {
+      self->ArmIdleTimer();
+    } else {
+      self->idle_timer_.cancel();
+    }
+  };
+  if (io_.InThisThread()) {
+    apply();
+  } else {
+    asio::post(io_.context(), std::move(apply));
+  }
+}
+
 void FramedConnection::ArmIdleTimer() {
   if (options_.idle_timeout.count() <= 0) return;
   idle_timer_.expires_after(options_.idle_timeout);

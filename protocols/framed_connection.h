@@ -134,6 +134,11 @@ class FramedConnection : public std::enable_shared_from_this<FramedConnection> {
   // io thread before later sends).
   void MarkAuthenticated();
   bool authenticated() const;
+  // Replaces ConnectionOptions::idle_timeout from now on (0 turns it off):
+  // no byte received for `timeout` from this call or the last byte closes the
+  // connection. Any thread (applied on the io thread). For a link whose
+  // peer's keep-alive interval is learnt after connecting.
+  void SetIdleTimeout(std::chrono::milliseconds timeout);
 
   // Next inbox frame, waiting until `deadline`. DeadlineExceeded on timeout;
   // the close reason (or Unavailable) once closed and drained.

@@ -57,7 +57,7 @@ std::string ClusterConfig::NameWithRouter() const {
 
 namespace {
 
-enum EventKind : uint32_t { kArrival, kStart, kStepEnd, kKvReady, kRestoreDone };
+enum EventKind : uint32_t { kArrival, kStart, kStepEnd, kKvReady, kRestoreDone, kServiceDone };
 
 uint64_t SplitMix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -167,6 +167,7 @@ struct Worker {
   double routed_tick = -1;
   int64_t routed_tokens = 0;
   int64_t reserved_blocks = 0;
+  bool view_dirty = false;  // in Simulator::dirty_views_: its router view is recomputed
   // Prompt tokens / requests submitted during the current step: the real
   // loop has not read them yet when it publishes after the step.
   int64_t submitted_in_step = 0;
@@ -211,6 +212,10 @@ class Simulator {
   bool Schedule(Worker& w);
   void OnStepEnd(size_t wi, uint64_t version);
   void Rerate();
+  // The serving path's CPU (Profile::serving_cpu) on a shared host: `seconds`
+  // more solo work for service i (0 the coordinator, 1 the client).
+  void AddServiceWork(size_t i, double seconds);
+  void OnServiceDone(size_t i, uint64_t version);
   void OnKvReady(uint32_t r);
   void Finish(uint32_t r, double t);
   void Reject(uint32_t r);
@@ -227,6 +232,12 @@ class Simulator {
     return phase + std::floor((t - phase) / hb) * hb;
   }
   void RefreshViews();
+  void RefreshView(Worker& w, double tick);
+  void MarkViewDirty(size_t wi) {
+    if (workers_[wi].view_dirty) return;
+    workers_[wi].view_dirty = true;
+    dirty_views_.push_back(wi);
+  }
   int64_t BlocksFor(int64_t tokens) const {
     return (tokens + profile_.block_tokens - 1) / profile_.block_tokens;
   }
@@ -244,8 +255,24 @@ class Simulator {
   std::unordered_map<std::string, size_t> by_id_;
   std::vector<ReqState> reqs_;
   uint64_t next_order_ = 0;
+  // Heartbeats: the tick the router views were last computed for, and the
+  // workers whose view may have changed since (a publication, a routing).
+  double views_tick_ = -1e300;
+  std::vector<size_t> dirty_views_;
   std::vector<size_t> stepping_;  // workers inside a step (shared_host_cores only)
   double busy_cores_ = 0;         // the cores they keep busy
+  // The coordinator and the client as fluid processes of one core each, busy
+  // while they have serving work left (shared_host_cores and a profile with
+  // serving_cpu only).
+  struct Service {
+    double per_request_s = 0, per_token_s = 0;
+    bool busy = false;
+    double work_left = 0, rate = 0, since = 0;
+    uint64_t version = 0;
+  };
+  Service services_[2];
+  double service_cores_ = 0;  // busy services
+  double worker_cpu_s_ = 0, serving_cpu_s_ = 0;
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
 };
@@ -296,6 +323,13 @@ void Simulator::Setup() {
     workers_.back().cores = tp.cores > 0 ? tp.cores : config_.tp;
     if (config_.tp > 1) workers_.back().tp_alpha = tp.busy_alpha;
   }
+  if (config_.shared_host_cores > 0) {
+    const ServingCpu& s = profile_.serving_cpu;
+    services_[0].per_request_s = s.coordinator_per_request_s;
+    services_[0].per_token_s = s.coordinator_per_token_s;
+    services_[1].per_request_s = s.client_per_request_s;
+    services_[1].per_token_s = s.client_per_token_s;
+  }
   prefill_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kPrefill);
   decode_candidates_ = coordinator::RoutingCandidates(infos_, WorkerRole::kDecode);
   reqs_.resize(workload_.size());
@@ -328,21 +362,35 @@ void Simulator::Publish(Worker& w) {
 // The router's view now, as coordinator/cluster_backend_state.h keeps it:
 // what the last heartbeat tick carried, plus the prompt tokens routed to and
 // the blocks reserved on each worker since that tick.
+// A view is a function of the tick, the worker's publications and the
+// coordinator's accounting since the tick, so only a new tick (every worker)
+// or a worker's publication or routing (that worker) changes it: recomputing
+// those alone is the same as recomputing all of them at every decision
+// (O(workers) per tick instead of per request).
 void Simulator::RefreshViews() {
   const double tick = LastTick(events_.now());
-  for (Worker& w : workers_) {
-    if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
-      w.routed_tick = tick;
-      w.routed_tokens = 0;
-      w.reserved_blocks = 0;
-    }
-    const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
-    WorkerInfo& info = infos_[w.info];
-    info.queued_tokens = v.queued_tokens + w.routed_tokens;
-    info.running = v.running;
-    info.queued_requests = v.queued_requests;
-    info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
+  if (tick != views_tick_) {
+    views_tick_ = tick;
+    for (Worker& w : workers_) RefreshView(w, tick);
+  } else {
+    for (size_t wi : dirty_views_) RefreshView(workers_[wi], tick);
   }
+  for (size_t wi : dirty_views_) workers_[wi].view_dirty = false;
+  dirty_views_.clear();
+}
+
+void Simulator::RefreshView(Worker& w, double tick) {
+  if (w.routed_tick != tick) {  // a heartbeat since: it replaced the accounting
+    w.routed_tick = tick;
+    w.routed_tokens = 0;
+    w.reserved_blocks = 0;
+  }
+  const Worker::Snapshot& v = tick >= w.published.time ? w.published : w.at_tick;
+  WorkerInfo& info = infos_[w.info];
+  info.queued_tokens = v.queued_tokens + w.routed_tokens;
+  info.running = v.running;
+  info.queued_requests = v.queued_requests;
+  info.free_kv_blocks = v.free_kv_blocks - w.reserved_blocks;
 }
 
 void Simulator::SyncInfo(Worker& w) {
@@ -356,6 +404,7 @@ void Simulator::SyncInfo(Worker& w) {
 
 void Simulator::OnArrival(uint32_t r) {
   if (r + 1 < workload_.size()) events_.Push(workload_[r + 1].arrival_s, kArrival, 0, r + 1);
+  for (size_t i = 0; i < 2; ++i) AddServiceWork(i, services_[i].per_request_s);
   // Admission runs `start` inline when a slot is free and from Release()
   // otherwise; the start itself is an event at the same instant so a routing
   // failure's Release never recurses.
@@ -390,7 +439,10 @@ void Simulator::OnStart(uint32_t r) {
   }
   const size_t pw = by_id_.at(*p);
   st.t.prefill_worker = static_cast<int32_t>(pw);
-  if (config_.heartbeat_s > 0) workers_[pw].routed_tokens += q.prompt_tokens;
+  if (config_.heartbeat_s > 0) {
+    workers_[pw].routed_tokens += q.prompt_tokens;
+    MarkViewDirty(pw);
+  }
   if (workers_[pw].kind != Worker::Kind::kColocated) {
     auto d = router_.PickDecodeAmong(route, decode_candidates_);
     if (!d.ok()) {
@@ -403,7 +455,10 @@ void Simulator::OnStart(uint32_t r) {
     // The decode group reserves blocks for prompt + output before the prefill.
     st.reserved_blocks = BlocksFor(q.prompt_tokens + q.output_tokens);
     workers_[dw].used_blocks += st.reserved_blocks;
-    if (config_.heartbeat_s > 0) workers_[dw].reserved_blocks += st.reserved_blocks;
+    if (config_.heartbeat_s > 0) {
+      workers_[dw].reserved_blocks += st.reserved_blocks;
+      MarkViewDirty(dw);
+    }
     SyncInfo(workers_[dw]);
   } else {
     st.t.decode_worker = static_cast<int32_t>(pw);
@@ -606,6 +661,7 @@ void Simulator::MaybeStep(size_t wi) {
       w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
                          k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn);
   const double d = fixed + prefill;
+  worker_cpu_s_ += d * w.cores;
   w.stepping = true;
   w.submitted_in_step = 0;
   w.requests_in_step = 0;
@@ -636,7 +692,18 @@ void Simulator::MaybeStep(size_t wi) {
 void Simulator::Rerate() {
   const double now = events_.now();
   const double n = config_.shared_host_cores;
-  const double share = busy_cores_ > n ? n / busy_cores_ : 1.0;
+  const double demand = busy_cores_ + service_cores_;
+  const double share = demand > n ? n / demand : 1.0;
+  for (size_t i = 0; i < 2; ++i) {
+    Service& s = services_[i];
+    if (!s.busy) continue;
+    s.work_left = std::max(0.0, s.work_left - s.rate * (now - s.since));
+    s.since = now;
+    if (share == s.rate) continue;
+    s.rate = share;
+    ++s.version;
+    events_.Push(now + s.work_left / share, kServiceDone, static_cast<uint32_t>(i), s.version);
+  }
   for (size_t wi : stepping_) {
     Worker& w = workers_[wi];
     w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
@@ -648,6 +715,36 @@ void Simulator::Rerate() {
     ++w.version;
     events_.Push(now + w.work_left / rate, kStepEnd, static_cast<uint32_t>(wi), w.version);
   }
+}
+
+void Simulator::AddServiceWork(size_t i, double seconds) {
+  if (!(seconds > 0)) return;  // none, or not on a shared host (Setup left it 0)
+  Service& s = services_[i];
+  serving_cpu_s_ += seconds;
+  const double now = events_.now();
+  if (s.busy) {
+    s.work_left = std::max(0.0, s.work_left - s.rate * (now - s.since)) + seconds;
+    s.since = now;
+    ++s.version;
+    events_.Push(now + s.work_left / s.rate, kServiceDone, static_cast<uint32_t>(i), s.version);
+    return;
+  }
+  s.busy = true;
+  s.work_left = seconds;
+  s.since = now;
+  s.rate = 0;  // Rerate schedules its end
+  service_cores_ += 1;
+  Rerate();
+}
+
+void Simulator::OnServiceDone(size_t i, uint64_t version) {
+  Service& s = services_[i];
+  if (!s.busy || version != s.version) return;  // more work or a new rate since
+  s.busy = false;
+  s.work_left = 0;
+  service_cores_ -= 1;
+  if (service_cores_ < 0.5) service_cores_ = 0;
+  Rerate();
 }
 
 void Simulator::Commit(Worker& w, Seq& s) {
@@ -678,6 +775,7 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
   const double now = events_.now();
   std::vector<Seq>& still = w.running_scratch;
   still.clear();
+  int64_t tokens = 0;  // sampled in this step (each one streamed to the client)
   for (auto& s : w.running) {
     if (s.chunk > 0) {
       const int64_t before = PendingPrompt(s);
@@ -687,6 +785,7 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
       s.chunk = 0;
       if (s.computed == s.tokens) {
         ++s.generated;
+        ++tokens;
         ReqState& st = reqs_[s.req];
         if (s.generated == 1 && w.kind != Worker::Kind::kDecode && st.t.first_token_s < 0) {
           st.t.first_token_s = now + w.ttft_add_s;
@@ -739,8 +838,14 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
     still.push_back(s);
   }
   w.running.swap(still);
+  for (size_t i = 0; i < 2; ++i) {
+    AddServiceWork(i, services_[i].per_token_s * static_cast<double>(tokens));
+  }
   SyncInfo(w);
-  if (config_.heartbeat_s > 0) Publish(w);
+  if (config_.heartbeat_s > 0) {
+    Publish(w);
+    MarkViewDirty(wi);
+  }
   MaybeStep(wi);
 }
 
@@ -815,6 +920,9 @@ Result<SimResult> Simulator::Run() {
       case kRestoreDone:
         MaybeStep(e.target);
         break;
+      case kServiceDone:
+        OnServiceDone(e.target, e.arg);
+        break;
     }
   }
   SimResult out;
@@ -851,6 +959,8 @@ Result<SimResult> Simulator::Run() {
   out.transfers = transfers_;
   out.transfer_bytes = transfer_bytes_;
   out.events = events_.popped();
+  out.worker_cpu_s = worker_cpu_s_;
+  out.serving_cpu_s = serving_cpu_s_;
   if (options_.keep_requests) {
     out.requests.reserve(reqs_.size());
     for (const auto& r : reqs_) out.requests.push_back(r.t);

@@ -37,6 +37,12 @@
 
 namespace kvrelay::sim {
 
+// The coordinator's heartbeat period (kvrelay launch's default, 500 ms): what
+// `kvrelay sim` and `kvrelay plan` use unless told otherwise (--heartbeat-ms 0
+// = exact router inputs). ClusterConfig itself defaults to exact inputs, which
+// the closed-form tests rely on.
+inline constexpr double kDefaultHeartbeatS = 0.5;
+
 struct ClusterConfig {
   int colocated = 0;  // colocated workers (prefill + decode in one engine)
   int prefill = 1;    // prefill workers (TP 1)
@@ -50,11 +56,14 @@ struct ClusterConfig {
   // them share one host of N cores (the single-node topologies `kvrelay sim
   // validate` compares with), as a fluid model: a stepping worker keeps
   // c cores busy (1; a TP group profile.tp[T].cores), and while the busy
-  // workers want D cores in all, each one's step advances at rate
-  //   min(1, N / D) / (1 + alpha x min(D - c, N - c))
+  // workers want D cores in all and S of the serving path's two processes
+  // (coordinator, client: profile.serving_cpu) have work, each one's step
+  // advances at rate
+  //   min(1, N / (D + S)) / (1 + alpha x min(D - c, N - c))
   // of its solo speed, alpha the profile's contention for the step's mix of
-  // decode and prefill work (a TP group: profile.tp[T].busy_alpha); every
-  // start and end of a step re-rates the others' remaining work.
+  // decode and prefill work (a TP group: profile.tp[T].busy_alpha), and a
+  // busy serving process at min(1, N / (D + S)); every start and end of a
+  // step or of a serving process's work re-rates the others' remaining work.
   int shared_host_cores = 0;
   // 0: the router sees every worker's state exactly at each decision. > 0:
   // as the real coordinator, it sees what the workers' heartbeats carried
@@ -120,6 +129,11 @@ struct SimResult {
   int64_t transfers = 0;
   double transfer_bytes = 0;
   uint64_t events = 0;
+  // CPU seconds the workers' steps cost (solo seconds x the cores each keeps
+  // busy; contention not included) and the serving path's (Profile::
+  // serving_cpu, shared hosts only): to compare with the real processes' CPU.
+  double worker_cpu_s = 0;
+  double serving_cpu_s = 0;
   std::vector<RequestTiming> requests;  // in workload order (when keep_requests)
 
   double prefix_hit_rate() const {

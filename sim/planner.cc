@@ -13,6 +13,9 @@ Status PlanOptions::Validate() const {
   if (!include_colocated && !include_disaggregated) {
     return InvalidArgument("plan: nothing to search (colocated and disaggregated both off)");
   }
+  if (!(heartbeat_s >= 0) || !std::isfinite(heartbeat_s)) {
+    return InvalidArgument("plan: heartbeat_s must be >= 0");
+  }
   if (requests_per_node < 1 || bisection_steps < 1 || curve_points < 1) {
     return InvalidArgument("plan: requests_per_node, bisection_steps, curve_points must be >= 1");
   }
@@ -128,6 +131,7 @@ Result<PlanResult> Plan(const Profile& profile, const PlanOptions& options,
   PlanResult out;
   for (auto& k : configs) {
     if (k.colocated == 0) k.router = options.router;
+    k.heartbeat_s = options.heartbeat_s;
     PlanCandidate c;
     c.config = k;
     ASSIGN_OR_RETURN(c.max_rate, MaxRate(profile, k, options, &out.simulations));

@@ -27,6 +27,10 @@ struct PlanOptions {
   bool include_colocated = true;
   bool include_disaggregated = true;
   coordinator::RouterPolicy router = coordinator::RouterPolicy::kPrefixAware;
+  // What the router sees: the workers' heartbeats every heartbeat_s (the real
+  // coordinator's default), or exact state at every decision (0). Exact
+  // inputs flatter colocated routing (prefix_aware sees every queued prompt).
+  double heartbeat_s = kDefaultHeartbeatS;
   int64_t requests_per_node = 400;  // workload size at each simulated point (min 1000)
   int bisection_steps = 12;
   int curve_points = 12;  // goodput-vs-rate points for the top configurations

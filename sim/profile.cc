@@ -51,6 +51,20 @@ Status Profile::Validate() const {
   if ((contention.decode_alpha > 0 || contention.prefill_alpha > 0) && contention.source.empty()) {
     return InvalidArgument("profile.contention.source must say where it is from");
   }
+  {
+    const ServingCpu& s = serving_cpu;
+    bool any = false;
+    for (double v : {s.coordinator_per_request_s, s.coordinator_per_token_s,
+                     s.client_per_request_s, s.client_per_token_s}) {
+      if (!(v >= 0) || !std::isfinite(v)) {
+        return InvalidArgument("profile.serving_cpu: every cost must be >= 0 seconds");
+      }
+      any = any || v > 0;
+    }
+    if (any && s.source.empty()) {
+      return InvalidArgument("profile.serving_cpu.source must say where it is from");
+    }
+  }
   for (const auto* o : {&colocated, &prefill, &decode}) {
     if (!(o->ttft_s >= 0) || !(o->step_scale > 0) || !(o->prefill_scale > 0) ||
         !(o->step_add_s >= 0)) {
@@ -159,6 +173,12 @@ std::string ProfileToJson(const Profile& p) {
        {{"decode_alpha", p.contention.decode_alpha},
         {"prefill_alpha", p.contention.prefill_alpha},
         {"source", p.contention.source}}},
+      {"serving_cpu",
+       {{"coordinator_per_request_s", p.serving_cpu.coordinator_per_request_s},
+        {"coordinator_per_token_s", p.serving_cpu.coordinator_per_token_s},
+        {"client_per_request_s", p.serving_cpu.client_per_request_s},
+        {"client_per_token_s", p.serving_cpu.client_per_token_s},
+        {"source", p.serving_cpu.source}}},
       {"colocated", OverheadJson(p.colocated)},
       {"prefill", OverheadJson(p.prefill)},
       {"decode", OverheadJson(p.decode)},
@@ -226,6 +246,19 @@ Result<Profile> ProfileFromJson(const std::string& text) {
     RETURN_IF_ERROR(Read(c, "contention.", "decode_alpha", &p.contention.decode_alpha, false));
     RETURN_IF_ERROR(Read(c, "contention.", "prefill_alpha", &p.contention.prefill_alpha, false));
     RETURN_IF_ERROR(Read(c, "contention.", "source", &p.contention.source, false));
+  }
+  if (j.contains("serving_cpu")) {
+    const json& c = j["serving_cpu"];
+    if (!c.is_object()) return InvalidArgument("profile: serving_cpu must be an object");
+    ServingCpu& s = p.serving_cpu;
+    for (auto [key, v] : {std::pair<const char*, double*>{"coordinator_per_request_s",
+                                                          &s.coordinator_per_request_s},
+                          {"coordinator_per_token_s", &s.coordinator_per_token_s},
+                          {"client_per_request_s", &s.client_per_request_s},
+                          {"client_per_token_s", &s.client_per_token_s}}) {
+      RETURN_IF_ERROR(Read(c, "serving_cpu.", key, v, false));
+    }
+    RETURN_IF_ERROR(Read(c, "serving_cpu.", "source", &s.source, false));
   }
   RETURN_IF_ERROR(ReadOverhead(j, "colocated", &p.colocated));
   RETURN_IF_ERROR(ReadOverhead(j, "prefill", &p.prefill));

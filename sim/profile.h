@@ -100,6 +100,27 @@ struct ServingOverhead {
   std::string source;
 };
 
+// CPU the serving path spends outside the workers, measured by `kvrelay sim
+// calibrate` (/proc CPU seconds of the coordinator, getrusage of the client,
+// over two bench serve runs that differ only in output length, idle CPU
+// subtracted): the coordinator (HTTP, routing, relaying the stream) and the
+// load generator (`kvrelay bench serve`), per request (charged at its
+// arrival) and per output token (charged when the step that sampled it
+// ends). On a shared host (ClusterConfig::shared_host_cores) each of the two
+// is a process that keeps a core busy while it has such work and so takes
+// its share of the cores from the workers (it is not slowed by their
+// contention, nor counted in theirs: it is not an engine step). Its latency
+// is not added anywhere: at low load it is part of what the serving
+// overheads were calibrated from. Without a shared host it costs nothing
+// (the coordinator and the client have machines of their own).
+struct ServingCpu {
+  double coordinator_per_request_s = 0;
+  double coordinator_per_token_s = 0;
+  double client_per_request_s = 0;
+  double client_per_token_s = 0;
+  std::string source;
+};
+
 struct Profile {
   std::string name;      // e.g. "this-machine" or "H100-llama8b (hand-written)"
   std::string hardware;  // CPU / accelerator model
@@ -119,6 +140,7 @@ struct Profile {
   LinkCost store_restore;                      // prefix tier (RocksDB) restore
   std::map<int, TpCost> tp;                    // by T (>= 2; T = 1 is the identity)
   HostContention contention;                   // optional (0 = none); shared hosts only
+  ServingCpu serving_cpu;                      // optional (0 = none); shared hosts only
   ServingOverhead colocated;
   ServingOverhead prefill;  // the prefill role of a disaggregated topology
   ServingOverhead decode;   // the decode role (TP 1); TP T adds tp[T]

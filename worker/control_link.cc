@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+
 namespace kvrelay::worker {
 
 using protocols::MessageType;
@@ -100,9 +102,17 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
   if (reply.heartbeat_interval_ms() > 0) {
     heartbeat_interval_ = std::chrono::milliseconds(reply.heartbeat_interval_ms());
   }
+  // From here the coordinator heartbeats this link every interval: silence
+  // for coordinator_timeout() closes it (Serve then re-registers).
+  conn_->SetIdleTimeout(coordinator_timeout());
   PublishHeartbeat();
   StartHeartbeats();
   return Status::Ok();
+}
+
+std::chrono::milliseconds ControlLink::coordinator_timeout() const {
+  if (options_.coordinator_timeout.count() > 0) return options_.coordinator_timeout;
+  return std::max<std::chrono::milliseconds>(3 * heartbeat_interval_, kMinCoordinatorTimeout);
 }
 
 void ControlLink::Leave(const std::string& worker_id, const std::string& why) {

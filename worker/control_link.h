@@ -47,6 +47,12 @@ class ControlLink {
     // Mutual TLS under the handshake (protocols/tls.h); null = plaintext.
     std::shared_ptr<protocols::TlsContext> tls;
     std::chrono::milliseconds connect_timeout{30000};
+    // Nothing heard from the coordinator for this long (it sends a heartbeat
+    // every interval it announced at registration) closes the link, and the
+    // worker re-registers with backoff: how a stopped or cut-off coordinator
+    // is noticed, as a closed connection is not. 0 = 3 announced intervals,
+    // at least kMinCoordinatorTimeout.
+    std::chrono::milliseconds coordinator_timeout{0};
   };
   explicit ControlLink(Options options);
   ~ControlLink();
@@ -55,6 +61,8 @@ class ControlLink {
   // the coordinator accepted it. Replaces a previous connection.
   Status Connect(const proto::RegisterWorker& reg, Deadline deadline);
   bool connected() const { return conn_ != nullptr && !conn_->closed(); }
+  // The coordinator-liveness deadline in force (after Connect).
+  std::chrono::milliseconds coordinator_timeout() const;
   void Close(const Status& why);
 
   template <typename Message>
@@ -87,6 +95,12 @@ class ControlLink {
   std::unique_ptr<protocols::IoThread> io_;
   std::shared_ptr<protocols::FramedConnection> conn_;
   static constexpr std::chrono::seconds kStallWindow{10};
+  // The default coordinator deadline's floor: nothing is gained by noticing a
+  // silent coordinator fast (no request reaches this worker or its clients
+  // meanwhile, and the coordinator itself ends the requests it holds), while
+  // a false positive costs this worker's streaming requests; 2 s rides out
+  // a coordinator scheduled late on a loaded host at short intervals.
+  static constexpr std::chrono::milliseconds kMinCoordinatorTimeout{2000};
 
   void StartHeartbeats();
   void StopHeartbeats();

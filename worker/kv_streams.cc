@@ -55,7 +55,7 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
 kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
     std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local) {
+    kv_transfer::HeadRange local, uint8_t* hole_layer) {
   const engine::KvLayout& layout = pool->layout();
   kv_transfer::StreamBuffers buffers;
   buffers.layout.kv_heads = layout.kv_heads;
@@ -67,8 +67,10 @@ kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
   for (int l = 0; l < groups.n_layers(); ++l) {
     const std::vector<engine::BlockId>& table = tables[static_cast<size_t>(groups.group_of[l])];
     for (int64_t i = range.first; i < range.first + range.count; ++i) {
-      buffers.layer_data.push_back(
-          pool->LayerData(table[static_cast<size_t>(i)], groups.slot_of[l]).data());
+      const engine::BlockId b = table[static_cast<size_t>(i)];
+      buffers.layer_data.push_back(b == engine::kNoBlock && hole_layer != nullptr
+                                       ? hole_layer
+                                       : pool->LayerData(b, groups.slot_of[l]).data());
     }
   }
   return buffers;

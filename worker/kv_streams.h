@@ -62,10 +62,14 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
 // l of block i lands in layer groups.slot_of[l] of
 // tables[groups.group_of[l]][i]. The streams' dst_blocks are group 0's ids
 // (what the reservation reported), so the wire format is the one-group one.
+// A sender whose sliding-window tables have holes (kNoBlock: a block the
+// engine never held, wholly before every later query's window) passes
+// `hole_layer`, zeros of one block layer (KvLayout::LayerBytes), read in
+// place of each such entry. Without it every entry must name a block.
 kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
     engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
     std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local);
+    kv_transfer::HeadRange local, uint8_t* hole_layer = nullptr);
 Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
     kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
     const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,

@@ -84,6 +84,7 @@ Status Worker::Init() {
     ASSIGN_OR_RETURN(c.tls, protocols::TlsContext::Create(options_.control_tls));
   }
   c.connect_timeout = options_.connect_timeout;
+  c.coordinator_timeout = options_.coordinator_timeout;
   control_ = std::make_unique<ControlLink>(c);
   events_ = std::make_unique<EventReporter>(
       control_.get(), base_.model->tokenizer(),
@@ -142,6 +143,13 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   hb->set_transfer_bytes(static_cast<uint64_t>(counters_.transfer_bytes));
   hb->set_transfer_seconds(counters_.transfer_seconds);
   hb->set_quarantined_kv_blocks(static_cast<uint64_t>(counters_.quarantined_blocks));
+  const engine::KvCacheGroups& groups = e->kv_groups();
+  const std::vector<int64_t> peaks = e->stats().peak_group_blocks;
+  for (int g = 0; g < groups.size(); ++g) {
+    hb->add_kv_group_window(static_cast<uint32_t>(groups.window[static_cast<size_t>(g)]));
+    hb->add_kv_group_peak_blocks(static_cast<uint64_t>(
+        g < static_cast<int>(peaks.size()) ? peaks[static_cast<size_t>(g)] : 0));
+  }
   auto fill = [](const protocols::PortSecurityCounters& c, proto::PortSecurityCounters* out) {
     out->set_auth_failures(c.auth_failures);
     out->set_refused_connections(c.refused_connections);
@@ -226,13 +234,21 @@ Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
   while (!stop.load()) {
     auto frame = control_->Receive(Deadline::After(Idle()));
     while (frame.ok()) {
-      Status s = frame->type == static_cast<uint16_t>(protocols::MessageType::kPeerLost)
-                     ? OnPeerLost(*frame)
-                     : role_->OnControlFrame(*frame);
+      Status s;
+      if (frame->type == static_cast<uint16_t>(protocols::MessageType::kHeartbeat)) {
+        // The coordinator's keep-alive: its arrival re-armed the link's idle
+        // timer (ControlLink::Options::coordinator_timeout); nothing to do.
+      } else if (frame->type == static_cast<uint16_t>(protocols::MessageType::kPeerLost)) {
+        s = OnPeerLost(*frame);
+      } else {
+        s = role_->OnControlFrame(*frame);
+      }
       if (!s.ok()) LOG_WARNING << "bad control frame: " << s.ToString();
       frame = control_->Receive(Deadline::After(std::chrono::nanoseconds(0)));
     }
-    if (frame.status().code() != StatusCode::kDeadlineExceeded) {
+    // A link closed by its idle timer (the coordinator went silent) reports
+    // DeadlineExceeded too: a closed link is lost whatever the code.
+    if (frame.status().code() != StatusCode::kDeadlineExceeded || !control_->connected()) {
       *link_lost = true;
       return Unavailable("coordinator connection lost: " + frame.status().message());
     }

@@ -23,6 +23,9 @@ FlagSpec WorkerSpec(const std::string& program) {
           0,
           {{"id", "<role>-<rank>", "worker id"},
            {"coordinator", "127.0.0.1:9000", "coordinator control plane HOST:PORT"},
+           {"coordinator-timeout-ms", "0",
+            "nothing from the coordinator for this long: drop the link and re-register "
+            "(0 = 3 of its heartbeat intervals, at least 2000)"},
            {protocols::kControlTlsCertFlag, "",
             "control link TLS: this worker's certificate (PEM; with -key and -ca)"},
            {protocols::kControlTlsKeyFlag, "", "control link TLS: the certificate's private key"},
@@ -74,6 +77,8 @@ Result<WorkerOptions> ParseWorkerFlags(RoleKind role, const Result<Flags>& parse
   if (*end != '\0' || port <= 0 || port > 65535)
     return InvalidArgument("--coordinator has a bad port: '" + coord + "'");
   o.coordinator_port = static_cast<uint16_t>(port);
+  ASSIGN_OR_RETURN(int64_t coordinator_timeout, flags.GetInt("coordinator-timeout-ms", 0));
+  o.coordinator_timeout = std::chrono::milliseconds(coordinator_timeout);
   o.engine.model_path = flags.Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
   ASSIGN_OR_RETURN(o.engine.kv_dtype,
                    engine::ParseKvDtype(flags.Get(

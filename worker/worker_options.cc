@@ -47,6 +47,9 @@ Status WorkerOptions::Validate() const {
     return InvalidArgument("rank " + std::to_string(rank) + " is outside world size " +
                            std::to_string(world_size));
   }
+  if (coordinator_timeout.count() < 0) {
+    return InvalidArgument("--coordinator-timeout-ms must be >= 0 (0 = 3 heartbeat intervals)");
+  }
   if (kv_timeout.count() <= 0 || kv_progress_timeout.count() <= 0) {
     return InvalidArgument("--kv-timeout-ms and --kv-progress-timeout-ms must be positive");
   }

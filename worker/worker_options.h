@@ -54,6 +54,17 @@ struct WorkerOptions {
   // (mpi when the KV data plane is mpi).
   std::string tp_comm = "auto";
   std::chrono::milliseconds connect_timeout{30000};
+  // Nothing from the coordinator for this long (it heartbeats every
+  // interval) and the worker drops its link, ends its requests there and
+  // re-registers with backoff (--coordinator-timeout-ms): a SIGSTOPped or
+  // cut-off coordinator keeps its sockets open, so without it a worker would
+  // wait forever. 0 = 3 of the heartbeat intervals the coordinator announces,
+  // at least 2 s (1.5 s -> 2 s at the default 500 ms). No hurry is needed:
+  // while the coordinator is silent no request reaches this worker or its
+  // clients, and the coordinator ends the requests it holds itself; a false
+  // positive costs this worker's streaming requests, and a coordinator can be
+  // scheduled hundreds of ms late on a loaded host.
+  std::chrono::milliseconds coordinator_timeout{0};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
   // A KV stream whose sender has handed every byte to its transport (decode
   // side: StartDecode arrived; prefill side: a delivery in flight) moves at

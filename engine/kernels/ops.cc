@@ -4,12 +4,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "engine/kernels/matmul.h"
 
 namespace kvrelay::engine {
 namespace {
+
+// AttendTileGgml: positions are walked in chunks of kTileChunk (a multiple of
+// 16, so AVX-512's score groups and value groups never straddle a chunk); a
+// chunk of K (V) is read once from memory for all rows of the tile and reused
+// from L1/L2 (hd 64: 32 KiB).
+constexpr int64_t kTileChunk = 128;
+constexpr int kTileMaxRows = 64;  // rows per pass (the stack holds their maxima)
 
 // The AVX-512 path runs the AVX2 element-wise ops (same bits; matmul.h).
 bool UseAvx2(KernelPath path = KernelPath::kAuto) {
@@ -62,6 +70,11 @@ float ExpGgmlScalar(float x) {
   if (std::fabs(n) > 192.0f) return s1 * s1;
   return std::fma(s2, p, s2) * s1;
 }
+
+// ggml_vec_max_f32's MAX(max, x) (inline, unlike std::fmax's libm call). It
+// can differ from std::fmax only in the sign of a zero max, which no result
+// sees: exp(s - (+0)) and exp(s - (-0)) are the same for every s.
+inline float MaxGgml(float mx, float s) { return mx > s ? mx : s; }
 
 // ggml's 8-lane horizontal sum: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
 inline float Hsum8Scalar(const float* a) {
@@ -176,22 +189,88 @@ float DotVecAvx2(const float* a, const float* b, int n) {
   return static_cast<float>(sum);
 }
 
-void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
-                int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
-                float* out) {
-  float mx = -INFINITY;
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* k = kb[j / B] + (j % B) * hd;
+// DotVecAvx2 of q with the 8 consecutive rows k, k + hd, ..., k + 7 hd (hd a
+// multiple of 32), in key order: per key the same four 8-lane FMA chains and
+// x = (s0 + s2) + (s1 + s3); then DotVecAvx2's horizontal sum
+// ((x0 + x4) + (x1 + x5)) + ((x2 + x6) + (x3 + x7)) for 8 keys at once: lane
+// halves added by pairs of keys, then two hadds pair exactly those terms. (The
+// float result of DotVecAvx2 goes through double unchanged when hd % 32 == 0.)
+inline __m256 Dot8Avx2(const float* q, const float* k, int hd) {
+  __m256 u[4];
+  for (int p = 0; p < 4; ++p) {
+    __m256 x[2];
+    for (int c = 0; c < 2; ++c) {
+      const float* b = k + (2 * p + c) * hd;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int i = 0; i < hd; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 16), _mm256_loadu_ps(b + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), _mm256_loadu_ps(b + i + 24), s3);
+      }
+      x[c] = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+    }
+    // [x_a.lo + x_a.hi | x_b.lo + x_b.hi]
+    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20),
+                         _mm256_permute2f128_ps(x[0], x[1], 0x31));
+  }
+  // Low halves: keys 0, 2, 4, 6; high halves: keys 1, 3, 5, 7.
+  const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(u[0], u[1]), _mm256_hadd_ps(u[2], u[3]));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// AttendAvx2's passes (single == false), also run chunk by chunk by the tile
+// path (AttendTileGgml): scores of the positions in [max(j0, c0), min(j1, c1)),
+// their running max (MaxGgml in position order) carried in mx.
+float Avx2ScoresStep(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
+                     int64_t c0, int64_t c1, float scale, float* scores, float mx) {
+  const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
+  int64_t blk = a / B, in_blk = a % B;  // walk with j: no division per key
+  const bool eights = hd % 32 == 0 && B % 8 == 0;
+  for (int64_t j = a; j < z;) {
+    const float* k = kb[blk] + in_blk * hd;
+    if (eights && (j & 7) == 0 && j + 8 <= z) {
+      // 8 keys (one block: B % 8 == 0) at once, the same dot products.
+      alignas(32) float s8[8];
+      _mm256_store_ps(s8, _mm256_mul_ps(Dot8Avx2(q, k, hd), _mm256_set1_ps(scale)));
+      for (int l = 0; l < 8; ++l) {
+        scores[j + l] = s8[l];
+        mx = MaxGgml(mx, s8[l]);
+      }
+      j += 8;
+      if ((in_blk += 8) == B) {
+        ++blk;
+        in_blk = 0;
+      }
+      continue;
+    }
+    if (++in_blk == B) {
+      ++blk;
+      in_blk = 0;
+    }
     const float s = DotVecAvx2(q, k, hd) * scale;
     scores[j] = s;
-    mx = std::fmax(mx, s);
+    mx = MaxGgml(mx, s);
+    ++j;
   }
+  return mx;
+}
+
+// Scores -> exp(s - mx) in place; returns 1 / their sum (the softmax's
+// normalisation, applied as scores[j] * inv when the values are summed).
+float Avx2SoftmaxExp(float* scores, int64_t j0, int64_t j1, float mx) {
   // exp in groups of 8 aligned at position 0; masked positions are 0.
   double sum = 0;
   const __m256 vmx = _mm256_set1_ps(mx);
   const int64_t g0 = j0 & ~int64_t{7};
   alignas(32) float buf[8];
   for (int64_t g = g0; g < j1; g += 8) {
+    if (g >= j0 && g + 8 <= j1) {  // a whole group: no masking
+      const __m256 e = Exp8Ggml(_mm256_sub_ps(_mm256_loadu_ps(scores + g), vmx));
+      sum += static_cast<double>(Hsum8(e));
+      _mm256_storeu_ps(scores + g, e);
+      continue;
+    }
     for (int l = 0; l < 8; ++l) {
       const int64_t j = g + l;
       buf[l] = j >= j0 && j < j1 ? scores[j] : -INFINITY;
@@ -203,7 +282,88 @@ void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, 
       if (g + l >= j0) scores[g + l] = buf[l];
     }
   }
-  const float inv = static_cast<float>(1.0 / sum);
+  return static_cast<float>(1.0 / sum);
+}
+
+// V * p over the positions in [max(j0, c0), min(j1, c1)): lane (j mod 8) of an
+// 8-lane FMA accumulator per output element (acc: 8 x hd, lane-major).
+void Avx2ValuesStep(const float* scores, float inv, const float* const* vb, int B, int hd,
+                    int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
+  const int64_t first = std::max(j0, c0), z = std::min(j1, c1);
+  if (hd % 8 == 0 && B % 8 == 0 && first < z) {
+    // 8 output elements at a time with their 8 lane accumulators in registers
+    // (the same FMAs, each accumulator's positions in order), in groups of 8
+    // positions aligned at 0 (one block each: B % 8 == 0).
+    const int64_t g_begin = first & ~int64_t{7};
+    for (int e0 = 0; e0 < hd; e0 += 8) {
+      __m256 a[8];
+      for (int l = 0; l < 8; ++l) a[l] = _mm256_loadu_ps(acc + l * hd + e0);
+      int64_t blk = g_begin / B, in_blk = g_begin % B;
+      for (int64_t g = g_begin; g < z; g += 8) {
+        const float* v = vb[blk] + in_blk * hd + e0;
+        if ((in_blk += 8) == B) {
+          ++blk;
+          in_blk = 0;
+        }
+        if (g >= first && g + 8 <= z) {
+          for (int l = 0; l < 8; ++l) {
+            a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(v + l * hd), _mm256_set1_ps(scores[g + l] * inv),
+                                   a[l]);
+          }
+        } else {
+          for (int l = 0; l < 8; ++l) {
+            if (g + l < first || g + l >= z) continue;
+            a[l] = _mm256_fmadd_ps(_mm256_loadu_ps(v + l * hd), _mm256_set1_ps(scores[g + l] * inv),
+                                   a[l]);
+          }
+        }
+      }
+      for (int l = 0; l < 8; ++l) _mm256_storeu_ps(acc + l * hd + e0, a[l]);
+    }
+    return;
+  }
+  int64_t blk = first / B, in_blk = first % B;  // walk with j: no division per position
+  for (int64_t j = first; j < z; ++j) {
+    const float* v = vb[blk] + in_blk * hd;
+    if (++in_blk == B) {
+      ++blk;
+      in_blk = 0;
+    }
+    float* a = acc + (j & 7) * hd;
+    const __m256 p = _mm256_set1_ps(scores[j] * inv);
+    int e = 0;
+    for (; e + 8 <= hd; e += 8) {
+      _mm256_storeu_ps(a + e, _mm256_fmadd_ps(_mm256_loadu_ps(v + e), p, _mm256_loadu_ps(a + e)));
+    }
+    for (; e < hd; ++e) a[e] = std::fma(v[e], scores[j] * inv, a[e]);
+  }
+}
+
+void Avx2ValuesFold(const float* acc, int hd, float* out) {
+  int e = 0;
+  for (; e + 8 <= hd; e += 8) {
+    const __m256 t0 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 0 * hd + e), _mm256_loadu_ps(acc + 4 * hd + e));
+    const __m256 t1 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 1 * hd + e), _mm256_loadu_ps(acc + 5 * hd + e));
+    const __m256 t2 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 2 * hd + e), _mm256_loadu_ps(acc + 6 * hd + e));
+    const __m256 t3 =
+        _mm256_add_ps(_mm256_loadu_ps(acc + 3 * hd + e), _mm256_loadu_ps(acc + 7 * hd + e));
+    _mm256_storeu_ps(out + e, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+  }
+  for (; e < hd; ++e) {
+    float l[8];
+    for (int k = 0; k < 8; ++k) l[k] = acc[k * hd + e];
+    out[e] = Hsum8Scalar(l);
+  }
+}
+
+void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
+                float* out) {
+  const float mx = Avx2ScoresStep(q, kb, B, hd, j0, j1, j0, j1, scale, scores, -INFINITY);
+  const float inv = Avx2SoftmaxExp(scores, j0, j1, mx);
   if (single) {
     // ggml_vec_dot_f32 over positions: 4 accumulators x 8 lanes, j mod 32.
     for (int i = 0; i < 32 * hd; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
@@ -222,32 +382,46 @@ void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, 
   }
   // V * p: lane (j mod 8) of an 8-lane FMA accumulator per output element.
   for (int i = 0; i < 8 * hd; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* v = vb[j / B] + (j % B) * hd;
-    float* a = acc + (j & 7) * hd;
-    const __m256 p = _mm256_set1_ps(scores[j] * inv);
-    int e = 0;
-    for (; e + 8 <= hd; e += 8) {
-      _mm256_storeu_ps(a + e, _mm256_fmadd_ps(_mm256_loadu_ps(v + e), p, _mm256_loadu_ps(a + e)));
+  Avx2ValuesStep(scores, inv, vb, B, hd, j0, j1, j0, j1, acc);
+  Avx2ValuesFold(acc, hd, out);
+}
+
+// The tile path on AVX2: each row's passes as AttendAvx2 (single == false)
+// runs them, over the chunks in position order.
+void AttendTileAvx2(const AttendTileRow* rows, int n, const float* const* kb,
+                    const float* const* vb, int B, int hd, float scale, float* scores,
+                    int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
+  float mx[kTileMaxRows], inv[kTileMaxRows];
+  for (int r = 0; r < n; ++r) mx[r] = -INFINITY;
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      mx[r] = Avx2ScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                             mx[r]);
     }
-    for (; e < hd; ++e) a[e] = std::fma(v[e], scores[j] * inv, a[e]);
   }
-  int e = 0;
-  for (; e + 8 <= hd; e += 8) {
-    const __m256 t0 =
-        _mm256_add_ps(_mm256_loadu_ps(acc + 0 * hd + e), _mm256_loadu_ps(acc + 4 * hd + e));
-    const __m256 t1 =
-        _mm256_add_ps(_mm256_loadu_ps(acc + 1 * hd + e), _mm256_loadu_ps(acc + 5 * hd + e));
-    const __m256 t2 =
-        _mm256_add_ps(_mm256_loadu_ps(acc + 2 * hd + e), _mm256_loadu_ps(acc + 6 * hd + e));
-    const __m256 t3 =
-        _mm256_add_ps(_mm256_loadu_ps(acc + 3 * hd + e), _mm256_loadu_ps(acc + 7 * hd + e));
-    _mm256_storeu_ps(out + e, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+  for (int r = 0; r < n; ++r) {
+    const AttendTileRow& row = rows[r];
+    if (row.j1 <= row.j0) continue;
+    inv[r] = Avx2SoftmaxExp(scores + r * stride, row.j0, row.j1, mx[r]);
+    float* a = acc + static_cast<int64_t>(r) * 8 * hd;
+    for (int i = 0; i < 8 * hd; i += 8) _mm256_storeu_ps(a + i, _mm256_setzero_ps());
   }
-  for (; e < hd; ++e) {
-    float l[8];
-    for (int k = 0; k < 8; ++k) l[k] = acc[k * hd + e];
-    out[e] = Hsum8Scalar(l);
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      Avx2ValuesStep(scores + r * stride, inv[r], vb, B, hd, row.j0, row.j1, c0, c1,
+                     acc + static_cast<int64_t>(r) * 8 * hd);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (rows[r].j1 > rows[r].j0) {
+      Avx2ValuesFold(acc + static_cast<int64_t>(r) * 8 * hd, hd, rows[r].out);
+    }
   }
 }
 
@@ -283,7 +457,7 @@ void RopeRotateAvx2(float* x, int half, bool neox, const float* cos, const float
 // key pays a horizontal reduction of its own.
 // V * p: lane (j mod 8) accumulators held in registers, 32 output elements
 // per pass, instead of an 8 x hd array in memory.
-inline __m512 DotPair(const float* q, const float* k, int hd) {
+__attribute__((always_inline)) inline __m512 DotPair(const float* q, const float* k, int hd) {
   __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
   for (int i = 0; i < hd; i += 32) {
     a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), a);
@@ -327,25 +501,95 @@ __attribute__((always_inline)) inline __m512 Dot16(const float* q, const float* 
   return _mm512_permutexvar_ps(order, r);
 }
 
-// Pass 1 of AttendAvx512: scores[j] for j in [max(j0, c0), min(j1, c1)) and
-// their max (-inf when empty). c0 is a multiple of 16 or <= j0, so the keys go
+// Dot16 for a whole group of 16 keys with the head size fixed (kHd > 0) and
+// q held in registers (qv[m] = q[16 m, 16 m + 16)): the same FMAs and folds as
+// Dot16, without its per-key range tests or q reloads.
+template <int kHd>
+__attribute__((always_inline)) inline __m512 DotPairReg(const __m512* qv, const float* k) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int m = 0; m < kHd / 16; m += 2) {
+    a = _mm512_fmadd_ps(qv[m], _mm512_loadu_ps(k + 16 * m), a);
+    b = _mm512_fmadd_ps(qv[m + 1], _mm512_loadu_ps(k + 16 * m + 16), b);
+  }
+  return _mm512_add_ps(a, b);
+}
+template <int kHd>
+__attribute__((always_inline)) inline __m512 Dot16Full(const __m512* qv, const float* kblk) {
+  __m512 x[8];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    x[p] = Fold256(DotPairReg<kHd>(qv, kblk + 2 * p * kHd),
+                   DotPairReg<kHd>(qv, kblk + (2 * p + 1) * kHd));
+  }
+  const __m512 u0 = Fold128(x[0], x[1]), u1 = Fold128(x[2], x[3]);
+  const __m512 u2 = Fold128(x[4], x[5]), u3 = Fold128(x[6], x[7]);
+  const __m512 r = FoldPairs(FoldPairs(u0, u1), FoldPairs(u2, u3));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// Pass 1 of AttendAvx512: scores[j] for j in [max(j0, c0), min(j1, c1)),
+// their running max folded into vmx (masked lane-wise max, the groups in
+// position order) and returned. c0 is a multiple of 16 or <= j0, so the keys go
 // through Dot16 in the same groups of 16 (aligned at position 0) whatever the
-// chunking: every score is computed by the same operations.
-float Avx512Scores(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
-                   int64_t c0, int64_t c1, float scale, float* scores) {
+// chunking: every score is computed by the same operations, and chunks walked
+// in position order with vmx carried give the very vmx of one whole-row pass.
+// kHd > 0 fixes the head size at compile time (q stays in registers; the same
+// operations in the same order as kHd == 0).
+template <int kHd>
+__m512 Avx512ScoresStep(const float* q, const float* const* kb, int B, int hd_rt, int64_t j0,
+                        int64_t j1, int64_t c0, int64_t c1, float scale, float* scores,
+                        __m512 vmx) {
+  const int hd = kHd > 0 ? kHd : hd_rt;
   const int64_t a = std::max(j0, c0), z = std::min(j1, c1);
   const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 vmx = _mm512_set1_ps(-INFINITY);
-  for (int64_t jb = a & ~int64_t{15}; jb < z; jb += 16) {
+  __m512 qv[kHd > 0 ? kHd / 16 : 1];
+  if constexpr (kHd > 0) {
+    for (int m = 0; m < kHd / 16; ++m) qv[m] = _mm512_loadu_ps(q + 16 * m);
+  }
+  // The block and the offset in it walk with jb (B % 16 == 0): no division per group.
+  int64_t jb = a & ~int64_t{15};
+  int64_t blk = jb / B, in_blk = jb % B;
+  for (; jb < z; jb += 16) {
     const int lo = static_cast<int>(std::max<int64_t>(0, a - jb));
     const int hi = static_cast<int>(std::min<int64_t>(16, z - jb));
-    const float* kblk = kb[jb / B] + (jb % B) * hd;
-    const __m512 sc = _mm512_mul_ps(Dot16(q, kblk, hd, lo, hi), vscale);
+    const float* kblk = kb[blk] + in_blk * hd;
+    if ((in_blk += 16) == B) {
+      ++blk;
+      in_blk = 0;
+    }
+    __m512 dots;
+    if constexpr (kHd > 0) {
+      dots = lo == 0 && hi == 16 ? Dot16Full<kHd>(qv, kblk) : Dot16(q, kblk, hd, lo, hi);
+    } else {
+      dots = Dot16(q, kblk, hd, lo, hi);
+    }
+    const __m512 sc = _mm512_mul_ps(dots, vscale);
     const __mmask16 m = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
     _mm512_mask_storeu_ps(scores + jb, m, sc);
     vmx = _mm512_mask_max_ps(vmx, m, vmx, sc);
   }
-  return _mm512_reduce_max_ps(vmx);
+  return vmx;
+}
+
+__m512 Avx512ScoresAny(const float* q, const float* const* kb, int B, int hd, int64_t j0,
+                       int64_t j1, int64_t c0, int64_t c1, float scale, float* scores, __m512 vmx) {
+  switch (hd) {
+    case 64:
+      return Avx512ScoresStep<64>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
+    case 128:
+      return Avx512ScoresStep<128>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
+    default:
+      return Avx512ScoresStep<0>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
+  }
+}
+
+// The scores of one chunk and their max (-inf when empty).
+float Avx512Scores(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
+                   int64_t c0, int64_t c1, float scale, float* scores) {
+  return _mm512_reduce_max_ps(
+      Avx512ScoresAny(q, kb, B, hd, j0, j1, c0, c1, scale, scores, _mm512_set1_ps(-INFINITY)));
 }
 
 // Pass 2: scores [j0, j1) -> probabilities, given the max of all of them.
@@ -374,14 +618,37 @@ void Avx512Softmax(float* scores, int64_t j0, int64_t j1, float mx) {
 
 // Pass 3: out[e0, e1) (multiples of 32) = sum_j p_j v_j[e], lane (j mod 8) of
 // an 8-lane accumulator per output element, positions in order.
-void Avx512Values(const float* scores, const float* const* vb, int B, int hd, int64_t j0,
-                  int64_t j1, int e0_begin, int e0_end, float* out) {
+// Over the groups of 8 positions g in [c0, c1) only (c0 and c1 multiples of
+// 8, or c0 <= (j0 & ~7) and c1 >= j1): the accumulators start from acc_in (lane l of
+// element e at acc_in[l * hd + e]; zeros when null), end in acc_out when it is
+// not null, and are folded into out when out is not null. Chunks walked in
+// position order with the accumulators carried through memory (exact) run
+// the FMAs of one whole-row pass in the same order.
+template <int kHd>
+void Avx512ValuesStep(const float* scores, const float* const* vb, int B, int hd_rt, int64_t j0,
+                      int64_t j1, int64_t c0, int64_t c1, int e0_begin, int e0_end,
+                      const float* acc_in, float* acc_out, float* out) {
+  const int hd = kHd > 0 ? kHd : hd_rt;
+  const int64_t g_begin = std::max(j0 & ~int64_t{7}, c0), g_end = std::min(j1, c1);
   for (int e0 = e0_begin; e0 < e0_end; e0 += 32) {
     __m512 a[8], b[8];
+    if (acc_in == nullptr) {
 #pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) a[l] = b[l] = _mm512_setzero_ps();
-    for (int64_t g = j0 & ~int64_t{7}; g < j1; g += 8) {
-      const float* vblk = vb[g / B] + (g % B) * hd + e0;  // B % 8 == 0: one block
+      for (int l = 0; l < 8; ++l) a[l] = b[l] = _mm512_setzero_ps();
+    } else {
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) {
+        a[l] = _mm512_loadu_ps(acc_in + l * hd + e0);
+        b[l] = _mm512_loadu_ps(acc_in + l * hd + e0 + 16);
+      }
+    }
+    int64_t blk = g_begin / B, in_blk = g_begin % B;  // walk with g (B % 8 == 0)
+    for (int64_t g = g_begin; g < g_end; g += 8) {
+      const float* vblk = vb[blk] + in_blk * hd + e0;  // B % 8 == 0: one block
+      if ((in_blk += 8) == B) {
+        ++blk;
+        in_blk = 0;
+      }
       // One walking pointer (8 precomputed row offsets spill registers).
       const float* v = vblk;
       const float* pj = scores + g;
@@ -405,6 +672,14 @@ void Avx512Values(const float* scores, const float* const* vb, int B, int hd, in
         }
       }
     }
+    if (acc_out != nullptr) {
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) {
+        _mm512_storeu_ps(acc_out + l * hd + e0, a[l]);
+        _mm512_storeu_ps(acc_out + l * hd + e0 + 16, b[l]);
+      }
+    }
+    if (out == nullptr) continue;
     // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as AttendAvx2.
     const __m512 ta =
         _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
@@ -414,6 +689,64 @@ void Avx512Values(const float* scores, const float* const* vb, int B, int hd, in
                       _mm512_add_ps(_mm512_add_ps(b[1], b[5]), _mm512_add_ps(b[3], b[7])));
     _mm512_storeu_ps(out + e0, ta);
     _mm512_storeu_ps(out + e0 + 16, tb);
+  }
+}
+
+void Avx512ValuesAny(const float* scores, const float* const* vb, int B, int hd, int64_t j0,
+                     int64_t j1, int64_t c0, int64_t c1, int e0_begin, int e0_end,
+                     const float* acc_in, float* acc_out, float* out) {
+  switch (hd) {
+    case 64:
+      return Avx512ValuesStep<64>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,
+                                  acc_out, out);
+    case 128:
+      return Avx512ValuesStep<128>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,
+                                   acc_out, out);
+    default:
+      return Avx512ValuesStep<0>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,
+                                 acc_out, out);
+  }
+}
+
+void Avx512Values(const float* scores, const float* const* vb, int B, int hd, int64_t j0,
+                  int64_t j1, int e0_begin, int e0_end, float* out) {
+  Avx512ValuesAny(scores, vb, B, hd, j0, j1, 0, j1, e0_begin, e0_end, nullptr, nullptr, out);
+}
+
+// The tile path on AVX-512: pass 1 over the chunks with each row's running
+// max carried (Avx512ScoresStep), pass 2 per row, pass 3 over the chunks with
+// each row's accumulators carried through acc (Avx512ValuesStep). jlo is a
+// multiple of kTileChunk.
+void AttendTileAvx512(const AttendTileRow* rows, int n, const float* const* kb,
+                      const float* const* vb, int B, int hd, float scale, float* scores,
+                      int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
+  __m512 vmx[kTileMaxRows];
+  for (int r = 0; r < n; ++r) vmx[r] = _mm512_set1_ps(-INFINITY);
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      vmx[r] = Avx512ScoresAny(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                               vmx[r]);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    const AttendTileRow& row = rows[r];
+    if (row.j1 <= row.j0) continue;
+    Avx512Softmax(scores + r * stride, row.j0, row.j1, _mm512_reduce_max_ps(vmx[r]));
+  }
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      const int64_t g0 = row.j0 & ~int64_t{7};
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= g0) continue;
+      const bool first = c0 <= g0, last = c1 >= row.j1;
+      float* a = acc + static_cast<int64_t>(r) * 8 * hd;
+      Avx512ValuesAny(scores + r * stride, vb, B, hd, row.j0, row.j1, c0, c1, 0, hd,
+                      first ? nullptr : a, last ? nullptr : a, last ? row.out : nullptr);
+    }
   }
 }
 
@@ -427,16 +760,19 @@ void AttendAvx512(const float* q, const float* const* kb, const float* const* vb
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 
-void AttendScalar(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
-                  int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
-                  float* out) {
-  float mx = -INFINITY;
-  for (int64_t j = j0; j < j1; ++j) {
+// AttendScalar's passes, as Avx2ScoresStep / Avx2SoftmaxExp / Avx2ValuesStep.
+float ScalarScoresStep(const float* q, const float* const* kb, int B, int hd, int64_t j0,
+                       int64_t j1, int64_t c0, int64_t c1, float scale, float* scores, float mx) {
+  for (int64_t j = std::max(j0, c0), z = std::min(j1, c1); j < z; ++j) {
     const float* k = kb[j / B] + (j % B) * hd;
     const float s = DotVecScalar(q, k, hd) * scale;
     scores[j] = s;
-    mx = std::fmax(mx, s);
+    mx = MaxGgml(mx, s);
   }
+  return mx;
+}
+
+float ScalarSoftmaxExp(float* scores, int64_t j0, int64_t j1, float mx) {
   double sum = 0;
   for (int64_t g = j0 & ~int64_t{7}; g < j1; g += 8) {
     float l[8];
@@ -447,23 +783,78 @@ void AttendScalar(const float* q, const float* const* kb, const float* const* vb
     }
     sum += static_cast<double>(Hsum8Scalar(l));
   }
-  const float inv = static_cast<float>(1.0 / sum);
-  const int lanes = single ? 32 : 8;
-  for (int i = 0; i < lanes * hd; ++i) acc[i] = 0.0f;
-  for (int64_t j = j0; j < j1; ++j) {
+  return static_cast<float>(1.0 / sum);
+}
+
+// lanes (8 or 32) accumulators per output element, position j in lane j mod lanes.
+void ScalarValuesStep(const float* scores, float inv, const float* const* vb, int B, int hd,
+                      int lanes, int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
+  for (int64_t j = std::max(j0, c0), z = std::min(j1, c1); j < z; ++j) {
     const float* v = vb[j / B] + (j % B) * hd;
     float* a = acc + (j & (lanes - 1)) * hd;
     const float p = scores[j] * inv;
     for (int e = 0; e < hd; ++e) a[e] = std::fma(v[e], p, a[e]);
   }
-  if (single) {
-    for (int e = 0; e < hd; ++e) out[e] = ReduceColumn32(acc, hd, e);
-    return;
-  }
+}
+
+void ScalarValuesFold(const float* acc, int hd, float* out) {
   for (int e = 0; e < hd; ++e) {
     float l[8];
     for (int k = 0; k < 8; ++k) l[k] = acc[k * hd + e];
     out[e] = Hsum8Scalar(l);
+  }
+}
+
+void AttendScalar(const float* q, const float* const* kb, const float* const* vb, int B, int hd,
+                  int64_t j0, int64_t j1, float scale, bool single, float* scores, float* acc,
+                  float* out) {
+  const float mx = ScalarScoresStep(q, kb, B, hd, j0, j1, j0, j1, scale, scores, -INFINITY);
+  const float inv = ScalarSoftmaxExp(scores, j0, j1, mx);
+  const int lanes = single ? 32 : 8;
+  for (int i = 0; i < lanes * hd; ++i) acc[i] = 0.0f;
+  ScalarValuesStep(scores, inv, vb, B, hd, lanes, j0, j1, j0, j1, acc);
+  if (single) {
+    for (int e = 0; e < hd; ++e) out[e] = ReduceColumn32(acc, hd, e);
+    return;
+  }
+  ScalarValuesFold(acc, hd, out);
+}
+
+// The tile path on the scalar fallback, as AttendTileAvx2.
+void AttendTileScalar(const AttendTileRow* rows, int n, const float* const* kb,
+                      const float* const* vb, int B, int hd, float scale, float* scores,
+                      int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
+  float mx[kTileMaxRows], inv[kTileMaxRows];
+  for (int r = 0; r < n; ++r) mx[r] = -INFINITY;
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      mx[r] = ScalarScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                               mx[r]);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    const AttendTileRow& row = rows[r];
+    if (row.j1 <= row.j0) continue;
+    inv[r] = ScalarSoftmaxExp(scores + r * stride, row.j0, row.j1, mx[r]);
+    float* a = acc + static_cast<int64_t>(r) * 8 * hd;
+    for (int i = 0; i < 8 * hd; ++i) a[i] = 0.0f;
+  }
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      ScalarValuesStep(scores + r * stride, inv[r], vb, B, hd, 8, row.j0, row.j1, c0, c1,
+                       acc + static_cast<int64_t>(r) * 8 * hd);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (rows[r].j1 > rows[r].j0) {
+      ScalarValuesFold(acc + static_cast<int64_t>(r) * 8 * hd, hd, rows[r].out);
+    }
   }
 }
 
@@ -565,6 +956,51 @@ void AttendValuesGgml(const float* p, const float* const* v_blocks, int block_to
     return;
   }
   Avx512Values(p, v_blocks, block_tokens, hd, j0, j1, e0, e1, out);
+}
+
+namespace {
+int64_t TileStride(int64_t max_j1) { return (std::max<int64_t>(max_j1, 1) + 15) & ~int64_t{15}; }
+}  // namespace
+
+int64_t AttendTileScratchFloats(int64_t n_rows, int64_t max_j1, int hd) {
+  const int64_t n = std::min<int64_t>(n_rows, kTileMaxRows);
+  return n * (TileStride(max_j1) + 8 * static_cast<int64_t>(hd));
+}
+
+void AttendTileGgml(std::span<const AttendTileRow> rows, const float* const* k_blocks,
+                    const float* const* v_blocks, int block_tokens, int hd, float scale,
+                    float* scratch, KernelPath path) {
+  if (path == KernelPath::kAuto) path = ResolvedKernelPath();
+  const bool avx512 = path == KernelPath::kAvx512 && KernelPathSupported(KernelPath::kAvx512) &&
+                      hd % 32 == 0 && block_tokens % 16 == 0;
+  const bool avx2 = !avx512 && UseAvx2(path);
+  for (size_t r0 = 0; r0 < rows.size(); r0 += kTileMaxRows) {
+    const int n = static_cast<int>(std::min<size_t>(kTileMaxRows, rows.size() - r0));
+    const AttendTileRow* rs = rows.data() + r0;
+    int64_t jlo = INT64_MAX, jhi = 0;
+    for (int r = 0; r < n; ++r) {
+      if (rs[r].j1 <= rs[r].j0) {
+        for (int e = 0; e < hd; ++e) rs[r].out[e] = 0.0f;  // as AttendRowGgml
+        continue;
+      }
+      jlo = std::min(jlo, rs[r].j0);
+      jhi = std::max(jhi, rs[r].j1);
+    }
+    if (jhi == 0) continue;
+    jlo &= ~(kTileChunk - 1);
+    const int64_t stride = TileStride(jhi);
+    float* acc = scratch + n * stride;
+    if (avx512) {
+      AttendTileAvx512(rs, n, k_blocks, v_blocks, block_tokens, hd, scale, scratch, stride, acc,
+                       jlo, jhi);
+    } else if (avx2) {
+      AttendTileAvx2(rs, n, k_blocks, v_blocks, block_tokens, hd, scale, scratch, stride, acc, jlo,
+                     jhi);
+    } else {
+      AttendTileScalar(rs, n, k_blocks, v_blocks, block_tokens, hd, scale, scratch, stride, acc,
+                       jlo, jhi);
+    }
+  }
 }
 
 }  // namespace kvrelay::engine

@@ -91,6 +91,27 @@ void AttendSoftmaxGgml(float* scores, int64_t j0, int64_t j1, float max_score);
 void AttendValuesGgml(const float* p, const float* const* v_blocks, int block_tokens, int hd,
                       int64_t j0, int64_t j1, int e0, int e1, float* out);
 
+// Attention rows that share one K/V head, computed together: the query
+// heads of a GQA group and a run of consecutive new tokens of one sequence
+// (prefill). Each row's out is AttendRowGgml's (single_token = false) for
+// (q, j0, j1), bit for bit, on every kernel path: every row runs the very
+// operations of its own row pass in the same order (scores, max, softmax,
+// V * p accumulation per lane); only the loop nest changes. The rows walk the
+// positions in chunks, and each chunk of K (then V) serves every row of the
+// tile while it is in cache, where the row path reads the head's whole K and V
+// once per row (at 4k positions, 2 MiB per row, from L3). Rows may have any
+// ranges (causal edges, sliding windows, empty: zeros). scratch holds
+// AttendTileScratchFloats(rows.size(), max j1, hd) floats.
+struct AttendTileRow {
+  const float* q;  // hd floats
+  float* out;      // hd floats
+  int64_t j0, j1;  // positions [j0, j1), as AttendRowGgml
+};
+int64_t AttendTileScratchFloats(int64_t n_rows, int64_t max_j1, int hd);
+void AttendTileGgml(std::span<const AttendTileRow> rows, const float* const* k_blocks,
+                    const float* const* v_blocks, int block_tokens, int hd, float scale,
+                    float* scratch, KernelPath path = KernelPath::kAuto);
+
 // Several products that read the SAME input x (Q/K/V, or gate/up): x is
 // quantized once and all of them run in a single parallel section, which saves
 // thread wake-ups in decode. ys[i] is [n_tokens][ws[i]->Rows()]. All ws must

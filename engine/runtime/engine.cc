@@ -348,6 +348,15 @@ class Engine::Impl {
     }
   }
 
+  // Stats::peak_group_blocks: what s holds per group between steps.
+  void NotePeakBlocks(Sequence& s) {
+    stats_.peak_group_blocks.resize(static_cast<size_t>(groups_.size()), 0);
+    for (int g = 0; g < groups_.size(); ++g) {
+      int64_t& peak = stats_.peak_group_blocks[static_cast<size_t>(g)];
+      peak = std::max(peak, Table(s, g).held());
+    }
+  }
+
   std::unique_ptr<Sequence> NewSequence(RequestSpec spec) {
     auto seq = std::make_unique<Sequence>();
     seq->blocks = BlockTable(pool_.get());
@@ -720,6 +729,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     s.chunk = 0;
     CommitFullBlocks(s);
     DropOutOfWindow(s);
+    NotePeakBlocks(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
     TokenEvent ev;
@@ -823,10 +833,8 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   if (hooks.collective == nullptr || !hooks.publish) {
     return InvalidArgument("SetTensorParallel needs a collective and a publish function");
   }
-  if (impl_->groups_.size() > 1) {
-    return FailedPrecondition("tensor parallelism needs one KV cache group, this engine has " +
-                              impl_->groups_.DebugString() +
-                              " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
+  if (impl_->groups_.size() > 1 && impl_->backend_) {
+    return FailedPrecondition("tensor parallelism on a device backend needs one KV cache group");
   }
   Status dtype = CheckTensorParallelDtype(impl_->options_.kv_dtype);
   if (!dtype.ok()) return FailedPrecondition(dtype.message());

@@ -163,7 +163,9 @@ class Engine {
   // Makes this engine rank 0 of a tensor-parallel group (tensor_parallel.h):
   // its model must be a shard, every step's plan is published before the
   // forward and partial projections are all-reduced. Call before the first
-  // Submit. FailedPrecondition for a KV dtype TP cannot mirror.
+  // Submit. FailedPrecondition for a KV dtype TP cannot mirror. With several
+  // KV cache groups the plan carries every group's table (SeqStep::
+  // group_blocks): the followers' pools must be built with the same groups.
   Status SetTensorParallel(const TensorParallelHooks& hooks);
 
   KvBlockPool* pool();
@@ -183,6 +185,11 @@ class Engine {
     int64_t prompt_tokens_cached = 0;
     int64_t generated_tokens = 0;
     int64_t preemptions = 0;
+    // Per KV cache group: the most pool blocks one sequence held between two
+    // steps (after its out-of-window blocks were dropped). A sliding-window
+    // group's stays <= ceil(window / block_tokens) + 1; a full-attention
+    // group's is the longest sequence's block count.
+    std::vector<int64_t> peak_group_blocks;
   };
   Stats stats() const;
   int64_t running() const;  // sequences in the running batch

@@ -428,11 +428,17 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   }
   float* const split_scores = split_scores_buf.data();
 
-  // Work items of the first pass: (sequence, query head, tile of up to 16 new
-  // tokens) for whole rows; (split row, kv head, chunk) for split rows.
-  constexpr int64_t kTile = 16;
+  // Work items of the first pass: for whole rows, (sequence, KV head, tile of
+  // new tokens) covering the group's query heads (tiled attention; row by row:
+  // one query head per item); (split row, kv head, chunk) for split rows.
+  // Tiles of about kTileRows rows: the K/V chunks of a tile stay in cache while
+  // every row of it uses them (ops.h AttendTileGgml).
+  constexpr int64_t kTileRows = 48;
+  const bool tiled = tiled_attention_;
+  const int64_t tile_tokens = tiled ? std::max<int64_t>(1, kTileRows / group) : 16;
   struct Item {
-    int32_t s, head;  // split items: s indexes split_rows, head is the kv head
+    int32_t s, head;  // whole rows: head is the kv head (tiled) or query head;
+                      // split items: s indexes split_rows, head is the kv head
     int64_t i0, i1;   // split items: the chunk [i0, i1) of positions
     bool split;
   };
@@ -440,12 +446,18 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   for (size_t s = 0; s < S; ++s) {
     if (is_split[s]) continue;
     const int64_t n = static_cast<int64_t>(seqs[s].tokens.size());
-    for (int h = 0; h < c.n_heads; ++h) {
-      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-        items.push_back({static_cast<int32_t>(s), h, i0, std::min(n, i0 + kTile), false});
+    for (int h = 0; h < (tiled ? kvh : c.n_heads); ++h) {
+      for (int64_t i0 = 0; i0 < n; i0 += tile_tokens) {
+        items.push_back({static_cast<int32_t>(s), h, i0, std::min(n, i0 + tile_tokens), false});
       }
     }
   }
+  // The longest tiles first (the pool hands out contiguous runs of items, so
+  // a heavy last run would leave the other threads idle); the order changes
+  // who computes a row, never its bits.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& x, const Item& y) {
+    return seqs[x.s].cache_len + x.i1 > seqs[y.s].cache_len + y.i1;
+  });
   // Chunk maxima: [split row][query head][chunk index].
   std::vector<int64_t> max_off(split_rows.size() + 1, 0);
   for (size_t r = 0; r < split_rows.size(); ++r) {
@@ -466,9 +478,17 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
   const auto split_seq_q = [&](const SplitRow& row, int head) {
     return q_.data() + tok_off[row.s] * qd + static_cast<int64_t>(head) * hd;
   };
+  const int64_t tile_rows = tile_tokens * group;
   ParallelFor(threads_, static_cast<int64_t>(items.size()), [&](int64_t a, int64_t b, int) {
-    std::vector<float> scores(max_len);
-    std::vector<float> acc(8 * hd);
+    // Per-thread scratch that only grows (each pool thread its own).
+    thread_local std::vector<float> scores, acc, tile_scratch;
+    thread_local std::vector<AttendTileRow> tile;
+    if (static_cast<int64_t>(scores.size()) < max_len) scores.resize(max_len);
+    if (static_cast<int64_t>(acc.size()) < 8 * hd) acc.resize(8 * hd);
+    if (tiled) {
+      const int64_t need = AttendTileScratchFloats(tile_rows, max_len, hd);
+      if (static_cast<int64_t>(tile_scratch.size()) < need) tile_scratch.resize(need);
+    }
     for (int64_t it = a; it < b; ++it) {
       const Item& item = items[it];
       if (item.split) {
@@ -488,19 +508,33 @@ void ForwardPass::Attention(int layer, std::span<const SeqStep> seqs) {
       }
       const SeqStep& q = seqs[item.s];
       const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
-      const int kv_head = item.head / group;
+      const int kv_head = tiled ? item.head : item.head / group;
       const int64_t nb = (len + B - 1) / B;
       const float* const* kp = kptr_.data() + ptr_off[item.s] + kv_head * nb;
       const float* const* vp = vptr_.data() + ptr_off[item.s] + kv_head * nb;
+      // llama.cpp's attention arithmetic for batches of 2+ tokens, used for
+      // every row so results never depend on how tokens are batched
+      // (docs/ENGINE_NUMERICS.md); the tile gives each row those very bits.
+      if (tiled) {
+        tile.clear();
+        for (int64_t i = item.i0; i < item.i1; ++i) {
+          const int64_t t = tok_off[item.s] + i;
+          const int64_t pos = q.cache_len + i;
+          const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          for (int g = 0; g < group; ++g) {
+            const int64_t off = t * qd + static_cast<int64_t>(kv_head * group + g) * hd;
+            tile.push_back({q_.data() + off, attn_.data() + off, j0, pos + 1});
+          }
+        }
+        AttendTileGgml(tile, kp, vp, B, hd, scale, tile_scratch.data());
+        continue;
+      }
       for (int64_t i = item.i0; i < item.i1; ++i) {
         const int64_t t = tok_off[item.s] + i;
         const int64_t pos = q.cache_len + i;
         const int64_t j0 = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const float* qv = q_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
         float* o = attn_.data() + t * qd + static_cast<int64_t>(item.head) * hd;
-        // llama.cpp's attention arithmetic for batches of 2+ tokens, used for
-        // every row so results never depend on how tokens are batched
-        // (docs/ENGINE_NUMERICS.md).
         AttendRowGgml(qv, kp, vp, B, hd, j0, pos + 1, scale, /*single_token=*/false, scores.data(),
                       acc.data(), o);
       }

@@ -56,6 +56,13 @@ class ForwardPass {
   // the collective aborts the step.
   void SetCollective(TpCollective* collective) { collective_ = collective; }
 
+  // Attention of the rows that are not split over the context: in tiles
+  // (default; the query heads of one KV head and up to kTileRows / group new
+  // tokens walk each chunk of K and V once, ops.h AttendTileGgml) or row by
+  // row (AttendRowGgml, each row reading the whole K and V). Same bits either
+  // way; the switch exists so tests and benchmarks can compare the two.
+  void set_tiled_attention(bool on) { tiled_attention_ = on; }
+
  private:
   void Attention(int layer, std::span<const SeqStep> seqs);
   // proj_ rows [0, T) := RmsNorm(proj_ row) * weight (gemma3's post-norms).
@@ -78,6 +85,7 @@ class ForwardPass {
                        std::vector<float>* out);
 
   TpCollective* collective_ = nullptr;
+  bool tiled_attention_ = true;
   std::vector<UnitRange> q_cols_, ffn_cols_;  // per rank, kExact mode
   std::vector<float> gathered_, attn_full_, ffn_full_;
   // Scratch, sized per step.

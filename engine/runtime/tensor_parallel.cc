@@ -123,11 +123,12 @@ TpCollective* InProcessTpGroup::rank(int r) { return ranks_.at(r).get(); }
 class TpFollower::Impl {
  public:
   Impl(const EngineOptions& options, std::shared_ptr<const Model> model,
-       std::unique_ptr<KvBlockPool> pool, TpCollective* collective)
+       std::unique_ptr<KvBlockPool> pool, KvCacheGroups groups, TpCollective* collective)
       : model_(std::move(model)),
         pool_(std::move(pool)),
+        groups_(std::move(groups)),
         threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "tp"),
-        forward_(*model_, pool_.get(), &threads_) {
+        forward_(*model_, pool_.get(), groups_, &threads_) {
     forward_.SetCollective(collective);
   }
 
@@ -151,6 +152,7 @@ class TpFollower::Impl {
 
   std::shared_ptr<const Model> model_;
   std::unique_ptr<KvBlockPool> pool_;
+  KvCacheGroups groups_;
   ThreadPool threads_;
   ForwardPass forward_;
 };
@@ -159,21 +161,35 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
                                                        std::shared_ptr<const Model> model,
                                                        int64_t total_blocks,
                                                        TpCollective* collective) {
+  if (model == nullptr) return InvalidArgument("TpFollower needs a model shard and a collective");
+  const int n_layers = model->config().n_layers;
+  return Create(options, std::move(model), KvCacheGroups::One(n_layers), total_blocks, collective);
+}
+
+Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& options,
+                                                       std::shared_ptr<const Model> model,
+                                                       KvCacheGroups groups, int64_t total_blocks,
+                                                       TpCollective* collective) {
   if (model == nullptr || collective == nullptr) {
     return InvalidArgument("TpFollower needs a model shard and a collective");
   }
   RETURN_IF_ERROR(CheckTensorParallelDtype(options.kv_dtype));
   if (total_blocks <= 0) return InvalidArgument("TpFollower: total_blocks must be > 0");
   KvBlockPool::Options po;
+  if (groups.n_layers() != model->config().n_layers || groups.size() < 1) {
+    return InvalidArgument("TpFollower: KV cache groups " + groups.DebugString() +
+                           " do not cover " + std::to_string(model->config().n_layers) + " layers");
+  }
   po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
+  po.layout.layers = groups.layers_per_block();
   po.capacity_bytes = total_blocks * po.layout.BlockBytes();
   ASSIGN_OR_RETURN(std::unique_ptr<KvBlockPool> pool, KvBlockPool::Create(po));
   if (pool->total_blocks() != total_blocks) {
     return Internal("follower pool has " + std::to_string(pool->total_blocks()) +
                     " blocks, rank 0 has " + std::to_string(total_blocks));
   }
-  return std::unique_ptr<TpFollower>(new TpFollower(
-      std::make_unique<Impl>(options, std::move(model), std::move(pool), collective)));
+  return std::unique_ptr<TpFollower>(new TpFollower(std::make_unique<Impl>(
+      options, std::move(model), std::move(pool), std::move(groups), collective)));
 }
 
 TpFollower::TpFollower(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -181,5 +197,6 @@ TpFollower::~TpFollower() = default;
 Status TpFollower::Execute(const StepPlan& plan) { return impl_->Execute(plan); }
 KvBlockPool* TpFollower::pool() { return impl_->pool_.get(); }
 const Model& TpFollower::model() const { return *impl_->model_; }
+const KvCacheGroups& TpFollower::kv_groups() const { return impl_->groups_; }
 
 }  // namespace kvrelay::engine

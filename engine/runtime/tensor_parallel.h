@@ -28,6 +28,7 @@
 
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/step_plan.h"
 #include "engine/runtime/tp_collective.h"
@@ -52,6 +53,13 @@ class TpFollower {
   static Result<std::unique_ptr<TpFollower>> Create(const EngineOptions& options,
                                                     std::shared_ptr<const Model> model,
                                                     int64_t total_blocks, TpCollective* collective);
+  // The same with rank 0's KV cache groups (engine/kv_cache/kv_groups.h):
+  // the pool's blocks hold groups.layers_per_block() layers and the plans
+  // carry every group's table. `groups` must be rank 0's.
+  static Result<std::unique_ptr<TpFollower>> Create(const EngineOptions& options,
+                                                    std::shared_ptr<const Model> model,
+                                                    KvCacheGroups groups, int64_t total_blocks,
+                                                    TpCollective* collective);
   ~TpFollower();
 
   // Repeats one step of rank 0. InvalidArgument for a plan that names blocks
@@ -60,6 +68,7 @@ class TpFollower {
 
   KvBlockPool* pool();
   const Model& model() const;
+  const KvCacheGroups& kv_groups() const;
 
  private:
   class Impl;

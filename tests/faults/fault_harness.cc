@@ -89,6 +89,15 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
             "-B",        std::to_string(options.heartbeat_ms),
             "-W",        std::to_string(options.kv_timeout_ms)};
   }
+  if (!options.mpirun) {
+    for (const auto& [flag, ms] :
+         {std::pair{"--heartbeat-timeout-ms", options.heartbeat_timeout_ms},
+          std::pair{"--tp-step-timeout-ms", options.tp_step_timeout_ms},
+          std::pair{"--kv-progress-timeout-ms", options.kv_progress_timeout_ms},
+          std::pair{"--coordinator-timeout-ms", options.coordinator_timeout_ms}}) {
+      if (ms > 0) args.insert(args.end(), {flag, std::to_string(ms)});
+    }
+  }
   args.insert(args.end(), options.extra.begin(), options.extra.end());
   const int log_fd = ::open(c->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (log_fd < 0) return Unavailable("cannot create " + c->log_path_);
@@ -165,6 +174,13 @@ int LaunchedCluster::Restarts() const {
   for (size_t at = log.find(needle); at != std::string::npos; at = log.find(needle, at + 1)) {
     ++n;
   }
+  return n;
+}
+
+int LaunchedCluster::CountInLog(const std::string& text) const {
+  const std::string log = ReadFile(log_path_);
+  int n = 0;
+  for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
   return n;
 }
 

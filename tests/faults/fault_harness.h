@@ -36,6 +36,13 @@ class LaunchedCluster {
     int prefill = 1;
     int decode = 1;
     int heartbeat_ms = 200;
+    // Silent-fault deadlines (kvrelay launch --heartbeat-timeout-ms,
+    // --tp-step-timeout-ms, --kv-progress-timeout-ms, --coordinator-
+    // timeout-ms); 0 = the defaults.
+    int heartbeat_timeout_ms = 0;
+    int tp_step_timeout_ms = 0;
+    int kv_progress_timeout_ms = 0;
+    int coordinator_timeout_ms = 0;  // --coordinator-timeout-ms
     int kv_timeout_ms = 10'000;
     int max_restarts = 5;
     // deploy/mpirun/launch.sh -X tcp -R max_restarts instead of kvrelay launch.
@@ -55,6 +62,8 @@ class LaunchedCluster {
   pid_t Pid(const std::string& name) const;
   // Number of restarts the launcher logged.
   int Restarts() const;
+  // Number of log lines (every process's) containing `text`.
+  int CountInLog(const std::string& text) const;
   const std::string& log_path() const { return log_path_; }
   // The last `bytes` of the log (for failure messages).
   std::string LogTail(size_t bytes = 4000) const;

@@ -7,6 +7,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "coordinator/http_client.h"
 
@@ -32,6 +33,46 @@ inline std::map<std::string, double> WorkerGauge(uint16_t port, const std::strin
     if (w == std::string::npos || close == std::string::npos) continue;
     auto wend = line.find('"', w + 8);
     out[line.substr(w + 8, wend - (w + 8))] = std::strtod(line.c_str() + close + 1, nullptr);
+  }
+  return out;
+}
+
+// One worker's kvrelay_worker_kv_group_peak_blocks series, by group index:
+// {window (0 = full attention), the most blocks one sequence held there}.
+struct KvGroupPeak {
+  int window = 0;
+  double blocks = 0;
+};
+inline std::map<std::string, std::vector<KvGroupPeak>> WorkerKvGroupPeaks(uint16_t port,
+                                                                          int timeout_ms = 10'000) {
+  std::map<std::string, std::vector<KvGroupPeak>> out;
+  coordinator::HttpCallSpec spec;
+  spec.port = port;
+  spec.target = "/metrics";
+  spec.timeout_ms = timeout_ms;
+  auto r = coordinator::HttpCall(spec);
+  if (!r.ok() || r->status != 200) return out;
+  std::istringstream in(r->body);
+  std::string line;
+  auto label = [](const std::string& l, const std::string& key) -> std::string {
+    auto at = l.find(key + "=\"");
+    if (at == std::string::npos) return "";
+    at += key.size() + 2;
+    return l.substr(at, l.find('"', at) - at);
+  };
+  const std::string prefix = "kvrelay_worker_kv_group_peak_blocks{";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    const auto close = line.find('}');
+    const std::string worker = label(line, "worker");
+    const std::string group = label(line, "group");
+    const std::string window = label(line, "window");
+    if (close == std::string::npos || worker.empty() || group.empty() || window.empty()) continue;
+    const size_t g = static_cast<size_t>(std::strtoul(group.c_str(), nullptr, 10));
+    auto& groups = out[worker];
+    if (groups.size() <= g) groups.resize(g + 1);
+    groups[g] = {static_cast<int>(std::strtol(window.c_str(), nullptr, 10)),
+                 std::strtod(line.c_str() + close + 1, nullptr)};
   }
   return out;
 }

@@ -1147,6 +1147,25 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
   constexpr int kTokens = 48;  // positions 600..647: all past the window
   const std::vector<int32_t> expected = ref.Greedy(prompt, kTokens);
   ASSERT_EQ(expected.size(), static_cast<size_t>(kTokens));
+  // The engine's own accounting of that one request: per KV cache group, the
+  // most blocks it held between steps. Each sliding-window group stays
+  // within its window (+ the block the next token goes to), the full group
+  // holds every position's block.
+  const engine::KvCacheGroups& groups = ref.engine->kv_groups();
+  const std::vector<int64_t> engine_peaks = ref.engine->stats().peak_group_blocks;
+  ASSERT_EQ(groups.size(), 6) << groups.DebugString();  // 1 full + 5 sliding for this model
+  ASSERT_EQ(engine_peaks.size(), 6u);
+  const int B = eo.block_tokens;
+  const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) + kTokens - 1 + B - 1) / B;
+  for (int g = 0; g < groups.size(); ++g) {
+    const int w = groups.window[static_cast<size_t>(g)];
+    if (w == 0) {
+      EXPECT_EQ(engine_peaks[static_cast<size_t>(g)], full_blocks) << "full group " << g;
+    } else {
+      EXPECT_LE(engine_peaks[static_cast<size_t>(g)], (w + B - 1) / B + 1) << "sliding group " << g;
+      EXPECT_LT(engine_peaks[static_cast<size_t>(g)], full_blocks) << "sliding group " << g;
+    }
+  }
   const json model_name = {{"model", fs::path(model_path).stem().string()}};
   for (const auto& [prefill, decode, colocated, tp] :
        std::vector<std::array<int, 4>>{{0, 0, 1, 1}, {1, 1, 0, 1}, {1, 1, 0, 2}}) {
@@ -1158,6 +1177,21 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
     EXPECT_EQ(got.text, ref.Text(expected))
         << (colocated ? "colocated"
                       : "disaggregated (1 prefill, 1 decode of TP " + std::to_string(tp) + ")");
+    if (!colocated) {
+      // Again: a prefix hit on the prefill worker (its sliding-window groups
+      // kept only what the window needs), streamed from the cached blocks.
+      CompletionOutcome again = Complete(cluster->http_port(), prompt, kTokens, model_name);
+      ASSERT_EQ(again.http_status, 200) << again.error;
+      EXPECT_EQ(again.text, got.text) << "prefix hit, TP " << tp;
+      std::map<std::string, double> hits;
+      EXPECT_TRUE(WaitFor(
+          [&] {
+            hits = WorkerGauge(cluster->http_port(), "kvrelay_worker_prefix_hit_tokens_total");
+            return hits["prefill-0"] > 0;
+          },
+          milliseconds(15'000)))
+          << "the second request did not hit prefill-0's prefix cache";
+    }
     // Unreferenced prefix-cache blocks count as free: utilization goes back to 0.
     std::map<std::string, double> util;
     EXPECT_TRUE(WaitFor(
@@ -1171,6 +1205,53 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
         },
         milliseconds(15'000)))
         << "KV still in use after the request (" << util.size() << " workers reporting)";
+    // The worker that decoded (rank 0 of the TP group; its followers run
+    // the same block tables) held what the engine held, group by group, as
+    // its heartbeats report it.
+    const std::string decoder = colocated ? "worker-0" : "decode-0";
+    std::vector<testing::KvGroupPeak> peaks;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          auto all = testing::WorkerKvGroupPeaks(cluster->http_port());
+          auto it = all.find(decoder);
+          if (it == all.end()) return false;
+          peaks = it->second;
+          return peaks.size() == engine_peaks.size() &&
+                 static_cast<int64_t>(peaks[0].blocks) == engine_peaks[0];
+        },
+        milliseconds(15'000)))
+        << decoder << " reports " << peaks.size() << " KV cache groups";
+    ASSERT_EQ(peaks.size(), engine_peaks.size()) << decoder;
+    std::string line;
+    for (const testing::KvGroupPeak& p : peaks) {
+      line +=
+          " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
+    }
+    std::printf("[ KV groups ] %s (TP %d): most blocks per group:%s\n", decoder.c_str(), tp,
+                line.c_str());
+    for (size_t g = 0; g < peaks.size(); ++g) {
+      EXPECT_EQ(peaks[g].window, groups.window[g]) << decoder << " group " << g;
+      EXPECT_EQ(static_cast<int64_t>(peaks[g].blocks), engine_peaks[g])
+          << decoder << " group " << g << " (window " << peaks[g].window << ")";
+    }
+    if (colocated) continue;
+    // The prefill worker computed the prompt with the same groups: its
+    // full group held every prompt block, each sliding group its window.
+    const auto all = testing::WorkerKvGroupPeaks(cluster->http_port());
+    auto it = all.find("prefill-0");
+    ASSERT_NE(it, all.end()) << "prefill-0 reports no KV cache groups";
+    ASSERT_EQ(it->second.size(), engine_peaks.size()) << "prefill-0";
+    const int64_t prompt_blocks = (static_cast<int64_t>(prompt.size()) + B - 1) / B;
+    for (size_t g = 0; g < it->second.size(); ++g) {
+      const testing::KvGroupPeak& p = it->second[g];
+      EXPECT_EQ(p.window, groups.window[g]) << "prefill-0 group " << g;
+      if (p.window == 0) {
+        EXPECT_EQ(static_cast<int64_t>(p.blocks), prompt_blocks) << "prefill-0 group " << g;
+      } else {
+        EXPECT_LE(static_cast<int64_t>(p.blocks), (p.window + B - 1) / B + 1)
+            << "prefill-0 group " << g;
+      }
+    }
   }
 }
 

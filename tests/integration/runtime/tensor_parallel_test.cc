@@ -162,8 +162,10 @@ class TpHarness {
     engine_ = std::move(e).value();
     queues_.resize(tp);
     for (int r = 1; r < tp; ++r) {
-      auto f = TpFollower::Create(options, LoadShard(r, tp, TpMode::kExact, path),
-                                  engine_->pool()->total_blocks(), group_.rank(r));
+      // Followers mirror rank 0's KV cache groups (as TpSetup tells them).
+      auto f =
+          TpFollower::Create(options, LoadShard(r, tp, TpMode::kExact, path), engine_->kv_groups(),
+                             engine_->pool()->total_blocks(), group_.rank(r));
       EXPECT_TRUE(f.ok()) << f.status().ToString();
       followers_.push_back(std::move(f).value());
     }
@@ -407,14 +409,14 @@ TEST(TensorParallelGemma3, ReplicatedKvHeadMatchesOneRank) {
     r.sampling.max_tokens = 48;
     r.sampling.ignore_eos = true;
   }
-  // The single engine with its default KV cache groups (sliding layers hold
-  // only their window); a TP group keeps one group (Engine::SetTensorParallel).
+  // The single engine and the TP group both with their default KV cache
+  // groups (sliding layers hold only their window; the followers run every
+  // group's table from the plan).
   auto single = Engine::Create(o, whole);
   ASSERT_TRUE(single.ok()) << single.status().ToString();
   auto want = RunAll(**single, reqs);
-  EngineOptions tp_options = o;
-  tp_options.kv_groups = KvGroupsMode::kOne;
-  TpHarness h(2, tp_options, GemmaPath());
+  TpHarness h(2, o, GemmaPath());
+  ASSERT_EQ(h.engine().kv_groups().size(), 6) << h.engine().kv_groups().DebugString();
   const int64_t free_before = h.engine().pool()->free_blocks();
   auto got = RunAll(h.engine(), reqs);
   EXPECT_TRUE(h.follower_status().ok()) << h.follower_status().ToString();
@@ -423,6 +425,17 @@ TEST(TensorParallelGemma3, ReplicatedKvHeadMatchesOneRank) {
     EXPECT_EQ(got[r.id].size(), 48u);
   }
   EXPECT_EQ(h.engine().pool()->available_blocks(), free_before) << "blocks leaked";
+  // Rank 0 held per group what the single engine held: its sliding groups
+  // within their window, the full group every position.
+  EXPECT_EQ(h.engine().stats().peak_group_blocks, (*single)->stats().peak_group_blocks);
+  const KvCacheGroups& groups = h.engine().kv_groups();
+  const std::vector<int64_t> peaks = h.engine().stats().peak_group_blocks;
+  ASSERT_EQ(peaks.size(), 6u);
+  for (int g = 1; g < groups.size(); ++g) {
+    const int w = groups.window[static_cast<size_t>(g)];
+    EXPECT_LE(peaks[static_cast<size_t>(g)], (w + o.block_tokens - 1) / o.block_tokens + 1);
+  }
+  EXPECT_GT(peaks[0], peaks[1]);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"
+#include "tests/testing/greedy_cluster.h"
 #include "tests/testing/worker_metrics.h"
 
 namespace kvrelay {
@@ -73,84 +74,30 @@ class SecurityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (!fs::exists(ModelPath())) return;
-    auto model = engine::Model::Load(ModelPath());
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = std::shared_ptr<const engine::Model>(std::move(*model));
-    codec_ = new coordinator::EngineTextCodec(model_->tokenizer(), model_->chat_template());
-    engine::EngineOptions eo;
-    eo.model_path = ModelPath();
-    eo.kv_dtype = engine::KvDtype::kF32;
-    eo.kv_capacity_bytes = 64 << 20;
-    eo.threads = 1;
-    auto eng = engine::Engine::Create(eo, model_);
-    ASSERT_TRUE(eng.ok()) << eng.status().ToString();
-    engine_ = eng->release();
-    deploy::LaunchOptions o;
-    o.model_path = ModelPath();
-    o.port = 0;
-    o.prefill = 1;
-    o.decode = 1;
-    o.kv_dtype = "f32";
-    o.kv_capacity_mb = 64;
-    o.bin_dir = BinDir();
-    launcher_ = new deploy::LocalLauncher(o);
-    Status st = launcher_->Start();
-    ASSERT_TRUE(st.ok()) << st.ToString();
+    auto c = testing::GreedyCluster::Start(ModelPath(), BinDir());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    cluster_ = c->release();
+    model_ = cluster_->model();
+    launcher_ = &cluster_->launcher();
   }
   static void TearDownTestSuite() {
-    delete launcher_;
     launcher_ = nullptr;
-    delete engine_;
-    delete codec_;
     model_.reset();
+    delete cluster_;
+    cluster_ = nullptr;
   }
   void SetUp() override {
     if (!model_) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
     ASSERT_NE(launcher_, nullptr);
   }
 
-  static std::vector<int32_t> Encode(const std::string& text) {
-    return std::move(codec_->Encode(text, true)).value();
-  }
+  static std::vector<int32_t> Encode(const std::string& text) { return cluster_->Encode(text); }
   static std::string Greedy(const std::vector<int32_t>& prompt, int n) {
-    engine::RequestSpec spec;
-    spec.id = static_cast<engine::RequestId>(1000000 + next_ref_++);
-    spec.prompt = prompt;
-    spec.sampling.temperature = 0;
-    spec.sampling.max_tokens = n;
-    spec.sampling.ignore_eos = true;
-    EXPECT_TRUE(engine_->Submit(spec).ok());
-    auto d = codec_->NewDecoder();
-    std::string text;
-    while (engine_->HasWork()) {
-      auto events = engine_->Step();
-      if (!events.ok()) break;
-      for (const auto& e : *events) {
-        if (e.token >= 0) text += d->Push(e.token);
-      }
-    }
-    return text + d->Flush();
+    return cluster_->Greedy(prompt, n);
   }
   // One greedy completion through the cluster: its HTTP status and text.
   static std::pair<int, std::string> Complete(const std::vector<int32_t>& prompt, int n) {
-    coordinator::HttpCallSpec spec;
-    spec.method = "POST";
-    spec.port = launcher_->http_port();
-    spec.target = "/v1/completions";
-    spec.headers = {{"Content-Type", "application/json"}};
-    spec.body = json{
-        {"model", fs::path(ModelPath()).stem().string()},
-        {"prompt", prompt},
-        {"max_tokens", n},
-        {"temperature", 0},
-        {"ignore_eos",
-         true}}.dump();
-    spec.timeout_ms = 120'000;
-    auto r = coordinator::HttpCall(spec);
-    if (!r.ok()) return {0, r.status().ToString()};
-    json j = json::parse(r->body, nullptr, false);
-    if (r->status != 200 || j.is_discarded()) return {r->status, r->body};
-    return {200, j["choices"][0]["text"].get<std::string>()};
+    return cluster_->Complete(prompt, n);
   }
   // The cluster still serves, exactly.
   static void ExpectServing() {
@@ -170,11 +117,9 @@ class SecurityTest : public ::testing::Test {
     return c.ok() ? *c : nullptr;
   }
 
+  static inline testing::GreedyCluster* cluster_ = nullptr;
   static inline std::shared_ptr<const engine::Model> model_;
-  static inline coordinator::EngineTextCodec* codec_ = nullptr;
-  static inline engine::Engine* engine_ = nullptr;
   static inline deploy::LocalLauncher* launcher_ = nullptr;
-  static inline int next_ref_ = 0;
   protocols::IoThread io_{"attacker-io"};
 };
 

@@ -23,6 +23,7 @@
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"
 #include "protocols/tls.h"
+#include "tests/testing/greedy_cluster.h"
 
 namespace kvrelay {
 namespace {
@@ -46,37 +47,19 @@ class TlsClusterTest : public ::testing::Test {
                               "/" + c + " >/dev/null";
       ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     }
-    auto model = engine::Model::Load(ModelPath());
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    model_ = std::shared_ptr<const engine::Model>(std::move(*model));
-    codec_ = new coordinator::EngineTextCodec(model_->tokenizer(), model_->chat_template());
-    engine::EngineOptions eo;
-    eo.model_path = ModelPath();
-    eo.kv_dtype = engine::KvDtype::kF32;
-    eo.kv_capacity_bytes = 64 << 20;
-    eo.threads = 1;
-    auto eng = engine::Engine::Create(eo, model_);
-    ASSERT_TRUE(eng.ok()) << eng.status().ToString();
-    engine_ = eng->release();
-    deploy::LaunchOptions o;
-    o.model_path = ModelPath();
-    o.port = 0;
-    o.prefill = 1;
-    o.decode = 1;
-    o.kv_dtype = "f32";
-    o.kv_capacity_mb = 64;
-    o.bin_dir = BinDir();
-    o.control_tls_dir = root_ + "/ours";
-    launcher_ = new deploy::LocalLauncher(o);
-    Status st = launcher_->Start();
-    ASSERT_TRUE(st.ok()) << st.ToString();
+    auto c = testing::GreedyCluster::Start(ModelPath(), BinDir(), [](deploy::LaunchOptions& o) {
+      o.control_tls_dir = root_ + "/ours";
+    });
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    cluster_ = c->release();
+    model_ = cluster_->model();
+    launcher_ = &cluster_->launcher();
   }
   static void TearDownTestSuite() {
-    delete launcher_;
     launcher_ = nullptr;
-    delete engine_;
-    delete codec_;
     model_.reset();
+    delete cluster_;
+    cluster_ = nullptr;
     std::error_code ec;
     if (!root_.empty()) fs::remove_all(root_, ec);
   }
@@ -85,48 +68,13 @@ class TlsClusterTest : public ::testing::Test {
     ASSERT_NE(launcher_, nullptr);
   }
 
-  static std::string Greedy(const std::vector<int32_t>& prompt, int n) {
-    engine::RequestSpec spec;
-    spec.id = static_cast<engine::RequestId>(2000000 + next_ref_++);
-    spec.prompt = prompt;
-    spec.sampling.temperature = 0;
-    spec.sampling.max_tokens = n;
-    spec.sampling.ignore_eos = true;
-    EXPECT_TRUE(engine_->Submit(spec).ok());
-    auto d = codec_->NewDecoder();
-    std::string text;
-    while (engine_->HasWork()) {
-      auto events = engine_->Step();
-      if (!events.ok()) break;
-      for (const auto& e : *events) {
-        if (e.token >= 0) text += d->Push(e.token);
-      }
-    }
-    return text + d->Flush();
-  }
   // The TLS cluster answers a greedy completion exactly.
   static void ExpectServing() {
-    const auto prompt = std::move(codec_->Encode("The capital of Japan is", true)).value();
-    const std::string want = Greedy(prompt, 12);
-    coordinator::HttpCallSpec spec;
-    spec.method = "POST";
-    spec.port = launcher_->http_port();
-    spec.target = "/v1/completions";
-    spec.headers = {{"Content-Type", "application/json"}};
-    spec.body = json{
-        {"model", fs::path(ModelPath()).stem().string()},
-        {"prompt", prompt},
-        {"max_tokens", 12},
-        {"temperature", 0},
-        {"ignore_eos",
-         true}}.dump();
-    spec.timeout_ms = 120'000;
-    auto r = coordinator::HttpCall(spec);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    ASSERT_EQ(r->status, 200) << r->body;
-    json j = json::parse(r->body, nullptr, false);
-    ASSERT_FALSE(j.is_discarded()) << r->body;
-    EXPECT_EQ(j["choices"][0]["text"].get<std::string>(), want);
+    const auto prompt = cluster_->Encode("The capital of Japan is");
+    const std::string want = cluster_->Greedy(prompt, 12);
+    auto [status, text] = cluster_->Complete(prompt, 12);
+    ASSERT_EQ(status, 200) << text;
+    EXPECT_EQ(text, want);
   }
   static double Counter(const std::string& name) {
     coordinator::HttpCallSpec spec;
@@ -170,11 +118,9 @@ class TlsClusterTest : public ::testing::Test {
 
   static constexpr const char* kTlsFailures = "kvrelay_control_tls_handshake_failures_total";
   static inline std::string root_;
+  static inline testing::GreedyCluster* cluster_ = nullptr;
   static inline std::shared_ptr<const engine::Model> model_;
-  static inline coordinator::EngineTextCodec* codec_ = nullptr;
-  static inline engine::Engine* engine_ = nullptr;
   static inline deploy::LocalLauncher* launcher_ = nullptr;
-  static inline int next_ref_ = 0;
   protocols::IoThread io_{"attacker-io"};
 };
 

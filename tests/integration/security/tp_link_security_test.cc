@@ -2,14 +2,20 @@
 // rank 0 admits a follower only after the cluster-key challenge-response, a
 // connection that cannot prove the key is dropped without stopping the group
 // from forming, and a follower holding another key is told why it failed.
+// Strangers are authenticated concurrently, so silent ones delay nobody, and
+// those beyond max_unauthenticated are refused at accept and counted.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <thread>
+#include <vector>
 
 #include "decode_worker/tp_group.h"
 
@@ -37,6 +43,29 @@ int Dial(uint16_t port) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
   return fd;
+}
+
+// Whether the peer closed `fd` (EOF or reset) within `ms`.
+bool ClosedWithin(int fd, int ms) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+  char buf[256];
+  while (std::chrono::steady_clock::now() < until) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) > 0) {
+      const ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n <= 0) return true;
+    }
+  }
+  return false;
+}
+
+bool WaitUntil(const std::function<bool()>& cond) {
+  const Deadline until = Deadline::AfterMs(10000);
+  while (!cond()) {
+    if (until.Expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 struct Leader {
@@ -182,6 +211,85 @@ TEST(TpLinkSecurity, AFollowerWithAnotherKeyIsRefusedWithAClearMessage) {
   ASSERT_TRUE(follower.ok()) << follower.status().ToString();
   leader.thread.join();
   EXPECT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+}
+
+// Silent strangers connected before the real follower (they never say a
+// word) no longer hold the group back one after another for 5 s each (12 of
+// them: a minute before): each is authenticated on its own, and the follower
+// joins as soon as it has proved the key.
+TEST(TpLinkSecurity, SilentStrangersDoNotDelayTheGroup) {
+  const auto key = NewKey();
+  Leader leader;
+  leader.group = std::move(TcpTpGroup::Listen(Options(0, 0, key))).value();
+  const uint16_t port = leader.group->port();
+  constexpr int kStrangers = 12;  // under the default cap of 16
+  std::vector<int> strangers;
+  for (int i = 0; i < kStrangers; ++i) strangers.push_back(Dial(port));
+  leader.Start();
+  const auto start = std::chrono::steady_clock::now();
+  auto follower =
+      TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(follower.ok()) << follower.status().ToString();
+  auto setup = (*follower)->ReceiveFromLeader(Deadline::AfterMs(10000));
+  leader.thread.join();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
+  EXPECT_EQ(setup->payload, "setup-for-rank-1");
+  // One stranger's auth deadline (5 s) is already far above the time the
+  // group takes (milliseconds); serially it was 12 x 5 s.
+  EXPECT_LT(took, 5.0) << "the group formed only after " << took << " s";
+  // The group formed: the strangers were let go (closed), none was admitted.
+  for (int fd : strangers) {
+    EXPECT_TRUE(ClosedWithin(fd, 2000));
+    ::close(fd);
+  }
+  EXPECT_EQ(leader.group->security_counters().refused_connections, 0u);
+}
+
+// Beyond max_unauthenticated, connections are closed at accept and counted
+// on refused_connections (kvrelay_worker_tp_refused_connections_total); the
+// strangers within the cap stay pending, and once they go the real follower
+// still joins.
+TEST(TpLinkSecurity, StrangersBeyondTheCapAreRefusedAndCounted) {
+  const auto key = NewKey();
+  Leader leader;
+  TpGroupOptions o = Options(0, 0, key);
+  o.max_unauthenticated = 3;
+  leader.group = std::move(TcpTpGroup::Listen(o)).value();
+  const uint16_t port = leader.group->port();
+  leader.Start();
+  std::vector<int> within;
+  for (int i = 0; i < 3; ++i) within.push_back(Dial(port));
+  // The cap's strangers are accepted (in order, from the backlog) before the
+  // ones dialled next, which find the cap full and are closed at once.
+  std::vector<int> beyond;
+  const Deadline until = Deadline::AfterMs(10000);
+  while (leader.group->security_counters().refused_connections < 2 && !until.Expired()) {
+    const int fd = Dial(port);
+    if (ClosedWithin(fd, 2000)) {
+      beyond.push_back(fd);
+    } else {
+      within.push_back(fd);  // accepted before the cap was full: pending too
+    }
+  }
+  const auto counted = leader.group->security_counters();
+  EXPECT_GE(counted.refused_connections, 2u);
+  EXPECT_EQ(counted.refused_connections, beyond.size());
+  EXPECT_EQ(within.size(), 3u) << "the cap admits exactly max_unauthenticated strangers";
+  // The strangers within the cap leave (their slots free up), and the real
+  // follower joins.
+  for (int fd : within) ::close(fd);
+  for (int fd : beyond) ::close(fd);
+  ASSERT_TRUE(WaitUntil([&] { return leader.group->security_counters().auth_failures >= 3; }))
+      << "the leader did not drop the strangers that left";
+  auto follower =
+      TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));
+  ASSERT_TRUE(follower.ok()) << follower.status().ToString();
+  leader.thread.join();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  EXPECT_EQ(leader.group->security_counters().refused_connections, beyond.size());
 }
 
 }  // namespace

@@ -420,5 +420,56 @@ TEST_F(ControlSecurityTest, UnauthenticatedConnectionsAreCapped) {
   EXPECT_TRUE(joined);
 }
 
+// Liveness (issue #14, silent faults): a registered worker that goes silent
+// is dropped once its heartbeat timeout passes (here 1.5 intervals, as the
+// fault matrix sets it), not after 3 intervals plus the check's period; and
+// the coordinator heartbeats every registered worker each interval, which is
+// how a worker notices a stopped coordinator (--coordinator-timeout-ms).
+TEST(ControlLiveness, ASilentWorkerIsDroppedAtItsHeartbeatTimeoutAndHeardFromMeanwhile) {
+  const ClusterKey key = std::move(ClusterKey::Generate()).value();
+  ClusterBackendOptions o;
+  o.config = TestConfig();
+  o.cluster_key = key;
+  o.heartbeat_interval = std::chrono::milliseconds(1000);
+  o.heartbeat_timeout = std::chrono::milliseconds(1500);
+  auto b = ClusterBackend::Create(o);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  std::unique_ptr<ClusterBackend> backend = std::move(*b);
+  protocols::IoThread io("liveness-io");
+  Peer silent(io, backend->control_port());
+  ASSERT_TRUE(silent.Join(key, "prefill-0", proto::WORKER_ROLE_PREFILL).ok());
+  const auto joined = std::chrono::steady_clock::now();
+  ASSERT_EQ(backend->Workers().size(), 1u);
+  // It sends nothing from here; the coordinator's heartbeats still arrive.
+  int beats = 0;
+  for (;;) {
+    auto f = silent.conn->Receive(Deadline::AfterMs(10000));
+    if (!f.ok()) break;  // the coordinator dropped us and closed the link
+    if (f->type == static_cast<uint16_t>(MessageType::kHeartbeat)) ++beats;
+  }
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - joined).count();
+  EXPECT_TRUE(backend->Workers().empty());
+  EXPECT_GE(beats, 1) << "no heartbeat from the coordinator within its timeout";
+  // Dropped after the 1.5 s timeout (from its registration), checked every
+  // 150 ms; the upper bound leaves a loaded host's scheduling room and is
+  // under the old 3 intervals (3-4 s with the check every interval).
+  EXPECT_GE(took, 1.4);
+  EXPECT_LT(took, 2.5) << "dropped only after " << took << " s";
+  backend->Shutdown();
+}
+
+TEST(ControlLiveness, AHeartbeatTimeoutShorterThanTheIntervalIsRefused) {
+  ClusterBackendOptions o;
+  o.config = TestConfig();
+  o.cluster_key = std::move(ClusterKey::Generate()).value();
+  o.heartbeat_interval = std::chrono::milliseconds(500);
+  o.heartbeat_timeout = std::chrono::milliseconds(400);
+  auto b = ClusterBackend::Create(o);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("heartbeat_timeout"), std::string::npos)
+      << b.status().ToString();
+}
+
 }  // namespace
 }  // namespace kvrelay::coordinator

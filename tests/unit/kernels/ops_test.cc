@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -288,6 +289,64 @@ TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
           for (int e = 0; e < hd; ++e) {
             ASSERT_EQ(Bits(out[e]), Bits(split[e]))
                 << "hd " << hd << " [" << j0 << "," << j1 << ") chunk " << chunk << " e=" << e;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The tile (the query heads of a GQA group and a run of new tokens walking
+// each K/V chunk together) gives every row AttendRowGgml's bits on every
+// kernel path: ragged runs of tokens (not a multiple of anything, more than
+// one pass of rows), causal edges mid-chunk, sliding windows, an empty row,
+// block sizes the AVX-512 kernel takes (16, 32) and one it leaves to AVX2 (8),
+// head sizes 64 / 128 (compile-time kernels) and 36 (AVX-512 falls back).
+TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
+  const int n = 700;
+  struct Case {
+    int64_t cache_len, tokens, window;
+  };
+  const Case cases[] = {{0, 25, 0},  {0, 70, 0},     {130, 21, 0}, {517, 19, 0},
+                        {0, 40, 37}, {600, 21, 200}, {250, 1, 0},  {3, 5, 0}};
+  for (int hd : {64, 128, 36}) {
+    const auto k = Random(int64_t{n} * hd, 1.0f, 41), v = Random(int64_t{n} * hd, 2.0f, 42);
+    for (int B : {16, 32, 8}) {
+      std::vector<const float*> kb, vb;
+      for (int b = 0; b * B < n; ++b) {
+        kb.push_back(k.data() + b * B * hd);
+        vb.push_back(v.data() + b * B * hd);
+      }
+      for (int group : {1, 3}) {
+        for (const Case& cs : cases) {
+          const int64_t nrows = cs.tokens * group + 1;
+          const auto q = Random(nrows * hd, 1.5f, static_cast<uint32_t>(300 + cs.tokens + group));
+          std::vector<AttendTileRow> rows;
+          std::vector<float> tile_out(nrows * hd, -1.0f), row_out(hd);
+          rows.push_back({q.data(), tile_out.data(), 5, 5});  // empty: zeros
+          for (int64_t i = 0; i < cs.tokens; ++i) {
+            const int64_t pos = cs.cache_len + i;
+            const int64_t j0 = cs.window > 0 ? std::max<int64_t>(0, pos - cs.window + 1) : 0;
+            for (int g = 0; g < group; ++g) {
+              const int64_t r = static_cast<int64_t>(rows.size());
+              rows.push_back({q.data() + r * hd, tile_out.data() + r * hd, j0, pos + 1});
+            }
+          }
+          std::vector<float> scratch(AttendTileScratchFloats(nrows, cs.cache_len + cs.tokens, hd));
+          std::vector<float> scores(n), acc(8 * hd);
+          for (KernelPath path : Paths()) {
+            std::fill(tile_out.begin(), tile_out.end(), -1.0f);
+            AttendTileGgml(rows, kb.data(), vb.data(), B, hd, 0.125f, scratch.data(), path);
+            for (size_t r = 0; r < rows.size(); ++r) {
+              AttendRowGgml(rows[r].q, kb.data(), vb.data(), B, hd, rows[r].j0, rows[r].j1, 0.125f,
+                            false, scores.data(), acc.data(), row_out.data(), path);
+              for (int e = 0; e < hd; ++e) {
+                ASSERT_EQ(Bits(rows[r].out[e]), Bits(row_out[e]))
+                    << KernelPathName(path) << " hd " << hd << " B " << B << " group " << group
+                    << " cache_len " << cs.cache_len << " tokens " << cs.tokens << " window "
+                    << cs.window << " row " << r << " e " << e;
+              }
+            }
           }
         }
       }

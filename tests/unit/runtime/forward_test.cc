@@ -352,6 +352,40 @@ TEST_P(ForwardTest, LongContextDecodeEqualsPrefillBitForBit) {
   }
 }
 
+// Tiled attention (the query heads of one KV head and a run of new tokens
+// walking each K/V chunk together, the default) against row by row: the same
+// bits, for f32 (in place) and f16 (decoded) pools, GQA ratios 1 and 3,
+// prompts that are not a multiple of the tile, chunks that start mid-block
+// (cache_len > 0) and gemma3's sliding window.
+TEST_P(ForwardTest, TiledAttentionEqualsRowByRowBitForBit) {
+  for (int heads : {3, 1}) {
+    testing::SyntheticModelOptions o;
+    o.arch = GetParam();
+    if (o.arch == "gemma3") o.sliding_window = 37;  // layer 0 slides, layer 1 is global
+    o.d_model = 64 * heads;
+    o.heads = heads;
+    o.kv_heads = 1;  // head_dim 64; GQA ratio `heads`
+    o.context_length = 512;
+    auto m = LoadSynthetic(o);
+    ASSERT_NE(m, nullptr);
+    auto tokens = RandomTokens(301, m->config().vocab, 33);
+    ThreadPool threads(2);
+    for (KvDtype dtype : {KvDtype::kF32, KvDtype::kF16}) {
+      auto pool = MakePool(*m, 24, 16, dtype);
+      ASSERT_NE(pool, nullptr);
+      // A 203-token first chunk, then chunks of 49 (rows with cache_len > 0).
+      auto tiled = ChunkedLogits(*m, pool.get(), &threads, tokens, 203, 49, true);
+      auto rows = ChunkedLogits(*m, pool.get(), &threads, tokens, 203, 49, false);
+      ASSERT_TRUE(tiled.ok() && rows.ok());
+      ASSERT_EQ(tiled->size(), rows->size());
+      for (size_t i = 0; i < rows->size(); ++i) {
+        ASSERT_EQ((*tiled)[i], (*rows)[i])
+            << "logit " << i << " heads " << heads << (dtype == KvDtype::kF16 ? " f16" : " f32");
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, ForwardTest, ::testing::Values("llama", "qwen2", "gemma3"));
 
 TEST(ForwardErrors, RejectsBadInput) {

@@ -26,11 +26,12 @@ inline std::unique_ptr<KvBlockPool> MakePool(const Model& m, int64_t blocks, int
 
 // Feeds `tokens` as a first chunk of `first` tokens and then chunks of `step`
 // tokens, asking for the logits of every position. Returns [n][vocab].
-// The blocks are released before returning.
+// The blocks are released before returning. tiled_attention: ForwardPass's
+// set_tiled_attention.
 inline Result<std::vector<float>> ChunkedLogits(const Model& m, KvBlockPool* pool,
                                                 ThreadPool* threads,
                                                 const std::vector<int32_t>& tokens, int64_t first,
-                                                int64_t step) {
+                                                int64_t step, bool tiled_attention = true) {
   const int B = pool->layout().block_tokens;
   const int64_t n = static_cast<int64_t>(tokens.size());
   std::vector<BlockId> blocks;
@@ -43,6 +44,7 @@ inline Result<std::vector<float>> ChunkedLogits(const Model& m, KvBlockPool* poo
     blocks.push_back(*b);
   }
   ForwardPass fwd(m, pool, threads);
+  fwd.set_tiled_attention(tiled_attention);
   std::vector<float> all;
   int64_t done = 0;
   Status st;

@@ -316,6 +316,56 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   EXPECT_EQ(gang->requests[0].finish_s, kv + 0.375 + 0.25);
 }
 
+// The serving path's CPU (coordinator, client) takes its share of a shared
+// host's cores. Hand-computed with 0.5 s steps on 1 core:
+//  * the coordinator charges 0.25 s per request at its arrival (0): it and
+//    the prefill step share the core at 1/2 each until the coordinator's
+//    0.25 s is done (0.5), the step's last 0.25 runs alone: TTFT 0.75.
+//  * the client charges 0.25 s per token: the first token (0.5) and the
+//    decode step that starts then share the core until 1.0, the step's last
+//    0.25 runs alone: the second token at 1.25.
+// On 2 cores a worker and a serving process each have one, and the serving
+// process is not an engine step: the profile's contention does not slow the
+// worker for it. Without a shared host it costs nothing.
+TEST(ContentionTest, ServingCpuTakesItsShareOfTheCores) {
+  Profile p = Simple(0.5);
+  p.serving_cpu = {0.25, 0, 0, 0, "test"};
+  ClusterConfig c = Colocated(1);
+  c.shared_host_cores = 1;
+  auto r = Simulate(p, c, Evenly(1, 0, 16, 1));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->requests[0].ttft_s(), 0.75);
+  EXPECT_EQ(r->serving_cpu_s, 0.25);
+  EXPECT_EQ(r->worker_cpu_s, 0.5);
+  p.serving_cpu = {0, 0, 0, 0.25, "test"};
+  auto tok = Simulate(p, c, Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(tok.ok());
+  EXPECT_EQ(tok->requests[0].ttft_s(), 0.5);
+  EXPECT_EQ(tok->requests[0].finish_s, 1.25);
+  EXPECT_EQ(tok->serving_cpu_s, 0.5);  // two tokens
+  // 2 cores, contention alpha 1 between engine steps: no slowdown.
+  p.serving_cpu = {0.25, 0, 0, 0.25, "test"};
+  p.contention = {1, 1, "test"};
+  c.shared_host_cores = 2;
+  auto roomy = Simulate(p, c, Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(roomy.ok());
+  EXPECT_EQ(roomy->requests[0].ttft_s(), 0.5);
+  EXPECT_EQ(roomy->requests[0].finish_s, 1.0);
+  // Both serving processes busy next to the step on 2 cores: 3 want 2, all
+  // at 2/3 until the two 0.25 s are done (0.375), then the step's last 0.25.
+  p.serving_cpu = {0.25, 0, 0.25, 0, "test"};
+  auto three = Simulate(p, c, Evenly(1, 0, 16, 1));
+  ASSERT_TRUE(three.ok());
+  EXPECT_NEAR(three->requests[0].ttft_s(), 0.625, 1e-12);
+  EXPECT_EQ(three->serving_cpu_s, 0.5);
+  // Machines of their own: nothing charged.
+  c.shared_host_cores = 0;
+  auto own = Simulate(p, c, Evenly(1, 0, 16, 1));
+  ASSERT_TRUE(own.ok());
+  EXPECT_EQ(own->requests[0].ttft_s(), 0.5);
+  EXPECT_EQ(own->serving_cpu_s, 0);
+}
+
 // The router sees what heartbeats carried (ticks every 0.5 s here) plus the
 // prompt tokens the coordinator routed since the last tick; a worker
 // publishes its state after each step, and a prompt leaves its queued count
@@ -431,6 +481,21 @@ TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
   EXPECT_EQ(back->contention.decode_alpha, 0.125);
   EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
+  p.serving_cpu = {0.5, 0.25, 0.125, 0.0625, "test"};
+  auto serving = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(serving.ok()) << serving.status().ToString();
+  EXPECT_EQ(serving->serving_cpu.coordinator_per_request_s, 0.5);
+  EXPECT_EQ(serving->serving_cpu.coordinator_per_token_s, 0.25);
+  EXPECT_EQ(serving->serving_cpu.client_per_request_s, 0.125);
+  EXPECT_EQ(serving->serving_cpu.client_per_token_s, 0.0625);
+  Profile negative = p;
+  negative.serving_cpu.client_per_token_s = -1;
+  EXPECT_FALSE(negative.Validate().ok());
+  Profile unsourced_cpu = p;
+  unsourced_cpu.serving_cpu.source.clear();
+  EXPECT_FALSE(unsourced_cpu.Validate().ok());
+  p.serving_cpu = {};  // optional: a profile without it costs nothing
+  ASSERT_TRUE(p.Validate().ok());
   Profile wide = p;
   wide.tp[2].cores = 3;  // more cores than ranks
   EXPECT_FALSE(wide.Validate().ok());
@@ -511,6 +576,32 @@ TEST(PlannerTest, FindsTheRateWhereTheSloBreaks) {
   EXPECT_GT(*rate, 1.0);
   EXPECT_LT(*rate, 4.0);
   EXPECT_GT(sims, 5);
+}
+
+// The planner's configurations see what the real router sees: heartbeats
+// every 500 ms unless told otherwise (0 = exact inputs).
+TEST(PlannerTest, RouterInputsAreTheHeartbeatsByDefault) {
+  Profile p = Simple(0.25);
+  p.max_running = 1;
+  PlanOptions o;
+  o.workload.prompt_tokens = 16;
+  o.workload.output_tokens = 1;
+  o.max_nodes = 2;
+  o.include_disaggregated = false;
+  o.requests_per_node = 1000;
+  o.bisection_steps = 2;
+  EXPECT_EQ(o.heartbeat_s, kDefaultHeartbeatS);
+  EXPECT_EQ(kDefaultHeartbeatS, 0.5);
+  auto plan = Plan(p, o);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_FALSE(plan->ranked.empty());
+  for (const auto& c : plan->ranked) EXPECT_EQ(c.config.heartbeat_s, 0.5);
+  o.heartbeat_s = 0;
+  auto exact = Plan(p, o);
+  ASSERT_TRUE(exact.ok());
+  for (const auto& c : exact->ranked) EXPECT_EQ(c.config.heartbeat_s, 0);
+  o.heartbeat_s = -1;
+  EXPECT_FALSE(o.Validate().ok());
 }
 
 }  // namespace
