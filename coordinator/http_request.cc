@@ -81,8 +81,7 @@ std::optional<HttpError> ReadError(const beast::error_code& ec, const RequestLim
   }
   if (ec == http::error::header_limit) {
     e.api.http_status = 431;
-    e.api.message =
-        "request headers exceed " + std::to_string(limits.max_header_bytes) + " bytes";
+    e.api.message = "request headers exceed " + std::to_string(limits.max_header_bytes) + " bytes";
     e.api.code = "headers_too_large";
     return e;
   }

@@ -26,7 +26,7 @@ using RequestParser = boost::beast::http::request_parser<boost::beast::http::str
 using RequestHeader = boost::beast::http::request_header<>;
 
 struct RequestLimits {
-  size_t max_body_bytes = 1 << 20;  // a larger body fails the read with body_limit (413)
+  size_t max_body_bytes = 1 << 20;     // a larger body fails the read with body_limit (413)
   size_t max_header_bytes = 16 << 10;  // larger headers fail it with header_limit (431)
 };
 
@@ -48,8 +48,7 @@ bool WantsContinue(const RequestHeader& header);
 // limit, 431 past the header limit, 400 for a malformed request, each
 // closing the connection; nullopt when the read just ends the connection
 // (end of stream, timeout, reset) and nothing is answered.
-std::optional<HttpError> ReadError(const boost::beast::error_code& ec,
-                                   const RequestLimits& limits);
+std::optional<HttpError> ReadError(const boost::beast::error_code& ec, const RequestLimits& limits);
 
 // The path of a request target: origin-form "/p?q" or absolute-form
 // "http://host/p?q" (RFC 9112 §3.2.2: a server must accept both).

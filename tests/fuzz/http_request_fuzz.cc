@@ -180,8 +180,8 @@ std::vector<std::string> HttpRequestSeeds() {
            "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
   };
   auto chunked = [](std::string path, std::string body, std::string te = "chunked") {
-    std::string out = "POST " + path + " HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: " + te +
-                      "\r\n\r\n";
+    std::string out =
+        "POST " + path + " HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: " + te + "\r\n\r\n";
     for (size_t i = 0; i < body.size(); i += 17) {
       const std::string piece = body.substr(i, 17);
       char len[16];
@@ -238,8 +238,9 @@ std::vector<std::string> HttpRequestSeeds() {
       // The malformed Transfer-Encoding cases of the issue.
       // The issue's: a body that is itself a request, behind codings the
       // server must refuse rather than read the body as the next request.
-      std::string(1, '\0') + "POST /v1/completions HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: "
-                             "xchunked\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: c\r\n\r\n",
+      std::string(1, '\0') +
+          "POST /v1/completions HTTP/1.1\r\nHost: c\r\nTransfer-Encoding: "
+          "xchunked\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: c\r\n\r\n",
       std::string(1, '\0') + chunked(chat_path, chat, "gzip"),
       std::string(1, '\0') + chunked(chat_path, chat, "chunked, identity"),
       std::string(1, '\0') + chunked(chat_path, chat, "gzip, chunked"),
@@ -247,18 +248,21 @@ std::vector<std::string> HttpRequestSeeds() {
       std::string(1, '\0') + chunked(chat_path, chat, "identity"),
       std::string(1, '\0') + chunked(chat_path, chat, "chunked\r\nTransfer-Encoding: chunked"),
       std::string(1, '\0') + chunked(chat_path, chat, "chunked\r\nContent-Length: 3"),
-      std::string(1, '\0') + "POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"
-                             "5\r\nhello\r\n0\r\n\r\n",
+      std::string(1, '\0') +
+          "POST /v1/completions HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"
+          "5\r\nhello\r\n0\r\n\r\n",
       std::string(1, '\0') + post(chat_path, chat, "Transfer-Encoding: chunked\r\n"),
-      std::string(1, '\0') + "POST /v1/completions HTTP/1.1\r\nHost: c\r\nContent-Length: 4\r\n"
-                             "Content-Length: 5\r\n\r\nabcde",
+      std::string(1, '\0') +
+          "POST /v1/completions HTTP/1.1\r\nHost: c\r\nContent-Length: 4\r\n"
+          "Content-Length: 5\r\n\r\nabcde",
       std::string(1, '\0') + "POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}",
       std::string(1, '\0') + post(chat_path, chat, "Expect: 200-ok\r\n"),
       // Past the small limits (mode 8): a 413 and a 431.
       std::string(1, '\x08') + post(chat_path, std::string(600, ' ') + chat),
       std::string(1, '\x08') + post(chat_path, chat, "X-Pad: " + std::string(300, 'p') + "\r\n"),
-      std::string(1, '\0') + "GET /health HTTP/1.1\r\nHost: c\r\n\r\nGET /v1/models HTTP/1.1\r\n"
-                             "Host: c\r\nConnection: close\r\n\r\n",
+      std::string(1, '\0') +
+          "GET /health HTTP/1.1\r\nHost: c\r\n\r\nGET /v1/models HTTP/1.1\r\n"
+          "Host: c\r\nConnection: close\r\n\r\n",
       std::string(1, '\0') + post(chat_path, R"({"model":"m","messages":[],"n":99,"bogus":1})"),
       std::string(1, '\0') + post(chat_path, std::string(80, '[') + std::string(80, ']')),
   };
