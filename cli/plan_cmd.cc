@@ -5,13 +5,13 @@
 // and (with --plots DIR) writes the data as JSON plus PNG plots drawn by
 // sim/plot/plot_plan.py (matplotlib in the venv sim/plot/setup_venv.sh makes):
 // disaggregated vs colocated goodput, and goodput scaling with nodes.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -67,12 +67,12 @@ constexpr char kPlanUsage[] =
 
 int RunPlan(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kPlanUsage)) return 0;
-  auto f = Flags::Parse(args,
-                        {"profile", "input-len", "output-len", "shared-prefix", "prefix-groups",
-                         "ttft-slo-ms", "tpot-slo-ms", "max-nodes", "tp", "router", "seed",
-                         "requests-per-node", "top", "plots", "scale-nodes", "python", "json",
-                         "heartbeat-ms"},
-                        {"no-colocated", "help"});
+  auto f = Flags::Parse(
+      args,
+      {"profile", "input-len", "output-len", "shared-prefix", "prefix-groups", "ttft-slo-ms",
+       "tpot-slo-ms", "max-nodes", "tp", "router", "seed", "requests-per-node", "top", "plots",
+       "scale-nodes", "python", "json", "heartbeat-ms"},
+      {"no-colocated", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "plan: %s\n", f.status().message().c_str());
     return 2;
@@ -129,8 +129,9 @@ int RunPlan(const std::vector<std::string>& args) {
       profile->name.c_str(), profile->hardware.c_str(), static_cast<long long>(*in),
       static_cast<long long>(*out), static_cast<long long>(*shared),
       static_cast<long long>(*groups), *ttft, *tpot, o.max_nodes,
-      o.heartbeat_s > 0 ? ("heartbeats every " + std::to_string(std::lround(*heartbeat_ms)) + " ms").c_str()
-                        : "exact (--heartbeat-ms 0)");
+      o.heartbeat_s > 0
+          ? ("heartbeats every " + std::to_string(std::lround(*heartbeat_ms)) + " ms").c_str()
+          : "exact (--heartbeat-ms 0)");
   const TimePoint t0 = Clock::now();
   auto plan = sim::Plan(*profile, o);
   if (!plan.ok()) return fail(plan.status(), 1);

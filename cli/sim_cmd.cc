@@ -342,13 +342,13 @@ int RunSim(const std::vector<std::string>& args) {
     std::fprintf(stderr, "sim: %s\n", r.status().ToString().c_str());
     return 1;
   }
-  std::printf("simulated %s (%d nodes), profile '%s': %zu requests; router inputs: %s\n",
-              config->Name().c_str(), config->Nodes(), profile->name.c_str(), workload->size(),
-              config->heartbeat_s > 0
-                  ? ("heartbeats every " + std::to_string(std::lround(config->heartbeat_s * 1e3)) +
-                     " ms")
-                        .c_str()
-                  : "exact (--heartbeat-ms 0)");
+  std::printf(
+      "simulated %s (%d nodes), profile '%s': %zu requests; router inputs: %s\n",
+      config->Name().c_str(), config->Nodes(), profile->name.c_str(), workload->size(),
+      config->heartbeat_s > 0
+          ? ("heartbeats every " + std::to_string(std::lround(config->heartbeat_s * 1e3)) + " ms")
+                .c_str()
+          : "exact (--heartbeat-ms 0)");
   std::printf("completed %lld, rejected %lld, in %.2f simulated s\n",
               static_cast<long long>(r->completed), static_cast<long long>(r->rejected),
               r->duration_s);
@@ -553,7 +553,8 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
   if (idle_cpu_per_s) {
     const auto before = ClusterCpu(launcher);
     const TimePoint t0 = Clock::now();
-    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(idle_probe_s * 1e3)));
+    std::this_thread::sleep_for(
+        std::chrono::milliseconds(static_cast<int64_t>(idle_probe_s * 1e3)));
     const auto after = ClusterCpu(launcher);
     const double wall = SecondsSince(t0);
     for (size_t k = 0; k < after.size() && k < before.size(); ++k) {
@@ -988,16 +989,24 @@ int RunCalibrate(const std::vector<std::string>& args) {
       const Topology& t = Topologies(static_cast<int>(*colocated))[0];
       const std::string n = f->Has("quick") ? "16" : "48";
       auto run_with = [&](const char* out_len, const char* seed) {
-        return std::vector<std::string>{"--rate",        "inf",   "--max-concurrency",
-                                        "2",             "--num-prompts", n,
-                                        "--input-len",   std::to_string(*input_len),
-                                        "--output-len",  out_len, "--seed", seed};
+        return std::vector<std::string>{"--rate",
+                                        "inf",
+                                        "--max-concurrency",
+                                        "2",
+                                        "--num-prompts",
+                                        n,
+                                        "--input-len",
+                                        std::to_string(*input_len),
+                                        "--output-len",
+                                        out_len,
+                                        "--seed",
+                                        seed};
       };
       std::map<std::string, double> idle;
-      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len,
-                         {run_with(std::to_string(*output_len).c_str(), "5151"),
-                          run_with("2", "5252")},
-                         {}, &idle);
+      auto r =
+          ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len,
+                    {run_with(std::to_string(*output_len).c_str(), "5151"), run_with("2", "5252")},
+                    {}, &idle);
       if (!r.ok()) return fail(r.status());
       auto fit = [&](auto cpu_of_run, double idle_per_s, double* per_request, double* per_token) {
         std::vector<double> a, b, w;
@@ -1022,8 +1031,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
           },
           coord_idle, &s.coordinator_per_request_s, &s.coordinator_per_token_s);
       if (st.ok()) {
-        st = fit([](const ServeRun& run) { return run.client_cpu_s; }, 0.0,
-                 &s.client_per_request_s, &s.client_per_token_s);
+        st = fit([](const ServeRun& run) { return run.client_cpu_s; }, 0.0, &s.client_per_request_s,
+                 &s.client_per_token_s);
       }
       if (!st.ok()) return fail(st);
       char line[400];

@@ -54,8 +54,8 @@ Status Profile::Validate() const {
   {
     const ServingCpu& s = serving_cpu;
     bool any = false;
-    for (double v : {s.coordinator_per_request_s, s.coordinator_per_token_s,
-                     s.client_per_request_s, s.client_per_token_s}) {
+    for (double v : {s.coordinator_per_request_s, s.coordinator_per_token_s, s.client_per_request_s,
+                     s.client_per_token_s}) {
       if (!(v >= 0) || !std::isfinite(v)) {
         return InvalidArgument("profile.serving_cpu: every cost must be >= 0 seconds");
       }
