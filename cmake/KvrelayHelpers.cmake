@@ -12,7 +12,11 @@ if(KVRELAY_WERROR)
     $<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings -Xcompiler=-Werror>)
 endif()
 if(KVRELAY_SANITIZE)
-  target_compile_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined -fno-omit-frame-pointer)
+  # GCC 12's -Wmaybe-uninitialized misfires under -fsanitize=address on
+  # Boost.Beast's parser (boost::optional in content_length(), seen in the HTTP
+  # fuzz target); the warning stays on, with -Werror, in every other build.
+  target_compile_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined -fno-omit-frame-pointer
+    $<$<CXX_COMPILER_ID:GNU>:-Wno-maybe-uninitialized>)
   target_link_options(kvrelay_warnings INTERFACE -fsanitize=address,undefined)
 endif()
 if(KVRELAY_TSAN)
