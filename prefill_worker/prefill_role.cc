@@ -187,6 +187,14 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
     engine_->pool()->Ref(b);
     out.pinned.Adopt(b);
   }
+  return AddSenders(id, out, g, dst, [&](const kv_transfer::HeadRange& heads) {
+    return worker::MakeStreamBuffers(engine_->pool(), src, heads);
+  });
+}
+
+Status PrefillRole::AddSenders(
+    RequestId id, Outgoing& out, int64_t g, std::span<const BlockId> dst,
+    const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers) {
   // Decode rank k of a TP group of T receives only its heads.
   const int tp = static_cast<int>(out.decode_ranks.size());
   auto& senders = out.senders[static_cast<size_t>(g)];
@@ -196,7 +204,7 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
     senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
         ctx_.transport, out.decode_ranks[k],
         worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
-        worker::MakeStreamBuffers(engine_->pool(), src, heads)));
+        buffers(heads)));
   }
   return Status::Ok();
 }
@@ -231,20 +239,12 @@ Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) 
   }
   const auto dst = std::span<const BlockId>(out.dst_blocks)
                        .subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
-  const int tp = static_cast<int>(out.decode_ranks.size());
-  auto& senders = out.senders[static_cast<size_t>(g)];
-  for (int k = 0; k < tp; ++k) {
-    ASSIGN_OR_RETURN(kv_transfer::HeadRange heads,
-                     kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, k));
-    // The wire format is the one-group one (every model layer of each
-    // block, ctx_.layout); each layer is read from its group's block.
-    senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
-        ctx_.transport, out.decode_ranks[k],
-        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
-        worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
-                                         heads, hole_layer_.data())));
-  }
-  return Status::Ok();
+  // The wire format is the one-group one (every model layer of each block,
+  // ctx_.layout); each layer is read from its group's block.
+  return AddSenders(id, out, g, dst, [&](const kv_transfer::HeadRange& heads) {
+    return worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
+                                            heads, hole_layer_.data());
+  });
 }
 
 void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {

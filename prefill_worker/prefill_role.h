@@ -20,6 +20,7 @@
 // pool lacks, and restored blocks belong to the request from the start.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -107,6 +108,11 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
   // Segment `g`'s senders from out.tables.
   Status StartGroupedSegment(engine::RequestId id, Outgoing& out, int64_t g);
+  // Segment `g`'s sender to each decode rank of out.decode_ranks, for the
+  // blocks `dst` there, with the buffers `buffers` gives for that rank's heads.
+  Status AddSenders(
+      engine::RequestId id, Outgoing& out, int64_t g, std::span<const engine::BlockId> dst,
+      const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers);
   void OnCancel(const proto::Cancel& c);
   // Ends `it`'s streams (cancelling what is unfinished) and drops it. When a
   // send ended kAborted (its decode peer was abandoned while MPI owned the

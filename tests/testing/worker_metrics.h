@@ -13,26 +13,40 @@
 
 namespace kvrelay::testing {
 
-// Values of `name` by the `worker` label (empty when /metrics does not answer 200).
-inline std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name,
-                                                 int timeout_ms = 10'000) {
-  std::map<std::string, double> out;
+// The coordinator's /metrics text, one line per element (empty when it does
+// not answer 200 within timeout_ms).
+inline std::vector<std::string> MetricsLines(uint16_t port, int timeout_ms) {
+  std::vector<std::string> lines;
   coordinator::HttpCallSpec spec;
   spec.port = port;
   spec.target = "/metrics";
   spec.timeout_ms = timeout_ms;
   auto r = coordinator::HttpCall(spec);
-  if (!r.ok() || r->status != 200) return out;
+  if (!r.ok() || r->status != 200) return lines;
   std::istringstream in(r->body);
-  std::string line;
+  for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));
+  return lines;
+}
+
+// The value of label `key` in one series line (empty when it has none).
+inline std::string MetricLabel(const std::string& line, const std::string& key) {
+  auto at = line.find(key + "=\"");
+  if (at == std::string::npos) return "";
+  at += key.size() + 2;
+  return line.substr(at, line.find('"', at) - at);
+}
+
+// Values of `name` by the `worker` label (empty when /metrics does not answer 200).
+inline std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name,
+                                                 int timeout_ms = 10'000) {
+  std::map<std::string, double> out;
   const std::string prefix = name + "{";
-  while (std::getline(in, line)) {
+  for (const std::string& line : MetricsLines(port, timeout_ms)) {
     if (line.rfind(prefix, 0) != 0) continue;
-    auto w = line.find("worker=\"");
-    auto close = line.find('}');
-    if (w == std::string::npos || close == std::string::npos) continue;
-    auto wend = line.find('"', w + 8);
-    out[line.substr(w + 8, wend - (w + 8))] = std::strtod(line.c_str() + close + 1, nullptr);
+    const auto close = line.find('}');
+    const std::string worker = MetricLabel(line, "worker");
+    if (close == std::string::npos || worker.empty()) continue;
+    out[worker] = std::strtod(line.c_str() + close + 1, nullptr);
   }
   return out;
 }
@@ -46,27 +60,13 @@ struct KvGroupPeak {
 inline std::map<std::string, std::vector<KvGroupPeak>> WorkerKvGroupPeaks(uint16_t port,
                                                                           int timeout_ms = 10'000) {
   std::map<std::string, std::vector<KvGroupPeak>> out;
-  coordinator::HttpCallSpec spec;
-  spec.port = port;
-  spec.target = "/metrics";
-  spec.timeout_ms = timeout_ms;
-  auto r = coordinator::HttpCall(spec);
-  if (!r.ok() || r->status != 200) return out;
-  std::istringstream in(r->body);
-  std::string line;
-  auto label = [](const std::string& l, const std::string& key) -> std::string {
-    auto at = l.find(key + "=\"");
-    if (at == std::string::npos) return "";
-    at += key.size() + 2;
-    return l.substr(at, l.find('"', at) - at);
-  };
   const std::string prefix = "kvrelay_worker_kv_group_peak_blocks{";
-  while (std::getline(in, line)) {
+  for (const std::string& line : MetricsLines(port, timeout_ms)) {
     if (line.rfind(prefix, 0) != 0) continue;
     const auto close = line.find('}');
-    const std::string worker = label(line, "worker");
-    const std::string group = label(line, "group");
-    const std::string window = label(line, "window");
+    const std::string worker = MetricLabel(line, "worker");
+    const std::string group = MetricLabel(line, "group");
+    const std::string window = MetricLabel(line, "window");
     if (close == std::string::npos || worker.empty() || group.empty() || window.empty()) continue;
     const size_t g = static_cast<size_t>(std::strtoul(group.c_str(), nullptr, 10));
     auto& groups = out[worker];
