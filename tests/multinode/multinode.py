@@ -62,6 +62,11 @@ class Check:
         return cond
 
 
+# Faults: the cluster must serve right answers again within this many seconds
+# of /health reporting it healthy after the fault ends.
+SERVING_AGAIN_S = 5.0
+
+
 def compare(check, results, reference, what):
     bad = []
     for i, (r, ref) in enumerate(zip(results, reference)):
@@ -280,11 +285,27 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
             out["recovered_s"] = round(time.time() - t_ready, 2)
             check.expect(ready, "%s: /health is 200 again within 60 s of the fault's end (%.2f s)"
                          % (name, out["recovered_s"]))
+            # Serving again within SERVING_AGAIN_S of /health saying so (the
+            # issue's "serving again within 5 s"): after a cut link comes back,
+            # the first transfer on the old KV connection can wait for TCP's
+            # backed-off retransmission timer and fail its no-progress deadline
+            # (the prefill side then drops that connection and dials anew), an
+            # error that is a final status. So attempts are repeated while they
+            # start within the bound; a wrong token in any attempt fails at once.
             t0 = time.time()
-            after = cluster.complete(bed, env, c.url, after_prompts, 8, 2, c.tag + ".after",
-                                     timeout_s=120)
+            attempts = 0
+            while True:
+                attempts += 1
+                started = time.time()
+                after = cluster.complete(bed, env, c.url, after_prompts, 8, 2, c.tag + ".after",
+                                         timeout_s=120)
+                wrong = any(r["ok"] and r["text"] != e for r, e in zip(after, ref_after))
+                if wrong or all(r["ok"] for r in after) or time.time() - t0 >= SERVING_AGAIN_S:
+                    break
             out["after_s"] = round(time.time() - t0, 2)
-            compare(check, after, ref_after, "%s: the cluster keeps serving" % name)
+            out["after_attempts"] = attempts
+            compare(check, after, ref_after, "%s: the cluster keeps serving (attempt %d, started "
+                    "%.2f s after /health was 200)" % (name, attempts, started - t0))
             settled = wait_until(lambda: settled_state(bed, c.url, base), 10 * hb_ms / 1000.0,
                                  step=hb_ms / 1000.0)
             st = cluster.client_state(bed, c.url)
