@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <map>
+#include <random>
+#include <set>
 
 namespace kvrelay::coordinator {
 namespace {
@@ -148,6 +152,165 @@ TEST(RouterTest, ColocatedWorkersServeBothRoles) {
   std::vector<WorkerInfo> ws = {w};
   EXPECT_EQ(*r.PickPrefill({}, ws), "local");
   EXPECT_EQ(*r.PickDecode({}, ws), "local");
+}
+
+// The index against a plain reference (worker -> set of blocks, the per-worker
+// scan it replaced), under random stores, evictions and removals over a small
+// pool of blocks so that many workers share blocks and chains.
+struct ReferenceIndex {
+  std::map<std::string, std::set<PrefixBlockHash>> by_worker;
+  int64_t Matched(const std::string& w, std::span<const PrefixBlockHash> chain) const {
+    auto it = by_worker.find(w);
+    if (it == by_worker.end()) return 0;
+    int64_t n = 0;
+    for (const auto& h : chain) {
+      if (!it->second.count(h)) break;
+      ++n;
+    }
+    return n;
+  }
+};
+
+// The prefix-aware choice as the per-candidate loop made it (same score, same
+// tie-breaks, same candidate order).
+std::string ReferencePick(const ReferenceIndex& ref, std::span<const PrefixBlockHash> chain,
+                          const std::vector<const WorkerInfo*>& candidates) {
+  const WorkerInfo* best = nullptr;
+  int64_t best_score = std::numeric_limits<int64_t>::min();
+  for (const WorkerInfo* w : candidates) {
+    int64_t score = ref.Matched(w->id, chain) * w->block_tokens - w->queued_tokens;
+    if (best == nullptr || score > best_score ||
+        (score == best_score &&
+         (w->queued_tokens != best->queued_tokens ? w->queued_tokens < best->queued_tokens
+                                                  : w->running < best->running))) {
+      best = w;
+      best_score = score;
+    }
+  }
+  return best->id;
+}
+
+TEST(PrefixIndexTest, MatchesAReferenceUnderRandomStoresEvictionsAndRemovals) {
+  std::mt19937_64 rng(12345);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  constexpr int kWorkers = 12;  // more holders of one block than fit in place
+  std::vector<PrefixBlockHash> pool;
+  for (int i = 0; i < 48; ++i) {
+    PrefixBlockHash h{};
+    for (auto& b : h) b = static_cast<uint8_t>(rng());
+    pool.push_back(h);
+  }
+  // Chains are prefixes of a few base sequences (shared prompt prefixes), with
+  // a random tail now and then, and the odd repeated block.
+  std::vector<std::vector<PrefixBlockHash>> bases(4);
+  for (auto& b : bases) {
+    for (int i = 0; i < 10; ++i) b.push_back(pool[pick(pool.size())]);
+  }
+  auto random_chain = [&] {
+    std::vector<PrefixBlockHash> c(bases[pick(bases.size())]);
+    c.resize(pick(c.size() + 1));
+    if (pick(3) == 0) {
+      for (size_t i = pick(4); i > 0; --i) c.push_back(pool[pick(pool.size())]);
+    }
+    return c;
+  };
+  auto worker = [&] { return "p-" + std::to_string(pick(kWorkers)); };
+  std::vector<WorkerInfo> infos;
+  for (int i = 0; i < kWorkers; ++i) infos.push_back(Prefill("p-" + std::to_string(i), 0));
+  std::vector<const WorkerInfo*> candidates = RoutingCandidates(infos, WorkerRole::kPrefill);
+
+  Router router({RouterPolicy::kPrefixAware});
+  PrefixIndex& index = router.prefix_index();
+  ReferenceIndex ref;
+  int deep = 0;     // queries where a worker matched 3 blocks or more
+  int crowded = 0;  // queries where 5 workers or more matched
+  for (int step = 0; step < 20000; ++step) {
+    const size_t op = pick(100);
+    if (op < 50) {  // store, mostly blocks of a base chain so that chains match
+      std::string w = worker();
+      const auto& b = bases[pick(bases.size())];
+      PrefixBlockHash h = pick(4) == 0 ? pool[pick(pool.size())] : b[pick(b.size())];
+      index.OnStored(w, h);
+      ref.by_worker[w].insert(h);
+    } else if (op < 85) {  // evict, sometimes a block the worker does not hold
+      std::string w = worker();
+      auto it = ref.by_worker.find(w);
+      PrefixBlockHash h = pool[pick(pool.size())];
+      if (it != ref.by_worker.end() && !it->second.empty() && pick(4) != 0) {
+        h = *std::next(it->second.begin(), static_cast<long>(pick(it->second.size())));
+      }
+      index.OnEvicted(w, h);
+      if (it != ref.by_worker.end()) it->second.erase(h);
+    } else if (op < 87) {
+      std::string w = worker();
+      index.RemoveWorker(w);
+      ref.by_worker.erase(w);
+    } else {
+      const std::vector<PrefixBlockHash> chain = random_chain();
+      std::vector<PrefixMatch> want;
+      for (const auto& [w, blocks] : ref.by_worker) {
+        if (int64_t n = ref.Matched(w, chain); n > 0) want.push_back({w, n});
+      }
+      const std::vector<PrefixMatch> got = index.MatchedBlocksAll(chain);
+      deep +=
+          std::any_of(want.begin(), want.end(), [](const PrefixMatch& m) { return m.blocks >= 3; });
+      crowded += want.size() >= 5;
+      ASSERT_EQ(got.size(), want.size()) << "step " << step;
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].worker, want[i].worker) << "step " << step;
+        EXPECT_EQ(got[i].blocks, want[i].blocks) << "step " << step << " " << got[i].worker;
+      }
+      for (const WorkerInfo& w : infos) {
+        ASSERT_EQ(index.MatchedBlocks(w.id, chain), ref.Matched(w.id, chain)) << "step " << step;
+        auto it = ref.by_worker.find(w.id);
+        ASSERT_EQ(index.BlockCount(w.id),
+                  it == ref.by_worker.end() ? 0 : static_cast<int64_t>(it->second.size()));
+      }
+      // The router's choice is the per-candidate loop's, in id order and in
+      // any other candidate order (ties go to the first in that order).
+      for (WorkerInfo& w : infos) {
+        w.queued_tokens = static_cast<int64_t>(pick(5) * 16);
+        w.running = static_cast<int64_t>(pick(3));
+      }
+      RouteRequest req;
+      req.prefix_blocks = chain;
+      ASSERT_EQ(*router.PickPrefillAmong(req, candidates), ReferencePick(ref, chain, candidates))
+          << "step " << step;
+      std::vector<const WorkerInfo*> shuffled = candidates;
+      std::shuffle(shuffled.begin(), shuffled.end(), rng);
+      ASSERT_EQ(*router.PickPrefillAmong(req, shuffled), ReferencePick(ref, chain, shuffled))
+          << "step " << step;
+    }
+  }
+  // The walk was exercised where it matters: long runs, many holders.
+  EXPECT_GT(deep, 100);
+  EXPECT_GT(crowded, 100);
+}
+
+TEST(PrefixIndexTest, RemovedWorkerSlotIsReusedCleanly) {
+  PrefixIndex index;
+  std::vector<PrefixBlockHash> chain = {H(1), H(2), H(3)};
+  for (uint8_t v : {1, 2, 3}) index.OnStored("a", H(v));
+  for (uint8_t v : {1, 2}) index.OnStored("b", H(v));
+  index.RemoveWorker("a");
+  index.OnStored("c", H(1));  // takes a's slot
+  EXPECT_EQ(index.MatchedBlocks("a", chain), 0);
+  EXPECT_EQ(index.MatchedBlocks("c", chain), 1);
+  EXPECT_EQ(index.BlockCount("c"), 1);
+  std::vector<PrefixMatch> all = index.MatchedBlocksAll(chain);
+  ASSERT_EQ(all.size(), 2u);
+  EXPECT_EQ(all[0].worker, "b");
+  EXPECT_EQ(all[0].blocks, 2);
+  EXPECT_EQ(all[1].worker, "c");
+  EXPECT_EQ(all[1].blocks, 1);
+  // Evicting and storing again, twice over, counts each block once.
+  index.OnStored("b", H(2));
+  index.OnEvicted("b", H(1));
+  index.OnEvicted("b", H(1));
+  index.OnStored("b", H(1));
+  EXPECT_EQ(index.BlockCount("b"), 2);
+  EXPECT_EQ(index.MatchedBlocks("b", chain), 2);
+  EXPECT_TRUE(index.MatchedBlocksAll({}).empty());
 }
 
 }  // namespace
