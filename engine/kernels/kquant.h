@@ -70,6 +70,14 @@ const KQuantKernels& Avx512KQuantKernels();
 // choice with the OS's zmm support (XGETBV) checked too.
 const KQuantKernels& BestVectorKQuantKernels();
 
+// Q5_0 x Q8_0 on the AVX-512 pair layout (kernels_avx512.cc TilePairs: 4 rows
+// x 8 tokens per register tile, the per-output order of the row-by-row
+// kernels). Handles a call only when `a` carries the pair layout (qp), t0 is
+// even and there are 4+ tokens; returns false, having written nothing,
+// otherwise. Only reached from the AVX-512 table.
+bool GemmQ5_0Pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                   const QuantizedActs& a, int64_t t0, int64_t t1, float* y, int64_t ldy);
+
 // The 8 (scale, min) 6-bit pairs of a Q4_K block from its 12 packed bytes.
 inline void UnpackQ4KScales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 8; ++j) {

@@ -35,6 +35,8 @@ inline float LoadHalfAt(const uint8_t* p) {
 
 void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
               int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  // Batches: register tiles of 4 rows x 8 tokens on the pair layout.
+  if (GemmQ5_0Pairs(w, row_bytes, r0, r1, a, t0, t1, y, ldy)) return;
   const int64_t nb = a.nb;
   const __m128i m4 = _mm_set1_epi8(0x0F);
   const __m256i b16 = _mm256_set1_epi8(16);

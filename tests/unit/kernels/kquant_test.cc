@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -65,24 +66,49 @@ std::vector<float> RandomActs(int64_t n, uint32_t seed) {
 
 class KQuantPathTest : public ::testing::TestWithParam<GgmlType> {};
 
-TEST_P(KQuantPathTest, Avx2EqualsScalarBitForBit) {
-  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+// Every vector path (AVX2, AVX-512 with its register tiles of several rows x
+// tokens) returns the scalar row-by-row bits, for odd and even row and token
+// counts, tile remainders included; and a batch returns, per token, the bits
+// of that token multiplied alone (batch invariance).
+TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
   const GgmlType type = GetParam();
   const int64_t be = BlockElems(type);
   ThreadPool pool(2, "kq");
   uint32_t seed = 7;
-  for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{
-           {1, be, 1}, {9, 3 * be, 5}, {65, 4 * be, 1}, {33, 2 * be, 19}}) {
-    std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
-    const GgufTensor w = View(type, rows, cols, &bytes);
-    const std::vector<float> x = RandomActs(tokens * cols, seed++);
-    std::vector<float> ys(rows * tokens), yv(rows * tokens);
-    MatMulWithPath(w, x.data(), tokens, ys.data(), nullptr, KernelPath::kScalar);
-    MatMulWithPath(w, x.data(), tokens, yv.data(), &pool, KernelPath::kAvx2);
-    for (int64_t i = 0; i < rows * tokens; ++i) {
-      ASSERT_EQ(std::memcmp(&ys[i], &yv[i], 4), 0)
-          << GgmlTypeName(type) << " " << rows << "x" << cols << " T=" << tokens << " i=" << i
-          << ": scalar " << ys[i] << " avx2 " << yv[i];
+  for (const KernelPath path : {KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) {
+      std::printf("[ SKIPPED  ] %s: CPU without it\n", std::string(KernelPathName(path)).c_str());
+      continue;
+    }
+    for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{
+             {1, be, 1},
+             {9, 3 * be, 5},
+             {65, 4 * be, 1},
+             {33, 2 * be, 19},
+             {3, be, 2},
+             {5, 2 * be, 3},
+             {7, 2 * be, 4},
+             {13, be, 9},
+             {6, 3 * be, 33},
+             {17, 2 * be, 8},
+             {2, 5 * be, 7}}) {
+      std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
+      const GgufTensor w = View(type, rows, cols, &bytes);
+      const std::vector<float> x = RandomActs(tokens * cols, seed++);
+      std::vector<float> ys(rows * tokens), yv(rows * tokens), y1(rows);
+      MatMulWithPath(w, x.data(), tokens, ys.data(), nullptr, KernelPath::kScalar);
+      MatMulWithPath(w, x.data(), tokens, yv.data(), &pool, path);
+      for (int64_t i = 0; i < rows * tokens; ++i) {
+        ASSERT_EQ(std::memcmp(&ys[i], &yv[i], 4), 0)
+            << GgmlTypeName(type) << " " << KernelPathName(path) << " " << rows << "x" << cols
+            << " T=" << tokens << " i=" << i << ": scalar " << ys[i] << " vector " << yv[i];
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        MatMulWithPath(w, x.data() + t * cols, 1, y1.data(), nullptr, path);
+        ASSERT_EQ(std::memcmp(y1.data(), yv.data() + t * rows, 4 * rows), 0)
+            << GgmlTypeName(type) << " " << KernelPathName(path) << " " << rows << "x" << cols
+            << " T=" << tokens << ": token " << t << " alone differs from its batch";
+      }
     }
   }
 }
