@@ -91,7 +91,8 @@ TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
              {13, be, 9},
              {6, 3 * be, 33},
              {17, 2 * be, 8},
-             {2, 5 * be, 7}}) {
+             {2, 5 * be, 7},
+             {48, 2 * be, 70}}) {
       std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
       const GgufTensor w = View(type, rows, cols, &bytes);
       const std::vector<float> x = RandomActs(tokens * cols, seed++);
