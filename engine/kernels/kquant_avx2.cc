@@ -47,6 +47,62 @@ inline float LoadHalfAt(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// quantize_row_q8_K with the scalar path's bits: the same max (the first
+// element of largest magnitude, NaN ignored as fabs(NaN) > amax is false),
+// iscale and d in scalar float, and cvtps (round half to even, the default
+// MXCSR mode that nearbyint uses too) for the 256 products iscale * x.
+void QuantizeQ8K(const float* x, int64_t cols, int64_t t0, int64_t t1, const Q8KActs& a) {
+  const int64_t nb = cols / kBlockK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + t * cols + b * kBlockK;
+      int8_t* q = a.q + (t * nb + b) * kBlockK;
+      int16_t* bs = a.bsums + (t * nb + b) * (kBlockK / 16);
+      __m256 vmax = _mm256_setzero_ps();
+      for (int j = 0; j < kBlockK; j += 8) {
+        // max_ps returns its second operand when either is NaN: NaN ignored.
+        vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)), vmax);
+      }
+      alignas(32) float m8[8];
+      _mm256_store_ps(m8, vmax);
+      float amax = m8[0];
+      for (int i = 1; i < 8; ++i) amax = m8[i] > amax ? m8[i] : amax;
+      if (amax == 0.0f) {
+        a.d[t * nb + b] = 0.0f;
+        std::memset(q, 0, kBlockK);
+        std::memset(bs, 0, sizeof(int16_t) * (kBlockK / 16));
+        continue;
+      }
+      int first = 0;
+      while (std::fabs(xb[first]) != amax) ++first;
+      const float iscale = -127.0f / xb[first];
+      const __m256 vs = _mm256_set1_ps(iscale);
+      const __m256i m127 = _mm256_set1_epi32(127);
+      for (int j = 0; j < kBlockK; j += 32) {
+        __m256i i4[4];
+        for (int k = 0; k < 4; ++k) {
+          i4[k] = _mm256_min_epi32(
+              _mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(xb + j + 8 * k))), m127);
+        }
+        // Sums of the two 16-element groups: lane-wise adds, then hadds.
+        const __m256i g0 = _mm256_add_epi32(i4[0], i4[1]), g1 = _mm256_add_epi32(i4[2], i4[3]);
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(g0, g1), _mm256_setzero_si256());
+        const __m128i hs = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        bs[j / 16] = static_cast<int16_t>(_mm_cvtsi128_si32(hs));
+        bs[j / 16 + 1] = static_cast<int16_t>(_mm_extract_epi32(hs, 1));
+        // |values| <= 127: the saturating packs are exact.
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i4[0], i4[1]),
+                                             _mm256_packs_epi32(i4[2], i4[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j),
+                            _mm256_permutevar8x32_epi32(p, perm));
+      }
+      a.d[t * nb + b] = 1.0f / iscale;
+    }
+  }
+}
+
 void GemmQ4K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const Q8KActs& a,
              int64_t t0, int64_t t1, float* y, int64_t ldy) {
   const int64_t nb = a.nb;
@@ -224,7 +280,7 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
 }  // namespace
 
 const KQuantKernels& Avx2KQuantKernels() {
-  static const KQuantKernels table = {"avx2", ScalarKQuantKernels().quantize_q8k, &GemmQ4K,
+  static const KQuantKernels table = {"avx2", &QuantizeQ8K, &GemmQ4K,
                                       &GemmQ6K, &GemmQ5_0};
   return table;
 }

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -240,6 +241,35 @@ Q8KBuffers QuantizeQ8K(const std::vector<float>& x, int64_t tokens, int64_t cols
   b.acts = {b.q.data(), b.d.data(), b.bsums.data(), nb};
   kernels::ScalarKQuantKernels().quantize_q8k(x.data(), cols, 0, tokens, b.acts);
   return b;
+}
+
+// The vector tables' Q8_K quantizer returns the scalar one's bytes, scales
+// and block sums: random blocks, a zero block, a block whose largest
+// magnitude occurs twice with opposite signs (the first one's sign counts),
+// and values on the rounding ties of iscale * x.
+TEST(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
+  const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
+  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  const int64_t tokens = 5, cols = 256 * 3;
+  std::vector<float> x = RandomActs(tokens * cols, 31);
+  std::fill(x.begin() + cols, x.begin() + cols + 256, 0.0f);  // token 1, block 0
+  x[2 * cols + 10] = 40.0f;  // token 2, block 0: a tie of the largest magnitudes
+  x[2 * cols + 200] = -40.0f;
+  for (int j = 0; j < 256; ++j) x[3 * cols + j] = 0.5f * static_cast<float>(j % 9) - 2.0f;
+  x[3 * cols + 7] = -127.0f;  // iscale = 1: products on .5 ties
+  const Q8KBuffers want = QuantizeQ8K(x, tokens, cols);
+  for (const kernels::KQuantKernels* t : tables) {
+    Q8KBuffers got;
+    got.q.assign(want.q.size(), 1);
+    got.d.assign(want.d.size(), 1.0f);
+    got.bsums.assign(want.bsums.size(), 1);
+    got.acts = {got.q.data(), got.d.data(), got.bsums.data(), cols / 256};
+    t->quantize_q8k(x.data(), cols, 0, 2, got.acts);
+    t->quantize_q8k(x.data(), cols, 2, tokens, got.acts);
+    EXPECT_EQ(got.q, want.q) << t->name;
+    EXPECT_EQ(std::memcmp(got.d.data(), want.d.data(), 4 * got.d.size()), 0) << t->name;
+    EXPECT_EQ(got.bsums, want.bsums) << t->name;
+  }
 }
 
 // The same for Q4_K and Q6_K, every table and the scalar one (the AVX-512
