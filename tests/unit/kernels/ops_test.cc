@@ -370,6 +370,45 @@ TEST(Ops, AttendRowOneKeyIsItsValue) {
   }
 }
 
+// The vector GELU returns the scalar loop's bits for every fp16 value, values
+// between them (rounding to fp16 both ways), the two ends, infinities and a
+// NaN, with a length that leaves a scalar tail, and in place (out == gate).
+TEST(Ops, GeluVectorPathEqualsScalarBitForBit) {
+  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+  std::vector<float> g;
+  for (uint32_t h = 0; h < (1u << 16); ++h) {
+    const float v = Fp16ToFp32(static_cast<uint16_t>(h));
+    if (!std::isnan(v)) g.push_back(v);
+  }
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-12.0f, 12.0f);
+  for (int i = 0; i < 20000; ++i) g.push_back(dist(rng));
+  for (float v : {-10.0f, 10.0f, std::nextafter(10.0f, 0.0f), std::nextafter(-10.0f, 0.0f),
+                  INFINITY, -INFINITY, NAN, 1e-30f, -1e-42f}) {
+    g.push_back(v);
+  }
+  g.push_back(0.5f);  // length % 8 != 0
+  std::vector<float> up(g.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = dist(rng);
+  std::vector<float> want(g.size()), got(g.size());
+  GeluTanhMulGgmlWithPath(g.data(), up.data(), static_cast<int64_t>(g.size()), want.data(),
+                          KernelPath::kScalar);
+  GeluTanhMulGgmlWithPath(g.data(), up.data(), static_cast<int64_t>(g.size()), got.data(),
+                          KernelPath::kAvx2);
+  std::vector<float> inplace = g;
+  GeluTanhMulGgmlWithPath(inplace.data(), up.data(), static_cast<int64_t>(g.size()),
+                          inplace.data(), KernelPath::kAvx2);
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::isnan(want[i])) {
+      EXPECT_TRUE(std::isnan(got[i]) && std::isnan(inplace[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(&want[i], &got[i], 4), 0) << "g " << g[i] << ": " << want[i] << " vs "
+                                                    << got[i];
+    ASSERT_EQ(std::memcmp(&want[i], &inplace[i], 4), 0) << "in place, g " << g[i];
+  }
+}
+
 // GELU through ggml's fp16 table. The entry at fp16 0xBFFF (g = -1.999) is
 // the one that depends on the fused 1 + 0.044715 g^2 of ggml's CPU build:
 // llama.cpp (llama-cpp-python 0.3.36, AVX2 + FMA) holds fp16 0xA9D3 there
