@@ -248,14 +248,14 @@ TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
 }
 
 // Head sizes of real models, and one that is not a multiple of 8.
-INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36, 32, 96));
+INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 256, 36, 32, 96));
 
 // The three-pass split (scores over position chunks, one softmax, values over
 // head slices) gives AttendRowGgml's bits for any chunking, including chunks
 // that start before j0, end past j1 or are empty.
 TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
   const int B = 32;
-  for (int hd : {64, 128}) {
+  for (int hd : {64, 128, 256}) {
     if (!AttendSplitSupported(B, hd)) GTEST_SKIP() << "split attention needs the AVX-512 path";
     const int n = 600;
     const auto k = Random(int64_t{n} * hd, 1.0f, 31), v = Random(int64_t{n} * hd, 2.0f, 32);
@@ -301,7 +301,7 @@ TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
 // kernel path: ragged runs of tokens (not a multiple of anything, more than
 // one pass of rows), causal edges mid-chunk, sliding windows, an empty row,
 // block sizes the AVX-512 kernel takes (16, 32) and one it leaves to AVX2 (8),
-// head sizes 64 / 128 (compile-time kernels) and 36 (AVX-512 falls back).
+// head sizes 64 / 128 / 256 (compile-time kernels) and 36 (AVX-512 falls back).
 TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
   const int n = 700;
   struct Case {
@@ -309,7 +309,7 @@ TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
   };
   const Case cases[] = {{0, 25, 0},  {0, 70, 0},     {130, 21, 0}, {517, 19, 0},
                         {0, 40, 37}, {600, 21, 200}, {250, 1, 0},  {3, 5, 0}};
-  for (int hd : {64, 128, 36}) {
+  for (int hd : {64, 128, 256, 36}) {
     const auto k = Random(int64_t{n} * hd, 1.0f, 41), v = Random(int64_t{n} * hd, 2.0f, 42);
     for (int B : {16, 32, 8}) {
       std::vector<const float*> kb, vb;
