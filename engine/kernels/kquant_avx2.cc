@@ -438,8 +438,63 @@ inline __m256i BytesFromBits32(const uint8_t* p) {
 
 // Q5_0: the float sum runs in 8 lanes (lane m = elements 4m..4m+3 of every
 // block) and is reduced at the end as HsumF32; the scalar path reproduces it.
+// Q5_0 batches: 2 rows x 4 tokens per tile, each activation block loaded
+// once for both rows. The weights are kept biased (v + 16, 0..31, unsigned
+// for maddubs: pairs <= 2 * 31 * 127) and 16 * (sum of each lane's 4
+// activations) is subtracted: exactly GemmQ5_0's int32 lanes (|v| x sign(x, v)),
+// then its float steps.
+void TileQ5_0x2x4(const uint8_t* w, int64_t row_bytes, int64_t r, const QuantizedActs& a,
+                  int64_t t, float* y, int64_t ldy) {
+  const int64_t nb = a.nb;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i b16 = _mm256_set1_epi8(16);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][4];
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) acc[i][k] = _mm256_setzero_ps();
+  }
+  const uint8_t* rows[2] = {w + r * row_bytes, w + (r + 1) * row_bytes};
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u[2];
+    __m256 dw[2];
+    for (int i = 0; i < 2; ++i) {
+      const uint8_t* blk = rows[i] + b * kQ5_0Bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 16 * kQ5_0Bytes), _MM_HINT_T0);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6));
+      const __m256i q4 =
+          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      u[i] = _mm256_or_si256(q4, _mm256_and_si256(BytesFromBits32(blk + 2), b16));
+      dw[i] = _mm256_set1_ps(LoadHalfAt(blk));
+    }
+    for (int k = 0; k < 4; ++k) {
+      const int64_t tb = (t + k) * nb + b;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + tb * kBlock));
+      const __m256i bias = _mm256_madd_epi16(_mm256_maddubs_epi16(b16, xv), ones);
+      const __m256 dx = _mm256_set1_ps(a.d[tb]);
+      for (int i = 0; i < 2; ++i) {
+        const __m256i p =
+            _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u[i], xv), ones), bias);
+        acc[i][k] = _mm256_fmadd_ps(_mm256_mul_ps(dw[i], dx), _mm256_cvtepi32_ps(p), acc[i][k]);
+      }
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) y[(t + k) * ldy + r + i] = HsumF32(acc[i][k]);
+  }
+}
+
 void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const QuantizedActs& a,
               int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  if (t1 - t0 >= 4) {
+    const int64_t t4 = t0 + (t1 - t0) / 4 * 4;
+    int64_t r = r0;
+    for (; r + 2 <= r1; r += 2) {
+      for (int64_t t = t0; t < t4; t += 4) TileQ5_0x2x4(w, row_bytes, r, a, t, y, ldy);
+    }
+    // The tiles' rows for the last (t1 - t0) % 4 tokens, then the odd row.
+    if (t4 < t1 && r > r0) GemmQ5_0(w, row_bytes, r0, r, a, t4, t1, y, ldy);
+    r0 = r;
+  }
   const int64_t nb = a.nb;
   const __m128i m4 = _mm_set1_epi8(0x0F);
   const __m256i b16 = _mm256_set1_epi8(16);
