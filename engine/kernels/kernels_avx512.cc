@@ -339,8 +339,8 @@ inline __m512i LoadQ8Pairs(const uint8_t* qs) {
 inline __m512i UnpackQ5Pairs(const uint8_t* blk) {
   uint32_t qh;
   std::memcpy(&qh, blk + 2, 4);
-  const __m256i v = _mm256_or_si256(UnpackNibbles(blk + 6),
-                                    _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(16)));
+  const __m256i v =
+      _mm256_or_si256(UnpackNibbles(blk + 6), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(16)));
   const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   return _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(v));
 }

@@ -62,7 +62,17 @@ struct KQuantKernels {
 const KQuantKernels& ScalarKQuantKernels();
 // Only when the CPU has AVX2 + FMA + F16C.
 const KQuantKernels& Avx2KQuantKernels();
-// Only when it also has AVX512F/BW/VL and VNNI (Q5_0 with vpdpbusd; the same bits).
+// Only when it also has AVX512F/BW/VL and VNNI (vpdpbusd; the same bits).
+//
+// Batches (4+ tokens) run on register tiles, each output's operations and
+// their order unchanged, so a batched product equals the token-by-token one
+// bit for bit: Q4_K / Q6_K with one row per 32-bit lane (16 rows per zmm on
+// AVX-512, 8 per ymm on AVX2; the weights of a block unpacked and transposed
+// once for up to 64 tokens, each token's 4-byte activation groups broadcast,
+// so the exact sub-block sums of 16 / 8 rows come out side by side and the
+// fma steps above run on them at once), Q5_0 in 4 rows x 8 tokens
+// (AVX-512, the Q4_0 pair tiles of kernels_avx512.cc) or 2 rows x 4 tokens
+// (AVX2).
 const KQuantKernels& Avx512KQuantKernels();
 // Avx512KQuantKernels when the CPU has AVX-512 VNNI (unless KVRELAY_KERNELS=avx2
 // asks for plain AVX2), else Avx2. matmul.cc now picks the table of its own

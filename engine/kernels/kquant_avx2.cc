@@ -93,8 +93,8 @@ void QuantizeQ8K(const float* x, int64_t cols, int64_t t0, int64_t t1, const Q8K
         bs[j / 16] = static_cast<int16_t>(_mm_cvtsi128_si32(hs));
         bs[j / 16 + 1] = static_cast<int16_t>(_mm_extract_epi32(hs, 1));
         // |values| <= 127: the saturating packs are exact.
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i4[0], i4[1]),
-                                             _mm256_packs_epi32(i4[2], i4[3]));
+        const __m256i p =
+            _mm256_packs_epi16(_mm256_packs_epi32(i4[0], i4[1]), _mm256_packs_epi32(i4[2], i4[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j),
                             _mm256_permutevar8x32_epi32(p, perm));
       }
@@ -102,7 +102,6 @@ void QuantizeQ8K(const float* x, int64_t cols, int64_t t0, int64_t t1, const Q8K
     }
   }
 }
-
 
 // ---- Q4_K / Q6_K batches: 8 rows per tile, one row per 32-bit lane ----
 //
@@ -174,15 +173,14 @@ void RowGroup8(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a,
           const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
           const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
           const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-          wt[8 * (4 * n + 0) + i] = _mm256_or_si256(
-              _mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-          wt[8 * (4 * n + 1) + i] = _mm256_or_si256(
-              _mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-          wt[8 * (4 * n + 2) + i] = _mm256_or_si256(
-              _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(h, m30));
-          wt[8 * (4 * n + 3) + i] =
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                              _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+          wt[8 * (4 * n + 0) + i] = _mm256_or_si256(_mm256_and_si256(qa, m4),
+                                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+          wt[8 * (4 * n + 1) + i] = _mm256_or_si256(_mm256_and_si256(qb, m4),
+                                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+          wt[8 * (4 * n + 2) + i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                                                    _mm256_and_si256(h, m30));
+          wt[8 * (4 * n + 3) + i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
         }
         const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
         for (int s = 0; s < 16; ++s) sc[s][i] = s8[s];
@@ -195,8 +193,7 @@ void RowGroup8(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a,
         dw[i] = LoadHalfAt(blk + 208);
       } else {
         for (int j = 0; j < 4; ++j) {
-          const __m256i q =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
           wt[8 * (2 * j) + i] = _mm256_and_si256(q, m4);
           wt[8 * (2 * j + 1) + i] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         }
@@ -226,7 +223,8 @@ void RowGroup8(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a,
           const __m256i dot =
               _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
           sumi = _mm256_add_epi32(
-              sumi, _mm256_mullo_epi32(dot, _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[s]))));
+              sumi,
+              _mm256_mullo_epi32(dot, _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[s]))));
         }
         for (int s = 0; s < 8; ++s) {
           sbs = _mm256_add_epi32(
@@ -265,10 +263,11 @@ void RowGroup8(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a,
               _mm256_mullo_epi32(
                   dots[1], _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[2 * j + 1]))));
           const int32_t pa = bs[4 * j] + bs[4 * j + 1], pb = bs[4 * j + 2] + bs[4 * j + 3];
-          const int32_t pair = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(pa)) |
-                                                    (static_cast<uint32_t>(pb) << 16));
-          const __m256i summ = _mm256_madd_epi16(
-              _mm256_load_si256(reinterpret_cast<const __m256i*>(sc[8 + j])), _mm256_set1_epi32(pair));
+          const int32_t pair = static_cast<int32_t>(
+              static_cast<uint32_t>(static_cast<uint16_t>(pa)) | (static_cast<uint32_t>(pb) << 16));
+          const __m256i summ =
+              _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(sc[8 + j])),
+                                _mm256_set1_epi32(pair));
           ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), dd, ac);
           am = _mm256_fmadd_ps(_mm256_cvtepi32_ps(summ), dm, am);
         }
@@ -443,8 +442,8 @@ inline __m256i BytesFromBits32(const uint8_t* p) {
 // for maddubs: pairs <= 2 * 31 * 127) and 16 * (sum of each lane's 4
 // activations) is subtracted: exactly GemmQ5_0's int32 lanes (|v| x sign(x, v)),
 // then its float steps.
-void TileQ5_0x2x4(const uint8_t* w, int64_t row_bytes, int64_t r, const QuantizedActs& a,
-                  int64_t t, float* y, int64_t ldy) {
+void TileQ5_0x2x4(const uint8_t* w, int64_t row_bytes, int64_t r, const QuantizedActs& a, int64_t t,
+                  float* y, int64_t ldy) {
   const int64_t nb = a.nb;
   const __m128i m4 = _mm_set1_epi8(0x0F);
   const __m256i b16 = _mm256_set1_epi8(16);
@@ -533,8 +532,7 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
 }  // namespace
 
 const KQuantKernels& Avx2KQuantKernels() {
-  static const KQuantKernels table = {"avx2", &QuantizeQ8K, &GemmQ4K,
-                                      &GemmQ6K, &GemmQ5_0};
+  static const KQuantKernels table = {"avx2", &QuantizeQ8K, &GemmQ4K, &GemmQ6K, &GemmQ5_0};
   return table;
 }
 

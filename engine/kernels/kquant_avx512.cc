@@ -15,7 +15,7 @@
 #include "engine/kernels/kquant.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 // GCC 12's AVX-512 headers build casts and inserts from an intentionally
 // undefined register, which -Wuninitialized reports (GCC bug 105593).
 #pragma GCC diagnostic push
@@ -84,7 +84,6 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
   }
 }
 
-
 // ---- Q4_K / Q6_K: 16 rows per tile, one row per 32-bit lane ----
 //
 // The weights of 16 rows' block b are unpacked to bytes (0..15 / 0..63) and
@@ -148,10 +147,10 @@ inline void UnpackQ6KBlock(const uint8_t* blk, __m512i* e) {
     e[2 * n] = Join(
         _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
         _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)));
-    e[2 * n + 1] = Join(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
-                                        _mm256_and_si256(h, m30)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
+    e[2 * n + 1] = Join(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(h, m30)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
   }
 }
 
@@ -192,10 +191,10 @@ void RowGroup16(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a
         const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
         for (int s = 0; s < 16; ++s) sc[s][i] = s8[s];
         for (int s = 0; s < 8; ++s) {
-          scp[s][i] = static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(s8[2 * s])) |
-                                           (static_cast<uint32_t>(static_cast<uint16_t>(
-                                                static_cast<int16_t>(s8[2 * s + 1])))
-                                            << 16));
+          scp[s][i] = static_cast<int32_t>(
+              static_cast<uint16_t>(static_cast<int16_t>(s8[2 * s])) |
+              (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(s8[2 * s + 1])))
+               << 16));
         }
         dw[i] = LoadHalfAt(blk + 208);
       } else {
@@ -259,10 +258,9 @@ void RowGroup16(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a
                                                 _mm512_mullo_epi32(hi, scv[2 * j + 1]));
           // (bs[4j] + bs[4j+1], bs[4j+2] + bs[4j+3]) as two int16 (|.| <= 4064).
           const int32_t pa = bs[4 * j] + bs[4 * j + 1], pb = bs[4 * j + 2] + bs[4 * j + 3];
-          const int32_t pair = static_cast<int32_t>(static_cast<uint16_t>(pa) |
-                                                    (static_cast<uint32_t>(pb) << 16));
-          const __m512i summ =
-              _mm512_madd_epi16(scv[8 + j], _mm512_set1_epi32(pair));
+          const int32_t pair =
+              static_cast<int32_t>(static_cast<uint16_t>(pa) | (static_cast<uint32_t>(pb) << 16));
+          const __m512i summ = _mm512_madd_epi16(scv[8 + j], _mm512_set1_epi32(pair));
           ac = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), dd, ac);
           am = _mm512_fmadd_ps(_mm512_cvtepi32_ps(summ), dm, am);
         }

@@ -1,5 +1,6 @@
-// The in-place K-quant kernels (engine/kernels/kquant.h): the AVX2 path returns
-// the scalar path's bits, the Q8_K activation format is ggml's, and a Q4_K /
+// The in-place K-quant kernels (engine/kernels/kquant.h): every vector path (AVX2,
+// AVX-512, their batched register tiles) returns the scalar path's bits, the Q8_K
+// activation format is ggml's, and a Q4_K /
 // Q6_K / Q5_0 block written by hand multiplies to the value its layout says.
 // (Agreement with MatMulReference within the derived bound is in matmul_test.)
 #include "engine/kernels/kquant.h"
@@ -81,19 +82,18 @@ TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
       std::printf("[ SKIPPED  ] %s: CPU without it\n", std::string(KernelPathName(path)).c_str());
       continue;
     }
-    for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{
-             {1, be, 1},
-             {9, 3 * be, 5},
-             {65, 4 * be, 1},
-             {33, 2 * be, 19},
-             {3, be, 2},
-             {5, 2 * be, 3},
-             {7, 2 * be, 4},
-             {13, be, 9},
-             {6, 3 * be, 33},
-             {17, 2 * be, 8},
-             {2, 5 * be, 7},
-             {48, 2 * be, 70}}) {
+    for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{{1, be, 1},
+                                                                                {9, 3 * be, 5},
+                                                                                {65, 4 * be, 1},
+                                                                                {33, 2 * be, 19},
+                                                                                {3, be, 2},
+                                                                                {5, 2 * be, 3},
+                                                                                {7, 2 * be, 4},
+                                                                                {13, be, 9},
+                                                                                {6, 3 * be, 33},
+                                                                                {17, 2 * be, 8},
+                                                                                {2, 5 * be, 7},
+                                                                                {48, 2 * be, 70}}) {
       std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
       const GgufTensor w = View(type, rows, cols, &bytes);
       const std::vector<float> x = RandomActs(tokens * cols, seed++);
@@ -273,7 +273,7 @@ TEST(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
 }
 
 // The same for Q4_K and Q6_K, every table and the scalar one (the AVX-512
-// table shares the AVX2 K-quant kernels; KVRELAY_KERNELS picks among these).
+// table's batched tiles fall back to AVX2 for small calls; KVRELAY_KERNELS picks among these).
 TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
   const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
   if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";

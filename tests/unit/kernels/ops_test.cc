@@ -396,15 +396,15 @@ TEST(Ops, GeluVectorPathEqualsScalarBitForBit) {
   GeluTanhMulGgmlWithPath(g.data(), up.data(), static_cast<int64_t>(g.size()), got.data(),
                           KernelPath::kAvx2);
   std::vector<float> inplace = g;
-  GeluTanhMulGgmlWithPath(inplace.data(), up.data(), static_cast<int64_t>(g.size()),
-                          inplace.data(), KernelPath::kAvx2);
+  GeluTanhMulGgmlWithPath(inplace.data(), up.data(), static_cast<int64_t>(g.size()), inplace.data(),
+                          KernelPath::kAvx2);
   for (size_t i = 0; i < g.size(); ++i) {
     if (std::isnan(want[i])) {
       EXPECT_TRUE(std::isnan(got[i]) && std::isnan(inplace[i])) << i;
       continue;
     }
-    ASSERT_EQ(std::memcmp(&want[i], &got[i], 4), 0) << "g " << g[i] << ": " << want[i] << " vs "
-                                                    << got[i];
+    ASSERT_EQ(std::memcmp(&want[i], &got[i], 4), 0)
+        << "g " << g[i] << ": " << want[i] << " vs " << got[i];
     ASSERT_EQ(std::memcmp(&want[i], &inplace[i], 4), 0) << "in place, g " << g[i];
   }
 }
