@@ -51,7 +51,7 @@ using engine::BlockHash;
 using engine::KvLayout;
 using engine::ModelFingerprint;
 
-inline constexpr uint32_t kBlockMagic = 0x4252564B;  // "KVRB" in little-endian byte order
+inline constexpr uint32_t kBlockMagic = 0x4252564B;      // "KVRB" in little-endian byte order
 inline constexpr uint16_t kBlockFormatVersion = 1;       // a one-group pool's block
 inline constexpr uint16_t kGroupBlockFormatVersion = 2;  // one KV cache group's block
 inline constexpr size_t kFixedHeaderBytes = 136;
@@ -62,8 +62,8 @@ inline constexpr size_t kGroupExtBytes = 24;
 struct BlockGroup {
   uint32_t index = 0;
   uint32_t count = 0;
-  uint32_t window = 0;          // the group's sliding window, 0 = full attention
-  uint64_t layers_digest = 0;   // Xxh3_64 of the group's model layer ids
+  uint32_t window = 0;         // the group's sliding window, 0 = full attention
+  uint64_t layers_digest = 0;  // Xxh3_64 of the group's model layer ids
   bool grouped() const { return count > 0; }
   bool operator==(const BlockGroup&) const = default;
 };

@@ -75,8 +75,7 @@ void TieredCache::SetKvGroups(const engine::KvCacheGroups& groups) {
 }
 
 void TieredCache::NoteBlocks(std::span<const BlockHash> hashes, size_t first,
-                             std::span<const int32_t> tokens,
-                             const engine::ModelFingerprint& model,
+                             std::span<const int32_t> tokens, const engine::ModelFingerprint& model,
                              const Sha256Digest& salt_hash) {
   if (pool_ == nullptr) return;
   const size_t bt = static_cast<size_t>(pool_->layout().block_tokens);
@@ -86,7 +85,8 @@ void TieredCache::NoteBlocks(std::span<const BlockHash> hashes, size_t first,
     auto begin = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
     for (int g = 0; g < n_groups; ++g) {
       NoteLocked(engine::GroupBlockHash(hashes[i], g),
-                 Note{model, salt_hash, std::vector<int32_t>(begin, begin + static_cast<std::ptrdiff_t>(bt)), g});
+                 Note{model, salt_hash,
+                      std::vector<int32_t>(begin, begin + static_cast<std::ptrdiff_t>(bt)), g});
     }
   }
 }
@@ -131,8 +131,8 @@ void TieredCache::NoteSequence(std::span<const int32_t> tokens,
 
 bool TieredCache::Store(const BlockHash& hash, const Note& note, engine::KvBlockPool* pool,
                         engine::BlockId block) {
-  BlockMeta meta{note.model, pool->layout(), note.salt_hash, hash, note.tokens,
-                 MakeBlockGroup(groups_, note.group)};
+  BlockMeta meta{note.model, pool->layout(), note.salt_hash,
+                 hash,       note.tokens,    MakeBlockGroup(groups_, note.group)};
   Result<std::string> encoded = EncodeBlock(meta, *pool, block);
   if (!encoded.ok()) {
     LOG_WARNING << "kv_store: cannot encode block for spill: " << encoded.status().ToString();
@@ -357,11 +357,11 @@ std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
     const size_t i = static_cast<size_t>(match.pool_blocks + k);
     if (i >= match.hashes.size() || (i + 1) * static_cast<size_t>(bt) > tokens.size()) break;
     load->hashes.push_back(match.hashes[i]);
-    load->expected.push_back(BlockMeta{
-        model, layout, salt_hash, match.hashes[i],
-        std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
-                             tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt)),
-        BlockGroup{}});
+    load->expected.push_back(
+        BlockMeta{model, layout, salt_hash, match.hashes[i],
+                  std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
+                                       tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt)),
+                  BlockGroup{}});
   }
   return QueueLoad(std::move(load));
 }
@@ -518,7 +518,8 @@ Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
     return FailedPrecondition("LoadMissing: no pool attached or no output table");
   }
   if (groups_.size() > 1) {
-    return FailedPrecondition("LoadMissing: the pool has several KV cache groups (LoadMissingGroups)");
+    return FailedPrecondition(
+        "LoadMissing: the pool has several KV cache groups (LoadMissingGroups)");
   }
   const int bt = pool_->layout().block_tokens;
   if (prefix.block_tokens != bt || prefix.first < 0 ||
@@ -554,7 +555,8 @@ Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefi
     return FailedPrecondition("LoadMissingGroups: no pool attached or no output tables");
   }
   if (groups_.size() <= 1) {
-    return FailedPrecondition("LoadMissingGroups: the cache serves one KV cache group (LoadMissing)");
+    return FailedPrecondition(
+        "LoadMissingGroups: the cache serves one KV cache group (LoadMissing)");
   }
   const int bt = pool_->layout().block_tokens;
   const int64_t n = static_cast<int64_t>(prefix.tokens.size());
@@ -562,8 +564,8 @@ Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefi
   const int64_t total = static_cast<int64_t>(prefix.hashes.size());
   if (prefix.block_tokens != bt || first < 0 || first > total || total * bt > n ||
       pool_->layout().layers != groups_.layers_per_block()) {
-    return InvalidArgument("LoadMissingGroups: prefix of " + std::to_string(total) +
-                           " blocks of " + std::to_string(prefix.block_tokens) + " tokens over " +
+    return InvalidArgument("LoadMissingGroups: prefix of " + std::to_string(total) + " blocks of " +
+                           std::to_string(prefix.block_tokens) + " tokens over " +
                            std::to_string(n) + " tokens (pool blocks hold " + std::to_string(bt) +
                            " tokens of " + std::to_string(pool_->layout().layers) + " layers)");
   }
@@ -605,7 +607,8 @@ Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefi
   Held avail(static_cast<size_t>(n_groups), std::vector<char>(static_cast<size_t>(end - first), 1));
   for (int g = 1; g < n_groups; ++g) {
     for (int64_t i = first; i < end; ++i) {
-      avail[static_cast<size_t>(g)][static_cast<size_t>(i - first)] = in_pool(g, i) || in_tier(g, i);
+      avail[static_cast<size_t>(g)][static_cast<size_t>(i - first)] =
+          in_pool(g, i) || in_tier(g, i);
     }
   }
   // 2. Rounds: the longest hit of what is (still) available; take the

@@ -319,9 +319,8 @@ class TieredCache {
     int group = 0;  // the KV cache group whose block the noted key is
   };
   // Notes every group's key of blocks [first, hashes.size()) of `tokens`.
-  void NoteBlocks(std::span<const BlockHash> hashes, size_t first,
-                  std::span<const int32_t> tokens, const engine::ModelFingerprint& model,
-                  const Sha256Digest& salt_hash);
+  void NoteBlocks(std::span<const BlockHash> hashes, size_t first, std::span<const int32_t> tokens,
+                  const engine::ModelFingerprint& model, const Sha256Digest& salt_hash);
   // Queues `load` (hashes and expected filled) for the loader thread.
   std::shared_ptr<LoadHandle> QueueLoad(std::shared_ptr<LoadHandle> load);
   void OnSpill(const BlockHash& hash, engine::BlockId block);

@@ -561,14 +561,15 @@ class Engine::Impl {
     for (int g = 0; ok && g < groups_.size(); ++g) {
       const BlockTable& t = loaded[static_cast<size_t>(g)];
       ok = t.size() == n && t.pool() == pool_.get();
-      const int64_t from = groups_.DroppableBlocks(g, std::min<int64_t>((hits + n) * B, n_tokens - 1), B);
+      const int64_t from =
+          groups_.DroppableBlocks(g, std::min<int64_t>((hits + n) * B, n_tokens - 1), B);
       for (int64_t i = std::max<int64_t>(from, hits); ok && i < hits + n; ++i) {
         ok = t[i - hits] != kNoBlock;
       }
     }
     if (!ok) {
-      LOG_ERROR << "KV connector returned an inconsistent grouped prefix for request '"
-                << s.spec.id << "'; computing it instead";
+      LOG_ERROR << "KV connector returned an inconsistent grouped prefix for request '" << s.spec.id
+                << "'; computing it instead";
       return;  // `loaded` returns every block
     }
     for (int g = 0; g < groups_.size(); ++g) {

@@ -61,8 +61,8 @@ class KvConnector {
   // keys (GroupBlockHash). Tables of unequal length, or a hole where a block
   // is needed, are refused (nothing is used).
   virtual void LoadPrefixGroups(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
-                                const KvCacheGroups& /*groups*/,
-                                std::span<BlockTable> /*tables*/) {}
+                                const KvCacheGroups& /*groups*/, std::span<BlockTable> /*tables*/) {
+  }
 
   // --- admission side: a prompt whose KV is computed elsewhere ---
   // Called by Engine::Submit for a kRemotePrompt request after it allocated

@@ -1179,11 +1179,10 @@ std::unique_ptr<GemmaLongPrompt> MakeGemmaLongPrompt(std::string* skip) {
 // Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
 // sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
 // single engine's tokens colocated, disaggregated (layer-wise KV transfer) and
-// disaggregated into a decode group of TP = 2. The single engine and the
-// decode worker split the KV cache into groups (the sliding-window layers hold
-// only their window, engine/kv_cache/kv_groups.h); the prefill and colocated
-// workers and TP groups keep one group: the layer stream lands in the decode
-// side's group tables. The model has one KV head for four query heads, so both
+// disaggregated into a decode group of TP = 2. The single engine and every
+// worker split the KV cache into groups (the sliding-window layers hold
+// only their window, engine/kv_cache/kv_groups.h): the layer stream lands in
+// the decode side's group tables. The model has one KV head for four query heads, so both
 // TP ranks hold a replica of it and the prefill worker streams it to each
 // (engine::ShardAttentionHeads, kv_transfer::ShardHeads). Every worker's KV is
 // back to none in use afterwards.
@@ -1354,8 +1353,8 @@ TEST(Gemma3Cluster, PrefixStoreKeepsKvGroupsAndServesTheWindowFromDiskAfterARest
       std::string line;
       for (size_t g = 0; g < all[decoder].size(); ++g) {
         const testing::KvGroupPeak& p = all[decoder][g];
-        line += " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" +
-                std::to_string(p.window);
+        line +=
+            " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
         EXPECT_EQ(p.window, groups.window[g]) << decoder << " group " << g;
         if (p.window == 0) {
           EXPECT_EQ(static_cast<int64_t>(p.blocks), gemma->engine_peaks[g])

@@ -23,9 +23,9 @@ namespace {
 namespace fs = std::filesystem;
 using engine::BlockId;
 using engine::GroupBlockHash;
+using engine::kNoBlock;
 using engine::KvBlockPool;
 using engine::KvCacheGroups;
-using engine::kNoBlock;
 
 constexpr char kSalt[] = "tenant-g";
 constexpr int kB = 4;       // tokens per block
@@ -413,7 +413,8 @@ class StoreConnector : public engine::KvConnector {
     loaded.Adopt(got);
   }
   void LoadPrefixGroups(const engine::RequestSpec& r, const engine::PrefixLookup& prefix,
-                        const KvCacheGroups& groups, std::span<engine::BlockTable> tables) override {
+                        const KvCacheGroups& groups,
+                        std::span<engine::BlockTable> tables) override {
     std::vector<std::vector<BlockId>> got;
     auto n = cache_->LoadMissingGroups(prefix, model_->fingerprint(), r.tenant_salt, &got);
     EXPECT_TRUE(n.ok()) << n.status().ToString();
@@ -434,7 +435,8 @@ struct GenRun {
   std::vector<int64_t> peaks;
 };
 
-GenRun Generate(engine::Engine& e, std::vector<int32_t> prompt, int max_tokens, TieredCache* cache) {
+GenRun Generate(engine::Engine& e, std::vector<int32_t> prompt, int max_tokens,
+                TieredCache* cache) {
   engine::RequestSpec s;
   s.id = 1;
   s.prompt = std::move(prompt);
@@ -512,6 +514,86 @@ TEST_F(GroupedTierTest, AGroupedEngineWithAStoreGivesTheEnginesTokensFromTheTier
       EXPECT_EQ(e->pool()->available_blocks(), e->pool()->total_blocks());
     }
   }
+}
+
+TEST_F(GroupedTierTest, ASharedPrefixIsLoadedAndTheRestComputed) {
+  ASSERT_NE(MixedModel(), nullptr);
+  std::mt19937 rng(9);
+  std::vector<int32_t> a(45), b(45);
+  for (auto& t : a) t = static_cast<int32_t>(rng() % 256);
+  for (auto& t : b) t = static_cast<int32_t>(rng() % 256);
+  std::copy(a.begin(), a.begin() + 30, b.begin());  // 7 full blocks shared
+  constexpr int kTokens = 16;
+  auto alone = MakeEngine(engine::KvGroupsMode::kAuto);
+  ASSERT_NE(alone, nullptr);
+  const GenRun want = Generate(*alone, b, kTokens, nullptr);
+  auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  TieredCache cache({}, ram.get(), disk.get());
+  {
+    auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+    cache.Attach(e->pool());
+    cache.SetKvGroups(e->kv_groups());
+    StoreConnector connector(&cache, &e->model());
+    e->SetKvConnector(&connector);
+    (void)Generate(*e, a, 4, &cache);
+    ASSERT_TRUE(cache.Drain(Deadline::After(std::chrono::seconds(20))).ok());
+    e->SetKvConnector(nullptr);
+    cache.Detach();
+  }
+  auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+  cache.Attach(e->pool());
+  cache.SetKvGroups(e->kv_groups());
+  StoreConnector connector(&cache, &e->model());
+  e->SetKvConnector(&connector);
+  const GenRun got = Generate(*e, b, kTokens, &cache);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.cached, 28);
+  // The full group's 7 blocks and each sliding group's window of position
+  // 28 (blocks 4..6), written through to disk by the first engine.
+  EXPECT_EQ(cache.stats().restored_blocks_ram + cache.stats().restored_blocks_disk, 7 + 3 + 3);
+  e->SetKvConnector(nullptr);
+  cache.Detach();
+  EXPECT_EQ(e->pool()->available_blocks(), e->pool()->total_blocks());
+}
+
+// A connector whose grouped prefix leaves a hole where a step reads: the
+// engine refuses it (computes the prompt) rather than read a missing block.
+class HoleConnector : public engine::KvConnector {
+ public:
+  void LoadPrefixGroups(const engine::RequestSpec&, const engine::PrefixLookup& prefix,
+                        const KvCacheGroups& groups,
+                        std::span<engine::BlockTable> tables) override {
+    for (int g = 0; g < groups.size(); ++g) {
+      for (int i = 0; i < 3; ++i) {
+        auto& t = tables[static_cast<size_t>(g)];
+        if (g == 1 && i == 2) {
+          t.Adopt(kNoBlock);  // block 2 of a sliding group: inside the window of position 12
+        } else {
+          t.Adopt(t.pool()->Allocate().value());
+        }
+      }
+    }
+    (void)prefix;
+  }
+  bool SupportsKvGroups() const override { return true; }
+};
+
+TEST(GroupedConnectorTest, AHoleWhereAStepReadsIsRefusedAndThePromptComputed) {
+  ASSERT_NE(MixedModel(), nullptr);
+  std::mt19937 rng(11);
+  std::vector<int32_t> prompt(20);
+  for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
+  auto alone = MakeEngine(engine::KvGroupsMode::kAuto);
+  const GenRun want = Generate(*alone, prompt, 8, nullptr);
+  auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+  HoleConnector connector;
+  e->SetKvConnector(&connector);
+  const GenRun got = Generate(*e, prompt, 8, nullptr);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.cached, 0);
+  e->SetKvConnector(nullptr);
+  EXPECT_EQ(e->pool()->available_blocks(), e->pool()->total_blocks());
 }
 
 }  // namespace
