@@ -1336,6 +1336,17 @@ TEST(Gemma3Cluster, PrefixStoreKeepsKvGroupsAndServesTheWindowFromDiskAfterARest
         // Every full prompt block: the full group's 37 and each sliding
         // group's window of position 592, all from disk.
         EXPECT_EQ(got.cached_tokens, full_prompt_tokens) << shape << ": not served from the store";
+        // The store worker's own prefix-hit counter (its engine's cached
+        // prompt tokens; a fresh pool, so all of them from the tier).
+        std::map<std::string, double> hits;
+        EXPECT_TRUE(WaitFor(
+            [&] {
+              hits = WorkerGauge(cluster->http_port(), "kvrelay_worker_prefix_hit_tokens_total");
+              return hits[store_worker] >= full_prompt_tokens;
+            },
+            milliseconds(15'000)))
+            << shape << ": " << store_worker << " reports " << hits[store_worker]
+            << " prefix-hit tokens after the restart";
       }
       // The store worker kept its groups: a sliding group within its window.
       std::map<std::string, std::vector<testing::KvGroupPeak>> all;
