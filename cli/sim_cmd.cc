@@ -1268,7 +1268,7 @@ std::vector<sim::SimRequest> ReplayOf(const json& j, int64_t in, int64_t out) {
 }
 
 constexpr char kSimValidateUsage[] =
-    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 32 | "
+    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 40 | "
     "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
     "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
     "[--phases 8] [--per-request] [--json OUT]";
@@ -1296,7 +1296,9 @@ int RunValidate(const std::vector<std::string>& args) {
   auto profile = sim::LoadProfile(f->Get("profile"));
   if (!profile.ok()) return fail(profile.status());
   auto n = f->GetInt("num-prompts", 0);
-  auto seconds = f->GetDouble("seconds-per-point", 32);
+  // 40 s a point: 20 / 40 / 60 requests at 0.5 / 1 / 1.5 req/s (a p90 of 16
+  // spread by up to 58 % between repeats); ~18 minutes with --repeats 3.
+  auto seconds = f->GetDouble("seconds-per-point", 40);
   auto min_prompts = f->GetInt("min-prompts", 16);
   auto repeats = f->GetInt("repeats", 1);
   auto phases = f->GetInt("phases", 8);
@@ -1560,6 +1562,25 @@ int RunValidate(const std::vector<std::string>& args) {
                   100 * (Median(ttft_ratio[t]) - 1), 100 * (Median(tpot_ratio[t]) - 1));
     }
     std::printf("\n");
+  }
+  // The real system against itself, per cell: (max - min) / median of its
+  // repeats. A cell whose error is within its own spread is within noise.
+  if (*repeats > 1) {
+    std::printf(
+        "\nreal repeat spread per cell ((max - min) / median over %lld repeats; * = the "
+        "cell's error exceeds 15%% but not this spread)\n",
+        static_cast<long long>(*repeats));
+    std::printf("%-14s %5s | %9s | %9s | %9s | %9s | %9s\n", "topology", "rate", "TTFT p50",
+                "TTFT p90", "TPOT p50", "TPOT p90", "out tok/s");
+    for (const auto& row : rows) {
+      std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
+      for (int k = 0; k < kMetrics; ++k) {
+        const double err = RelErr(row.sim_m[k], row.real_m[k]);
+        std::printf(" %7.0f%%%s |", 100 * row.real_spread[k],
+                    err > 0.15 && err <= row.real_spread[k] ? "*" : " ");
+      }
+      std::printf("\n");
+    }
   }
   const double median_err = Median(errs);
   const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });

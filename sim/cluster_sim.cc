@@ -290,7 +290,12 @@ void Simulator::Setup() {
     w.prefill_scale = o.prefill_scale * scale;
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
-    if (kind != Worker::Kind::kColocated) w.tp_alpha = o.busy_alpha;
+    // The roles' busy_alpha was measured in 1P+1D (TP 1): next to a TP group
+    // (its ranks block in the collectives) the prefill's is not measured and
+    // the contention mix applies; a TP group has its own (TpCost).
+    if (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1)) {
+      w.tp_alpha = o.busy_alpha;
+    }
     if (kind != Worker::Kind::kDecode) {
       w.cache = std::make_unique<BlockLru>(capacity);
       w.store = std::make_unique<BlockLru>(config_.store_blocks);

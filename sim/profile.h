@@ -113,7 +113,8 @@ struct HostContention {
 // do to each other (HostContention) is not what the serving roles do to each
 // other, whose KV hand-off (the layer-wise stream into a decode worker that is
 // stepping, the first token reported once the KV is handed over) waits on the
-// other process.
+// other process. Measured in 1P+1D: the prefill's applies in topologies of
+// TP 1 decode workers only (next to a TP group the contention mix does).
 struct ServingOverhead {
   double ttft_s = 0;
   double step_scale = 1.0;

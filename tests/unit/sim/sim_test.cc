@@ -340,6 +340,14 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   ASSERT_TRUE(gang.ok());
   EXPECT_EQ(gang->requests[1].ttft_s(), 0.25);
   EXPECT_EQ(gang->requests[0].finish_s, kv + 0.375 + 0.25);
+  // The prefill role's busy_alpha (measured next to a TP 1 decode worker)
+  // does not apply next to a TP group, nor the decode role's to the group.
+  p.prefill.busy_alpha = p.decode.busy_alpha = 1;
+  p.prefill.busy_source = p.decode.busy_source = "test";
+  auto roles = Simulate(p, c, w);
+  ASSERT_TRUE(roles.ok());
+  EXPECT_EQ(roles->requests[1].ttft_s(), 0.25);
+  EXPECT_EQ(roles->requests[0].finish_s, kv + 0.375 + 0.25);
 }
 
 // A disaggregated role's busy_alpha replaces the contention mix for its
