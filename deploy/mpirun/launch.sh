@@ -13,6 +13,8 @@
 #                           [-k kv-dtype] [-t threads-per-worker] [-B heartbeat-ms]
 #                           [-K cluster-key-file] [-X kv-transport] [-W kv-timeout-ms]
 #                           [-M tp-comm] [-R max-restarts] [-S tls-dir]
+#                           [--heartbeat-timeout-ms N] [--tp-step-timeout-ms N]
+#                           [--kv-progress-timeout-ms N] [--coordinator-timeout-ms N]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -48,6 +50,12 @@
 # -W passes --kv-timeout-ms (how long a decode worker waits for a request's KV
 # after its first token; the wait before it is capped at 10x; default 30 s).
 #
+# The silent-fault deadlines take the binaries' own long flags, as `kvrelay
+# launch` does: --heartbeat-timeout-ms goes to the coordinator (drop a worker
+# silent this long), --tp-step-timeout-ms, --kv-progress-timeout-ms and
+# --coordinator-timeout-ms to every worker (and to a restarted one: the
+# supervisor reuses the flags). Unset, each binary's default applies.
+#
 # The job runs with --enable-recovery: a rank that dies (a worker killed, a
 # host lost) does not end the others; the coordinator learns of it from the
 # control plane (closed connection, missed heartbeats) and routes around it.
@@ -72,6 +80,21 @@ cd "$(dirname "$0")/../.."
 P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
 RESTARTS="" WINDOW=60 TLSDIR=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
+# The long options (deadlines) come out first; getopts reads the rest.
+cdeadlines=() wdeadlines=() rest=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --heartbeat-timeout-ms | --tp-step-timeout-ms | --kv-progress-timeout-ms | --coordinator-timeout-ms)
+      if [ $# -lt 2 ] || ! [ "$2" -ge 0 ] 2>/dev/null; then
+        echo "launch.sh: $1 needs a number of milliseconds, got '${2-}'" >&2
+        exit 2
+      fi
+      if [ "$1" = --heartbeat-timeout-ms ]; then cdeadlines+=("$1" "$2"); else wdeadlines+=("$1" "$2"); fi
+      shift 2 ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+set -- "${rest[@]}"
 while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:S:" opt; do
   case $opt in
     P) P=$OPTARG ;; D) D=$OPTARG ;; T) T=$OPTARG ;; H) HOSTFILE=$OPTARG ;;
@@ -82,7 +105,8 @@ while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:S:" opt; do
     *) echo "usage: $0 [-P n] [-D n] [-T tp] [-H hostfile] [-c coordinator-host] [-m model] [-p port]" \
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
             "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto] [-R max-restarts [-w window-s]]" \
-            "[-S tls-dir]" >&2
+            "[-S tls-dir] [--heartbeat-timeout-ms N] [--tp-step-timeout-ms N]" \
+            "[--kv-progress-timeout-ms N] [--coordinator-timeout-ms N]" >&2
        exit 2 ;;
   esac
 done
@@ -204,7 +228,7 @@ if [ -n "$TLSDIR" ]; then
   wtls=(--control-tls-cert "$TLSDIR/worker.crt" --control-tls-key "$TLSDIR/worker.key"
         --control-tls-ca "$TLSDIR/ca.crt")
 fi
-wargs=("${key[@]}" "${transport[@]}" "${wtls[@]}")
+wargs=("${key[@]}" "${transport[@]}" "${wtls[@]}" "${wdeadlines[@]}")
 
 # mpirun runs as a child (not exec) so the EXIT trap can remove a generated
 # key. It gets its own session: a TERM/INT for this script (or its process
@@ -217,7 +241,7 @@ setsid mpirun "${args[@]}" \
     a=$(kvr_addr coordinator) || exit 1
     kvr_run coordinator "$@" --host "$a" --control-host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
-    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" "${ctls[@]}" : \
+    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" "${ctls[@]}" "${cdeadlines[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     kvr_run "prefill-$((OMPI_COMM_WORLD_RANK - 1))" "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" \

@@ -89,14 +89,13 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
             "-B",        std::to_string(options.heartbeat_ms),
             "-W",        std::to_string(options.kv_timeout_ms)};
   }
-  if (!options.mpirun) {
-    for (const auto& [flag, ms] :
-         {std::pair{"--heartbeat-timeout-ms", options.heartbeat_timeout_ms},
-          std::pair{"--tp-step-timeout-ms", options.tp_step_timeout_ms},
-          std::pair{"--kv-progress-timeout-ms", options.kv_progress_timeout_ms},
-          std::pair{"--coordinator-timeout-ms", options.coordinator_timeout_ms}}) {
-      if (ms > 0) args.insert(args.end(), {flag, std::to_string(ms)});
-    }
+  // Both launchers take the silent-fault deadlines under the binaries' names.
+  for (const auto& [flag, ms] :
+       {std::pair{"--heartbeat-timeout-ms", options.heartbeat_timeout_ms},
+        std::pair{"--tp-step-timeout-ms", options.tp_step_timeout_ms},
+        std::pair{"--kv-progress-timeout-ms", options.kv_progress_timeout_ms},
+        std::pair{"--coordinator-timeout-ms", options.coordinator_timeout_ms}}) {
+    if (ms > 0) args.insert(args.end(), {flag, std::to_string(ms)});
   }
   args.insert(args.end(), options.extra.begin(), options.extra.end());
   const int log_fd = ::open(c->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);

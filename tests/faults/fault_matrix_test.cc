@@ -37,6 +37,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "deploy/local_launcher.h"
 #include "deploy/process_group.h"
@@ -432,6 +434,12 @@ TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
   const std::string want = ref->Text(prompt, kMaxTokens);
   LaunchedCluster::Options o;
   o.mpirun = true;
+  // launch.sh passes the silent-fault deadlines through (checked below on
+  // every process, restarted ones included, from its command line).
+  o.heartbeat_timeout_ms = 3 * o.heartbeat_ms;
+  o.tp_step_timeout_ms = 1'700;
+  o.kv_progress_timeout_ms = 1'900;
+  o.coordinator_timeout_ms = 6 * o.heartbeat_ms;
   auto started = LaunchedCluster::Start(o);
   ASSERT_TRUE(started.ok()) << started.status().ToString();
   std::unique_ptr<LaunchedCluster> cluster = std::move(*started);
@@ -441,6 +449,25 @@ TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
     return out.http_status == 200 && out.text == want;
   };
   ASSERT_TRUE(answers_right()) << cluster->LogTail();
+  auto has_deadlines = [&](const char* name) {
+    const pid_t pid = cluster->Pid(name);
+    std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline", std::ios::binary);
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    cmdline += ' ';
+    const bool coordinator = std::string(name) == "coordinator";
+    for (const auto& [flag, ms] :
+         {std::pair{"--heartbeat-timeout-ms", coordinator ? o.heartbeat_timeout_ms : 0},
+          std::pair{"--tp-step-timeout-ms", coordinator ? 0 : o.tp_step_timeout_ms},
+          std::pair{"--kv-progress-timeout-ms", coordinator ? 0 : o.kv_progress_timeout_ms},
+          std::pair{"--coordinator-timeout-ms", coordinator ? 0 : o.coordinator_timeout_ms}}) {
+      if (ms == 0) continue;
+      const std::string want = std::string(" ") + flag + " " + std::to_string(ms) + " ";
+      EXPECT_NE(cmdline.find(want), std::string::npos)
+          << name << " lacks" << want << ": " << cmdline;
+    }
+  };
+  for (const char* name : {"prefill-0", "decode-0", "coordinator"}) has_deadlines(name);
   for (const char* victim : {"prefill-0", "decode-0", "coordinator"}) {
     const pid_t pid = cluster->Pid(victim);
     ASSERT_GT(pid, 0) << victim << "\n" << cluster->LogTail();
@@ -456,6 +483,7 @@ TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
         seconds(60));
     ASSERT_TRUE(back) << victim << " not back within 60 s\n" << cluster->LogTail();
     EXPECT_GT(cluster->Restarts(), restarts);
+    has_deadlines(victim);  // the supervisor restarted it with the same flags
     std::printf("MPIRUN %s killed: serving right again after %.2f s\n", victim,
                 Seconds(Clock::now() - killed_at));
   }
