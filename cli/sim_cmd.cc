@@ -1052,6 +1052,17 @@ int RunCalibrate(const std::vector<std::string>& args) {
             "ms (alone %.2f, x%.3f) -> decode busy_alpha %.3f\n",
             t.name.c_str(), ttft_busy, ttft_alone, sp, p.prefill.busy_alpha, tpot_busy, tpot_alone,
             sd, p.decode.busy_alpha);
+        // A check of the decode-only batch model in the serving path: next to
+        // the long outputs, this run's tokens came from batch-2 steps (its
+        // context ~ input + output / 2, the background's ~ 16 + 512).
+        const double own = static_cast<double>(*input_len) + static_cast<double>(*output_len) / 2;
+        const double ratio_model =
+            p.step.DecodeOnlySeconds(2, own + 528) / p.step.DecodeOnlySeconds(1, own);
+        const double tpot_b2 = p50(1, "tpot_ms");
+        std::printf(
+            "%-14s next to the long outputs (batch 2): TPOT p50 %.2f ms, x%.2f of alone; the "
+            "decode-only step model says x%.2f\n",
+            t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
       }
       if (tp) {
         const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
