@@ -145,7 +145,10 @@ int Run(const std::vector<std::string>& args) {
   eo.threads = static_cast<int>(*threads);
   eo.max_step_tokens = 512;
   eo.max_running = 4;
-  eo.kv_groups = engine::KvGroupsMode::kOne;  // the tiers persist blocks of every layer
+  // One group: this tool persists and restores whole prompts through
+  // PersistPrefix / RestorePrefix into one table of every layer (a grouped
+  // cache loads through TieredCache::LoadMissingGroups, the worker's path).
+  eo.kv_groups = engine::KvGroupsMode::kOne;
   auto new_engine = [&]() { return engine::Engine::Create(eo, model); };
 
   fs::remove_all(dir);

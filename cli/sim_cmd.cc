@@ -392,6 +392,7 @@ int RunSim(const std::vector<std::string>& args) {
 struct Sample {
   double seqs, tokens, attn, decode_attn, ctx_attn, seconds;
   std::string what;
+  int decode_batch = 0;  // a decode-only step of this many sequences (0: a prefill)
 };
 
 // The step model's inputs for the bench engine measurements of one --json report.
@@ -407,7 +408,8 @@ void EngineSamples(const json& j, std::vector<Sample>* out) {
     const double b = d.value("batch", 1.0), k = d.value("steps", 1.0);
     out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), 0, d.value("median_step_s", 0.0),
                     "decode batch " + std::to_string(static_cast<int>(b)) + ", ctx " +
-                        std::to_string(static_cast<int>(ctx))});
+                        std::to_string(static_cast<int>(ctx)),
+                    static_cast<int>(b)});
   }
 }
 
@@ -499,8 +501,12 @@ struct ServeRun {
 // entry, stops it.
 // A process of this binary that keeps a core busy during one of the runs.
 struct Background {
-  size_t run = SIZE_MAX;  // index into serve_args; SIZE_MAX = none
-  std::vector<std::string> args;
+  size_t run = SIZE_MAX;          // index into serve_args; SIZE_MAX = none
+  std::vector<std::string> args;  // "{url}" stands for the cluster's URL
+  // When set: the foreground starts once this process of the cluster (its
+  // short name, e.g. "kvrelay-decode") has computed 0.3 s more than when the
+  // background started (a load generator computes little itself).
+  std::string busy_process;
 };
 
 // Starts `args` in the background and waits until it computes (0.5 s of CPU).
@@ -528,7 +534,7 @@ void StopBusy(pid_t pid) {
 Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& model, int threads,
                                         const std::string& kv_dtype, int64_t input_len,
                                         const std::vector<std::vector<std::string>>& serve_args,
-                                        const Background& background = {},
+                                        const std::vector<Background>& backgrounds = {},
                                         std::map<std::string, double>* idle_cpu_per_s = nullptr,
                                         double idle_probe_s = 3) {
   ASSIGN_OR_RETURN(auto opts, LaunchFor(t, model, threads, kv_dtype));
@@ -566,8 +572,42 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
     std::vector<std::string> a = {"bench", "serve", "--url", url, "--json", path};
     a.insert(a.end(), serve_args[i].begin(), serve_args[i].end());
     pid_t busy = -1;
-    if (i == background.run) {
-      auto b = StartBusy(background.args);
+    auto bgi = std::find_if(backgrounds.begin(), backgrounds.end(),
+                            [&](const Background& b) { return b.run == i; });
+    if (bgi != backgrounds.end()) {
+      const Background& background = *bgi;
+      std::vector<std::string> args = background.args;
+      for (auto& a : args) {
+        if (a == "{url}") a = url;
+      }
+      auto cpu_of = [&]() {
+        double sum = 0;
+        for (const auto& [name, sec] : ClusterCpu(launcher)) {
+          if (name == background.busy_process) sum += sec;
+        }
+        return sum;
+      };
+      Result<pid_t> b = Internal("not started");
+      if (background.busy_process.empty()) {
+        b = StartBusy(args);
+      } else {
+        const double before = cpu_of();
+        b = SpawnSelf(args);
+        const Deadline ready = Deadline::AfterMs(60'000);
+        while (b.ok() && cpu_of() < before + 0.3 && !ready.Expired()) {
+          if (waitpid(*b, nullptr, WNOHANG) == *b) {
+            b = Internal("the background load exited before " + background.busy_process +
+                         " computed");
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        if (b.ok() && ready.Expired()) {
+          StopBusy(*b);
+          b = DeadlineExceeded("the background load did not keep " + background.busy_process +
+                               " busy within 60 s");
+        }
+      }
       if (!b.ok()) {
         launcher.Stop();
         return b.status();
@@ -677,7 +717,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
 
   // 1. Engine steps: prefill (tokens x cached context), decode (batch x context).
   std::vector<std::vector<std::string>> runs = {
-      {"--pp", "32", "--tg", "16", "--batches", "4,16", "--batch-steps", "16", "--context", "0"},
+      // Batches 2, 3 and 8 too: a decode-only step is not linear in a small
+      // batch (StepCost::decode_batch_s).
+      {"--pp", "32", "--tg", "16", "--batches", "2,3,4,8,16,64", "--batch-steps", "16", "--context",
+       "0"},
       {"--pp", "128", "--tg", "16", "--batches", "4,16", "--batch-steps", "16", "--context", "256"},
       {"--pp", "256", "--tg", "8", "--skip-batches", "--context", "0"}};
   if (!f->Has("quick")) {
@@ -700,7 +743,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
     // tg: batch 1 from the context, averaged over its steps.
     const double ctx = j->value("context", 0.0), k = (*j)["tg"].value("tokens", 1.0);
     samples.push_back({1, 1, 0, ctx + (k + 1) / 2, 0, (*j)["tg"].value("median_step_s", 0.0),
-                       "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx))});
+                       "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx)), 1});
   }
   {
     std::vector<double> a, b, w;
@@ -719,20 +762,53 @@ int RunCalibrate(const std::vector<std::string>& args) {
         (*x)[4],
         (*x)[5],
         "kvrelay bench engine --threads " + th + " --reps " + rp +
-            " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/4/16 at context "
-            "0/256/768), non-negative least squares weighted by 1/t^2, " +
-            date + ", " + p.hardware};
+            " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/2/3/4/8/16/64 "
+            "at context 0, 1/4/16 at 256, 1/4 at 768), non-negative least squares weighted by "
+            "1/t^2, " +
+            date + ", " + p.hardware,
+        {},
+        ""};
     std::printf(
         "step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
         "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
         p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
         p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
-    std::printf("%-32s %12s %12s %8s\n", "measurement", "measured ms", "model ms", "error");
+    // Decode-only steps by batch size: each size's measurements less the
+    // fitted decode attention, weighted by 1/t^2 as above.
+    std::map<int, std::pair<double, double>> by_batch;  // sum w x, sum w
+    for (const auto& s : samples) {
+      if (s.decode_batch < 1) continue;
+      const double w = 1.0 / (s.seconds * s.seconds);
+      auto& acc = by_batch[s.decode_batch];
+      acc.first += w * (s.seconds - p.step.per_decode_attn_s * s.decode_attn);
+      acc.second += w;
+    }
+    std::string sizes;
+    for (const auto& [b, acc] : by_batch) {
+      if (acc.first / acc.second > 0) p.step.decode_batch_s[b] = acc.first / acc.second;
+      sizes += (sizes.empty() ? "" : "/") + std::to_string(b);
+    }
+    p.step.decode_batch_source =
+        "kvrelay bench engine --threads " + th + " --reps " + rp + " batched decode (batches " +
+        sizes +
+        ") and tg (batch 1): per batch size, the weighted (1/t^2) mean of each measured step "
+        "less per_decode_attn_s x its decode pairs, " +
+        date + ", " + p.hardware;
+    std::printf("%-32s %12s %12s %8s %12s\n", "measurement", "measured ms", "model ms", "error",
+                "by batch ms");
     for (const auto& s : samples) {
       const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
-      std::printf("%-32s %12.3f %12.3f %+7.1f%%\n", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
+      std::printf("%-32s %12.3f %12.3f %+7.1f%%", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
                   100 * (m2 - s.seconds) / s.seconds);
+      if (s.decode_batch > 0) {
+        const double m3 = p.step.DecodeOnlySeconds(s.decode_batch, s.decode_attn);
+        std::printf(" %12.3f (%+.1f%%)", m3 * 1e3, 100 * (m3 - s.seconds) / s.seconds);
+      }
+      std::printf("\n");
     }
+    std::printf("decode-only step by batch (less decode attention):");
+    for (const auto& [b, sec] : p.step.decode_batch_s) std::printf(" %d: %.3f ms", b, sec * 1e3);
+    std::printf("\n");
   }
 
   // 1b. Two engine processes at once (each with a core of its own): how much
@@ -880,7 +956,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   if (!f->Has("skip-serve")) {
     const double in = static_cast<double>(*input_len), out = static_cast<double>(*output_len);
     const double prefill_s = p.step.Seconds(1, in, in * (in + 1) / 2);
-    const double decode_s = p.step.Seconds(1, 1, 0, in + out / 2);
+    const double decode_s = p.step.DecodeOnlySeconds(1, in + out / 2);
     const std::vector<std::string> serve = {"--rate",
                                             "inf",
                                             "--max-concurrency",
@@ -900,17 +976,94 @@ int RunCalibrate(const std::vector<std::string>& args) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
       const bool tp = t.tp > 1 && UsableCores() >= 2;
-      Background bg;
-      if (tp) {
-        bg.run = 1;
-        bg.args = {"bench", "engine",     "--model", model,  "--threads",
-                   th,      "--kv-dtype", kv_dtype,  "--pp", "512",
-                   "--tg",  "1",          "--reps",  "200",  "--skip-batches"};
-      }
+      // 1P+1D runs twice more, each role next to the other one kept busy by
+      // a second load generator through the same coordinator (the roles'
+      // busy_alpha): the prefill while the decode worker streams long outputs
+      // (fresh prompts: the first run's are in its prefix cache), the decode
+      // while the prefill worker computes long prompts one after another.
+      const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
+      std::vector<Background> bg;
       std::vector<std::vector<std::string>> runs = {serve};
-      if (tp) runs.push_back(serve);
+      if (tp) {
+        bg.push_back({1,
+                      {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype,
+                       "--pp", "512", "--tg", "1", "--reps", "200", "--skip-batches"},
+                      ""});
+        runs.push_back(serve);
+      }
+      if (roles) {
+        auto with_seed = [&](const char* seed) {
+          std::vector<std::string> a = serve;
+          a.back() = seed;  // serve ends with --seed S
+          return a;
+        };
+        bg.push_back(
+            {1,
+             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+              "--num-prompts", "40", "--input-len", "16", "--output-len", "1024", "--seed", "7001"},
+             "kvrelay-decode"});
+        runs.push_back(with_seed("4243"));
+        bg.push_back(
+            {2,
+             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+              "--num-prompts", "400", "--input-len", "512", "--output-len", "1", "--seed", "7002"},
+             "kvrelay-prefill"});
+        runs.push_back(with_seed("4244"));
+      }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
+      if (roles) {
+        // s = busy / alone of the role's figure; busy_alpha as the TP
+        // group's below: 1 / s = share / (1 + busy_alpha x others), the other
+        // role keeping one core busy.
+        const double n_cores = UsableCores(), demand = 2;
+        const double share = demand > n_cores ? n_cores / demand : 1.0;
+        const double others = std::max(1e-9, std::min(demand - 1, n_cores - 1));
+        auto p50 = [&](size_t run, const char* what) {
+          return (*r)[run].report[what].value("p50", 0.0);
+        };
+        const double ttft_alone = p50(0, "ttft_ms"), ttft_busy = p50(1, "ttft_ms");
+        const double tpot_alone = p50(0, "tpot_ms"), tpot_busy = p50(2, "tpot_ms");
+        const double sp = ttft_alone > 0 ? ttft_busy / ttft_alone : 0;
+        const double sd = tpot_alone > 0 ? tpot_busy / tpot_alone : 0;
+        if (sp > 0 && sd > 0) {
+          p.prefill.busy_alpha = std::max(0.0, (sp * share - 1) / others);
+          p.decode.busy_alpha = std::max(0.0, (sd * share - 1) / others);
+          const std::string how =
+              "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+              " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D, " + th +
+              " thread per worker, KV " + kv_dtype +
+              ") alone and next to a second bench serve (--max-concurrency 1) that keeps ";
+          char fig[160];
+          std::snprintf(fig, sizeof(fig), "TTFT p50 %.1f ms vs %.1f alone (x%.3f)", ttft_busy,
+                        ttft_alone, sp);
+          p.prefill.busy_source =
+              how + "the decode worker busy (--input-len 16 --output-len 1024): " + fig +
+              ", busy_alpha = (s x share - 1) / others, " + date;
+          std::snprintf(fig, sizeof(fig), "TPOT p50 %.2f ms vs %.2f alone (x%.3f)", tpot_busy,
+                        tpot_alone, sd);
+          p.decode.busy_source =
+              how + "the prefill worker busy (--input-len 512 --output-len 1): " + fig +
+              ", busy_alpha = (s x share - 1) / others, " + date;
+        }
+        std::printf(
+            "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f) "
+            "-> prefill busy_alpha %.3f; decode next to a busy prefill worker: TPOT p50 %.2f "
+            "ms (alone %.2f, x%.3f) -> decode busy_alpha %.3f\n",
+            t.name.c_str(), ttft_busy, ttft_alone, sp, p.prefill.busy_alpha, tpot_busy, tpot_alone,
+            sd, p.decode.busy_alpha);
+        // A check of the decode-only batch model in the serving path: next to
+        // the long outputs, this run's tokens came from batch-2 steps (its
+        // context ~ input + output / 2, the background's ~ 16 + 512).
+        const double own = static_cast<double>(*input_len) + static_cast<double>(*output_len) / 2;
+        const double ratio_model =
+            p.step.DecodeOnlySeconds(2, own + 528) / p.step.DecodeOnlySeconds(1, own);
+        const double tpot_b2 = p50(1, "tpot_ms");
+        std::printf(
+            "%-14s next to the long outputs (batch 2): TPOT p50 %.2f ms, x%.2f of alone; the "
+            "decode-only step model says x%.2f\n",
+            t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
+      }
       if (tp) {
         const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
         const double busy = (*r)[1].report["tpot_ms"].value("p50", 0.0);
@@ -1126,7 +1279,7 @@ std::vector<sim::SimRequest> ReplayOf(const json& j, int64_t in, int64_t out) {
 }
 
 constexpr char kSimValidateUsage[] =
-    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 32 | "
+    "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 40 | "
     "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
     "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
     "[--phases 8] [--per-request] [--json OUT]";
@@ -1154,7 +1307,9 @@ int RunValidate(const std::vector<std::string>& args) {
   auto profile = sim::LoadProfile(f->Get("profile"));
   if (!profile.ok()) return fail(profile.status());
   auto n = f->GetInt("num-prompts", 0);
-  auto seconds = f->GetDouble("seconds-per-point", 32);
+  // 40 s a point: 20 / 40 / 60 requests at 0.5 / 1 / 1.5 req/s (a p90 of 16
+  // spread by up to 58 % between repeats); ~18 minutes with --repeats 3.
+  auto seconds = f->GetDouble("seconds-per-point", 40);
   auto min_prompts = f->GetInt("min-prompts", 16);
   auto repeats = f->GetInt("repeats", 1);
   auto phases = f->GetInt("phases", 8);
@@ -1360,6 +1515,22 @@ int RunValidate(const std::vector<std::string>& args) {
                   row.sim.front().worker_cpu_s, row.sim.front().serving_cpu_s);
     }
     e["requests"] = per;
+    // Every repeat's requests, real vs simulated (phase 0), for offline analysis.
+    json by_repeat = json::array();
+    for (size_t rep = 0; rep < row.real.size() && rep < row.sim.size(); ++rep) {
+      const json& rq = row.real[rep]["requests"];
+      const auto& sq = row.sim[rep].requests;
+      json one = json::array();
+      for (size_t i = 0; i < sq.size() && i < rq.size(); ++i) {
+        const double ttft = rq[i].value("ttft_ms", 0.0), e2e = rq[i].value("e2e_ms", 0.0);
+        const int o = rq[i].value("output_tokens", 0);
+        one.push_back({{"start_s", rq[i].value("start_s", 0.0)},
+                       {"ttft_ms", {ttft, sq[i].ttft_s() * 1e3}},
+                       {"tpot_ms", {o > 1 ? (e2e - ttft) / (o - 1) : 0, sq[i].tpot_s() * 1e3}}});
+      }
+      by_repeat.push_back(std::move(one));
+    }
+    e["requests_by_repeat"] = std::move(by_repeat);
     if (j.contains("cluster_cpu_s")) e["cluster_cpu_s"] = j["cluster_cpu_s"];
     report.push_back(e);
   }
@@ -1402,6 +1573,25 @@ int RunValidate(const std::vector<std::string>& args) {
                   100 * (Median(ttft_ratio[t]) - 1), 100 * (Median(tpot_ratio[t]) - 1));
     }
     std::printf("\n");
+  }
+  // The real system against itself, per cell: (max - min) / median of its
+  // repeats. A cell whose error is within its own spread is within noise.
+  if (*repeats > 1) {
+    std::printf(
+        "\nreal repeat spread per cell ((max - min) / median over %lld repeats; * = the "
+        "cell's error exceeds 15%% but not this spread)\n",
+        static_cast<long long>(*repeats));
+    std::printf("%-14s %5s | %9s | %9s | %9s | %9s | %9s\n", "topology", "rate", "TTFT p50",
+                "TTFT p90", "TPOT p50", "TPOT p90", "out tok/s");
+    for (const auto& row : rows) {
+      std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
+      for (int k = 0; k < kMetrics; ++k) {
+        const double err = RelErr(row.sim_m[k], row.real_m[k]);
+        std::printf(" %7.0f%%%s |", 100 * row.real_spread[k],
+                    err > 0.15 && err <= row.real_spread[k] ? "*" : " ");
+      }
+      std::printf("\n");
+    }
   }
   const double median_err = Median(errs);
   const auto within = std::count_if(errs.begin(), errs.end(), [](double x) { return x <= 0.15; });

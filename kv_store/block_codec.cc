@@ -40,12 +40,32 @@ T Load(const char* base, size_t off) {
   return v;
 }
 
+// Offsets inside the group extension (format version 2), from its start.
+constexpr size_t kOffGroupIndex = 0;
+constexpr size_t kOffGroupCount = 4;
+constexpr size_t kOffGroupWindow = 8;
+constexpr size_t kOffGroupZero = 12;
+constexpr size_t kOffGroupLayers = 16;
+static_assert(kOffGroupLayers + 8 == kGroupExtBytes);
+
 uint64_t Checksum(const char* data, size_t size) {
   const uint64_t header_sum = Xxh3_64(data, kOffChecksum);
   return Xxh3_64(data + kFixedHeaderBytes, size - kFixedHeaderBytes, header_sum);
 }
 
 }  // namespace
+
+BlockGroup MakeBlockGroup(const engine::KvCacheGroups& groups, int g) {
+  if (groups.size() <= 1 || g < 0 || g >= groups.size()) return BlockGroup{};
+  const std::vector<int>& layers = groups.layers[static_cast<size_t>(g)];
+  std::vector<int32_t> ids(layers.begin(), layers.end());
+  BlockGroup out;
+  out.index = static_cast<uint32_t>(g);
+  out.count = static_cast<uint32_t>(groups.size());
+  out.window = static_cast<uint32_t>(groups.window[static_cast<size_t>(g)]);
+  out.layers_digest = Xxh3_64(ids.data(), ids.size() * sizeof(int32_t));
+  return out;
+}
 
 Sha256Digest TenantSaltHash(std::string_view tenant_salt) {
   return Sha256::Of(tenant_salt.data(), tenant_salt.size());
@@ -107,12 +127,14 @@ Result<std::string> EncodeBlock(const BlockMeta& meta,
                              std::to_string(layer_bytes));
     }
   }
+  const bool grouped = meta.group.grouped();
+  const size_t ext = grouped ? kGroupExtBytes : 0;
   const size_t token_bytes = meta.tokens.size() * sizeof(int32_t);
   const size_t payload_bytes = layer_bytes * layers.size();
-  std::string out(kFixedHeaderBytes + token_bytes + payload_bytes, '\0');
+  std::string out(kFixedHeaderBytes + ext + token_bytes + payload_bytes, '\0');
   char* p = out.data();
   Store<uint32_t>(p, kOffMagic, kBlockMagic);
-  Store<uint16_t>(p, kOffVersion, kBlockFormatVersion);
+  Store<uint16_t>(p, kOffVersion, grouped ? kGroupBlockFormatVersion : kBlockFormatVersion);
   Store<uint8_t>(p, kOffDtype, static_cast<uint8_t>(l.dtype));
   Store<uint8_t>(p, kOffFlags, 0);
   Store<uint32_t>(p, kOffLayers, static_cast<uint32_t>(l.layers));
@@ -123,8 +145,16 @@ Result<std::string> EncodeBlock(const BlockMeta& meta,
   std::memcpy(p + kOffSalt, meta.tenant_salt_hash.data(), 32);
   std::memcpy(p + kOffHash, meta.hash.data(), 32);
   Store<uint64_t>(p, kOffPayloadLen, payload_bytes);
-  std::memcpy(p + kFixedHeaderBytes, meta.tokens.data(), token_bytes);
-  char* payload = p + kFixedHeaderBytes + token_bytes;
+  if (grouped) {
+    char* e = p + kFixedHeaderBytes;
+    Store<uint32_t>(e, kOffGroupIndex, meta.group.index);
+    Store<uint32_t>(e, kOffGroupCount, meta.group.count);
+    Store<uint32_t>(e, kOffGroupWindow, meta.group.window);
+    Store<uint32_t>(e, kOffGroupZero, 0);
+    Store<uint64_t>(e, kOffGroupLayers, meta.group.layers_digest);
+  }
+  std::memcpy(p + kFixedHeaderBytes + ext, meta.tokens.data(), token_bytes);
+  char* payload = p + kFixedHeaderBytes + ext + token_bytes;
   for (size_t i = 0; i < layers.size(); ++i) {
     std::memcpy(payload + i * layer_bytes, layers[i].data(), layer_bytes);
   }
@@ -153,11 +183,16 @@ DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
   const char* p = encoded.data();
   if (encoded.size() < kFixedHeaderBytes) return miss(MissReason::kTruncated);
   if (Load<uint32_t>(p, kOffMagic) != kBlockMagic) return miss(MissReason::kBadMagic);
-  if (Load<uint16_t>(p, kOffVersion) != kBlockFormatVersion) return miss(MissReason::kBadVersion);
+  const uint16_t version = Load<uint16_t>(p, kOffVersion);
+  if (version != kBlockFormatVersion && version != kGroupBlockFormatVersion) {
+    return miss(MissReason::kBadVersion);
+  }
+  const size_t ext = version == kGroupBlockFormatVersion ? kGroupExtBytes : 0;
+  if (encoded.size() < kFixedHeaderBytes + ext) return miss(MissReason::kTruncated);
   const uint32_t block_tokens = Load<uint32_t>(p, kOffBlockTokens);
   const uint64_t payload_len = Load<uint64_t>(p, kOffPayloadLen);
   if (block_tokens > kMaxBlockTokens) return miss(MissReason::kTruncated);
-  const uint64_t body = encoded.size() - kFixedHeaderBytes;
+  const uint64_t body = encoded.size() - kFixedHeaderBytes - ext;
   const uint64_t token_bytes = uint64_t{block_tokens} * sizeof(int32_t);
   if (token_bytes > body || payload_len != body - token_bytes) return miss(MissReason::kTruncated);
   if (Load<uint64_t>(p, kOffChecksum) != Checksum(p, encoded.size())) {
@@ -175,16 +210,30 @@ DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
       payload_len != static_cast<uint64_t>(l.BlockBytes())) {
     return miss(MissReason::kLayout);
   }
+  // A one-group block where a group's is wanted (or the reverse), or another
+  // group / grouping: its layers are not the ones the caller would fill.
+  if ((ext != 0) != expected.group.grouped()) return miss(MissReason::kLayout);
+  if (ext != 0) {
+    const char* e = p + kFixedHeaderBytes;
+    BlockGroup got;
+    got.index = Load<uint32_t>(e, kOffGroupIndex);
+    got.count = Load<uint32_t>(e, kOffGroupCount);
+    got.window = Load<uint32_t>(e, kOffGroupWindow);
+    got.layers_digest = Load<uint64_t>(e, kOffGroupLayers);
+    if (!(got == expected.group) || Load<uint32_t>(e, kOffGroupZero) != 0) {
+      return miss(MissReason::kLayout);
+    }
+  }
   if (std::memcmp(p + kOffSalt, expected.tenant_salt_hash.data(), 32) != 0) {
     return miss(MissReason::kTenant);
   }
   if (std::memcmp(p + kOffHash, expected.hash.data(), 32) != 0) return miss(MissReason::kHash);
   if (expected.tokens.size() != block_tokens ||
-      std::memcmp(p + kFixedHeaderBytes, expected.tokens.data(), token_bytes) != 0) {
+      std::memcmp(p + kFixedHeaderBytes + ext, expected.tokens.data(), token_bytes) != 0) {
     return miss(MissReason::kTokens);
   }
   out.payload = std::span<const uint8_t>(
-      reinterpret_cast<const uint8_t*>(p + kFixedHeaderBytes + token_bytes), payload_len);
+      reinterpret_cast<const uint8_t*>(p + kFixedHeaderBytes + ext + token_bytes), payload_len);
   return out;
 }
 

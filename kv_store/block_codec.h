@@ -8,9 +8,21 @@
 //     u8[32] model fingerprint | u8[32] SHA-256(tenant salt) | u8[32] block chain hash
 //     u64 payload length | u64 checksum
 //   i32[block_tokens] the block's token ids
+//   [format version 2 only] group extension, kGroupExtBytes = 24:
+//     u32 group index | u32 groups in the pool | u32 group's window (0 = full)
+//     | u32 0 | u64 Xxh3_64 of the group's model layer ids (i32 each)
+//   i32[block_tokens] the block's token ids
 //   payload: for each layer, KvBlockPool::LayerData(block, layer) (LayerBytes each)
-// checksum = Xxh3_64(tokens || payload, seed = Xxh3_64(fixed header bytes before
-// the checksum field)), so it covers the whole header and the payload.
+// checksum = Xxh3_64(extension || tokens || payload, seed = Xxh3_64(fixed header
+// bytes before the checksum field)), so it covers the whole header and the payload.
+//
+// Version 1 is a block of a one-group pool: every model layer (bytes
+// unchanged since the format was introduced). Version 2 is one KV cache
+// group's block of a grouped pool (engine/kv_cache/kv_groups.h): `layers` is
+// the group's layer count and the extension says which group of which
+// grouping it is, so a block of another group, of a one-group pool of the same
+// model, or of another grouping is a kLayout miss, never KV loaded into the
+// wrong layers.
 //
 // The payload is stored raw: KV values are high-entropy floats, and the tiers
 // choose their own compression (RocksDbTier stores blobs uncompressed, see
@@ -31,6 +43,7 @@
 #include "common/hash.h"
 #include "common/status.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 
 namespace kvrelay::kv_store {
 
@@ -38,9 +51,24 @@ using engine::BlockHash;
 using engine::KvLayout;
 using engine::ModelFingerprint;
 
-inline constexpr uint32_t kBlockMagic = 0x4252564B;  // "KVRB" in little-endian byte order
-inline constexpr uint16_t kBlockFormatVersion = 1;
+inline constexpr uint32_t kBlockMagic = 0x4252564B;      // "KVRB" in little-endian byte order
+inline constexpr uint16_t kBlockFormatVersion = 1;       // a one-group pool's block
+inline constexpr uint16_t kGroupBlockFormatVersion = 2;  // one KV cache group's block
 inline constexpr size_t kFixedHeaderBytes = 136;
+inline constexpr size_t kGroupExtBytes = 24;
+
+// Which KV cache group of which grouping a block belongs to (format version 2).
+// count == 0: a one-group pool's block (version 1, every layer).
+struct BlockGroup {
+  uint32_t index = 0;
+  uint32_t count = 0;
+  uint32_t window = 0;         // the group's sliding window, 0 = full attention
+  uint64_t layers_digest = 0;  // Xxh3_64 of the group's model layer ids
+  bool grouped() const { return count > 0; }
+  bool operator==(const BlockGroup&) const = default;
+};
+// Group g of `groups`; a one-group BlockGroup{} when groups.size() == 1.
+BlockGroup MakeBlockGroup(const engine::KvCacheGroups& groups, int g);
 
 // SHA-256 of a tenant salt, as stored in block headers (the salt itself is
 // never written to disk).
@@ -53,6 +81,7 @@ struct BlockMeta {
   Sha256Digest tenant_salt_hash{};
   BlockHash hash{};
   std::vector<int32_t> tokens;  // exactly layout.block_tokens ids
+  BlockGroup group;             // grouped(): layout.layers is the group's layer count
 };
 
 // Why a stored block was not served. kNone = verified and served.
@@ -95,12 +124,14 @@ struct DecodedBlock {
   }
 };
 
-// Where the payload of an encoded block of `layout` starts, and its total size.
-inline size_t EncodedPayloadOffset(const KvLayout& layout) {
-  return kFixedHeaderBytes + static_cast<size_t>(layout.block_tokens) * sizeof(int32_t);
+// Where the payload of an encoded block of `layout` starts, and its total size
+// (`grouped`: a format version 2 block, with the group extension).
+inline size_t EncodedPayloadOffset(const KvLayout& layout, bool grouped = false) {
+  return kFixedHeaderBytes + (grouped ? kGroupExtBytes : 0) +
+         static_cast<size_t>(layout.block_tokens) * sizeof(int32_t);
 }
-inline size_t EncodedBlockBytes(const KvLayout& layout) {
-  return EncodedPayloadOffset(layout) + static_cast<size_t>(layout.BlockBytes());
+inline size_t EncodedBlockBytes(const KvLayout& layout, bool grouped = false) {
+  return EncodedPayloadOffset(layout, grouped) + static_cast<size_t>(layout.BlockBytes());
 }
 
 // Verifies `encoded` against `expected` and returns its payload or the reason

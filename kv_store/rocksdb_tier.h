@@ -1,7 +1,8 @@
 // RocksDbTier: a KvTier on local disk that survives process restarts and crashes.
 //
 // Storage: one RocksDB database with two column families:
-//   "default": key = 32-byte chain hash, value = encoded block (block_codec.h).
+//   "default": key = 32-byte chain hash (a grouped pool's group g > 0 block:
+//              engine::GroupBlockHash), value = encoded block (block_codec.h).
 //              Integrated BlobDB: values >= min_blob_size (every KV block) live in
 //              blob files, so compactions move 32-byte keys and blob pointers,
 //              not hundreds of KiB per block; garbage collection reclaims

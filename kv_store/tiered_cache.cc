@@ -70,6 +70,27 @@ void TieredCache::Emit(const TierEvent& ev) {
   if (listener_) listener_(ev);
 }
 
+void TieredCache::SetKvGroups(const engine::KvCacheGroups& groups) {
+  groups_ = groups.size() > 1 ? groups : engine::KvCacheGroups{};
+}
+
+void TieredCache::NoteBlocks(std::span<const BlockHash> hashes, size_t first,
+                             std::span<const int32_t> tokens, const engine::ModelFingerprint& model,
+                             const Sha256Digest& salt_hash) {
+  if (pool_ == nullptr) return;
+  const size_t bt = static_cast<size_t>(pool_->layout().block_tokens);
+  const int n_groups = std::max(1, groups_.size());
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = first; i < hashes.size() && (i + 1) * bt <= tokens.size(); ++i) {
+    auto begin = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+    for (int g = 0; g < n_groups; ++g) {
+      NoteLocked(engine::GroupBlockHash(hashes[i], g),
+                 Note{model, salt_hash,
+                      std::vector<int32_t>(begin, begin + static_cast<std::ptrdiff_t>(bt)), g});
+    }
+  }
+}
+
 void TieredCache::AnnounceAll() {
   auto announce = [this](BlockTier tier, const std::vector<BlockHash>& hashes) {
     for (const BlockHash& h : hashes) {
@@ -105,17 +126,13 @@ void TieredCache::NoteSequence(std::span<const int32_t> tokens,
   if (pool_ == nullptr) return;
   const int bt = pool_->layout().block_tokens;
   const std::vector<BlockHash> hashes = engine::HashPrefixBlocks(tokens, bt, model, tenant_salt);
-  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
-    NoteLocked(hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
-  }
+  NoteBlocks(hashes, 0, tokens, model, TenantSaltHash(tenant_salt));
 }
 
 bool TieredCache::Store(const BlockHash& hash, const Note& note, engine::KvBlockPool* pool,
                         engine::BlockId block) {
-  BlockMeta meta{note.model, pool->layout(), note.salt_hash, hash, note.tokens};
+  BlockMeta meta{note.model, pool->layout(), note.salt_hash,
+                 hash,       note.tokens,    MakeBlockGroup(groups_, note.group)};
   Result<std::string> encoded = EncodeBlock(meta, *pool, block);
   if (!encoded.ok()) {
     LOG_WARNING << "kv_store: cannot encode block for spill: " << encoded.status().ToString();
@@ -212,10 +229,13 @@ bool TieredCache::WriteThroughOne(const BlockHash& hash) {
     note = it->second->second;
   }
   const engine::KvLayout& layout = pool_->layout();
-  if (!disk_->HasQueueRoom(static_cast<int64_t>(EncodedBlockBytes(layout)))) return false;
+  const BlockGroup group = MakeBlockGroup(groups_, note.group);
+  if (!disk_->HasQueueRoom(static_cast<int64_t>(EncodedBlockBytes(layout, group.grouped())))) {
+    return false;
+  }
   std::vector<engine::BlockId> held = pool_->MatchPrefix(std::span<const BlockHash>(&hash, 1));
   if (held.empty()) return skipped();
-  BlockMeta meta{note.model, layout, note.salt_hash, hash, note.tokens};
+  BlockMeta meta{note.model, layout, note.salt_hash, hash, note.tokens, group};
   Result<std::string> encoded = EncodeBlock(meta, *pool_, held[0]);
   pool_->Release(held[0]);
   if (!encoded.ok()) {
@@ -310,14 +330,7 @@ PrefixMatch TieredCache::Match(std::span<const int32_t> tokens,
   const int bt = pool_->layout().block_tokens;
   m.block_tokens = bt;
   m.hashes = engine::HashPrefixBlocks(tokens, bt, model, tenant_salt);
-  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = 0; i < m.hashes.size(); ++i) {
-      auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
-      NoteLocked(m.hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
-    }
-  }
+  NoteBlocks(m.hashes, 0, tokens, model, TenantSaltHash(tenant_salt));
   size_t i = 0;
   while (i < m.hashes.size() && pool_->IsCached(m.hashes[i])) ++i;
   m.pool_blocks = static_cast<int>(i);
@@ -344,11 +357,16 @@ std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
     const size_t i = static_cast<size_t>(match.pool_blocks + k);
     if (i >= match.hashes.size() || (i + 1) * static_cast<size_t>(bt) > tokens.size()) break;
     load->hashes.push_back(match.hashes[i]);
-    load->expected.push_back(BlockMeta{
-        model, layout, salt_hash, match.hashes[i],
-        std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
-                             tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt))});
+    load->expected.push_back(
+        BlockMeta{model, layout, salt_hash, match.hashes[i],
+                  std::vector<int32_t>(tokens.begin() + static_cast<std::ptrdiff_t>(i * bt),
+                                       tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt)),
+                  BlockGroup{}});
   }
+  return QueueLoad(std::move(load));
+}
+
+std::shared_ptr<LoadHandle> TieredCache::QueueLoad(std::shared_ptr<LoadHandle> load) {
   if (load->hashes.empty()) {
     std::lock_guard<std::mutex> lock(load->mutex_);
     load->done_ = true;
@@ -461,12 +479,13 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
   }
   const engine::KvLayout& layout = pool_->layout();
   const size_t n = std::min(load.values.size(), dst.size());
-  const size_t offset = EncodedPayloadOffset(layout);
   const size_t layer_bytes = static_cast<size_t>(layout.LayerBytes());
   int64_t from_ram = 0, from_disk = 0;
   for (size_t i = 0; i < n; ++i) {
     const std::string& v = load.values[i];
-    if (v.size() != EncodedBlockBytes(layout))
+    const bool grouped = load.expected[i].group.grouped();
+    const size_t offset = EncodedPayloadOffset(layout, grouped);
+    if (v.size() != EncodedBlockBytes(layout, grouped))
       break;  // verified against this layout: cannot happen
     for (int layer = 0; layer < layout.layers; ++layer) {
       std::span<uint8_t> out = pool_->LayerData(dst[i], layer);
@@ -498,6 +517,10 @@ Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
   if (pool_ == nullptr || loaded == nullptr) {
     return FailedPrecondition("LoadMissing: no pool attached or no output table");
   }
+  if (groups_.size() > 1) {
+    return FailedPrecondition(
+        "LoadMissing: the pool has several KV cache groups (LoadMissingGroups)");
+  }
   const int bt = pool_->layout().block_tokens;
   if (prefix.block_tokens != bt || prefix.first < 0 ||
       static_cast<size_t>(prefix.first) > prefix.hashes.size() ||
@@ -511,14 +534,8 @@ Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
   m.block_tokens = bt;
   m.hashes.assign(prefix.hashes.begin(), prefix.hashes.end());
   m.pool_blocks = static_cast<int>(prefix.first);
-  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t i = static_cast<size_t>(prefix.first); i < m.hashes.size(); ++i) {
-      auto first = prefix.tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
-      NoteLocked(m.hashes[i], Note{model, salt_hash, std::vector<int32_t>(first, first + bt)});
-    }
-  }
+  NoteBlocks(m.hashes, static_cast<size_t>(prefix.first), prefix.tokens, model,
+             TenantSaltHash(tenant_salt));
   size_t i = static_cast<size_t>(prefix.first);
   while (i < m.hashes.size() && ((ram_ != nullptr && ram_->Contains(m.hashes[i])) ||
                                  (disk_ != nullptr && disk_->Contains(m.hashes[i])))) {
@@ -528,6 +545,158 @@ Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
   if (i < m.hashes.size()) CountMiss(MissReason::kNotFound);  // the stored prefix ends here
   if (m.external_blocks == 0) return 0;
   return LoadIntoNewBlocks(pool_, m, prefix.tokens, model, tenant_salt, loaded);
+}
+
+Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefix,
+                                               const engine::ModelFingerprint& model,
+                                               std::string_view tenant_salt,
+                                               std::vector<std::vector<engine::BlockId>>* tables) {
+  if (pool_ == nullptr || tables == nullptr) {
+    return FailedPrecondition("LoadMissingGroups: no pool attached or no output tables");
+  }
+  if (groups_.size() <= 1) {
+    return FailedPrecondition(
+        "LoadMissingGroups: the cache serves one KV cache group (LoadMissing)");
+  }
+  const int bt = pool_->layout().block_tokens;
+  const int64_t n = static_cast<int64_t>(prefix.tokens.size());
+  const int64_t first = prefix.first;
+  const int64_t total = static_cast<int64_t>(prefix.hashes.size());
+  if (prefix.block_tokens != bt || first < 0 || first > total || total * bt > n ||
+      pool_->layout().layers != groups_.layers_per_block()) {
+    return InvalidArgument("LoadMissingGroups: prefix of " + std::to_string(total) + " blocks of " +
+                           std::to_string(prefix.block_tokens) + " tokens over " +
+                           std::to_string(n) + " tokens (pool blocks hold " + std::to_string(bt) +
+                           " tokens of " + std::to_string(pool_->layout().layers) + " layers)");
+  }
+  const int n_groups = groups_.size();
+  tables->assign(static_cast<size_t>(n_groups), {});
+  NoteBlocks(prefix.hashes, static_cast<size_t>(first), prefix.tokens, model,
+             TenantSaltHash(tenant_salt));
+  if (first == total) return 0;
+  auto key = [&](int g, int64_t i) {
+    return engine::GroupBlockHash(prefix.hashes[static_cast<size_t>(i)], g);
+  };
+  // The first block of group g a hit of k blocks needs (the engine's rule).
+  auto needed_from = [&](int g, int64_t k) {
+    return std::max(first, groups_.DroppableBlocks(g, std::min<int64_t>(k * bt, n - 1), bt));
+  };
+  // held[g][i - first]: group g's block i is (or may be) ours.
+  using Held = std::vector<std::vector<char>>;
+  auto covered = [&](const Held& held, int64_t k) {
+    for (int g = 0; g < n_groups; ++g) {
+      for (int64_t i = needed_from(g, k); i < k; ++i) {
+        if (!held[static_cast<size_t>(g)][static_cast<size_t>(i - first)]) return false;
+      }
+    }
+    return true;
+  };
+  auto longest = [&](const Held& held, int64_t k) {
+    while (k > first && !covered(held, k)) --k;
+    return k;
+  };
+  // 1. Where each block is: the pool, or RAM / disk (index lookups only).
+  auto in_pool = [&](int g, int64_t i) { return pool_->IsCached(key(g, i)); };
+  auto in_tier = [&](int g, int64_t i) {
+    const BlockHash h = key(g, i);
+    return (ram_ != nullptr && ram_->Contains(h)) || (disk_ != nullptr && disk_->Contains(h));
+  };
+  int64_t end = first;  // group 0 needs every block
+  while (end < total && (in_pool(0, end) || in_tier(0, end))) ++end;
+  if (end < total) CountMiss(MissReason::kNotFound);  // group 0's stored prefix ends here
+  Held avail(static_cast<size_t>(n_groups), std::vector<char>(static_cast<size_t>(end - first), 1));
+  for (int g = 1; g < n_groups; ++g) {
+    for (int64_t i = first; i < end; ++i) {
+      avail[static_cast<size_t>(g)][static_cast<size_t>(i - first)] =
+          in_pool(g, i) || in_tier(g, i);
+    }
+  }
+  // 2. Rounds: the longest hit of what is (still) available; take the
+  //    pool's blocks it needs (a reference each, before any allocation can
+  //    evict them), read the rest into new blocks in block order. A read
+  //    that fails (or no free block) makes that entry unavailable and the
+  //    next round settles for a shorter hit, reading what that one needs
+  //    (blocks that were before the longer hit's windows). Every round
+  //    either completes or removes an entry, so this ends.
+  Held held(static_cast<size_t>(n_groups), std::vector<char>(static_cast<size_t>(end - first), 0));
+  std::vector<std::vector<engine::BlockId>> got(
+      static_cast<size_t>(n_groups),
+      std::vector<engine::BlockId>(static_cast<size_t>(end - first), engine::kNoBlock));
+  auto at = [&](auto& m, int g, int64_t i) -> auto& {
+    return m[static_cast<size_t>(g)][static_cast<size_t>(i - first)];
+  };
+  const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
+  while (true) {
+    const int64_t k = longest(avail, end);
+    if (k == first) break;
+    std::vector<std::pair<int, int64_t>> to_read;  // (group, block)
+    for (int64_t i = first; i < k; ++i) {
+      for (int g = 0; g < n_groups; ++g) {
+        if (i < needed_from(g, k) || at(held, g, i)) continue;
+        const BlockHash h = key(g, i);
+        std::vector<engine::BlockId> b = pool_->MatchPrefix(std::span<const BlockHash>(&h, 1));
+        if (!b.empty()) {
+          at(got, g, i) = b[0];
+          at(held, g, i) = 1;
+        } else {
+          to_read.emplace_back(g, i);
+        }
+      }
+    }
+    if (to_read.empty()) break;  // the hit of k blocks is complete
+    std::vector<engine::BlockId> dst;
+    for (size_t r = 0; r < to_read.size(); ++r) {
+      Result<engine::BlockId> b = pool_->Allocate();
+      if (!b.ok()) break;  // pool full: what does not fit is unavailable
+      dst.push_back(*b);
+    }
+    for (size_t r = dst.size(); r < to_read.size(); ++r) {
+      at(avail, to_read[r].first, to_read[r].second) = 0;
+    }
+    if (dst.empty()) continue;
+    auto load = std::make_shared<LoadHandle>();
+    for (size_t r = 0; r < dst.size(); ++r) {
+      const auto [g, i] = to_read[r];
+      auto begin = prefix.tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+      load->hashes.push_back(key(g, i));
+      load->expected.push_back(BlockMeta{model, pool_->layout(), salt_hash, key(g, i),
+                                         std::vector<int32_t>(begin, begin + bt),
+                                         MakeBlockGroup(groups_, g)});
+    }
+    QueueLoad(load);
+    Result<int> filled = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
+    if (!filled.ok()) {
+      LOG_WARNING << "kv_store: grouped prefix load: " << filled.status().ToString();
+      for (engine::BlockId b : dst) pool_->Release(b);
+      break;  // settle for what is held
+    }
+    const size_t ok = static_cast<size_t>(*filled);
+    for (size_t r = 0; r < dst.size(); ++r) {
+      const auto [g, i] = to_read[r];
+      if (r < ok) {
+        at(got, g, i) = dst[r];
+        at(held, g, i) = 1;
+      } else {
+        pool_->Release(dst[r]);
+      }
+    }
+    // The read that ended the run did not verify (the loader erased it);
+    // the ones after it are retried if a shorter hit still needs them.
+    if (ok < dst.size()) at(avail, to_read[ok].first, to_read[ok].second) = 0;
+  }
+  // 3. The longest hit what is held covers; everything else goes back.
+  const int64_t hit = longest(held, end);
+  for (int g = 0; g < n_groups; ++g) {
+    auto& out = (*tables)[static_cast<size_t>(g)];
+    const int64_t from = needed_from(g, hit);
+    for (int64_t i = first; i < end; ++i) {
+      const engine::BlockId b = at(got, g, i);
+      const bool keep = i < hit && i >= from;
+      if (!keep && b != engine::kNoBlock) pool_->Release(b);
+      if (i < hit) out.push_back(keep ? b : engine::kNoBlock);
+    }
+  }
+  return hit - first;
 }
 
 Result<int> TieredCache::LoadIntoNewBlocks(engine::KvBlockPool* pool, const PrefixMatch& m,
@@ -557,6 +726,9 @@ Result<int> TieredCache::RestorePrefix(engine::KvBlockPool* pool, std::span<cons
                                        std::vector<engine::BlockId>* table) {
   if (pool == nullptr || table == nullptr) {
     return InvalidArgument("RestorePrefix: pool and table must not be null");
+  }
+  if (groups_.size() > 1) {
+    return FailedPrecondition("RestorePrefix: the cache serves several KV cache groups");
   }
   table->clear();
   // Match, StartLoad and FinishLoad work on the attached pool; a caller may
@@ -615,8 +787,26 @@ Result<int> TieredCache::PersistPrefix(engine::KvBlockPool* pool, std::span<cons
   const int bt = pool->layout().block_tokens;
   const std::vector<BlockHash> hashes = engine::HashPrefixBlocks(tokens, bt, model, tenant_salt);
   const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
-  std::vector<engine::BlockId> blocks = pool->MatchPrefix(hashes);
   int stored = 0;
+  if (groups_.size() > 1) {
+    // Every group's block the pool still holds; a sliding group's block it
+    // released (before some later window) has nothing to store.
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+      for (int g = 0; g < groups_.size(); ++g) {
+        const BlockHash key = engine::GroupBlockHash(hashes[i], g);
+        std::vector<engine::BlockId> b = pool->MatchPrefix(std::span<const BlockHash>(&key, 1));
+        if (b.empty()) continue;
+        Note note{model, salt_hash, std::vector<int32_t>(first, first + bt), g};
+        if (Store(key, note, pool, b[0])) ++stored;
+        pool->Release(b[0]);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    stats_.persisted_blocks += stored;
+    return stored;
+  }
+  std::vector<engine::BlockId> blocks = pool->MatchPrefix(hashes);
   for (size_t i = 0; i < blocks.size(); ++i) {
     auto first = tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
     Note note{model, salt_hash, std::vector<int32_t>(first, first + bt)};

@@ -93,6 +93,7 @@
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "kv_store/block_codec.h"
 #include "kv_store/host_ram_tier.h"
 #include "kv_store/kv_tier.h"
@@ -189,6 +190,23 @@ class TieredCache {
   // a TierEvent (tier kPool) and queues committed blocks for write-through.
   void OnPoolEvent(const engine::KvEvent& ev);
 
+  // The KV cache groups the attached pool's blocks serve (engine::Engine::
+  // kv_groups()); call after Attach, before any other call. One group (the
+  // default) keeps every behaviour and byte as before. With several, every
+  // group's block is its own tier entry under its pool key
+  // (engine::GroupBlockHash(chain hash, group): the chain hash itself for the
+  // full-attention group 0, so a one-group pool of the same model and this
+  // one meet under group 0's keys and tell each other's entries apart by the
+  // codec's format version, a kLayout miss), encoded with only that group's
+  // layers (block_codec.h, format version 2). Noting, spilling,
+  // write-through and PersistPrefix then work per group block; a sliding
+  // group's block the pool no longer holds is simply not stored. Loads go
+  // through LoadMissingGroups (LoadMissing and RestorePrefix fill one table
+  // of every layer and refuse). Routing: the router hashes prompts to chain
+  // hashes, so a block counts as cached on this worker when group 0's block
+  // is (the other groups' keys reach the listener too and never match).
+  void SetKvGroups(const engine::KvCacheGroups& groups);
+
   // Queues kStored events for every block the disk and RAM tiers hold
   // (delivered by the next Pump), e.g. after registering with a coordinator.
   void AnnounceAll();
@@ -242,6 +260,27 @@ class TieredCache {
   Result<int> LoadMissing(const engine::PrefixLookup& prefix, const engine::ModelFingerprint& model,
                           std::string_view tenant_salt, std::vector<engine::BlockId>* loaded);
 
+  // The grouped connector's admission side (engine::KvConnector::
+  // LoadPrefixGroups; several KV cache groups, SetKvGroups). The engine holds
+  // the pool's hit of `prefix.first` blocks: group 0's blocks [0, first) and
+  // each sliding group's blocks from the window of min(first * B, n - 1) on
+  // (n = prefix.tokens.size()). This finds the longest k > first such that
+  // group 0 has blocks [first, k) and every sliding group the blocks
+  // [max(first, w_g(k)), k), w_g(k) = the first block the window of position
+  // min(k * B, n - 1) reads (KvCacheGroups::DroppableBlocks), each in the
+  // pool or in RAM / on disk; then a shorter k, down to nothing. It takes
+  // the pool's blocks (a reference each) and loads the others into new
+  // blocks (verified, committed under their group keys); when a read fails
+  // or the pool runs out, the hit shrinks to the longest k that what it got
+  // still covers. On return (*tables)[g] holds group g's entries for
+  // [first, first + result): kNoBlock before w_g, one reference each after
+  // (the caller's). Returns the blocks the hit grew by (0: nothing loaded,
+  // tables empty per group).
+  Result<int64_t> LoadMissingGroups(const engine::PrefixLookup& prefix,
+                                    const engine::ModelFingerprint& model,
+                                    std::string_view tenant_salt,
+                                    std::vector<std::vector<engine::BlockId>>* tables);
+
   // --- write side ---
   // Write-through of blocks committed since the last call (as many as the
   // disk queue takes; the rest wait), then disk events to the listener.
@@ -277,7 +316,13 @@ class TieredCache {
     engine::ModelFingerprint model;
     Sha256Digest salt_hash;
     std::vector<int32_t> tokens;
+    int group = 0;  // the KV cache group whose block the noted key is
   };
+  // Notes every group's key of blocks [first, hashes.size()) of `tokens`.
+  void NoteBlocks(std::span<const BlockHash> hashes, size_t first, std::span<const int32_t> tokens,
+                  const engine::ModelFingerprint& model, const Sha256Digest& salt_hash);
+  // Queues `load` (hashes and expected filled) for the loader thread.
+  std::shared_ptr<LoadHandle> QueueLoad(std::shared_ptr<LoadHandle> load);
   void OnSpill(const BlockHash& hash, engine::BlockId block);
   void Emit(const TierEvent& ev);
   void NoteLocked(const BlockHash& hash, Note note);
@@ -294,6 +339,7 @@ class TieredCache {
   HostRamTier* const ram_;
   KvTier* const disk_;
   engine::KvBlockPool* pool_ = nullptr;  // attached pool, owner thread only
+  engine::KvCacheGroups groups_;         // SetKvGroups; empty = one group
   bool own_pool_listener_ = true;        // Attach installed the pool's listener
   EventListener listener_;               // owner thread only
   // Write-through backlog (owner thread only): committed, not yet written.

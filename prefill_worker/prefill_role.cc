@@ -19,14 +19,12 @@ PrefillRole::~PrefillRole() { Shutdown(); }
 Status PrefillRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  // The prefix tiers persist blocks of every layer (kv_store/block_codec.h),
-  // so a worker with a store keeps one KV cache group. Without one the
-  // engine's groups stay (a sliding-window group holds only its window of a
-  // long generation) and the layer streams gather each model layer from its
-  // group's block (SaveLayer).
-  engine::EngineOptions eo = o.engine;
-  if (!o.kv_store_path.empty()) eo.kv_groups = engine::KvGroupsMode::kOne;
-  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(eo, ctx_.model));
+  // The engine's KV cache groups stay, with a prefix store or without (a
+  // sliding-window group holds only its window of a long generation): the
+  // layer streams gather each model layer from its group's block
+  // (SaveLayer), and the store keeps one entry per group block
+  // (TieredCache::SetKvGroups). A device engine has one group anyway.
+  ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
   // Read by the streams in place of a sliding-window block the engine never
   // held (a prefix hit needs only in-window blocks): positions before every
   // later query's window, which the decode side never reads.
@@ -55,6 +53,7 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
           }
         },
         /*own_pool_listener=*/false);
+    tiered_->SetKvGroups(engine_->kv_groups());
   }
   engine_->SetKvConnector(this);
   return Status::Ok();
@@ -169,6 +168,19 @@ void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::P
   auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &table);
   if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
   loaded.Adopt(table);
+}
+
+void PrefillRole::LoadPrefixGroups(const engine::RequestSpec& request,
+                                   const engine::PrefixLookup& prefix,
+                                   const engine::KvCacheGroups& groups,
+                                   std::span<engine::BlockTable> tables) {
+  if (!tiered_ || prefix.missing().empty() || tables.size() != static_cast<size_t>(groups.size())) {
+    return;
+  }
+  std::vector<std::vector<BlockId>> got;  // one reference per block, handed to `tables`
+  auto n = tiered_->LoadMissingGroups(prefix, ctx_.model->fingerprint(), request.tenant_salt, &got);
+  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
+  for (size_t g = 0; g < got.size() && g < tables.size(); ++g) tables[g].Adopt(got[g]);
 }
 
 Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,

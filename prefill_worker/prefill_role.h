@@ -64,10 +64,15 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // --- engine::KvConnector ---
   void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
                   engine::BlockTable& loaded) override;
+  // A grouped engine's (Init keeps the model's KV cache groups, with or
+  // without a prefix store): the store's group blocks (TieredCache::
+  // LoadMissingGroups).
+  void LoadPrefixGroups(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
+                        const engine::KvCacheGroups& groups,
+                        std::span<engine::BlockTable> tables) override;
   void SaveLayer(int layer, const engine::StepPlan& plan) override;
   bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
-  // Only a worker without a prefix store keeps groups (Init): the engine
-  // then never calls LoadPrefix, and SaveLayer gathers the groups' blocks.
+  // SaveLayer gathers the groups' blocks of a grouped engine.
   bool SupportsKvGroups() const override { return true; }
 
  private:

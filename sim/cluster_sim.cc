@@ -150,7 +150,9 @@ struct Worker {
   double rate = 1;
   double since = 0;
   double alpha = 0;
-  double tp_alpha = -1;  // a TP group: its busy_alpha replaces the mix
+  // A TP group's busy_alpha, or a disaggregated role's (ServingOverhead::
+  // busy_alpha), replaces the contention mix; < 0: the mix.
+  double tp_alpha = -1;
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
   // last published (after a step; as the real loop does before it reads new
@@ -288,6 +290,12 @@ void Simulator::Setup() {
     w.prefill_scale = o.prefill_scale * scale;
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
+    // The roles' busy_alpha was measured in 1P+1D (TP 1): next to a TP group
+    // (its ranks block in the collectives) the prefill's is not measured and
+    // the contention mix applies; a TP group has its own (TpCost).
+    if (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1)) {
+      w.tp_alpha = o.busy_alpha;
+    }
     if (kind != Worker::Kind::kDecode) {
       w.cache = std::make_unique<BlockLru>(capacity);
       w.store = std::make_unique<BlockLru>(config_.store_blocks);
@@ -655,8 +663,14 @@ void Simulator::MaybeStep(size_t wi) {
     if (st.t.prefill_start_s < 0) st.t.prefill_start_s = now;
   }
   const StepCost& k = profile_.step;
+  // A decode-only step costs what the engine measured for its batch size
+  // (StepCost::decode_batch_s); with a prefill chunk, its decode tokens ride
+  // in the chunk's matmuls (the linear model).
   const double fixed =
-      w.step_scale * k.Seconds(decode_seqs, decode_seqs, 0, decode_attn) + w.step_add_s;
+      w.step_scale * (prefill_seqs == 0
+                          ? k.DecodeOnlySeconds(static_cast<int64_t>(decode_seqs), decode_attn)
+                          : k.Seconds(decode_seqs, decode_seqs, 0, decode_attn)) +
+      w.step_add_s;
   const double prefill =
       w.prefill_scale * (k.per_seq_s * prefill_seqs + k.per_token_s * prefill_tokens +
                          k.per_attn_s * attn + k.per_ctx_attn_s * ctx_attn);

@@ -61,7 +61,8 @@ struct ClusterConfig {
   // advances at rate
   //   min(1, N / (D + S)) / (1 + alpha x min(D - c, N - c))
   // of its solo speed, alpha the profile's contention for the step's mix of
-  // decode and prefill work (a TP group: profile.tp[T].busy_alpha), and a
+  // decode and prefill work (a TP group: profile.tp[T].busy_alpha; a
+  // disaggregated role: profile.prefill / decode .busy_alpha when measured), and a
   // busy serving process at min(1, N / (D + S)); every start and end of a
   // step or of a serving process's work re-rates the others' remaining work.
   int shared_host_cores = 0;

@@ -1,7 +1,10 @@
 #include "sim/profile.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -22,6 +25,14 @@ Status Profile::Validate() const {
   }
   if (step.Seconds(1, 1, 1) <= 0) return InvalidArgument("profile.step: a step must cost > 0 s");
   if (step.source.empty()) return InvalidArgument("profile.step.source must say where it is from");
+  for (const auto& [b, sec] : step.decode_batch_s) {
+    if (b < 1 || !(sec > 0) || !std::isfinite(sec)) {
+      return InvalidArgument("profile.step.decode_batch_s: batch sizes >= 1, seconds > 0");
+    }
+  }
+  if (!step.decode_batch_s.empty() && step.decode_batch_source.empty()) {
+    return InvalidArgument("profile.step.decode_batch_source must say where it is from");
+  }
   auto it = transports.find(transport);
   if (it == transports.end()) {
     return InvalidArgument("profile.transport '" + transport + "' is not in profile.transports");
@@ -67,12 +78,36 @@ Status Profile::Validate() const {
   }
   for (const auto* o : {&colocated, &prefill, &decode}) {
     if (!(o->ttft_s >= 0) || !(o->step_scale > 0) || !(o->prefill_scale > 0) ||
-        !(o->step_add_s >= 0)) {
+        !(o->step_add_s >= 0) || !std::isfinite(o->busy_alpha)) {
       return InvalidArgument(
           "profile overheads: ttft_s >= 0, step_scale > 0, prefill_scale > 0, step_add_s >= 0");
     }
+    if (o->busy_alpha >= 0 && o->busy_source.empty()) {
+      return InvalidArgument("profile overheads: a busy_alpha needs its busy_source");
+    }
+  }
+  if (colocated.busy_alpha >= 0) {
+    return InvalidArgument("profile.colocated.busy_alpha: only the disaggregated roles have one");
   }
   return Status::Ok();
+}
+
+double StepCost::DecodeOnlySeconds(int64_t seqs, double decode_attn) const {
+  const double b = static_cast<double>(seqs);
+  if (decode_batch_s.empty()) return Seconds(b, b, 0, decode_attn);
+  const double attn = per_decode_attn_s * decode_attn;
+  auto hi = decode_batch_s.lower_bound(static_cast<int>(std::min<int64_t>(seqs, INT32_MAX)));
+  if (hi != decode_batch_s.end() && hi->first == seqs) return hi->second + attn;
+  if (decode_batch_s.size() == 1) {
+    // One measured size: the linear model's slope through it.
+    const auto& [b0, s0] = *decode_batch_s.begin();
+    return s0 + (per_seq_s + per_token_s) * (b - b0) + attn;
+  }
+  if (hi == decode_batch_s.begin()) ++hi;  // below the smallest: its first segment
+  if (hi == decode_batch_s.end()) --hi;    // above the largest: its last segment
+  auto lo = std::prev(hi);
+  const double x0 = lo->first, x1 = hi->first;
+  return lo->second + (hi->second - lo->second) * (b - x0) / (x1 - x0) + attn;
 }
 
 const LinkCost& Profile::Link() const { return transports.at(transport); }
@@ -89,11 +124,22 @@ json LinkJson(const LinkCost& l) {
   return {{"latency_s", l.latency_s}, {"bytes_per_s", l.bytes_per_s}, {"source", l.source}};
 }
 json OverheadJson(const ServingOverhead& o) {
-  return {{"ttft_s", o.ttft_s},
-          {"step_scale", o.step_scale},
-          {"prefill_scale", o.prefill_scale},
-          {"step_add_s", o.step_add_s},
-          {"source", o.source}};
+  json j = {{"ttft_s", o.ttft_s},
+            {"step_scale", o.step_scale},
+            {"prefill_scale", o.prefill_scale},
+            {"step_add_s", o.step_add_s},
+            {"source", o.source}};
+  if (o.busy_alpha >= 0) {
+    j["busy_alpha"] = o.busy_alpha;
+    j["busy_source"] = o.busy_source;
+  }
+  return j;
+}
+
+json DecodeBatchJson(const StepCost& s) {
+  json seconds = json::object();
+  for (const auto& [b, sec] : s.decode_batch_s) seconds[std::to_string(b)] = sec;
+  return {{"seconds", seconds}, {"source", s.decode_batch_source}};
 }
 
 // Typed field access that names the field in the error.
@@ -129,6 +175,8 @@ Status ReadOverhead(const json& j, const char* key, ServingOverhead* o) {
   RETURN_IF_ERROR(Read(v, path, "prefill_scale", &o->prefill_scale, false));
   RETURN_IF_ERROR(Read(v, path, "step_add_s", &o->step_add_s, false));
   RETURN_IF_ERROR(Read(v, path, "source", &o->source, true));
+  RETURN_IF_ERROR(Read(v, path, "busy_alpha", &o->busy_alpha, false));
+  RETURN_IF_ERROR(Read(v, path, "busy_source", &o->busy_source, o->busy_alpha >= 0));
   return Status::Ok();
 }
 
@@ -165,6 +213,7 @@ std::string ProfileToJson(const Profile& p) {
         {"per_decode_attn_s", p.step.per_decode_attn_s},
         {"per_ctx_attn_s", p.step.per_ctx_attn_s},
         {"source", p.step.source}}},
+      {"decode_batch", DecodeBatchJson(p.step)},
       {"transport", p.transport},
       {"transports", transports},
       {"store_restore", LinkJson(p.store_restore)},
@@ -214,6 +263,20 @@ Result<Profile> ProfileFromJson(const std::string& text) {
   p.step.per_ctx_attn_s = p.step.per_attn_s;
   RETURN_IF_ERROR(Read(s, "step.", "per_ctx_attn_s", &p.step.per_ctx_attn_s, false));
   RETURN_IF_ERROR(Read(s, "step.", "source", &p.step.source, true));
+  if (j.contains("decode_batch")) {
+    const json& d = j["decode_batch"];
+    if (!d.is_object() || !d.contains("seconds") || !d["seconds"].is_object()) {
+      return InvalidArgument("profile: decode_batch must be {\"seconds\": {batch: s}, \"source\"}");
+    }
+    for (const auto& [key, v] : d["seconds"].items()) {
+      const int b = std::atoi(key.c_str());
+      if (b < 1 || std::to_string(b) != key || !v.is_number()) {
+        return InvalidArgument("profile: decode_batch.seconds." + key + " is not batch -> seconds");
+      }
+      p.step.decode_batch_s[b] = v.get<double>();
+    }
+    RETURN_IF_ERROR(Read(d, "decode_batch.", "source", &p.step.decode_batch_source, false));
+  }
   RETURN_IF_ERROR(Read(j, "", "transport", &p.transport, false));
   if (!j.contains("transports") || !j["transports"].is_object()) {
     return InvalidArgument("profile: missing transports (bytes -> seconds per transport)");

@@ -39,12 +39,24 @@ struct StepCost {
   double per_decode_attn_s = 0;
   double per_ctx_attn_s = 0;
   std::string source;
+  // A decode-only step (no prefill chunk in it) of b sequences costs
+  // decode_batch_s(b) + per_decode_attn_s x A_d instead of the linear terms:
+  // measured per batch size (bench engine's batched decode, its decode
+  // attention taken out), linear between the measured sizes and beyond the
+  // largest along its last segment. The engine's step is not linear in a
+  // small batch (this machine: batch 2 costs 1.3x batch 1, the linear fit
+  // through batches 1, 4 and 16 said 1.16x). Empty: the linear model.
+  std::map<int, double> decode_batch_s;
+  std::string decode_batch_source;
 
   double Seconds(double seqs, double tokens, double attn, double decode_attn = 0,
                  double ctx_attn = 0) const {
     return base_s + per_seq_s * seqs + per_token_s * tokens + per_attn_s * attn +
            per_decode_attn_s * decode_attn + per_ctx_attn_s * ctx_attn;
   }
+  // A step of `seqs` decoding sequences and nothing else (decode_batch_s
+  // when measured, else the linear model).
+  double DecodeOnlySeconds(int64_t seqs, double decode_attn) const;
 };
 
 // Bytes -> seconds of one transfer: latency_s + bytes / bytes_per_s.
@@ -92,12 +104,25 @@ struct HostContention {
 // differ from `bench engine`'s (other processes on the cores, the TCP
 // streaming, f16 conversions), and not by the same factor for both kinds of
 // work; step_add_s is added to every step of that role.
+//
+// busy_alpha (the disaggregated prefill and decode roles; < 0 = not
+// measured): on a shared host, a step of that role runs 1 + busy_alpha x
+// (other busy cores) slower, in place of the contention alpha (as
+// TpCost::busy_alpha for a TP group). Measured in the serving path, next to
+// the other role kept busy by a second load: what two bench engine processes
+// do to each other (HostContention) is not what the serving roles do to each
+// other, whose KV hand-off (the layer-wise stream into a decode worker that is
+// stepping, the first token reported once the KV is handed over) waits on the
+// other process. Measured in 1P+1D: the prefill's applies in topologies of
+// TP 1 decode workers only (next to a TP group the contention mix does).
 struct ServingOverhead {
   double ttft_s = 0;
   double step_scale = 1.0;
   double prefill_scale = 1.0;
   double step_add_s = 0;
   std::string source;
+  double busy_alpha = -1;
+  std::string busy_source;
 };
 
 // CPU the serving path spends outside the workers, measured by `kvrelay sim

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "engine/kernels/matmul.h"
+
 namespace kvrelay::engine {
 
 // out[i] = gelu(gate[i]) * up[i] with ggml's GGML_GELU_FP16 arithmetic: for
@@ -13,6 +15,11 @@ namespace kvrelay::engine {
 // exact function. out may alias gate or up. Thread-safe (the table is built
 // once).
 void GeluTanhMulGgml(const float* gate, const float* up, int64_t n, float* out);
+
+// The same on an explicit instruction-set path (tests; the result is the same
+// bits on every path).
+void GeluTanhMulGgmlWithPath(const float* gate, const float* up, int64_t n, float* out,
+                             KernelPath path);
 
 // The same GELU without the table, in float: 0.5 g (1 + tanhf(...)).
 float GeluTanhF32(float g);

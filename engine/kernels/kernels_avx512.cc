@@ -82,14 +82,20 @@ inline __m512i DotS8S8(__m512i w, __m512i x) {
   return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
 }
 
-enum class Kind { kQ4_0, kQ4_1, kQ8_0 };
+// kQ5_0 only has the pair tiles (GemmQ5_0Pairs); its other shapes are the
+// kquant_avx512.cc kernels.
+enum class Kind { kQ4_0, kQ4_1, kQ8_0, kQ5_0 };
 
 template <Kind K>
 struct Fmt {
   static constexpr int64_t kBytes = K == Kind::kQ4_0   ? sizeof(BlockQ4_0)
                                     : K == Kind::kQ4_1 ? sizeof(BlockQ4_1)
+                                    : K == Kind::kQ5_0 ? 2 + 4 + 16
                                                        : sizeof(BlockQ8_0);
-  static constexpr bool kHasMinTerm = K != Kind::kQ8_0;
+  static constexpr bool kHasMinTerm = K == Kind::kQ4_0 || K == Kind::kQ4_1;
+  // Q5_0's result is the 8-lane sum alone (kquant_avx2.cc): adding a zero
+  // min term would turn a -0.0f into +0.0f.
+  static constexpr bool kAddsMinTerm = K != Kind::kQ5_0;
   static __m256i Weights(const uint8_t* blk) {
     if constexpr (K == Kind::kQ8_0) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -327,6 +333,18 @@ inline __m512i LoadQ8Pairs(const uint8_t* qs) {
       idx, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs))));
 }
 
+// A Q5_0 block (fp16 d, 32 high bits, 16 bytes of nibbles) -> its 32 values
+// biased by 16 (0..31, unsigned) with each 4-byte group duplicated, as
+// UnpackQ4Pairs: bit j of the high word adds 16 to element j.
+inline __m512i UnpackQ5Pairs(const uint8_t* blk) {
+  uint32_t qh;
+  std::memcpy(&qh, blk + 2, 4);
+  const __m256i v =
+      _mm256_or_si256(UnpackNibbles(blk + 6), _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(16)));
+  const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  return _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(v));
+}
+
 // Blocks per pass of TilePairs: its table of d_w * d_x ([block][row][8
 // tokens], on the stack) covers this many blocks, 8 KiB at 4 rows.
 constexpr int64_t kPairChunk = 64;
@@ -377,7 +395,9 @@ void TilePairs(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedA
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = rows[r] + b * F::kBytes;
         _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
-        if constexpr (K == Kind::kQ8_0) {
+        if constexpr (K == Kind::kQ5_0) {
+          wv[r] = UnpackQ5Pairs(blk);
+        } else if constexpr (K == Kind::kQ8_0) {
           wv[r] = LoadQ8Pairs(blk + 2);
           wbias[r] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                       _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias128, wv[r]));
@@ -389,10 +409,21 @@ void TilePairs(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedA
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const __m512i xv = _mm512_load_si512(reinterpret_cast<const void*>(xq + (p * nb + b) * 64));
+        // Q5_0: -16 * (sum of each lane's 4 activations), shared by the rows.
+        __m512i xbias = _mm512_setzero_si512();
+        if constexpr (K == Kind::kQ5_0) {
+          xbias = _mm512_sub_epi32(
+              _mm512_setzero_si512(),
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(16), xv));
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           __m512i d;
-          if constexpr (K == Kind::kQ8_0) {
+          if constexpr (K == Kind::kQ5_0) {
+            // (v + 16) x s8 x minus 16 * sum x: the exact int32 lanes of the
+            // AVX2 path's |v| x sign(x, v).
+            d = _mm512_dpbusd_epi32(xbias, wv[r], xv);
+          } else if constexpr (K == Kind::kQ8_0) {
             // u8 (x + 128) x s8 w, minus 128 * sum w: the same int32 lanes as
             // the AVX2 sign trick (both exact).
             d = _mm512_dpbusd_epi32(wbias[r], _mm512_xor_si512(xv, bias128), wv[r]);
@@ -417,8 +448,13 @@ void TilePairs(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedA
     for (int p = 0; p < P; ++p) {
       const __m512 v = _mm512_permutexvar_ps(split, acc[r][p]);
       const int t = 2 * p;
-      if (t < nt) y[(t0 + t) * ldy + r0 + r] = HsumLo(v) + m8[t];
-      if (t + 1 < nt) y[(t0 + t + 1) * ldy + r0 + r] = HsumHi(v) + m8[t + 1];
+      if constexpr (F::kAddsMinTerm) {
+        if (t < nt) y[(t0 + t) * ldy + r0 + r] = HsumLo(v) + m8[t];
+        if (t + 1 < nt) y[(t0 + t + 1) * ldy + r0 + r] = HsumHi(v) + m8[t + 1];
+      } else {
+        if (t < nt) y[(t0 + t) * ldy + r0 + r] = HsumLo(v);
+        if (t + 1 < nt) y[(t0 + t + 1) * ldy + r0 + r] = HsumHi(v);
+      }
     }
   }
 }
@@ -508,6 +544,30 @@ void GemmQ8_0(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, const Quanti
               int64_t t0, int64_t t1, float* y, int64_t ldy) {
   Drive<Kind::kQ8_0>(w, rb, r0, r1, a, t0, t1, y, ldy);
 }
+
+}  // namespace
+
+bool GemmQ5_0Pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                   const QuantizedActs& a, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  constexpr Kind K = Kind::kQ5_0;
+  static constexpr PairTileFn kPairTiles[4][4] = {
+      {TilePairs<K, 1, 1>, TilePairs<K, 1, 2>, TilePairs<K, 1, 3>, TilePairs<K, 1, 4>},
+      {TilePairs<K, 2, 1>, TilePairs<K, 2, 2>, TilePairs<K, 2, 3>, TilePairs<K, 2, 4>},
+      {TilePairs<K, 3, 1>, TilePairs<K, 3, 2>, TilePairs<K, 3, 3>, TilePairs<K, 3, 4>},
+      {TilePairs<K, 4, 1>, TilePairs<K, 4, 2>, TilePairs<K, 4, 3>, TilePairs<K, 4, 4>},
+  };
+  if (a.qp == nullptr || t0 % 2 != 0 || t1 - t0 < 4) return false;
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t nr = r1 - r < 4 ? r1 - r : 4;
+    for (int64_t t = t0; t < t1; t += 8) {
+      const int ntt = static_cast<int>(t1 - t < 8 ? t1 - t : 8);
+      kPairTiles[nr - 1][(ntt + 1) / 2 - 1](w, row_bytes, r, a, t, ntt, y, ldy);
+    }
+  }
+  return true;
+}
+
+namespace {
 
 // The AVX2 quantization (the same bits on both paths, and dt / st), plus the
 // pair layout when matmul.cc asks for it.

@@ -62,13 +62,31 @@ struct KQuantKernels {
 const KQuantKernels& ScalarKQuantKernels();
 // Only when the CPU has AVX2 + FMA + F16C.
 const KQuantKernels& Avx2KQuantKernels();
-// Only when it also has AVX512F/BW/VL and VNNI (Q5_0 with vpdpbusd; the same bits).
+// Only when it also has AVX512F/BW/VL and VNNI (vpdpbusd; the same bits).
+//
+// Batches (4+ tokens) run on register tiles, each output's operations and
+// their order unchanged, so a batched product equals the token-by-token one
+// bit for bit: Q4_K / Q6_K with one row per 32-bit lane (16 rows per zmm on
+// AVX-512, 8 per ymm on AVX2; the weights of a block unpacked and transposed
+// once for up to 64 tokens, each token's 4-byte activation groups broadcast,
+// so the exact sub-block sums of 16 / 8 rows come out side by side and the
+// fma steps above run on them at once), Q5_0 in 4 rows x 8 tokens
+// (AVX-512, the Q4_0 pair tiles of kernels_avx512.cc) or 2 rows x 4 tokens
+// (AVX2).
 const KQuantKernels& Avx512KQuantKernels();
 // Avx512KQuantKernels when the CPU has AVX-512 VNNI (unless KVRELAY_KERNELS=avx2
 // asks for plain AVX2), else Avx2. matmul.cc now picks the table of its own
 // resolved path instead (kAvx512 -> Avx512, kAvx2 -> Avx2), which is the same
 // choice with the OS's zmm support (XGETBV) checked too.
 const KQuantKernels& BestVectorKQuantKernels();
+
+// Q5_0 x Q8_0 on the AVX-512 pair layout (kernels_avx512.cc TilePairs: 4 rows
+// x 8 tokens per register tile, the per-output order of the row-by-row
+// kernels). Handles a call only when `a` carries the pair layout (qp), t0 is
+// even and there are 4+ tokens; returns false, having written nothing,
+// otherwise. Only reached from the AVX-512 table.
+bool GemmQ5_0Pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
+                   const QuantizedActs& a, int64_t t0, int64_t t1, float* y, int64_t ldy);
 
 // The 8 (scale, min) 6-bit pairs of a Q4_K block from its 12 packed bytes.
 inline void UnpackQ4KScales(const uint8_t* q, uint8_t* sc, uint8_t* mn) {

@@ -241,9 +241,12 @@ void MatMulQ8K(const KernelTable& k, const GgufTensor& w, const float* x, int64_
     kq.quantize_q8k(x, cols, 0, n_tokens, acts);
   }
   const int64_t tile = TokenTile(cols);
-  const int64_t units = (rows + kRowUnit - 1) / kRowUnit;
+  // Batches go to threads in units of 16 rows: the AVX-512 kernels' register
+  // tile (one row per zmm lane; smaller pieces take its slower AVX2 tail).
+  const int64_t unit = n_tokens >= 4 ? 2 * kRowUnit : kRowUnit;
+  const int64_t units = (rows + unit - 1) / unit;
   RunParallel(use_pool, units, 1, [&](int64_t u0, int64_t u1, int) {
-    const int64_t r0 = u0 * kRowUnit, r1 = std::min(rows, u1 * kRowUnit);
+    const int64_t r0 = u0 * unit, r1 = std::min(rows, u1 * unit);
     for (int64_t t0 = 0; t0 < n_tokens; t0 += tile) {
       gemm(w.data, row_bytes, r0, r1, acts, t0, std::min(n_tokens, t0 + tile), y, rows);
     }

@@ -580,6 +580,8 @@ __m512 Avx512ScoresAny(const float* q, const float* const* kb, int B, int hd, in
       return Avx512ScoresStep<64>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
     case 128:
       return Avx512ScoresStep<128>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
+    case 256:  // Gemma 3
+      return Avx512ScoresStep<256>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
     default:
       return Avx512ScoresStep<0>(q, kb, B, hd, j0, j1, c0, c1, scale, scores, vmx);
   }
@@ -701,6 +703,9 @@ void Avx512ValuesAny(const float* scores, const float* const* vb, int B, int hd,
                                   acc_out, out);
     case 128:
       return Avx512ValuesStep<128>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,
+                                   acc_out, out);
+    case 256:
+      return Avx512ValuesStep<256>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,
                                    acc_out, out);
     default:
       return Avx512ValuesStep<0>(scores, vb, B, hd, j0, j1, c0, c1, e0_begin, e0_end, acc_in,

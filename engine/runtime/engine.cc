@@ -527,11 +527,15 @@ class Engine::Impl {
   // Blocks the pool does not hold but a lower tier does (connector admission
   // side): loaded into fresh blocks owned by `s` from the start, committed.
   void LoadExternalPrefix(Sequence& s) {
-    if (connector_ == nullptr || groups_.size() > 1) return;  // a tier's blocks hold every layer
+    if (connector_ == nullptr) return;
     const int64_t hits = s.n_committed;
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
-    BlockTable loaded(pool_.get());
     const PrefixLookup prefix{s.tokens, s.hashes, hits, options_.block_tokens};
+    if (groups_.size() > 1) {
+      LoadExternalGroupedPrefix(s, prefix);
+      return;
+    }
+    BlockTable loaded(pool_.get());
     connector_->LoadPrefix(s.spec, prefix, loaded);
     const int64_t n =
         std::min<int64_t>(loaded.size(), static_cast<int64_t>(s.hashes.size()) - hits);
@@ -539,6 +543,43 @@ class Engine::Impl {
     for (int64_t i = 0; i < n; ++i) pool_->Commit(loaded[i], s.hashes[hits + i]);
     s.blocks.Append(std::move(loaded));
     s.n_committed = s.blocks.size();
+  }
+
+  // The grouped connector's blocks after the pool's grouped hit (the rule
+  // of MatchGroupedPrefix, checked here: a hole where a step would read is
+  // never admitted), committed per group.
+  void LoadExternalGroupedPrefix(Sequence& s, const PrefixLookup& prefix) {
+    if (!connector_->SupportsKvGroups()) return;
+    const int B = options_.block_tokens;
+    const int64_t hits = prefix.first;
+    const int64_t n_tokens = static_cast<int64_t>(s.tokens.size());
+    std::vector<BlockTable> loaded;
+    for (int g = 0; g < groups_.size(); ++g) loaded.emplace_back(pool_.get());
+    connector_->LoadPrefixGroups(s.spec, prefix, groups_, loaded);
+    const int64_t n = loaded[0].size();
+    bool ok = n <= static_cast<int64_t>(s.hashes.size()) - hits;
+    for (int g = 0; ok && g < groups_.size(); ++g) {
+      const BlockTable& t = loaded[static_cast<size_t>(g)];
+      ok = t.size() == n && t.pool() == pool_.get();
+      const int64_t from =
+          groups_.DroppableBlocks(g, std::min<int64_t>((hits + n) * B, n_tokens - 1), B);
+      for (int64_t i = std::max<int64_t>(from, hits); ok && i < hits + n; ++i) {
+        ok = t[i - hits] != kNoBlock;
+      }
+    }
+    if (!ok) {
+      LOG_ERROR << "KV connector returned an inconsistent grouped prefix for request '" << s.spec.id
+                << "'; computing it instead";
+      return;  // `loaded` returns every block
+    }
+    for (int g = 0; g < groups_.size(); ++g) {
+      BlockTable& t = loaded[static_cast<size_t>(g)];
+      for (int64_t i = 0; i < n; ++i) {
+        if (t[i] != kNoBlock) pool_->Commit(t[i], GroupBlockHash(s.hashes[hits + i], g));
+      }
+      Table(s, g).Append(std::move(t));
+    }
+    s.n_committed = hits + n;
   }
 
   // Registers every newly full block in the prefix cache.

@@ -48,10 +48,11 @@ enum class KvGroupsMode : uint8_t {
   // blocks inside its window on the sliding layers; any other model gets one
   // group (exactly the one-table engine). The CPU backend only.
   kAuto = 0,
-  // One group of every layer whatever the model. A KvConnector (prefill,
-  // decode and colocated worker roles: layer streams, the RocksDB / host-RAM
-  // tiers) and tensor parallelism address blocks holding every layer and
-  // need it.
+  // One group of every layer whatever the model. A KvConnector whose
+  // SupportsKvGroups() is false addresses blocks holding every layer and
+  // needs it (the worker roles' connectors, their layer streams and the
+  // RocksDB / host-RAM tiers all support groups), as do tools that move
+  // whole blocks themselves (kvrelay bench prefix / transfer).
   kOne = 1,
 };
 
@@ -152,10 +153,11 @@ class Engine {
 
   // --- disaggregation and tiers ---
   // Installs the KV connector (kv_connector.h; not owned, must outlive the
-  // engine, may be null). Call before the first Submit. The connector's
-  // blocks hold every layer: an engine with several KV cache groups
-  // (kv_groups()) fails every Submit with FailedPrecondition while one is set
-  // (create it with EngineOptions::kv_groups = kOne).
+  // engine, may be null). Call before the first Submit. An engine with
+  // several KV cache groups (kv_groups()) fails every Submit with
+  // FailedPrecondition while a connector without SupportsKvGroups() is set
+  // (create it with EngineOptions::kv_groups = kOne); with one, prefix loads
+  // go through LoadPrefixGroups.
   void SetKvConnector(KvConnector* connector);
   // kRemotePrompt requests whose KV is still being loaded.
   int64_t loading() const;

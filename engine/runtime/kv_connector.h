@@ -49,6 +49,20 @@ class KvConnector {
   // result just means the rest is computed.
   virtual void LoadPrefix(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
                           BlockTable& /*loaded*/) {}
+  // Engines with several KV cache groups (kv_groups.h) call this instead,
+  // when SupportsKvGroups(). The engine holds the pool's hit of
+  // `prefix.first` blocks; tables[g] (empty, of the engine's pool) is group
+  // g's. The connector may grow the hit to k blocks by appending to EVERY
+  // table the entries [first, k): kNoBlock for a block of a sliding-window
+  // group before the window of the next position the engine computes,
+  // min(k * B, n - 1) (KvCacheGroups::DroppableBlocks; n = prefix.tokens
+  // size), else a block holding that group's layers of those tokens (one
+  // reference each, the table's). The engine commits them under their group
+  // keys (GroupBlockHash). Tables of unequal length, or a hole where a block
+  // is needed, are refused (nothing is used).
+  virtual void LoadPrefixGroups(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
+                                const KvCacheGroups& /*groups*/, std::span<BlockTable> /*tables*/) {
+  }
 
   // --- admission side: a prompt whose KV is computed elsewhere ---
   // Called by Engine::Submit for a kRemotePrompt request after it allocated
@@ -65,8 +79,8 @@ class KvConnector {
   // table of ceil(prompt / B) blocks (each holding groups.layers_per_block()
   // layers; model layer l is layer groups.slot_of[l] of
   // tables[groups.group_of[l]]). Such an engine refuses requests unless
-  // SupportsKvGroups(); it never calls LoadPrefix (a tier's blocks hold
-  // every layer), and SaveLayer's plan then carries SeqStep::group_blocks.
+  // SupportsKvGroups(); it calls LoadPrefixGroups instead of LoadPrefix,
+  // and SaveLayer's plan then carries SeqStep::group_blocks.
   virtual bool SupportsKvGroups() const { return false; }
   virtual Status StartRemoteLoadGroups(const RequestSpec& request, const KvCacheGroups& groups,
                                        std::span<const std::vector<BlockId>> tables) {

@@ -1110,62 +1110,95 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
   EXPECT_TRUE(WaitFor([&] { return health() == 0; }, milliseconds(10'000)));
 }
 
-// Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
-// sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
-// single engine's tokens colocated, disaggregated (layer-wise KV transfer) and
-// disaggregated into a decode group of TP = 2. The single engine and the
-// decode worker split the KV cache into groups (the sliding-window layers hold
-// only their window, engine/kv_cache/kv_groups.h); the prefill and colocated
-// workers and TP groups keep one group: the layer stream lands in the decode
-// side's group tables. The model has one KV head for four query heads, so both
-// TP ranks hold a replica of it and the prefill worker streams it to each
-// (engine::ShardAttentionHeads, kv_transfer::ShardHeads). Every worker's KV is
-// back to none in use afterwards.
-TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
-  const std::string model_path = SourceDir() + "/models/gemma-3-270m-q4_k_m.gguf";
-  if (!fs::exists(model_path)) {
-    GTEST_SKIP() << "models/gemma-3-270m-q4_k_m.gguf absent (scripts/fetch-model.sh gemma3-270m)";
-  }
-  auto model = engine::Model::Load(model_path);
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
+// Gemma 3 270M's reference for the tests below: a 600-token prompt (past its
+// 512-token sliding window) greedily decoded 48 tokens by the single engine,
+// and what that engine held per KV cache group (checked here: each sliding
+// group within its window + the block the next token goes to, the full
+// group every position's block). Null (with a skip message) when the file
+// is absent.
+struct GemmaLongPrompt {
+  std::string model_path;
   Reference ref;
+  engine::EngineOptions eo;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> expected;
+  std::vector<int64_t> engine_peaks;
+  static constexpr int kTokens = 48;  // positions 600..647: all past the window
+};
+
+std::unique_ptr<GemmaLongPrompt> MakeGemmaLongPrompt(std::string* skip) {
+  auto g = std::make_unique<GemmaLongPrompt>();
+  g->model_path = SourceDir() + "/models/gemma-3-270m-q4_k_m.gguf";
+  if (!fs::exists(g->model_path)) {
+    *skip = "models/gemma-3-270m-q4_k_m.gguf absent (scripts/fetch-model.sh gemma3-270m)";
+    return nullptr;
+  }
+  auto model = engine::Model::Load(g->model_path);
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return nullptr;
+  Reference& ref = g->ref;
   ref.model = std::shared_ptr<const engine::Model>(std::move(*model));
   ref.codec = std::make_unique<coordinator::EngineTextCodec>(ref.model->tokenizer(),
                                                              ref.model->chat_template());
-  engine::EngineOptions eo;
+  engine::EngineOptions& eo = g->eo;
   eo.kv_dtype = engine::KvDtype::kF32;
   eo.kv_capacity_bytes = 128 << 20;
   eo.threads = 1;
   auto eng = engine::Engine::Create(eo, ref.model);
-  ASSERT_TRUE(eng.ok()) << eng.status().ToString();
+  EXPECT_TRUE(eng.ok()) << eng.status().ToString();
+  if (!eng.ok()) return nullptr;
   ref.engine = std::move(*eng);
   std::ifstream in(SourceDir() + "/tests/data/kjv_genesis_exodus.txt");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<int32_t> prompt = ref.Encode(text.substr(0, 4000));
-  ASSERT_GT(prompt.size(), 600u);
-  prompt.resize(600);
-  constexpr int kTokens = 48;  // positions 600..647: all past the window
-  const std::vector<int32_t> expected = ref.Greedy(prompt, kTokens);
-  ASSERT_EQ(expected.size(), static_cast<size_t>(kTokens));
-  // The engine's own accounting of that one request: per KV cache group, the
-  // most blocks it held between steps. Each sliding-window group stays
-  // within its window (+ the block the next token goes to), the full group
-  // holds every position's block.
+  g->prompt = ref.Encode(text.substr(0, 4000));
+  EXPECT_GT(g->prompt.size(), 600u);
+  if (g->prompt.size() < 600u) return nullptr;
+  g->prompt.resize(600);
+  g->expected = ref.Greedy(g->prompt, GemmaLongPrompt::kTokens);
+  EXPECT_EQ(g->expected.size(), static_cast<size_t>(GemmaLongPrompt::kTokens));
   const engine::KvCacheGroups& groups = ref.engine->kv_groups();
-  const std::vector<int64_t> engine_peaks = ref.engine->stats().peak_group_blocks;
-  ASSERT_EQ(groups.size(), 6) << groups.DebugString();  // 1 full + 5 sliding for this model
-  ASSERT_EQ(engine_peaks.size(), 6u);
+  g->engine_peaks = ref.engine->stats().peak_group_blocks;
+  EXPECT_EQ(groups.size(), 6) << groups.DebugString();  // 1 full + 5 sliding for this model
+  if (groups.size() != 6 || g->engine_peaks.size() != 6u) return nullptr;
   const int B = eo.block_tokens;
-  const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) + kTokens - 1 + B - 1) / B;
-  for (int g = 0; g < groups.size(); ++g) {
-    const int w = groups.window[static_cast<size_t>(g)];
+  const int64_t full_blocks =
+      (static_cast<int64_t>(g->prompt.size()) + GemmaLongPrompt::kTokens - 1 + B - 1) / B;
+  for (int k = 0; k < groups.size(); ++k) {
+    const int w = groups.window[static_cast<size_t>(k)];
+    const int64_t peak = g->engine_peaks[static_cast<size_t>(k)];
     if (w == 0) {
-      EXPECT_EQ(engine_peaks[static_cast<size_t>(g)], full_blocks) << "full group " << g;
+      EXPECT_EQ(peak, full_blocks) << "full group " << k;
     } else {
-      EXPECT_LE(engine_peaks[static_cast<size_t>(g)], (w + B - 1) / B + 1) << "sliding group " << g;
-      EXPECT_LT(engine_peaks[static_cast<size_t>(g)], full_blocks) << "sliding group " << g;
+      EXPECT_LE(peak, (w + B - 1) / B + 1) << "sliding group " << k;
+      EXPECT_LT(peak, full_blocks) << "sliding group " << k;
     }
   }
+  return g;
+}
+
+// Gemma 3 270M (scripts/fetch-model.sh gemma3-270m): a prompt longer than its
+// sliding window (512 tokens, 15 of 18 layers) decoded well past it gives the
+// single engine's tokens colocated, disaggregated (layer-wise KV transfer) and
+// disaggregated into a decode group of TP = 2. The single engine and every
+// worker split the KV cache into groups (the sliding-window layers hold
+// only their window, engine/kv_cache/kv_groups.h): the layer stream lands in
+// the decode side's group tables. The model has one KV head for four query heads, so both
+// TP ranks hold a replica of it and the prefill worker streams it to each
+// (engine::ShardAttentionHeads, kv_transfer::ShardHeads). Every worker's KV is
+// back to none in use afterwards.
+TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
+  std::string skip;
+  auto gemma = MakeGemmaLongPrompt(&skip);
+  if (gemma == nullptr && !skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_NE(gemma, nullptr);
+  const std::string& model_path = gemma->model_path;
+  Reference& ref = gemma->ref;
+  const std::vector<int32_t>& prompt = gemma->prompt;
+  const std::vector<int32_t>& expected = gemma->expected;
+  const std::vector<int64_t>& engine_peaks = gemma->engine_peaks;
+  const engine::KvCacheGroups& groups = ref.engine->kv_groups();
+  constexpr int kTokens = GemmaLongPrompt::kTokens;
+  const int B = gemma->eo.block_tokens;
   const json model_name = {{"model", fs::path(model_path).stem().string()}};
   for (const auto& [prefill, decode, colocated, tp] :
        std::vector<std::array<int, 4>>{{0, 0, 1, 1}, {1, 1, 0, 1}, {1, 1, 0, 2}}) {
@@ -1251,6 +1284,110 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
         EXPECT_LE(static_cast<int64_t>(p.blocks), (p.window + B - 1) / B + 1)
             << "prefill-0 group " << g;
       }
+    }
+  }
+}
+
+// Gemma 3 with the prefix store (--kv-store, RocksDB): the workers keep the
+// model's KV cache groups (the store holds one entry per group block,
+// kv_store/tiered_cache.h SetKvGroups), so the 600-token prompt decoded 48
+// past the window gives the engine's tokens while the worker that decodes
+// holds per group what the engine held. After a restart of the whole
+// cluster on the same store directory the prompt is a prefix hit served
+// from disk (the pools are new: every cached token comes from the tier),
+// loading the full group's blocks and each sliding group's window only,
+// with the same tokens. Colocated, and 1 prefill + 1 decode group of TP 1
+// and 2 (the store is on the prefill worker; the decode side gets the
+// loaded KV by the layer stream).
+TEST(Gemma3Cluster, PrefixStoreKeepsKvGroupsAndServesTheWindowFromDiskAfterARestart) {
+  std::string skip;
+  auto gemma = MakeGemmaLongPrompt(&skip);
+  if (gemma == nullptr && !skip.empty()) GTEST_SKIP() << skip;
+  ASSERT_NE(gemma, nullptr);
+  const engine::KvCacheGroups& groups = gemma->ref.engine->kv_groups();
+  const int B = gemma->eo.block_tokens;
+  const json model_name = {{"model", fs::path(gemma->model_path).stem().string()}};
+  const std::string want = gemma->ref.Text(gemma->expected);
+  const int full_prompt_tokens = static_cast<int>(gemma->prompt.size()) / B * B;  // 592
+  for (const auto& [prefill, decode, colocated, tp] :
+       std::vector<std::array<int, 4>>{{0, 0, 1, 1}, {1, 1, 0, 1}, {1, 1, 0, 2}}) {
+    const std::string shape =
+        colocated ? "colocated" : "1 prefill + 1 decode of TP " + std::to_string(tp);
+    char tmpl[] = "/tmp/kvrelay-gemma-store-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    struct RemoveOnExit {
+      std::string path;
+      ~RemoveOnExit() { std::filesystem::remove_all(path); }
+    } cleanup{tmpl};
+    const std::string store_worker = colocated ? "worker-0" : "prefill-0";
+    const std::string decoder = colocated ? "worker-0" : "decode-0";
+    for (int run = 0; run < 2; ++run) {
+      auto cluster = StartCluster(prefill, decode, colocated, "prefix_aware", tp, cleanup.path,
+                                  gemma->model_path);
+      ASSERT_NE(cluster, nullptr);
+      CompletionOutcome got =
+          Complete(cluster->http_port(), gemma->prompt, GemmaLongPrompt::kTokens, model_name);
+      ASSERT_EQ(got.http_status, 200) << got.error;
+      EXPECT_EQ(got.completion_tokens, GemmaLongPrompt::kTokens);
+      EXPECT_EQ(got.text, want) << shape << (run == 0 ? ", cold" : ", after the restart");
+      if (run == 0) {
+        EXPECT_EQ(got.cached_tokens, 0) << shape;
+      } else {
+        // Every full prompt block: the full group's 37 and each sliding
+        // group's window of position 592, all from disk.
+        EXPECT_EQ(got.cached_tokens, full_prompt_tokens) << shape << ": not served from the store";
+        // The store worker's own prefix-hit counter (its engine's cached
+        // prompt tokens; a fresh pool, so all of them from the tier).
+        std::map<std::string, double> hits;
+        EXPECT_TRUE(WaitFor(
+            [&] {
+              hits = WorkerGauge(cluster->http_port(), "kvrelay_worker_prefix_hit_tokens_total");
+              return hits[store_worker] >= full_prompt_tokens;
+            },
+            milliseconds(15'000)))
+            << shape << ": " << store_worker << " reports " << hits[store_worker]
+            << " prefix-hit tokens after the restart";
+      }
+      // The store worker kept its groups: a sliding group within its window.
+      std::map<std::string, std::vector<testing::KvGroupPeak>> all;
+      EXPECT_TRUE(WaitFor(
+          [&] {
+            all = testing::WorkerKvGroupPeaks(cluster->http_port());
+            return all.count(store_worker) != 0 && all.count(decoder) != 0 &&
+                   all[decoder].size() == gemma->engine_peaks.size() &&
+                   static_cast<int64_t>(all[decoder][0].blocks) == gemma->engine_peaks[0];
+          },
+          milliseconds(15'000)))
+          << shape << ": " << decoder << " reports no (or other) KV cache groups";
+      ASSERT_EQ(all[store_worker].size(), gemma->engine_peaks.size())
+          << store_worker << " with a store has " << all[store_worker].size() << " KV cache groups";
+      std::string line;
+      for (size_t g = 0; g < all[decoder].size(); ++g) {
+        const testing::KvGroupPeak& p = all[decoder][g];
+        line +=
+            " " + std::to_string(static_cast<int64_t>(p.blocks)) + "@w" + std::to_string(p.window);
+        EXPECT_EQ(p.window, groups.window[g]) << decoder << " group " << g;
+        if (p.window == 0) {
+          EXPECT_EQ(static_cast<int64_t>(p.blocks), gemma->engine_peaks[g])
+              << shape << " run " << run << ": " << decoder << " group " << g;
+        } else {
+          EXPECT_LE(static_cast<int64_t>(p.blocks), (p.window + B - 1) / B + 1)
+              << shape << " run " << run << ": " << decoder << " group " << g;
+          if (run == 0) {
+            EXPECT_EQ(static_cast<int64_t>(p.blocks), gemma->engine_peaks[g])
+                << shape << ": " << decoder << " group " << g;
+          }
+        }
+      }
+      for (const testing::KvGroupPeak& p : all[store_worker]) {
+        if (p.window > 0) {
+          EXPECT_LE(static_cast<int64_t>(p.blocks), (p.window + B - 1) / B + 1) << store_worker;
+        }
+      }
+      std::printf("[ KV groups ] %s with a store (%s), %s: most blocks per group:%s\n",
+                  decoder.c_str(), shape.c_str(), run == 0 ? "cold" : "after a restart",
+                  line.c_str());
+      cluster->Stop();
     }
   }
 }

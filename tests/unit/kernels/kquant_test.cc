@@ -1,13 +1,16 @@
-// The in-place K-quant kernels (engine/kernels/kquant.h): the AVX2 path returns
-// the scalar path's bits, the Q8_K activation format is ggml's, and a Q4_K /
+// The in-place K-quant kernels (engine/kernels/kquant.h): every vector path (AVX2,
+// AVX-512, their batched register tiles) returns the scalar path's bits, the Q8_K
+// activation format is ggml's, and a Q4_K /
 // Q6_K / Q5_0 block written by hand multiplies to the value its layout says.
 // (Agreement with MatMulReference within the derived bound is in matmul_test.)
 #include "engine/kernels/kquant.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -65,24 +68,49 @@ std::vector<float> RandomActs(int64_t n, uint32_t seed) {
 
 class KQuantPathTest : public ::testing::TestWithParam<GgmlType> {};
 
-TEST_P(KQuantPathTest, Avx2EqualsScalarBitForBit) {
-  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+// Every vector path (AVX2, AVX-512 with its register tiles of several rows x
+// tokens) returns the scalar row-by-row bits, for odd and even row and token
+// counts, tile remainders included; and a batch returns, per token, the bits
+// of that token multiplied alone (batch invariance).
+TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
   const GgmlType type = GetParam();
   const int64_t be = BlockElems(type);
   ThreadPool pool(2, "kq");
   uint32_t seed = 7;
-  for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{
-           {1, be, 1}, {9, 3 * be, 5}, {65, 4 * be, 1}, {33, 2 * be, 19}}) {
-    std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
-    const GgufTensor w = View(type, rows, cols, &bytes);
-    const std::vector<float> x = RandomActs(tokens * cols, seed++);
-    std::vector<float> ys(rows * tokens), yv(rows * tokens);
-    MatMulWithPath(w, x.data(), tokens, ys.data(), nullptr, KernelPath::kScalar);
-    MatMulWithPath(w, x.data(), tokens, yv.data(), &pool, KernelPath::kAvx2);
-    for (int64_t i = 0; i < rows * tokens; ++i) {
-      ASSERT_EQ(std::memcmp(&ys[i], &yv[i], 4), 0)
-          << GgmlTypeName(type) << " " << rows << "x" << cols << " T=" << tokens << " i=" << i
-          << ": scalar " << ys[i] << " avx2 " << yv[i];
+  for (const KernelPath path : {KernelPath::kAvx2, KernelPath::kAvx512}) {
+    if (!KernelPathSupported(path)) {
+      std::printf("[ SKIPPED  ] %s: CPU without it\n", std::string(KernelPathName(path)).c_str());
+      continue;
+    }
+    for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{{1, be, 1},
+                                                                                {9, 3 * be, 5},
+                                                                                {65, 4 * be, 1},
+                                                                                {33, 2 * be, 19},
+                                                                                {3, be, 2},
+                                                                                {5, 2 * be, 3},
+                                                                                {7, 2 * be, 4},
+                                                                                {13, be, 9},
+                                                                                {6, 3 * be, 33},
+                                                                                {17, 2 * be, 8},
+                                                                                {2, 5 * be, 7},
+                                                                                {48, 2 * be, 70}}) {
+      std::vector<uint8_t> bytes = RandomBytes(type, rows, cols, seed++);
+      const GgufTensor w = View(type, rows, cols, &bytes);
+      const std::vector<float> x = RandomActs(tokens * cols, seed++);
+      std::vector<float> ys(rows * tokens), yv(rows * tokens), y1(rows);
+      MatMulWithPath(w, x.data(), tokens, ys.data(), nullptr, KernelPath::kScalar);
+      MatMulWithPath(w, x.data(), tokens, yv.data(), &pool, path);
+      for (int64_t i = 0; i < rows * tokens; ++i) {
+        ASSERT_EQ(std::memcmp(&ys[i], &yv[i], 4), 0)
+            << GgmlTypeName(type) << " " << KernelPathName(path) << " " << rows << "x" << cols
+            << " T=" << tokens << " i=" << i << ": scalar " << ys[i] << " vector " << yv[i];
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        MatMulWithPath(w, x.data() + t * cols, 1, y1.data(), nullptr, path);
+        ASSERT_EQ(std::memcmp(y1.data(), yv.data() + t * rows, 4 * rows), 0)
+            << GgmlTypeName(type) << " " << KernelPathName(path) << " " << rows << "x" << cols
+            << " T=" << tokens << ": token " << t << " alone differs from its batch";
+      }
     }
   }
 }
@@ -215,8 +243,37 @@ Q8KBuffers QuantizeQ8K(const std::vector<float>& x, int64_t tokens, int64_t cols
   return b;
 }
 
+// The vector tables' Q8_K quantizer returns the scalar one's bytes, scales
+// and block sums: random blocks, a zero block, a block whose largest
+// magnitude occurs twice with opposite signs (the first one's sign counts),
+// and values on the rounding ties of iscale * x.
+TEST(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
+  const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
+  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  const int64_t tokens = 5, cols = 256 * 3;
+  std::vector<float> x = RandomActs(tokens * cols, 31);
+  std::fill(x.begin() + cols, x.begin() + cols + 256, 0.0f);  // token 1, block 0
+  x[2 * cols + 10] = 40.0f;  // token 2, block 0: a tie of the largest magnitudes
+  x[2 * cols + 200] = -40.0f;
+  for (int j = 0; j < 256; ++j) x[3 * cols + j] = 0.5f * static_cast<float>(j % 9) - 2.0f;
+  x[3 * cols + 7] = -127.0f;  // iscale = 1: products on .5 ties
+  const Q8KBuffers want = QuantizeQ8K(x, tokens, cols);
+  for (const kernels::KQuantKernels* t : tables) {
+    Q8KBuffers got;
+    got.q.assign(want.q.size(), 1);
+    got.d.assign(want.d.size(), 1.0f);
+    got.bsums.assign(want.bsums.size(), 1);
+    got.acts = {got.q.data(), got.d.data(), got.bsums.data(), cols / 256};
+    t->quantize_q8k(x.data(), cols, 0, 2, got.acts);
+    t->quantize_q8k(x.data(), cols, 2, tokens, got.acts);
+    EXPECT_EQ(got.q, want.q) << t->name;
+    EXPECT_EQ(std::memcmp(got.d.data(), want.d.data(), 4 * got.d.size()), 0) << t->name;
+    EXPECT_EQ(got.bsums, want.bsums) << t->name;
+  }
+}
+
 // The same for Q4_K and Q6_K, every table and the scalar one (the AVX-512
-// table shares the AVX2 K-quant kernels; KVRELAY_KERNELS picks among these).
+// table's batched tiles fall back to AVX2 for small calls; KVRELAY_KERNELS picks among these).
 TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
   const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
   if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";

@@ -248,14 +248,14 @@ TEST_P(AttendRowTest, MatchesDoubleSoftmaxAttention) {
 }
 
 // Head sizes of real models, and one that is not a multiple of 8.
-INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 36, 32, 96));
+INSTANTIATE_TEST_SUITE_P(HeadDims, AttendRowTest, ::testing::Values(64, 128, 256, 36, 32, 96));
 
 // The three-pass split (scores over position chunks, one softmax, values over
 // head slices) gives AttendRowGgml's bits for any chunking, including chunks
 // that start before j0, end past j1 or are empty.
 TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
   const int B = 32;
-  for (int hd : {64, 128}) {
+  for (int hd : {64, 128, 256}) {
     if (!AttendSplitSupported(B, hd)) GTEST_SKIP() << "split attention needs the AVX-512 path";
     const int n = 600;
     const auto k = Random(int64_t{n} * hd, 1.0f, 31), v = Random(int64_t{n} * hd, 2.0f, 32);
@@ -301,7 +301,7 @@ TEST(Ops, AttendSplitEqualsAttendRowBitForBit) {
 // kernel path: ragged runs of tokens (not a multiple of anything, more than
 // one pass of rows), causal edges mid-chunk, sliding windows, an empty row,
 // block sizes the AVX-512 kernel takes (16, 32) and one it leaves to AVX2 (8),
-// head sizes 64 / 128 (compile-time kernels) and 36 (AVX-512 falls back).
+// head sizes 64 / 128 / 256 (compile-time kernels) and 36 (AVX-512 falls back).
 TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
   const int n = 700;
   struct Case {
@@ -309,7 +309,7 @@ TEST(Ops, AttendTileEqualsAttendRowBitForBit) {
   };
   const Case cases[] = {{0, 25, 0},  {0, 70, 0},     {130, 21, 0}, {517, 19, 0},
                         {0, 40, 37}, {600, 21, 200}, {250, 1, 0},  {3, 5, 0}};
-  for (int hd : {64, 128, 36}) {
+  for (int hd : {64, 128, 256, 36}) {
     const auto k = Random(int64_t{n} * hd, 1.0f, 41), v = Random(int64_t{n} * hd, 2.0f, 42);
     for (int B : {16, 32, 8}) {
       std::vector<const float*> kb, vb;
@@ -367,6 +367,45 @@ TEST(Ops, AttendRowOneKeyIsItsValue) {
                     out.data(), path);
       for (int e = 0; e < hd; ++e) EXPECT_EQ(out[e], v[e]) << e;
     }
+  }
+}
+
+// The vector GELU returns the scalar loop's bits for every fp16 value, values
+// between them (rounding to fp16 both ways), the two ends, infinities and a
+// NaN, with a length that leaves a scalar tail, and in place (out == gate).
+TEST(Ops, GeluVectorPathEqualsScalarBitForBit) {
+  if (!KernelPathSupported(KernelPath::kAvx2)) GTEST_SKIP() << "CPU without AVX2";
+  std::vector<float> g;
+  for (uint32_t h = 0; h < (1u << 16); ++h) {
+    const float v = Fp16ToFp32(static_cast<uint16_t>(h));
+    if (!std::isnan(v)) g.push_back(v);
+  }
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> dist(-12.0f, 12.0f);
+  for (int i = 0; i < 20000; ++i) g.push_back(dist(rng));
+  for (float v : {-10.0f, 10.0f, std::nextafter(10.0f, 0.0f), std::nextafter(-10.0f, 0.0f),
+                  INFINITY, -INFINITY, NAN, 1e-30f, -1e-42f}) {
+    g.push_back(v);
+  }
+  g.push_back(0.5f);  // length % 8 != 0
+  std::vector<float> up(g.size());
+  for (size_t i = 0; i < up.size(); ++i) up[i] = dist(rng);
+  std::vector<float> want(g.size()), got(g.size());
+  GeluTanhMulGgmlWithPath(g.data(), up.data(), static_cast<int64_t>(g.size()), want.data(),
+                          KernelPath::kScalar);
+  GeluTanhMulGgmlWithPath(g.data(), up.data(), static_cast<int64_t>(g.size()), got.data(),
+                          KernelPath::kAvx2);
+  std::vector<float> inplace = g;
+  GeluTanhMulGgmlWithPath(inplace.data(), up.data(), static_cast<int64_t>(g.size()), inplace.data(),
+                          KernelPath::kAvx2);
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::isnan(want[i])) {
+      EXPECT_TRUE(std::isnan(got[i]) && std::isnan(inplace[i])) << i;
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(&want[i], &got[i], 4), 0)
+        << "g " << g[i] << ": " << want[i] << " vs " << got[i];
+    ASSERT_EQ(std::memcmp(&want[i], &inplace[i], 4), 0) << "in place, g " << g[i];
   }
 }
 

@@ -31,7 +31,7 @@ Profile Simple(double base, double per_token = 0) {
   p.max_step_tokens = 512;
   p.max_running = 64;
   p.layerwise_transfer = false;
-  p.step = {base, 0, per_token, 0, 0, 0, "test"};
+  p.step = {base, 0, per_token, 0, 0, 0, "test", {}, ""};
   p.transports["tcp"] = {0, 1e12, "test"};
   p.store_restore = {0, 1e12, "test"};
   p.colocated.source = p.prefill.source = p.decode.source = "test";
@@ -192,6 +192,32 @@ TEST(ClosedFormTest, ChunkedPrefillBudget) {
   EXPECT_EQ(r->requests[0].finish_s, s1 + s2 + s3 + s4);
 }
 
+// A decode-only step costs the measured cost of its batch size
+// (StepCost::decode_batch_s), a step with a prefill chunk the linear model.
+// Hand-computed with 0.25 s steps and batch 2 measured at 0.5 s, A at 0 and
+// B at 0.125 (3 tokens each): A's prefill (0.25); A's 2nd token with B's
+// prompt (a prefill chunk: linear, 0.25, ends 0.5); both decoding (batch 2,
+// 0.5: A done at 1.0); B alone (batch 1, 0.25): 1.25. The linear model: four
+// steps of 0.25, A done at 0.75, B at 1.0.
+TEST(ClosedFormTest, DecodeOnlyStepsCostTheirMeasuredBatch) {
+  Profile p = Simple(0.25);
+  p.step.decode_batch_s = {{1, 0.25}, {2, 0.5}};
+  p.step.decode_batch_source = "test";
+  const std::vector<SimRequest> w = {{0.0, 16, 3, -1, 0}, {0.125, 16, 3, -1, 0}};
+  auto r = Simulate(p, Colocated(1), w);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->requests[0].first_token_s, 0.25);
+  EXPECT_EQ(r->requests[1].first_token_s, 0.5);
+  EXPECT_EQ(r->requests[0].finish_s, 1.0);
+  EXPECT_EQ(r->requests[1].finish_s, 1.25);
+  EXPECT_EQ(r->requests[1].tpot_s(), 0.375);
+  p.step.decode_batch_s.clear();  // the linear model
+  auto linear = Simulate(p, Colocated(1), w);
+  ASSERT_TRUE(linear.ok());
+  EXPECT_EQ(linear->requests[0].finish_s, 0.75);
+  EXPECT_EQ(linear->requests[1].finish_s, 1.0);
+}
+
 // Prefix reuse and the real router's prefix-aware policy: requests of one
 // group, one after another, hit the blocks the first one computed and are
 // routed to the worker that holds them.
@@ -314,6 +340,46 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   ASSERT_TRUE(gang.ok());
   EXPECT_EQ(gang->requests[1].ttft_s(), 0.25);
   EXPECT_EQ(gang->requests[0].finish_s, kv + 0.375 + 0.25);
+  // The prefill role's busy_alpha (measured next to a TP 1 decode worker)
+  // does not apply next to a TP group, nor the decode role's to the group.
+  p.prefill.busy_alpha = p.decode.busy_alpha = 1;
+  p.prefill.busy_source = p.decode.busy_source = "test";
+  auto roles = Simulate(p, c, w);
+  ASSERT_TRUE(roles.ok());
+  EXPECT_EQ(roles->requests[1].ttft_s(), 0.25);
+  EXPECT_EQ(roles->requests[0].finish_s, kv + 0.375 + 0.25);
+}
+
+// A disaggregated role's busy_alpha replaces the contention mix for its
+// steps. 1P+1D on 2 cores, 0.25 s steps, A's KV lands at kv, when B arrives:
+// A's decode steps and B's prefill then hold a core each (others = 1).
+//  * prefill.busy_alpha 1, decode.busy_alpha 0 (contention 1 1 ignored): A's
+//    first decode step at full speed (kv + 0.25) while B's prefill runs at
+//    1/2 (0.125 done), its second (kv + 0.5) next to B's last 0.125 at 1/2:
+//    A finishes at kv + 0.5, B's TTFT is 0.5.
+//  * Not measured (-1): the contention mix, alpha 1 for both: A's first
+//    step and B's prefill at 1/2 both end at kv + 0.5, A's second alone.
+TEST(ContentionTest, DisaggregatedRolesBusyAlpha) {
+  Profile p = Simple(0.25);
+  p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
+  p.contention = {1, 1, "test"};
+  p.prefill.busy_alpha = 1;
+  p.decode.busy_alpha = 0;
+  p.prefill.busy_source = p.decode.busy_source = "test";
+  ClusterConfig c;
+  c.shared_host_cores = 2;
+  const double kv = 0.25 + 1.0 / (1 << 15);
+  const std::vector<SimRequest> w = {{0.0, 32, 3, -1, 0}, {kv, 32, 1, -1, 0}};
+  auto roles = Simulate(p, c, w);
+  ASSERT_TRUE(roles.ok()) << roles.status().ToString();
+  EXPECT_EQ(roles->requests[0].kv_ready_s, kv);
+  EXPECT_EQ(roles->requests[1].ttft_s(), 0.5);
+  EXPECT_EQ(roles->requests[0].finish_s, kv + 0.5);
+  p.prefill.busy_alpha = p.decode.busy_alpha = -1;
+  auto mix = Simulate(p, c, w);
+  ASSERT_TRUE(mix.ok());
+  EXPECT_EQ(mix->requests[1].ttft_s(), 0.5);
+  EXPECT_EQ(mix->requests[0].finish_s, kv + 0.75);
 }
 
 // The serving path's CPU (coordinator, client) takes its share of a shared
@@ -507,6 +573,56 @@ TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   EXPECT_NE(bad.status().message().find("kv_bytes_per_token"), std::string::npos);
   p.step.source.clear();
   EXPECT_FALSE(ProfileFromJson(ProfileToJson(p)).ok());  // every number has a source
+}
+
+// The decode-only step by batch size: exact at the measured sizes, linear
+// between them and beyond along the last segment (below the smallest along
+// the first), the decode attention added; one size: the linear model's
+// slope through it; none: the linear model.
+TEST(ProfileTest, DecodeBatchCurveAndRoundTrip) {
+  Profile p = Simple(0.25, 0.125);
+  p.step.per_decode_attn_s = 1.0 / 1024;
+  EXPECT_EQ(p.step.DecodeOnlySeconds(3, 512), 0.25 + 3 * 0.125 + 0.5);  // linear
+  p.step.decode_batch_s = {{2, 0.5}, {4, 0.75}, {8, 1.0}};
+  p.step.decode_batch_source = "test";
+  EXPECT_EQ(p.step.DecodeOnlySeconds(2, 0), 0.5);
+  EXPECT_EQ(p.step.DecodeOnlySeconds(4, 1024), 0.75 + 1);
+  EXPECT_EQ(p.step.DecodeOnlySeconds(3, 0), 0.625);
+  EXPECT_EQ(p.step.DecodeOnlySeconds(6, 0), 0.875);
+  EXPECT_EQ(p.step.DecodeOnlySeconds(16, 0), 1.5);   // 1.0 + 8 x 0.25 / 4
+  EXPECT_EQ(p.step.DecodeOnlySeconds(1, 0), 0.375);  // 0.5 - 0.25 / 2
+  Profile one = p;
+  one.step.decode_batch_s = {{2, 0.5}};
+  EXPECT_EQ(one.step.DecodeOnlySeconds(4, 0), 0.5 + 2 * 0.125);  // per_seq 0 + per_token
+  p.prefill.busy_alpha = 0.5;
+  p.decode.busy_alpha = 0.25;
+  p.prefill.busy_source = p.decode.busy_source = "test";
+  auto back = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->step.decode_batch_s, p.step.decode_batch_s);
+  EXPECT_EQ(back->step.decode_batch_source, "test");
+  EXPECT_EQ(back->prefill.busy_alpha, 0.5);
+  EXPECT_EQ(back->decode.busy_alpha, 0.25);
+  EXPECT_EQ(back->colocated.busy_alpha, -1);  // not measured
+  Profile unsourced = p;
+  unsourced.step.decode_batch_source.clear();
+  EXPECT_FALSE(unsourced.Validate().ok());
+  Profile zero = p;
+  zero.step.decode_batch_s[16] = 0;
+  EXPECT_FALSE(zero.Validate().ok());
+  Profile colocated = p;
+  colocated.colocated.busy_alpha = 1;
+  colocated.colocated.busy_source = "test";
+  EXPECT_FALSE(colocated.Validate().ok());
+  Profile busy_unsourced = p;
+  busy_unsourced.decode.busy_source.clear();
+  EXPECT_FALSE(busy_unsourced.Validate().ok());
+  auto bad_key = ProfileFromJson(R"({"name": "x", "layers": 2, "kv_bytes_per_token": 1,
+      "kv_pool_blocks": 8, "step": {"base_s": 1, "per_seq_s": 0, "per_token_s": 0,
+      "per_attn_s": 0, "source": "t"}, "decode_batch": {"seconds": {"two": 1}},
+      "transports": {"tcp": {"latency_s": 0, "bytes_per_s": 1, "source": "t"}}})");
+  ASSERT_FALSE(bad_key.ok());
+  EXPECT_NE(bad_key.status().message().find("decode_batch"), std::string::npos);
 }
 
 TEST(ProfileTest, NonNegativeLeastSquaresRecoversCoefficients) {
