@@ -92,6 +92,25 @@ Status Profile::Validate() const {
   return Status::Ok();
 }
 
+void FitServingTerms(bool colocated, int tp, double ttft_s, double tpot_s, double prefill_s,
+                     double decode_s, bool refit_prefill, Profile* p) {
+  const double base = p->step.base_s, prefill_part = std::max(1e-9, prefill_s - base);
+  if (colocated) {
+    p->colocated.step_scale = std::max(0.05, tpot_s / decode_s);
+    p->colocated.prefill_scale =
+        std::max(0.05, (ttft_s - p->colocated.step_scale * base) / prefill_part);
+    return;
+  }
+  if (tp <= 1 || refit_prefill) {
+    p->prefill.prefill_scale = std::max(0.05, (ttft_s - base) / prefill_part);
+  }
+  if (tp <= 1) {
+    p->decode.step_scale = std::max(0.05, tpot_s / decode_s);
+  } else {
+    p->tp[tp].step_scale = std::max(0.05, tpot_s / (p->decode.step_scale * decode_s));
+  }
+}
+
 double StepCost::DecodeOnlySeconds(int64_t seqs, double decode_attn) const {
   const double b = static_cast<double>(seqs);
   if (decode_batch_s.empty()) return Seconds(b, b, 0, decode_attn);

@@ -175,6 +175,21 @@ struct Profile {
   TpCost Tp(int t) const;        // identity for 1; a missing T is an error at Validate
 };
 
+// The serving-path terms (ServingOverhead, TpCost::step_scale) that one
+// topology's low-load run (bench serve, one request at a time: its TTFT and
+// TPOT p50) fixes, against the step model's prefill pass of those requests
+// (`prefill_s`) and their decode step (`decode_s`): TPOT fixes the decode
+// part's scale, then TTFT (one prefill step at low load: base x step_scale +
+// the rest x prefill_scale) the prefill's. Colocated: colocated.step_scale
+// and prefill_scale. 1P+1D (tp 1): decode.step_scale and prefill.
+// prefill_scale (the prefill role's step_scale stays 1: its steps have no
+// decode part). 1P+1D TP T: tp[T].step_scale over decode.step_scale, and with
+// `refit_prefill` the prefill's prefill_scale from this topology's TTFT
+// (`sim validate` re-timing a TP topology on its own; `sim calibrate` keeps
+// 1P+1D's). Every scale is at least 0.05.
+void FitServingTerms(bool colocated, int tp, double ttft_s, double tpot_s, double prefill_s,
+                     double decode_s, bool refit_prefill, Profile* p);
+
 Result<Profile> LoadProfile(const std::string& path);
 Status SaveProfile(const std::string& path, const Profile& profile);
 // JSON text of a profile (the file format).

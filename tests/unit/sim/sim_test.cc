@@ -625,6 +625,35 @@ TEST(ProfileTest, DecodeBatchCurveAndRoundTrip) {
   EXPECT_NE(bad_key.status().message().find("decode_batch"), std::string::npos);
 }
 
+// The serving terms a low-load run fixes, hand-computed: base 0.1 s, the
+// model's prefill pass 0.3 s (prefill part 0.2) and decode step 0.02 s.
+TEST(ProfileTest, FitServingTermsFromALowLoadRun) {
+  Profile p = Simple(0.1);
+  p.tp[2] = {1.0, 0, "test", 0, 0};
+  // Colocated: TPOT 0.03 -> step_scale 1.5; TTFT 0.45 = 1.5 x 0.1 + 0.2 x 1.5.
+  FitServingTerms(true, 1, 0.45, 0.03, 0.3, 0.02, false, &p);
+  EXPECT_DOUBLE_EQ(p.colocated.step_scale, 1.5);
+  EXPECT_DOUBLE_EQ(p.colocated.prefill_scale, 1.5);
+  EXPECT_EQ(p.decode.step_scale, 1.0);
+  // 1P+1D: TTFT 0.5 = 0.1 + 0.2 x 2; TPOT 0.025 -> decode 1.25.
+  FitServingTerms(false, 1, 0.5, 0.025, 0.3, 0.02, false, &p);
+  EXPECT_DOUBLE_EQ(p.prefill.prefill_scale, 2.0);
+  EXPECT_DOUBLE_EQ(p.decode.step_scale, 1.25);
+  EXPECT_EQ(p.prefill.step_scale, 1.0);
+  // TP 2: TPOT 0.04 over 1.25 x 0.02 -> 1.6; the prefill's kept unless refit.
+  FitServingTerms(false, 2, 0.7, 0.04, 0.3, 0.02, false, &p);
+  EXPECT_DOUBLE_EQ(p.tp[2].step_scale, 1.6);
+  EXPECT_DOUBLE_EQ(p.prefill.prefill_scale, 2.0);
+  FitServingTerms(false, 2, 0.7, 0.04, 0.3, 0.02, true, &p);
+  EXPECT_DOUBLE_EQ(p.prefill.prefill_scale, 3.0);  // 0.1 + 0.2 x 3
+  EXPECT_DOUBLE_EQ(p.decode.step_scale, 1.25);
+  // Absurd low-load figures stay positive scales.
+  FitServingTerms(true, 1, 0.0, 0.0, 0.3, 0.02, false, &p);
+  EXPECT_EQ(p.colocated.step_scale, 0.05);
+  EXPECT_EQ(p.colocated.prefill_scale, 0.05);
+  EXPECT_TRUE(p.Validate().ok());
+}
+
 TEST(ProfileTest, NonNegativeLeastSquaresRecoversCoefficients) {
   // b = 2 + 3 x (exact), and a column that would fit negative is fixed at 0.
   std::vector<double> a, b, w;
