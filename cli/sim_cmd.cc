@@ -445,6 +445,24 @@ void FitServingTerms(const Topology& t, const ServePoint& low, double prefill_s,
                        refit_prefill, p);
 }
 
+// The request-to-request variation of a low-load run (ServingOverhead::
+// ttft_jitter / tpot_jitter): its requests' TTFT and TPOT over their medians,
+// into the colocated role, or the prefill (TTFT) and decode (TPOT) roles.
+void FitJitter(const Topology& t, const json& low_report, sim::Profile* p) {
+  std::vector<double> ttft, tpot;
+  for (const auto& q : low_report["requests"]) {
+    const double a = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
+    const int o = q.value("output_tokens", 0);
+    if (!q.value("ok", true) || !(a > 0)) continue;
+    ttft.push_back(a);
+    if (o > 1 && e2e > a) tpot.push_back((e2e - a) / (o - 1));
+  }
+  sim::ServingOverhead& first = t.colocated > 0 ? p->colocated : p->prefill;
+  sim::ServingOverhead& rest = t.colocated > 0 ? p->colocated : p->decode;
+  first.ttft_jitter = sim::JitterRatios(std::move(ttft));
+  rest.tpot_jitter = sim::JitterRatios(std::move(tpot));
+}
+
 // The step model's prefill pass of one `in`-token prompt and its decode step
 // at the mean context of an `out`-token answer (what FitServingTerms fits
 // the low-load runs against).
@@ -976,7 +994,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--max-concurrency",
                                             "1",
                                             "--num-prompts",
-                                            f->Has("quick") ? "4" : "12",
+                                            f->Has("quick") ? "4" : "24",
                                             "--input-len",
                                             std::to_string(*input_len),
                                             "--output-len",
@@ -1087,6 +1105,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
       }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
+      // The TP topology's variation is not kept (its roles' are 1P+1D's);
+      // sim validate re-measures each topology's own.
+      if (t.tp == 1) FitJitter(t, j, &p);
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
       // One request at a time: the decode processes step from the first
       // token to the last of each request and wait otherwise.
@@ -1294,7 +1315,7 @@ constexpr char kSimValidateUsage[] =
     "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 40 | "
     "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
     "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
-    "[--phases 8] [--no-retime] [--per-request] [--json OUT]";
+    "[--phases 8] [--no-retime] [--no-jitter] [--per-request] [--json OUT]";
 
 int RunValidate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;
@@ -1302,7 +1323,7 @@ int RunValidate(const std::vector<std::string>& args) {
                         {"model", "profile", "rates", "num-prompts", "seconds-per-point",
                          "min-prompts", "repeats", "phases", "input-len", "output-len", "threads",
                          "kv-dtype", "colocated", "json", "topologies", "save-real", "from-real"},
-                        {"help", "per-request", "no-retime"});
+                        {"help", "per-request", "no-retime", "no-jitter"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim validate: %s\n", f.status().message().c_str());
     return 2;
@@ -1318,6 +1339,14 @@ int RunValidate(const std::vector<std::string>& args) {
   }
   auto profile = sim::LoadProfile(f->Get("profile"));
   if (!profile.ok()) return fail(profile.status());
+  // --no-jitter: every request its model's cost (no request-to-request variation).
+  auto drop_jitter = [](sim::Profile* q) {
+    for (auto* o : {&q->colocated, &q->prefill, &q->decode}) {
+      o->ttft_jitter.clear();
+      o->tpot_jitter.clear();
+    }
+  };
+  if (f->Has("no-jitter")) drop_jitter(&*profile);
   auto n = f->GetInt("num-prompts", 0);
   // 40 s a point: 20 / 40 / 60 requests at 0.5 / 1 / 1.5 req/s (a p90 of 16
   // spread by up to 58 % between repeats); ~18 minutes with --repeats 3.
@@ -1426,7 +1455,7 @@ int RunValidate(const std::vector<std::string>& args) {
       const size_t per_rep = rates.size() + (retime ? 1 : 0);
       for (int64_t rep = 0; rep < *repeats; ++rep) {
         if (retime) {
-          serve.push_back({"--rate", "inf", "--max-concurrency", "1", "--num-prompts", "12",
+          serve.push_back({"--rate", "inf", "--max-concurrency", "1", "--num-prompts", "24",
                            "--input-len", std::to_string(*in), "--output-len", std::to_string(*out),
                            "--seed", std::to_string(500 + 1000 * rep)});
         }
@@ -1473,6 +1502,8 @@ int RunValidate(const std::vector<std::string>& args) {
                            lows[rep]["tpot_ms"].value("p50", 0.0) / 1e3};
       if (!(low.ttft_s > 0 && low.tpot_s > 0)) continue;  // as given
       FitServingTerms(t, low, low_prefill_s, low_decode_s, /*refit_prefill=*/true, &timed[rep]);
+      FitJitter(t, lows[rep], &timed[rep]);
+      if (f->Has("no-jitter")) drop_jitter(&timed[rep]);
       const sim::Profile& a = *profile;
       const sim::Profile& b = timed[rep];
       const bool colo = t.colocated > 0;

@@ -207,6 +207,7 @@ class Simulator {
 
  private:
   void Setup();
+  void ApplyJitter(size_t i, RequestTiming* t) const;
   void OnArrival(uint32_t r);
   void OnStart(uint32_t r);
   void Submit(Worker& w, uint32_t r);
@@ -278,6 +279,31 @@ class Simulator {
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
 };
+
+// ServingOverhead::ttft_jitter / tpot_jitter: request i's factors, drawn at
+// uniforms hashed from its index (the same run gives the same figures).
+void Simulator::ApplyJitter(size_t i, RequestTiming* t) const {
+  const bool colocated =
+      t->prefill_worker >= 0 &&
+      workers_[static_cast<size_t>(t->prefill_worker)].kind == Worker::Kind::kColocated;
+  const auto& ttft = colocated ? profile_.colocated.ttft_jitter : profile_.prefill.ttft_jitter;
+  const auto& tpot = colocated ? profile_.colocated.tpot_jitter : profile_.decode.tpot_jitter;
+  if (ttft.empty() && tpot.empty()) return;
+  auto uniform = [](uint64_t x) {  // splitmix64 finaliser -> [0, 1)
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return static_cast<double>(x >> 11) * 0x1.0p-53;
+  };
+  const double service =
+      t->prefill_start_s >= 0 ? std::max(0.0, t->first_token_s - t->prefill_start_s) : 0;
+  const double decode = std::max(0.0, t->finish_s - t->first_token_s);
+  const double ttft_extra = (JitterQuantile(ttft, uniform(2 * i)) - 1) * service;
+  const double tpot_extra = (JitterQuantile(tpot, uniform(2 * i + 1)) - 1) * decode;
+  t->first_token_s += ttft_extra;
+  t->finish_s += ttft_extra + tpot_extra;
+}
 
 void Simulator::Setup() {
   auto add = [&](Worker::Kind kind, const std::string& id, const ServingOverhead& o, double scale,
@@ -944,11 +970,12 @@ Result<SimResult> Simulator::Run() {
   double first = workload_.front().arrival_s, last = first;
   int64_t out_tokens = 0;
   for (size_t i = 0; i < reqs_.size(); ++i) {
-    const RequestTiming& t = reqs_[i].t;
+    RequestTiming& t = reqs_[i].t;
     if (t.rejected || t.finish_s < 0) {
       ++out.rejected;
       continue;
     }
+    ApplyJitter(i, &t);
     ++out.completed;
     last = std::max(last, t.finish_s);
     out_tokens += t.output_tokens;

@@ -85,11 +85,37 @@ Status Profile::Validate() const {
     if (o->busy_alpha >= 0 && o->busy_source.empty()) {
       return InvalidArgument("profile overheads: a busy_alpha needs its busy_source");
     }
+    for (const auto* j : {&o->ttft_jitter, &o->tpot_jitter}) {
+      if (j->size() > 4096 || !std::is_sorted(j->begin(), j->end()) ||
+          std::any_of(j->begin(), j->end(),
+                      [](double r) { return !(r > 0) || !std::isfinite(r); })) {
+        return InvalidArgument(
+            "profile overheads: ttft_jitter / tpot_jitter are at most 4096 sorted ratios > 0");
+      }
+    }
   }
   if (colocated.busy_alpha >= 0) {
     return InvalidArgument("profile.colocated.busy_alpha: only the disaggregated roles have one");
   }
   return Status::Ok();
+}
+
+std::vector<double> JitterRatios(std::vector<double> samples) {
+  if (samples.empty()) return {};
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  const double median = n % 2 ? samples[n / 2] : (samples[n / 2 - 1] + samples[n / 2]) / 2;
+  if (!(median > 0)) return {};
+  for (double& x : samples) x /= median;
+  return samples;
+}
+
+double JitterQuantile(const std::vector<double>& sorted, double u) {
+  if (sorted.empty()) return 1.0;
+  const double pos = std::clamp(u, 0.0, 1.0) * static_cast<double>(sorted.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  if (lo + 1 >= sorted.size()) return sorted.back();
+  return sorted[lo] + (sorted[lo + 1] - sorted[lo]) * (pos - static_cast<double>(lo));
 }
 
 void FitServingTerms(bool colocated, int tp, double ttft_s, double tpot_s, double prefill_s,
@@ -152,6 +178,8 @@ json OverheadJson(const ServingOverhead& o) {
     j["busy_alpha"] = o.busy_alpha;
     j["busy_source"] = o.busy_source;
   }
+  if (!o.ttft_jitter.empty()) j["ttft_jitter"] = o.ttft_jitter;
+  if (!o.tpot_jitter.empty()) j["tpot_jitter"] = o.tpot_jitter;
   return j;
 }
 
@@ -196,6 +224,8 @@ Status ReadOverhead(const json& j, const char* key, ServingOverhead* o) {
   RETURN_IF_ERROR(Read(v, path, "source", &o->source, true));
   RETURN_IF_ERROR(Read(v, path, "busy_alpha", &o->busy_alpha, false));
   RETURN_IF_ERROR(Read(v, path, "busy_source", &o->busy_source, o->busy_alpha >= 0));
+  RETURN_IF_ERROR(Read(v, path, "ttft_jitter", &o->ttft_jitter, false));
+  RETURN_IF_ERROR(Read(v, path, "tpot_jitter", &o->tpot_jitter, false));
   return Status::Ok();
 }
 

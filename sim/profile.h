@@ -123,7 +123,26 @@ struct ServingOverhead {
   std::string source;
   double busy_alpha = -1;
   std::string busy_source;
+  // The serving path's request-to-request variation at low load (this VM:
+  // requests alone in the cluster range over 0.9-1.5x their median TTFT):
+  // sorted ratios of each low-load request's TTFT (TPOT) to the run's
+  // median (JitterRatios). A simulated request draws one of each
+  // (JitterQuantile at a uniform u from its index: deterministic) and its
+  // service part, first chunk scheduled -> first token, runs that factor
+  // longer (its later tokens shift with it), and its token intervals that
+  // factor longer; a delay seen by that request only, not worker time.
+  // The TTFT one applies from the colocated or prefill role, the TPOT one
+  // from the colocated or decode role. Empty: no variation.
+  std::vector<double> ttft_jitter;
+  std::vector<double> tpot_jitter;
 };
+
+// Sorted ratios of `samples` (> 0) to their median (see ServingOverhead::
+// ttft_jitter); empty for no samples.
+std::vector<double> JitterRatios(std::vector<double> samples);
+// The u-quantile (u in [0, 1]) of sorted ratios, linear between them; 1 for
+// none.
+double JitterQuantile(const std::vector<double>& sorted, double u);
 
 // CPU the serving path spends outside the workers, measured by `kvrelay sim
 // calibrate` (/proc CPU seconds of the coordinator, getrusage of the client,

@@ -654,6 +654,61 @@ TEST(ProfileTest, FitServingTermsFromALowLoadRun) {
   EXPECT_TRUE(p.Validate().ok());
 }
 
+// Request-to-request variation, hand-computed. Ratios to the median of
+// {1, 2, 3, 4, 10}: {1/3, 2/3, 1, 4/3, 10/3}; the quantile is linear between
+// them. One colocated request of 0.5 s steps (prefill, then one decode step
+// for its second token): with every TTFT ratio 2 its service part (0.5 s)
+// takes 1.0, its last token shifting with it; with every TPOT ratio 3 its
+// token interval (0.5 s) takes 1.5. The disaggregated roles draw the TTFT
+// ratio from the prefill role and the TPOT one from the decode role.
+TEST(ProfileTest, JitterRatiosQuantilesAndTheirEffect) {
+  const std::vector<double> r = JitterRatios({10, 3, 1, 4, 2});
+  ASSERT_EQ(r.size(), 5u);
+  EXPECT_DOUBLE_EQ(r[0], 1.0 / 3);
+  EXPECT_DOUBLE_EQ(r[2], 1.0);
+  EXPECT_DOUBLE_EQ(r[4], 10.0 / 3);
+  EXPECT_DOUBLE_EQ(JitterQuantile(r, 0.5), 1.0);
+  EXPECT_DOUBLE_EQ(JitterQuantile(r, 0.875), (4.0 / 3 + 10.0 / 3) / 2);
+  EXPECT_DOUBLE_EQ(JitterQuantile(r, 1.0), 10.0 / 3);
+  EXPECT_DOUBLE_EQ(JitterQuantile(r, 0.0), 1.0 / 3);
+  EXPECT_EQ(JitterQuantile({}, 0.3), 1.0);
+  EXPECT_TRUE(JitterRatios({}).empty());
+
+  Profile p = Simple(0.5);
+  p.colocated.ttft_jitter = {2, 2};
+  auto a = Simulate(p, Colocated(1), Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ(a->requests[0].ttft_s(), 1.0);
+  EXPECT_EQ(a->requests[0].finish_s, 1.5);
+  p.colocated.tpot_jitter = {3};
+  auto b = Simulate(p, Colocated(1), Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(b->requests[0].ttft_s(), 1.0);
+  EXPECT_EQ(b->requests[0].tpot_s(), 1.5);
+  EXPECT_EQ(b->requests[0].finish_s, 2.5);
+  // The roles: the colocated ratios do not apply to them.
+  ClusterConfig d;  // 1P+1D
+  auto plain = Simulate(p, d, Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(plain.ok());
+  p.prefill.ttft_jitter = {2};
+  p.decode.tpot_jitter = {3};
+  auto roles = Simulate(p, d, Evenly(1, 0, 16, 2));
+  ASSERT_TRUE(roles.ok());
+  const RequestTiming& x = plain->requests[0];
+  const RequestTiming& y = roles->requests[0];
+  EXPECT_DOUBLE_EQ(y.first_token_s, x.first_token_s + (x.first_token_s - x.prefill_start_s));
+  EXPECT_DOUBLE_EQ(y.finish_s - y.first_token_s, 3 * (x.finish_s - x.first_token_s));
+  // JSON round trip; unsorted or non-positive ratios are refused.
+  auto back = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->colocated.ttft_jitter, p.colocated.ttft_jitter);
+  EXPECT_EQ(back->decode.tpot_jitter, p.decode.tpot_jitter);
+  p.colocated.ttft_jitter = {2, 1};
+  EXPECT_FALSE(p.Validate().ok());
+  p.colocated.ttft_jitter = {0, 1};
+  EXPECT_FALSE(p.Validate().ok());
+}
+
 TEST(ProfileTest, NonNegativeLeastSquaresRecoversCoefficients) {
   // b = 2 + 3 x (exact), and a column that would fit negative is fixed at 0.
   std::vector<double> a, b, w;
