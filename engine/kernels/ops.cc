@@ -115,6 +115,49 @@ float DotVecScalar(const float* a, const float* b, int n) {
   return static_cast<float>(sum);
 }
 
+// The tiled prefill-attention driver shared by AttendTileAvx2 and
+// AttendTileScalar: each row's passes as the single-row Attend runs them
+// (single == false), over the chunks in position order. Steps supplies the
+// Scores / Softmax / Zero / Values / Fold step functions. Always inlined, so
+// each caller's copy is compiled under that caller's target (AVX2 or none).
+template <typename Steps>
+__attribute__((always_inline)) inline void AttendTileDriver(
+    const AttendTileRow* rows, int n, const float* const* kb, const float* const* vb, int B, int hd,
+    float scale, float* scores, int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
+  float mx[kTileMaxRows], inv[kTileMaxRows];
+  for (int r = 0; r < n; ++r) mx[r] = -INFINITY;
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      mx[r] = Steps::Scores(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
+                            mx[r]);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    const AttendTileRow& row = rows[r];
+    if (row.j1 <= row.j0) continue;
+    inv[r] = Steps::Softmax(scores + r * stride, row.j0, row.j1, mx[r]);
+    float* a = acc + static_cast<int64_t>(r) * 8 * hd;
+    Steps::Zero(a, hd);
+  }
+  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
+    const int64_t c1 = c0 + kTileChunk;
+    for (int r = 0; r < n; ++r) {
+      const AttendTileRow& row = rows[r];
+      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
+      Steps::Values(scores + r * stride, inv[r], vb, B, hd, row.j0, row.j1, c0, c1,
+                    acc + static_cast<int64_t>(r) * 8 * hd);
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (rows[r].j1 > rows[r].j0) {
+      Steps::Fold(acc + static_cast<int64_t>(r) * 8 * hd, hd, rows[r].out);
+    }
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -386,43 +429,31 @@ void AttendAvx2(const float* q, const float* const* kb, const float* const* vb, 
   Avx2ValuesFold(acc, hd, out);
 }
 
-// The tile path on AVX2: each row's passes as AttendAvx2 (single == false)
-// runs them, over the chunks in position order.
+// The step functions AttendTileDriver runs on AVX2 (defined in this target
+// region, so the driver inlined into AttendTileAvx2 is compiled for AVX2).
+struct Avx2TileSteps {
+  static float Scores(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
+                      int64_t c0, int64_t c1, float scale, float* scores, float mx) {
+    return Avx2ScoresStep(q, kb, B, hd, j0, j1, c0, c1, scale, scores, mx);
+  }
+  static float Softmax(float* scores, int64_t j0, int64_t j1, float mx) {
+    return Avx2SoftmaxExp(scores, j0, j1, mx);
+  }
+  static void Zero(float* a, int hd) {
+    for (int i = 0; i < 8 * hd; i += 8) _mm256_storeu_ps(a + i, _mm256_setzero_ps());
+  }
+  static void Values(const float* scores, float inv, const float* const* vb, int B, int hd,
+                     int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
+    Avx2ValuesStep(scores, inv, vb, B, hd, j0, j1, c0, c1, acc);
+  }
+  static void Fold(const float* acc, int hd, float* out) { Avx2ValuesFold(acc, hd, out); }
+};
+
+// The tile path on AVX2: AttendTileDriver over the AVX2 steps.
 void AttendTileAvx2(const AttendTileRow* rows, int n, const float* const* kb,
                     const float* const* vb, int B, int hd, float scale, float* scores,
                     int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
-  float mx[kTileMaxRows], inv[kTileMaxRows];
-  for (int r = 0; r < n; ++r) mx[r] = -INFINITY;
-  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
-    const int64_t c1 = c0 + kTileChunk;
-    for (int r = 0; r < n; ++r) {
-      const AttendTileRow& row = rows[r];
-      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      mx[r] = Avx2ScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
-                             mx[r]);
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    const AttendTileRow& row = rows[r];
-    if (row.j1 <= row.j0) continue;
-    inv[r] = Avx2SoftmaxExp(scores + r * stride, row.j0, row.j1, mx[r]);
-    float* a = acc + static_cast<int64_t>(r) * 8 * hd;
-    for (int i = 0; i < 8 * hd; i += 8) _mm256_storeu_ps(a + i, _mm256_setzero_ps());
-  }
-  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
-    const int64_t c1 = c0 + kTileChunk;
-    for (int r = 0; r < n; ++r) {
-      const AttendTileRow& row = rows[r];
-      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      Avx2ValuesStep(scores + r * stride, inv[r], vb, B, hd, row.j0, row.j1, c0, c1,
-                     acc + static_cast<int64_t>(r) * 8 * hd);
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    if (rows[r].j1 > rows[r].j0) {
-      Avx2ValuesFold(acc + static_cast<int64_t>(r) * 8 * hd, hd, rows[r].out);
-    }
-  }
+  AttendTileDriver<Avx2TileSteps>(rows, n, kb, vb, B, hd, scale, scores, stride, acc, jlo, jhi);
 }
 
 void RopeRotateAvx2(float* x, int half, bool neox, const float* cos, const float* sin) {
@@ -825,42 +856,30 @@ void AttendScalar(const float* q, const float* const* kb, const float* const* vb
   ScalarValuesFold(acc, hd, out);
 }
 
+// The step functions AttendTileDriver runs on the scalar fallback.
+struct ScalarTileSteps {
+  static float Scores(const float* q, const float* const* kb, int B, int hd, int64_t j0, int64_t j1,
+                      int64_t c0, int64_t c1, float scale, float* scores, float mx) {
+    return ScalarScoresStep(q, kb, B, hd, j0, j1, c0, c1, scale, scores, mx);
+  }
+  static float Softmax(float* scores, int64_t j0, int64_t j1, float mx) {
+    return ScalarSoftmaxExp(scores, j0, j1, mx);
+  }
+  static void Zero(float* a, int hd) {
+    for (int i = 0; i < 8 * hd; ++i) a[i] = 0.0f;
+  }
+  static void Values(const float* scores, float inv, const float* const* vb, int B, int hd,
+                     int64_t j0, int64_t j1, int64_t c0, int64_t c1, float* acc) {
+    ScalarValuesStep(scores, inv, vb, B, hd, 8, j0, j1, c0, c1, acc);
+  }
+  static void Fold(const float* acc, int hd, float* out) { ScalarValuesFold(acc, hd, out); }
+};
+
 // The tile path on the scalar fallback, as AttendTileAvx2.
 void AttendTileScalar(const AttendTileRow* rows, int n, const float* const* kb,
                       const float* const* vb, int B, int hd, float scale, float* scores,
                       int64_t stride, float* acc, int64_t jlo, int64_t jhi) {
-  float mx[kTileMaxRows], inv[kTileMaxRows];
-  for (int r = 0; r < n; ++r) mx[r] = -INFINITY;
-  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
-    const int64_t c1 = c0 + kTileChunk;
-    for (int r = 0; r < n; ++r) {
-      const AttendTileRow& row = rows[r];
-      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      mx[r] = ScalarScoresStep(row.q, kb, B, hd, row.j0, row.j1, c0, c1, scale, scores + r * stride,
-                               mx[r]);
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    const AttendTileRow& row = rows[r];
-    if (row.j1 <= row.j0) continue;
-    inv[r] = ScalarSoftmaxExp(scores + r * stride, row.j0, row.j1, mx[r]);
-    float* a = acc + static_cast<int64_t>(r) * 8 * hd;
-    for (int i = 0; i < 8 * hd; ++i) a[i] = 0.0f;
-  }
-  for (int64_t c0 = jlo; c0 < jhi; c0 += kTileChunk) {
-    const int64_t c1 = c0 + kTileChunk;
-    for (int r = 0; r < n; ++r) {
-      const AttendTileRow& row = rows[r];
-      if (row.j1 <= row.j0 || c0 >= row.j1 || c1 <= row.j0) continue;
-      ScalarValuesStep(scores + r * stride, inv[r], vb, B, hd, 8, row.j0, row.j1, c0, c1,
-                       acc + static_cast<int64_t>(r) * 8 * hd);
-    }
-  }
-  for (int r = 0; r < n; ++r) {
-    if (rows[r].j1 > rows[r].j0) {
-      ScalarValuesFold(acc + static_cast<int64_t>(r) * 8 * hd, hd, rows[r].out);
-    }
-  }
+  AttendTileDriver<ScalarTileSteps>(rows, n, kb, vb, B, hd, scale, scores, stride, acc, jlo, jhi);
 }
 
 }  // namespace
