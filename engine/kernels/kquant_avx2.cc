@@ -138,6 +138,28 @@ inline int32_t LoadI32(const void* p) {
   return v;
 }
 
+// One Q6_K block's 256 6-bit values as 8 vectors of 32 bytes (0..63):
+// out[stride * v] holds elements 32 v .. 32 v + 31 (ql low / high nibbles
+// with their two qh bits, as ggml's dequantize_row_q6_K orders them).
+__attribute__((always_inline)) inline void UnpackQ6K(const uint8_t* blk, __m256i m4, __m256i m30,
+                                                     __m256i* out, int stride) {
+  for (int n = 0; n < 2; ++n) {
+    const uint8_t* ql = blk + 64 * n;
+    const uint8_t* qh = blk + 128 + 32 * n;
+    const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    out[stride * (4 * n + 0)] =
+        _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+    out[stride * (4 * n + 1)] =
+        _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+    out[stride * (4 * n + 2)] =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(h, m30));
+    out[stride * (4 * n + 3)] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+                                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+  }
+}
+
 // Tokens per pass over an 8-row group: its accumulators stay in L1.
 constexpr int64_t kRowGroupTokens = 64;
 
@@ -167,21 +189,7 @@ void RowGroup8(const uint8_t* w, int64_t row_bytes, int64_t r, const Q8KActs& a,
       const uint8_t* blk = w + (r + i) * row_bytes + b * kBytes;
       _mm_prefetch(reinterpret_cast<const char*>(blk + kBytes), _MM_HINT_T0);
       if constexpr (kQ6) {
-        for (int n = 0; n < 2; ++n) {
-          const uint8_t* ql = blk + 64 * n;
-          const uint8_t* qh = blk + 128 + 32 * n;
-          const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-          const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-          wt[8 * (4 * n + 0) + i] = _mm256_or_si256(_mm256_and_si256(qa, m4),
-                                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-          wt[8 * (4 * n + 1) + i] = _mm256_or_si256(_mm256_and_si256(qb, m4),
-                                                    _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-          wt[8 * (4 * n + 2) + i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
-                                                    _mm256_and_si256(h, m30));
-          wt[8 * (4 * n + 3) + i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                                                    _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-        }
+        UnpackQ6K(blk, m4, m30, wt + i, 8);
         const int8_t* s8 = reinterpret_cast<const int8_t*>(blk + 192);
         for (int s = 0; s < 16; ++s) sc[s][i] = s8[s];
         for (int s = 0; s < 8; ++s) {
@@ -383,21 +391,7 @@ void GemmQ6K(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const 
         _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * kQ6KBytes), _MM_HINT_T0);
         const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
         __m256i wv[8], scv[8];
-        for (int n = 0; n < 2; ++n) {
-          const uint8_t* ql = blk + 64 * n;
-          const uint8_t* qh = blk + 128 + 32 * n;
-          const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-          const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-          wv[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(qa, m4),
-                                          _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-          wv[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(qb, m4),
-                                          _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-          wv[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
-                                          _mm256_and_si256(h, m30));
-          wv[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
-                                          _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-        }
+        UnpackQ6K(blk, m4, m30, wv, 1);
         for (int v = 0; v < 8; ++v) {
           scv[v] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
         }
