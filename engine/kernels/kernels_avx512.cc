@@ -203,6 +203,19 @@ void TileTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quantized
   }
 }
 
+// One block's integer dot on 256-bit VNNI (dpbusd takes unsigned x signed):
+// signed Q8_0 weights go through the sign trick |w| * (x * sign(w)); the
+// other formats' weights are unpacked unsigned (F::Weights).
+template <Kind K>
+__attribute__((always_inline)) inline __m256i BlockDot256(__m256i wv, __m256i xv) {
+  if constexpr (K == Kind::kQ8_0) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
+                               _mm256_sign_epi8(xv, wv));
+  } else {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+  }
+}
+
 // One token, one row: a single sequential weight stream with a software
 // prefetch (as the AVX2 path; interleaved row streams defeat the hardware
 // prefetcher in decode), 256-bit VNNI for the block dots.
@@ -221,13 +234,7 @@ void TileRow(const uint8_t* w, int64_t row_bytes, int64_t r0, const QuantizedAct
     _mm_prefetch(reinterpret_cast<const char*>(blk) + kPrefetchBytes, _MM_HINT_T0);
     const __m256i wv = F::Weights(blk);
     const __m256i xv = Load256(xq + b * kBlock);
-    __m256i d;
-    if constexpr (K == Kind::kQ8_0) {
-      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
-                              _mm256_sign_epi8(xv, wv));
-    } else {
-      d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-    }
+    const __m256i d = BlockDot256<K>(wv, xv);
     const __m256 dwx = _mm256_mul_ps(_mm256_set1_ps(LoadHalf(blk)), _mm256_set1_ps(xd[b]));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), dwx, acc);
   }
@@ -266,13 +273,7 @@ void TileRowTokens(const uint8_t* w, int64_t row_bytes, int64_t r0, const Quanti
     for (int t = 0; t < N; ++t) {
       const int64_t tok = t0 + t;
       const __m256i xv = Load256(a.q + (tok * nb + b) * kBlock);
-      __m256i d;
-      if constexpr (K == Kind::kQ8_0) {
-        d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
-                                _mm256_sign_epi8(xv, wv));
-      } else {
-        d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-      }
+      const __m256i d = BlockDot256<K>(wv, xv);
       const __m256 dwx = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[tok * nb + b]));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), dwx, acc[t]);
     }
