@@ -1,0 +1,640 @@
+// kvrelay sim calibrate --model M --out P: measures this machine into a simulator
+// profile (sim/profile.h) by running this binary's own `bench engine`,
+// `bench transfer`, `bench prefix` and `bench serve` as child processes (the
+// measurements are theirs, not re-implemented here) and reading their --json
+// reports or their printed tables.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/sim_support.h"
+#include "common/clock.h"
+#include "common/flags.h"
+#include "deploy/local_launcher.h"
+#include "engine/kv_cache/kv_cache.h"
+#include "engine/runtime/model.h"
+#include "sim/cluster_sim.h"
+#include "sim/profile.h"
+#include "sim/workload.h"
+
+namespace kvrelay::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace simtool;  // NOLINT(build/namespaces): the commands' own toolkit
+
+struct Sample {
+  double seqs, tokens, attn, decode_attn, ctx_attn, seconds;
+  std::string what;
+  int decode_batch = 0;  // a decode-only step of this many sequences (0: a prefill)
+};
+
+// The step model's inputs for the bench engine measurements of one --json report.
+void EngineSamples(const json& j, std::vector<Sample>* out) {
+  const double ctx = j.value("context", 0.0);
+  if (j.contains("prefill")) {
+    const double n = j["prefill"].value("tokens", 0.0);
+    out->push_back({1, n, n * (n + 1) / 2, 0, n * ctx, j["prefill"].value("median_s", 0.0),
+                    "prefill " + std::to_string(static_cast<int>(n)) + " tok, ctx " +
+                        std::to_string(static_cast<int>(ctx))});
+  }
+  for (const auto& d : j.value("decode", json::array())) {
+    const double b = d.value("batch", 1.0), k = d.value("steps", 1.0);
+    out->push_back({b, b, 0, b * (ctx + (k + 1) / 2), 0, d.value("median_step_s", 0.0),
+                    "decode batch " + std::to_string(static_cast<int>(b)) + ", ctx " +
+                        std::to_string(static_cast<int>(ctx)),
+                    static_cast<int>(b)});
+  }
+}
+
+// Fits latency + bytes / bandwidth through (bytes, seconds) points.
+Result<sim::LinkCost> FitLink(const std::vector<std::pair<double, double>>& pts,
+                              const std::string& source) {
+  std::vector<double> a, b, w;
+  for (const auto& [bytes, s] : pts) {
+    a.insert(a.end(), {1.0, bytes});
+    b.push_back(s);
+    w.push_back(1.0 / (s * s));
+  }
+  ASSIGN_OR_RETURN(auto x, sim::NonNegativeLeastSquares(a, 2, b, w));
+  if (x[1] <= 0) return Internal("link fit: no bandwidth term (" + source + ")");
+  return sim::LinkCost{x[0], 1.0 / x[1], source};
+}
+
+constexpr char kSimCalibrateUsage[] =
+    "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
+    "[--quick] [--skip-serve] [--skip-store] [--skip-contention]";
+
+int RunCalibrate(const std::vector<std::string>& args) {
+  if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
+  auto f = Flags::Parse(args,
+                        {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
+                         "input-len", "output-len", "colocated", "name"},
+                        {"quick", "skip-serve", "skip-store", "skip-contention", "help"});
+  if (!f.ok()) {
+    std::fprintf(stderr, "sim calibrate: %s\n", f.status().message().c_str());
+    return 2;
+  }
+  const std::string model = f->Get("model", "models/SmolLM2-135M-Instruct.Q4_1.gguf");
+  const std::string out_path = f->Get("out", "sim-profile.json");
+  const std::string kv_dtype = f->Get("kv-dtype", "f16");
+  auto threads = f->GetInt("threads", 1);
+  auto reps = f->GetInt("reps", f->Has("quick") ? 2 : 3);
+  auto cap_mb = f->GetInt("kv-capacity-mb", 256);
+  auto input_len = f->GetInt("input-len", 128);
+  auto output_len = f->GetInt("output-len", 32);
+  auto colocated = f->GetInt("colocated", 2);
+  for (const Status& s : {threads.status(), reps.status(), cap_mb.status(), input_len.status(),
+                          output_len.status(), colocated.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
+      return 2;
+    }
+  }
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
+    return 1;
+  };
+  auto dtype = engine::ParseKvDtype(kv_dtype);
+  if (!dtype.ok()) return fail(dtype.status());
+  engine::ModelLoadOptions lo;
+  lo.load_tokenizer = false;
+  auto m = engine::Model::Load(model, lo);
+  if (!m.ok()) return fail(m.status());
+  sim::Profile p;
+  p.name = f->Get("name", "calibrated");
+  p.hardware = CpuModel() + ", " + std::to_string(UsableCores()) + " cores";
+  p.model = fs::path(model).filename().string();
+  p.measured_at = UtcNow();
+  const engine::KvLayout layout = (*m)->MakeKvLayout(*dtype, 16);
+  p.layers = layout.layers;
+  p.block_tokens = 16;
+  p.kv_bytes_per_token = layout.BlockBytes() / 16;
+  p.kv_pool_blocks = *cap_mb * (1 << 20) / layout.BlockBytes();
+  const std::string th = std::to_string(*threads), rp = std::to_string(*reps);
+  const std::string date = p.measured_at;
+  std::printf("calibrating at %s, %s\n", date.c_str(), LoadLine().c_str());
+
+  // 1. Engine steps: prefill (tokens x cached context), decode (batch x context).
+  std::vector<std::vector<std::string>> runs = {
+      // Batches 2, 3 and 8 too: a decode-only step is not linear in a small
+      // batch (StepCost::decode_batch_s).
+      {"--pp", "32", "--tg", "16", "--batches", "2,3,4,8,16,64", "--batch-steps", "16", "--context",
+       "0"},
+      {"--pp", "128", "--tg", "16", "--batches", "4,16", "--batch-steps", "16", "--context", "256"},
+      {"--pp", "256", "--tg", "8", "--skip-batches", "--context", "0"}};
+  if (!f->Has("quick")) {
+    runs.push_back({"--pp", "512", "--tg", "8", "--skip-batches", "--context", "0"});
+    runs.push_back(
+        {"--pp", "64", "--tg", "16", "--batches", "4", "--batch-steps", "16", "--context", "768"});
+  }
+  std::vector<Sample> samples;
+  for (const auto& r : runs) {
+    const std::string path = TempPath("engine.json");
+    std::vector<std::string> a = {"bench",  "engine", "--model",    model,    "--threads", th,
+                                  "--reps", rp,       "--kv-dtype", kv_dtype, "--json",    path};
+    a.insert(a.end(), r.begin(), r.end());
+    auto o = RunSelf(a, 900);
+    if (!o.ok()) return fail(o.status());
+    auto j = ReadJson(path);
+    fs::remove(path);
+    if (!j.ok()) return fail(j.status());
+    EngineSamples(*j, &samples);
+    // tg: batch 1 from the context, averaged over its steps.
+    const double ctx = j->value("context", 0.0), k = (*j)["tg"].value("tokens", 1.0);
+    samples.push_back({1, 1, 0, ctx + (k + 1) / 2, 0, (*j)["tg"].value("median_step_s", 0.0),
+                       "decode batch 1, ctx " + std::to_string(static_cast<int>(ctx)), 1});
+  }
+  {
+    std::vector<double> a, b, w;
+    for (const auto& s : samples) {
+      a.insert(a.end(), {1.0, s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn});
+      b.push_back(s.seconds);
+      w.push_back(1.0 / (s.seconds * s.seconds));  // relative error
+    }
+    auto x = sim::NonNegativeLeastSquares(a, 6, b, w);
+    if (!x.ok()) return fail(x.status());
+    p.step = {
+        (*x)[0],
+        (*x)[1],
+        (*x)[2],
+        (*x)[3],
+        (*x)[4],
+        (*x)[5],
+        "kvrelay bench engine --threads " + th + " --reps " + rp +
+            " (pp 32/256/512 at context 0, 128 at 256, 64 at 768; decode batch 1/2/3/4/8/16/64 "
+            "at context 0, 1/4/16 at 256, 1/4 at 768), non-negative least squares weighted by "
+            "1/t^2, " +
+            date + ", " + p.hardware,
+        {},
+        ""};
+    std::printf(
+        "step model: %.3f ms + %.3f ms/seq + %.4f ms/token + %.3g ms/(in-chunk pair) + "
+        "%.3g ms/(cached-context pair) + %.3g ms/(decode pair)\n",
+        p.step.base_s * 1e3, p.step.per_seq_s * 1e3, p.step.per_token_s * 1e3,
+        p.step.per_attn_s * 1e3, p.step.per_ctx_attn_s * 1e3, p.step.per_decode_attn_s * 1e3);
+    // Decode-only steps by batch size: each size's measurements less the
+    // fitted decode attention, weighted by 1/t^2 as above.
+    std::map<int, std::pair<double, double>> by_batch;  // sum w x, sum w
+    for (const auto& s : samples) {
+      if (s.decode_batch < 1) continue;
+      const double w = 1.0 / (s.seconds * s.seconds);
+      auto& acc = by_batch[s.decode_batch];
+      acc.first += w * (s.seconds - p.step.per_decode_attn_s * s.decode_attn);
+      acc.second += w;
+    }
+    std::string sizes;
+    for (const auto& [b, acc] : by_batch) {
+      if (acc.first / acc.second > 0) p.step.decode_batch_s[b] = acc.first / acc.second;
+      sizes += (sizes.empty() ? "" : "/") + std::to_string(b);
+    }
+    p.step.decode_batch_source =
+        "kvrelay bench engine --threads " + th + " --reps " + rp + " batched decode (batches " +
+        sizes +
+        ") and tg (batch 1): per batch size, the weighted (1/t^2) mean of each measured step "
+        "less per_decode_attn_s x its decode pairs, " +
+        date + ", " + p.hardware;
+    std::printf("%-32s %12s %12s %8s %12s\n", "measurement", "measured ms", "model ms", "error",
+                "by batch ms");
+    for (const auto& s : samples) {
+      const double m2 = p.step.Seconds(s.seqs, s.tokens, s.attn, s.decode_attn, s.ctx_attn);
+      std::printf("%-32s %12.3f %12.3f %+7.1f%%", s.what.c_str(), s.seconds * 1e3, m2 * 1e3,
+                  100 * (m2 - s.seconds) / s.seconds);
+      if (s.decode_batch > 0) {
+        const double m3 = p.step.DecodeOnlySeconds(s.decode_batch, s.decode_attn);
+        std::printf(" %12.3f (%+.1f%%)", m3 * 1e3, 100 * (m3 - s.seconds) / s.seconds);
+      }
+      std::printf("\n");
+    }
+    std::printf("decode-only step by batch (less decode attention):");
+    for (const auto& [b, sec] : p.step.decode_batch_s) std::printf(" %d: %.3f ms", b, sec * 1e3);
+    std::printf("\n");
+  }
+
+  // 1b. Two engine processes at once (each with a core of its own): how much
+  //     a step slows down while another process computes next to it.
+  p.contention = {0, 0, "not measured (--skip-contention or fewer than 2 cores): none"};
+  if (UsableCores() >= 2 && !f->Has("skip-contention")) {
+    const std::vector<std::string> base = {"bench",      "engine",    "--model",
+                                           model,        "--threads", th,
+                                           "--kv-dtype", kv_dtype,    "--skip-batches"};
+    auto with = [&](std::vector<std::string> a, const std::vector<std::string>& more) {
+      a.insert(a.end(), more.begin(), more.end());
+      return a;
+    };
+    const auto decode_fg = with(base, {"--pp", "16", "--tg", "64", "--reps", "3"});
+    const auto prefill_fg = with(base, {"--pp", "128", "--tg", "1", "--reps", "5"});
+    // Backgrounds long enough for any foreground (minutes), and finite.
+    const auto prefill_bg = with(base, {"--pp", "512", "--tg", "1", "--reps", "200"});
+    const auto decode_bg = with(base, {"--pp", "16", "--tg", "1024", "--reps", "30"});
+    // The foreground's median (decode step or prefill pass) and its CPU
+    // seconds in all, with `bg` running next to it when given.
+    struct Timed {
+      double median_s = 0, cpu_s = 0;
+    };
+    auto timed = [&](const std::vector<std::string>& fg, const std::vector<std::string>* bg,
+                     bool decode) -> Result<Timed> {
+      pid_t pid = -1;
+      if (bg) {
+        // Running (model loaded, computing) before the foreground starts.
+        ASSIGN_OR_RETURN(pid, StartBusy(*bg));
+      }
+      const std::string path = TempPath("contention.json");
+      Timed t;
+      auto o = RunSelf(with(fg, {"--json", path}), 600, false, &t.cpu_s);
+      StopBusy(pid);
+      if (!o.ok()) return o.status();
+      ASSIGN_OR_RETURN(json j, ReadJson(path));
+      fs::remove(path);
+      t.median_s =
+          decode ? j["tg"].value("median_step_s", 0.0) : j["prefill"].value("median_s", 0.0);
+      return t;
+    };
+    // The slowdown is read from the foreground's CPU time, not its wall
+    // time: cache and memory-bandwidth interference make the same work take
+    // more CPU, while other load on the machine (which the simulator does not
+    // model) only delays it. On a quiet machine the two agree.
+    std::vector<double> dr, pr;
+    for (int round = 0; round < 2; ++round) {
+      auto ds = timed(decode_fg, nullptr, true);
+      auto dc = timed(decode_fg, &prefill_bg, true);
+      auto ps = timed(prefill_fg, nullptr, false);
+      auto pc = timed(prefill_fg, &decode_bg, false);
+      for (const Status& st : {ds.status(), dc.status(), ps.status(), pc.status()}) {
+        if (!st.ok()) return fail(st);
+      }
+      if (ds->cpu_s > 0 && ps->cpu_s > 0) {
+        dr.push_back(dc->cpu_s / ds->cpu_s);
+        pr.push_back(pc->cpu_s / ps->cpu_s);
+      }
+      std::printf(
+          "contention round %d: decode (tg 64 x4) alone %.3f ms/step, %.2f s CPU; next to a "
+          "prefill %.3f ms/step, %.2f s CPU. prefill (pp 128 x6) alone %.1f ms, %.2f s CPU; next "
+          "to a decode %.1f ms, %.2f s CPU\n",
+          round + 1, ds->median_s * 1e3, ds->cpu_s, dc->median_s * 1e3, dc->cpu_s,
+          ps->median_s * 1e3, ps->cpu_s, pc->median_s * 1e3, pc->cpu_s);
+    }
+    if (!dr.empty()) {
+      auto mean = [](const std::vector<double>& v) {
+        double sum = 0;
+        for (double x : v) sum += x;
+        return sum / static_cast<double>(v.size());
+      };
+      p.contention.decode_alpha = std::max(0.0, mean(dr) - 1);
+      p.contention.prefill_alpha = std::max(0.0, mean(pr) - 1);
+      p.contention.source =
+          "kvrelay bench engine --threads " + th +
+          " alone and next to a second bench engine process (decode tg 64 next to pp 512; pp "
+          "128 next to tg 1024): the foreground's CPU seconds (model load included), the "
+          "mean ratio of 2 rounds - 1 (0 at least), " +
+          date;
+      std::printf("contention: decode_alpha %.3f, prefill_alpha %.3f\n", p.contention.decode_alpha,
+                  p.contention.prefill_alpha);
+    }
+  }
+
+  // 2. KV transfer: bytes -> seconds over the cluster's transport (tcp).
+  {
+    auto o = RunSelf({"bench", "transfer", "--backend", "tcp", "--min-bytes", "65536",
+                      "--max-bytes", "16777216", "--no-overlap", "--no-raw"},
+                     600);
+    if (!o.ok()) return fail(o.status());
+    std::vector<std::pair<double, double>> pts;
+    std::istringstream in(*o);
+    std::string line;
+    const std::regex row(R"(^\s*(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+\d+%)");
+    std::smatch mt;
+    while (std::getline(in, line)) {
+      if (std::regex_search(line, mt, row)) {
+        const double n = std::stod(mt[1]), gbps = std::stod(mt[3]);
+        if (gbps > 0) pts.push_back({n, n / (gbps * 1e9)});
+      }
+    }
+    if (pts.size() < 2) return fail(DataLoss("bench transfer printed no bandwidth table"));
+    auto l = FitLink(pts,
+                     "kvrelay bench transfer --backend tcp --min-bytes 65536 --max-bytes "
+                     "16777216 (forked receiver on this machine), latency + bytes/bandwidth "
+                     "fit, " +
+                         date);
+    if (!l.ok()) return fail(l.status());
+    p.transports["tcp"] = *l;
+    std::printf("tcp: %.1f us + bytes / %.2f GB/s\n", l->latency_s * 1e6, l->bytes_per_s / 1e9);
+  }
+
+  // 3. Prefix store: RocksDB restore bytes -> seconds (after a restart, cold page cache).
+  if (!f->Has("skip-store")) {
+    std::vector<std::pair<double, double>> pts;
+    for (int seen : {256, 1024}) {
+      auto o = RunSelf({"bench", "prefix", "--model", model, "--prompt-tokens",
+                        std::to_string(seen + 16), "--seen-tokens", std::to_string(seen), "--reps",
+                        "2", "--threads", th, "--kv-dtype", kv_dtype},
+                       900);
+      if (!o.ok()) return fail(o.status());
+      std::smatch mt;
+      const std::regex re(R"(median restore only: ram ([0-9.]+) s, rocksdb ([0-9.]+) s)");
+      if (!std::regex_search(*o, mt, re))
+        return fail(DataLoss("bench prefix printed no restore time"));
+      pts.push_back({static_cast<double>(seen) * static_cast<double>(p.kv_bytes_per_token),
+                     std::stod(mt[2])});
+    }
+    auto l = FitLink(pts,
+                     "kvrelay bench prefix --seen-tokens 256/1024 (RocksDB after restart, "
+                     "cold page cache), latency + bytes/bandwidth fit, " +
+                         date);
+    if (!l.ok()) return fail(l.status());
+    p.store_restore = *l;
+    std::printf("prefix store restore: %.2f ms + bytes / %.1f MB/s\n", l->latency_s * 1e3,
+                l->bytes_per_s / 1e6);
+  } else {
+    p.store_restore = {0, 1e9, "not measured (--skip-store): placeholder, do not use"};
+  }
+
+  // 4. The serving path around the engine: low-load bench serve (one request
+  //    at a time) on each real topology; what the step model does not explain.
+  p.colocated.source = p.prefill.source = p.decode.source = "not measured (--skip-serve)";
+  p.serving_cpu.source = "not measured (--skip-serve): none";
+  if (!f->Has("skip-serve")) {
+    const auto [prefill_s, decode_s] = LowLoadModel(p, *input_len, *output_len);
+    const std::vector<std::string> serve = {"--rate",
+                                            "inf",
+                                            "--max-concurrency",
+                                            "1",
+                                            "--num-prompts",
+                                            f->Has("quick") ? "4" : "24",
+                                            "--input-len",
+                                            std::to_string(*input_len),
+                                            "--output-len",
+                                            std::to_string(*output_len),
+                                            "--seed",
+                                            "4242"};
+    std::vector<ServePoint> pts;
+    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
+    for (const auto& t : Topologies(static_cast<int>(*colocated))) {
+      // The TP 2 group runs a second time next to a process that keeps one
+      // core busy (a prefill bench engine), as the prefill worker does.
+      const bool tp = t.tp > 1 && UsableCores() >= 2;
+      // 1P+1D runs twice more, each role next to the other one kept busy by
+      // a second load generator through the same coordinator (the roles'
+      // busy_alpha): the prefill while the decode worker streams long outputs
+      // (fresh prompts: the first run's are in its prefix cache), the decode
+      // while the prefill worker computes long prompts one after another.
+      const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
+      std::vector<Background> bg;
+      std::vector<std::vector<std::string>> runs = {serve};
+      if (tp) {
+        bg.push_back({1,
+                      {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype,
+                       "--pp", "512", "--tg", "1", "--reps", "200", "--skip-batches"},
+                      ""});
+        runs.push_back(serve);
+      }
+      if (roles) {
+        auto with_seed = [&](const char* seed) {
+          std::vector<std::string> a = serve;
+          a.back() = seed;  // serve ends with --seed S
+          return a;
+        };
+        bg.push_back(
+            {1,
+             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+              "--num-prompts", "40", "--input-len", "16", "--output-len", "1024", "--seed", "7001"},
+             "kvrelay-decode"});
+        runs.push_back(with_seed("4243"));
+        bg.push_back(
+            {2,
+             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+              "--num-prompts", "400", "--input-len", "512", "--output-len", "1", "--seed", "7002"},
+             "kvrelay-prefill"});
+        runs.push_back(with_seed("4244"));
+      }
+      auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
+      if (!r.ok()) return fail(r.status());
+      if (roles) {
+        // s = busy / alone of the role's figure; busy_alpha as the TP
+        // group's below: 1 / s = share / (1 + busy_alpha x others), the other
+        // role keeping one core busy.
+        const double n_cores = UsableCores(), demand = 2;
+        const double share = demand > n_cores ? n_cores / demand : 1.0;
+        const double others = std::max(1e-9, std::min(demand - 1, n_cores - 1));
+        auto p50 = [&](size_t run, const char* what) {
+          return (*r)[run].report[what].value("p50", 0.0);
+        };
+        const double ttft_alone = p50(0, "ttft_ms"), ttft_busy = p50(1, "ttft_ms");
+        const double tpot_alone = p50(0, "tpot_ms"), tpot_busy = p50(2, "tpot_ms");
+        const double sp = ttft_alone > 0 ? ttft_busy / ttft_alone : 0;
+        const double sd = tpot_alone > 0 ? tpot_busy / tpot_alone : 0;
+        if (sp > 0 && sd > 0) {
+          p.prefill.busy_alpha = std::max(0.0, (sp * share - 1) / others);
+          p.decode.busy_alpha = std::max(0.0, (sd * share - 1) / others);
+          const std::string how =
+              "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+              " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D, " + th +
+              " thread per worker, KV " + kv_dtype +
+              ") alone and next to a second bench serve (--max-concurrency 1) that keeps ";
+          char fig[160];
+          std::snprintf(fig, sizeof(fig), "TTFT p50 %.1f ms vs %.1f alone (x%.3f)", ttft_busy,
+                        ttft_alone, sp);
+          p.prefill.busy_source =
+              how + "the decode worker busy (--input-len 16 --output-len 1024): " + fig +
+              ", busy_alpha = (s x share - 1) / others, " + date;
+          std::snprintf(fig, sizeof(fig), "TPOT p50 %.2f ms vs %.2f alone (x%.3f)", tpot_busy,
+                        tpot_alone, sd);
+          p.decode.busy_source =
+              how + "the prefill worker busy (--input-len 512 --output-len 1): " + fig +
+              ", busy_alpha = (s x share - 1) / others, " + date;
+        }
+        std::printf(
+            "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f) "
+            "-> prefill busy_alpha %.3f; decode next to a busy prefill worker: TPOT p50 %.2f "
+            "ms (alone %.2f, x%.3f) -> decode busy_alpha %.3f\n",
+            t.name.c_str(), ttft_busy, ttft_alone, sp, p.prefill.busy_alpha, tpot_busy, tpot_alone,
+            sd, p.decode.busy_alpha);
+        // A check of the decode-only batch model in the serving path: next to
+        // the long outputs, this run's tokens came from batch-2 steps (its
+        // context ~ input + output / 2, the background's ~ 16 + 512).
+        const double own = static_cast<double>(*input_len) + static_cast<double>(*output_len) / 2;
+        const double ratio_model =
+            p.step.DecodeOnlySeconds(2, own + 528) / p.step.DecodeOnlySeconds(1, own);
+        const double tpot_b2 = p50(1, "tpot_ms");
+        std::printf(
+            "%-14s next to the long outputs (batch 2): TPOT p50 %.2f ms, x%.2f of alone; the "
+            "decode-only step model says x%.2f\n",
+            t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
+      }
+      if (tp) {
+        const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
+        const double busy = (*r)[1].report["tpot_ms"].value("p50", 0.0);
+        tp_busy_slowdown = alone > 0 ? busy / alone : 0;
+        std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
+                    t.name.c_str(), busy, alone, tp_busy_slowdown);
+      }
+      const json& j = r->front().report;
+      const auto& cpu = r->front().cpu_s;
+      // The TP topology's variation is not kept (its roles' are 1P+1D's);
+      // sim validate re-measures each topology's own.
+      if (t.tp == 1) FitJitter(t, j, &p);
+      pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
+      // One request at a time: the decode processes step from the first
+      // token to the last of each request and wait otherwise.
+      double decode_wall = 0, tokens = 0;
+      for (const auto& q : j["requests"]) {
+        decode_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
+        tokens += q.value("output_tokens", 0.0);
+      }
+      auto cpu_of = [&](const char* name) {
+        auto it = cpu.find(name);
+        return it == cpu.end() ? 0.0 : it->second;
+      };
+      decode_cores.push_back(decode_wall > 0 ? cpu_of("kvrelay-decode") / decode_wall : 0);
+      std::printf(
+          "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
+          "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
+          "while decoding)\n",
+          t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
+          decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
+          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back());
+    }
+    const std::string src =
+        "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+        " --output-len " + std::to_string(*output_len) + " on kvrelay launch (%s, " + th +
+        " thread per worker, KV " + kv_dtype + "), p50 vs the step model, " + date;
+    auto source = [&](const std::string& topo) {
+      std::string s = src;
+      s.replace(s.find("%s"), 2, topo);
+      return s;
+    };
+    const auto& topos = Topologies(static_cast<int>(*colocated));
+    FitServingTerms(topos[0], pts[0], prefill_s, decode_s, false, &p);
+    p.colocated.source = source(topos[0].name);
+    FitServingTerms(topos[1], pts[1], prefill_s, decode_s, false, &p);
+    p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
+    p.decode.source = source("1P+1D");
+    // The TP 2 group's cores: its ranks' CPU over its stepping time (they
+    // block in the collectives), at most 2 (0 = 2 when not measurable). Its
+    // busy_alpha: what makes the model reproduce its slowdown s next to one
+    // busy core, 1 / s = share / (1 + busy_alpha x others), with the share
+    // and the other busy cores the fluid model gives that situation.
+    const double n_cores = UsableCores();
+    const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
+    double busy_alpha = 0;
+    if (tp_busy_slowdown > 0) {
+      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
+      const double share = demand > n_cores ? n_cores / demand : 1.0;
+      const double others = std::max(1e-9, std::min(demand - c, n_cores - c));
+      busy_alpha = std::max(0.0, (tp_busy_slowdown * share - 1) / others);
+    }
+    std::printf(
+        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> busy_alpha "
+        "%.3f\n",
+        decode_cores[2], tp_busy_slowdown, busy_alpha);
+    // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
+    //     (/proc) and the bench serve client's (getrusage) over two runs on
+    //     the colocated topology that differ only in output length, less the
+    //     coordinator's idle CPU (heartbeats) over the same wall time; per
+    //     request and per output token by solving the two. The client's
+    //     start and exit fall in its per-request figure (the same N both runs).
+    {
+      const Topology& t = Topologies(static_cast<int>(*colocated))[0];
+      const std::string n = f->Has("quick") ? "16" : "48";
+      auto run_with = [&](const char* out_len, const char* seed) {
+        return std::vector<std::string>{"--rate",
+                                        "inf",
+                                        "--max-concurrency",
+                                        "2",
+                                        "--num-prompts",
+                                        n,
+                                        "--input-len",
+                                        std::to_string(*input_len),
+                                        "--output-len",
+                                        out_len,
+                                        "--seed",
+                                        seed};
+      };
+      std::map<std::string, double> idle;
+      auto r =
+          ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len,
+                    {run_with(std::to_string(*output_len).c_str(), "5151"), run_with("2", "5252")},
+                    {}, &idle);
+      if (!r.ok()) return fail(r.status());
+      auto fit = [&](auto cpu_of_run, double idle_per_s, double* per_request, double* per_token) {
+        std::vector<double> a, b, w;
+        for (const ServeRun& run : *r) {
+          a.push_back(run.report.value("completed", 0.0));
+          a.push_back(run.report.value("total_output_tokens", 0.0));
+          b.push_back(std::max(0.0, cpu_of_run(run) - idle_per_s * run.wall_s));
+          w.push_back(1.0);
+        }
+        auto x = sim::NonNegativeLeastSquares(a, 2, b, w);
+        if (!x.ok()) return x.status();
+        *per_request = std::max(0.0, (*x)[0]);  // no "-0" from the refit
+        *per_token = std::max(0.0, (*x)[1]);
+        return Status::Ok();
+      };
+      sim::ServingCpu& s = p.serving_cpu;
+      const double coord_idle = idle.count("kvrelay-coordin") ? idle["kvrelay-coordin"] : 0.0;
+      Status st = fit(
+          [](const ServeRun& run) {
+            auto it = run.cpu_s.find("kvrelay-coordin");
+            return it == run.cpu_s.end() ? 0.0 : it->second;
+          },
+          coord_idle, &s.coordinator_per_request_s, &s.coordinator_per_token_s);
+      if (st.ok()) {
+        st = fit([](const ServeRun& run) { return run.client_cpu_s; }, 0.0, &s.client_per_request_s,
+                 &s.client_per_token_s);
+      }
+      if (!st.ok()) return fail(st);
+      char line[400];
+      std::snprintf(line, sizeof(line),
+                    "coordinator %.3f s + %.3f s CPU, client %.3f s + %.3f s CPU over %s "
+                    "requests of %lld / 2 output tokens (wall %.1f s + %.1f s); coordinator "
+                    "idle %.4f cores",
+                    (*r)[0].cpu_s["kvrelay-coordin"], (*r)[1].cpu_s["kvrelay-coordin"],
+                    (*r)[0].client_cpu_s, (*r)[1].client_cpu_s, n.c_str(),
+                    static_cast<long long>(*output_len), (*r)[0].wall_s, (*r)[1].wall_s,
+                    coord_idle);
+      s.source = "kvrelay bench serve --rate inf --max-concurrency 2 --num-prompts " + n +
+                 " --input-len " + std::to_string(*input_len) + " --output-len " +
+                 std::to_string(*output_len) + " and 2 on kvrelay launch (" + t.name +
+                 "): the coordinator's CPU (/proc, 10 ms ticks) less its idle CPU over the "
+                 "same wall time, the client's (getrusage); per request and per output token "
+                 "solved from the two runs: " +
+                 line + ", " + date;
+      std::printf(
+          "serving path CPU: coordinator %.2f ms/request + %.3f ms/output token, client %.2f "
+          "ms/request + %.3f ms/output token (%s)\n",
+          s.coordinator_per_request_s * 1e3, s.coordinator_per_token_s * 1e3,
+          s.client_per_request_s * 1e3, s.client_per_token_s * 1e3, line);
+    }
+    p.tp[2] = {1.0, 0.0,
+               source("1P+1D TP2") +
+                   "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
+                   "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
+                   "engine prefill that keeps a core busy",
+               tp_cores, busy_alpha};
+    FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
+  } else {
+    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0, 0.0};
+  }
+  if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
+  std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());
+  return 0;
+}
+
+}  // namespace
+
+KVRELAY_COMMAND(sim_calibrate, "sim calibrate", kSimCalibrateUsage, RunCalibrate);
+
+}  // namespace kvrelay::cli
