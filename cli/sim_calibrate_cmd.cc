@@ -380,8 +380,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
-    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
-    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
+    std::vector<double> decode_cores;                  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;                       // TP 2 TPOT next to a busy core / alone
+    double tp_prefill_alone = 0, tp_prefill_busy = 0;  // TTFT p50, ms: next to the group busy
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
@@ -394,19 +395,27 @@ int RunCalibrate(const std::vector<std::string>& args) {
       const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
       std::vector<Background> bg;
       std::vector<std::vector<std::string>> runs = {serve};
+      auto with_seed = [&](const char* seed) {
+        std::vector<std::string> a = serve;
+        a.back() = seed;  // serve ends with --seed S
+        return a;
+      };
       if (tp) {
         bg.push_back({1,
                       {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype,
                        "--pp", "512", "--tg", "1", "--reps", "200", "--skip-batches"},
                       ""});
         runs.push_back(serve);
+        // And the prefill worker next to the group decoding long outputs
+        // (TpCost::prefill_busy_alpha), fresh prompts as the roles' below.
+        bg.push_back(
+            {2,
+             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+              "--num-prompts", "40", "--input-len", "16", "--output-len", "1024", "--seed", "7003"},
+             "kvrelay-decode"});
+        runs.push_back(with_seed("4245"));
       }
       if (roles) {
-        auto with_seed = [&](const char* seed) {
-          std::vector<std::string> a = serve;
-          a.back() = seed;  // serve ends with --seed S
-          return a;
-        };
         bg.push_back(
             {1,
              {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
@@ -480,6 +489,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
         tp_busy_slowdown = alone > 0 ? busy / alone : 0;
         std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
                     t.name.c_str(), busy, alone, tp_busy_slowdown);
+        tp_prefill_alone = (*r)[0].report["ttft_ms"].value("p50", 0.0);
+        tp_prefill_busy = (*r)[2].report["ttft_ms"].value("p50", 0.0);
+        std::printf("%-14s prefill next to the group decoding: TTFT p50 %.1f ms (alone %.1f)\n",
+                    t.name.c_str(), tp_prefill_busy, tp_prefill_alone);
       }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
@@ -618,15 +631,40 @@ int RunCalibrate(const std::vector<std::string>& args) {
           s.coordinator_per_request_s * 1e3, s.coordinator_per_token_s * 1e3,
           s.client_per_request_s * 1e3, s.client_per_token_s * 1e3, line);
     }
-    p.tp[2] = {1.0, 0.0,
-               source("1P+1D TP2") +
-                   "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
-                   "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
-                   "engine prefill that keeps a core busy",
-               tp_cores, busy_alpha};
+    sim::TpCost& tp2 = p.tp[2];
+    tp2.source = source("1P+1D TP2") +
+                 "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
+                 "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
+                 "engine prefill that keeps a core busy";
+    tp2.cores = tp_cores;
+    tp2.busy_alpha = busy_alpha;
+    // The prefill next to the group stepping: s = its TTFT p50 busy / alone,
+    // 1 / s = share / (1 + alpha x others) in that situation (the prefill's
+    // core and the group's `cores` wanted), alpha at least the value that
+    // gives solo speed there (share - 1) / others.
+    if (tp_prefill_alone > 0 && tp_prefill_busy > 0) {
+      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
+      const double share = demand > n_cores ? n_cores / demand : 1.0;
+      const double others = std::max(1e-9, std::min(c, n_cores - 1));
+      const double s = tp_prefill_busy / tp_prefill_alone;
+      tp2.prefill_busy_alpha = std::max({(share - 1) / others, (s * share - 1) / others, -0.9});
+      char fig[200];
+      std::snprintf(fig, sizeof(fig),
+                    "TTFT p50 %.1f ms vs %.1f alone (x%.3f), share %.3f, others %.2f",
+                    tp_prefill_busy, tp_prefill_alone, s, share, others);
+      tp2.prefill_busy_source =
+          "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
+          " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D TP2, " + th +
+          " thread per worker, KV " + kv_dtype +
+          ") alone and next to a second bench serve (--max-concurrency 1 --input-len 16 "
+          "--output-len 1024) that keeps the TP group decoding: " +
+          fig + ", prefill_busy_alpha = max(share - 1, s x share - 1) / others, " + date;
+      std::printf("TP 2 group: the prefill next to it decoding x%.3f -> prefill_busy_alpha %.3f\n",
+                  s, tp2.prefill_busy_alpha);
+    }
     FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
   } else {
-    p.tp[2] = {1.0, 0.0, "not measured (--skip-serve): placeholder", 0.0, 0.0};
+    p.tp[2].source = "not measured (--skip-serve): placeholder";
   }
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
   std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());

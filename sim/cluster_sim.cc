@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <list>
 #include <memory>
 #include <unordered_map>
@@ -150,9 +151,10 @@ struct Worker {
   double rate = 1;
   double since = 0;
   double alpha = 0;
-  // A TP group's busy_alpha, or a disaggregated role's (ServingOverhead::
-  // busy_alpha), replaces the contention mix; < 0: the mix.
-  double tp_alpha = -1;
+  // A TP group's busy_alpha, a disaggregated role's (ServingOverhead::
+  // busy_alpha) or the prefill's next to a TP group (TpCost::
+  // prefill_busy_alpha) replaces the contention mix; NaN: the mix.
+  double tp_alpha = std::numeric_limits<double>::quiet_NaN();
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
   // last published (after a step; as the real loop does before it reads new
@@ -281,7 +283,8 @@ class Simulator {
 };
 
 // ServingOverhead::ttft_jitter / tpot_jitter: request i's factors, drawn at
-// uniforms hashed from its index (the same run gives the same figures).
+// uniforms hashed from its index and SimOptions::jitter_seed (the same run
+// gives the same figures).
 void Simulator::ApplyJitter(size_t i, RequestTiming* t) const {
   const bool colocated =
       t->prefill_worker >= 0 &&
@@ -299,8 +302,9 @@ void Simulator::ApplyJitter(size_t i, RequestTiming* t) const {
   const double service =
       t->prefill_start_s >= 0 ? std::max(0.0, t->first_token_s - t->prefill_start_s) : 0;
   const double decode = std::max(0.0, t->finish_s - t->first_token_s);
-  const double ttft_extra = (JitterQuantile(ttft, uniform(2 * i)) - 1) * service;
-  const double tpot_extra = (JitterQuantile(tpot, uniform(2 * i + 1)) - 1) * decode;
+  const uint64_t key = 2 * i + (options_.jitter_seed << 40);
+  const double ttft_extra = (JitterQuantile(ttft, uniform(key)) - 1) * service;
+  const double tpot_extra = (JitterQuantile(tpot, uniform(key + 1)) - 1) * decode;
   t->first_token_s += ttft_extra;
   t->finish_s += ttft_extra + tpot_extra;
 }
@@ -317,10 +321,15 @@ void Simulator::Setup() {
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
     // The roles' busy_alpha was measured in 1P+1D (TP 1): next to a TP group
-    // (its ranks block in the collectives) the prefill's is not measured and
-    // the contention mix applies; a TP group has its own (TpCost).
-    if (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1)) {
+    // (its ranks block in the collectives) the prefill has its own when
+    // measured (TpCost::prefill_busy_alpha), else the contention mix; a TP
+    // group has its own (TpCost::busy_alpha).
+    if (o.busy_alpha >= 0 &&
+        (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1))) {
       w.tp_alpha = o.busy_alpha;
+    }
+    if (kind == Worker::Kind::kPrefill && config_.tp > 1) {
+      w.tp_alpha = profile_.Tp(config_.tp).prefill_busy_alpha;
     }
     if (kind != Worker::Kind::kDecode) {
       w.cache = std::make_unique<BlockLru>(capacity);
@@ -713,7 +722,7 @@ void Simulator::MaybeStep(size_t wi) {
   w.work_left = d;
   w.since = now;
   w.rate = 0;  // Rerate schedules its end
-  if (w.tp_alpha >= 0) {
+  if (!std::isnan(w.tp_alpha)) {
     w.alpha = w.tp_alpha;
   } else {
     const double mixed =
@@ -749,7 +758,8 @@ void Simulator::Rerate() {
     w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
     w.since = now;
     const double others = std::max(0.0, std::min(busy_cores_ - w.cores, n - w.cores));
-    const double rate = share / (1 + w.alpha * others);
+    // Never above solo speed (a negative alpha: TpCost::prefill_busy_alpha).
+    const double rate = share / std::max(share, 1 + w.alpha * others);
     if (rate == w.rate) continue;
     w.rate = rate;
     ++w.version;

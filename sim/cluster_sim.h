@@ -113,6 +113,11 @@ struct SimOptions {
   bool keep_requests = true;  // fill SimResult::requests
   double ttft_slo_s = 0;      // for goodput (0 = no limit)
   double tpot_slo_s = 0;
+  // The request-to-request variation's draws (ServingOverhead::ttft_jitter /
+  // tpot_jitter) are hashed from (jitter_seed, request index): another seed
+  // is another sample of the same distribution (sim validate averages over
+  // several).
+  uint64_t jitter_seed = 0;
 };
 
 struct SimResult {

@@ -54,6 +54,12 @@ Status Profile::Validate() const {
                              ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
                              "busy_alpha >= 0");
     }
+    if (!std::isnan(c.prefill_busy_alpha) &&
+        (!(c.prefill_busy_alpha > -1) || !std::isfinite(c.prefill_busy_alpha) ||
+         c.prefill_busy_source.empty())) {
+      return InvalidArgument("profile.tp." + std::to_string(t) +
+                             ": prefill_busy_alpha must be > -1 and have a prefill_busy_source");
+    }
   }
   if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
       !std::isfinite(contention.decode_alpha) || !std::isfinite(contention.prefill_alpha)) {
@@ -158,7 +164,12 @@ double StepCost::DecodeOnlySeconds(int64_t seqs, double decode_attn) const {
 const LinkCost& Profile::Link() const { return transports.at(transport); }
 
 TpCost Profile::Tp(int t) const {
-  if (t <= 1) return TpCost{1.0, 0.0, "identity", 1.0, 0.0};
+  if (t <= 1) {
+    TpCost identity;
+    identity.source = "identity";
+    identity.cores = 1.0;
+    return identity;
+  }
   auto it = tp.find(t);
   return it == tp.end() ? TpCost{} : it->second;
 }
@@ -236,11 +247,16 @@ std::string ProfileToJson(const Profile& p) {
   for (const auto& [name, l] : p.transports) transports[name] = LinkJson(l);
   json tp = json::object();
   for (const auto& [t, c] : p.tp) {
-    tp[std::to_string(t)] = {{"step_scale", c.step_scale},
-                             {"per_step_s", c.per_step_s},
-                             {"cores", c.cores},
-                             {"busy_alpha", c.busy_alpha},
-                             {"source", c.source}};
+    json& e = tp[std::to_string(t)];
+    e = {{"step_scale", c.step_scale},
+         {"per_step_s", c.per_step_s},
+         {"cores", c.cores},
+         {"busy_alpha", c.busy_alpha},
+         {"source", c.source}};
+    if (!std::isnan(c.prefill_busy_alpha)) {
+      e["prefill_busy_alpha"] = c.prefill_busy_alpha;
+      e["prefill_busy_source"] = c.prefill_busy_source;
+    }
   }
   json j = {
       {"name", p.name},
@@ -349,6 +365,12 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
+      if (v.contains("prefill_busy_alpha")) {
+        RETURN_IF_ERROR(
+            Read(v, "tp." + key + ".", "prefill_busy_alpha", &c.prefill_busy_alpha, true));
+        RETURN_IF_ERROR(
+            Read(v, "tp." + key + ".", "prefill_busy_source", &c.prefill_busy_source, true));
+      }
       p.tp[t] = c;
     }
   }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "sim/cluster_sim.h"
 #include "sim/event_queue.h"
@@ -314,7 +315,8 @@ TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
 TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   Profile p = Simple(0.25);
   p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
-  p.tp[2] = {1.0, 0.0, "test", 1.0};
+  p.tp[2].source = "test";
+  p.tp[2].cores = 1.0;
   ClusterConfig c;
   c.tp = 2;
   c.shared_host_cores = 2;
@@ -348,6 +350,47 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   ASSERT_TRUE(roles.ok());
   EXPECT_EQ(roles->requests[1].ttft_s(), 0.25);
   EXPECT_EQ(roles->requests[0].finish_s, kv + 0.375 + 0.25);
+}
+
+// The prefill's own alpha next to a TP group (TpCost::prefill_busy_alpha)
+// replaces the contention mix, negative included, never above solo speed.
+// The setup of TpGroupCoresAndBusyAlpha with cores = T = 2: while B's prefill
+// and the group step, 3 cores are wanted of 2 (share 2/3) and the prefill
+// sees 1 other busy core.
+//  * alpha -0.25: B's prefill runs at (2/3) / 0.75 = 8/9, 0.28125 s; the
+//    group's step at 2/3 has 0.0625 s left then, alone, and A's last step
+//    follows: A finishes kv + 0.34375 + 0.25.
+//  * alpha -0.5: (2/3) / max(2/3, 0.5) = 1, B's TTFT is its solo 0.25.
+TEST(ContentionTest, PrefillBusyAlphaNextToATpGroup) {
+  Profile p = Simple(0.25);
+  p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
+  p.tp[2].source = "test";
+  p.tp[2].prefill_busy_alpha = -0.25;
+  p.tp[2].prefill_busy_source = "test";
+  ClusterConfig c;
+  c.tp = 2;
+  c.shared_host_cores = 2;
+  const double kv = 0.25 + 1.0 / (1 << 15);
+  const std::vector<SimRequest> w = {{0.0, 32, 3, -1, 0}, {kv, 32, 1, -1, 0}};
+  auto r = Simulate(p, c, w);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_NEAR(r->requests[1].ttft_s(), 0.28125, 1e-12);
+  EXPECT_NEAR(r->requests[0].finish_s, kv + 0.34375 + 0.25, 1e-12);
+  p.tp[2].prefill_busy_alpha = -0.5;
+  auto solo = Simulate(p, c, w);
+  ASSERT_TRUE(solo.ok());
+  EXPECT_NEAR(solo->requests[1].ttft_s(), 0.25, 1e-12);
+  // Not measured (NaN): the contention mix, 0 here, and the share: 0.375.
+  p.tp[2].prefill_busy_alpha = std::numeric_limits<double>::quiet_NaN();
+  auto mix = Simulate(p, c, w);
+  ASSERT_TRUE(mix.ok());
+  EXPECT_NEAR(mix->requests[1].ttft_s(), 0.375, 1e-12);
+  // Out of range, or without its source: a named error.
+  p.tp[2].prefill_busy_alpha = -1;
+  EXPECT_FALSE(p.Validate().ok());
+  p.tp[2].prefill_busy_alpha = 0.5;
+  p.tp[2].prefill_busy_source.clear();
+  EXPECT_FALSE(p.Validate().ok());
 }
 
 // A disaggregated role's busy_alpha replaces the contention mix for its
@@ -537,7 +580,11 @@ TEST(SimulatorTest, BadInputIsAnError) {
 
 TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   Profile p = Simple(0.25, 0.001);
-  p.tp[2] = {0.75, 0.002, "test", 1.25, 0.5};
+  p.tp[2].step_scale = 0.75;
+  p.tp[2].per_step_s = 0.002;
+  p.tp[2].source = "test";
+  p.tp[2].cores = 1.25;
+  p.tp[2].busy_alpha = 0.5;
   p.contention = {0.125, 0.0625, "test"};
   auto back = ProfileFromJson(ProfileToJson(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
@@ -545,6 +592,13 @@ TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
   EXPECT_EQ(back->tp.at(2).cores, 1.25);
   EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
+  EXPECT_TRUE(std::isnan(back->tp.at(2).prefill_busy_alpha));  // not measured: not written
+  p.tp[2].prefill_busy_alpha = -0.125;
+  p.tp[2].prefill_busy_source = "test";
+  auto measured = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(measured.ok()) << measured.status().ToString();
+  EXPECT_EQ(measured->tp.at(2).prefill_busy_alpha, -0.125);
+  EXPECT_EQ(measured->tp.at(2).prefill_busy_source, "test");
   EXPECT_EQ(back->contention.decode_alpha, 0.125);
   EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
   p.serving_cpu = {0.5, 0.25, 0.125, 0.0625, "test"};
@@ -629,7 +683,7 @@ TEST(ProfileTest, DecodeBatchCurveAndRoundTrip) {
 // model's prefill pass 0.3 s (prefill part 0.2) and decode step 0.02 s.
 TEST(ProfileTest, FitServingTermsFromALowLoadRun) {
   Profile p = Simple(0.1);
-  p.tp[2] = {1.0, 0, "test", 0, 0};
+  p.tp[2].source = "test";
   // Colocated: TPOT 0.03 -> step_scale 1.5; TTFT 0.45 = 1.5 x 0.1 + 0.2 x 1.5.
   FitServingTerms(true, 1, 0.45, 0.03, 0.3, 0.02, false, &p);
   EXPECT_DOUBLE_EQ(p.colocated.step_scale, 1.5);
@@ -698,6 +752,32 @@ TEST(ProfileTest, JitterRatiosQuantilesAndTheirEffect) {
   const RequestTiming& y = roles->requests[0];
   EXPECT_DOUBLE_EQ(y.first_token_s, x.first_token_s + (x.first_token_s - x.prefill_start_s));
   EXPECT_DOUBLE_EQ(y.finish_s - y.first_token_s, 3 * (x.finish_s - x.first_token_s));
+  // The draws are a function of (jitter_seed, request index): the same seed
+  // the same figures, seed 0 the default's; another seed other draws from
+  // the same ratios. Ratios {1, 2}: a draw u gives 1 + u on the service part.
+  {
+    Profile q = Simple(0.5);
+    q.colocated.ttft_jitter = {1, 2};
+    const auto w = Evenly(64, 10, 16, 1);  // apart: each request alone
+    auto base = Simulate(q, Colocated(1), w);
+    SimOptions o0;
+    o0.jitter_seed = 0;
+    auto zero = Simulate(q, Colocated(1), w, o0);
+    SimOptions o7;
+    o7.jitter_seed = 7;
+    auto seven = Simulate(q, Colocated(1), w, o7);
+    auto again = Simulate(q, Colocated(1), w, o7);
+    ASSERT_TRUE(base.ok() && zero.ok() && seven.ok() && again.ok());
+    int differ = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      EXPECT_EQ(zero->requests[i].ttft_s(), base->requests[i].ttft_s());
+      EXPECT_EQ(again->requests[i].ttft_s(), seven->requests[i].ttft_s());
+      EXPECT_GE(seven->requests[i].ttft_s(), 0.5);
+      EXPECT_LE(seven->requests[i].ttft_s(), 1.0);
+      differ += seven->requests[i].ttft_s() != base->requests[i].ttft_s();
+    }
+    EXPECT_EQ(differ, 64);
+  }
   // JSON round trip; unsorted or non-positive ratios are refused.
   auto back = ProfileFromJson(ProfileToJson(p));
   ASSERT_TRUE(back.ok()) << back.status().ToString();
