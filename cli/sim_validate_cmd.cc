@@ -140,17 +140,18 @@ constexpr char kSimValidateUsage[] =
     "sim validate --model M --profile P [--rates 0.5,1,1.5] [--seconds-per-point 40 | "
     "--num-prompts N] [--min-prompts 16] [--repeats 1] [--input-len 128] [--output-len 32] "
     "[--topologies colocated,1p1d,1p1d-tp2] [--save-real DIR | --from-real DIR] "
-    "[--phases 8] [--retime-every point|repeat | --no-retime] [--no-jitter] [--per-request] "
+    "[--phases 8] [--retime-every point|repeat [--retime-lows 2] | --no-retime] [--no-jitter] "
+    "[--per-request] "
     "[--json OUT]";
 
 int RunValidate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimValidateUsage)) return 0;
-  auto f =
-      Flags::Parse(args,
-                   {"model", "profile", "rates", "num-prompts", "seconds-per-point", "min-prompts",
-                    "repeats", "phases", "input-len", "output-len", "threads", "kv-dtype",
-                    "colocated", "json", "topologies", "save-real", "from-real", "retime-every"},
-                   {"help", "per-request", "no-retime", "no-jitter"});
+  auto f = Flags::Parse(
+      args,
+      {"model", "profile", "rates", "num-prompts", "seconds-per-point", "min-prompts", "repeats",
+       "phases", "input-len", "output-len", "threads", "kv-dtype", "colocated", "json",
+       "topologies", "save-real", "from-real", "retime-every", "retime-lows"},
+      {"help", "per-request", "no-retime", "no-jitter"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim validate: %s\n", f.status().message().c_str());
     return 2;
@@ -181,20 +182,21 @@ int RunValidate(const std::vector<std::string>& args) {
   auto min_prompts = f->GetInt("min-prompts", 16);
   auto repeats = f->GetInt("repeats", 1);
   auto phases = f->GetInt("phases", 8);
+  auto retime_lows = f->GetInt("retime-lows", 2);
   auto in = f->GetInt("input-len", 128);
   auto out = f->GetInt("output-len", 32);
   auto threads = f->GetInt("threads", 1);
   auto colocated = f->GetInt("colocated", 2);
   for (const Status& s :
        {n.status(), seconds.status(), min_prompts.status(), repeats.status(), phases.status(),
-        in.status(), out.status(), threads.status(), colocated.status()}) {
+        in.status(), out.status(), threads.status(), colocated.status(), retime_lows.status()}) {
     if (!s.ok()) return fail(s);
   }
   if (*repeats < 1 || *repeats > 9 || *phases < 1 || *phases > 64 || *n < 0 || !(*seconds > 0) ||
-      *min_prompts < 1) {
+      *min_prompts < 1 || *retime_lows < 2 || *retime_lows > 64) {
     std::fprintf(stderr,
                  "sim validate: --repeats in [1, 9], --phases in [1, 64], --num-prompts >= 0, "
-                 "--seconds-per-point > 0, --min-prompts >= 1\n");
+                 "--seconds-per-point > 0, --min-prompts >= 1, --retime-lows in [2, 64]\n");
     return 2;
   }
   if (f->Has("save-real") && f->Has("from-real")) {
@@ -272,9 +274,18 @@ int RunValidate(const std::vector<std::string>& args) {
   const size_t n_rates = rates.size(), n_reps = static_cast<size_t>(*repeats);
   const size_t n_points = n_rates * n_reps;
   // Point k = rep * n_rates + rate index: its low-load runs (indices into lows).
+  // --retime-lows N (per point): the N low-load runs nearest the point, N / 2
+  // before it and N / 2 after (fewer at the ends), pooled: 2 follows the
+  // machine closest, more are less at the mercy of one run's slow spell.
   auto lows_of = [&](size_t k) -> std::vector<size_t> {
-    if (per_point) return {k, k + 1};
-    return {k / n_rates};
+    if (!per_point) return {k / n_rates};
+    const int64_t half = std::max<int64_t>(1, *retime_lows / 2);
+    const int64_t lo = std::max<int64_t>(0, static_cast<int64_t>(k) + 1 - half);
+    const int64_t hi =
+        std::min<int64_t>(static_cast<int64_t>(n_points), static_cast<int64_t>(k) + half);
+    std::vector<size_t> v;
+    for (int64_t i = lo; i <= hi; ++i) v.push_back(static_cast<size_t>(i));
+    return v;
   };
   for (size_t ti = 0; ti < topos.size(); ++ti) {
     if (("," + which + ",").find("," + std::string(keys[ti]) + ",") == std::string::npos) continue;
@@ -599,6 +610,40 @@ int RunValidate(const std::vector<std::string>& args) {
                 static_cast<long long>(within), static_cast<long long>(cells), max_e);
     return max_e;
   };
+  // The sampling floor: the real system against itself, each point's pooled
+  // requests split into even and odd ones (the same minutes of the machine,
+  // half the requests each). No model can be expected closer to the pooled
+  // figures than the halves are to each other, divided by about sqrt(2).
+  {
+    double max_e = 0;
+    int64_t within = 0, cells = 0;
+    std::vector<double> es;
+    for (const auto& row : rows) {
+      Pooled half[2];
+      for (const json& j : row.real) {
+        json part[2] = {{{"requests", json::array()}}, {{"requests", json::array()}}};
+        size_t i = 0;
+        for (const auto& q : j["requests"]) part[i++ % 2]["requests"].push_back(q);
+        half[0].AddReal(part[0]);
+        half[1].AddReal(part[1]);
+      }
+      double a[4], b[4];
+      half[0].Quantiles(a);
+      half[1].Quantiles(b);
+      for (int k = 0; k < 4; ++k) {
+        const double mean = (a[k] + b[k]) / 2;
+        const double e = mean != 0 ? std::fabs(a[k] - b[k]) / mean : 0;
+        max_e = std::max(max_e, e);
+        within += e <= 0.15;
+        es.push_back(e);
+        ++cells;
+      }
+    }
+    std::printf(
+        "sampling floor (the real runs' even vs odd requests of each point, TTFT/TPOT cells): "
+        "%lld of %lld within 15%%; median %.3f, max %.3f\n",
+        static_cast<long long>(within), static_cast<long long>(cells), Median(es), max_e);
+  }
   auto real_pooled = [](const Compared& r) { return r.real_m; };
   // Each repeat's own percentiles, medians over the repeats: p90s of 20-60
   // requests, which swing far more from repeat to repeat than the pooled ones.
