@@ -400,6 +400,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
         a.back() = seed;  // serve ends with --seed S
         return a;
       };
+      // A second bench serve through the same coordinator, one request at a
+      // time, that keeps `process` busy during run `run`.
+      auto busy_load = [](size_t run, const char* prompts, const char* in, const char* out,
+                          const char* seed, const char* process) {
+        return Background{
+            run,
+            {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+             "--num-prompts", prompts, "--input-len", in, "--output-len", out, "--seed", seed},
+            process};
+      };
       if (tp) {
         bg.push_back({1,
                       {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype,
@@ -408,25 +418,13 @@ int RunCalibrate(const std::vector<std::string>& args) {
         runs.push_back(serve);
         // And the prefill worker next to the group decoding long outputs
         // (TpCost::prefill_busy_alpha), fresh prompts as the roles' below.
-        bg.push_back(
-            {2,
-             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
-              "--num-prompts", "40", "--input-len", "16", "--output-len", "1024", "--seed", "7003"},
-             "kvrelay-decode"});
+        bg.push_back(busy_load(2, "40", "16", "1024", "7003", "kvrelay-decode"));
         runs.push_back(with_seed("4245"));
       }
       if (roles) {
-        bg.push_back(
-            {1,
-             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
-              "--num-prompts", "40", "--input-len", "16", "--output-len", "1024", "--seed", "7001"},
-             "kvrelay-decode"});
+        bg.push_back(busy_load(1, "40", "16", "1024", "7001", "kvrelay-decode"));
         runs.push_back(with_seed("4243"));
-        bg.push_back(
-            {2,
-             {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
-              "--num-prompts", "400", "--input-len", "512", "--output-len", "1", "--seed", "7002"},
-             "kvrelay-prefill"});
+        bg.push_back(busy_load(2, "400", "512", "1", "7002", "kvrelay-prefill"));
         runs.push_back(with_seed("4244"));
       }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);

@@ -305,6 +305,18 @@ TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
   EXPECT_EQ(own->requests[1].ttft_s(), 1.0);
 }
 
+// 1P+1D TP 2 on a 2-core host, 0.25 s steps, a 1 GiB/s link: A (3 tokens)
+// at 0, B (1 token) at the instant A's KV lands (kTpKv).
+constexpr double kTpKv = 0.25 + 1.0 / (1 << 15);
+void TpTwoOnTwoCores(Profile* p, ClusterConfig* c, std::vector<SimRequest>* w) {
+  *p = Simple(0.25);
+  p->transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
+  p->tp[2].source = "test";
+  c->tp = 2;
+  c->shared_host_cores = 2;
+  *w = {{0.0, 32, 3, -1, 0}, {kTpKv, 32, 1, -1, 0}};
+}
+
 // A TP group keeps profile.tp[T].cores busy while it steps (its ranks wait
 // in the collectives), T when not given. 1P+1D TP 2 on 2 cores, 0.25 s steps:
 // A's prefill [0, 0.25], its KV lands 2^-15 s later (32 KiB at 1 GiB/s) and
@@ -313,15 +325,12 @@ TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
 // A finishes 0.5 after its KV. With cores = 2 (the default) 3 cores are
 // wanted of 2: both steps run at 2/3 speed (0.375 s), then A's last alone.
 TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
-  Profile p = Simple(0.25);
-  p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
-  p.tp[2].source = "test";
-  p.tp[2].cores = 1.0;
+  Profile p;
   ClusterConfig c;
-  c.tp = 2;
-  c.shared_host_cores = 2;
-  const double kv = 0.25 + 1.0 / (1 << 15);
-  const std::vector<SimRequest> w = {{0.0, 32, 3, -1, 0}, {kv, 32, 1, -1, 0}};
+  std::vector<SimRequest> w;
+  TpTwoOnTwoCores(&p, &c, &w);
+  p.tp[2].cores = 1.0;
+  const double kv = kTpKv;
   auto one = Simulate(p, c, w);
   ASSERT_TRUE(one.ok()) << one.status().ToString();
   EXPECT_EQ(one->requests[0].kv_ready_s, kv);
@@ -362,16 +371,13 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
 //    follows: A finishes kv + 0.34375 + 0.25.
 //  * alpha -0.5: (2/3) / max(2/3, 0.5) = 1, B's TTFT is its solo 0.25.
 TEST(ContentionTest, PrefillBusyAlphaNextToATpGroup) {
-  Profile p = Simple(0.25);
-  p.transports["tcp"] = {0, static_cast<double>(1 << 30), "test"};
-  p.tp[2].source = "test";
+  Profile p;
+  ClusterConfig c;
+  std::vector<SimRequest> w;
+  TpTwoOnTwoCores(&p, &c, &w);
   p.tp[2].prefill_busy_alpha = -0.25;
   p.tp[2].prefill_busy_source = "test";
-  ClusterConfig c;
-  c.tp = 2;
-  c.shared_host_cores = 2;
-  const double kv = 0.25 + 1.0 / (1 << 15);
-  const std::vector<SimRequest> w = {{0.0, 32, 3, -1, 0}, {kv, 32, 1, -1, 0}};
+  const double kv = kTpKv;
   auto r = Simulate(p, c, w);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_NEAR(r->requests[1].ttft_s(), 0.28125, 1e-12);
