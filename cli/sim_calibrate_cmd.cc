@@ -393,42 +393,79 @@ int RunCalibrate(const std::vector<std::string>& args) {
       // (fresh prompts: the first run's are in its prefix cache), the decode
       // while the prefill worker computes long prompts one after another.
       const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
-      std::vector<Background> bg;
-      std::vector<std::vector<std::string>> runs = {serve};
-      auto with_seed = [&](const char* seed) {
+      auto with_seed = [&](int seed) {
         std::vector<std::string> a = serve;
-        a.back() = seed;  // serve ends with --seed S
+        a.back() = std::to_string(seed);  // serve ends with --seed S
         return a;
       };
       // A second bench serve through the same coordinator, one request at a
-      // time, that keeps `process` busy during run `run`.
-      auto busy_load = [](size_t run, const char* prompts, const char* in, const char* out,
-                          const char* seed, const char* process) {
-        return Background{
-            run,
-            {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
-             "--num-prompts", prompts, "--input-len", in, "--output-len", out, "--seed", seed},
-            process};
+      // time, that keeps `process` busy.
+      auto busy_load = [](const char* prompts, const char* in, const char* out, int seed,
+                          const char* process) {
+        return Background{SIZE_MAX,
+                          {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency",
+                           "1", "--num-prompts", prompts, "--input-len", in, "--output-len", out,
+                           "--seed", std::to_string(seed)},
+                          process};
       };
+      // Slowdown probes: a run next to a background load, its p50 `metric`
+      // against the mean of the alone runs just before and just after it
+      // (fresh prompts each), so the machine's drift over the minutes of
+      // the calibration does not enter the ratio. Runs: alone, then per
+      // probe: busy, alone.
+      struct Probe {
+        Background load;
+        const char* metric;  // "ttft_ms" / "tpot_ms"
+      };
+      std::vector<Probe> probes;
       if (tp) {
-        bg.push_back({1,
-                      {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype,
-                       "--pp", "512", "--tg", "1", "--reps", "200", "--skip-batches"},
-                      ""});
-        runs.push_back(serve);
-        // And the prefill worker next to the group decoding long outputs
-        // (TpCost::prefill_busy_alpha), fresh prompts as the roles' below.
-        bg.push_back(busy_load(2, "40", "16", "1024", "7003", "kvrelay-decode"));
-        runs.push_back(with_seed("4245"));
+        probes.push_back(
+            {{SIZE_MAX,
+              {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype, "--pp",
+               "512", "--tg", "1", "--reps", "200", "--skip-batches"},
+              ""},
+             "tpot_ms"});
+        // The prefill worker next to the group decoding long outputs
+        // (TpCost::prefill_busy_alpha).
+        probes.push_back({busy_load("40", "16", "1024", 7003, "kvrelay-decode"), "ttft_ms"});
       }
-      if (roles) {
-        bg.push_back(busy_load(1, "40", "16", "1024", "7001", "kvrelay-decode"));
-        runs.push_back(with_seed("4243"));
-        bg.push_back(busy_load(2, "400", "512", "1", "7002", "kvrelay-prefill"));
-        runs.push_back(with_seed("4244"));
+      // The roles twice each (one such pair moved by x1.2 between two
+      // calibrations an hour apart).
+      for (int rep = 0; roles && rep < 2; ++rep) {
+        probes.push_back(
+            {busy_load("40", "16", "1024", 7001 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
+        probes.push_back(
+            {busy_load("400", "512", "1", 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
+      }
+      std::vector<Background> bg;
+      std::vector<std::vector<std::string>> runs = {serve};
+      int seed = 4243;
+      for (Probe& pr : probes) {
+        pr.load.run = runs.size();
+        bg.push_back(pr.load);
+        runs.push_back(with_seed(seed++));
+        runs.push_back(with_seed(seed++));
       }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
+      auto p50 = [&](size_t run, const char* what) {
+        return (*r)[run].report[what].value("p50", 0.0);
+      };
+      // Probe i's busy figure, the mean of its two alone ones, and their ratio.
+      struct Slowdown {
+        double busy = 0, alone = 0, s = 0;
+      };
+      auto slowdown = [&](size_t i) {
+        const char* m = probes[i].metric;
+        Slowdown d{p50(2 * i + 1, m), (p50(2 * i, m) + p50(2 * i + 2, m)) / 2, 0};
+        d.s = d.alone > 0 ? d.busy / d.alone : 0;
+        return d;
+      };
+      // The mean of probes i and i + 2 (the roles' two rounds).
+      auto mean_of = [&](size_t i, size_t j) {
+        const Slowdown x = slowdown(i), y = slowdown(j);
+        return Slowdown{(x.busy + y.busy) / 2, (x.alone + y.alone) / 2, (x.s + y.s) / 2};
+      };
       if (roles) {
         // s = busy / alone of the role's figure; busy_alpha as the TP
         // group's below: 1 / s = share / (1 + busy_alpha x others), the other
@@ -436,13 +473,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const double n_cores = UsableCores(), demand = 2;
         const double share = demand > n_cores ? n_cores / demand : 1.0;
         const double others = std::max(1e-9, std::min(demand - 1, n_cores - 1));
-        auto p50 = [&](size_t run, const char* what) {
-          return (*r)[run].report[what].value("p50", 0.0);
-        };
-        const double ttft_alone = p50(0, "ttft_ms"), ttft_busy = p50(1, "ttft_ms");
-        const double tpot_alone = p50(0, "tpot_ms"), tpot_busy = p50(2, "tpot_ms");
-        const double sp = ttft_alone > 0 ? ttft_busy / ttft_alone : 0;
-        const double sd = tpot_alone > 0 ? tpot_busy / tpot_alone : 0;
+        const Slowdown pre = mean_of(0, 2), dec = mean_of(1, 3);
+        const double ttft_alone = pre.alone, ttft_busy = pre.busy, sp = pre.s;
+        const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
         if (sp > 0 && sd > 0) {
           p.prefill.busy_alpha = std::max(0.0, (sp * share - 1) / others);
           p.decode.busy_alpha = std::max(0.0, (sd * share - 1) / others);
@@ -450,15 +483,19 @@ int RunCalibrate(const std::vector<std::string>& args) {
               "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
               " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D, " + th +
               " thread per worker, KV " + kv_dtype +
-              ") alone and next to a second bench serve (--max-concurrency 1) that keeps ";
+              ") next to a second bench serve (--max-concurrency 1) that keeps ";
           char fig[160];
-          std::snprintf(fig, sizeof(fig), "TTFT p50 %.1f ms vs %.1f alone (x%.3f)", ttft_busy,
-                        ttft_alone, sp);
+          std::snprintf(fig, sizeof(fig),
+                        "TTFT p50 %.1f ms vs %.1f alone (x%.3f; mean of 2 rounds, each against "
+                        "the alone runs just before and after it)",
+                        ttft_busy, ttft_alone, sp);
           p.prefill.busy_source =
               how + "the decode worker busy (--input-len 16 --output-len 1024): " + fig +
               ", busy_alpha = (s x share - 1) / others, " + date;
-          std::snprintf(fig, sizeof(fig), "TPOT p50 %.2f ms vs %.2f alone (x%.3f)", tpot_busy,
-                        tpot_alone, sd);
+          std::snprintf(fig, sizeof(fig),
+                        "TPOT p50 %.2f ms vs %.2f alone (x%.3f; mean of 2 rounds, each against "
+                        "the alone runs just before and after it)",
+                        tpot_busy, tpot_alone, sd);
           p.decode.busy_source =
               how + "the prefill worker busy (--input-len 512 --output-len 1): " + fig +
               ", busy_alpha = (s x share - 1) / others, " + date;
@@ -475,20 +512,19 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const double own = static_cast<double>(*input_len) + static_cast<double>(*output_len) / 2;
         const double ratio_model =
             p.step.DecodeOnlySeconds(2, own + 528) / p.step.DecodeOnlySeconds(1, own);
-        const double tpot_b2 = p50(1, "tpot_ms");
+        const double tpot_b2 = p50(1, "tpot_ms");  // the first probe: next to the long outputs
         std::printf(
             "%-14s next to the long outputs (batch 2): TPOT p50 %.2f ms, x%.2f of alone; the "
             "decode-only step model says x%.2f\n",
             t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
       }
       if (tp) {
-        const double alone = (*r)[0].report["tpot_ms"].value("p50", 0.0);
-        const double busy = (*r)[1].report["tpot_ms"].value("p50", 0.0);
-        tp_busy_slowdown = alone > 0 ? busy / alone : 0;
+        const Slowdown core = slowdown(0), pre = slowdown(1);
+        tp_busy_slowdown = core.s;
         std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
-                    t.name.c_str(), busy, alone, tp_busy_slowdown);
-        tp_prefill_alone = (*r)[0].report["ttft_ms"].value("p50", 0.0);
-        tp_prefill_busy = (*r)[2].report["ttft_ms"].value("p50", 0.0);
+                    t.name.c_str(), core.busy, core.alone, tp_busy_slowdown);
+        tp_prefill_alone = pre.alone;
+        tp_prefill_busy = pre.busy;
         std::printf("%-14s prefill next to the group decoding: TTFT p50 %.1f ms (alone %.1f)\n",
                     t.name.c_str(), tp_prefill_busy, tp_prefill_alone);
       }
@@ -648,13 +684,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
       tp2.prefill_busy_alpha = std::max({(share - 1) / others, (s * share - 1) / others, -0.9});
       char fig[200];
       std::snprintf(fig, sizeof(fig),
-                    "TTFT p50 %.1f ms vs %.1f alone (x%.3f), share %.3f, others %.2f",
+                    "TTFT p50 %.1f ms vs %.1f alone (x%.3f; alone: the runs just before and "
+                    "after it), share %.3f, others %.2f",
                     tp_prefill_busy, tp_prefill_alone, s, share, others);
       tp2.prefill_busy_source =
           "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
           " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D TP2, " + th +
           " thread per worker, KV " + kv_dtype +
-          ") alone and next to a second bench serve (--max-concurrency 1 --input-len 16 "
+          ") next to a second bench serve (--max-concurrency 1 --input-len 16 "
           "--output-len 1024) that keeps the TP group decoding: " +
           fig + ", prefill_busy_alpha = max(share - 1, s x share - 1) / others, " + date;
       std::printf("TP 2 group: the prefill next to it decoding x%.3f -> prefill_busy_alpha %.3f\n",
