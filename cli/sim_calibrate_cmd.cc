@@ -380,9 +380,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
-    std::vector<double> decode_cores;                  // per topology: decode CPU / decode wall
-    double tp_busy_slowdown = 0;                       // TP 2 TPOT next to a busy core / alone
-    double tp_prefill_alone = 0, tp_prefill_busy = 0;  // TTFT p50, ms: next to the group busy
+    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
@@ -425,9 +424,6 @@ int RunCalibrate(const std::vector<std::string>& args) {
                "512", "--tg", "1", "--reps", "200", "--skip-batches"},
               ""},
              "tpot_ms"});
-        // The prefill worker next to the group decoding long outputs
-        // (TpCost::prefill_busy_alpha).
-        probes.push_back({busy_load("40", "16", "1024", 7003, "kvrelay-decode"), "ttft_ms"});
       }
       // The roles twice each (one such pair moved by x1.2 between two
       // calibrations an hour apart).
@@ -519,14 +515,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
             t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
       }
       if (tp) {
-        const Slowdown core = slowdown(0), pre = slowdown(1);
+        const Slowdown core = slowdown(0);
         tp_busy_slowdown = core.s;
         std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
                     t.name.c_str(), core.busy, core.alone, tp_busy_slowdown);
-        tp_prefill_alone = pre.alone;
-        tp_prefill_busy = pre.busy;
-        std::printf("%-14s prefill next to the group decoding: TTFT p50 %.1f ms (alone %.1f)\n",
-                    t.name.c_str(), tp_prefill_busy, tp_prefill_alone);
       }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
@@ -672,31 +664,6 @@ int RunCalibrate(const std::vector<std::string>& args) {
                  "engine prefill that keeps a core busy";
     tp2.cores = tp_cores;
     tp2.busy_alpha = busy_alpha;
-    // The prefill next to the group stepping: s = its TTFT p50 busy / alone,
-    // 1 / s = share / (1 + alpha x others) in that situation (the prefill's
-    // core and the group's `cores` wanted), alpha at least the value that
-    // gives solo speed there (share - 1) / others.
-    if (tp_prefill_alone > 0 && tp_prefill_busy > 0) {
-      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
-      const double share = demand > n_cores ? n_cores / demand : 1.0;
-      const double others = std::max(1e-9, std::min(c, n_cores - 1));
-      const double s = tp_prefill_busy / tp_prefill_alone;
-      tp2.prefill_busy_alpha = std::max({(share - 1) / others, (s * share - 1) / others, -0.9});
-      char fig[200];
-      std::snprintf(fig, sizeof(fig),
-                    "TTFT p50 %.1f ms vs %.1f alone (x%.3f; alone: the runs just before and "
-                    "after it), share %.3f, others %.2f",
-                    tp_prefill_busy, tp_prefill_alone, s, share, others);
-      tp2.prefill_busy_source =
-          "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
-          " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D TP2, " + th +
-          " thread per worker, KV " + kv_dtype +
-          ") next to a second bench serve (--max-concurrency 1 --input-len 16 "
-          "--output-len 1024) that keeps the TP group decoding: " +
-          fig + ", prefill_busy_alpha = max(share - 1, s x share - 1) / others, " + date;
-      std::printf("TP 2 group: the prefill next to it decoding x%.3f -> prefill_busy_alpha %.3f\n",
-                  s, tp2.prefill_busy_alpha);
-    }
     FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
   } else {
     p.tp[2].source = "not measured (--skip-serve): placeholder";

@@ -151,9 +151,8 @@ struct Worker {
   double rate = 1;
   double since = 0;
   double alpha = 0;
-  // A TP group's busy_alpha, a disaggregated role's (ServingOverhead::
-  // busy_alpha) or the prefill's next to a TP group (TpCost::
-  // prefill_busy_alpha) replaces the contention mix; NaN: the mix.
+  // A TP group's busy_alpha, or a disaggregated role's (ServingOverhead::
+  // busy_alpha), replaces the contention mix; NaN: the mix.
   double tp_alpha = std::numeric_limits<double>::quiet_NaN();
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
@@ -321,15 +320,11 @@ void Simulator::Setup() {
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
     // The roles' busy_alpha was measured in 1P+1D (TP 1): next to a TP group
-    // (its ranks block in the collectives) the prefill has its own when
-    // measured (TpCost::prefill_busy_alpha), else the contention mix; a TP
-    // group has its own (TpCost::busy_alpha).
+    // (its ranks block in the collectives) the prefill's is not measured and
+    // the contention mix applies; a TP group has its own (TpCost).
     if (o.busy_alpha >= 0 &&
         (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1))) {
       w.tp_alpha = o.busy_alpha;
-    }
-    if (kind == Worker::Kind::kPrefill && config_.tp > 1) {
-      w.tp_alpha = profile_.Tp(config_.tp).prefill_busy_alpha;
     }
     if (kind != Worker::Kind::kDecode) {
       w.cache = std::make_unique<BlockLru>(capacity);
@@ -758,8 +753,7 @@ void Simulator::Rerate() {
     w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
     w.since = now;
     const double others = std::max(0.0, std::min(busy_cores_ - w.cores, n - w.cores));
-    // Never above solo speed (a negative alpha: TpCost::prefill_busy_alpha).
-    const double rate = share / std::max(share, 1 + w.alpha * others);
+    const double rate = share / (1 + w.alpha * others);
     if (rate == w.rate) continue;
     w.rate = rate;
     ++w.version;

@@ -54,12 +54,6 @@ Status Profile::Validate() const {
                              ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
                              "busy_alpha >= 0");
     }
-    if (!std::isnan(c.prefill_busy_alpha) &&
-        (!(c.prefill_busy_alpha > -1) || !std::isfinite(c.prefill_busy_alpha) ||
-         c.prefill_busy_source.empty())) {
-      return InvalidArgument("profile.tp." + std::to_string(t) +
-                             ": prefill_busy_alpha must be > -1 and have a prefill_busy_source");
-    }
   }
   if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
       !std::isfinite(contention.decode_alpha) || !std::isfinite(contention.prefill_alpha)) {
@@ -253,10 +247,6 @@ std::string ProfileToJson(const Profile& p) {
          {"cores", c.cores},
          {"busy_alpha", c.busy_alpha},
          {"source", c.source}};
-    if (!std::isnan(c.prefill_busy_alpha)) {
-      e["prefill_busy_alpha"] = c.prefill_busy_alpha;
-      e["prefill_busy_source"] = c.prefill_busy_source;
-    }
   }
   json j = {
       {"name", p.name},
@@ -365,12 +355,6 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
-      if (v.contains("prefill_busy_alpha")) {
-        RETURN_IF_ERROR(
-            Read(v, "tp." + key + ".", "prefill_busy_alpha", &c.prefill_busy_alpha, true));
-        RETURN_IF_ERROR(
-            Read(v, "tp." + key + ".", "prefill_busy_source", &c.prefill_busy_source, true));
-      }
       p.tp[t] = c;
     }
   }

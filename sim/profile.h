@@ -23,7 +23,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -81,15 +80,6 @@ struct TpCost {
   std::string source;
   double cores = 0;
   double busy_alpha = 0;
-  // The prefill worker's busy_alpha next to this group while it steps (as
-  // ServingOverhead::busy_alpha, measured on 1P+1D TP T: the prefill's TTFT
-  // next to a load that keeps the group decoding); NaN: not measured, the
-  // contention mix applies. It may be negative, down to the value at which
-  // the measured situation runs at solo speed: the fluid share counts the
-  // group's `cores` as wanted all the time, and a group whose ranks block in
-  // their collectives yields some of them to a third process.
-  double prefill_busy_alpha = std::numeric_limits<double>::quiet_NaN();
-  std::string prefill_busy_source;
 };
 
 // Worker processes slowing each other down on one host (the single-node

@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 
 #include "sim/cluster_sim.h"
 #include "sim/event_queue.h"
@@ -361,44 +360,6 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   EXPECT_EQ(roles->requests[0].finish_s, kv + 0.375 + 0.25);
 }
 
-// The prefill's own alpha next to a TP group (TpCost::prefill_busy_alpha)
-// replaces the contention mix, negative included, never above solo speed.
-// The setup of TpGroupCoresAndBusyAlpha with cores = T = 2: while B's prefill
-// and the group step, 3 cores are wanted of 2 (share 2/3) and the prefill
-// sees 1 other busy core.
-//  * alpha -0.25: B's prefill runs at (2/3) / 0.75 = 8/9, 0.28125 s; the
-//    group's step at 2/3 has 0.0625 s left then, alone, and A's last step
-//    follows: A finishes kv + 0.34375 + 0.25.
-//  * alpha -0.5: (2/3) / max(2/3, 0.5) = 1, B's TTFT is its solo 0.25.
-TEST(ContentionTest, PrefillBusyAlphaNextToATpGroup) {
-  Profile p;
-  ClusterConfig c;
-  std::vector<SimRequest> w;
-  TpTwoOnTwoCores(&p, &c, &w);
-  p.tp[2].prefill_busy_alpha = -0.25;
-  p.tp[2].prefill_busy_source = "test";
-  const double kv = kTpKv;
-  auto r = Simulate(p, c, w);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_NEAR(r->requests[1].ttft_s(), 0.28125, 1e-12);
-  EXPECT_NEAR(r->requests[0].finish_s, kv + 0.34375 + 0.25, 1e-12);
-  p.tp[2].prefill_busy_alpha = -0.5;
-  auto solo = Simulate(p, c, w);
-  ASSERT_TRUE(solo.ok());
-  EXPECT_NEAR(solo->requests[1].ttft_s(), 0.25, 1e-12);
-  // Not measured (NaN): the contention mix, 0 here, and the share: 0.375.
-  p.tp[2].prefill_busy_alpha = std::numeric_limits<double>::quiet_NaN();
-  auto mix = Simulate(p, c, w);
-  ASSERT_TRUE(mix.ok());
-  EXPECT_NEAR(mix->requests[1].ttft_s(), 0.375, 1e-12);
-  // Out of range, or without its source: a named error.
-  p.tp[2].prefill_busy_alpha = -1;
-  EXPECT_FALSE(p.Validate().ok());
-  p.tp[2].prefill_busy_alpha = 0.5;
-  p.tp[2].prefill_busy_source.clear();
-  EXPECT_FALSE(p.Validate().ok());
-}
-
 // A disaggregated role's busy_alpha replaces the contention mix for its
 // steps. 1P+1D on 2 cores, 0.25 s steps, A's KV lands at kv, when B arrives:
 // A's decode steps and B's prefill then hold a core each (others = 1).
@@ -598,13 +559,6 @@ TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
   EXPECT_EQ(back->tp.at(2).cores, 1.25);
   EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
-  EXPECT_TRUE(std::isnan(back->tp.at(2).prefill_busy_alpha));  // not measured: not written
-  p.tp[2].prefill_busy_alpha = -0.125;
-  p.tp[2].prefill_busy_source = "test";
-  auto measured = ProfileFromJson(ProfileToJson(p));
-  ASSERT_TRUE(measured.ok()) << measured.status().ToString();
-  EXPECT_EQ(measured->tp.at(2).prefill_busy_alpha, -0.125);
-  EXPECT_EQ(measured->tp.at(2).prefill_busy_source, "test");
   EXPECT_EQ(back->contention.decode_alpha, 0.125);
   EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
   p.serving_cpu = {0.5, 0.25, 0.125, 0.0625, "test"};
