@@ -480,21 +480,21 @@ int RunCalibrate(const std::vector<std::string>& args) {
               " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D, " + th +
               " thread per worker, KV " + kv_dtype +
               ") next to a second bench serve (--max-concurrency 1) that keeps ";
-          char fig[160];
-          std::snprintf(fig, sizeof(fig),
-                        "TTFT p50 %.1f ms vs %.1f alone (x%.3f; mean of 2 rounds, each against "
-                        "the alone runs just before and after it)",
-                        ttft_busy, ttft_alone, sp);
+          // The figure each busy_source gives: "<metric> p50 <busy> ms vs <alone> alone (xs; ...)".
+          auto source = [&](const char* metric, int digits, double busy, double alone, double s,
+                            const char* keeps) {
+            char fig[200];
+            std::snprintf(fig, sizeof(fig),
+                          "%s p50 %.*f ms vs %.*f alone (x%.3f; mean of 2 rounds, each against "
+                          "the alone runs just before and after it)",
+                          metric, digits, busy, digits, alone, s);
+            return how + keeps + ": " + fig + ", busy_alpha = (s x share - 1) / others, " + date;
+          };
           p.prefill.busy_source =
-              how + "the decode worker busy (--input-len 16 --output-len 1024): " + fig +
-              ", busy_alpha = (s x share - 1) / others, " + date;
-          std::snprintf(fig, sizeof(fig),
-                        "TPOT p50 %.2f ms vs %.2f alone (x%.3f; mean of 2 rounds, each against "
-                        "the alone runs just before and after it)",
-                        tpot_busy, tpot_alone, sd);
-          p.decode.busy_source =
-              how + "the prefill worker busy (--input-len 512 --output-len 1): " + fig +
-              ", busy_alpha = (s x share - 1) / others, " + date;
+              source("TTFT", 1, ttft_busy, ttft_alone, sp,
+                     "the decode worker busy (--input-len 16 --output-len 1024)");
+          p.decode.busy_source = source("TPOT", 2, tpot_busy, tpot_alone, sd,
+                                        "the prefill worker busy (--input-len 512 --output-len 1)");
         }
         std::printf(
             "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f) "

@@ -526,7 +526,12 @@ int RunValidate(const std::vector<std::string>& args) {
         const int o = rq[i].value("output_tokens", 0);
         one.push_back({{"start_s", rq[i].value("start_s", 0.0)},
                        {"ttft_ms", {ttft, sq[i].ttft_s() * 1e3}},
-                       {"tpot_ms", {o > 1 ? (e2e - ttft) / (o - 1) : 0, sq[i].tpot_s() * 1e3}}});
+                       {"tpot_ms", {o > 1 ? (e2e - ttft) / (o - 1) : 0, sq[i].tpot_s() * 1e3}},
+                       {"itl_ms", rq[i].value("itl_ms", json::array())},
+                       // Where the simulator put it and when its prefill ran.
+                       {"sim_worker", sq[i].prefill_worker},
+                       {"sim_prefill_s", {sq[i].prefill_start_s, sq[i].first_token_s}},
+                       {"sim_finish_s", sq[i].finish_s}});
       }
       by_repeat.push_back(std::move(one));
     }

@@ -382,7 +382,8 @@ PrefixBlockHash Simulator::HashOf(uint32_t r, int64_t block) const {
   return BlockHash(shared ? static_cast<uint64_t>(q.prefix_group) : r, shared, block);
 }
 
-// Heartbeats: a worker publishes its state after each step; every
+// Heartbeats: a worker publishes its state after each step (a prefill or
+// colocated worker also at its start, MaybeStep); every
 // heartbeat_s (ticks at multiples of it) the coordinator receives the latest
 // publication. Publish keeps `at_tick` = the latest publication at or before
 // the last tick preceding `published`.
@@ -710,6 +711,14 @@ void Simulator::MaybeStep(size_t wi) {
   w.submitted_in_step = 0;
   w.requests_in_step = 0;
   SyncInfo(w);
+  if (config_.heartbeat_s > 0 && w.kind != Worker::Kind::kDecode) {
+    // A prefill or colocated worker's role is its engine's KV connector and
+    // publishes again after every layer of a step (PrefillRole::SaveLayer):
+    // a heartbeat during a prefill carries the prompt it is computing. Taken
+    // at the step's start (the real one comes after the first layer).
+    Publish(w);
+    MarkViewDirty(wi);
+  }
   if (config_.shared_host_cores <= 0) {
     events_.Push(now + d, kStepEnd, static_cast<uint32_t>(wi), w.version);
     return;

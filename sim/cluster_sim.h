@@ -69,11 +69,13 @@ struct ClusterConfig {
   // 0: the router sees every worker's state exactly at each decision. > 0:
   // as the real coordinator, it sees what the workers' heartbeats carried
   // (every heartbeat_s, the real default 0.5 s): the
-  // state each worker published after its last step before the latest tick,
-  // plus the prompt tokens (and decode blocks) the coordinator itself routed
-  // there since that tick. A prompt leaves a worker's queued count when its
-  // prefill ends, so after a tick the router sees mostly empty queues and
-  // ties go to the lowest worker id.
+  // state each worker last published before the latest tick (after every
+  // step; a prefill or colocated worker also during each step, with the
+  // prompts it is computing), plus the prompt tokens (and decode blocks) the
+  // coordinator itself routed there since that tick. A prompt leaves a
+  // worker's queued count when its prefill ends, so after a tick the router
+  // sees mostly empty queues and ties go to the smaller running batch, then
+  // the lowest worker id.
   double heartbeat_s = 0;
   // Ticks at heartbeat_phase_s + k heartbeat_s (the real phase is each
   // worker's registration time, unknown to a replay).

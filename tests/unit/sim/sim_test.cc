@@ -444,18 +444,20 @@ TEST(ContentionTest, ServingCpuTakesItsShareOfTheCores) {
 
 // The router sees what heartbeats carried (ticks every 0.5 s here) plus the
 // prompt tokens the coordinator routed since the last tick; a worker
-// publishes its state after each step, and a prompt leaves its queued count
-// when its prefill ends. Hand-computed with 0.25 s steps of 16 tokens:
+// publishes its state after each step and (prefill, colocated) at each step's
+// start, and a prompt leaves its queued count when its prefill ends.
+// Hand-computed with 0.25 s steps of 16 tokens:
 //  * A at 0, B at 0.125: A's 16 routed tokens show on worker 0 until the next
 //    tick, so B goes to worker 1 (as with exact inputs).
 //  * A at 0.375, B at 0.5: the 0.5 tick replaced the accounting with worker
-//    0's last publication (none: its step ends at 0.625), so B ties and goes
-//    to worker 0 (lowest id) and waits for A's step: TTFT 0.625 + 0.25 - 0.5.
-//    Exact inputs see A's pending prompt there and send B to worker 1.
-//    With ticks at 0.25 + k/2 instead, A and B share a window: worker 1.
-//  * A has 48 tokens (3 chunks, ends 0.75; publishes 32, 16, 0 queued at
-//    0.25, 0.5, 0.75); B at 0.875 sees the 0.5 tick's 16 on worker 0 and
-//    goes to worker 1, where exact inputs (both idle) pick worker 0.
+//    0's publication at the start of A's step (16 queued, 1 running), so B
+//    goes to worker 1. Were the worker to publish after its steps only (the
+//    simulator before), the tick would carry nothing and B would tie and go
+//    to worker 0, behind A: TTFT 0.625 + 0.25 - 0.5 instead of 0.25.
+//  * A has 48 tokens (3 chunks, ends 0.75; publishes 48, 32, 16 queued at
+//    0, 0.25, 0.5 and 0 at 0.75); B at 0.875 sees the 0.5 tick's 16 on worker
+//    0 and goes to worker 1, where exact inputs (both idle) pick worker 0.
+//    With ticks at 0.25 + k/2, B sees the 0.75 tick: worker 0 idle, worker 0.
 TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
   Profile p = Simple(0.25);
   p.max_step_tokens = 16;
@@ -467,14 +469,10 @@ TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
   EXPECT_EQ(within->requests[1].ttft_s(), 0.25);
 
   const std::vector<SimRequest> herd = {{0.375, 16, 1, -1, 0}, {0.5, 16, 1, -1, 0}};
-  auto stale = Simulate(p, c, herd);
-  ASSERT_TRUE(stale.ok());
-  EXPECT_EQ(stale->requests[1].prefill_worker, 0);
-  EXPECT_EQ(stale->requests[1].ttft_s(), 0.625 + 0.25 - 0.5);
-  c.heartbeat_phase_s = 0.25;  // ticks at 0.25, 0.75: A and B share a window
-  auto shifted = Simulate(p, c, herd);
-  ASSERT_TRUE(shifted.ok());
-  EXPECT_EQ(shifted->requests[1].prefill_worker, 1);
+  auto during = Simulate(p, c, herd);
+  ASSERT_TRUE(during.ok());
+  EXPECT_EQ(during->requests[1].prefill_worker, 1);
+  EXPECT_EQ(during->requests[1].ttft_s(), 0.25);
   c.heartbeat_phase_s = 0.5;  // not in [0, heartbeat_s)
   EXPECT_FALSE(Simulate(p, c, herd).ok());
   c.heartbeat_phase_s = 0;
@@ -483,6 +481,11 @@ TEST(SimulatorTest, HeartbeatStaleRouterInputs) {
   ASSERT_TRUE(seen.ok());
   EXPECT_EQ(seen->requests[0].ttft_s(), 0.75);
   EXPECT_EQ(seen->requests[1].prefill_worker, 1);
+  c.heartbeat_phase_s = 0.25;  // ticks at 0.25, 0.75: the 0.75 one saw A done
+  auto shifted = Simulate(p, c, busy);
+  ASSERT_TRUE(shifted.ok());
+  EXPECT_EQ(shifted->requests[1].prefill_worker, 0);
+  c.heartbeat_phase_s = 0;
 
   c.heartbeat_s = 0;  // exact inputs
   auto exact = Simulate(p, c, herd);
