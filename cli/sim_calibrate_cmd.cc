@@ -467,7 +467,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
         // group's below: 1 / s = share / (1 + busy_alpha x others), the other
         // role keeping one core busy.
         const double n_cores = UsableCores(), demand = 2;
-        const double share = demand > n_cores ? n_cores / demand : 1.0;
+        std::vector<sim::CoreDemand> wants = {{1.0, 1.0}, {1.0, 1.0}};
+        const double share = std::min(1.0, sim::FairLevel(wants, n_cores));
         const double others = std::max(1e-9, std::min(demand - 1, n_cores - 1));
         const Slowdown pre = mean_of(0, 2), dec = mean_of(1, 3);
         const double ttft_alone = pre.alone, ttft_busy = pre.busy, sp = pre.s;
@@ -565,20 +566,28 @@ int RunCalibrate(const std::vector<std::string>& args) {
     // block in the collectives), at most 2 (0 = 2 when not measurable). Its
     // busy_alpha: what makes the model reproduce its slowdown s next to one
     // busy core, 1 / s = share / (1 + busy_alpha x others), with the share
-    // and the other busy cores the fluid model gives that situation.
+    // (sim::FairLevel) and the other busy cores the fluid model gives that
+    // situation.
     const double n_cores = UsableCores();
     const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
-    double busy_alpha = 0;
+    // Its share_weight: when it got more than an even share of the cores
+    // (c / s of them, the busy core's process the rest, less than its one),
+    // the weight that gives it that; otherwise 1, and busy_alpha the rest of
+    // its slowdown.
+    double busy_alpha = 0, weight = 1;
     if (tp_busy_slowdown > 0) {
       const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
-      const double share = demand > n_cores ? n_cores / demand : 1.0;
+      const double got = c / tp_busy_slowdown, rest = n_cores - got;
+      if (got < c && rest > 0 && rest < 1 && got > rest) weight = got / rest;
+      std::vector<sim::CoreDemand> wants = {{1.0, 1.0}, {c, weight}};
+      const double share = std::min(1.0, weight * sim::FairLevel(wants, n_cores) / c);
       const double others = std::max(1e-9, std::min(demand - c, n_cores - c));
       busy_alpha = std::max(0.0, (tp_busy_slowdown * share - 1) / others);
     }
     std::printf(
-        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> busy_alpha "
-        "%.3f\n",
-        decode_cores[2], tp_busy_slowdown, busy_alpha);
+        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> share_weight "
+        "%.3f, busy_alpha %.3f\n",
+        decode_cores[2], tp_busy_slowdown, weight, busy_alpha);
     // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
     //     (/proc) and the bench serve client's (getrusage) over two runs on
     //     the colocated topology that differ only in output length, less the
@@ -660,10 +669,11 @@ int RunCalibrate(const std::vector<std::string>& args) {
     sim::TpCost& tp2 = p.tp[2];
     tp2.source = source("1P+1D TP2") +
                  "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
-                 "decode time; busy_alpha from the TPOT p50 of a second run next to a bench "
-                 "engine prefill that keeps a core busy";
+                 "decode time; share_weight and busy_alpha from the TPOT p50 of a second run "
+                 "next to a bench engine prefill that keeps a core busy";
     tp2.cores = tp_cores;
     tp2.busy_alpha = busy_alpha;
+    tp2.share_weight = weight;
     FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
   } else {
     p.tp[2].source = "not measured (--skip-serve): placeholder";

@@ -154,6 +154,7 @@ struct Worker {
   // A TP group's busy_alpha, or a disaggregated role's (ServingOverhead::
   // busy_alpha), replaces the contention mix; NaN: the mix.
   double tp_alpha = std::numeric_limits<double>::quiet_NaN();
+  double share_weight = 1;  // in the host's fair sharing (TpCost::share_weight)
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
   // last published (after a step; as the real loop does before it reads new
@@ -181,6 +182,28 @@ struct Worker {
   std::vector<std::pair<std::pair<int, uint64_t>, size_t>> keys_scratch;
   std::vector<Seq> running_scratch;
 };
+
+}  // namespace
+
+double FairLevel(std::vector<CoreDemand>& demands, double cores) {
+  // By the level at which each one is satisfied (cores / weight), ascending:
+  // while the next one is satisfied below the even level of what is left,
+  // it takes its cores whole.
+  std::sort(demands.begin(), demands.end(), [](const CoreDemand& a, const CoreDemand& b) {
+    return a.cores / a.weight < b.cores / b.weight;
+  });
+  double left = cores, weights = 0;
+  for (const CoreDemand& d : demands) weights += d.weight;
+  for (const CoreDemand& d : demands) {
+    const double even = left / weights;
+    if (d.cores / d.weight > even) return even;
+    left -= d.cores;
+    weights -= d.weight;
+  }
+  return std::numeric_limits<double>::infinity();
+}
+
+namespace {
 
 // Prompt tokens of s not computed yet (what a worker reports as queued).
 int64_t PendingPrompt(const Seq& s) { return s.prompt - std::min(s.computed, s.prompt); }
@@ -275,7 +298,7 @@ class Simulator {
     uint64_t version = 0;
   };
   Service services_[2];
-  double service_cores_ = 0;  // busy services
+  std::vector<CoreDemand> demands_;  // Rerate's scratch: the busy services and workers
   double worker_cpu_s_ = 0, serving_cpu_s_ = 0;
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
@@ -359,7 +382,10 @@ void Simulator::Setup() {
     add(Worker::Kind::kDecode, id, profile_.decode, tp.step_scale, tp.per_step_s,
         profile_.kv_pool_blocks);
     workers_.back().cores = tp.cores > 0 ? tp.cores : config_.tp;
-    if (config_.tp > 1) workers_.back().tp_alpha = tp.busy_alpha;
+    if (config_.tp > 1) {
+      workers_.back().tp_alpha = tp.busy_alpha;
+      workers_.back().share_weight = tp.share_weight;
+    }
   }
   if (config_.shared_host_cores > 0) {
     const ServingCpu& s = profile_.serving_cpu;
@@ -745,13 +771,18 @@ void Simulator::MaybeStep(size_t wi) {
 void Simulator::Rerate() {
   const double now = events_.now();
   const double n = config_.shared_host_cores;
-  const double demand = busy_cores_ + service_cores_;
-  const double share = demand > n ? n / demand : 1.0;
+  demands_.clear();
+  for (const Service& s : services_) {
+    if (s.busy) demands_.push_back({1.0, 1.0});
+  }
+  for (size_t wi : stepping_) demands_.push_back({workers_[wi].cores, workers_[wi].share_weight});
+  const double level = FairLevel(demands_, n);
   for (size_t i = 0; i < 2; ++i) {
     Service& s = services_[i];
     if (!s.busy) continue;
     s.work_left = std::max(0.0, s.work_left - s.rate * (now - s.since));
     s.since = now;
+    const double share = std::min(1.0, level);
     if (share == s.rate) continue;
     s.rate = share;
     ++s.version;
@@ -762,7 +793,7 @@ void Simulator::Rerate() {
     w.work_left = std::max(0.0, w.work_left - w.rate * (now - w.since));
     w.since = now;
     const double others = std::max(0.0, std::min(busy_cores_ - w.cores, n - w.cores));
-    const double rate = share / (1 + w.alpha * others);
+    const double rate = std::min(1.0, w.share_weight * level / w.cores) / (1 + w.alpha * others);
     if (rate == w.rate) continue;
     w.rate = rate;
     ++w.version;
@@ -786,7 +817,6 @@ void Simulator::AddServiceWork(size_t i, double seconds) {
   s.work_left = seconds;
   s.since = now;
   s.rate = 0;  // Rerate schedules its end
-  service_cores_ += 1;
   Rerate();
 }
 
@@ -795,8 +825,6 @@ void Simulator::OnServiceDone(size_t i, uint64_t version) {
   if (!s.busy || version != s.version) return;  // more work or a new rate since
   s.busy = false;
   s.work_left = 0;
-  service_cores_ -= 1;
-  if (service_cores_ < 0.5) service_cores_ = 0;
   Rerate();
 }
 

@@ -54,17 +54,18 @@ struct ClusterConfig {
   int64_t store_blocks = 0;          // prefix tier (RocksDB) per prefill/colocated worker; 0 = none
   // 0: every worker (every TP rank) has a machine of its own. N > 0: all of
   // them share one host of N cores (the single-node topologies `kvrelay sim
-  // validate` compares with), as a fluid model: a stepping worker keeps
-  // c cores busy (1; a TP group profile.tp[T].cores), and while the busy
-  // workers want D cores in all and S of the serving path's two processes
-  // (coordinator, client: profile.serving_cpu) have work, each one's step
-  // advances at rate
-  //   min(1, N / (D + S)) / (1 + alpha x min(D - c, N - c))
-  // of its solo speed, alpha the profile's contention for the step's mix of
-  // decode and prefill work (a TP group: profile.tp[T].busy_alpha; a
-  // disaggregated role: profile.prefill / decode .busy_alpha when measured), and a
-  // busy serving process at min(1, N / (D + S)); every start and end of a
-  // step or of a serving process's work re-rates the others' remaining work.
+  // validate` compares with), as a fluid model: a stepping worker wants c
+  // cores (1; a TP group profile.tp[T].cores) and a serving process of the
+  // two (coordinator, client: profile.serving_cpu) with work 1; the N cores
+  // are shared max-min fairly (FairLevel: each gets min(demand, L), L the
+  // level that fills them), and a worker's step advances at rate
+  //   min(1, L / c) / (1 + alpha x min(D - c, N - c))
+  // of its solo speed, D the busy workers' cores, alpha the profile's
+  // contention for the step's mix of decode and prefill work (a TP group:
+  // profile.tp[T].busy_alpha; a disaggregated role: profile.prefill / decode
+  // .busy_alpha when measured), and a busy serving process at min(1, L);
+  // every start and end of a step or of a serving process's work re-rates
+  // the others' remaining work.
   int shared_host_cores = 0;
   // 0: the router sees every worker's state exactly at each decision. > 0:
   // as the real coordinator, it sees what the workers' heartbeats carried
@@ -148,6 +149,19 @@ struct SimResult {
     return prompt_tokens > 0 ? static_cast<double>(cached_tokens) / prompt_tokens : 0;
   }
 };
+
+// One process's claim on a shared host: the cores it wants and its weight.
+struct CoreDemand {
+  double cores = 1;
+  double weight = 1;
+};
+// The water level of weighted max-min fair sharing: processes with `demands`
+// (reordered) on `cores` cores each get min(cores wanted, weight x level);
+// infinity when all of them fit. Not a proportional split: a TP 2 group whose
+// ranks want 1.41 cores next to a prefill wanting 1, on 2 cores, measured
+// x1.35 and the prefill x1.04 (the group got ~1.04 cores: weight 1.09), where
+// scaling both by 2 / 2.41 slowed the prefill x1.2.
+double FairLevel(std::vector<CoreDemand>& demands, double cores);
 
 Result<SimResult> Simulate(const Profile& profile, const ClusterConfig& config,
                            const std::vector<SimRequest>& workload, const SimOptions& options = {});

@@ -49,10 +49,11 @@ Status Profile::Validate() const {
   }
   for (const auto& [t, c] : tp) {
     if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t ||
-        !(c.busy_alpha >= 0) || !std::isfinite(c.busy_alpha)) {
+        !(c.busy_alpha >= 0) || !std::isfinite(c.busy_alpha) || !(c.share_weight > 0) ||
+        !std::isfinite(c.share_weight)) {
       return InvalidArgument("profile.tp." + std::to_string(t) +
                              ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
-                             "busy_alpha >= 0");
+                             "busy_alpha >= 0, share_weight > 0");
     }
   }
   if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
@@ -242,11 +243,8 @@ std::string ProfileToJson(const Profile& p) {
   json tp = json::object();
   for (const auto& [t, c] : p.tp) {
     json& e = tp[std::to_string(t)];
-    e = {{"step_scale", c.step_scale},
-         {"per_step_s", c.per_step_s},
-         {"cores", c.cores},
-         {"busy_alpha", c.busy_alpha},
-         {"source", c.source}};
+    e = {{"step_scale", c.step_scale}, {"per_step_s", c.per_step_s},     {"cores", c.cores},
+         {"busy_alpha", c.busy_alpha}, {"share_weight", c.share_weight}, {"source", c.source}};
   }
   json j = {
       {"name", p.name},
@@ -354,6 +352,7 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "per_step_s", &c.per_step_s, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
+      RETURN_IF_ERROR(Read(v, "tp." + key + ".", "share_weight", &c.share_weight, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
       p.tp[t] = c;
     }

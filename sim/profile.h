@@ -73,13 +73,17 @@ struct LinkCost {
 // collectives, so less than T; 0 means T), and a step of the group runs
 // 1 + busy_alpha x (other busy cores) slower (its ranks synchronise in every
 // layer: one that loses its core stalls the others), in place of the
-// profile's contention alpha.
+// profile's contention alpha. share_weight is its weight in the host's
+// max-min fair sharing (sim::FairLevel): above 1 when the group gets more
+// than an even share of an oversubscribed host (its ranks sleep in the
+// collectives, and the scheduler favours a thread that wakes).
 struct TpCost {
   double step_scale = 1.0;
   double per_step_s = 0;
   std::string source;
   double cores = 0;
   double busy_alpha = 0;
+  double share_weight = 1.0;
 };
 
 // Worker processes slowing each other down on one host (the single-node

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "sim/cluster_sim.h"
 #include "sim/event_queue.h"
@@ -304,6 +305,29 @@ TEST(ContentionTest, AlphaSlowsConcurrentStepsByTheirMix) {
   EXPECT_EQ(own->requests[1].ttft_s(), 1.0);
 }
 
+// Max-min fair shares, by hand: what fits is given whole; the rest is split
+// evenly among those that want more than their even part.
+TEST(ContentionTest, FairLevelIsTheWaterLevel) {
+  const double kAll = std::numeric_limits<double>::infinity();
+  std::vector<CoreDemand> fits = {{1, 1}, {1, 1}};
+  EXPECT_EQ(FairLevel(fits, 2), kAll);
+  std::vector<CoreDemand> tp = {{1.4, 1}, {1, 1}};  // a TP 2 group next to a prefill, 2 cores
+  EXPECT_EQ(FairLevel(tp, 2), 1);
+  std::vector<CoreDemand> three = {{1, 1}, {1, 1}, {1, 1}};  // two workers and the coordinator
+  EXPECT_DOUBLE_EQ(FairLevel(three, 2), 2.0 / 3);
+  std::vector<CoreDemand> mixed = {{0.5, 1}, {2, 1}, {3, 1}};  // 0.5 whole, then 3.5 / 2 each
+  EXPECT_EQ(FairLevel(mixed, 4), 1.75);
+  // Weighted: the group (weight 1.5) gets 1.5 x level = 1.2, the prefill 0.8.
+  std::vector<CoreDemand> weighted = {{1.4, 1.5}, {1, 1}};
+  EXPECT_DOUBLE_EQ(FairLevel(weighted, 2), 0.8);
+  // A weight that lets the group's whole demand fit below the level: it
+  // takes its 1.2 and the prefill the remaining 0.8.
+  std::vector<CoreDemand> whole = {{1.2, 2}, {1, 1}};
+  EXPECT_DOUBLE_EQ(FairLevel(whole, 2), 0.8);
+  std::vector<CoreDemand> none;
+  EXPECT_EQ(FairLevel(none, 2), kAll);
+}
+
 // 1P+1D TP 2 on a 2-core host, 0.25 s steps, a 1 GiB/s link: A (3 tokens)
 // at 0, B (1 token) at the instant A's KV lands (kTpKv).
 constexpr double kTpKv = 0.25 + 1.0 / (1 << 15);
@@ -322,7 +346,10 @@ void TpTwoOnTwoCores(Profile* p, ClusterConfig* c, std::vector<SimRequest>* w) {
 // its two decode steps start then, B's prefill at the same instant. With
 // cores = 1 the host is not oversubscribed (1 + 1 = 2): B's TTFT is 0.25 and
 // A finishes 0.5 after its KV. With cores = 2 (the default) 3 cores are
-// wanted of 2: both steps run at 2/3 speed (0.375 s), then A's last alone.
+// wanted of 2, shared max-min fairly: B's prefill keeps its core (TTFT 0.25)
+// and the group gets the other, half its 2 (0.125 of its step done by
+// kv + 0.25, the rest alone by kv + 0.375), then A's last step alone.
+// Scaling both by 2/3 instead gave B 0.375.
 TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   Profile p;
   ClusterConfig c;
@@ -338,8 +365,17 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   p.tp[2].cores = 0;  // = T
   auto two = Simulate(p, c, w);
   ASSERT_TRUE(two.ok());
-  EXPECT_NEAR(two->requests[1].ttft_s(), 0.375, 1e-12);
+  EXPECT_EQ(two->requests[1].ttft_s(), 0.25);
   EXPECT_NEAR(two->requests[0].finish_s, kv + 0.375 + 0.25, 1e-12);
+  // share_weight 3 gives the group 3 x the level 0.5 = 1.5 cores (rate 3/4)
+  // and B's prefill 0.5 (rate 1/2): B's TTFT 0.5; A's first decode step ends
+  // at kv + 1/3, its second does 0.125 by kv + 0.5 and the rest alone.
+  p.tp[2].share_weight = 3;
+  auto weighted = Simulate(p, c, w);
+  ASSERT_TRUE(weighted.ok());
+  EXPECT_NEAR(weighted->requests[1].ttft_s(), 0.5, 1e-12);
+  EXPECT_NEAR(weighted->requests[0].finish_s, kv + 0.625, 1e-12);
+  p.tp[2].share_weight = 1;
   // busy_alpha 1 with cores 1: the group's step runs at 1/2 while B's prefill
   // holds the other core (0.125 of it done by kv + 0.25), the rest alone
   // (kv + 0.375), then its last step; B's prefill is not slowed (its own
