@@ -24,6 +24,7 @@
 #include "deploy/local_launcher.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/model.h"
+#include "sim/busy_fit.h"
 #include "sim/cluster_sim.h"
 #include "sim/profile.h"
 #include "sim/workload.h"
@@ -380,8 +381,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
-    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
-    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
+    std::vector<double> decode_cores;               // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;                    // TP 2 TPOT next to a busy core / alone
+    std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
@@ -463,19 +465,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
         return Slowdown{(x.busy + y.busy) / 2, (x.alone + y.alone) / 2, (x.s + y.s) / 2};
       };
       if (roles) {
-        // s = busy / alone of the role's figure; busy_alpha as the TP
-        // group's below: 1 / s = share / (1 + busy_alpha x others), the other
-        // role keeping one core busy.
-        const double n_cores = UsableCores(), demand = 2;
-        std::vector<sim::CoreDemand> wants = {{1.0, 1.0}, {1.0, 1.0}};
-        const double share = std::min(1.0, sim::FairLevel(wants, n_cores));
-        const double others = std::max(1e-9, std::min(demand - 1, n_cores - 1));
+        // s = busy / alone of the role's figure; the busy_alpha that makes the
+        // simulator reproduce it is fitted once the rest of the profile is
+        // (below, sim::FitRoleBusyAlphas).
         const Slowdown pre = mean_of(0, 2), dec = mean_of(1, 3);
         const double ttft_alone = pre.alone, ttft_busy = pre.busy, sp = pre.s;
         const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
         if (sp > 0 && sd > 0) {
-          p.prefill.busy_alpha = std::max(0.0, (sp * share - 1) / others);
-          p.decode.busy_alpha = std::max(0.0, (sd * share - 1) / others);
+          role_slowdown = {sp, sd};
           const std::string how =
               "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
               " --output-len " + std::to_string(*output_len) + " on kvrelay launch (1P+1D, " + th +
@@ -489,7 +486,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
                           "%s p50 %.*f ms vs %.*f alone (x%.3f; mean of 2 rounds, each against "
                           "the alone runs just before and after it)",
                           metric, digits, busy, digits, alone, s);
-            return how + keeps + ": " + fig + ", busy_alpha = (s x share - 1) / others, " + date;
+            return how + keeps + ": " + fig +
+                   ", busy_alpha = what makes the simulator reproduce that slowdown in that "
+                   "scenario with the rest of this profile (sim/busy_fit.h), " +
+                   date;
           };
           p.prefill.busy_source =
               source("TTFT", 1, ttft_busy, ttft_alone, sp,
@@ -498,11 +498,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                         "the prefill worker busy (--input-len 512 --output-len 1)");
         }
         std::printf(
-            "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f) "
-            "-> prefill busy_alpha %.3f; decode next to a busy prefill worker: TPOT p50 %.2f "
-            "ms (alone %.2f, x%.3f) -> decode busy_alpha %.3f\n",
-            t.name.c_str(), ttft_busy, ttft_alone, sp, p.prefill.busy_alpha, tpot_busy, tpot_alone,
-            sd, p.decode.busy_alpha);
+            "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f); "
+            "decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
+            t.name.c_str(), ttft_busy, ttft_alone, sp, tpot_busy, tpot_alone, sd);
         // A check of the decode-only batch model in the serving path: next to
         // the long outputs, this run's tokens came from batch-2 steps (its
         // context ~ input + output / 2, the background's ~ 16 + 512).
@@ -675,6 +673,20 @@ int RunCalibrate(const std::vector<std::string>& args) {
     tp2.busy_alpha = busy_alpha;
     tp2.share_weight = weight;
     FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
+    // 4c. The roles' busy_alpha, now that every other term is known: the
+    //     scenarios of the probes above, simulated.
+    if (role_slowdown.first > 0) {
+      sim::BusyProbe pre, dec;
+      pre.fg_prompts = dec.fg_prompts = f->Has("quick") ? 4 : 24;
+      pre.fg_in = dec.fg_in = *input_len;
+      pre.fg_out = dec.fg_out = *output_len;
+      pre.bg_prompts = 40, pre.bg_in = 16, pre.bg_out = 1024;
+      dec.bg_prompts = 400, dec.bg_in = 512, dec.bg_out = 1, dec.tpot = true;
+      auto fit = sim::FitRoleBusyAlphas(&p, pre, role_slowdown.first, dec, role_slowdown.second,
+                                        UsableCores());
+      if (!fit.ok()) return fail(fit.status());
+      std::printf("roles' busy_alpha fitted by simulating their probes:\n%s", fit->log.c_str());
+    }
   } else {
     p.tp[2].source = "not measured (--skip-serve): placeholder";
   }

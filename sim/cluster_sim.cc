@@ -246,6 +246,7 @@ class Simulator {
   void OnKvReady(uint32_t r);
   void Finish(uint32_t r, double t);
   void Reject(uint32_t r);
+  void Release(uint32_t r);  // closed-loop followers (SimRequest::after)
   PrefixBlockHash HashOf(uint32_t r, int64_t block) const;
   int64_t MatchPrefix(Worker& w, uint32_t r, int64_t prompt, double* restore_s);
   bool EnsureBlocks(Worker& w, Seq& s, int64_t chunk);
@@ -299,6 +300,10 @@ class Simulator {
   };
   Service services_[2];
   std::vector<CoreDemand> demands_;  // Rerate's scratch: the busy services and workers
+  // Closed-loop requests (SimRequest::after), empty when there are none:
+  // (predecessor, follower) sorted, and each open-loop request's next one.
+  std::vector<std::pair<uint32_t, uint32_t>> follows_;
+  std::vector<uint32_t> next_open_;
   double worker_cpu_s_ = 0, serving_cpu_s_ = 0;
   int64_t preemptions_ = 0, transfers_ = 0;
   double transfer_bytes_ = 0;
@@ -399,6 +404,28 @@ void Simulator::Setup() {
   reqs_.resize(workload_.size());
   for (size_t i = 0; i < workload_.size(); ++i) {
     reqs_[i].t.arrival_s = workload_[i].arrival_s;
+    if (workload_[i].after >= 0) {
+      follows_.emplace_back(static_cast<uint32_t>(workload_[i].after), static_cast<uint32_t>(i));
+    }
+  }
+  if (follows_.empty()) return;
+  std::sort(follows_.begin(), follows_.end());
+  next_open_.assign(workload_.size(), static_cast<uint32_t>(workload_.size()));
+  uint32_t next = static_cast<uint32_t>(workload_.size());
+  for (size_t i = workload_.size(); i-- > 0;) {
+    next_open_[i] = next;
+    if (workload_[i].after < 0) next = static_cast<uint32_t>(i);
+  }
+}
+
+// Request r has finished or was refused: its closed-loop followers arrive.
+void Simulator::Release(uint32_t r) {
+  const double done = std::max(events_.now(), reqs_[r].t.finish_s);
+  auto it = std::lower_bound(follows_.begin(), follows_.end(), std::pair<uint32_t, uint32_t>{r, 0});
+  for (; it != follows_.end() && it->first == r; ++it) {
+    const double at = done + workload_[it->second].arrival_s;
+    reqs_[it->second].t.arrival_s = at;
+    events_.Push(at, kArrival, 0, it->second);
   }
 }
 
@@ -468,7 +495,10 @@ void Simulator::SyncInfo(Worker& w) {
 }
 
 void Simulator::OnArrival(uint32_t r) {
-  if (r + 1 < workload_.size()) events_.Push(workload_[r + 1].arrival_s, kArrival, 0, r + 1);
+  if (workload_[r].after < 0) {  // the next open-loop request
+    const uint32_t next = next_open_.empty() ? r + 1 : next_open_[r];
+    if (next < workload_.size()) events_.Push(workload_[next].arrival_s, kArrival, 0, next);
+  }
   for (size_t i = 0; i < 2; ++i) AddServiceWork(i, services_[i].per_request_s);
   // Admission runs `start` inline when a slot is free and from Release()
   // otherwise; the start itself is an event at the same instant so a routing
@@ -480,6 +510,7 @@ void Simulator::OnArrival(uint32_t r) {
 void Simulator::Reject(uint32_t r) {
   reqs_[r].t.rejected = true;
   reqs_[r].t.finish_s = events_.now();
+  if (!follows_.empty()) Release(r);
 }
 
 void Simulator::OnStart(uint32_t r) {
@@ -960,6 +991,7 @@ void Simulator::Finish(uint32_t r, double t) {
   ReqState& st = reqs_[r];
   st.t.finish_s = std::max(t, st.t.first_token_s);
   admission_.Release(r);
+  if (!follows_.empty()) Release(r);
 }
 
 Result<SimResult> Simulator::Run() {
@@ -971,7 +1003,12 @@ Result<SimResult> Simulator::Run() {
   }
   if (workload_.empty()) return InvalidArgument("empty workload");
   if (workload_.size() > UINT32_MAX) return InvalidArgument("workload too large");
-  for (const auto& q : workload_) {
+  for (size_t i = 0; i < workload_.size(); ++i) {
+    const SimRequest& q = workload_[i];
+    if (q.after >= static_cast<int64_t>(i) || (q.after >= 0 && !(q.arrival_s >= 0))) {
+      return InvalidArgument("workload: request " + std::to_string(i) +
+                             " follows a later request or itself, or after a negative delay");
+    }
     if (q.prompt_tokens < 1 || q.output_tokens < 1) {
       return InvalidArgument("workload: prompt and output tokens must be >= 1");
     }

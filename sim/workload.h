@@ -24,6 +24,12 @@ struct SimRequest {
   int64_t output_tokens = 1;  // >= 1 (ignore_eos: exactly this many are generated)
   int64_t prefix_group = -1;  // -1: none
   int64_t prefix_tokens = 0;  // leading prompt tokens shared with the group (<= prompt_tokens)
+  // Closed loop (a client that sends its next request when the last one
+  // ends, as bench serve --max-concurrency does): >= 0, an earlier request's
+  // index; this one then arrives arrival_s seconds after that one finishes
+  // (or is refused), instead of at arrival_s. Open-loop requests (-1) keep
+  // their arrival order among themselves; the first request is one.
+  int64_t after = -1;
 };
 
 struct WorkloadOptions {

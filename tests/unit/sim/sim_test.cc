@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 
+#include "sim/busy_fit.h"
 #include "sim/cluster_sim.h"
 #include "sim/event_queue.h"
 #include "sim/planner.h"
@@ -84,6 +85,34 @@ TEST(ClosedFormTest, DeterministicArrivalsQueueExactly) {
   auto idle = Simulate(p, Colocated(1), Evenly(10, 0.625, 32, 1));
   ASSERT_TRUE(idle.ok());
   for (const auto& t : idle->requests) EXPECT_EQ(t.ttft_s(), 0.5);
+}
+
+// A closed loop (SimRequest::after, bench serve --max-concurrency 1): each
+// request arrives its delay after the one before it finishes. 0.5 s steps,
+// 3 output tokens (a prefill step, two decode steps): request k arrives at
+// k (1.5 + 0.25) and finishes 1.5 later; an open-loop request at 0.125 on a
+// second worker does not move the loop.
+TEST(ClosedFormTest, ClosedLoopArrivesWhenItsPredecessorEnds) {
+  Profile p = Simple(0.5);
+  std::vector<SimRequest> w = {{0, 16, 3}, {0.125, 16, 3}};
+  for (int k = 1; k < 4; ++k) {
+    SimRequest q{0.25, 16, 3};
+    q.after = k == 1 ? 0 : static_cast<int64_t>(w.size()) - 1;
+    w.push_back(q);
+  }
+  auto r = Simulate(p, Colocated(2), w);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->completed, 5);
+  for (int k = 0; k < 4; ++k) {
+    const auto& t = r->requests[k == 0 ? 0 : k + 1];
+    EXPECT_EQ(t.arrival_s, 1.75 * k) << k;
+    EXPECT_EQ(t.finish_s, 1.75 * k + 1.5) << k;
+  }
+  EXPECT_EQ(r->requests[1].finish_s, 1.625);
+  EXPECT_EQ(r->duration_s, 1.75 * 3 + 1.5);
+  // A request that follows itself or a later one is an error.
+  w[2].after = 2;
+  EXPECT_FALSE(Simulate(p, Colocated(2), w).ok());
 }
 
 // M/D/1: Poisson arrivals at rate lambda, deterministic service D, one server:
@@ -426,6 +455,44 @@ TEST(ContentionTest, DisaggregatedRolesBusyAlpha) {
   ASSERT_TRUE(mix.ok());
   EXPECT_EQ(mix->requests[1].ttft_s(), 0.5);
   EXPECT_EQ(mix->requests[0].finish_s, kv + 0.75);
+}
+
+// sim calibrate's fit of the roles' busy_alpha (sim/busy_fit.h): slowdowns
+// simulated with known alphas are fitted back to those alphas, and each
+// fitted alpha reproduces its slowdown. Decode steps (~1 ms) are short next to
+// a prefill step (~63 ms), so the KV hand-off's wait for a step boundary
+// moves a TTFT by little. A slowdown the simulator exceeds without the alpha
+// (here: a speed-up) gives 0.
+TEST(ContentionTest, RoleBusyAlphaFitReproducesItsSlowdown) {
+  Profile p = Simple(1.0 / 4096, 1.0 / 1024);
+  p.prefill.busy_source = p.decode.busy_source = "test";
+  BusyProbe pre, dec;
+  pre.fg_prompts = dec.fg_prompts = 9;
+  pre.fg_in = dec.fg_in = 64;
+  pre.fg_out = dec.fg_out = 8;
+  pre.bg_prompts = 20, pre.bg_in = 16, pre.bg_out = 512;
+  dec.bg_prompts = 40, dec.bg_in = 64, dec.bg_out = 1, dec.tpot = true;
+  p.prefill.busy_alpha = 0.3;
+  p.decode.busy_alpha = 0.15;
+  auto sp = SimulatedSlowdown(p, pre, 2);
+  auto sd = SimulatedSlowdown(p, dec, 2);
+  ASSERT_TRUE(sp.ok() && sd.ok()) << sp.status().ToString() << sd.status().ToString();
+  EXPECT_GT(*sp, 1.2);
+  EXPECT_GT(*sd, 1.1);
+  Profile q = p;
+  q.prefill.busy_alpha = q.decode.busy_alpha = 0;
+  auto fit = FitRoleBusyAlphas(&q, pre, *sp, dec, *sd, 2);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  EXPECT_NEAR(fit->prefill_alpha, 0.3, 0.01) << fit->log;
+  EXPECT_NEAR(fit->decode_alpha, 0.15, 0.01) << fit->log;
+  EXPECT_EQ(q.prefill.busy_alpha, fit->prefill_alpha);
+  EXPECT_NEAR(fit->prefill_slowdown / *sp, 1, 0.005) << fit->log;
+  EXPECT_NEAR(fit->decode_slowdown / *sd, 1, 0.005) << fit->log;
+  auto none = FitRoleBusyAlphas(&q, pre, 0.9, dec, 0.9, 2);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->prefill_alpha, 0);
+  EXPECT_EQ(none->decode_alpha, 0);
+  EXPECT_FALSE(FitRoleBusyAlphas(&q, pre, 0, dec, 1.0, 2).ok());
 }
 
 // The serving path's CPU (coordinator, client) takes its share of a shared

@@ -1,0 +1,125 @@
+#include "sim/busy_fit.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "sim/cluster_sim.h"
+#include "sim/stats.h"
+
+namespace kvrelay::sim {
+namespace {
+
+// The foreground's p50 figure (ms) in one simulated run. Each client's first
+// request is open-loop, the rest follow their predecessor at once (bench
+// serve --max-concurrency 1); the two clients' requests interleaved (bg 0,
+// fg 0, bg 1, fg 1, ...) so the open-loop ones keep their arrival order.
+Result<double> ForegroundP50(const Profile& profile, const BusyProbe& probe, bool with_background,
+                             int cores) {
+  std::vector<SimRequest> w;
+  std::vector<size_t> foreground;
+  int64_t last[2] = {-1, -1};  // each client's latest request
+  const int64_t bg = with_background ? probe.bg_prompts : 0;
+  for (int64_t i = 0; i < std::max(probe.fg_prompts, bg); ++i) {
+    for (int client = 0; client < 2; ++client) {
+      const bool fg = client == 1;
+      if (i >= (fg ? probe.fg_prompts : bg)) continue;
+      SimRequest q;
+      q.prompt_tokens = fg ? probe.fg_in : probe.bg_in;
+      q.output_tokens = fg ? probe.fg_out : probe.bg_out;
+      q.arrival_s = i > 0 ? 0 : (fg && with_background ? probe.fg_start_s : 0);
+      q.after = last[client];
+      last[client] = static_cast<int64_t>(w.size());
+      if (fg) foreground.push_back(w.size());
+      w.push_back(q);
+    }
+  }
+  ClusterConfig c;
+  c.shared_host_cores = cores;
+  c.heartbeat_s = kDefaultHeartbeatS;
+  Profile p = profile;
+  for (ServingOverhead* o : {&p.colocated, &p.prefill, &p.decode}) {
+    o->ttft_jitter.clear();
+    o->tpot_jitter.clear();
+  }
+  ASSIGN_OR_RETURN(SimResult r, Simulate(p, c, w));
+  std::vector<double> v;
+  for (size_t i : foreground) {
+    const RequestTiming& t = r.requests[i];
+    if (t.rejected) return Internal("busy probe: a simulated request was refused");
+    v.push_back((probe.tpot ? t.tpot_s() : t.ttft_s()) * 1e3);
+  }
+  return Percentile(&v, 50);
+}
+
+}  // namespace
+
+Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores) {
+  if (probe.fg_prompts < 1 || probe.bg_prompts < 1 || cores < 1 || !(probe.fg_start_s >= 0) ||
+      (probe.tpot && probe.fg_out < 2)) {
+    return InvalidArgument(
+        "busy probe: needs >= 1 request per client, >= 1 core, a start >= 0 and, for a TPOT, "
+        ">= 2 output tokens");
+  }
+  ASSIGN_OR_RETURN(double alone, ForegroundP50(profile, probe, false, cores));
+  ASSIGN_OR_RETURN(double busy, ForegroundP50(profile, probe, true, cores));
+  if (!(alone > 0)) return Internal("busy probe: the foreground's figure alone is 0");
+  return busy / alone;
+}
+
+Result<BusyFit> FitRoleBusyAlphas(Profile* profile, const BusyProbe& prefill_probe,
+                                  double prefill_measured, const BusyProbe& decode_probe,
+                                  double decode_measured, int cores) {
+  if (!(prefill_measured > 0) || !(decode_measured > 0)) {
+    return InvalidArgument("busy fit: the measured slowdowns must be > 0");
+  }
+  constexpr double kMaxAlpha = 4;
+  BusyFit fit;
+  // The alpha of `role` in [0, kMaxAlpha] whose simulated slowdown on
+  // `probe` is `measured` (to 1e-4 of alpha), the profile's other terms held.
+  auto solve = [&](ServingOverhead& role, const BusyProbe& probe, double measured,
+                   double* simulated) -> Status {
+    auto at = [&](double alpha) -> Result<double> {
+      role.busy_alpha = alpha;
+      return SimulatedSlowdown(*profile, probe, cores);
+    };
+    ASSIGN_OR_RETURN(double s0, at(0));
+    if (s0 >= measured) {
+      *simulated = s0;
+      role.busy_alpha = 0;
+      return Status::Ok();
+    }
+    double lo = 0, hi = kMaxAlpha;
+    ASSIGN_OR_RETURN(double s_hi, at(hi));
+    if (s_hi <= measured) {
+      *simulated = s_hi;
+      return Status::Ok();  // busy_alpha = kMaxAlpha: the most the fit gives
+    }
+    while (hi - lo > 1e-4) {
+      const double mid = (lo + hi) / 2;
+      ASSIGN_OR_RETURN(double s, at(mid));
+      (s < measured ? lo : hi) = mid;
+    }
+    ASSIGN_OR_RETURN(*simulated, at(hi));
+    return Status::Ok();
+  };
+  for (int round = 1; round <= 3; ++round) {
+    RETURN_IF_ERROR(
+        solve(profile->prefill, prefill_probe, prefill_measured, &fit.prefill_slowdown));
+    RETURN_IF_ERROR(solve(profile->decode, decode_probe, decode_measured, &fit.decode_slowdown));
+    char line[240];
+    std::snprintf(line, sizeof(line),
+                  "round %d: prefill busy_alpha %.4f (simulated x%.3f, measured x%.3f), decode "
+                  "busy_alpha %.4f (x%.3f, x%.3f)\n",
+                  round, profile->prefill.busy_alpha, fit.prefill_slowdown, prefill_measured,
+                  profile->decode.busy_alpha, fit.decode_slowdown, decode_measured);
+    fit.log += line;
+  }
+  // The prefill's slowdown again with the final decode alpha.
+  ASSIGN_OR_RETURN(fit.prefill_slowdown, SimulatedSlowdown(*profile, prefill_probe, cores));
+  fit.prefill_alpha = profile->prefill.busy_alpha;
+  fit.decode_alpha = profile->decode.busy_alpha;
+  return fit;
+}
+
+}  // namespace kvrelay::sim

@@ -1,0 +1,57 @@
+// The disaggregated roles' busy_alpha (ServingOverhead::busy_alpha) fitted by
+// simulation: `kvrelay sim calibrate` measures each role's slowdown next to
+// the other role kept busy (1P+1D on one host, a closed-loop foreground load
+// beside a closed-loop background one), and the busy_alpha written is the one
+// with which the simulator, given the rest of the profile, reproduces that
+// slowdown in the same scenario.
+//
+// Why not in closed form (1 / s = share / (1 + alpha x others)): part of the
+// measured slowdown is what the simulator models already, separately: the
+// serving processes' CPU (Profile::serving_cpu) on the shared cores, the
+// KV hand-off waiting for the decode worker's step boundary, the decode
+// step's batch of two. Charged to alpha as well, it was counted twice (run M
+// of round 7: the 1P+1D TTFT p90 over-predicted by 13-19 % at every rate).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "sim/profile.h"
+
+namespace kvrelay::sim {
+
+// One of the two measurements: a foreground client sending `fg_prompts`
+// requests one at a time, starting at fg_start_s, beside a background client
+// doing the same with its own shape from t = 0 (1P+1D, shared host).
+struct BusyProbe {
+  int64_t fg_prompts = 24, fg_in = 128, fg_out = 32;
+  int64_t bg_prompts = 40, bg_in = 16, bg_out = 1024;
+  double fg_start_s = 0.5;  // the background busy by then (calibrate waits for its CPU)
+  bool tpot = false;        // the figure compared: the foreground's TPOT p50 (else TTFT p50)
+};
+
+// The foreground's figure next to the background over its figure alone, as
+// simulated with `profile` (its jitter left out: the figures are medians of
+// a handful of requests whose draws differ between the two runs) on a host
+// of `cores` cores, heartbeats every 0.5 s.
+Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores);
+
+struct BusyFit {
+  double prefill_alpha = 0, decode_alpha = 0;
+  double prefill_slowdown = 0, decode_slowdown = 0;  // simulated with them
+  std::string log;                                   // one line per round
+};
+
+// Sets profile->prefill.busy_alpha and decode.busy_alpha (each in [0, 4]) so
+// that the simulated slowdowns of `prefill_probe` (the prefill next to a busy
+// decode worker: a TTFT) and `decode_probe` (a TPOT) are the measured ones:
+// each by bisection (the slowdown grows with its role's alpha), the other
+// held, alternating over three rounds (each scenario depends a little on the
+// other role's alpha too). An alpha of 0 when the simulator reaches the
+// measured slowdown without it.
+Result<BusyFit> FitRoleBusyAlphas(Profile* profile, const BusyProbe& prefill_probe,
+                                  double prefill_measured, const BusyProbe& decode_probe,
+                                  double decode_measured, int cores);
+
+}  // namespace kvrelay::sim
