@@ -157,9 +157,10 @@ struct Worker {
   double share_weight = 1;  // in the host's fair sharing (TpCost::share_weight)
   uint64_t version = 0;
   // Heartbeat staleness (ClusterConfig::heartbeat_s): the state the worker
-  // last published (after a step; as the real loop does before it reads new
-  // tasks) and the latest publication at or before the heartbeat tick that
-  // preceded it.
+  // last published (after a step, as the real loop does before it reads new
+  // tasks; a prefill or colocated worker also at a step's start, as
+  // PrefillRole::SaveLayer does during one) and the latest publication at or
+  // before the heartbeat tick that preceded it.
   struct Snapshot {
     double time = -1e300;
     int64_t queued_tokens = 0, running = 0, queued_requests = 0, free_kv_blocks = 0;
