@@ -384,6 +384,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
     std::vector<double> decode_cores;               // per topology: decode CPU / decode wall
     double tp_busy_slowdown = 0;                    // TP 2 TPOT next to a busy core / alone
     std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
+    // The roles' two probes (run below, then simulated for their busy_alpha):
+    // this run's requests beside long outputs that keep the decode worker
+    // busy, and beside long prompts that keep the prefill worker busy.
+    sim::BusyProbe pre_probe, dec_probe;
+    pre_probe.fg_prompts = dec_probe.fg_prompts = f->Has("quick") ? 4 : 24;
+    pre_probe.fg_in = dec_probe.fg_in = *input_len;
+    pre_probe.fg_out = dec_probe.fg_out = *output_len;
+    pre_probe.bg_prompts = 40, pre_probe.bg_in = 16, pre_probe.bg_out = 1024;
+    dec_probe.bg_prompts = 400, dec_probe.bg_in = 512, dec_probe.bg_out = 1;
+    dec_probe.tpot = true;
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
@@ -401,13 +411,13 @@ int RunCalibrate(const std::vector<std::string>& args) {
       };
       // A second bench serve through the same coordinator, one request at a
       // time, that keeps `process` busy.
-      auto busy_load = [](const char* prompts, const char* in, const char* out, int seed,
-                          const char* process) {
-        return Background{SIZE_MAX,
-                          {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency",
-                           "1", "--num-prompts", prompts, "--input-len", in, "--output-len", out,
-                           "--seed", std::to_string(seed)},
-                          process};
+      auto busy_load = [](const sim::BusyProbe& b, int seed, const char* process) {
+        return Background{
+            SIZE_MAX,
+            {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+             "--num-prompts", std::to_string(b.bg_prompts), "--input-len", std::to_string(b.bg_in),
+             "--output-len", std::to_string(b.bg_out), "--seed", std::to_string(seed)},
+            process};
       };
       // Slowdown probes: a run next to a background load, its p50 `metric`
       // against the mean of the alone runs just before and just after it
@@ -430,10 +440,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
       // The roles twice each (one such pair moved by x1.2 between two
       // calibrations an hour apart).
       for (int rep = 0; roles && rep < 2; ++rep) {
-        probes.push_back(
-            {busy_load("40", "16", "1024", 7001 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
-        probes.push_back(
-            {busy_load("400", "512", "1", 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
+        probes.push_back({busy_load(pre_probe, 7001 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
+        probes.push_back({busy_load(dec_probe, 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
       }
       std::vector<Background> bg;
       std::vector<std::vector<std::string>> runs = {serve};
@@ -676,14 +684,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
     // 4c. The roles' busy_alpha, now that every other term is known: the
     //     scenarios of the probes above, simulated.
     if (role_slowdown.first > 0) {
-      sim::BusyProbe pre, dec;
-      pre.fg_prompts = dec.fg_prompts = f->Has("quick") ? 4 : 24;
-      pre.fg_in = dec.fg_in = *input_len;
-      pre.fg_out = dec.fg_out = *output_len;
-      pre.bg_prompts = 40, pre.bg_in = 16, pre.bg_out = 1024;
-      dec.bg_prompts = 400, dec.bg_in = 512, dec.bg_out = 1, dec.tpot = true;
-      auto fit = sim::FitRoleBusyAlphas(&p, pre, role_slowdown.first, dec, role_slowdown.second,
-                                        UsableCores());
+      auto fit = sim::FitRoleBusyAlphas(&p, pre_probe, role_slowdown.first, dec_probe,
+                                        role_slowdown.second, UsableCores());
       if (!fit.ok()) return fail(fit.status());
       std::printf("roles' busy_alpha fitted by simulating their probes:\n%s", fit->log.c_str());
     }

@@ -247,7 +247,7 @@ class Simulator {
   void OnKvReady(uint32_t r);
   void Finish(uint32_t r, double t);
   void Reject(uint32_t r);
-  void Release(uint32_t r);  // closed-loop followers (SimRequest::after)
+  void ReleaseFollowers(uint32_t r);  // closed-loop ones (SimRequest::after)
   PrefixBlockHash HashOf(uint32_t r, int64_t block) const;
   int64_t MatchPrefix(Worker& w, uint32_t r, int64_t prompt, double* restore_s);
   bool EnsureBlocks(Worker& w, Seq& s, int64_t chunk);
@@ -420,7 +420,7 @@ void Simulator::Setup() {
 }
 
 // Request r has finished or was refused: its closed-loop followers arrive.
-void Simulator::Release(uint32_t r) {
+void Simulator::ReleaseFollowers(uint32_t r) {
   const double done = std::max(events_.now(), reqs_[r].t.finish_s);
   auto it = std::lower_bound(follows_.begin(), follows_.end(), std::pair<uint32_t, uint32_t>{r, 0});
   for (; it != follows_.end() && it->first == r; ++it) {
@@ -511,7 +511,7 @@ void Simulator::OnArrival(uint32_t r) {
 void Simulator::Reject(uint32_t r) {
   reqs_[r].t.rejected = true;
   reqs_[r].t.finish_s = events_.now();
-  if (!follows_.empty()) Release(r);
+  if (!follows_.empty()) ReleaseFollowers(r);
 }
 
 void Simulator::OnStart(uint32_t r) {
@@ -992,7 +992,7 @@ void Simulator::Finish(uint32_t r, double t) {
   ReqState& st = reqs_[r];
   st.t.finish_s = std::max(t, st.t.first_token_s);
   admission_.Release(r);
-  if (!follows_.empty()) Release(r);
+  if (!follows_.empty()) ReleaseFollowers(r);
 }
 
 Result<SimResult> Simulator::Run() {
