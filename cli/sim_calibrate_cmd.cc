@@ -36,6 +36,13 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace simtool;  // NOLINT(build/namespaces): the commands' own toolkit
 
+// x with `digits` decimals, for the profile's source lines.
+std::string Fixed(double x, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, x);
+  return buf;
+}
+
 struct Sample {
   double seqs, tokens, attn, decode_attn, ctx_attn, seconds;
   std::string what;
@@ -381,8 +388,12 @@ int RunCalibrate(const std::vector<std::string>& args) {
                                             "--seed",
                                             "4242"};
     std::vector<ServePoint> pts;
-    std::vector<double> decode_cores;               // per topology: decode CPU / decode wall
-    double tp_busy_slowdown = 0;                    // TP 2 TPOT next to a busy core / alone
+    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
+    double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
+    double tp_prefill_slowdown = 0;    // 1P+1D TP2 prefill TTFT next to the busy group / alone
+    double tp_prefill_alone_s = 0;     // its alone TTFT p50
+    double prefill_hold_s = 0;         // 1P+1D: one prefill's hold of the worker, back to back
+    double ttft_outside_s = 0;         // 1P+1D: the alone TTFT less that
     std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     // The roles' two probes (run below, then simulated for their busy_alpha):
     // this run's requests beside long outputs that keep the decode worker
@@ -429,13 +440,17 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const char* metric;  // "ttft_ms" / "tpot_ms"
       };
       std::vector<Probe> probes;
-      if (tp) {
+      // The TP group twice each: its TPOT next to a core kept busy, the
+      // prefill worker's TTFT next to the group kept busy (the roles' probe
+      // of the prefill, on this topology).
+      for (int rep = 0; tp && rep < 2; ++rep) {
         probes.push_back(
             {{SIZE_MAX,
               {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype, "--pp",
                "512", "--tg", "1", "--reps", "200", "--skip-batches"},
               ""},
              "tpot_ms"});
+        probes.push_back({busy_load(pre_probe, 7101 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
       }
       // The roles twice each (one such pair moved by x1.2 between two
       // calibrations an hour apart).
@@ -451,6 +466,18 @@ int RunCalibrate(const std::vector<std::string>& args) {
         bg.push_back(pr.load);
         runs.push_back(with_seed(seed++));
         runs.push_back(with_seed(seed++));
+      }
+      // 1P+1D once more, two clients' requests back to back (two outputs
+      // each: the KV still ships, the decode barely steps): the prefill
+      // worker never idles, so its first tokens come one prefill apart, and
+      // what of the alone TTFT is not that (HTTP, routing, the first token's
+      // way back) is outside the prefill worker: ServingOverhead::ttft_s, not
+      // charged to the next prompt's wait.
+      const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
+      if (roles) {
+        runs.push_back({"--rate", "inf", "--max-concurrency", "2", "--num-prompts",
+                        f->Has("quick") ? "8" : "40", "--input-len", std::to_string(*input_len),
+                        "--output-len", "2", "--seed", "4300"});
       }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
@@ -509,6 +536,26 @@ int RunCalibrate(const std::vector<std::string>& args) {
             "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f); "
             "decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
             t.name.c_str(), ttft_busy, ttft_alone, sp, tpot_busy, tpot_alone, sd);
+        // The median gap between consecutive first tokens of the
+        // back-to-back run, its first two (the clients' open-loop start) out.
+        std::vector<double> firsts, gaps;
+        for (const auto& q : (*r)[back_to_back].report["requests"]) {
+          if (q.value("ok", true) && q.value("ttft_ms", 0.0) > 0) {
+            firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
+          }
+        }
+        std::sort(firsts.begin(), firsts.end());
+        for (size_t i = 3; i < firsts.size(); ++i) gaps.push_back(firsts[i] - firsts[i - 1]);
+        if (!gaps.empty()) {
+          std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
+          prefill_hold_s = gaps[gaps.size() / 2];
+          ttft_outside_s = std::max(0.0, p50(0, "ttft_ms") / 1e3 - prefill_hold_s);
+        }
+        std::printf(
+            "%-14s back to back: first tokens %.1f ms apart (median of %zu) -> %.1f ms of the "
+            "alone TTFT p50 (%.1f) outside the prefill worker\n",
+            t.name.c_str(), prefill_hold_s * 1e3, gaps.size(), ttft_outside_s * 1e3,
+            p50(0, "ttft_ms"));
         // A check of the decode-only batch model in the serving path: next to
         // the long outputs, this run's tokens came from batch-2 steps (its
         // context ~ input + output / 2, the background's ~ 16 + 512).
@@ -522,10 +569,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
             t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
       }
       if (tp) {
-        const Slowdown core = slowdown(0);
+        const Slowdown core = mean_of(0, 2), pre = mean_of(1, 3);
         tp_busy_slowdown = core.s;
-        std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.2f)\n",
-                    t.name.c_str(), core.busy, core.alone, tp_busy_slowdown);
+        tp_prefill_slowdown = pre.s;
+        tp_prefill_alone_s = pre.alone / 1e3;
+        std::printf(
+            "%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.3f); prefill next to "
+            "the busy group: TTFT p50 %.1f ms (alone %.1f, x%.3f)\n",
+            t.name.c_str(), core.busy, core.alone, core.s, pre.busy, pre.alone, pre.s);
       }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
@@ -565,35 +616,45 @@ int RunCalibrate(const std::vector<std::string>& args) {
     const auto& topos = Topologies(static_cast<int>(*colocated));
     FitServingTerms(topos[0], pts[0], prefill_s, decode_s, false, &p);
     p.colocated.source = source(topos[0].name);
+    p.prefill.ttft_s = ttft_outside_s;
     FitServingTerms(topos[1], pts[1], prefill_s, decode_s, false, &p);
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
+    if (prefill_hold_s > 0) {
+      p.prefill.source +=
+          "; ttft_s = the TTFT p50 less the median gap between consecutive "
+          "first tokens of --rate inf --max-concurrency 2 --output-len 2 (" +
+          Fixed(prefill_hold_s * 1e3, 1) +
+          " ms: the prefill worker busy throughout), what of the TTFT does "
+          "not hold the prefill worker";
+    }
     p.decode.source = source("1P+1D");
-    // The TP 2 group's cores: its ranks' CPU over its stepping time (they
-    // block in the collectives), at most 2 (0 = 2 when not measurable). Its
-    // busy_alpha: what makes the model reproduce its slowdown s next to one
-    // busy core, 1 / s = share / (1 + busy_alpha x others), with the share
-    // (sim::FairLevel) and the other busy cores the fluid model gives that
-    // situation.
+    // The TP 2 group's terms (sim::FitTpSharing): its ranks' CPU over its
+    // stepping time (at most 2; 2 when not measurable), and the demand,
+    // share_weight and alphas with which the fluid model reproduces both TP
+    // probes: its TPOT next to a busy core, the prefill's TTFT next to it.
     const double n_cores = UsableCores();
-    const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 0.0;
-    // Its share_weight: when it got more than an even share of the cores
-    // (c / s of them, the busy core's process the rest, less than its one),
-    // the weight that gives it that; otherwise 1, and busy_alpha the rest of
-    // its slowdown.
-    double busy_alpha = 0, weight = 1;
-    if (tp_busy_slowdown > 0) {
-      const double c = tp_cores > 0 ? tp_cores : 2.0, demand = 1 + c;
-      const double got = c / tp_busy_slowdown, rest = n_cores - got;
-      if (got < c && rest > 0 && rest < 1 && got > rest) weight = got / rest;
-      std::vector<sim::CoreDemand> wants = {{1.0, 1.0}, {c, weight}};
-      const double share = std::min(1.0, weight * sim::FairLevel(wants, n_cores) / c);
-      const double others = std::max(1e-9, std::min(demand - c, n_cores - c));
-      busy_alpha = std::max(0.0, (tp_busy_slowdown * share - 1) / others);
+    const double tp_cores = decode_cores[2] > 0.05 ? std::min(2.0, decode_cores[2]) : 2.0;
+    sim::TpSharing sharing;
+    sharing.cores = decode_cores[2] > 0.05 ? tp_cores : 0.0;
+    sharing.prefill_busy_alpha = -1;
+    // The prefill's slowdown is of its TTFT, ttft_s of which (outside the
+    // worker) is not slowed: the worker's own, s' - 1 = (s - 1) x TTFT /
+    // (TTFT - ttft_s).
+    double tp_prefill_step_slowdown = tp_prefill_slowdown;
+    if (tp_prefill_alone_s > p.prefill.ttft_s && tp_prefill_slowdown > 0) {
+      tp_prefill_step_slowdown = 1 + (tp_prefill_slowdown - 1) * tp_prefill_alone_s /
+                                         (tp_prefill_alone_s - p.prefill.ttft_s);
+    }
+    if (tp_busy_slowdown > 0 && tp_prefill_slowdown > 0) {
+      sharing = sim::FitTpSharing(n_cores, tp_cores, tp_busy_slowdown, tp_prefill_step_slowdown);
     }
     std::printf(
-        "TP 2 group: %.2f cores from its CPU, TPOT x%.2f next to a busy core -> share_weight "
-        "%.3f, busy_alpha %.3f\n",
-        decode_cores[2], tp_busy_slowdown, weight, busy_alpha);
+        "TP 2 group: %.2f cores from its CPU, TPOT x%.3f next to a busy core, the prefill "
+        "worker's own time x%.3f next to it -> cores %.3f, share_weight %.3f, busy_alpha %.3f, "
+        "prefill_busy_alpha "
+        "%.3f\n",
+        decode_cores[2], tp_busy_slowdown, tp_prefill_step_slowdown, sharing.cores,
+        sharing.share_weight, sharing.busy_alpha, sharing.prefill_busy_alpha);
     // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
     //     (/proc) and the bench serve client's (getrusage) over two runs on
     //     the colocated topology that differ only in output length, less the
@@ -675,11 +736,18 @@ int RunCalibrate(const std::vector<std::string>& args) {
     sim::TpCost& tp2 = p.tp[2];
     tp2.source = source("1P+1D TP2") +
                  "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
-                 "decode time; share_weight and busy_alpha from the TPOT p50 of a second run "
-                 "next to a bench engine prefill that keeps a core busy";
-    tp2.cores = tp_cores;
-    tp2.busy_alpha = busy_alpha;
-    tp2.share_weight = weight;
+                 "decode time (" +
+                 Fixed(decode_cores[2], 3) +
+                 " alone); cores, share_weight and the alphas reproduce (sim::FitTpSharing) the "
+                 "group's TPOT p50 next to a bench engine prefill that keeps a core busy (x" +
+                 Fixed(tp_busy_slowdown, 3) +
+                 ") and the prefill worker's TTFT p50 next to the group kept busy (--input-len "
+                 "16 --output-len 1024: x" +
+                 Fixed(tp_prefill_slowdown, 3) + "), each the mean of 2 rounds";
+    tp2.cores = sharing.cores;
+    tp2.busy_alpha = sharing.busy_alpha;
+    tp2.share_weight = sharing.share_weight;
+    tp2.prefill_busy_alpha = sharing.prefill_busy_alpha;
     FitServingTerms(topos[2], pts[2], prefill_s, decode_s, false, &p);
     // 4c. The roles' busy_alpha, now that every other term is known: the
     //     scenarios of the probes above, simulated.

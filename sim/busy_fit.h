@@ -54,4 +54,23 @@ Result<BusyFit> FitRoleBusyAlphas(Profile* profile, const BusyProbe& prefill_pro
                                   double prefill_measured, const BusyProbe& decode_probe,
                                   double decode_measured, int cores);
 
+// A TP group's terms for the shared host's fluid model (TpCost: cores,
+// share_weight, busy_alpha, prefill_busy_alpha) from two probes on `cores`
+// cores: the group's TPOT next to one busy core (slowdown decode_s) and the
+// prefill worker's TTFT next to the group kept busy (prefill_s), both beside
+// one process that wants one core. `cores_alone` is what the group's ranks
+// keep busy alone (their CPU over their stepping time); it includes their
+// spinning in the collectives, which gives way to a process that wants the
+// core, so on an oversubscribed host the group is given the demand and the
+// weight with which the max-min fair share (FairLevel) reproduces both
+// slowdowns (no alphas): the prefill's share L = cores / (1 + weight) = 1 /
+// prefill_s, the group's weight x L / demand = 1 / decode_s. The demand
+// stays at most cores_alone (what is left of the group's slowdown is its
+// busy_alpha; a slowdown below 1 counts as 1). When the two fit on the host
+// the shares are whole and the slowdowns are the alphas.
+struct TpSharing {
+  double cores = 0, share_weight = 1, busy_alpha = 0, prefill_busy_alpha = 0;
+};
+TpSharing FitTpSharing(double cores, double cores_alone, double decode_s, double prefill_s);
+
 }  // namespace kvrelay::sim

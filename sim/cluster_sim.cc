@@ -349,12 +349,13 @@ void Simulator::Setup() {
     w.step_add_s = o.step_add_s + add_s;
     w.ttft_add_s = o.ttft_s;
     // The roles' busy_alpha was measured in 1P+1D (TP 1): next to a TP group
-    // (its ranks block in the collectives) the prefill's is not measured and
-    // the contention mix applies; a TP group has its own (TpCost).
-    if (o.busy_alpha >= 0 &&
-        (kind == Worker::Kind::kDecode || (kind == Worker::Kind::kPrefill && config_.tp == 1))) {
-      w.tp_alpha = o.busy_alpha;
-    }
+    // (its ranks block in the collectives) the prefill's is the group's
+    // TpCost::prefill_busy_alpha (the contention mix when not measured); a
+    // TP group has its own busy_alpha (TpCost).
+    const double alpha = kind == Worker::Kind::kPrefill && config_.tp > 1
+                             ? profile_.Tp(config_.tp).prefill_busy_alpha
+                             : o.busy_alpha;
+    if (alpha >= 0 && kind != Worker::Kind::kColocated) w.tp_alpha = alpha;
     if (kind != Worker::Kind::kDecode) {
       w.cache = std::make_unique<BlockLru>(capacity);
       w.store = std::make_unique<BlockLru>(config_.store_blocks);

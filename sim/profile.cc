@@ -50,10 +50,10 @@ Status Profile::Validate() const {
   for (const auto& [t, c] : tp) {
     if (t < 2 || !(c.step_scale > 0) || !(c.per_step_s >= 0) || !(c.cores >= 0) || c.cores > t ||
         !(c.busy_alpha >= 0) || !std::isfinite(c.busy_alpha) || !(c.share_weight > 0) ||
-        !std::isfinite(c.share_weight)) {
+        !std::isfinite(c.share_weight) || !std::isfinite(c.prefill_busy_alpha)) {
       return InvalidArgument("profile.tp." + std::to_string(t) +
                              ": T >= 2, step_scale > 0, per_step_s >= 0, 0 <= cores <= T, "
-                             "busy_alpha >= 0, share_weight > 0");
+                             "busy_alpha >= 0, share_weight > 0, prefill_busy_alpha finite");
     }
   }
   if (!(contention.decode_alpha >= 0) || !(contention.prefill_alpha >= 0) ||
@@ -129,7 +129,8 @@ void FitServingTerms(bool colocated, int tp, double ttft_s, double tpot_s, doubl
     return;
   }
   if (tp <= 1 || refit_prefill) {
-    p->prefill.prefill_scale = std::max(0.05, (ttft_s - base) / prefill_part);
+    // The prefill role's ttft_s (outside the worker) is not its steps'.
+    p->prefill.prefill_scale = std::max(0.05, (ttft_s - p->prefill.ttft_s - base) / prefill_part);
   }
   if (tp <= 1) {
     p->decode.step_scale = std::max(0.05, tpot_s / decode_s);
@@ -245,6 +246,7 @@ std::string ProfileToJson(const Profile& p) {
     json& e = tp[std::to_string(t)];
     e = {{"step_scale", c.step_scale}, {"per_step_s", c.per_step_s},     {"cores", c.cores},
          {"busy_alpha", c.busy_alpha}, {"share_weight", c.share_weight}, {"source", c.source}};
+    if (c.prefill_busy_alpha >= 0) e["prefill_busy_alpha"] = c.prefill_busy_alpha;
   }
   json j = {
       {"name", p.name},
@@ -353,6 +355,8 @@ Result<Profile> ProfileFromJson(const std::string& text) {
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "cores", &c.cores, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "busy_alpha", &c.busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "share_weight", &c.share_weight, false));
+      RETURN_IF_ERROR(
+          Read(v, "tp." + key + ".", "prefill_busy_alpha", &c.prefill_busy_alpha, false));
       RETURN_IF_ERROR(Read(v, "tp." + key + ".", "source", &c.source, true));
       p.tp[t] = c;
     }

@@ -77,6 +77,9 @@ struct LinkCost {
 // max-min fair sharing (sim::FairLevel): above 1 when the group gets more
 // than an even share of an oversubscribed host (its ranks sleep in the
 // collectives, and the scheduler favours a thread that wakes).
+// prefill_busy_alpha is the prefill worker's busy_alpha next to such a group
+// (in place of the prefill role's, measured next to a TP 1 decode worker);
+// below 0: not measured, the profile's contention mix.
 struct TpCost {
   double step_scale = 1.0;
   double per_step_s = 0;
@@ -84,6 +87,7 @@ struct TpCost {
   double cores = 0;
   double busy_alpha = 0;
   double share_weight = 1.0;
+  double prefill_busy_alpha = -1;
 };
 
 // Worker processes slowing each other down on one host (the single-node
@@ -100,8 +104,10 @@ struct HostContention {
 
 // What the serving path adds around the engine steps on this hardware (HTTP,
 // control plane, the KV hand-off), from low-load `bench serve` runs of the
-// real topologies: ttft_s is added to every TTFT (for the decode role: from the
-// KV landing to its admission into the batch); step_scale multiplies the
+// real topologies: ttft_s is added to every TTFT without holding the worker
+// (for the prefill role: HTTP, routing, the first token's way back, from a
+// back-to-back run; for the decode role: from the KV landing to its
+// admission into the batch); step_scale multiplies the
 // step's fixed and decode parts (base, and per_seq / per_token /
 // per_decode_attn of its decoding sequences) and prefill_scale its prefill
 // part (the same terms of its prefill chunks): a serving process's steps
@@ -118,7 +124,7 @@ struct HostContention {
 // other, whose KV hand-off (the layer-wise stream into a decode worker that is
 // stepping, the first token reported once the KV is handed over) waits on the
 // other process. Measured in 1P+1D: the prefill's applies in topologies of
-// TP 1 decode workers only (next to a TP group the contention mix does).
+// TP 1 decode workers only (next to a TP group TpCost::prefill_busy_alpha).
 struct ServingOverhead {
   double ttft_s = 0;
   double step_scale = 1.0;
@@ -209,7 +215,9 @@ struct Profile {
 // decode part). 1P+1D TP T: tp[T].step_scale over decode.step_scale, and with
 // `refit_prefill` the prefill's prefill_scale from this topology's TTFT
 // (`sim validate` re-timing a TP topology on its own; `sim calibrate` keeps
-// 1P+1D's). Every scale is at least 0.05.
+// 1P+1D's). The prefill role's ttft_s (calibrated apart: what of the TTFT
+// is outside the worker) is taken off the TTFT first. Every scale is at
+// least 0.05.
 void FitServingTerms(bool colocated, int tp, double ttft_s, double tpot_s, double prefill_s,
                      double decode_s, bool refit_prefill, Profile* p);
 

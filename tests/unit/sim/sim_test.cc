@@ -423,6 +423,53 @@ TEST(ContentionTest, TpGroupCoresAndBusyAlpha) {
   ASSERT_TRUE(roles.ok());
   EXPECT_EQ(roles->requests[1].ttft_s(), 0.25);
   EXPECT_EQ(roles->requests[0].finish_s, kv + 0.375 + 0.25);
+  // The group's prefill_busy_alpha does: 1 slows B's prefill to 1/2 next to
+  // the group's step (also at 1/2): both end at kv + 0.5, A's last step alone.
+  p.tp[2].prefill_busy_alpha = 1;
+  auto prefill = Simulate(p, c, w);
+  ASSERT_TRUE(prefill.ok());
+  EXPECT_EQ(prefill->requests[1].ttft_s(), 0.5);
+  EXPECT_EQ(prefill->requests[0].finish_s, kv + 0.75);
+}
+
+// FitTpSharing's terms, put back into the fluid model of two processes (the
+// group and one that wants a core), give both measured slowdowns.
+TEST(ContentionTest, TpSharingFitReproducesBothProbes) {
+  auto check = [](double n, double c_alone, double sd, double sp) {
+    const TpSharing t = FitTpSharing(n, c_alone, sd, sp);
+    EXPECT_LE(t.cores, c_alone);
+    std::vector<CoreDemand> wants = {{1.0, 1.0}, {t.cores, t.share_weight}};
+    const double level = FairLevel(wants, n);
+    const double group = std::min(1.0, t.share_weight * level / t.cores) /
+                         (1 + t.busy_alpha * std::min(1.0, n - t.cores));
+    const double single =
+        std::min(1.0, level) / (1 + t.prefill_busy_alpha * std::min(t.cores, n - 1));
+    EXPECT_NEAR(1 / group, std::max(1.0, sd), 1e-12) << n << " " << c_alone << " " << sd;
+    EXPECT_NEAR(1 / single, std::max(1.0, sp), 1e-12) << n << " " << c_alone << " " << sp;
+    return t;
+  };
+  // Oversubscribed, the group's demand below what it keeps busy alone: the
+  // fair share alone gives both (weight 2 x 1.17 - 1 = 1.34, demand 1.34).
+  TpSharing t = check(2, 1.42, 1.17, 1.17);
+  EXPECT_NEAR(t.share_weight, 1.34, 1e-12);
+  EXPECT_NEAR(t.cores, 1.34, 1e-12);
+  EXPECT_NEAR(t.busy_alpha, 0, 1e-12);
+  EXPECT_NEAR(t.prefill_busy_alpha, 0, 1e-12);
+  // The demand capped at 1.42: the rest of the group's slowdown is its alpha.
+  t = check(2, 1.42, 1.5, 1.1);
+  EXPECT_EQ(t.cores, 1.42);
+  EXPECT_GT(t.busy_alpha, 0);
+  // Room for both (4 cores): whole shares, the slowdowns are the alphas.
+  t = check(4, 1.42, 1.2, 1.1);
+  EXPECT_EQ(t.share_weight, 1);
+  EXPECT_NEAR(t.busy_alpha, 0.2, 1e-12);
+  EXPECT_NEAR(t.prefill_busy_alpha, 0.1 / 1.42, 1e-12);
+  // No slowdown measured (noise below 1): each gets what it wants, the
+  // group's demand the one core left.
+  t = check(2, 1.42, 0.98, 0.99);
+  EXPECT_NEAR(t.cores, 1, 1e-12);
+  EXPECT_NEAR(t.busy_alpha, 0, 1e-12);
+  EXPECT_NEAR(t.prefill_busy_alpha, 0, 1e-12);
 }
 
 // A disaggregated role's busy_alpha replaces the contention mix for its
@@ -665,6 +712,11 @@ TEST(ProfileTest, JsonRoundTripAndNamedErrors) {
   EXPECT_EQ(back->tp.at(2).step_scale, 0.75);
   EXPECT_EQ(back->tp.at(2).cores, 1.25);
   EXPECT_EQ(back->tp.at(2).busy_alpha, 0.5);
+  EXPECT_EQ(back->tp.at(2).prefill_busy_alpha, -1);  // not measured: left out, read back as such
+  p.tp[2].prefill_busy_alpha = 0.25;
+  auto measured = ProfileFromJson(ProfileToJson(p));
+  ASSERT_TRUE(measured.ok()) << measured.status().ToString();
+  EXPECT_EQ(measured->tp.at(2).prefill_busy_alpha, 0.25);
   EXPECT_EQ(back->contention.decode_alpha, 0.125);
   EXPECT_EQ(back->contention.prefill_alpha, 0.0625);
   p.serving_cpu = {0.5, 0.25, 0.125, 0.0625, "test"};
@@ -767,6 +819,11 @@ TEST(ProfileTest, FitServingTermsFromALowLoadRun) {
   FitServingTerms(false, 2, 0.7, 0.04, 0.3, 0.02, true, &p);
   EXPECT_DOUBLE_EQ(p.prefill.prefill_scale, 3.0);  // 0.1 + 0.2 x 3
   EXPECT_DOUBLE_EQ(p.decode.step_scale, 1.25);
+  // The prefill role's ttft_s is outside its steps: 0.5 = 0.1 + 0.1 + 0.2 x 1.5.
+  p.prefill.ttft_s = 0.1;
+  FitServingTerms(false, 1, 0.5, 0.025, 0.3, 0.02, false, &p);
+  EXPECT_DOUBLE_EQ(p.prefill.prefill_scale, 1.5);
+  p.prefill.ttft_s = 0;
   // Absurd low-load figures stay positive scales.
   FitServingTerms(true, 1, 0.0, 0.0, 0.3, 0.02, false, &p);
   EXPECT_EQ(p.colocated.step_scale, 0.05);
