@@ -125,28 +125,23 @@ Result<BusyFit> FitRoleBusyAlphas(Profile* profile, const BusyProbe& prefill_pro
 TpSharing FitTpSharing(double n, double c_alone, double decode_s, double prefill_s) {
   TpSharing t;
   t.cores = c_alone;
+  if (1 + c_alone > n) {
+    // A slowdown below 1 (noise) is none: shares of 1.
+    const double sp = std::max(1.0, prefill_s), sd = std::max(1.0, decode_s);
+    const double w = n * sp - 1;  // the prefill's share n / (1 + w) = 1 / sp
+    t.share_weight = w;
+    t.cores = std::min(c_alone, w * sd / sp);
+  }
   // The share each gets of n cores with these terms, and the alpha that
   // makes up the rest of its slowdown s: 1 / s = share / (1 + alpha x others).
   auto alpha = [](double s, double share, double others) {
     return std::max(0.0, (s * share - 1) / std::max(1e-9, others));
   };
-  auto fill = [&] {
-    std::vector<CoreDemand> wants = {{1.0, 1.0}, {t.cores, t.share_weight}};
-    const double level = FairLevel(wants, n);
-    const double group = std::min(1.0, t.share_weight * level / t.cores);
-    const double single = std::min(1.0, level);
-    t.busy_alpha = alpha(decode_s, group, std::min(1.0, n - t.cores));
-    t.prefill_busy_alpha = alpha(prefill_s, single, std::min(t.cores, n - 1));
-  };
-  if (1 + c_alone > n) {
-    // A slowdown below 1 (noise) is none: shares of 1.
-    const double sp = std::max(1.0, prefill_s), sd = std::max(1.0, decode_s);
-    const double w = n * sp - 1;  // the prefill's share n / (1 + w) = 1 / sp
-    const double demand = w * sd / sp;
-    t.share_weight = w;
-    t.cores = std::min(c_alone, demand);
-  }
-  fill();
+  std::vector<CoreDemand> wants = {{1.0, 1.0}, {t.cores, t.share_weight}};
+  const double level = FairLevel(wants, n);
+  t.busy_alpha =
+      alpha(decode_s, std::min(1.0, t.share_weight * level / t.cores), std::min(1.0, n - t.cores));
+  t.prefill_busy_alpha = alpha(prefill_s, std::min(1.0, level), std::min(t.cores, n - 1));
   return t;
 }
 
