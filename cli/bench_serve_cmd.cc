@@ -6,12 +6,16 @@
 // Prompts are token-id lists (exact lengths, no tokenizer needed here), with
 // an optional prefix of --shared-prefix tokens common to every prompt (or, with
 // --prefix-groups G, one of G such prefixes picked at random per prompt).
+// With --trace FILE (the cluster simulator's trace format, sim/workload.h)
+// it replays that file's arrival times, prompt and output lengths and prefix
+// groups instead.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -24,6 +28,7 @@
 #include "common/flags.h"
 #include "coordinator/http_client.h"
 #include "coordinator/sse.h"
+#include "sim/workload.h"
 
 namespace kvrelay::cli {
 namespace {
@@ -184,6 +189,10 @@ const FlagSpec kSpec = {
      {"seed", "0", "prompt generator seed"},
      {"vocab-min", "1000", "smallest random token id"},
      {"vocab-max", "30000", "largest random token id (exclusive)"},
+     {"trace", "",
+      "replay this trace (arrival_s,prompt_tokens,output_tokens[,prefix_group[,prefix_tokens]]"
+      " per line, as kvrelay sim reads) in place of --rate, --num-prompts, --input-len, "
+      "--output-len and the prefix flags"},
      {"json", "", "also write the results as JSON to this file"}}};
 
 int BenchServe(const std::vector<std::string>& args) {
@@ -214,7 +223,18 @@ int BenchServe(const std::vector<std::string>& args) {
   }
   const double rate =
       flags->Get("rate", "inf") == "inf" ? 0.0 : get_double("rate", 0);  // 0 = all at once
-  const int64_t num_prompts = get_int("num-prompts", 100, 1, 1'000'000);
+  std::vector<sim::SimRequest> trace;
+  if (flags->Has("trace")) {
+    auto t = sim::LoadTrace(flags->Get("trace"));
+    if (!t.ok() || t->empty() || t->size() > 1'000'000) {
+      std::fprintf(stderr, "bench serve: --trace %s: %s\n", flags->Get("trace").c_str(),
+                   t.ok() ? "1 to 1,000,000 requests" : t.status().message().c_str());
+      return 2;
+    }
+    trace = std::move(*t);
+  }
+  const int64_t num_prompts =
+      trace.empty() ? get_int("num-prompts", 100, 1, 1'000'000) : static_cast<int64_t>(trace.size());
   const int64_t input_len = get_int("input-len", 128, 1, 1'000'000);
   const int64_t output_len = get_int("output-len", 64, 1, 1'000'000);
   const int64_t shared_prefix = get_int("shared-prefix", 0, 0, input_len);
@@ -259,31 +279,61 @@ int BenchServe(const std::vector<std::string>& args) {
     for (auto& t : prefix) t = tok(rng);
   }
   std::uniform_int_distribution<int64_t> pick_group(0, prefix_groups - 1);
+  // A trace's prefix groups: each one's shared tokens drawn on first use, as
+  // long as the longest prefix_tokens any of its requests asks for.
+  std::map<int64_t, std::vector<int32_t>> trace_prefixes;
+  for (const auto& q : trace) {
+    if (q.prefix_group < 0) continue;
+    auto& prefix = trace_prefixes[q.prefix_group];
+    while (static_cast<int64_t>(prefix.size()) < q.prefix_tokens) prefix.push_back(tok(rng));
+  }
   std::vector<json> bodies;
   std::vector<double> arrival_s;
   std::exponential_distribution<double> gap(rate > 0 ? rate : 1.0);
   double t = 0;
   for (int64_t i = 0; i < num_prompts; ++i) {
-    std::vector<int32_t> prompt = prefixes[static_cast<size_t>(pick_group(rng))];
-    while (static_cast<int64_t>(prompt.size()) < input_len) prompt.push_back(tok(rng));
+    std::vector<int32_t> prompt;
+    int64_t prompt_len = input_len, max_tokens = output_len;
+    if (!trace.empty()) {
+      const sim::SimRequest& q = trace[static_cast<size_t>(i)];
+      prompt_len = q.prompt_tokens;
+      max_tokens = q.output_tokens;
+      if (q.prefix_group >= 0) {
+        const auto& prefix = trace_prefixes[q.prefix_group];
+        prompt.assign(prefix.begin(), prefix.begin() + q.prefix_tokens);
+      }
+    } else {
+      prompt = prefixes[static_cast<size_t>(pick_group(rng))];
+    }
+    while (static_cast<int64_t>(prompt.size()) < prompt_len) prompt.push_back(tok(rng));
     bodies.push_back(json{{"model", model},
                           {"prompt", prompt},
-                          {"max_tokens", output_len},
+                          {"max_tokens", max_tokens},
                           {"ignore_eos", true},
                           {"temperature", 0},
                           {"stream", true},
                           {"stream_options", {{"include_usage", true}}}});
+    if (!trace.empty()) {
+      arrival_s.push_back(trace[static_cast<size_t>(i)].arrival_s);
+      continue;
+    }
     arrival_s.push_back(t);
     if (rate > 0) t += gap(rng);
   }
 
-  std::fprintf(
+  if (!trace.empty()) {
+    std::fprintf(stderr, "bench serve: %lld prompts of the trace %s to %s\n",
+                 static_cast<long long>(num_prompts), flags->Get("trace").c_str(),
+                 flags->Get("url", "http://127.0.0.1:8080").c_str());
+  } else {
+    std::fprintf(
       stderr,
       "bench serve: %lld prompts (%lld in / %lld out, shared prefix %lld) at %s req/s to %s\n",
       static_cast<long long>(num_prompts), static_cast<long long>(input_len),
       static_cast<long long>(output_len), static_cast<long long>(shared_prefix),
       rate > 0 ? std::to_string(rate).c_str() : "inf",
       flags->Get("url", "http://127.0.0.1:8080").c_str());
+  }
   std::vector<RequestOutcome> outcomes(static_cast<size_t>(num_prompts));
   std::atomic<int64_t> next{0};
   const TimePoint bench_start = Clock::now();
@@ -386,6 +436,7 @@ int BenchServe(const std::vector<std::string>& args) {
                               return a;
                             }()}});
   }
+  if (!trace.empty()) report["trace"] = flags->Get("trace");  // its lengths, not --input-len's
   report["requests"] = std::move(per_request);
   auto line = [&](const char* name, const Stats& s) {
     std::printf("%-8s mean %9.2f  p50 %9.2f  p90 %9.2f  p99 %9.2f ms\n", name, s.mean, s.p50, s.p90,
@@ -425,7 +476,7 @@ int BenchServe(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_serve, "bench serve",
                 "bench serve --url URL --rate R --num-prompts N --input-len I --output-len O "
-                "[--shared-prefix L [--prefix-groups G]] [--ttft-slo-ms X --tpot-slo-ms Y] [--json "
+                "[--shared-prefix L [--prefix-groups G]] [--trace FILE] [--ttft-slo-ms X --tpot-slo-ms Y] [--json "
                 "OUT] [--model NAME] "
                 "[--seed S] [--api-key K] [--max-concurrency C]",
                 BenchServe);

@@ -390,30 +390,40 @@ int RunCalibrate(const std::vector<std::string>& args) {
     std::vector<ServePoint> pts;
     std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
     double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
-    double tp_prefill_slowdown = 0;    // 1P+1D TP2 prefill TTFT next to the busy group / alone
-    double tp_prefill_alone_s = 0;     // its alone TTFT p50
+    double tp_prefill_slowdown = 0;    // 1P+1D TP2: the pairs probe's (queued prefill next to the group)
     double prefill_hold_s = 0;         // 1P+1D: one prefill's hold of the worker, back to back
     double ttft_outside_s = 0;         // 1P+1D: the alone TTFT less that
     std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     // The roles' two probes (run below, then simulated for their busy_alpha):
-    // this run's requests beside long outputs that keep the decode worker
-    // busy, and beside long prompts that keep the prefill worker busy.
+    // pairs of this run's requests, the second one queued behind the first
+    // and then prefilling while the first one decodes (sim::BusyProbe::
+    // pairs: the way a prefill meets a decode in serving; a prefill next to
+    // a decode worker kept busy by long outputs from a second client was
+    // slowed x1.11-1.15 where the queued ones of the validation runs were
+    // slowed x1.00-1.03), and this run's requests beside long prompts that
+    // keep the prefill worker busy.
     sim::BusyProbe pre_probe, dec_probe;
-    pre_probe.fg_prompts = dec_probe.fg_prompts = f->Has("quick") ? 4 : 24;
+    pre_probe.fg_prompts = f->Has("quick") ? 2 : 12;  // pairs, per round
+    dec_probe.fg_prompts = f->Has("quick") ? 4 : 24;
     pre_probe.fg_in = dec_probe.fg_in = *input_len;
     pre_probe.fg_out = dec_probe.fg_out = *output_len;
-    pre_probe.bg_prompts = 40, pre_probe.bg_in = 16, pre_probe.bg_out = 1024;
+    pre_probe.pairs = true;
+    pre_probe.b2b_prompts = f->Has("quick") ? 8 : 40;
     dec_probe.bg_prompts = 400, dec_probe.bg_in = 512, dec_probe.bg_out = 1;
     dec_probe.tpot = true;
+    const std::string pair_trace = TempPath("pairs.csv");
+    if (Status st = sim::SaveTrace(pair_trace, sim::PairTrace(pre_probe)); !st.ok()) {
+      return fail(st);
+    }
     for (const auto& t : Topologies(static_cast<int>(*colocated))) {
       // The TP 2 group runs a second time next to a process that keeps one
       // core busy (a prefill bench engine), as the prefill worker does.
       const bool tp = t.tp > 1 && UsableCores() >= 2;
-      // 1P+1D runs twice more, each role next to the other one kept busy by
-      // a second load generator through the same coordinator (the roles'
-      // busy_alpha): the prefill while the decode worker streams long outputs
-      // (fresh prompts: the first run's are in its prefix cache), the decode
-      // while the prefill worker computes long prompts one after another.
+      // 1P+1D runs the roles' probes (their busy_alpha): the decode next to
+      // a second load generator through the same coordinator that keeps the
+      // prefill worker computing long prompts one after another, and the
+      // prefill's pairs (fresh prompts: the first run's are in its prefix
+      // cache).
       const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
       auto with_seed = [&](int seed) {
         std::vector<std::string> a = serve;
@@ -440,9 +450,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const char* metric;  // "ttft_ms" / "tpot_ms"
       };
       std::vector<Probe> probes;
-      // The TP group twice each: its TPOT next to a core kept busy, the
-      // prefill worker's TTFT next to the group kept busy (the roles' probe
-      // of the prefill, on this topology).
+      // Twice each (one such pair moved by x1.2 between two calibrations an
+      // hour apart): the TP group's TPOT next to a core kept busy; the decode
+      // role's TPOT next to the busy prefill worker.
       for (int rep = 0; tp && rep < 2; ++rep) {
         probes.push_back(
             {{SIZE_MAX,
@@ -450,12 +460,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
                "512", "--tg", "1", "--reps", "200", "--skip-batches"},
               ""},
              "tpot_ms"});
-        probes.push_back({busy_load(pre_probe, 7101 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
       }
-      // The roles twice each (one such pair moved by x1.2 between two
-      // calibrations an hour apart).
       for (int rep = 0; roles && rep < 2; ++rep) {
-        probes.push_back({busy_load(pre_probe, 7001 + 10 * rep, "kvrelay-decode"), "ttft_ms"});
         probes.push_back({busy_load(dec_probe, 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
       }
       std::vector<Background> bg;
@@ -467,17 +473,24 @@ int RunCalibrate(const std::vector<std::string>& args) {
         runs.push_back(with_seed(seed++));
         runs.push_back(with_seed(seed++));
       }
-      // 1P+1D once more, two clients' requests back to back (two outputs
-      // each: the KV still ships, the decode barely steps): the prefill
-      // worker never idles, so its first tokens come one prefill apart, and
-      // what of the alone TTFT is not that (HTTP, routing, the first token's
-      // way back) is outside the prefill worker: ServingOverhead::ttft_s, not
-      // charged to the next prompt's wait.
-      const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
-      if (roles) {
+      // The prefill's pairs probe (1P+1D, and the TP topology for the
+      // prefill next to a TP group): two clients' requests back to back (two
+      // outputs each: the KV still ships, the decode barely steps), so the
+      // prefill worker never idles and its first tokens come one prefill
+      // apart, then the pairs trace twice. The back-to-back run also gives
+      // what of the alone TTFT is not the worker's (HTTP, routing, the first
+      // token's way back; 1P+1D): ServingOverhead::ttft_s, not charged to the
+      // next prompt's wait.
+      const bool queued = roles || tp;
+      const size_t back_to_back = queued ? runs.size() : SIZE_MAX;
+      if (queued) {
         runs.push_back({"--rate", "inf", "--max-concurrency", "2", "--num-prompts",
-                        f->Has("quick") ? "8" : "40", "--input-len", std::to_string(*input_len),
-                        "--output-len", "2", "--seed", "4300"});
+                        std::to_string(pre_probe.b2b_prompts), "--input-len",
+                        std::to_string(*input_len), "--output-len",
+                        std::to_string(pre_probe.b2b_out), "--seed", std::to_string(seed++)});
+        for (int rep = 0; rep < 2; ++rep) {
+          runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
+        }
       }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
@@ -494,18 +507,54 @@ int RunCalibrate(const std::vector<std::string>& args) {
         d.s = d.alone > 0 ? d.busy / d.alone : 0;
         return d;
       };
-      // The mean of probes i and i + 2 (the roles' two rounds).
+      // The mean of probes i and j (two rounds).
       auto mean_of = [&](size_t i, size_t j) {
         const Slowdown x = slowdown(i), y = slowdown(j);
         return Slowdown{(x.busy + y.busy) / 2, (x.alone + y.alone) / 2, (x.s + y.s) / 2};
+      };
+      // The pairs probe from its runs (the back-to-back one at `b2b`, the two
+      // pairs rounds after it): the pairs' median first-token gap, both rounds
+      // pooled, over the back-to-back one (0 when either is missing).
+      double last_pair_gap_s = 0, last_b2b_gap_s = 0;
+      auto first_tokens = [&](size_t run, bool pairs_only) {
+        std::vector<double> v;
+        const json& q = (*r)[run].report["requests"];
+        for (size_t i = 0; i < q.size(); ++i) {
+          const bool ok = q[i].value("ok", false) && q[i].value("ttft_ms", 0.0) > 0;
+          if (pairs_only) {  // both of a pair, or neither
+            if (i % 2 == 1) continue;
+            const bool next = i + 1 < q.size() && q[i + 1].value("ok", false) &&
+                              q[i + 1].value("ttft_ms", 0.0) > 0;
+            if (!ok || !next) continue;
+            for (size_t k : {i, i + 1}) {
+              v.push_back(q[k].value("start_s", 0.0) + q[k].value("ttft_ms", 0.0) / 1e3);
+            }
+          } else if (ok) {
+            v.push_back(q[i].value("start_s", 0.0) + q[i].value("ttft_ms", 0.0) / 1e3);
+          }
+        }
+        return v;
+      };
+      auto pair_slowdown = [&](size_t b2b) {
+        last_b2b_gap_s = sim::MedianConsecutiveGap(first_tokens(b2b, false));
+        std::vector<double> firsts = first_tokens(b2b + 1, true);
+        const std::vector<double> more = first_tokens(b2b + 2, true);
+        firsts.insert(firsts.end(), more.begin(), more.end());
+        last_pair_gap_s = sim::MedianPairGap(firsts);
+        const double s = last_b2b_gap_s > 0 ? last_pair_gap_s / last_b2b_gap_s : 0;
+        std::printf(
+            "%-14s pairs: the second's first token %.1f ms after the first's (median of %zu "
+            "pairs), back to back %.1f ms apart: a queued prefill next to a fresh decode x%.3f\n",
+            t.name.c_str(), last_pair_gap_s * 1e3, firsts.size() / 2, last_b2b_gap_s * 1e3, s);
+        return s;
       };
       if (roles) {
         // s = busy / alone of the role's figure; the busy_alpha that makes the
         // simulator reproduce it is fitted once the rest of the profile is
         // (below, sim::FitRoleBusyAlphas).
-        const Slowdown pre = mean_of(0, 2), dec = mean_of(1, 3);
-        const double ttft_alone = pre.alone, ttft_busy = pre.busy, sp = pre.s;
+        const Slowdown dec = mean_of(0, 1);
         const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
+        const double sp = pair_slowdown(back_to_back);
         if (sp > 0 && sd > 0) {
           role_slowdown = {sp, sd};
           const std::string how =
@@ -527,56 +576,36 @@ int RunCalibrate(const std::vector<std::string>& args) {
                    date;
           };
           p.prefill.busy_source =
-              source("TTFT", 1, ttft_busy, ttft_alone, sp,
-                     "the decode worker busy (--input-len 16 --output-len 1024)");
+              "kvrelay bench serve --trace of " + std::to_string(pre_probe.fg_prompts) +
+              " pairs (" + std::to_string(*input_len) + " in / " + std::to_string(*output_len) +
+              " out, the second " + Fixed(pre_probe.pair_gap_s * 1e3, 0) +
+              " ms after the first, pairs " + Fixed(pre_probe.pair_period_s, 1) +
+              " s apart; 2 rounds) on kvrelay launch (1P+1D, " + th + " thread per worker, KV " +
+              kv_dtype + "): the second's first token less the first's, median " +
+              Fixed(last_pair_gap_s * 1e3, 1) + " ms, against " + Fixed(last_b2b_gap_s * 1e3, 1) +
+              " ms between consecutive first tokens back to back (--max-concurrency 2 "
+              "--output-len " +
+              std::to_string(pre_probe.b2b_out) + "): x" + Fixed(sp, 3) +
+              ", busy_alpha = what makes the simulator reproduce that in that scenario with the "
+              "rest of this profile (sim/busy_fit.h), " +
+              date;
           p.decode.busy_source = source("TPOT", 2, tpot_busy, tpot_alone, sd,
                                         "the prefill worker busy (--input-len 512 --output-len 1)");
         }
         std::printf(
-            "%-14s prefill next to a busy decode worker: TTFT p50 %.1f ms (alone %.1f, x%.3f); "
-            "decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
-            t.name.c_str(), ttft_busy, ttft_alone, sp, tpot_busy, tpot_alone, sd);
-        // The median gap between consecutive first tokens of the
-        // back-to-back run, its first two (the clients' open-loop start) out.
-        std::vector<double> firsts, gaps;
-        for (const auto& q : (*r)[back_to_back].report["requests"]) {
-          if (q.value("ok", true) && q.value("ttft_ms", 0.0) > 0) {
-            firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
-          }
-        }
-        std::sort(firsts.begin(), firsts.end());
-        for (size_t i = 3; i < firsts.size(); ++i) gaps.push_back(firsts[i] - firsts[i - 1]);
-        if (!gaps.empty()) {
-          std::nth_element(gaps.begin(), gaps.begin() + gaps.size() / 2, gaps.end());
-          prefill_hold_s = gaps[gaps.size() / 2];
-          ttft_outside_s = std::max(0.0, p50(0, "ttft_ms") / 1e3 - prefill_hold_s);
-        }
-        std::printf(
-            "%-14s back to back: first tokens %.1f ms apart (median of %zu) -> %.1f ms of the "
-            "alone TTFT p50 (%.1f) outside the prefill worker\n",
-            t.name.c_str(), prefill_hold_s * 1e3, gaps.size(), ttft_outside_s * 1e3,
-            p50(0, "ttft_ms"));
-        // A check of the decode-only batch model in the serving path: next to
-        // the long outputs, this run's tokens came from batch-2 steps (its
-        // context ~ input + output / 2, the background's ~ 16 + 512).
-        const double own = static_cast<double>(*input_len) + static_cast<double>(*output_len) / 2;
-        const double ratio_model =
-            p.step.DecodeOnlySeconds(2, own + 528) / p.step.DecodeOnlySeconds(1, own);
-        const double tpot_b2 = p50(1, "tpot_ms");  // the first probe: next to the long outputs
-        std::printf(
-            "%-14s next to the long outputs (batch 2): TPOT p50 %.2f ms, x%.2f of alone; the "
-            "decode-only step model says x%.2f\n",
-            t.name.c_str(), tpot_b2, tpot_alone > 0 ? tpot_b2 / tpot_alone : 0, ratio_model);
+            "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
+            t.name.c_str(), tpot_busy, tpot_alone, sd);
+        prefill_hold_s = last_b2b_gap_s;
+        ttft_outside_s = std::max(0.0, p50(0, "ttft_ms") / 1e3 - prefill_hold_s);
+        std::printf("%-14s %.1f ms of the alone TTFT p50 (%.1f) outside the prefill worker\n",
+                    t.name.c_str(), ttft_outside_s * 1e3, p50(0, "ttft_ms"));
       }
       if (tp) {
-        const Slowdown core = mean_of(0, 2), pre = mean_of(1, 3);
+        const Slowdown core = mean_of(0, 1);
         tp_busy_slowdown = core.s;
-        tp_prefill_slowdown = pre.s;
-        tp_prefill_alone_s = pre.alone / 1e3;
-        std::printf(
-            "%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.3f); prefill next to "
-            "the busy group: TTFT p50 %.1f ms (alone %.1f, x%.3f)\n",
-            t.name.c_str(), core.busy, core.alone, core.s, pre.busy, pre.alone, pre.s);
+        tp_prefill_slowdown = pair_slowdown(back_to_back);
+        std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
+                    t.name.c_str(), core.busy, core.alone, core.s);
       }
       const json& j = r->front().report;
       const auto& cpu = r->front().cpu_s;
@@ -637,23 +666,16 @@ int RunCalibrate(const std::vector<std::string>& args) {
     sim::TpSharing sharing;
     sharing.cores = decode_cores[2] > 0.05 ? tp_cores : 0.0;
     sharing.prefill_busy_alpha = -1;
-    // The prefill's slowdown is of its TTFT, ttft_s of which (outside the
-    // worker) is not slowed: the worker's own, s' - 1 = (s - 1) x TTFT /
-    // (TTFT - ttft_s).
-    double tp_prefill_step_slowdown = tp_prefill_slowdown;
-    if (tp_prefill_alone_s > p.prefill.ttft_s && tp_prefill_slowdown > 0) {
-      tp_prefill_step_slowdown = 1 + (tp_prefill_slowdown - 1) * tp_prefill_alone_s /
-                                         (tp_prefill_alone_s - p.prefill.ttft_s);
-    }
+    // The prefill's pairs slowdown is of first-token gaps: the worker's own.
     if (tp_busy_slowdown > 0 && tp_prefill_slowdown > 0) {
-      sharing = sim::FitTpSharing(n_cores, tp_cores, tp_busy_slowdown, tp_prefill_step_slowdown);
+      sharing = sim::FitTpSharing(n_cores, tp_cores, tp_busy_slowdown, tp_prefill_slowdown);
     }
     std::printf(
         "TP 2 group: %.2f cores from its CPU, TPOT x%.3f next to a busy core, the prefill "
         "worker's own time x%.3f next to it -> cores %.3f, share_weight %.3f, busy_alpha %.3f, "
         "prefill_busy_alpha "
         "%.3f\n",
-        decode_cores[2], tp_busy_slowdown, tp_prefill_step_slowdown, sharing.cores,
+        decode_cores[2], tp_busy_slowdown, tp_prefill_slowdown, sharing.cores,
         sharing.share_weight, sharing.busy_alpha, sharing.prefill_busy_alpha);
     // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
     //     (/proc) and the bench serve client's (getrusage) over two runs on
@@ -741,9 +763,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
                  " alone); cores, share_weight and the alphas reproduce (sim::FitTpSharing) the "
                  "group's TPOT p50 next to a bench engine prefill that keeps a core busy (x" +
                  Fixed(tp_busy_slowdown, 3) +
-                 ") and the prefill worker's TTFT p50 next to the group kept busy (--input-len "
-                 "16 --output-len 1024: x" +
-                 Fixed(tp_prefill_slowdown, 3) + "), each the mean of 2 rounds";
+                 ", the mean of 2 rounds) and the prefill role's pairs probe on this topology (a "
+                 "queued prefill next to the group's fresh decode: x" +
+                 Fixed(tp_prefill_slowdown, 3) + ", 2 rounds pooled; see prefill.busy_source)";
     tp2.cores = sharing.cores;
     tp2.busy_alpha = sharing.busy_alpha;
     tp2.share_weight = sharing.share_weight;
@@ -760,6 +782,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
   } else {
     p.tp[2].source = "not measured (--skip-serve): placeholder";
   }
+  fs::remove(TempPath("pairs.csv"));
   if (Status s = sim::SaveProfile(out_path, p); !s.ok()) return fail(s);
   std::printf("wrote %s (%s at the end)\n", out_path.c_str(), LoadLine().c_str());
   return 0;

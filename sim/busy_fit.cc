@@ -10,6 +10,22 @@
 namespace kvrelay::sim {
 namespace {
 
+// A probe's workload on 1P+1D (TP 1) on a shared host of `cores`, heartbeats
+// every 0.5 s, the profile's jitter left out (the figures are medians of a
+// handful of requests whose draws differ between the two runs).
+Result<SimResult> SimulateProbe(const Profile& profile, const std::vector<SimRequest>& w,
+                                int cores) {
+  ClusterConfig c;
+  c.shared_host_cores = cores;
+  c.heartbeat_s = kDefaultHeartbeatS;
+  Profile p = profile;
+  for (ServingOverhead* o : {&p.colocated, &p.prefill, &p.decode}) {
+    o->ttft_jitter.clear();
+    o->tpot_jitter.clear();
+  }
+  return Simulate(p, c, w);
+}
+
 // The foreground's p50 figure (ms) in one simulated run. Each client's first
 // request is open-loop, the rest follow their predecessor at once (bench
 // serve --max-concurrency 1); the two clients' requests interleaved (bg 0,
@@ -34,15 +50,7 @@ Result<double> ForegroundP50(const Profile& profile, const BusyProbe& probe, boo
       w.push_back(q);
     }
   }
-  ClusterConfig c;
-  c.shared_host_cores = cores;
-  c.heartbeat_s = kDefaultHeartbeatS;
-  Profile p = profile;
-  for (ServingOverhead* o : {&p.colocated, &p.prefill, &p.decode}) {
-    o->ttft_jitter.clear();
-    o->tpot_jitter.clear();
-  }
-  ASSIGN_OR_RETURN(SimResult r, Simulate(p, c, w));
+  ASSIGN_OR_RETURN(SimResult r, SimulateProbe(profile, w, cores));
   std::vector<double> v;
   for (size_t i : foreground) {
     const RequestTiming& t = r.requests[i];
@@ -52,9 +60,84 @@ Result<double> ForegroundP50(const Profile& profile, const BusyProbe& probe, boo
   return Percentile(&v, 50);
 }
 
+// Each request's first-token time in SimulateProbe.
+Result<std::vector<double>> FirstTokens(const Profile& profile, const std::vector<SimRequest>& w,
+                                        int cores) {
+  ASSIGN_OR_RETURN(SimResult r, SimulateProbe(profile, w, cores));
+  std::vector<double> firsts;
+  for (const RequestTiming& t : r.requests) {
+    if (t.rejected) return Internal("busy probe: a simulated request was refused");
+    firsts.push_back(t.first_token_s);
+  }
+  return firsts;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
 }  // namespace
 
+std::vector<SimRequest> PairTrace(const BusyProbe& probe) {
+  std::vector<SimRequest> w;
+  for (int64_t k = 0; k < probe.fg_prompts; ++k) {
+    for (double offset : {0.0, probe.pair_gap_s}) {
+      SimRequest q;
+      q.arrival_s = static_cast<double>(k) * probe.pair_period_s + offset;
+      q.prompt_tokens = probe.fg_in;
+      q.output_tokens = probe.fg_out;
+      w.push_back(q);
+    }
+  }
+  return w;
+}
+
+double MedianPairGap(const std::vector<double>& first_tokens) {
+  std::vector<double> gaps;
+  for (size_t i = 0; i + 1 < first_tokens.size(); i += 2) {
+    gaps.push_back(first_tokens[i + 1] - first_tokens[i]);
+  }
+  return Median(std::move(gaps));
+}
+
+double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip) {
+  std::sort(first_tokens.begin(), first_tokens.end());
+  std::vector<double> gaps;
+  for (size_t i = std::max<size_t>(skip, 1); i < first_tokens.size(); ++i) {
+    gaps.push_back(first_tokens[i] - first_tokens[i - 1]);
+  }
+  return Median(std::move(gaps));
+}
+
 Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores) {
+  if (probe.pairs) {
+    if (probe.fg_prompts < 1 || probe.b2b_prompts < 5 || cores < 1 ||
+        !(probe.pair_gap_s >= 0) || !(probe.pair_period_s > probe.pair_gap_s)) {
+      return InvalidArgument(
+          "busy probe: pairs need >= 1 pair, >= 5 back-to-back requests, >= 1 core and a "
+          "period above the gap");
+    }
+    ASSIGN_OR_RETURN(auto pairs, FirstTokens(profile, PairTrace(probe), cores));
+    // Back to back: two clients, each request after its client's previous
+    // one, the second client's first a pair's gap after the first's (real
+    // clients fall out of step at once; simulated ones started together
+    // would share every prefill step).
+    std::vector<SimRequest> b2b;
+    for (int64_t i = 0; i < probe.b2b_prompts; ++i) {
+      SimRequest q;
+      q.arrival_s = i == 1 ? probe.pair_gap_s : 0;
+      q.prompt_tokens = probe.fg_in;
+      q.output_tokens = probe.b2b_out;
+      q.after = i >= 2 ? i - 2 : -1;
+      b2b.push_back(q);
+    }
+    ASSIGN_OR_RETURN(auto firsts, FirstTokens(profile, b2b, cores));
+    const double alone = MedianConsecutiveGap(std::move(firsts));
+    if (!(alone > 0)) return Internal("busy probe: the back-to-back gap is 0");
+    return MedianPairGap(pairs) / alone;
+  }
   if (probe.fg_prompts < 1 || probe.bg_prompts < 1 || cores < 1 || !(probe.fg_start_s >= 0) ||
       (probe.tpot && probe.fg_out < 2)) {
     return InvalidArgument(

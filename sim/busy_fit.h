@@ -1,9 +1,10 @@
 // The disaggregated roles' busy_alpha (ServingOverhead::busy_alpha) fitted by
 // simulation: `kvrelay sim calibrate` measures each role's slowdown next to
-// the other role kept busy (1P+1D on one host, a closed-loop foreground load
-// beside a closed-loop background one), and the busy_alpha written is the one
-// with which the simulator, given the rest of the profile, reproduces that
-// slowdown in the same scenario.
+// the other role (1P+1D on one host: the decode beside a closed-loop
+// background load that keeps the prefill worker busy; the prefill queued
+// behind a request that then decodes, BusyProbe::pairs), and the busy_alpha
+// written is the one with which the simulator, given the rest of the
+// profile, reproduces that slowdown in the same scenario.
 //
 // Why not in closed form (1 / s = share / (1 + alpha x others)): part of the
 // measured slowdown is what the simulator models already, separately: the
@@ -15,24 +16,51 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "sim/profile.h"
+#include "sim/workload.h"
 
 namespace kvrelay::sim {
 
-// One of the two measurements: a foreground client sending `fg_prompts`
+// One of the measurements: a foreground client sending `fg_prompts`
 // requests one at a time, starting at fg_start_s, beside a background client
 // doing the same with its own shape from t = 0 (1P+1D, shared host).
+//
+// Or, with `pairs`, the way requests queue in serving: fg_prompts pairs of
+// requests (fg_in / fg_out), the second pair_gap_s after the first (during
+// its prefill, so it waits for it and then prefills while the first one
+// decodes), pair_period_s between pairs (the cluster drained by then); no
+// background. The figure: the median over the pairs of the second one's
+// first token less the first one's (one prefill next to a fresh decode),
+// against the median gap between consecutive first tokens of a back-to-back
+// run (two clients, b2b_prompts requests of fg_in / b2b_out: one prefill
+// after another, next to almost no decoding). Both are first-token gaps, so
+// what of a TTFT is not the prefill worker's cancels.
 struct BusyProbe {
   int64_t fg_prompts = 24, fg_in = 128, fg_out = 32;
   int64_t bg_prompts = 40, bg_in = 16, bg_out = 1024;
   double fg_start_s = 0.5;  // the background busy by then (calibrate waits for its CPU)
   bool tpot = false;        // the figure compared: the foreground's TPOT p50 (else TTFT p50)
+  bool pairs = false;
+  double pair_gap_s = 0.05, pair_period_s = 1.5;
+  int64_t b2b_prompts = 40, b2b_out = 2;
 };
 
-// The foreground's figure next to the background over its figure alone, as
-// simulated with `profile` (its jitter left out: the figures are medians of
+// The pairs probe's workload (open loop, in arrival order), as `kvrelay bench
+// serve --trace` replays it and as the simulator runs it.
+std::vector<SimRequest> PairTrace(const BusyProbe& probe);
+
+// From the first-token times of a pairs run (in workload order): the median
+// of each pair's second one less its first; of a back-to-back run (any
+// order): the median gap between consecutive ones, the first `skip` of them
+// (the clients' open-loop start) out. 0 when there is none.
+double MedianPairGap(const std::vector<double>& first_tokens);
+double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip = 3);
+
+// The foreground's figure next to the background over its figure alone (or
+// the pairs' gap over the back-to-back one), as simulated with `profile` (its jitter left out: the figures are medians of
 // a handful of requests whose draws differ between the two runs) on a host
 // of `cores` cores, heartbeats every 0.5 s.
 Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores);
@@ -44,8 +72,9 @@ struct BusyFit {
 };
 
 // Sets profile->prefill.busy_alpha and decode.busy_alpha (each in [0, 4]) so
-// that the simulated slowdowns of `prefill_probe` (the prefill next to a busy
-// decode worker: a TTFT) and `decode_probe` (a TPOT) are the measured ones:
+// that the simulated slowdowns of `prefill_probe` (the prefill next to a
+// decode: calibrate's is a pairs probe) and `decode_probe` (a TPOT) are the
+// measured ones:
 // each by bisection (the slowdown grows with its role's alpha), the other
 // held, alternating over three rounds (each scenario depends a little on the
 // other role's alpha too). An alpha of 0 when the simulator reaches the

@@ -230,6 +230,58 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   EXPECT_EQ(warnings, 0u) << r.err;
 }
 
+// bench serve --trace replays a trace file (the simulator's format) against
+// a real cluster: each request at its arrival time with its own prompt and
+// output lengths, the report's per-request rows in trace order. A malformed
+// trace is an error before anything is sent.
+TEST(CliBenchServeTest, TraceReplaysArrivalsAndLengths) {
+  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  const std::string dir = ::testing::TempDir();
+  const std::string trace = dir + "/cli_trace.csv", report = dir + "/cli_trace.json";
+  {
+    std::ofstream f(trace);
+    f << "arrival_s,prompt_tokens,output_tokens\n0,16,3\n0.3,24,1\n0.6,8,5\n";
+  }
+  // The cluster in the background, stopped when the script exits; bench
+  // serve once it reports ready (a deadline of 30 s).
+  const std::string log = dir + "/cli_trace_launch.log", script = dir + "/cli_trace.sh";
+  {
+    std::ofstream sh(script);
+    sh << "L=" << log << "\n"
+       << kCli << " launch --colocated 1 --prefill 0 --decode 0 --port 0 --no-kv-store --model "
+       << Model() << " 2>$L & P=$!\n"
+       << R"(trap 'kill $P; wait $P' EXIT
+for i in $(seq 300); do grep -q 'cluster ready on' $L && break; sleep 0.1; done
+U=$(grep -o 'cluster ready on http://[0-9.:]*' $L | cut -d' ' -f4)
+test -n "$U" || { echo "no cluster ready line in $L" >&2; exit 1; }
+)" << kCli << " bench serve --url $U --trace " << trace << " --json " << report << "\n";
+  }
+  RunResult r = RunCmd("bash " + script);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  std::ifstream f(report);
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["trace"], trace);
+  ASSERT_EQ(j["requests"].size(), 3u);
+  const double arrival[] = {0, 0.3, 0.6};
+  const int prompt[] = {16, 24, 8}, output[] = {3, 1, 5};
+  for (size_t i = 0; i < 3; ++i) {
+    const nlohmann::json& q = j["requests"][i];
+    EXPECT_TRUE(q["ok"].get<bool>()) << q.dump();
+    EXPECT_EQ(q["prompt_tokens"].get<int>(), prompt[i]) << i;
+    EXPECT_EQ(q["output_tokens"].get<int>(), output[i]) << i;
+    EXPECT_GE(q["start_s"].get<double>(), arrival[i]) << i;
+    EXPECT_LT(q["start_s"].get<double>(), arrival[i] + 0.25) << i;
+  }
+  {
+    std::ofstream bad(trace);
+    bad << "0,16,3\n-1,16,3\n";  // arrivals out of order
+  }
+  RunResult b = RunCmd(kCli + " bench serve --url http://127.0.0.1:9 --trace " + trace);
+  EXPECT_EQ(b.exit_code, 2) << b.err;
+  EXPECT_NE(b.err.find("--trace"), std::string::npos) << b.err;
+}
+
 // KIVI pools stage partial blocks in f32 carved from the pool; perplexity
 // sizes the pool for that (before: "KV pool exhausted" for kivi4 and kivi2).
 TEST(CliPerplexityTest, WorksWithEveryKvDtypeIncludingKivi) {

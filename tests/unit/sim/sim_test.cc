@@ -504,6 +504,42 @@ TEST(ContentionTest, DisaggregatedRolesBusyAlpha) {
   EXPECT_EQ(mix->requests[0].finish_s, kv + 0.75);
 }
 
+// The pairs probe (BusyProbe::pairs), hand-computed. 1P+1D on 2 cores, a
+// prefill of 32 tokens P = 1/1024 + 32/128 s, a decode step d = 1/1024 +
+// 1/128 s, prefill busy_alpha a (decode 0), KV transfers instant:
+//  * a pair: B waits for A's prefill, then prefills next to A's 63 decode
+//    steps (longer than it) at 1 / (1 + a): first tokens P (1 + a) apart.
+//  * back to back (the second client a gap later, the first three out): each
+//    prefill starts with the other client's one decode step, d at 1 / (1 +
+//    a) and the rest alone: first tokens P + d a / (1 + a) apart.
+TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
+  Profile p = Simple(1.0 / 1024, 1.0 / 128);
+  p.prefill.busy_source = "test";
+  BusyProbe pairs;
+  pairs.pairs = true;
+  pairs.fg_prompts = 5;
+  pairs.fg_in = 32, pairs.fg_out = 64;
+  pairs.pair_gap_s = 0.05, pairs.pair_period_s = 2;
+  pairs.b2b_prompts = 12;
+  const auto trace = PairTrace(pairs);
+  ASSERT_EQ(trace.size(), 10u);
+  EXPECT_EQ(trace[3].arrival_s, 2.05);
+  EXPECT_EQ(trace[3].output_tokens, 64);
+  const double P = 1.0 / 1024 + 32.0 / 128, d = 1.0 / 1024 + 1.0 / 128;
+  for (double a : {0.0, 0.25}) {
+    p.prefill.busy_alpha = a;
+    auto s = SimulatedSlowdown(p, pairs, 2);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_NEAR(*s, P * (1 + a) / (P + d * a / (1 + a)), 1e-6) << a;
+  }
+  EXPECT_EQ(MedianPairGap({1, 1.5, 4, 4.25, 7, 8}), 0.5);
+  // Sorted 0 0 1 2 3.5 5, the gaps from the 2nd on 1 1 1.5 1.5: the upper median.
+  EXPECT_EQ(MedianConsecutiveGap({5, 0, 0, 1, 2, 3.5}, 2), 1.5);
+  EXPECT_EQ(MedianPairGap({}), 0);
+  pairs.pair_period_s = 0.01;  // below the gap
+  EXPECT_FALSE(SimulatedSlowdown(p, pairs, 2).ok());
+}
+
 // sim calibrate's fit of the roles' busy_alpha (sim/busy_fit.h): slowdowns
 // simulated with known alphas are fitted back to those alphas, and each
 // fitted alpha reproduces its slowdown. Decode steps (~1 ms) are short next to
@@ -514,10 +550,14 @@ TEST(ContentionTest, RoleBusyAlphaFitReproducesItsSlowdown) {
   Profile p = Simple(1.0 / 4096, 1.0 / 1024);
   p.prefill.busy_source = p.decode.busy_source = "test";
   BusyProbe pre, dec;
-  pre.fg_prompts = dec.fg_prompts = 9;
+  pre.fg_prompts = 6;  // pairs, each second one prefilling next to the first one's 127 decode steps
+  dec.fg_prompts = 9;
   pre.fg_in = dec.fg_in = 64;
-  pre.fg_out = dec.fg_out = 8;
-  pre.bg_prompts = 20, pre.bg_in = 16, pre.bg_out = 512;
+  pre.fg_out = 128;
+  dec.fg_out = 8;
+  pre.pairs = true;
+  pre.pair_gap_s = 0.01, pre.pair_period_s = 1;
+  pre.b2b_prompts = 20;
   dec.bg_prompts = 40, dec.bg_in = 64, dec.bg_out = 1, dec.tpot = true;
   p.prefill.busy_alpha = 0.3;
   p.decode.busy_alpha = 0.15;
