@@ -139,7 +139,7 @@ void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t 
     }
     if (!bad.ok()) {
       CompleteLocked(op, bad);
-      if (!last) dropping_.insert(key);
+      if (!last) dropping_.emplace(key, Clock::now());
       return;
     }
     ScatterInto(op->regions, &op->cursor, data, len);
@@ -180,7 +180,7 @@ void TransportBase::DeliverLocked(const TransferKey& key, size_t offset, size_t 
 }
 
 void TransportBase::AbortLocked(const TransferKey& key, const Status& why) {
-  dropping_.erase(key);
+  if (dropping_.erase(key) > 0) return;  // its receive is gone: nobody to tell
   auto it = posted_recvs_.find(key);
   if (it != posted_recvs_.end()) {
     CompleteLocked(it->second, why);
@@ -202,8 +202,9 @@ void TransportBase::EraseStagedLocked(
 }
 
 void TransportBase::ExpireStagedLocked() {
-  if (staged_.empty()) return;
+  if (staged_.empty() && dropping_.empty()) return;
   const TimePoint now = Clock::now();
+  std::erase_if(dropping_, [&](const auto& d) { return now - d.second > max_unexpected_age_; });
   for (auto it = staged_.begin(); it != staged_.end();) {
     auto next = std::next(it);
     if (now - it->second.since > max_unexpected_age_) {
@@ -280,7 +281,9 @@ void TransportBase::CancelLocked(const OpPtr& op, std::unique_lock<std::mutex>& 
   auto it = posted_recvs_.find(op->key);
   if (it != posted_recvs_.end() && it->second == op) {
     posted_recvs_.erase(it);
-    if (op->received > 0) dropping_.insert(op->key);  // the rest is still coming
+    // Whatever of it is still coming, all of it when nothing came yet (the
+    // sender may not have started: a request cancelled before its KV left).
+    dropping_.emplace(op->key, Clock::now());
   }
 }
 

@@ -155,7 +155,10 @@ class TransportBase : public Transport {
   std::unordered_map<TransferHandle, OpPtr> ops_;
   std::unordered_map<TransferKey, OpPtr, TransferKeyHash> posted_recvs_;
   std::unordered_map<TransferKey, Staged, TransferKeyHash> staged_;
-  std::unordered_set<TransferKey, TransferKeyHash> dropping_;  // cancelled receives still arriving
+  // Tombstones of cancelled or failed receives, from when: the sender's bytes
+  // for them (still coming, or not started yet) are discarded, not staged;
+  // cleared by the last byte, a new receive of the key, or max_unexpected_age_.
+  std::unordered_map<TransferKey, TimePoint, TransferKeyHash> dropping_;
   std::unordered_set<int> lost_peers_;
   std::unordered_map<int, Status> lost_reason_;
   int64_t staged_bytes_ = 0;

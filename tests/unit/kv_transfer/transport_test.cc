@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kv_transfer/regions.h"
+#include "kv_transfer/transport_base.h"
 #include "protocols/framed_connection.h"
 #include "transport_pair.h"
 
@@ -22,6 +23,13 @@ using testing::DialAuthenticated;
 using testing::MakePair;
 using testing::RandomBytes;
 using testing::TestKey;
+
+// Bytes the receiving side holds for receives not posted (-1: not a
+// TransportBase).
+int64_t StagedBytes(Transport& t) {
+  auto* base = dynamic_cast<TransportBase*>(&t);
+  return base != nullptr ? base->staged_bytes() : -1;
+}
 
 // `blocks` contiguous blocks of `layers` layers in one buffer.
 TransferDesc Desc(int peer, uint64_t req, uint32_t tag, std::vector<uint8_t>& buf, int blocks,
@@ -176,6 +184,8 @@ TEST_P(TransportTest, DeadlineExpiryFreesEverythingAndLateDataIsIgnored) {
   ASSERT_TRUE(mr.ok() && ms.ok());
   ASSERT_TRUE(pair.b->Wait(*mr, Deadline::AfterMs(5000)).ok());
   EXPECT_TRUE(std::all_of(dst.begin(), dst.end(), [](uint8_t x) { return x == 0; }));
+  // Discarded, not staged for a minute as if a receive might still come.
+  EXPECT_EQ(StagedBytes(*pair.b), 0);
   if (GetParam() == "local") {
     // The rendezvous send waits for a receive that never comes: its deadline frees it.
     EXPECT_EQ(pair.a->Wait(*s, Deadline::AfterMs(50)).code(), StatusCode::kDeadlineExceeded);
@@ -192,6 +202,28 @@ TEST_P(TransportTest, CancelledReceiveReleasesHandle) {
   EXPECT_TRUE(pair.b->Cancel(*r).ok());
   EXPECT_EQ(pair.b->inflight(), 0);
   EXPECT_EQ(pair.b->Cancel(*r).code(), StatusCode::kNotFound);
+  if (GetParam() != "tcp") return;  // (local: a send waits for its receive)
+  // The sender had not started when the receive was cancelled (a request
+  // cancelled before its KV left the prefill worker): its bytes are dropped
+  // as they come, not staged; a marker transfer after them proves they came.
+  std::vector<uint8_t> src(512, 3), m_src(64, 1), m_dst(64, 0);
+  auto s = pair.a->PostSend(Desc(1, 5, 0, src, 1, 1, 1, 256, 0, 1));
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(pair.a->Wait(*s, Deadline::AfterMs(5000)).ok());
+  auto mr = pair.b->PostRecv(Desc(0, 15, 0, m_dst, 1, 1, 1, 32, 0, 1));
+  auto ms = pair.a->PostSend(Desc(1, 15, 0, m_src, 1, 1, 1, 32, 0, 1));
+  ASSERT_TRUE(mr.ok() && ms.ok());
+  ASSERT_TRUE(pair.b->Wait(*mr, Deadline::AfterMs(5000)).ok());
+  ASSERT_TRUE(pair.a->Wait(*ms, Deadline::AfterMs(5000)).ok());
+  EXPECT_EQ(StagedBytes(*pair.b), 0);
+  EXPECT_TRUE(std::all_of(dst.begin(), dst.end(), [](uint8_t x) { return x == 0; }));
+  // A new receive of the same key takes a new send.
+  auto r2 = pair.b->PostRecv(Desc(0, 5, 0, dst, 1, 1, 1, 256, 0, 1));
+  auto s2 = pair.a->PostSend(Desc(1, 5, 0, src, 1, 1, 1, 256, 0, 1));
+  ASSERT_TRUE(r2.ok() && s2.ok());
+  ASSERT_TRUE(pair.b->Wait(*r2, Deadline::AfterMs(5000)).ok());
+  ASSERT_TRUE(pair.a->Wait(*s2, Deadline::AfterMs(5000)).ok());
+  EXPECT_EQ(dst, src);
 }
 
 TEST_P(TransportTest, MaxInflightIsEnforced) {
