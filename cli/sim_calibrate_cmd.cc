@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -474,23 +475,22 @@ int RunCalibrate(const std::vector<std::string>& args) {
         runs.push_back(with_seed(seed++));
       }
       // The prefill's pairs probe (1P+1D, and the TP topology for the
-      // prefill next to a TP group): two clients' requests back to back (two
-      // outputs each: the KV still ships, the decode barely steps), so the
-      // prefill worker never idles and its first tokens come one prefill
-      // apart, then the pairs trace twice. The back-to-back run also gives
-      // what of the alone TTFT is not the worker's (HTTP, routing, the first
-      // token's way back; 1P+1D): ServingOverhead::ttft_s, not charged to the
-      // next prompt's wait.
-      const bool queued = roles || tp;
-      const size_t back_to_back = queued ? runs.size() : SIZE_MAX;
-      if (queued) {
+      // prefill next to a TP group): the pairs trace twice. 1P+1D first runs
+      // two clients' requests back to back (two outputs each: the KV still
+      // ships, the decode barely steps), so the prefill worker never idles
+      // and its first tokens come one prefill apart: what of the alone TTFT
+      // is not the worker's (HTTP, routing, the first token's way back) is
+      // ServingOverhead::ttft_s, not charged to the next prompt's wait.
+      const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
+      if (roles) {
         runs.push_back({"--rate", "inf", "--max-concurrency", "2", "--num-prompts",
                         std::to_string(pre_probe.b2b_prompts), "--input-len",
                         std::to_string(*input_len), "--output-len",
                         std::to_string(pre_probe.b2b_out), "--seed", std::to_string(seed++)});
-        for (int rep = 0; rep < 2; ++rep) {
-          runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
-        }
+      }
+      const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
+      for (int rep = 0; (roles || tp) && rep < 2; ++rep) {
+        runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
       }
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
@@ -512,49 +512,41 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const Slowdown x = slowdown(i), y = slowdown(j);
         return Slowdown{(x.busy + y.busy) / 2, (x.alone + y.alone) / 2, (x.s + y.s) / 2};
       };
-      // The pairs probe from its runs (the back-to-back one at `b2b`, the two
-      // pairs rounds after it): the pairs' median first-token gap, both rounds
-      // pooled, over the back-to-back one (0 when either is missing).
-      double last_pair_gap_s = 0, last_b2b_gap_s = 0;
-      auto first_tokens = [&](size_t run, bool pairs_only) {
-        std::vector<double> v;
-        const json& q = (*r)[run].report["requests"];
-        for (size_t i = 0; i < q.size(); ++i) {
-          const bool ok = q[i].value("ok", false) && q[i].value("ttft_ms", 0.0) > 0;
-          if (pairs_only) {  // both of a pair, or neither
-            if (i % 2 == 1) continue;
-            const bool next = i + 1 < q.size() && q[i + 1].value("ok", false) &&
-                              q[i + 1].value("ttft_ms", 0.0) > 0;
-            if (!ok || !next) continue;
-            for (size_t k : {i, i + 1}) {
-              v.push_back(q[k].value("start_s", 0.0) + q[k].value("ttft_ms", 0.0) / 1e3);
-            }
-          } else if (ok) {
-            v.push_back(q[i].value("start_s", 0.0) + q[i].value("ttft_ms", 0.0) / 1e3);
-          }
+      // The pairs probe from its two rounds (runs pairs_at and pairs_at + 1),
+      // pooled: sim::PairsFigures of their arrivals and first tokens.
+      auto first_tokens = [&](size_t run, std::vector<double>* arrivals,
+                              std::vector<double>* firsts) {
+        for (const json& q : (*r)[run].report["requests"]) {
+          const bool ok = q.value("ok", false) && q.value("ttft_ms", 0.0) > 0;
+          const double start = q.value("start_s", 0.0);
+          arrivals->push_back(start);
+          firsts->push_back(ok ? start + q.value("ttft_ms", 0.0) / 1e3
+                               : std::numeric_limits<double>::quiet_NaN());
         }
-        return v;
+        if (firsts->size() % 2 == 1) {  // (a trace of pairs: cannot happen)
+          arrivals->pop_back();
+          firsts->pop_back();
+        }
       };
-      auto pair_slowdown = [&](size_t b2b) {
-        last_b2b_gap_s = sim::MedianConsecutiveGap(first_tokens(b2b, false));
-        std::vector<double> firsts = first_tokens(b2b + 1, true);
-        const std::vector<double> more = first_tokens(b2b + 2, true);
-        firsts.insert(firsts.end(), more.begin(), more.end());
-        last_pair_gap_s = sim::MedianPairGap(firsts);
-        const double s = last_b2b_gap_s > 0 ? last_pair_gap_s / last_b2b_gap_s : 0;
+      sim::PairFigures pairs;
+      if (pairs_at != SIZE_MAX) {
+        std::vector<double> arrivals, firsts;
+        first_tokens(pairs_at, &arrivals, &firsts);
+        first_tokens(pairs_at + 1, &arrivals, &firsts);
+        pairs = sim::PairsFigures(arrivals, firsts);
         std::printf(
-            "%-14s pairs: the second's first token %.1f ms after the first's (median of %zu "
-            "pairs), back to back %.1f ms apart: a queued prefill next to a fresh decode x%.3f\n",
-            t.name.c_str(), last_pair_gap_s * 1e3, firsts.size() / 2, last_b2b_gap_s * 1e3, s);
-        return s;
-      };
+            "%-14s pairs: the second's first token %.1f ms after the first's, the first's TTFT "
+            "%.1f ms (medians of %zu pairs): a queued prefill next to a fresh decode x%.3f\n",
+            t.name.c_str(), pairs.gap_s * 1e3, pairs.lead_ttft_s * 1e3, pairs.pairs,
+            pairs.slowdown);
+      }
       if (roles) {
         // s = busy / alone of the role's figure; the busy_alpha that makes the
         // simulator reproduce it is fitted once the rest of the profile is
         // (below, sim::FitRoleBusyAlphas).
         const Slowdown dec = mean_of(0, 1);
         const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
-        const double sp = pair_slowdown(back_to_back);
+        const double sp = pairs.slowdown;
         if (sp > 0 && sd > 0) {
           role_slowdown = {sp, sd};
           const std::string how =
@@ -582,10 +574,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
               " ms after the first, pairs " + Fixed(pre_probe.pair_period_s, 1) +
               " s apart; 2 rounds) on kvrelay launch (1P+1D, " + th + " thread per worker, KV " +
               kv_dtype + "): the second's first token less the first's, median " +
-              Fixed(last_pair_gap_s * 1e3, 1) + " ms, against " + Fixed(last_b2b_gap_s * 1e3, 1) +
-              " ms between consecutive first tokens back to back (--max-concurrency 2 "
-              "--output-len " +
-              std::to_string(pre_probe.b2b_out) + "): x" + Fixed(sp, 3) +
+              Fixed(pairs.gap_s * 1e3, 1) + " ms, against the first's TTFT, median " +
+              Fixed(pairs.lead_ttft_s * 1e3, 1) + " ms (a prefill alone, in the same runs): x" +
+              Fixed(sp, 3) +
               ", busy_alpha = what makes the simulator reproduce that in that scenario with the "
               "rest of this profile (sim/busy_fit.h), " +
               date;
@@ -595,7 +586,13 @@ int RunCalibrate(const std::vector<std::string>& args) {
         std::printf(
             "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
             t.name.c_str(), tpot_busy, tpot_alone, sd);
-        prefill_hold_s = last_b2b_gap_s;
+        std::vector<double> b2b_firsts;
+        for (const json& q : (*r)[back_to_back].report["requests"]) {
+          if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
+            b2b_firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
+          }
+        }
+        prefill_hold_s = sim::MedianConsecutiveGap(std::move(b2b_firsts));
         ttft_outside_s = std::max(0.0, p50(0, "ttft_ms") / 1e3 - prefill_hold_s);
         std::printf("%-14s %.1f ms of the alone TTFT p50 (%.1f) outside the prefill worker\n",
                     t.name.c_str(), ttft_outside_s * 1e3, p50(0, "ttft_ms"));
@@ -603,7 +600,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
       if (tp) {
         const Slowdown core = mean_of(0, 1);
         tp_busy_slowdown = core.s;
-        tp_prefill_slowdown = pair_slowdown(back_to_back);
+        // Of the prefill worker's own time (the figure less what of the
+        // first's TTFT is outside the worker, from 1P+1D's back-to-back run).
+        const double own = pairs.lead_ttft_s - ttft_outside_s;
+        tp_prefill_slowdown = own > 0 ? pairs.gap_s / own : 0;
         std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
                     t.name.c_str(), core.busy, core.alone, core.s);
       }

@@ -1,6 +1,7 @@
 #include "sim/busy_fit.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -94,12 +95,21 @@ std::vector<SimRequest> PairTrace(const BusyProbe& probe) {
   return w;
 }
 
-double MedianPairGap(const std::vector<double>& first_tokens) {
-  std::vector<double> gaps;
-  for (size_t i = 0; i + 1 < first_tokens.size(); i += 2) {
-    gaps.push_back(first_tokens[i + 1] - first_tokens[i]);
+PairFigures PairsFigures(const std::vector<double>& arrivals,
+                         const std::vector<double>& first_tokens) {
+  std::vector<double> gaps, leads;
+  for (size_t i = 0; i + 1 < first_tokens.size() && i + 1 < arrivals.size(); i += 2) {
+    const double a = first_tokens[i], b = first_tokens[i + 1];
+    if (std::isnan(a) || std::isnan(b) || std::isnan(arrivals[i])) continue;
+    gaps.push_back(b - a);
+    leads.push_back(a - arrivals[i]);
   }
-  return Median(std::move(gaps));
+  PairFigures f;
+  f.pairs = gaps.size();
+  f.gap_s = Median(std::move(gaps));
+  f.lead_ttft_s = Median(std::move(leads));
+  f.slowdown = f.gap_s > 0 && f.lead_ttft_s > 0 ? f.gap_s / f.lead_ttft_s : 0;
+  return f;
 }
 
 double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip) {
@@ -113,30 +123,18 @@ double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip) {
 
 Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores) {
   if (probe.pairs) {
-    if (probe.fg_prompts < 1 || probe.b2b_prompts < 5 || cores < 1 ||
-        !(probe.pair_gap_s >= 0) || !(probe.pair_period_s > probe.pair_gap_s)) {
+    if (probe.fg_prompts < 1 || cores < 1 || !(probe.pair_gap_s >= 0) ||
+        !(probe.pair_period_s > probe.pair_gap_s)) {
       return InvalidArgument(
-          "busy probe: pairs need >= 1 pair, >= 5 back-to-back requests, >= 1 core and a "
-          "period above the gap");
+          "busy probe: pairs need >= 1 pair, >= 1 core and a period above the gap");
     }
-    ASSIGN_OR_RETURN(auto pairs, FirstTokens(profile, PairTrace(probe), cores));
-    // Back to back: two clients, each request after its client's previous
-    // one, the second client's first a pair's gap after the first's (real
-    // clients fall out of step at once; simulated ones started together
-    // would share every prefill step).
-    std::vector<SimRequest> b2b;
-    for (int64_t i = 0; i < probe.b2b_prompts; ++i) {
-      SimRequest q;
-      q.arrival_s = i == 1 ? probe.pair_gap_s : 0;
-      q.prompt_tokens = probe.fg_in;
-      q.output_tokens = probe.b2b_out;
-      q.after = i >= 2 ? i - 2 : -1;
-      b2b.push_back(q);
-    }
-    ASSIGN_OR_RETURN(auto firsts, FirstTokens(profile, b2b, cores));
-    const double alone = MedianConsecutiveGap(std::move(firsts));
-    if (!(alone > 0)) return Internal("busy probe: the back-to-back gap is 0");
-    return MedianPairGap(pairs) / alone;
+    const std::vector<SimRequest> trace = PairTrace(probe);
+    ASSIGN_OR_RETURN(auto firsts, FirstTokens(profile, trace, cores));
+    std::vector<double> arrivals;
+    for (const SimRequest& q : trace) arrivals.push_back(q.arrival_s);
+    const PairFigures f = PairsFigures(arrivals, firsts);
+    if (!(f.slowdown > 0)) return Internal("busy probe: no pair with a first-token gap");
+    return f.slowdown;
   }
   if (probe.fg_prompts < 1 || probe.bg_prompts < 1 || cores < 1 || !(probe.fg_start_s >= 0) ||
       (probe.tpot && probe.fg_out < 2)) {

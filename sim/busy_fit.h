@@ -34,17 +34,17 @@ namespace kvrelay::sim {
 // decodes), pair_period_s between pairs (the cluster drained by then); no
 // background. The figure: the median over the pairs of the second one's
 // first token less the first one's (one prefill next to a fresh decode),
-// against the median gap between consecutive first tokens of a back-to-back
-// run (two clients, b2b_prompts requests of fg_in / b2b_out: one prefill
-// after another, next to almost no decoding). Both are first-token gaps, so
-// what of a TTFT is not the prefill worker's cancels.
+// against the median TTFT of the pairs' first ones (a prefill alone: each
+// arrives at an idle cluster). Both come from the same pairs, so a host
+// whose speed moves within minutes moves both. (The back-to-back fields are
+// calibrate's run for ServingOverhead::ttft_s, not part of the figure.)
 struct BusyProbe {
   int64_t fg_prompts = 24, fg_in = 128, fg_out = 32;
   int64_t bg_prompts = 40, bg_in = 16, bg_out = 1024;
   double fg_start_s = 0.5;  // the background busy by then (calibrate waits for its CPU)
   bool tpot = false;        // the figure compared: the foreground's TPOT p50 (else TTFT p50)
   bool pairs = false;
-  double pair_gap_s = 0.05, pair_period_s = 1.5;
+  double pair_gap_s = 0.05, pair_period_s = 2.0;
   int64_t b2b_prompts = 40, b2b_out = 2;
 };
 
@@ -52,11 +52,19 @@ struct BusyProbe {
 // serve --trace` replays it and as the simulator runs it.
 std::vector<SimRequest> PairTrace(const BusyProbe& probe);
 
-// From the first-token times of a pairs run (in workload order): the median
-// of each pair's second one less its first; of a back-to-back run (any
-// order): the median gap between consecutive ones, the first `skip` of them
-// (the clients' open-loop start) out. 0 when there is none.
-double MedianPairGap(const std::vector<double>& first_tokens);
+// From a pairs run (its requests' arrivals and first-token times, in
+// workload order; a pair with a time missing, NaN, is left out): the median
+// of each pair's second first token less its first, the median TTFT of the
+// pairs' first ones, and slowdown = gap / lead_ttft (0 when either is 0).
+struct PairFigures {
+  double gap_s = 0, lead_ttft_s = 0, slowdown = 0;
+  size_t pairs = 0;
+};
+PairFigures PairsFigures(const std::vector<double>& arrivals,
+                         const std::vector<double>& first_tokens);
+// Of a back-to-back run (any order): the median gap between consecutive
+// first tokens, the first `skip` of them (the clients' open-loop start) out.
+// 0 when there is none.
 double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip = 3);
 
 // The foreground's figure next to the background over its figure alone (or

@@ -505,13 +505,11 @@ TEST(ContentionTest, DisaggregatedRolesBusyAlpha) {
 }
 
 // The pairs probe (BusyProbe::pairs), hand-computed. 1P+1D on 2 cores, a
-// prefill of 32 tokens P = 1/1024 + 32/128 s, a decode step d = 1/1024 +
-// 1/128 s, prefill busy_alpha a (decode 0), KV transfers instant:
-//  * a pair: B waits for A's prefill, then prefills next to A's 63 decode
-//    steps (longer than it) at 1 / (1 + a): first tokens P (1 + a) apart.
-//  * back to back (the second client a gap later, the first three out): each
-//    prefill starts with the other client's one decode step, d at 1 / (1 +
-//    a) and the rest alone: first tokens P + d a / (1 + a) apart.
+// prefill of 32 tokens P = 1/1024 + 32/128 s, prefill busy_alpha a (decode
+// 0), KV transfers and the serving path instant: a pair's first one arrives
+// at an idle cluster, so its TTFT is P; the second waits for it, then
+// prefills next to its 63 decode steps (longer than it) at 1 / (1 + a): first
+// tokens P (1 + a) apart. The figure is 1 + a (to 1e-6).
 TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
   Profile p = Simple(1.0 / 1024, 1.0 / 128);
   p.prefill.busy_source = "test";
@@ -520,22 +518,30 @@ TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
   pairs.fg_prompts = 5;
   pairs.fg_in = 32, pairs.fg_out = 64;
   pairs.pair_gap_s = 0.05, pairs.pair_period_s = 2;
-  pairs.b2b_prompts = 12;
   const auto trace = PairTrace(pairs);
   ASSERT_EQ(trace.size(), 10u);
   EXPECT_EQ(trace[3].arrival_s, 2.05);
   EXPECT_EQ(trace[3].output_tokens, 64);
-  const double P = 1.0 / 1024 + 32.0 / 128, d = 1.0 / 1024 + 1.0 / 128;
   for (double a : {0.0, 0.25}) {
     p.prefill.busy_alpha = a;
     auto s = SimulatedSlowdown(p, pairs, 2);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    EXPECT_NEAR(*s, P * (1 + a) / (P + d * a / (1 + a)), 1e-6) << a;
+    EXPECT_NEAR(*s, 1 + a, 1e-6) << a;
   }
-  EXPECT_EQ(MedianPairGap({1, 1.5, 4, 4.25, 7, 8}), 0.5);
+  // Pairs (arrival, first token): (0, 1) (0.05, 1.5) | (3, 4) (3.1, 4.25) |
+  // (6, 7) (6.2, 8) | a pair with its second lost | (12, 12.5) (12.1, 13):
+  // gaps 0.5 0.25 1 0.5 -> upper median 0.5; first TTFTs 1 1 1 0.5 -> 1.
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const PairFigures f =
+      PairsFigures({0, 0.05, 3, 3.1, 6, 6.2, 9, 9.1, 12, 12.1},
+                   {1, 1.5, 4, 4.25, 7, 8, 10, nan, 12.5, 13});
+  EXPECT_EQ(f.pairs, 4u);
+  EXPECT_EQ(f.gap_s, 0.5);
+  EXPECT_EQ(f.lead_ttft_s, 1);
+  EXPECT_EQ(f.slowdown, 0.5);
+  EXPECT_EQ(PairsFigures({}, {}).slowdown, 0);
   // Sorted 0 0 1 2 3.5 5, the gaps from the 2nd on 1 1 1.5 1.5: the upper median.
   EXPECT_EQ(MedianConsecutiveGap({5, 0, 0, 1, 2, 3.5}, 2), 1.5);
-  EXPECT_EQ(MedianPairGap({}), 0);
   pairs.pair_period_s = 0.01;  // below the gap
   EXPECT_FALSE(SimulatedSlowdown(p, pairs, 2).ok());
 }
@@ -557,7 +563,6 @@ TEST(ContentionTest, RoleBusyAlphaFitReproducesItsSlowdown) {
   dec.fg_out = 8;
   pre.pairs = true;
   pre.pair_gap_s = 0.01, pre.pair_period_s = 1;
-  pre.b2b_prompts = 20;
   dec.bg_prompts = 40, dec.bg_in = 64, dec.bg_out = 1, dec.tpot = true;
   p.prefill.busy_alpha = 0.3;
   p.decode.busy_alpha = 0.15;
