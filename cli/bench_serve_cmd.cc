@@ -233,8 +233,8 @@ int BenchServe(const std::vector<std::string>& args) {
     }
     trace = std::move(*t);
   }
-  const int64_t num_prompts =
-      trace.empty() ? get_int("num-prompts", 100, 1, 1'000'000) : static_cast<int64_t>(trace.size());
+  const int64_t num_prompts = trace.empty() ? get_int("num-prompts", 100, 1, 1'000'000)
+                                            : static_cast<int64_t>(trace.size());
   const int64_t input_len = get_int("input-len", 128, 1, 1'000'000);
   const int64_t output_len = get_int("output-len", 64, 1, 1'000'000);
   const int64_t shared_prefix = get_int("shared-prefix", 0, 0, input_len);
@@ -327,12 +327,12 @@ int BenchServe(const std::vector<std::string>& args) {
                  flags->Get("url", "http://127.0.0.1:8080").c_str());
   } else {
     std::fprintf(
-      stderr,
-      "bench serve: %lld prompts (%lld in / %lld out, shared prefix %lld) at %s req/s to %s\n",
-      static_cast<long long>(num_prompts), static_cast<long long>(input_len),
-      static_cast<long long>(output_len), static_cast<long long>(shared_prefix),
-      rate > 0 ? std::to_string(rate).c_str() : "inf",
-      flags->Get("url", "http://127.0.0.1:8080").c_str());
+        stderr,
+        "bench serve: %lld prompts (%lld in / %lld out, shared prefix %lld) at %s req/s to %s\n",
+        static_cast<long long>(num_prompts), static_cast<long long>(input_len),
+        static_cast<long long>(output_len), static_cast<long long>(shared_prefix),
+        rate > 0 ? std::to_string(rate).c_str() : "inf",
+        flags->Get("url", "http://127.0.0.1:8080").c_str());
   }
   std::vector<RequestOutcome> outcomes(static_cast<size_t>(num_prompts));
   std::atomic<int64_t> next{0};
@@ -476,7 +476,8 @@ int BenchServe(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_serve, "bench serve",
                 "bench serve --url URL --rate R --num-prompts N --input-len I --output-len O "
-                "[--shared-prefix L [--prefix-groups G]] [--trace FILE] [--ttft-slo-ms X --tpot-slo-ms Y] [--json "
+                "[--shared-prefix L [--prefix-groups G]] [--trace FILE] [--ttft-slo-ms X "
+                "--tpot-slo-ms Y] [--json "
                 "OUT] [--model NAME] "
                 "[--seed S] [--api-key K] [--max-concurrency C]",
                 BenchServe);

@@ -391,9 +391,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
     std::vector<ServePoint> pts;
     std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
     double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
-    double tp_prefill_slowdown = 0;    // 1P+1D TP2: the pairs probe's (queued prefill next to the group)
-    double prefill_hold_s = 0;         // 1P+1D: one prefill's hold of the worker, back to back
-    double ttft_outside_s = 0;         // 1P+1D: the alone TTFT less that
+    double tp_prefill_slowdown =
+        0;                      // 1P+1D TP2: the pairs probe's (queued prefill next to the group)
+    double prefill_hold_s = 0;  // 1P+1D: one prefill's hold of the worker, back to back
+    double ttft_outside_s = 0;  // 1P+1D: the alone TTFT less that
     std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     // The roles' two probes (run below, then simulated for their busy_alpha):
     // pairs of this run's requests, the second one queued behind the first
@@ -675,8 +676,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
         "worker's own time x%.3f next to it -> cores %.3f, share_weight %.3f, busy_alpha %.3f, "
         "prefill_busy_alpha "
         "%.3f\n",
-        decode_cores[2], tp_busy_slowdown, tp_prefill_slowdown, sharing.cores,
-        sharing.share_weight, sharing.busy_alpha, sharing.prefill_busy_alpha);
+        decode_cores[2], tp_busy_slowdown, tp_prefill_slowdown, sharing.cores, sharing.share_weight,
+        sharing.busy_alpha, sharing.prefill_busy_alpha);
     // 4b. The serving path's own CPU (Profile::serving_cpu): the coordinator's
     //     (/proc) and the bench serve client's (getrusage) over two runs on
     //     the colocated topology that differ only in output length, less the

@@ -68,9 +68,10 @@ PairFigures PairsFigures(const std::vector<double>& arrivals,
 double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip = 3);
 
 // The foreground's figure next to the background over its figure alone (or
-// the pairs' gap over the back-to-back one), as simulated with `profile` (its jitter left out: the figures are medians of
-// a handful of requests whose draws differ between the two runs) on a host
-// of `cores` cores, heartbeats every 0.5 s.
+// the pairs' PairFigures::slowdown), as simulated with `profile` (its jitter
+// left out: the figures are medians of a handful of requests whose draws
+// differ between the two runs) on a host of `cores` cores, heartbeats every
+// 0.5 s.
 Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores);
 
 struct BusyFit {

@@ -254,7 +254,8 @@ TEST(CliBenchServeTest, TraceReplaysArrivalsAndLengths) {
 for i in $(seq 300); do grep -q 'cluster ready on' $L && break; sleep 0.1; done
 U=$(grep -o 'cluster ready on http://[0-9.:]*' $L | cut -d' ' -f4)
 test -n "$U" || { echo "no cluster ready line in $L" >&2; exit 1; }
-)" << kCli << " bench serve --url $U --trace " << trace << " --json " << report << "\n";
+)" << kCli
+       << " bench serve --url $U --trace " << trace << " --json " << report << "\n";
   }
   RunResult r = RunCmd("bash " + script);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;

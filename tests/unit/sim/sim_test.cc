@@ -532,9 +532,8 @@ TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
   // (6, 7) (6.2, 8) | a pair with its second lost | (12, 12.5) (12.1, 13):
   // gaps 0.5 0.25 1 0.5 -> upper median 0.5; first TTFTs 1 1 1 0.5 -> 1.
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  const PairFigures f =
-      PairsFigures({0, 0.05, 3, 3.1, 6, 6.2, 9, 9.1, 12, 12.1},
-                   {1, 1.5, 4, 4.25, 7, 8, 10, nan, 12.5, 13});
+  const PairFigures f = PairsFigures({0, 0.05, 3, 3.1, 6, 6.2, 9, 9.1, 12, 12.1},
+                                     {1, 1.5, 4, 4.25, 7, 8, 10, nan, 12.5, 13});
   EXPECT_EQ(f.pairs, 4u);
   EXPECT_EQ(f.gap_s, 0.5);
   EXPECT_EQ(f.lead_ttft_s, 1);
