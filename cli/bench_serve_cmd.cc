@@ -232,6 +232,17 @@ int BenchServe(const std::vector<std::string>& args) {
       return 2;
     }
     trace = std::move(*t);
+    // The bounds of --input-len / --output-len, per request (every prompt is
+    // built before the first is sent).
+    for (size_t i = 0; i < trace.size(); ++i) {
+      if (trace[i].prompt_tokens > 1'000'000 || trace[i].output_tokens > 1'000'000) {
+        std::fprintf(stderr,
+                     "bench serve: --trace %s: request %zu: prompt and output tokens must be "
+                     "<= 1000000\n",
+                     flags->Get("trace").c_str(), i + 1);
+        return 2;
+      }
+    }
   }
   const int64_t num_prompts = trace.empty() ? get_int("num-prompts", 100, 1, 1'000'000)
                                             : static_cast<int64_t>(trace.size());

@@ -281,6 +281,14 @@ test -n "$U" || { echo "no cluster ready line in $L" >&2; exit 1; }
   RunResult b = RunCmd(kCli + " bench serve --url http://127.0.0.1:9 --trace " + trace);
   EXPECT_EQ(b.exit_code, 2) << b.err;
   EXPECT_NE(b.err.find("--trace"), std::string::npos) << b.err;
+  {
+    std::ofstream huge(trace);
+    huge << "0,16,3\n1,2000000,3\n";  // a prompt beyond --input-len's bound
+  }
+  b = RunCmd(kCli + " bench serve --url http://127.0.0.1:9 --trace " + trace);
+  EXPECT_EQ(b.exit_code, 2) << b.err;
+  EXPECT_NE(b.err.find("request 2: prompt and output tokens must be <= 1000000"), std::string::npos)
+      << b.err;
 }
 
 // KIVI pools stage partial blocks in f32 carved from the pool; perplexity
