@@ -410,7 +410,6 @@ int RunCalibrate(const std::vector<std::string>& args) {
     pre_probe.fg_in = dec_probe.fg_in = *input_len;
     pre_probe.fg_out = dec_probe.fg_out = *output_len;
     pre_probe.pairs = true;
-    pre_probe.b2b_prompts = f->Has("quick") ? 8 : 40;
     dec_probe.bg_prompts = 400, dec_probe.bg_in = 512, dec_probe.bg_out = 1;
     dec_probe.tpot = true;
     const std::string pair_trace = TempPath("pairs.csv");
@@ -485,9 +484,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
       const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
       if (roles) {
         runs.push_back({"--rate", "inf", "--max-concurrency", "2", "--num-prompts",
-                        std::to_string(pre_probe.b2b_prompts), "--input-len",
-                        std::to_string(*input_len), "--output-len",
-                        std::to_string(pre_probe.b2b_out), "--seed", std::to_string(seed++)});
+                        f->Has("quick") ? "8" : "40", "--input-len", std::to_string(*input_len),
+                        "--output-len", "2", "--seed", std::to_string(seed++)});
       }
       const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
       for (int rep = 0; (roles || tp) && rep < 2; ++rep) {

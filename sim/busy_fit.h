@@ -36,8 +36,7 @@ namespace kvrelay::sim {
 // first token less the first one's (one prefill next to a fresh decode),
 // against the median TTFT of the pairs' first ones (a prefill alone: each
 // arrives at an idle cluster). Both come from the same pairs, so a host
-// whose speed moves within minutes moves both. (The back-to-back fields are
-// calibrate's run for ServingOverhead::ttft_s, not part of the figure.)
+// whose speed moves within minutes moves both.
 struct BusyProbe {
   int64_t fg_prompts = 24, fg_in = 128, fg_out = 32;
   int64_t bg_prompts = 40, bg_in = 16, bg_out = 1024;
@@ -45,7 +44,6 @@ struct BusyProbe {
   bool tpot = false;        // the figure compared: the foreground's TPOT p50 (else TTFT p50)
   bool pairs = false;
   double pair_gap_s = 0.05, pair_period_s = 2.0;
-  int64_t b2b_prompts = 40, b2b_out = 2;
 };
 
 // The pairs probe's workload (open loop, in arrival order), as `kvrelay bench
