@@ -28,6 +28,7 @@
 #include "sim/busy_fit.h"
 #include "sim/cluster_sim.h"
 #include "sim/profile.h"
+#include "sim/stats.h"
 #include "sim/workload.h"
 
 namespace kvrelay::cli {
@@ -84,13 +85,13 @@ Result<sim::LinkCost> FitLink(const std::vector<std::pair<double, double>>& pts,
 
 constexpr char kSimCalibrateUsage[] =
     "sim calibrate --model M [--out sim-profile.json] [--threads 1] [--kv-dtype f16] "
-    "[--quick] [--skip-serve] [--skip-store] [--skip-contention]";
+    "[--probe-rounds 4] [--quick] [--skip-serve] [--skip-store] [--skip-contention]";
 
 int RunCalibrate(const std::vector<std::string>& args) {
   if (PrintHelpIfAsked(args, kSimCalibrateUsage)) return 0;
   auto f = Flags::Parse(args,
                         {"model", "out", "threads", "kv-dtype", "kv-capacity-mb", "reps",
-                         "input-len", "output-len", "colocated", "name"},
+                         "input-len", "output-len", "colocated", "name", "probe-rounds"},
                         {"quick", "skip-serve", "skip-store", "skip-contention", "help"});
   if (!f.ok()) {
     std::fprintf(stderr, "sim calibrate: %s\n", f.status().message().c_str());
@@ -105,13 +106,22 @@ int RunCalibrate(const std::vector<std::string>& args) {
   auto input_len = f->GetInt("input-len", 128);
   auto output_len = f->GetInt("output-len", 32);
   auto colocated = f->GetInt("colocated", 2);
+  // The serving probes' rounds (each busy run between two alone runs; the
+  // pairs trace): one calibration's figures moved by +-10 % from the next
+  // with 2 rounds on a 2-vCPU VM (docs/BENCHMARKS.md, validation round 11).
+  auto probe_rounds = f->GetInt("probe-rounds", f->Has("quick") ? 2 : 4);
   for (const Status& s : {threads.status(), reps.status(), cap_mb.status(), input_len.status(),
-                          output_len.status(), colocated.status()}) {
+                          output_len.status(), colocated.status(), probe_rounds.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
       return 2;
     }
   }
+  if (*probe_rounds < 1 || *probe_rounds > 16) {
+    std::fprintf(stderr, "sim calibrate: --probe-rounds is in [1, 16]\n");
+    return 2;
+  }
+  const int rounds = static_cast<int>(*probe_rounds);
   auto fail = [](const Status& s) {
     std::fprintf(stderr, "sim calibrate: %s\n", s.ToString().c_str());
     return 1;
@@ -451,10 +461,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const char* metric;  // "ttft_ms" / "tpot_ms"
       };
       std::vector<Probe> probes;
-      // Twice each (one such pair moved by x1.2 between two calibrations an
-      // hour apart): the TP group's TPOT next to a core kept busy; the decode
-      // role's TPOT next to the busy prefill worker.
-      for (int rep = 0; tp && rep < 2; ++rep) {
+      // `rounds` each (one such pair moved by x1.2 between two calibrations
+      // an hour apart): the TP group's TPOT next to a core kept busy; the
+      // decode role's TPOT next to the busy prefill worker.
+      for (int rep = 0; tp && rep < rounds; ++rep) {
         probes.push_back(
             {{SIZE_MAX,
               {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype, "--pp",
@@ -462,7 +472,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
               ""},
              "tpot_ms"});
       }
-      for (int rep = 0; roles && rep < 2; ++rep) {
+      for (int rep = 0; roles && rep < rounds; ++rep) {
         probes.push_back({busy_load(dec_probe, 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
       }
       std::vector<Background> bg;
@@ -475,22 +485,35 @@ int RunCalibrate(const std::vector<std::string>& args) {
         runs.push_back(with_seed(seed++));
       }
       // The prefill's pairs probe (1P+1D, and the TP topology for the
-      // prefill next to a TP group): the pairs trace twice. 1P+1D first runs
-      // two clients' requests back to back (two outputs each: the KV still
-      // ships, the decode barely steps), so the prefill worker never idles
-      // and its first tokens come one prefill apart: what of the alone TTFT
-      // is not the worker's (HTTP, routing, the first token's way back) is
-      // ServingOverhead::ttft_s, not charged to the next prompt's wait.
+      // prefill next to a TP group): the pairs trace `rounds` times. On 1P+1D
+      // a back-to-back run comes before and after them: two clients'
+      // requests (two outputs each: the KV still ships, the decode barely
+      // steps), so the prefill worker never idles and its first tokens come
+      // one prefill apart. The pairs' first ones (alone, in the same
+      // minutes) less that are what of a TTFT is not the worker's (HTTP,
+      // routing, the first token's way back): ServingOverhead::ttft_s, not
+      // charged to the next prompt's wait.
+      auto back_to_back_run = [&] {
+        return std::vector<std::string>{"--rate",
+                                        "inf",
+                                        "--max-concurrency",
+                                        "2",
+                                        "--num-prompts",
+                                        f->Has("quick") ? "8" : "40",
+                                        "--input-len",
+                                        std::to_string(*input_len),
+                                        "--output-len",
+                                        "2",
+                                        "--seed",
+                                        std::to_string(seed++)};
+      };
       const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
-      if (roles) {
-        runs.push_back({"--rate", "inf", "--max-concurrency", "2", "--num-prompts",
-                        f->Has("quick") ? "8" : "40", "--input-len", std::to_string(*input_len),
-                        "--output-len", "2", "--seed", std::to_string(seed++)});
-      }
+      if (roles) runs.push_back(back_to_back_run());
       const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
-      for (int rep = 0; (roles || tp) && rep < 2; ++rep) {
+      for (int rep = 0; (roles || tp) && rep < rounds; ++rep) {
         runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
       }
+      if (roles) runs.push_back(back_to_back_run());
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
       auto p50 = [&](size_t run, const char* what) {
@@ -506,13 +529,22 @@ int RunCalibrate(const std::vector<std::string>& args) {
         d.s = d.alone > 0 ? d.busy / d.alone : 0;
         return d;
       };
-      // The mean of probes i and j (two rounds).
-      auto mean_of = [&](size_t i, size_t j) {
-        const Slowdown x = slowdown(i), y = slowdown(j);
-        return Slowdown{(x.busy + y.busy) / 2, (x.alone + y.alone) / 2, (x.s + y.s) / 2};
+      // Over the probe's rounds (probes 0 .. rounds - 1): the medians of the
+      // busy figures, of the alone ones and of the ratios (one round's slow
+      // spell does not move a median of four).
+      auto median_of_rounds = [&] {
+        std::vector<double> busy, alone, s;
+        for (int i = 0; i < rounds; ++i) {
+          const Slowdown d = slowdown(static_cast<size_t>(i));
+          busy.push_back(d.busy);
+          alone.push_back(d.alone);
+          s.push_back(d.s);
+        }
+        return Slowdown{sim::Percentile(&busy, 0.5), sim::Percentile(&alone, 0.5),
+                        sim::Percentile(&s, 0.5)};
       };
-      // The pairs probe from its two rounds (runs pairs_at and pairs_at + 1),
-      // pooled: sim::PairsFigures of their arrivals and first tokens.
+      // The pairs probe from its rounds (runs pairs_at ..), pooled:
+      // sim::PairsFigures of their arrivals and first tokens.
       auto first_tokens = [&](size_t run, std::vector<double>* arrivals,
                               std::vector<double>* firsts) {
         for (const json& q : (*r)[run].report["requests"]) {
@@ -530,8 +562,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
       sim::PairFigures pairs;
       if (pairs_at != SIZE_MAX) {
         std::vector<double> arrivals, firsts;
-        first_tokens(pairs_at, &arrivals, &firsts);
-        first_tokens(pairs_at + 1, &arrivals, &firsts);
+        for (int rep = 0; rep < rounds; ++rep) {
+          first_tokens(pairs_at + static_cast<size_t>(rep), &arrivals, &firsts);
+        }
         pairs = sim::PairsFigures(arrivals, firsts);
         std::printf(
             "%-14s pairs: the second's first token %.1f ms after the first's, the first's TTFT "
@@ -543,7 +576,7 @@ int RunCalibrate(const std::vector<std::string>& args) {
         // s = busy / alone of the role's figure; the busy_alpha that makes the
         // simulator reproduce it is fitted once the rest of the profile is
         // (below, sim::FitRoleBusyAlphas).
-        const Slowdown dec = mean_of(0, 1);
+        const Slowdown dec = median_of_rounds();
         const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
         const double sp = pairs.slowdown;
         if (sp > 0 && sd > 0) {
@@ -558,9 +591,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
                             const char* keeps) {
             char fig[200];
             std::snprintf(fig, sizeof(fig),
-                          "%s p50 %.*f ms vs %.*f alone (x%.3f; mean of 2 rounds, each against "
-                          "the alone runs just before and after it)",
-                          metric, digits, busy, digits, alone, s);
+                          "%s p50 %.*f ms vs %.*f alone (x%.3f; medians of %d rounds, each "
+                          "against the alone runs just before and after it)",
+                          metric, digits, busy, digits, alone, s, rounds);
             return how + keeps + ": " + fig +
                    ", busy_alpha = what makes the simulator reproduce that slowdown in that "
                    "scenario with the rest of this profile (sim/busy_fit.h), " +
@@ -570,9 +603,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
               "kvrelay bench serve --trace of " + std::to_string(pre_probe.fg_prompts) +
               " pairs (" + std::to_string(*input_len) + " in / " + std::to_string(*output_len) +
               " out, the second " + Fixed(pre_probe.pair_gap_s * 1e3, 0) +
-              " ms after the first, pairs " + Fixed(pre_probe.pair_period_s, 1) +
-              " s apart; 2 rounds) on kvrelay launch (1P+1D, " + th + " thread per worker, KV " +
-              kv_dtype + "): the second's first token less the first's, median " +
+              " ms after the first, pairs " + Fixed(pre_probe.pair_period_s, 1) + " s apart; " +
+              std::to_string(rounds) + " rounds) on kvrelay launch (1P+1D, " + th +
+              " thread per worker, KV " + kv_dtype +
+              "): the second's first token less the first's, median " +
               Fixed(pairs.gap_s * 1e3, 1) + " ms, against the first's TTFT, median " +
               Fixed(pairs.lead_ttft_s * 1e3, 1) + " ms (a prefill alone, in the same runs): x" +
               Fixed(sp, 3) +
@@ -585,19 +619,34 @@ int RunCalibrate(const std::vector<std::string>& args) {
         std::printf(
             "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
             t.name.c_str(), tpot_busy, tpot_alone, sd);
-        std::vector<double> b2b_firsts;
-        for (const json& q : (*r)[back_to_back].report["requests"]) {
-          if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
-            b2b_firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
+        // The back-to-back runs before and after the pairs: each one's median
+        // gap between consecutive first tokens, their mean against the
+        // pairs' first ones (alone, between them).
+        double gaps = 0;
+        int gap_runs = 0;
+        for (const size_t run : {back_to_back, pairs_at + static_cast<size_t>(rounds)}) {
+          std::vector<double> b2b_firsts;
+          for (const json& q : (*r)[run].report["requests"]) {
+            if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
+              b2b_firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
+            }
           }
+          const double g = sim::MedianConsecutiveGap(std::move(b2b_firsts));
+          std::printf("%-14s back to back (%s the pairs): first tokens %.1f ms apart (median)\n",
+                      t.name.c_str(), run == back_to_back ? "before" : "after", g * 1e3);
+          if (g > 0) gaps += g, ++gap_runs;
         }
-        prefill_hold_s = sim::MedianConsecutiveGap(std::move(b2b_firsts));
-        ttft_outside_s = std::max(0.0, p50(0, "ttft_ms") / 1e3 - prefill_hold_s);
-        std::printf("%-14s %.1f ms of the alone TTFT p50 (%.1f) outside the prefill worker\n",
-                    t.name.c_str(), ttft_outside_s * 1e3, p50(0, "ttft_ms"));
+        prefill_hold_s = gap_runs > 0 ? gaps / gap_runs : 0;
+        const double alone_ttft_s =
+            pairs.lead_ttft_s > 0 ? pairs.lead_ttft_s : p50(0, "ttft_ms") / 1e3;
+        ttft_outside_s = prefill_hold_s > 0 ? std::max(0.0, alone_ttft_s - prefill_hold_s) : 0;
+        std::printf(
+            "%-14s %.1f ms of the alone TTFT (the pairs' first ones, median %.1f ms) outside the "
+            "prefill worker\n",
+            t.name.c_str(), ttft_outside_s * 1e3, alone_ttft_s * 1e3);
       }
       if (tp) {
-        const Slowdown core = mean_of(0, 1);
+        const Slowdown core = median_of_rounds();
         tp_busy_slowdown = core.s;
         // Of the prefill worker's own time (the figure less what of the
         // first's TTFT is outside the worker, from 1P+1D's back-to-back run).
@@ -612,25 +661,34 @@ int RunCalibrate(const std::vector<std::string>& args) {
       // sim validate re-measures each topology's own.
       if (t.tp == 1) FitJitter(t, j, &p);
       pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
-      // One request at a time: the decode processes step from the first
-      // token to the last of each request and wait otherwise.
-      double decode_wall = 0, tokens = 0;
-      for (const auto& q : j["requests"]) {
-        decode_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
-        tokens += q.value("output_tokens", 0.0);
-      }
+      double tokens = 0;
+      for (const auto& q : j["requests"]) tokens += q.value("output_tokens", 0.0);
       auto cpu_of = [&](const char* name) {
         auto it = cpu.find(name);
         return it == cpu.end() ? 0.0 : it->second;
       };
-      decode_cores.push_back(decode_wall > 0 ? cpu_of("kvrelay-decode") / decode_wall : 0);
+      // One request at a time: the decode processes step from the first
+      // token to the last of each request and wait otherwise. Their cores
+      // while stepping, pooled over every alone
+      // run of this topology (runs 0, 2, .., one each side of every busy run):
+      // one run's figure moved from 1.12 to 1.43 cores between calibrations.
+      double alone_cpu = 0, alone_wall = 0;
+      for (size_t i = 0; i <= 2 * probes.size(); i += 2) {
+        for (const auto& q : (*r)[i].report["requests"]) {
+          alone_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
+        }
+        auto it = (*r)[i].cpu_s.find("kvrelay-decode");
+        if (it != (*r)[i].cpu_s.end()) alone_cpu += it->second;
+      }
+      decode_cores.push_back(alone_wall > 0 ? alone_cpu / alone_wall : 0);
       std::printf(
           "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
           "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
-          "while decoding)\n",
+          "while decoding, %zu alone runs pooled)\n",
           t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
           decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
-          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back());
+          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back(),
+          probes.size() + 1);
     }
     const std::string src =
         "kvrelay bench serve --max-concurrency 1 --input-len " + std::to_string(*input_len) +
@@ -649,8 +707,9 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
     if (prefill_hold_s > 0) {
       p.prefill.source +=
-          "; ttft_s = the TTFT p50 less the median gap between consecutive "
-          "first tokens of --rate inf --max-concurrency 2 --output-len 2 (" +
+          "; ttft_s = the median TTFT of the pairs probe's first ones (alone) less the "
+          "median gap between consecutive first tokens of --rate inf --max-concurrency 2 "
+          "--output-len 2, the mean of a run before and one after the pairs (" +
           Fixed(prefill_hold_s * 1e3, 1) +
           " ms: the prefill worker busy throughout), what of the TTFT does "
           "not hold the prefill worker";
@@ -759,12 +818,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
                  "; TP 2 step / TP 1 step; cores = the ranks' CPU seconds (/proc) over the "
                  "decode time (" +
                  Fixed(decode_cores[2], 3) +
-                 " alone); cores, share_weight and the alphas reproduce (sim::FitTpSharing) the "
+                 " alone, its alone runs pooled); cores, share_weight and the alphas reproduce "
+                 "(sim::FitTpSharing) the "
                  "group's TPOT p50 next to a bench engine prefill that keeps a core busy (x" +
-                 Fixed(tp_busy_slowdown, 3) +
-                 ", the mean of 2 rounds) and the prefill role's pairs probe on this topology (a "
+                 Fixed(tp_busy_slowdown, 3) + ", the median of " + std::to_string(rounds) +
+                 " rounds) and the prefill role's pairs probe on this topology (a "
                  "queued prefill next to the group's fresh decode: x" +
-                 Fixed(tp_prefill_slowdown, 3) + ", 2 rounds pooled; see prefill.busy_source)";
+                 Fixed(tp_prefill_slowdown, 3) + ", " + std::to_string(rounds) +
+                 " rounds pooled; see prefill.busy_source)";
     tp2.cores = sharing.cores;
     tp2.busy_alpha = sharing.busy_alpha;
     tp2.share_weight = sharing.share_weight;

@@ -116,6 +116,17 @@ TEST(CliArgsTest, StrayPositionalArgumentsAreErrors) {
   EXPECT_NE(d.err.find("'stray'"), std::string::npos) << d.err;
 }
 
+// sim calibrate refuses a probe round count outside [1, 16] before it loads
+// the model or measures anything.
+TEST(CliArgsTest, SimCalibrateRefusesBadProbeRounds) {
+  for (const char* n : {"0", "17", "-1", "x"}) {
+    RunResult r = RunCmd(kCli + " sim calibrate --model /nonexistent.gguf --probe-rounds " + n);
+    EXPECT_EQ(r.exit_code, 2) << n << ": " << r.err;
+    EXPECT_NE(r.err.find("probe-rounds"), std::string::npos) << n << ": " << r.err;
+    EXPECT_EQ(r.out.find("calibrating"), std::string::npos) << n;
+  }
+}
+
 // kvrelay launch refuses a busy port and a bad --model before it starts any
 // process (ProcessGroup logs "started NAME" for each one).
 TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
