@@ -420,6 +420,15 @@ int RunCalibrate(const std::vector<std::string>& args) {
     pre_probe.fg_in = dec_probe.fg_in = *input_len;
     pre_probe.fg_out = dec_probe.fg_out = *output_len;
     pre_probe.pairs = true;
+    // A pair (two prefills back to back, then the second one's decode) is
+    // over before the next one arrives, or the next pair's first one is not
+    // alone: 1.75 x the step model's pair (the serving path adds ~15 %), 2 s
+    // at least, in half seconds. (An AVX2-only host takes ~1.95 s a pair, so
+    // 2 s pairs overlapped and the fit went to its bound.)
+    {
+      const double pair_s = 2 * prefill_s + static_cast<double>(*output_len) * decode_s;
+      pre_probe.pair_period_s = std::max(2.0, std::ceil(2 * 1.75 * pair_s) / 2);
+    }
     dec_probe.bg_prompts = 400, dec_probe.bg_in = 512, dec_probe.bg_out = 1;
     dec_probe.tpot = true;
     const std::string pair_trace = TempPath("pairs.csv");
