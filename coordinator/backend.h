@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,16 @@ struct WorkerInfo {
   // What the worker's KV data port and TP link refused (cumulative, from heartbeats).
   protocols::PortSecurityCounters kv_port;
   protocols::PortSecurityCounters tp_port;
+  // Its prefix store, when it has one (from heartbeats; cumulative but for
+  // write_backlog, disk_entries and disk_used_bytes).
+  struct PrefixStore {
+    int64_t restored_blocks_ram = 0, restored_blocks_disk = 0, restored_bytes = 0, restores = 0;
+    int64_t restore_misses = 0, spills = 0;
+    int64_t write_through_blocks = 0, write_through_dropped = 0, write_backlog = 0;
+    int64_t disk_written_blocks = 0, disk_written_bytes = 0, disk_write_failures = 0;
+    int64_t disk_entries = 0, disk_used_bytes = 0;
+  };
+  std::optional<PrefixStore> prefix_store;
 };
 
 // A cumulative count a backend keeps (e.g. what its control plane refused),

@@ -5,7 +5,10 @@
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/write.hpp>
 #include <chrono>
+#include <initializer_list>
+#include <string>
 #include <string_view>
+#include <tuple>
 
 #include "common/logging.h"
 #include "coordinator/http_request.h"
@@ -267,6 +270,46 @@ void Session::HandleMetrics() {
                                   "Authenticated peers of the worker's " + what +
                                       " that spoke for another identity, refused.",
                                   w.id, static_cast<double>(c->foreign_frames));
+    }
+    // Its prefix store (--kv-store-path): restores, write-through, the disk.
+    if (w.prefix_store) {
+      const WorkerInfo::PrefixStore& ps = *w.prefix_store;
+      for (const auto& [name, help, value] :
+           std::initializer_list<std::tuple<const char*, const char*, int64_t>>{
+               {"restored_blocks_total", "KV blocks loaded back from the prefix store's tiers.",
+                ps.restored_blocks_ram + ps.restored_blocks_disk},
+               {"restored_disk_blocks_total", "KV blocks loaded back from the disk tier.",
+                ps.restored_blocks_disk},
+               {"restored_bytes_total", "Bytes of KV loaded back from the prefix store.",
+                ps.restored_bytes},
+               {"restores_total", "Requests that loaded KV from the prefix store.", ps.restores},
+               {"restore_misses_total",
+                "Stored KV blocks not served (absent, unverified, another model or tenant).",
+                ps.restore_misses},
+               {"spills_total", "Evicted pool blocks handed to a tier.", ps.spills},
+               {"write_through_blocks_total", "Committed KV blocks queued to the disk tier.",
+                ps.write_through_blocks},
+               {"write_through_dropped_total",
+                "Committed KV blocks not written (backlog full or the disk refused).",
+                ps.write_through_dropped},
+               {"disk_written_blocks_total", "KV blocks the disk tier's writer stored.",
+                ps.disk_written_blocks},
+               {"disk_written_bytes_total", "Bytes of KV the disk tier's writer stored.",
+                ps.disk_written_bytes},
+               {"disk_write_failures_total",
+                "KV blocks lost to a failed write or refused by a read-only disk tier.",
+                ps.disk_write_failures}}) {
+        core_->AdvanceWorkerCounter(std::string("kvrelay_worker_kvstore_") + name, help, w.id,
+                                    static_cast<double>(value));
+      }
+      const MetricLabels lw = core_->Labels({{"worker", w.id}});
+      m->GetGauge("kvrelay_worker_kvstore_write_backlog_blocks",
+                  "Committed KV blocks waiting for the disk tier's queue.", lw)
+          ->Set(static_cast<double>(ps.write_backlog));
+      m->GetGauge("kvrelay_worker_kvstore_disk_entries", "KV blocks in the disk tier.", lw)
+          ->Set(static_cast<double>(ps.disk_entries));
+      m->GetGauge("kvrelay_worker_kvstore_disk_used_bytes", "Bytes of KV in the disk tier.", lw)
+          ->Set(static_cast<double>(ps.disk_used_bytes));
     }
   }
   core_->UpdateAdmissionGauges();

@@ -823,62 +823,6 @@ TieredCache::Stats TieredCache::stats() const {
   return stats_;
 }
 
-void TieredCache::PublishMetrics(MetricsRegistry* registry, const MetricLabels& labels) {
-  if (registry == nullptr) return;
-  std::lock_guard<std::mutex> lock(publish_mutex_);
-  const Stats now = stats();
-  auto count = [&](const char* name, const char* help, int64_t cur, int64_t before) {
-    if (cur > before) {
-      registry->GetCounter(name, help, labels)->Increment(static_cast<double>(cur - before));
-    }
-  };
-  count("kvrelay_kvstore_restored_blocks_total", "KV blocks loaded from the RAM or disk tier",
-        now.restored_blocks_ram + now.restored_blocks_disk,
-        published_.restored_blocks_ram + published_.restored_blocks_disk);
-  count("kvrelay_kvstore_restored_disk_blocks_total", "KV blocks loaded from the disk tier",
-        now.restored_blocks_disk, published_.restored_blocks_disk);
-  count("kvrelay_kvstore_restored_bytes_total", "bytes of KV loaded from the tiers",
-        now.restored_bytes, published_.restored_bytes);
-  count("kvrelay_kvstore_restores_total", "requests that loaded KV from the tiers", now.restores,
-        published_.restores);
-  count("kvrelay_kvstore_write_through_blocks_total", "committed KV blocks queued to disk",
-        now.write_through_blocks, published_.write_through_blocks);
-  count("kvrelay_kvstore_write_through_bytes_total", "bytes of committed KV queued to disk",
-        now.write_through_bytes, published_.write_through_bytes);
-  count("kvrelay_kvstore_write_through_dropped_total",
-        "committed KV blocks not written (backlog full or disk refused)", now.write_through_dropped,
-        published_.write_through_dropped);
-  count("kvrelay_kvstore_spills_total", "KV blocks copied to a tier on pool eviction", now.spills,
-        published_.spills);
-  int64_t misses = 0, misses_before = 0;
-  for (size_t r = 1; r < now.misses.size(); ++r) {
-    misses += now.misses[r];
-    misses_before += published_.misses[r];
-  }
-  count("kvrelay_kvstore_restore_misses_total", "stored blocks not served (absent or unverified)",
-        misses, misses_before);
-  registry
-      ->GetGauge("kvrelay_kvstore_write_backlog_blocks",
-                 "committed KV blocks waiting for the disk queue", labels)
-      ->Set(static_cast<double>(now.write_backlog));
-  published_ = now;
-  if (disk_ != nullptr) {
-    const TierStats d = disk_->stats();
-    count("kvrelay_kvstore_disk_written_blocks_total", "KV blocks written by the disk writer",
-          d.written, published_disk_.written);
-    count("kvrelay_kvstore_disk_written_bytes_total", "bytes written by the disk writer",
-          d.written_bytes, published_disk_.written_bytes);
-    count("kvrelay_kvstore_disk_dropped_total", "puts dropped by a full disk queue", d.puts_dropped,
-          published_disk_.puts_dropped);
-    count("kvrelay_kvstore_disk_write_failures_total",
-          "KV blocks lost to a failed write or refused by a read-only disk tier", d.write_failures,
-          published_disk_.write_failures);
-    registry->GetGauge("kvrelay_kvstore_disk_entries", "KV blocks on disk", labels)
-        ->Set(static_cast<double>(d.entries));
-    registry->GetGauge("kvrelay_kvstore_disk_used_bytes", "bytes of KV on disk", labels)
-        ->Set(static_cast<double>(d.used_bytes));
-    published_disk_ = d;
-  }
-}
+TierStats TieredCache::disk_stats() const { return disk_ != nullptr ? disk_->stats() : TierStats{}; }
 
 }  // namespace kvrelay::kv_store

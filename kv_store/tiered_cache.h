@@ -91,7 +91,6 @@
 #include <vector>
 
 #include "common/clock.h"
-#include "common/metrics.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/kv_cache/kv_groups.h"
 #include "kv_store/block_codec.h"
@@ -298,10 +297,9 @@ class TieredCache {
                             const engine::ModelFingerprint& model, std::string_view tenant_salt);
 
   Stats stats() const;
-  // Adds this cache's and its tiers' counters to `registry` (as counters
-  // kvrelay_kvstore_*_total and gauges), labelled with `labels` (e.g. the
-  // worker id). Call periodically; it publishes increments since the last call.
-  void PublishMetrics(MetricsRegistry* registry, const MetricLabels& labels);
+  // The disk tier's (all zero without one). A worker carries both on its
+  // heartbeat; the coordinator exports them (kvrelay_worker_kvstore_*).
+  TierStats disk_stats() const;
 
  private:
   // Allocates up to m.external_blocks blocks of `pool`, loads the run after
@@ -360,11 +358,6 @@ class TieredCache {
   std::deque<std::shared_ptr<LoadHandle>> load_queue_;  // guarded by load_mutex_
   bool load_stop_ = false;                              // guarded by load_mutex_
   std::thread loader_;                                  // joined in the destructor
-
-  // Last values published by PublishMetrics (owner of the registry's thread).
-  std::mutex publish_mutex_;
-  Stats published_;
-  TierStats published_disk_;
 };
 
 }  // namespace kvrelay::kv_store

@@ -59,6 +59,30 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
   return Status::Ok();
 }
 
+bool PrefillRole::FillPrefixStore(proto::PrefixStoreCounters* out) const {
+  if (!tiered_) return false;
+  const kv_store::TieredCache::Stats s = tiered_->stats();
+  const kv_store::TierStats d = tiered_->disk_stats();
+  auto u = [](int64_t v) { return static_cast<uint64_t>(std::max<int64_t>(0, v)); };
+  int64_t misses = 0;  // every reason but the first (kNone)
+  for (size_t r = 1; r < s.misses.size(); ++r) misses += s.misses[r];
+  out->set_restored_blocks_ram(u(s.restored_blocks_ram));
+  out->set_restored_blocks_disk(u(s.restored_blocks_disk));
+  out->set_restored_bytes(u(s.restored_bytes));
+  out->set_restores(u(s.restores));
+  out->set_restore_misses(u(misses));
+  out->set_spills(u(s.spills));
+  out->set_write_through_blocks(u(s.write_through_blocks));
+  out->set_write_through_dropped(u(s.write_through_dropped));
+  out->set_write_backlog(u(s.write_backlog));
+  out->set_disk_written_blocks(u(d.written));
+  out->set_disk_written_bytes(u(d.written_bytes));
+  out->set_disk_write_failures(u(d.write_failures));
+  out->set_disk_entries(u(d.entries));
+  out->set_disk_used_bytes(u(d.used_bytes));
+  return true;
+}
+
 void PrefillRole::Shutdown() {
   RetireAll();  // cancels unfinished sends before their blocks go back
   if (tiered_) {

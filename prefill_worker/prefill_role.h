@@ -55,6 +55,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     if (tiered_) tiered_->AnnounceAll();
   }
   void Progress() override;
+  bool FillPrefixStore(proto::PrefixStoreCounters* out) const override;
   bool OnPoolEvent(const engine::KvEvent& ev) override {
     if (!tiered_) return false;
     tiered_->OnPoolEvent(ev);

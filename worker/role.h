@@ -78,6 +78,9 @@ class Role {
   // What the role's own internal port (a TP group's link) refused so far;
   // heartbeats carry it to the coordinator's /metrics. Zeros without one.
   virtual protocols::PortSecurityCounters tp_security_counters() const { return {}; }
+  // The role's prefix store's counts, for heartbeats (the coordinator's
+  // kvrelay_worker_kvstore_*); false when it has none.
+  virtual bool FillPrefixStore(proto::PrefixStoreCounters* /*out*/) const { return false; }
   // The coordinator link is gone (it forgets this worker's requests): let go
   // of what the role holds outside the engine; the shell then cancels every
   // engine request. The engine's prefix cache stays for the next registration.

@@ -953,12 +953,32 @@ TEST_F(ClusterTest, PrefixStoreIsReusedAfterAFullRestart) {
   const std::vector<int32_t> shared = ref_->Encode(system);
   const int full_blocks_tokens = static_cast<int>(shared.size() / 16 * 16);
   ASSERT_GT(full_blocks_tokens, 256);
+  // The prefill worker's store as its heartbeats carry it to /metrics.
+  auto store_figure = [](const deploy::LocalLauncher& c, const char* name) {
+    auto v = WorkerGauge(c.http_port(), name);
+    return v.count("prefill-0") ? v["prefill-0"] : -1.0;
+  };
+  const double shared_blocks = static_cast<double>(full_blocks_tokens / 16);
   {
     auto cluster = StartCluster(1, 1, 0, "prefix_aware", 1, dir);
     ASSERT_NE(cluster, nullptr);
     CompletionOutcome cold = Complete(cluster->http_port(), first, 4);
     ASSERT_EQ(cold.http_status, 200) << cold.error;
     EXPECT_EQ(cold.cached_tokens, 0);
+    // Every full block of the shared prefix is written through to disk.
+    double written = -1;
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          written = store_figure(*cluster, "kvrelay_worker_kvstore_disk_written_blocks_total");
+          return written >= shared_blocks;
+        },
+        milliseconds(10'000)))
+        << "disk_written_blocks " << written << ", want " << shared_blocks;
+    EXPECT_EQ(store_figure(*cluster, "kvrelay_worker_kvstore_restored_blocks_total"), 0);
+    EXPECT_EQ(WorkerGauge(cluster->http_port(), "kvrelay_worker_kvstore_disk_written_blocks_total")
+                  .count("decode-0"),
+              0u)
+        << "the decode worker has no prefix store";
     cluster->Stop();
   }
   auto cluster = StartCluster(1, 1, 0, "prefix_aware", 1, dir);
@@ -968,6 +988,17 @@ TEST_F(ClusterTest, PrefixStoreIsReusedAfterAFullRestart) {
   EXPECT_GE(warm.cached_tokens, full_blocks_tokens - 16)
       << "after the restart the shared prefix was recomputed";
   EXPECT_EQ(warm.text, ref_->Text(ref_->Greedy(second, 8)));
+  // What was served from the store came from disk (a fresh RAM tier).
+  const double restored = static_cast<double>(warm.cached_tokens / 16);
+  double from_disk = -1;
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        from_disk = store_figure(*cluster, "kvrelay_worker_kvstore_restored_disk_blocks_total");
+        return from_disk >= restored;
+      },
+      milliseconds(10'000)))
+      << "restored_disk_blocks " << from_disk << ", want " << restored;
+  EXPECT_GE(store_figure(*cluster, "kvrelay_worker_kvstore_restores_total"), 1);
   cluster->Stop();
 }
 
