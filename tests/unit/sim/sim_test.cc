@@ -169,7 +169,9 @@ TEST(ClosedFormTest, TransferPipelineIsTheSumOfItsStages) {
   const auto& t = r->requests[0];
   EXPECT_EQ(t.ttft_s(), 0.25 + 0.0625);                   // one prefill step + hand-off
   EXPECT_EQ(t.kv_ready_s, 0.25 + 0.125 + 0.5 + 0.03125);  // + latency + 32 MiB / 64 MiB/s + admit
-  EXPECT_EQ(t.finish_s, t.kv_ready_s + 4 * 0.25);         // 4 more tokens, one step each
+  // 4 more tokens, one step each, seen ttft_s late as the first one was
+  // (what of a TTFT does not hold the prefill worker delays every token).
+  EXPECT_EQ(t.finish_s, t.kv_ready_s + 4 * 0.25 + 0.0625);
   EXPECT_EQ(r->transfers, 1);
   EXPECT_EQ(r->transfer_bytes, 32.0 * (1 << 20));
 
@@ -539,10 +541,29 @@ TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
   EXPECT_EQ(f.lead_ttft_s, 1);
   EXPECT_EQ(f.slowdown, 0.5);
   EXPECT_EQ(PairsFigures({}, {}).slowdown, 0);
-  // Sorted 0 0 1 2 3.5 5, the gaps from the 2nd on 1 1 1.5 1.5: the upper median.
-  EXPECT_EQ(MedianConsecutiveGap({5, 0, 0, 1, 2, 3.5}, 2), 1.5);
   pairs.pair_period_s = 0.01;  // below the gap
   EXPECT_FALSE(SimulatedSlowdown(p, pairs, 2).ok());
+}
+
+// ttft_s from a short and a long alone TTFT: with TTFT = outside + k x model
+// the two give back outside exactly, whatever the host's scale k; bad pairs
+// fall back to the short TTFT less its model, and never go below 0.
+TEST(ContentionTest, TtftOutsideWorkerSolvesTheTwoTtfts) {
+  for (const double k : {0.8, 1.0, 1.25}) {
+    for (const double outside : {0.0, 0.004, 0.03}) {
+      const double short_model = 0.027, long_model = 0.62;
+      EXPECT_NEAR(TtftOutsideWorker(outside + k * short_model, short_model,
+                                    outside + k * long_model, long_model),
+                  outside, 1e-12)
+          << "k " << k << ", outside " << outside;
+    }
+  }
+  // The long TTFT not above the short one: k = 1.
+  EXPECT_NEAR(TtftOutsideWorker(0.05, 0.02, 0.04, 0.6), 0.03, 1e-12);
+  // The long model not above the short one: k = 1.
+  EXPECT_NEAR(TtftOutsideWorker(0.05, 0.02, 0.7, 0.02), 0.03, 1e-12);
+  // A short TTFT below its model at the solved k: 0, not negative.
+  EXPECT_EQ(TtftOutsideWorker(0.01, 0.02, 0.6, 0.6), 0.0);
 }
 
 // sim calibrate's fit of the roles' busy_alpha (sim/busy_fit.h): slowdowns
