@@ -386,6 +386,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
   p.serving_cpu.source = "not measured (--skip-serve): none";
   if (!f->Has("skip-serve")) {
     const auto [prefill_s, decode_s] = LowLoadModel(p, *input_len, *output_len);
+    // The short prompts of ttft_s's probe, and their prefill by the step model.
+    constexpr int kShortPrompt = 4;
+    const double short_model_s =
+        p.step.Seconds(1, kShortPrompt, kShortPrompt * (kShortPrompt + 1) / 2.0);
     const std::vector<std::string> serve = {"--rate",
                                             "inf",
                                             "--max-concurrency",
@@ -403,8 +407,8 @@ int RunCalibrate(const std::vector<std::string>& args) {
     double tp_busy_slowdown = 0;       // TP 2 TPOT next to a busy core / alone
     double tp_prefill_slowdown =
         0;                      // 1P+1D TP2: the pairs probe's (queued prefill next to the group)
-    double prefill_hold_s = 0;  // 1P+1D: one prefill's hold of the worker, back to back
-    double ttft_outside_s = 0;  // 1P+1D: the alone TTFT less that
+    double short_ttft_s = 0;    // 1P+1D: the median TTFT of kShortPrompt-token prompts, alone
+    double ttft_outside_s = 0;  // 1P+1D: what of an alone TTFT does not hold the prefill worker
     std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     // The roles' two probes (run below, then simulated for their busy_alpha):
     // pairs of this run's requests, the second one queued behind the first
@@ -495,34 +499,32 @@ int RunCalibrate(const std::vector<std::string>& args) {
       }
       // The prefill's pairs probe (1P+1D, and the TP topology for the
       // prefill next to a TP group): the pairs trace `rounds` times. On 1P+1D
-      // a back-to-back run comes before and after them: two clients'
-      // requests (two outputs each: the KV still ships, the decode barely
-      // steps), so the prefill worker never idles and its first tokens come
-      // one prefill apart. The pairs' first ones (alone, in the same
-      // minutes) less that are what of a TTFT is not the worker's (HTTP,
-      // routing, the first token's way back): ServingOverhead::ttft_s, not
-      // charged to the next prompt's wait.
-      auto back_to_back_run = [&] {
+      // a run of kShortPrompt-token prompts, one at a time, comes before and
+      // after them: their TTFT is mostly what of a TTFT is not the worker's
+      // (HTTP, routing, the first token's way back; ServingOverhead::ttft_s,
+      // not charged to the next prompt's wait), set against the pairs' first
+      // ones (alone, in the same minutes) by sim::TtftOutsideWorker.
+      auto short_run = [&] {
         return std::vector<std::string>{"--rate",
                                         "inf",
                                         "--max-concurrency",
-                                        "2",
+                                        "1",
                                         "--num-prompts",
-                                        f->Has("quick") ? "8" : "40",
+                                        f->Has("quick") ? "8" : "24",
                                         "--input-len",
-                                        std::to_string(*input_len),
+                                        std::to_string(kShortPrompt),
                                         "--output-len",
                                         "2",
                                         "--seed",
                                         std::to_string(seed++)};
       };
-      const size_t back_to_back = roles ? runs.size() : SIZE_MAX;
-      if (roles) runs.push_back(back_to_back_run());
+      const size_t short_before = roles ? runs.size() : SIZE_MAX;
+      if (roles) runs.push_back(short_run());
       const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
       for (int rep = 0; (roles || tp) && rep < rounds; ++rep) {
         runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
       }
-      if (roles) runs.push_back(back_to_back_run());
+      if (roles) runs.push_back(short_run());
       auto r = ServeRuns(t, model, static_cast<int>(*threads), kv_dtype, *input_len, runs, bg);
       if (!r.ok()) return fail(r.status());
       auto p50 = [&](size_t run, const char* what) {
@@ -628,37 +630,34 @@ int RunCalibrate(const std::vector<std::string>& args) {
         std::printf(
             "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
             t.name.c_str(), tpot_busy, tpot_alone, sd);
-        // The back-to-back runs before and after the pairs: each one's median
-        // gap between consecutive first tokens, their mean against the
-        // pairs' first ones (alone, between them).
-        double gaps = 0;
-        int gap_runs = 0;
-        for (const size_t run : {back_to_back, pairs_at + static_cast<size_t>(rounds)}) {
-          std::vector<double> b2b_firsts;
+        // The short prompts' TTFTs (before and after the pairs, pooled)
+        // against the pairs' first ones: sim::TtftOutsideWorker.
+        std::vector<double> shorts;
+        for (const size_t run : {short_before, pairs_at + static_cast<size_t>(rounds)}) {
           for (const json& q : (*r)[run].report["requests"]) {
             if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
-              b2b_firsts.push_back(q.value("start_s", 0.0) + q.value("ttft_ms", 0.0) / 1e3);
+              shorts.push_back(q.value("ttft_ms", 0.0) / 1e3);
             }
           }
-          const double g = sim::MedianConsecutiveGap(std::move(b2b_firsts));
-          std::printf("%-14s back to back (%s the pairs): first tokens %.1f ms apart (median)\n",
-                      t.name.c_str(), run == back_to_back ? "before" : "after", g * 1e3);
-          if (g > 0) gaps += g, ++gap_runs;
         }
-        prefill_hold_s = gap_runs > 0 ? gaps / gap_runs : 0;
+        short_ttft_s = sim::Percentile(&shorts, 0.5);
         const double alone_ttft_s =
             pairs.lead_ttft_s > 0 ? pairs.lead_ttft_s : p50(0, "ttft_ms") / 1e3;
-        ttft_outside_s = prefill_hold_s > 0 ? std::max(0.0, alone_ttft_s - prefill_hold_s) : 0;
+        ttft_outside_s =
+            sim::TtftOutsideWorker(short_ttft_s, short_model_s, alone_ttft_s, prefill_s);
         std::printf(
-            "%-14s %.1f ms of the alone TTFT (the pairs' first ones, median %.1f ms) outside the "
-            "prefill worker\n",
-            t.name.c_str(), ttft_outside_s * 1e3, alone_ttft_s * 1e3);
+            "%-14s %d-token prompts alone: TTFT p50 %.1f ms (engine model %.1f); %d-token: %.1f ms "
+            "(the pairs' first ones; engine model %.1f) -> %.1f ms of a TTFT outside the prefill "
+            "worker\n",
+            t.name.c_str(), kShortPrompt, short_ttft_s * 1e3, short_model_s * 1e3,
+            static_cast<int>(*input_len), alone_ttft_s * 1e3, prefill_s * 1e3,
+            ttft_outside_s * 1e3);
       }
       if (tp) {
         const Slowdown core = median_of_rounds();
         tp_busy_slowdown = core.s;
         // Of the prefill worker's own time (the figure less what of the
-        // first's TTFT is outside the worker, from 1P+1D's back-to-back run).
+        // first's TTFT is outside the worker, from 1P+1D's short prompts).
         const double own = pairs.lead_ttft_s - ttft_outside_s;
         tp_prefill_slowdown = own > 0 ? pairs.gap_s / own : 0;
         std::printf("%-14s next to a busy core: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
@@ -714,14 +713,14 @@ int RunCalibrate(const std::vector<std::string>& args) {
     p.prefill.ttft_s = ttft_outside_s;
     FitServingTerms(topos[1], pts[1], prefill_s, decode_s, false, &p);
     p.prefill.source = source("1P+1D") + "; step_scale 1 (its steps have no decode part)";
-    if (prefill_hold_s > 0) {
+    if (short_ttft_s > 0) {
       p.prefill.source +=
-          "; ttft_s = the median TTFT of the pairs probe's first ones (alone) less the "
-          "median gap between consecutive first tokens of --rate inf --max-concurrency 2 "
-          "--output-len 2, the mean of a run before and one after the pairs (" +
-          Fixed(prefill_hold_s * 1e3, 1) +
-          " ms: the prefill worker busy throughout), what of the TTFT does "
-          "not hold the prefill worker";
+          "; ttft_s (what of a TTFT does not hold the prefill worker) = "
+          "sim::TtftOutsideWorker of the median TTFT of " +
+          std::to_string(kShortPrompt) +
+          "-token prompts sent one at a time (--output-len 2, a run before and "
+          "one after the pairs probe: " +
+          Fixed(short_ttft_s * 1e3, 1) + " ms) and the pairs' first ones (alone, between them)";
     }
     p.decode.source = source("1P+1D");
     // The TP 2 group's terms (sim::FitTpSharing): its ranks' CPU over its

@@ -112,13 +112,13 @@ PairFigures PairsFigures(const std::vector<double>& arrivals,
   return f;
 }
 
-double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip) {
-  std::sort(first_tokens.begin(), first_tokens.end());
-  std::vector<double> gaps;
-  for (size_t i = std::max<size_t>(skip, 1); i < first_tokens.size(); ++i) {
-    gaps.push_back(first_tokens[i] - first_tokens[i - 1]);
+double TtftOutsideWorker(double short_ttft_s, double short_model_s, double long_ttft_s,
+                         double long_model_s) {
+  double k = 1;
+  if (long_model_s > short_model_s && long_ttft_s > short_ttft_s) {
+    k = (long_ttft_s - short_ttft_s) / (long_model_s - short_model_s);
   }
-  return Median(std::move(gaps));
+  return std::max(0.0, short_ttft_s - k * short_model_s);
 }
 
 Result<double> SimulatedSlowdown(const Profile& profile, const BusyProbe& probe, int cores) {

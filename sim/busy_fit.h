@@ -60,10 +60,20 @@ struct PairFigures {
 };
 PairFigures PairsFigures(const std::vector<double>& arrivals,
                          const std::vector<double>& first_tokens);
-// Of a back-to-back run (any order): the median gap between consecutive
-// first tokens, the first `skip` of them (the clients' open-loop start) out.
-// 0 when there is none.
-double MedianConsecutiveGap(std::vector<double> first_tokens, size_t skip = 3);
+
+// What of an alone TTFT does not hold the prefill worker (ServingOverhead::
+// ttft_s: HTTP, routing, the first token's way back), from two alone TTFTs
+// of the same minutes, a short prompt's and a long one's, and the step
+// model's prefill of each: TTFT = outside + k x model, k (the serving path's
+// scale of the engine's prefill, which drifts with the host) solved from the
+// two. Unlike a long TTFT less a back-to-back gap (two ~700 ms figures
+// minutes apart for a few-ms difference: 0 to 101 ms between calibrations),
+// the short prompt's TTFT is mostly the outside part, so the host's drift
+// moves it little. 0 at least; without a usable pair (long_model_s not above
+// short_model_s, or the long TTFT not above the short one), the short
+// prompt's TTFT less its model at k = 1.
+double TtftOutsideWorker(double short_ttft_s, double short_model_s, double long_ttft_s,
+                         double long_model_s);
 
 // The foreground's figure next to the background over its figure alone (or
 // the pairs' PairFigures::slowdown), as simulated with `profile` (its jitter
