@@ -1,9 +1,8 @@
 #include "coordinator/cluster_backend.h"
 
 #include <algorithm>
-#include <cstdint>
-
 #include <boost/asio/steady_timer.hpp>
+#include <cstdint>
 
 #include "common/logging.h"
 #include "coordinator/cluster_backend_state.h"
@@ -66,17 +65,15 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       take(hb.tp_port(), &w->info.tp_port);
       if (hb.has_prefix_store()) {
         const proto::PrefixStoreCounters& c = hb.prefix_store();
-        auto i = [](uint64_t v) {
-          return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX));
-        };
-        w->info.prefix_store = WorkerInfo::PrefixStore{
-            i(c.restored_blocks_ram()),  i(c.restored_blocks_disk()),
-            i(c.restored_bytes()),       i(c.restores()),
-            i(c.restore_misses()),       i(c.spills()),
-            i(c.write_through_blocks()), i(c.write_through_dropped()),
-            i(c.write_backlog()),        i(c.disk_written_blocks()),
-            i(c.disk_written_bytes()),   i(c.disk_write_failures()),
-            i(c.disk_entries()),         i(c.disk_used_bytes())};
+        auto i = [](uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX)); };
+        w->info.prefix_store =
+            WorkerInfo::PrefixStore{i(c.restored_blocks_ram()),  i(c.restored_blocks_disk()),
+                                    i(c.restored_bytes()),       i(c.restores()),
+                                    i(c.restore_misses()),       i(c.spills()),
+                                    i(c.write_through_blocks()), i(c.write_through_dropped()),
+                                    i(c.write_backlog()),        i(c.disk_written_blocks()),
+                                    i(c.disk_written_bytes()),   i(c.disk_write_failures()),
+                                    i(c.disk_entries()),         i(c.disk_used_bytes())};
       } else {
         w->info.prefix_store.reset();
       }

@@ -823,6 +823,8 @@ TieredCache::Stats TieredCache::stats() const {
   return stats_;
 }
 
-TierStats TieredCache::disk_stats() const { return disk_ != nullptr ? disk_->stats() : TierStats{}; }
+TierStats TieredCache::disk_stats() const {
+  return disk_ != nullptr ? disk_->stats() : TierStats{};
+}
 
 }  // namespace kvrelay::kv_store
