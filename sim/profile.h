@@ -105,9 +105,10 @@ struct HostContention {
 // What the serving path adds around the engine steps on this hardware (HTTP,
 // control plane, the KV hand-off), from low-load `bench serve` runs of the
 // real topologies: ttft_s is added to every TTFT without holding the worker
-// (for the prefill role: HTTP, routing, the first token's way back, from a
-// back-to-back run; for the decode role: from the KV landing to its
-// admission into the batch); step_scale multiplies the
+// (for the prefill role: HTTP, routing, the way back to the client, from
+// short prompts' TTFT, sim::TtftOutsideWorker; every later token is that
+// late too; for the decode role: from the KV landing to its admission into
+// the batch); step_scale multiplies the
 // step's fixed and decode parts (base, and per_seq / per_token /
 // per_decode_attn of its decoding sequences) and prefill_scale its prefill
 // part (the same terms of its prefill chunks): a serving process's steps
