@@ -23,8 +23,14 @@ using GemmF16Fn = void (*)(const uint16_t* w, int64_t ldw, int64_t nr, const flo
 using QuantizeFn = void (*)(const float* x, int64_t cols, int64_t t0, int64_t t1,
                             const QuantizedActs& a);
 
+// Which instruction-set path a table belongs to, so that code choosing a
+// matching table (matmul.cc's K-quant kernels) never has to call another
+// path's getter: the AVX-512 one runs AVX-512 code to build its table.
+enum class Isa : uint8_t { kScalar, kAvx2, kAvx512 };
+
 struct KernelTable {
   const char* name;
+  Isa isa;
   QuantizeFn quantize;
   GemmQFn gemm_q4_0;
   GemmQFn gemm_q4_1;

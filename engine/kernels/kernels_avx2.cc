@@ -384,8 +384,9 @@ void GemmF16(const uint16_t* w, int64_t ldw, int64_t nr, const float* x, int64_t
 }  // namespace
 
 const KernelTable& Avx2Kernels() {
-  static const KernelTable table = {"avx2",    &Quantize, &GemmQ4_0, &GemmQ4_1,
-                                    &GemmQ8_0, &GemmF32,  &GemmF16,  /*token_major_scales=*/true};
+  static const KernelTable table = {"avx2",    Isa::kAvx2, &Quantize,
+                                    &GemmQ4_0, &GemmQ4_1,  &GemmQ8_0,
+                                    &GemmF32,  &GemmF16,   /*token_major_scales=*/true};
   return table;
 }
 

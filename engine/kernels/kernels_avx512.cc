@@ -586,6 +586,7 @@ const KernelTable& Avx512Kernels() {
   static const KernelTable table = [] {
     KernelTable t = Avx2Kernels();
     t.name = "avx512";
+    t.isa = Isa::kAvx512;
     t.quantize = &Quantize;
     t.pair_layout = true;
     t.gemm_q4_0 = &GemmQ4_0;

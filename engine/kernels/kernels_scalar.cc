@@ -138,8 +138,8 @@ void GemmF16(const uint16_t* w, int64_t ldw, int64_t nr, const float* x, int64_t
 }  // namespace
 
 const KernelTable& ScalarKernels() {
-  static const KernelTable table = {"scalar",  &Quantize, &GemmQ4<false>, &GemmQ4<true>,
-                                    &GemmQ8_0, &GemmF32,  &GemmF16};
+  static const KernelTable table = {"scalar",      Isa::kScalar, &Quantize, &GemmQ4<false>,
+                                    &GemmQ4<true>, &GemmQ8_0,    &GemmF32,  &GemmF16};
   return table;
 }
 

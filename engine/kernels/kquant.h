@@ -74,11 +74,6 @@ const KQuantKernels& Avx2KQuantKernels();
 // (AVX-512, the Q4_0 pair tiles of kernels_avx512.cc) or 2 rows x 4 tokens
 // (AVX2).
 const KQuantKernels& Avx512KQuantKernels();
-// Avx512KQuantKernels when the CPU has AVX-512 VNNI (unless KVRELAY_KERNELS=avx2
-// asks for plain AVX2), else Avx2. matmul.cc now picks the table of its own
-// resolved path instead (kAvx512 -> Avx512, kAvx2 -> Avx2), which is the same
-// choice with the OS's zmm support (XGETBV) checked too.
-const KQuantKernels& BestVectorKQuantKernels();
 
 // Q5_0 x Q8_0 on the AVX-512 pair layout (kernels_avx512.cc TilePairs: 4 rows
 // x 8 tokens per register tile, the per-output order of the row-by-row

@@ -2,9 +2,7 @@
 // vector path. Integer sums are exact; the float steps use std::fma exactly
 // where the vector path fuses, so both paths return the same bits.
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <string_view>
 
 #include "engine/gguf/ggml_type.h"
 #include "engine/kernels/kquant.h"
@@ -176,22 +174,6 @@ void GemmQ5_0(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
 }
 
 }  // namespace
-
-const KQuantKernels& BestVectorKQuantKernels() {
-  static const KQuantKernels& best = []() -> const KQuantKernels& {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    const char* env = std::getenv("KVRELAY_KERNELS");
-    const bool plain_avx2 = env != nullptr && std::string_view(env) == "avx2";
-    if (!plain_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
-      return Avx512KQuantKernels();
-    }
-#endif
-    return Avx2KQuantKernels();
-  }();
-  return best;
-}
 
 const KQuantKernels& ScalarKQuantKernels() {
   static const KQuantKernels table = {"scalar", &QuantizeQ8K, &GemmQ4K, &GemmQ6K, &GemmQ5_0};

@@ -123,12 +123,20 @@ struct QuantJob {
   int64_t first_unit;  // units of all jobs are numbered consecutively
 };
 
-// The K-quant kernels of the same instruction-set path as `k` (the AVX-512
-// table is only reached after Table() checked CPUID and XGETBV, which covers
-// what Avx512KQuantKernels needs; KVRELAY_KERNELS=avx2 resolves to Avx2).
+// The K-quant kernels of the same instruction-set path as `k`. `k` came from
+// Table(), which checked CPUID (and XGETBV for AVX-512), and that covers what
+// the matching K-quant table needs. Chosen by k.isa, never by comparing with
+// another path's getter: Avx512Kernels() itself runs AVX-512 code (SIGILL on
+// an AVX2-only CPU).
 const kernels::KQuantKernels& KQuant(const KernelTable& k) {
-  if (&k == &kernels::Avx512Kernels()) return kernels::Avx512KQuantKernels();
-  if (&k == &kernels::Avx2Kernels()) return kernels::Avx2KQuantKernels();
+  switch (k.isa) {
+    case kernels::Isa::kAvx512:
+      return kernels::Avx512KQuantKernels();
+    case kernels::Isa::kAvx2:
+      return kernels::Avx2KQuantKernels();
+    case kernels::Isa::kScalar:
+      break;
+  }
   return kernels::ScalarKQuantKernels();
 }
 
