@@ -288,7 +288,17 @@ void MpiTransport::ProgressLoop() {
       last_progress = Clock::now();
       continue;
     }
-    if (!active.empty() || Clock::now() - last_progress < options_.spin_after_progress) {
+    // Moving: an active message that someone still waits for. A quarantined
+    // one (its peer was abandoned) may never complete: it is tested on the
+    // idle backoff below, not spun on, or every dead peer would cost this
+    // process a core for the rest of its life.
+    bool moving = false;
+    if (!active.empty()) {
+      std::lock_guard lock(domain_->mu);
+      moving = std::any_of(active.begin(), active.end(),
+                           [](const auto& a) { return !(a->op && a->op->quarantined); });
+    }
+    if (moving || Clock::now() - last_progress < options_.spin_after_progress) {
       // A message is moving: MPI only advances (e.g. shared-memory fragments)
       // inside MPI_Test, so keep testing; yield so oversubscribed ranks run.
       std::this_thread::yield();

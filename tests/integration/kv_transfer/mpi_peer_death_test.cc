@@ -11,6 +11,7 @@
 // the line "mpi peer death: PASSED" (ctest PASS_REGULAR_EXPRESSION).
 #include <mpi.h>
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -90,6 +91,21 @@ int RunSurvivor(MpiTransport* t, pid_t victim) {
         "a new send to the dead rank is refused: " + refused.status().ToString());
   if (post_again.ok()) (void)t->Cancel(*post_again);
   Check(t->inflight() == 0, "nothing left in flight: " + std::to_string(t->inflight()));
+
+  // Only quarantined requests are left in MPI, and they never complete: the
+  // progress thread must not spin on them (it did, a core for the rest of
+  // the process's life after any peer death). Process CPU time over a fixed
+  // half-second window while this thread sleeps.
+  timespec cpu0{}, cpu1{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu0);
+  const auto window = Clock::now();
+  usleep(500000);  // the measurement window itself, not a wait for anything
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu1);
+  const double wall_s = SecondsSince(window);
+  const double cpu_s = (cpu1.tv_sec - cpu0.tv_sec) + (cpu1.tv_nsec - cpu0.tv_nsec) * 1e-9;
+  Check(cpu_s < 0.2 * wall_s,
+        "with only quarantined requests left the transport idles: " + std::to_string(cpu_s) +
+            " s of CPU in " + std::to_string(wall_s) + " s");
 
   const auto stop = Clock::now();
   t->Shutdown();
