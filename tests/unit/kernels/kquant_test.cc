@@ -187,18 +187,10 @@ TEST(Q4K, HandBlock) {
   }
 }
 
-bool CpuHasAvx512Vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
 std::vector<const kernels::KQuantKernels*> VectorTables() {
   std::vector<const kernels::KQuantKernels*> tables;
   if (KernelPathSupported(KernelPath::kAvx2)) tables.push_back(&kernels::Avx2KQuantKernels());
-  if (CpuHasAvx512Vnni()) tables.push_back(&kernels::Avx512KQuantKernels());
+  if (KernelPathSupported(KernelPath::kAvx512)) tables.push_back(&kernels::Avx512KQuantKernels());
   return tables;
 }
 
