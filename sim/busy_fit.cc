@@ -96,19 +96,26 @@ std::vector<SimRequest> PairTrace(const BusyProbe& probe) {
 }
 
 PairFigures PairsFigures(const std::vector<double>& arrivals,
-                         const std::vector<double>& first_tokens) {
-  std::vector<double> gaps, leads;
+                         const std::vector<double>& first_tokens,
+                         const std::vector<double>& tpots) {
+  std::vector<double> gaps, leads, first_tpots, second_tpots;
   for (size_t i = 0; i + 1 < first_tokens.size() && i + 1 < arrivals.size(); i += 2) {
     const double a = first_tokens[i], b = first_tokens[i + 1];
     if (std::isnan(a) || std::isnan(b) || std::isnan(arrivals[i])) continue;
     gaps.push_back(b - a);
     leads.push_back(a - arrivals[i]);
+    if (i + 1 < tpots.size() && tpots[i] > 0 && tpots[i + 1] > 0) {
+      first_tpots.push_back(tpots[i]);
+      second_tpots.push_back(tpots[i + 1]);
+    }
   }
   PairFigures f;
   f.pairs = gaps.size();
   f.gap_s = Median(std::move(gaps));
   f.lead_ttft_s = Median(std::move(leads));
   f.slowdown = f.gap_s > 0 && f.lead_ttft_s > 0 ? f.gap_s / f.lead_ttft_s : 0;
+  const double busy = Median(std::move(first_tpots)), alone = Median(std::move(second_tpots));
+  f.decode_slowdown = busy > 0 && alone > 0 ? busy / alone : 0;
   return f;
 }
 

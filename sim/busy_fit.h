@@ -54,12 +54,18 @@ std::vector<SimRequest> PairTrace(const BusyProbe& probe);
 // workload order; a pair with a time missing, NaN, is left out): the median
 // of each pair's second first token less its first, the median TTFT of the
 // pairs' first ones, and slowdown = gap / lead_ttft (0 when either is 0).
+// With `tpots` (each request's TPOT, workload order; <= 0 or NaN: none) also
+// the decode's side of the same pairs: the first one decodes while the
+// second one prefills, the second one decodes alone once that is done, so
+// decode_slowdown = the median TPOT of the pairs' first ones over that of
+// their second ones (0 without both).
 struct PairFigures {
-  double gap_s = 0, lead_ttft_s = 0, slowdown = 0;
+  double gap_s = 0, lead_ttft_s = 0, slowdown = 0, decode_slowdown = 0;
   size_t pairs = 0;
 };
 PairFigures PairsFigures(const std::vector<double>& arrivals,
-                         const std::vector<double>& first_tokens);
+                         const std::vector<double>& first_tokens,
+                         const std::vector<double>& tpots = {});
 
 // What of an alone TTFT does not hold the prefill worker (ServingOverhead::
 // ttft_s: HTTP, routing, the first token's way back), from two alone TTFTs

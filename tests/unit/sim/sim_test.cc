@@ -540,7 +540,16 @@ TEST(ContentionTest, PairsProbeIsAQueuedPrefillNextToADecode) {
   EXPECT_EQ(f.gap_s, 0.5);
   EXPECT_EQ(f.lead_ttft_s, 1);
   EXPECT_EQ(f.slowdown, 0.5);
+  EXPECT_EQ(f.decode_slowdown, 0);  // no TPOTs given
   EXPECT_EQ(PairsFigures({}, {}).slowdown, 0);
+  // The decode side of the same pairs: TPOTs (first, second) (0.02, 0.01)
+  // (0.03, 0.01) (0.024, 0.012) | the lost pair's (1, 1) | (0.018, none):
+  // the pairs with both: firsts' median 0.024 over seconds' 0.01.
+  const PairFigures d = PairsFigures({0, 0.05, 3, 3.1, 6, 6.2, 9, 9.1, 12, 12.1},
+                                     {1, 1.5, 4, 4.25, 7, 8, 10, nan, 12.5, 13},
+                                     {0.02, 0.01, 0.03, 0.01, 0.024, 0.012, 1, 1, 0.018, nan});
+  EXPECT_EQ(d.slowdown, 0.5);
+  EXPECT_DOUBLE_EQ(d.decode_slowdown, 0.024 / 0.01);
   pairs.pair_period_s = 0.01;  // below the gap
   EXPECT_FALSE(SimulatedSlowdown(p, pairs, 2).ok());
 }
