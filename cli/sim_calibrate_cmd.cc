@@ -663,11 +663,11 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const Slowdown core = median_of_rounds();
         // The group's slowdown next to the prefill worker is the pairs'
         // (the first one decodes while the prefill worker computes the
-        // second and streams its KV to both ranks): x1.22-1.37 where the
-        // bench engine beside it gave x1.11, and the validation's TP 2
-        // requests decoding beside a busy prefill worker were 7-17 % slower
-        // than simulated with the latter. The bench engine's is the
-        // fallback (no pairs with TPOTs).
+        // second and streams its KV to both ranks): x1.22-1.37 in runs where
+        // a bench engine beside it gave x1.11-1.21, and validation round
+        // 13's TP 2 requests that decoded beside a busy prefill worker were
+        // 8-42 % slower than simulated with the latter (docs/BENCHMARKS.md,
+        // round 14). The bench engine's is the fallback (no pairs with TPOTs).
         tp_busy_slowdown = pairs.decode_slowdown > 0 ? pairs.decode_slowdown : core.s;
         tp_engine_slowdown = core.s;
         // Of the prefill worker's own time (the figure less what of the
