@@ -562,12 +562,10 @@ int RunCalibrate(const std::vector<std::string>& args) {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         for (const json& q : (*r)[run].report["requests"]) {
           const bool ok = q.value("ok", false) && q.value("ttft_ms", 0.0) > 0;
-          const double start = q.value("start_s", 0.0), ttft_ms = q.value("ttft_ms", 0.0);
-          const int out = q.value("output_tokens", 0);
+          const double start = q.value("start_s", 0.0), tpot_ms = RequestTpotMs(q);
           arrivals->push_back(start);
-          firsts->push_back(ok ? start + ttft_ms / 1e3 : nan);
-          tpots->push_back(ok && out > 1 ? (q.value("e2e_ms", 0.0) - ttft_ms) / 1e3 / (out - 1)
-                                         : nan);
+          firsts->push_back(ok ? start + q.value("ttft_ms", 0.0) / 1e3 : nan);
+          tpots->push_back(ok && tpot_ms > 0 ? tpot_ms / 1e3 : nan);
         }
         if (firsts->size() % 2 == 1) {  // (a trace of pairs: cannot happen)
           arrivals->pop_back();

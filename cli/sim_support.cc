@@ -239,16 +239,20 @@ void FitServingTerms(const Topology& t, const ServePoint& low, double prefill_s,
 void FitJitter(const Topology& t, const json& low_report, sim::Profile* p) {
   std::vector<double> ttft, tpot;
   for (const auto& q : low_report["requests"]) {
-    const double a = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
-    const int o = q.value("output_tokens", 0);
+    const double a = q.value("ttft_ms", 0.0), t = RequestTpotMs(q);
     if (!q.value("ok", true) || !(a > 0)) continue;
     ttft.push_back(a);
-    if (o > 1 && e2e > a) tpot.push_back((e2e - a) / (o - 1));
+    if (t > 0) tpot.push_back(t);
   }
   sim::ServingOverhead& first = t.colocated > 0 ? p->colocated : p->prefill;
   sim::ServingOverhead& rest = t.colocated > 0 ? p->colocated : p->decode;
   first.ttft_jitter = sim::JitterRatios(std::move(ttft));
   rest.tpot_jitter = sim::JitterRatios(std::move(tpot));
+}
+
+double RequestTpotMs(const json& q) {
+  const int o = q.value("output_tokens", 0);
+  return o > 1 ? (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / (o - 1) : 0;
 }
 
 std::pair<double, double> LowLoadModel(const sim::Profile& p, int64_t in, int64_t out) {

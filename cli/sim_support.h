@@ -60,6 +60,10 @@ void FitServingTerms(const Topology& t, const ServePoint& low, double prefill_s,
 // ttft_jitter / tpot_jitter): its requests' TTFT and TPOT over their medians,
 // into the colocated role, or the prefill (TTFT) and decode (TPOT) roles.
 void FitJitter(const Topology& t, const json& low_report, sim::Profile* p);
+
+// One request of a bench serve report: its TPOT in ms as bench serve computes
+// it, (e2e - TTFT) / (output tokens - 1); 0 for one token.
+double RequestTpotMs(const json& q);
 // The step model's prefill pass of one `in`-token prompt and its decode step
 // at the mean context of an `out`-token answer (what FitServingTerms fits
 // the low-load runs against).

@@ -87,10 +87,8 @@ struct Pooled {
   void AddReal(const json& report) {
     for (const auto& q : report["requests"]) {
       if (!q.value("ok", true)) continue;
-      const double a = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
-      const int o = q.value("output_tokens", 0);
-      ttft.push_back(a);
-      tpot.push_back(o > 1 ? (e2e - a) / (o - 1) : 0);
+      ttft.push_back(q.value("ttft_ms", 0.0));
+      tpot.push_back(RequestTpotMs(q));
     }
   }
   void AddSim(const sim::SimResult& r) {
@@ -486,9 +484,7 @@ int RunValidate(const std::vector<std::string>& args) {
     const auto& sr = row.sim.front().requests;
     for (size_t i = 0; i < sr.size() && i < j["requests"].size(); ++i) {
       const json& q = j["requests"][i];
-      const double ttft = q.value("ttft_ms", 0.0), e2e = q.value("e2e_ms", 0.0);
-      const int o = q.value("output_tokens", 0);
-      const double tpot = o > 1 ? (e2e - ttft) / (o - 1) : 0;
+      const double ttft = q.value("ttft_ms", 0.0), tpot = RequestTpotMs(q);
       per.push_back({{"start_s", q.value("start_s", 0.0)},
                      {"ttft_ms", {ttft, sr[i].ttft_s() * 1e3}},
                      {"tpot_ms", {tpot, sr[i].tpot_s() * 1e3}}});
@@ -522,11 +518,9 @@ int RunValidate(const std::vector<std::string>& args) {
       const auto& sq = row.sim[rep].requests;
       json one = json::array();
       for (size_t i = 0; i < sq.size() && i < rq.size(); ++i) {
-        const double ttft = rq[i].value("ttft_ms", 0.0), e2e = rq[i].value("e2e_ms", 0.0);
-        const int o = rq[i].value("output_tokens", 0);
         one.push_back({{"start_s", rq[i].value("start_s", 0.0)},
-                       {"ttft_ms", {ttft, sq[i].ttft_s() * 1e3}},
-                       {"tpot_ms", {o > 1 ? (e2e - ttft) / (o - 1) : 0, sq[i].tpot_s() * 1e3}},
+                       {"ttft_ms", {rq[i].value("ttft_ms", 0.0), sq[i].ttft_s() * 1e3}},
+                       {"tpot_ms", {RequestTpotMs(rq[i]), sq[i].tpot_s() * 1e3}},
                        {"itl_ms", rq[i].value("itl_ms", json::array())},
                        // Where the simulator put it and when its prefill ran.
                        {"sim_worker", sq[i].prefill_worker},
