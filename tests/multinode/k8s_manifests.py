@@ -1,4 +1,14 @@
-"""The Kubernetes manifests (deploy/k8s), checked offline and run on emulated hosts.
+"""The Kubernetes manifests (deploy/k8s*), checked offline and run on emulated hosts.
+
+Offline (no root, no cluster; `k8s_manifests.py offline`, ctest deploy_k8s_offline):
+every kustomization rendered from the tracked files alone (`kubectl kustomize`),
+the Helm chart rendered, each object validated against the Kubernetes schemas,
+and the deployment rules checked (non-root, read-only root, capabilities
+dropped, probes, budgets, unique data-plane ranks at any replica count, the
+model fetched by an init container). `k8s_manifests.py dockerignore` (ctest
+deploy_dockerignore) checks .dockerignore keeps secrets and local state out of
+the image's build context. A missing tool (PyYAML, kubernetes-validate, kubectl)
+fails the test when CI=true and is reported as a skip (exit 77) elsewhere.
 
 1. Offline validation: every manifest listed in kustomization.yaml against the
    Kubernetes OpenAPI schemas with the PyPI package kubernetes-validate (in a
@@ -71,8 +81,7 @@ def validator(venv):
 def validate_offline(check, venv, files, workdir):
     exe, why = validator(venv)
     if exe is None:
-        log("SKIPPED schema validation: " + why)
-        return
+        raise MissingTool("kubernetes-validate: " + why)
     for path in files:
         r = subprocess.run([exe, "--strict", path], capture_output=True, text=True, timeout=300)
         check.expect(r.returncode == 0, "kubernetes-validate --strict %s%s"
@@ -162,7 +171,8 @@ def cross_checks(check, docs, env):
     check.expect(ep is not None and os.access(ep, os.X_OK),
                  "Dockerfile ENTRYPOINT %s is a binary the image copies (%s)" % (entry, ep))
     for w in workloads:
-        for c in w["spec"]["template"]["spec"]["containers"]:
+        spec = w["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
             live, ready = c.get("livenessProbe"), c.get("readinessProbe")
             if ready is not None:
                 check.expect(live is not None and live != ready,
@@ -236,11 +246,7 @@ def probe_ok(bed, pod_host, probe, named_ports):
 
 
 def run(a, env, check):
-    try:
-        import yaml  # noqa: F401
-    except ImportError:
-        log("SKIPPED: PyYAML missing (Debian python3-yaml)")
-        return check
+    require_yaml()
     kust, files, docs = load_manifests()
     listed = set(os.path.basename(f) for f in files)
     present = set(os.path.basename(f) for f in glob.glob(os.path.join(K8S_DIR, "*.yaml"))) - {
@@ -315,6 +321,14 @@ def run(a, env, check):
                     d = os.path.join(env.workdir, "volumes", "%s-%s" % (m["name"], p.name),
                                      m.get("subPath", ""))
                     os.makedirs(d, exist_ok=True)
+                    if m["name"] in init_volumes(p.spec):
+                        # An init container fills this volume (the model): its
+                        # download is not repeated here; the volume gets the
+                        # model scripts/fetch-model.sh put in the checkout.
+                        for fname in os.listdir(model_dir):
+                            dst = os.path.join(d, fname)
+                            if not os.path.exists(dst):
+                                os.symlink(os.path.join(model_dir, fname), dst)
                     if m["name"] in secrets:
                         # As the kubelet projects a Secret: one file per key,
                         # with the volume's defaultMode (the cluster key).
@@ -405,3 +419,411 @@ def wait_for(cond, timeout_s, step=0.3):
             return True
         time.sleep(step)
     return False
+
+
+# ------------------------------------------------------------------ offline mode
+
+class StandaloneCheck:
+    """multinode.py's Check for the offline modes: pass/fail lines, counted."""
+
+    def __init__(self):
+        self.failures, self.count = [], 0
+
+    def expect(self, cond, what):
+        self.count += 1
+        log(("ok   " if cond else "FAIL ") + what)
+        if not cond:
+            self.failures.append(what)
+        return cond
+
+
+class MissingTool(Exception):
+    """A tool the check needs is not installed: a failure on CI, a skip elsewhere."""
+
+
+def require_yaml():
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        raise MissingTool("PyYAML (Debian python3-yaml; scripts/install-deps.sh installs it)")
+
+
+def init_volumes(pod_spec):
+    """Names of the volumes an init container writes."""
+    return {m["name"] for c in pod_spec.get("initContainers", [])
+            for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+
+
+DEPLOY = os.path.join(cluster.SRC, "deploy")
+KUSTOMIZATIONS = ["k8s", "k8s-tls", "k8s-cuda", "k8s-prometheus"]
+WORLD_SIZE = 65536
+
+
+def tracked_copy(workdir):
+    """deploy/ as a clean checkout has it (tracked files only), plus the
+    git-ignored certificates k8s-tls's secretGenerator reads (dummies)."""
+    dst = os.path.join(workdir, "clean")
+    if os.path.isdir(dst):
+        subprocess.run(["rm", "-rf", dst], check=True)
+    r = subprocess.run(["git", "-C", cluster.SRC, "ls-files", "-co", "--exclude-standard", "deploy"],
+                       capture_output=True, text=True)
+    files = r.stdout.split() if r.returncode == 0 else []
+    if not files:  # not a git checkout: every file under deploy/
+        files = [os.path.relpath(os.path.join(dp, f), cluster.SRC)
+                 for dp, _, fs in os.walk(DEPLOY) for f in fs]
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(dst, f)), exist_ok=True)
+        with open(os.path.join(cluster.SRC, f), "rb") as i, open(os.path.join(dst, f), "wb") as o:
+            o.write(i.read())
+    certs = os.path.join(dst, "deploy/k8s-tls/certs")
+    os.makedirs(certs, exist_ok=True)
+    for n in ("ca.crt", "coordinator.crt", "coordinator.key", "worker.crt", "worker.key"):
+        with open(os.path.join(certs, n), "w") as f:
+            f.write("dummy\n")
+    return os.path.join(dst, "deploy")
+
+
+def render_kustomizations(check, deploy):
+    import yaml
+    kubectl = subprocess.run(["sh", "-c", "command -v kubectl"], capture_output=True, text=True)
+    if kubectl.returncode != 0:
+        raise MissingTool("kubectl (its `kubectl kustomize` renders the overlays)")
+    out = {}
+    for k in KUSTOMIZATIONS:
+        r = subprocess.run(["kubectl", "kustomize", os.path.join(deploy, k)], capture_output=True,
+                           text=True, timeout=120)
+        ok = check.expect(r.returncode == 0, "kubectl kustomize deploy/%s renders from a clean "
+                          "checkout%s" % (k, "" if r.returncode == 0 else ": " + r.stderr[-400:]))
+        if ok:
+            out[k] = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return out
+
+
+def render_helm(check, deploy, workdir):
+    """The chart's objects: `helm template` when helm is installed, else the
+    chart's own subset rendered here (it uses only {{ .Values.x.y }} and
+    {{ .Release.Namespace }}; any other action fails the check)."""
+    import yaml
+    chart = os.path.join(deploy, "helm/kvrelay")
+    with open(os.path.join(chart, "values.yaml")) as f:
+        values = yaml.safe_load(f)
+    helm = subprocess.run(["sh", "-c", "command -v helm"], capture_output=True, text=True)
+    if helm.returncode == 0:
+        r = subprocess.run(["helm", "template", "kvrelay", chart, "--namespace", "kvrelay"],
+                           capture_output=True, text=True, timeout=120)
+        check.expect(r.returncode == 0, "helm template renders the chart: " + r.stderr[-300:])
+        return [d for d in yaml.safe_load_all(r.stdout) if d]
+    docs = []
+    for name in sorted(os.listdir(os.path.join(chart, "templates"))):
+        if not name.endswith(".yaml"):
+            continue
+        with open(os.path.join(chart, "templates", name)) as f:
+            text = f.read()
+
+        def subst(m):
+            expr = m.group(1).strip()
+            if expr == ".Release.Namespace":
+                return "kvrelay"
+            if not expr.startswith(".Values."):
+                check.expect(False, "helm/kvrelay/templates/%s: {{ %s }} is beyond the chart's "
+                             "simple subset" % (name, expr))
+                return ""
+            v = values
+            for key in expr[len(".Values."):].split("."):
+                v = v[key]
+            return str(v)
+        text = re.sub(r"\{\{-?\s*(.*?)\s*-?\}\}", subst, text)
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def schema_validate(check, exe, label, docs, workdir):
+    """Every object against the Kubernetes schemas; a CRD object's pod
+    templates as PodTemplates (the validator has no CRD schemas)."""
+    import yaml
+    core = []
+    for d in docs:
+        if d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            for t in ("leaderTemplate", "workerTemplate"):
+                if t in lwt:
+                    core.append({"apiVersion": "v1", "kind": "PodTemplate",
+                                 "metadata": {"name": "%s-%s" % (d["metadata"]["name"], t.lower())},
+                                 "template": lwt[t]})
+        elif d["kind"] == "ServiceMonitor":
+            continue  # checked in deploy_rules
+        else:
+            core.append(d)
+    path = os.path.join(workdir, "rendered-%s.yaml" % label.replace("/", "-"))
+    with open(path, "w") as f:
+        yaml.safe_dump_all(core, f)
+    r = subprocess.run([exe, "--strict", path], capture_output=True, text=True, timeout=300)
+    check.expect(r.returncode == 0, "kubernetes-validate --strict %s (%d objects)%s"
+                 % (label, len(core), "" if r.returncode == 0 else ": " + (r.stdout + r.stderr)[-600:]))
+
+
+def pod_templates(docs):
+    """(object name, pod spec, labels, replicas, kind) of every workload."""
+    out = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            t = d["spec"]["template"]
+            out.append((d["metadata"]["name"], t["spec"], t["metadata"].get("labels", {}),
+                        d["spec"].get("replicas", 1), d["kind"]))
+        elif d["kind"] == "LeaderWorkerSet":
+            t = d["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+            out.append((d["metadata"]["name"], t["spec"], t["metadata"].get("labels", {}),
+                        d["spec"].get("replicas", 1), d["kind"]))
+    return out
+
+
+def shell_value(expr, env):
+    """The value of a --rank / --world-size word as sh would expand it (the
+    forms the manifests use: $((...)), ${POD_NAME##*-}, $VAR, literals)."""
+    expr = expr.strip("\"'")
+    expr = re.sub(r"\$\{POD_NAME##\*-\}", lambda m: env["POD_NAME"].rsplit("-", 1)[1], expr)
+    expr = re.sub(r"\$\{?([A-Z_]+)\}?", lambda m: str(env[m.group(1)]), expr)
+    m = re.fullmatch(r"\$\(\((.*)\)\)", expr)
+    if m:
+        expr = m.group(1)
+    expr = re.sub(r"\b([A-Z_]+)\b", lambda m: str(env[m.group(1)]), expr)
+    if not re.fullmatch(r"[0-9+*\- ()]+", expr):
+        raise ValueError("cannot evaluate " + expr)
+    return int(eval(expr))  # digits and + - * ( ) only
+
+
+def data_plane_ranks(check, label, docs, scale):
+    """Every data-plane rank with each workload scaled to `scale` replicas:
+    unique, inside one world size the same for all."""
+    seen, worlds = {}, set()
+    for name, spec, _, _, kind in pod_templates(docs):
+        for c in spec["containers"]:
+            cmd = " ".join(c.get("command", []) + c.get("args", []))
+            rank = re.search(r"--rank\s+(\$\(\(.*?\)\)|\S+)", cmd)
+            world = re.search(r"--world-size\s+(\S+)", cmd)
+            if rank is None:
+                continue
+            size = 2
+            if kind == "LeaderWorkerSet":
+                pods = [("%s-%d" % (name, g), {"GROUP_INDEX": g, "TP_RANK": w, "LWS_GROUP_SIZE": size})
+                        for g in range(scale) for w in range(size)]
+            else:
+                pods = [("%s-%d" % (name, i), {}) for i in range(scale)]
+            for pod, extra in pods:
+                env = dict(extra, POD_NAME=pod)
+                r, w = shell_value(rank.group(1), env), shell_value(world.group(1), env)
+                worlds.add(w)
+                key = "%s/%s" % (pod, c["name"])
+                if not check.expect(0 <= r < w and r not in seen,
+                                    "%s: %s rank %d at %d replicas is unique and < %d (%s)"
+                                    % (label, key, r, scale, w, seen.get(r))):
+                    return
+                seen[r] = key
+    check.expect(len(worlds) == 1, "%s: one world size for every pod (%s)" % (label, worlds))
+
+
+def deploy_rules(check, label, docs):
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for d in docs:
+        if d["kind"] != "Namespace":
+            check.expect(d["metadata"].get("namespace") == "kvrelay",
+                         "%s: %s %s is in namespace kvrelay" % (label, d["kind"], d["metadata"]["name"]))
+    check.expect(any(k == "LimitRange" for k, _ in kinds), "%s: a namespaced LimitRange" % label)
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for name, spec, labels, _, kind in pod_templates(docs):
+        where = "%s: %s" % (label, name)
+        psc = spec.get("securityContext", {})
+        check.expect(psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0,
+                     where + ": runs as non-root")
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c.get("securityContext", {})
+            check.expect(sc.get("readOnlyRootFilesystem") is True
+                         and sc.get("allowPrivilegeEscalation") is False
+                         and sc.get("capabilities", {}).get("drop") == ["ALL"],
+                         "%s/%s: read-only root, no privilege escalation, drops ALL capabilities"
+                         % (where, c["name"]))
+        for v in spec.get("volumes", []):
+            if "secret" in v:
+                mode = v["secret"].get("defaultMode", 0o644)
+                check.expect(mode & 0o007 == 0, "%s: Secret %s unreadable to others (mode %o; the "
+                             "cluster key loader refuses it otherwise)" % (where, v["name"], mode))
+        filled = init_volumes(spec)
+        for c in spec["containers"]:
+            cmd = " ".join(c.get("command", []) + c.get("args", []))
+            check.expect("--world-size 30" not in cmd, where + ": no fixed world size of 30")
+            model = re.search(r"--model\s+(\S+)", cmd)
+            if model:
+                mounts = [m for m in c.get("volumeMounts", [])
+                          if model.group(1).startswith(m["mountPath"].rstrip("/") + "/")]
+                check.expect(bool(mounts) and mounts[0]["name"] in filled,
+                             "%s/%s: the model %s is on a volume an init container fills"
+                             % (where, c["name"], model.group(1)))
+            if kind != "Deployment":
+                check.expect("startupProbe" in c and "readinessProbe" in c and "livenessProbe" in c,
+                             "%s/%s: startup, readiness and liveness probes" % (where, c["name"]))
+        if kind != "Deployment":
+            check.expect(any(all(labels.get(k) == v for k, v in
+                                 p["spec"]["selector"]["matchLabels"].items()) for p in pdbs),
+                         where + ": a PodDisruptionBudget selects its pods")
+    data_plane_ranks(check, label, docs, 40)
+
+
+def cuda_rules(check, docs):
+    lws = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    check.expect(len(lws) == 1 and not any(d["kind"] == "StatefulSet" and d["metadata"]["name"] ==
+                                           "kvrelay-decode" for d in docs),
+                 "k8s-cuda: decode groups are a LeaderWorkerSet, the CPU StatefulSet is gone")
+    for d in lws:
+        lwt = d["spec"]["leaderWorkerTemplate"]
+        spec = lwt["workerTemplate"]["spec"]
+        check.expect(bool(spec.get("nodeSelector")), "k8s-cuda: GPU pods have a nodeSelector")
+        for c in spec["containers"]:
+            cmd = " ".join(c["command"])
+            gpu = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+            check.expect(str(gpu) == "1", "k8s-cuda: %s requests one nvidia.com/gpu" % c["name"])
+            check.expect("--device cuda:0" in cmd, "k8s-cuda: ranks start with --device cuda:0")
+            check.expect("LWS_GROUP_SIZE" in cmd and lwt.get("size", 1) >= 2,
+                         "k8s-cuda: TP size is the group size (%s)" % lwt.get("size"))
+
+
+def monitor_rules(check, docs):
+    svcs = [d for d in docs if d["kind"] == "Service"]
+    mons = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    check.expect(len(mons) == 1, "k8s-prometheus: one ServiceMonitor")
+    for m in mons:
+        sel = m["spec"]["selector"]["matchLabels"]
+        hit = [s for s in svcs if all(s["metadata"].get("labels", {}).get(k) == v
+                                      for k, v in sel.items())]
+        ports = {p.get("name") for s in hit for p in s["spec"]["ports"]}
+        check.expect(bool(hit) and all(e["port"] in ports for e in m["spec"]["endpoints"]),
+                     "k8s-prometheus: the ServiceMonitor selects a Service with its port (%s)"
+                     % [s["metadata"]["name"] for s in hit])
+
+
+def offline(a):
+    check = StandaloneCheck()
+    workdir = a.workdir or os.path.join("/tmp", "kvrelay-k8s-offline")
+    os.makedirs(workdir, exist_ok=True)
+    require_yaml()
+    deploy = tracked_copy(workdir)
+    rendered = render_kustomizations(check, deploy)
+    exe, why = validator(a.venv or os.path.join(workdir, "venv"))
+    if exe is None:
+        raise MissingTool("kubernetes-validate: " + why)
+    validate_offline(check, a.venv or os.path.join(workdir, "venv"), [], workdir)
+    for k, docs in rendered.items():
+        schema_validate(check, exe, "deploy/" + k, docs, workdir)
+        deploy_rules(check, "deploy/" + k, docs)
+    if "k8s-cuda" in rendered:
+        cuda_rules(check, rendered["k8s-cuda"])
+    if "k8s-prometheus" in rendered:
+        monitor_rules(check, rendered["k8s-prometheus"])
+    chart = render_helm(check, deploy, workdir)
+    schema_validate(check, exe, "deploy/helm/kvrelay", chart, workdir)
+    deploy_rules(check, "deploy/helm/kvrelay", chart + [d for d in rendered.get("k8s", [])
+                                                        if d["kind"] == "Namespace"])
+    base = {(d["kind"], d["metadata"]["name"]) for d in rendered.get("k8s", [])} - {
+        ("Namespace", "kvrelay")}
+    got = {(d["kind"], d["metadata"]["name"]) for d in chart}
+    check.expect(got == base, "the Helm chart renders deploy/k8s's objects (missing %s, extra %s)"
+                 % (sorted(base - got), sorted(got - base)))
+    return check
+
+
+# ------------------------------------------------------------------ .dockerignore
+
+def dockerignore_patterns():
+    with open(os.path.join(cluster.SRC, ".dockerignore")) as f:
+        lines = [ln.strip() for ln in f]
+    out = []
+    for ln in lines:
+        if not ln or ln.startswith("#"):
+            continue
+        neg = ln.startswith("!")
+        p = os.path.normpath(ln[1:] if neg else ln).lstrip("/")
+        rx, i = "", 0
+        while i < len(p):  # Docker's matcher: ** any dirs, * and ? within one name
+            if p.startswith("**/", i):
+                rx, i = rx + "(.*/)?", i + 3
+            elif p.startswith("**", i):
+                rx, i = rx + ".*", i + 2
+            elif p[i] == "*":
+                rx, i = rx + "[^/]*", i + 1
+            elif p[i] == "?":
+                rx, i = rx + "[^/]", i + 1
+            else:
+                rx, i = rx + re.escape(p[i]), i + 1
+        out.append((re.compile(rx + r"\Z"), neg))
+    return out
+
+
+def docker_excluded(patterns, path):
+    """Whether Docker leaves `path` (relative, '/'-separated) out of the context:
+    the last pattern matching it or one of its parent directories decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    excluded = False
+    for rx, neg in patterns:
+        if any(rx.match(p) for p in prefixes):
+            excluded = not neg
+    return excluded
+
+
+def dockerignore(a):
+    check = StandaloneCheck()
+    pats = dockerignore_patterns()
+    must_leave_out = [
+        "deploy/k8s/cluster.key", "cluster.key", "deploy/k8s-tls/certs/ca.key",
+        "deploy/k8s-tls/certs/worker.key", "deploy/k8s-tls/certs/ca.crt", "certs/ca.key",
+        "tls/server.pem", "keys/api-keys.txt", "api_keys.txt", ".env", "deploy/.env.local",
+        "kvstore/prefill-0/CURRENT", "deploy/kvstore/x", "build/CMakeCache.txt",
+        "build-serve/build.log", "build-asan/bin/kvrelay", "cmake-build-debug/x",
+        "models/SmolLM2-135M-Instruct.Q4_1.gguf", "bench/x.gguf", ".git/config",
+        ".venv/bin/python", "build/multinode-venv/bin/pip", "openai-venv/bin/python",
+        "tools/__pycache__/x.pyc", ".ccache/x", "compile_commands.json"]
+    for p in must_leave_out:
+        check.expect(docker_excluded(pats, p), ".dockerignore leaves out %s" % p)
+    # What the image build needs stays in: every tracked file (the sources).
+    r = subprocess.run(["git", "-C", cluster.SRC, "ls-files"], capture_output=True, text=True)
+    tracked = r.stdout.split() if r.returncode == 0 else []
+    kept_out = [p for p in tracked if docker_excluded(pats, p)]
+    check.expect(bool(tracked) and not kept_out,
+                 "every tracked file is in the build context (%d files; left out: %s)"
+                 % (len(tracked), kept_out[:10]))
+    for p in ("CMakeLists.txt", "scripts/build.sh", "scripts/install-deps.sh",
+              "scripts/fetch-model.sh", "deploy/Dockerfile"):
+        check.expect(not docker_excluded(pats, p), "the build context keeps %s" % p)
+    # This checkout's own local state: every untracked secret-like file is left out.
+    r = subprocess.run(["git", "-C", cluster.SRC, "ls-files", "-o", "--directory"],
+                       capture_output=True, text=True)
+    for p in r.stdout.split():
+        p = p.rstrip("/")
+        if re.search(r"(^|/)(cluster\.key|certs|kvstore)($|/)|\.(key|pem)$", p):
+            check.expect(docker_excluded(pats, p), "this checkout's %s is left out" % p)
+    return check
+
+
+def main():
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("what", choices=["offline", "dockerignore"])
+    ap.add_argument("--venv", default=None, help="where kubernetes-validate is installed")
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args()
+    try:
+        check = offline(a) if a.what == "offline" else dockerignore(a)
+    except MissingTool as e:
+        if os.environ.get("CI") == "true":
+            log("FAILED: a tool is missing on CI: %s" % e)
+            return 1
+        log("SKIPPED: missing %s" % e)
+        return 77
+    for f in check.failures:
+        log("  failed: " + f)
+    log("%s: %s (%d checks)" % (a.what, "FAILED" if check.failures else "passed", check.count))
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
