@@ -2,6 +2,7 @@
 //
 // Local mode (--model PATH): one process, colocated engine on this machine.
 // Cluster mode (workers over the control plane) is wired by the cluster backend.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <memory>
@@ -16,6 +17,7 @@
 #include "coordinator/local_engine_backend.h"
 #include "coordinator/router.h"
 #include "coordinator/server.h"
+#include "engine/gguf/gguf.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "kv_transfer/mpi_session.h"
@@ -32,7 +34,11 @@ const FlagSpec kSpec = {
     "",
     0,
     {{"model", "", "GGUF model path (required)"},
-     {"model-name", "the file name without .gguf", "model id served in /v1/models"},
+     {"served-model-name", "the file name without .gguf",
+      "NAME[,ALIAS...]: the model id /v1/models lists and responses echo, then other names "
+      "accepted in 'model' (the file name and the GGUF's general.name always are)"},
+     {"model-name", "", "the same as --served-model-name (older spelling)"},
+     {"max-model-len", "the model's context length", "context length: prompt + max_tokens at most"},
      {"host", "127.0.0.1", "HTTP bind address"},
      {"port", "8080", "HTTP port (0 = pick a free one)"},
      {"api-keys", "", "file of accepted bearer tokens, one a line (default: no auth)"},
@@ -48,7 +54,8 @@ const FlagSpec kSpec = {
      {"max-prompt-tokens", "8192", "longest prompt accepted"},
      {"max-body-bytes", "1048576", "largest request body"},
      {"request-timeout-ms", "600000", "per-request deadline"},
-     {"default-max-tokens", "256", "max_tokens when a request gives none"},
+     {"default-max-tokens", "0",
+      "max_tokens when a request gives none (0 = all the remaining context, as vLLM)"},
      {"max-queue-delay-ms", "0", "refuse requests queued longer (0 = no limit)"},
      {"cors-allow-origin", "",
       "send CORS headers allowing this origin ('*' or e.g. https://app.example); empty = none"},
@@ -73,6 +80,44 @@ std::string ModelNameFromPath(const std::string& path) {
   return name;
 }
 
+struct ServedNames {
+  std::vector<std::string> names;    // --served-model-name, the first one listed
+  std::vector<std::string> aliases;  // every other accepted name
+};
+
+// --served-model-name NAME[,ALIAS...] (or --model-name); accepted besides:
+// the file name without .gguf and the GGUF's general.name.
+Result<ServedNames> ParseServedNames(const Flags& flags, const std::string& model_path) {
+  const std::string file_name = ModelNameFromPath(model_path);
+  std::string spec = flags.Get("served-model-name", flags.Get("model-name", file_name));
+  ServedNames out;
+  for (size_t at = 0; at <= spec.size();) {
+    size_t comma = spec.find(',', at);
+    if (comma == std::string::npos) comma = spec.size();
+    std::string name = spec.substr(at, comma - at);
+    if (name.empty()) {
+      return InvalidArgument("--served-model-name has an empty name: '" + spec + "'");
+    }
+    out.names.push_back(std::move(name));
+    at = comma + 1;
+  }
+  std::vector<std::string> accepted(out.names.begin() + 1, out.names.end());
+  accepted.push_back(file_name);
+  auto gguf = engine::GgufFile::Open(model_path);
+  if (gguf.ok()) {
+    if (auto general = (*gguf)->GetString("general.name"); general.ok() && !general->empty()) {
+      accepted.push_back(*general);
+    }
+  }
+  for (std::string& a : accepted) {
+    if (a != out.names.front() &&
+        std::find(out.aliases.begin(), out.aliases.end(), a) == out.aliases.end()) {
+      out.aliases.push_back(std::move(a));
+    }
+  }
+  return out;
+}
+
 Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(auto flags, Flags::Parse(args, kSpec));
   if (flags.help_requested()) {
@@ -94,7 +139,7 @@ Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t max_prompt, flags.GetInt("max-prompt-tokens", 8192));
   ASSIGN_OR_RETURN(int64_t max_body, flags.GetInt("max-body-bytes", 1 << 20));
   ASSIGN_OR_RETURN(int64_t timeout_ms, flags.GetInt("request-timeout-ms", 600'000));
-  ASSIGN_OR_RETURN(int64_t default_max_tokens, flags.GetInt("default-max-tokens", 256));
+  ASSIGN_OR_RETURN(int64_t default_max_tokens, flags.GetInt("default-max-tokens", 0));
   ASSIGN_OR_RETURN(int64_t max_queue_delay, flags.GetInt("max-queue-delay-ms", 0));
   ASSIGN_OR_RETURN(int64_t max_conn, flags.GetInt("max-connections", 4096));
   ASSIGN_OR_RETURN(int64_t max_conn_client, flags.GetInt("max-connections-per-client", 1024));
@@ -112,7 +157,7 @@ Status Run(const std::vector<std::string>& args) {
   if (max_prompt < 1) return InvalidArgument("--max-prompt-tokens must be >= 1");
   if (max_body < 1024) return InvalidArgument("--max-body-bytes must be >= 1024");
   if (timeout_ms < 1000) return InvalidArgument("--request-timeout-ms must be >= 1000");
-  if (default_max_tokens < 1) return InvalidArgument("--default-max-tokens must be >= 1");
+  if (default_max_tokens < 0) return InvalidArgument("--default-max-tokens must be >= 0");
   so.threads = static_cast<int>(threads);
   so.max_queue = static_cast<int>(max_queue);
   so.max_running = static_cast<int>(max_running);
@@ -128,7 +173,9 @@ Status Run(const std::vector<std::string>& args) {
 
   // --- local engine ---
   const std::string model_path = flags.Get("model");
-  so.model_name = flags.Get("model-name", ModelNameFromPath(model_path));
+  ASSIGN_OR_RETURN(ServedNames names, ParseServedNames(flags, model_path));
+  so.model_name = names.names.front();
+  so.limits.model_aliases = std::move(names.aliases);
   auto loaded = engine::Model::Load(model_path);
   if (!loaded.ok()) return loaded.status().WithContext("loading " + model_path);
   std::shared_ptr<const engine::Model> model = std::move(*loaded);
@@ -148,7 +195,13 @@ Status Run(const std::vector<std::string>& args) {
   eo.max_step_tokens = static_cast<int>(max_step_tokens);
   eo.max_running = so.max_running;
   RETURN_IF_ERROR(eo.Validate());
-  so.max_context_tokens = static_cast<int>(model->config().context_length);
+  const int64_t context_length = model->config().context_length;
+  ASSIGN_OR_RETURN(int64_t max_model_len, flags.GetInt("max-model-len", context_length));
+  if (max_model_len < 2 || max_model_len > context_length) {
+    return InvalidArgument("--max-model-len must be 2.." + std::to_string(context_length) +
+                           " (the model's context length), got " + std::to_string(max_model_len));
+  }
+  so.max_context_tokens = static_cast<int>(max_model_len);
   EngineTextCodec codec(model->tokenizer(), model->chat_template());
   std::unique_ptr<Backend> backend;
   if (flags.Has("control-port")) {

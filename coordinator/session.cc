@@ -141,7 +141,8 @@ void Session::Handle() {
   if (target == "/v1/models") {
     return get_route("models", [&] {
       if (!Authenticate()) return;
-      SendJson(http::status::ok, ModelsJson(core_->options.model_name, UnixSeconds()));
+      const ServerOptions& o = core_->options;
+      SendJson(http::status::ok, ModelsJson(o.model_name, UnixSeconds(), o.max_context_tokens));
     });
   }
   constexpr std::string_view kModelPrefix = "/v1/models/";
@@ -149,17 +150,27 @@ void Session::Handle() {
     const std::string id(target.substr(kModelPrefix.size()));
     return get_route("models", [&] {
       if (!Authenticate()) return;
-      if (id != core_->options.model_name) {
-        ApiError e;
-        e.http_status = 404;
-        e.message = "The model '" + id + "' does not exist (this server serves '" +
-                    core_->options.model_name + "')";
-        e.param = "model";
-        e.code = "model_not_found";
-        return SendError(e);
+      const ServerOptions& o = core_->options;
+      if (auto err = CheckModel(id.empty() ? "?" : id, o.model_name, o.limits)) {
+        return SendError(*err);
       }
-      SendJson(http::status::ok, ModelsJson(core_->options.model_name, UnixSeconds())["data"][0]);
+      SendJson(http::status::ok,
+               ModelsJson(o.model_name, UnixSeconds(), o.max_context_tokens)["data"][0]);
     });
+  }
+  if (target == "/tokenize" || target == "/detokenize") {  // vLLM's tokenizer endpoints
+    endpoint_label_ = std::string(target.substr(1));
+    if (method == http::verb::options) return SendNoContent({{"Allow", kAllowPost}});
+    if (method != http::verb::post)
+      return SendError(MethodNotAllowed(method_name, target, kAllowPost));
+    if (!Authenticate()) return;
+    const ServerOptions& o = core_->options;
+    json out;
+    auto err = target == "/tokenize"
+                   ? TokenizeJson(req_.body(), *core_->codec, o.model_name, o.limits,
+                                  o.max_context_tokens, &out)
+                   : DetokenizeJson(req_.body(), *core_->codec, o.model_name, o.limits, &out);
+    return err ? SendError(*err) : SendJson(http::status::ok, out);
   }
   if (const std::optional<Endpoint> completion = CompletionEndpoint(target)) {
     const Endpoint endpoint = *completion;

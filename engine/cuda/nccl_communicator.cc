@@ -2,10 +2,14 @@
 
 #include <nccl.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
+#include "common/logging.h"
 #include "engine/cuda/cuda_util.h"
+#include "engine/cuda/nccl_progress.h"
 
 namespace kvrelay::engine::cuda {
 namespace {
@@ -28,7 +32,23 @@ void Pause() { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
 
 }  // namespace
 
+Status CheckLinkedNcclVersion() {
+  int runtime = 0;
+  KVR_NCCL_RETURN(ncclGetVersion(&runtime));
+  const char* allow = std::getenv("KVRELAY_NCCL_ALLOW_VERSION_MISMATCH");
+  const bool allow_mismatch = allow != nullptr && std::string(allow) == "1";
+  Status st = CheckNcclVersion(NCCL_VERSION_CODE, runtime, allow_mismatch);
+  static std::atomic<bool> logged{false};  // once per process
+  if (!logged.exchange(true)) {
+    LOG_INFO << "NCCL: built against nccl.h " << NcclVersion::FromCode(NCCL_VERSION_CODE).ToString()
+             << ", running with libnccl " << NcclVersion::FromCode(runtime).ToString()
+             << (st.ok() ? "" : " (refused)");
+  }
+  return st;
+}
+
 Result<NcclUniqueId> CreateNcclUniqueId() {
+  RETURN_IF_ERROR(CheckLinkedNcclVersion());
   ncclUniqueId id;
   KVR_NCCL_RETURN(ncclGetUniqueId(&id));
   static_assert(sizeof(id) == sizeof(NcclUniqueId::bytes));
@@ -43,6 +63,7 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(
     return InvalidArgument("NcclCommunicatorOptions: rank " + std::to_string(options.rank) +
                            " of size " + std::to_string(options.size));
   }
+  RETURN_IF_ERROR(CheckLinkedNcclVersion());
   KVR_CUDA_RETURN(cudaSetDevice(options.device));
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(options));
   cudaStream_t s = nullptr;
@@ -91,23 +112,48 @@ Status NcclCommunicator::Abort(Status why) {
   return why;
 }
 
-Status NcclCommunicator::CheckAsync() {
+Result<NcclCommState> NcclCommunicator::CheckAsync() {
   if (!broken_.ok()) return broken_;
   ncclResult_t state = ncclSuccess;
   const ncclResult_t r = ncclCommGetAsyncError(Comm(comm_), &state);
   if (r != ncclSuccess) return Abort(NcclStatus(r, "ncclCommGetAsyncError"));
-  if (state != ncclSuccess && state != ncclInProgress) {
-    return Abort(NcclStatus(state, "NCCL communicator (a peer failed?)"));
+  if (state == ncclInProgress) return NcclCommState::kInProgress;
+  if (state != ncclSuccess) return Abort(NcclStatus(state, "NCCL communicator (a peer failed?)"));
+  return NcclCommState::kSuccess;
+}
+
+Status NcclCommunicator::WaitEnqueued(Deadline deadline) {
+  for (;;) {
+    ASSIGN_OR_RETURN(NcclCommState state, CheckAsync());
+    if (state == NcclCommState::kSuccess) return Status::Ok();
+    if (deadline.Expired()) {
+      return Abort(DeadlineExceeded("NCCL operation was not enqueued by its deadline (rank " +
+                                    std::to_string(options_.rank) + " of " +
+                                    std::to_string(options_.size) + "); communicator aborted"));
+    }
+    Pause();
   }
-  return Status::Ok();
+}
+
+Status NcclCommunicator::Accepted(int r, const char* what) {
+  const auto result = static_cast<ncclResult_t>(r);
+  if (result == ncclSuccess) return Status::Ok();
+  if (result != ncclInProgress) return Abort(NcclStatus(result, what));
+  // Inside an open group nothing is launched until the outermost GroupEnd.
+  if (group_depth_ > 0) return Status::Ok();
+  return WaitEnqueued(Deadline::After(options_.timeout));
 }
 
 Result<bool> NcclCommunicator::Poll(void* stream) {
-  RETURN_IF_ERROR(CheckAsync());
+  ASSIGN_OR_RETURN(NcclCommState comm, CheckAsync());
   const cudaError_t e = cudaStreamQuery(S(stream));
-  if (e == cudaSuccess) return true;
-  if (e == cudaErrorNotReady) return false;
-  return Abort(CudaStatus(e, "cudaStreamQuery"));
+  StreamState ss = StreamState::kIdle;
+  if (e == cudaErrorNotReady) {
+    ss = StreamState::kBusy;
+  } else if (e != cudaSuccess) {
+    return Abort(CudaStatus(e, "cudaStreamQuery"));
+  }
+  return ClassifyNcclProgress(comm, ss) == NcclOpProgress::kDone;
 }
 
 Status NcclCommunicator::Wait(void* stream, Deadline deadline) {
@@ -126,25 +172,24 @@ Status NcclCommunicator::Wait(void* stream, Deadline deadline) {
 Status NcclCommunicator::GroupStart() {
   RETURN_IF_ERROR(broken_);
   KVR_NCCL_RETURN(ncclGroupStart());
+  ++group_depth_;
   return Status::Ok();
 }
 Status NcclCommunicator::GroupEnd() {
-  const ncclResult_t r = ncclGroupEnd();
-  if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclGroupEnd"));
-  return CheckAsync();
+  if (group_depth_ > 0) --group_depth_;
+  // The outermost GroupEnd launches the group; on this non-blocking
+  // communicator it may return ncclInProgress before the work is on the
+  // streams (nccl_progress.h, rule 1): wait until it is.
+  return Accepted(ncclGroupEnd(), "ncclGroupEnd");
 }
 
 Status NcclCommunicator::SendDevice(const void* data, size_t bytes, int peer, void* stream) {
   RETURN_IF_ERROR(broken_);
-  const ncclResult_t r = ncclSend(data, bytes, ncclUint8, peer, Comm(comm_), S(stream));
-  if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclSend"));
-  return Status::Ok();
+  return Accepted(ncclSend(data, bytes, ncclUint8, peer, Comm(comm_), S(stream)), "ncclSend");
 }
 Status NcclCommunicator::RecvDevice(void* data, size_t bytes, int peer, void* stream) {
   RETURN_IF_ERROR(broken_);
-  const ncclResult_t r = ncclRecv(data, bytes, ncclUint8, peer, Comm(comm_), S(stream));
-  if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclRecv"));
-  return Status::Ok();
+  return Accepted(ncclRecv(data, bytes, ncclUint8, peer, Comm(comm_), S(stream)), "ncclRecv");
 }
 
 Status NcclCommunicator::AllReduceSumDevice(float* data, int64_t n, void* stream) {
@@ -152,18 +197,18 @@ Status NcclCommunicator::AllReduceSumDevice(float* data, int64_t n, void* stream
   // NCCL's ring sum is not "added in rank order"; TpCollective asks for
   // bit-identical results on every rank, which NCCL's reductions give (every
   // rank receives the same reduced bytes).
-  const ncclResult_t r = ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum,
-                                       Comm(comm_), S(stream));
-  if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclAllReduce"));
+  RETURN_IF_ERROR(Accepted(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat32, ncclSum,
+                                         Comm(comm_), S(stream)),
+                           "ncclAllReduce"));
   return Wait(stream, Deadline::After(options_.timeout));
 }
 
 Status NcclCommunicator::AllGatherDevice(const float* local, int64_t n_local, float* out,
                                          void* stream) {
   RETURN_IF_ERROR(broken_);
-  const ncclResult_t r =
-      ncclAllGather(local, out, static_cast<size_t>(n_local), ncclFloat32, Comm(comm_), S(stream));
-  if (r != ncclSuccess && r != ncclInProgress) return Abort(NcclStatus(r, "ncclAllGather"));
+  RETURN_IF_ERROR(Accepted(
+      ncclAllGather(local, out, static_cast<size_t>(n_local), ncclFloat32, Comm(comm_), S(stream)),
+      "ncclAllGather"));
   return Wait(stream, Deadline::After(options_.timeout));
 }
 

@@ -23,6 +23,7 @@
 
 #include "common/clock.h"
 #include "common/status.h"
+#include "engine/cuda/nccl_progress.h"
 #include "engine/runtime/tp_collective.h"
 
 namespace kvrelay::engine::cuda {
@@ -31,6 +32,9 @@ struct NcclUniqueId {
   std::array<uint8_t, 128> bytes{};  // ncclUniqueId, opaque
 };
 Result<NcclUniqueId> CreateNcclUniqueId();
+// ncclGetVersion against NCCL_VERSION_CODE (nccl_progress.h, rule 2), logged
+// once per process; Create and CreateNcclUniqueId call it.
+Status CheckLinkedNcclVersion();
 
 struct NcclCommunicatorOptions {
   int rank = 0;
@@ -77,7 +81,13 @@ class NcclCommunicator final : public TpCollective {
  private:
   NcclCommunicator(const NcclCommunicatorOptions& options) : options_(options) {}
   Status Abort(Status why);
-  Status CheckAsync();
+  // The communicator's asynchronous state; an error aborts it.
+  Result<NcclCommState> CheckAsync();
+  // Until the state leaves ncclInProgress (nccl_progress.h, rule 1).
+  Status WaitEnqueued(Deadline deadline);
+  // The result `r` (an ncclResult_t) of a call that enqueues work: an error
+  // aborts; ncclInProgress outside a group waits until the work is enqueued.
+  Status Accepted(int r, const char* what);
 
   NcclCommunicatorOptions options_;
   void* comm_ = nullptr;    // ncclComm_t
@@ -85,6 +95,7 @@ class NcclCommunicator final : public TpCollective {
   void* dbuf_ = nullptr;    // device staging
   size_t dbuf_bytes_ = 0;
   Status broken_;
+  int group_depth_ = 0;  // open GroupStart calls (NCCL groups nest)
 };
 
 }  // namespace kvrelay::engine::cuda
