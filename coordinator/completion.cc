@@ -6,6 +6,7 @@
 #include <limits>
 #include <random>
 
+#include "common/logging.h"
 #include "coordinator/server_internal.h"
 #include "coordinator/sse.h"
 
@@ -64,6 +65,38 @@ std::optional<int64_t> LargestDecodePool(const std::vector<WorkerInfo>& workers)
   return best;
 }
 
+// vLLM's words for a request the context cannot hold (clients and people
+// search for them).
+std::string ContextExceeded(int64_t max_model_len, int64_t prompt, int64_t max_tokens,
+                            Endpoint endpoint) {
+  const char* what = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
+  std::string m =
+      "This model's maximum context length is " + std::to_string(max_model_len) + " tokens. ";
+  if (max_tokens <= 0) {
+    return m + "However, you requested " + std::to_string(prompt) + " tokens in the " + what +
+           ", leaving no room to generate. Please reduce the length of the " + what + ".";
+  }
+  return m + "However, you requested " + std::to_string(prompt + max_tokens) + " tokens (" +
+         std::to_string(prompt) + " in the " + what + ", " + std::to_string(max_tokens) +
+         " in the completion). Please reduce the length of the " + what + " or completion.";
+}
+
+// The access line of a finished request (all its choices; the timings are
+// those of the choice that finished last): one line at info level.
+void LogAccess(const RequestState& r, const UsageCounts& usage, const std::string& finish) {
+  const TimePoint now = Clock::now();
+  auto ms = [](TimePoint from, TimePoint to) {
+    return static_cast<long long>(std::chrono::duration<double, std::milli>(to - from).count());
+  };
+  const std::string& tenant = r.generation.tenant_salt;
+  LOG_INFO << "request " << r.ident.id << " " << EndpointName(r.params.endpoint)
+           << " tenant=" << (tenant.empty() ? "-" : tenant) << " prompt=" << usage.prompt_tokens
+           << " cached=" << usage.cached_tokens << " generated=" << usage.completion_tokens
+           << " ttft_ms="
+           << (r.first_token_at ? std::to_string(ms(r.arrived, *r.first_token_at)) : "-")
+           << " total_ms=" << ms(r.arrived, now) << " finish=" << finish;
+}
+
 }  // namespace
 
 std::shared_ptr<Session> RequestState::GetSession() {
@@ -110,15 +143,8 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   }
   const CompletionParams& p = r->params;
   const char* prompt_param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
-  if (p.model != opt.model_name) {
-    ApiError e;
-    e.http_status = 404;
-    e.message =
-        "The model '" + p.model + "' does not exist (this server serves '" + opt.model_name + "')";
-    e.param = "model";
-    e.code = "model_not_found";
-    return SendError(e);
-  }
+  LogIgnoredFields(p.ignored_fields);
+  if (auto err = CheckModel(p.model, opt.model_name, opt.limits)) return SendError(*err);
   Result<std::vector<int32_t>> tokens = std::vector<int32_t>();
   if (endpoint == Endpoint::kChatCompletions) {
     tokens = core_->codec->EncodeChat(p.messages);
@@ -165,20 +191,17 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
     if (auto pool = LargestDecodePool(workers)) room = std::min(room, *pool - n);
     const int64_t want = opt.limits.max_tokens_default > 0 ? opt.limits.max_tokens_default : room;
     if (room < 1) {
-      return SendError(BadRequest("the prompt (" + std::to_string(n) +
-                                      " tokens) leaves no room to generate in the context of " +
-                                      std::to_string(opt.max_context_tokens) + " tokens",
+      return SendError(BadRequest(ContextExceeded(opt.max_context_tokens, n, 0, endpoint),
                                   prompt_param, "context_length_exceeded"));
     }
     r->params.max_tokens = static_cast<int>(std::min(want, room));
   }
   if (opt.max_context_tokens > 0 &&
       static_cast<int64_t>(longest) + p.max_tokens > opt.max_context_tokens) {
-    return SendError(BadRequest("prompt (" + std::to_string(longest) +
-                                    " tokens) plus max_tokens (" + std::to_string(p.max_tokens) +
-                                    ") exceeds the context length " +
-                                    std::to_string(opt.max_context_tokens),
-                                "max_tokens", "context_length_exceeded"));
+    return SendError(
+        BadRequest(ContextExceeded(opt.max_context_tokens, static_cast<int64_t>(longest),
+                                   p.max_tokens, endpoint),
+                   "max_tokens", "context_length_exceeded"));
   }
   if (auto reason =
           NeverFits(workers, static_cast<int64_t>(longest), p.max_tokens, opt.max_context_tokens)) {
@@ -191,7 +214,7 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
                 endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-",
                 static_cast<unsigned long long>(core_->nonce),
                 static_cast<unsigned long long>(r->id));
-  r->ident = {idbuf, UnixSeconds(), p.model};
+  r->ident = {idbuf, UnixSeconds(), opt.model_name};  // the served name, whatever alias was asked
   GenerationRequest& g = r->generation;
   g.id = r->id;
   g.prompt = std::move(*tokens);
@@ -201,6 +224,10 @@ void Session::HandleCompletion(Endpoint endpoint, std::string tenant) {
   g.tenant_salt = tenant;
   if (opt.prefix_hasher) g.prefix_blocks = opt.prefix_hasher(g.prompt, tenant);
   r->usage.prompt_tokens = static_cast<int>(g.prompt.size());
+  LOG_DEBUG << "request " << r->ident.id << " " << EndpointName(endpoint)
+            << " tenant=" << (tenant.empty() ? "-" : tenant) << " prompt=" << g.prompt.size()
+            << " max_tokens=" << p.max_tokens << " n=" << p.n << " prompts=" << p.batch_size()
+            << " stream=" << (p.stream ? "true" : "false");
   r->decoder = core_->codec->NewDecoder();
   r->matcher.emplace(p.stop);
   if (endpoint == Endpoint::kCompletions && p.echo) r->text = p.prompt_is_tokens ? "" : p.prompt;
@@ -344,9 +371,10 @@ void Session::StartGeneration(const std::shared_ptr<RequestState>& r) {
 
 void Session::Emit(RequestState& r, const std::string& piece) {
   if (piece.empty()) return;
-  // With tools the answer is a tool call or text, known at the end: a stream
-  // sends it then (Finish).
-  if (!r.params.stream || r.params.tool_choice != ToolChoice::kNone) {
+  // With tools (or tool calls in the history) the answer is tool calls and
+  // text, known at the end: a stream sends it then (Finish), so no fragment
+  // of a <tool_call> block reaches the content.
+  if (!r.params.stream || r.params.tool_choice != ToolChoice::kNone || r.params.tool_markup) {
     r.text += piece;
     return;
   }
@@ -453,7 +481,10 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     if (r->usage.prompt_tokens > 0) pu.prompt_tokens = r->usage.prompt_tokens;
   }
   if (client_gone_) {
-    if (active_.empty()) Close();
+    if (active_.empty()) {
+      LogAccess(*r, TotalUsage(), "client_gone");
+      Close();
+    }
     return;
   }
 
@@ -464,6 +495,7 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     // vocabulary, prompt + max_tokens against the pool): those are the
     // client's or capacity errors, not the server's.
     AbortOthers(r);
+    LogAccess(*r, TotalUsage(), FinishName(finish));
     HttpError e = ErrorFromStatus(ev.error, "generation failed: " + ev.error.ToString(),
                                   core_->options.retry_after_seconds);
     if (!p.stream) return SendError(e);
@@ -477,17 +509,20 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
     results_[r->index].logprobs = LogprobsJson(p.endpoint, r->logprobs, r->logprob_offset);
   }
   nlohmann::json tool_calls = nullptr;
-  if (p.tool_choice != ToolChoice::kNone) {
-    tool_calls = ExtractToolCalls(
+  const bool split = p.tool_choice != ToolChoice::kNone || p.tool_markup;
+  if (split) {
+    ToolCallSplit parts = SplitToolCalls(
         r->text, p.tool_choice,
         r->ident.id.substr(r->ident.id.find('-') + 1) + "_" + std::to_string(r->index));
+    tool_calls = parts.tool_calls;
+    results_[r->index].text = parts.content.is_string() ? parts.content.get<std::string>() : "";
     results_[r->index].tool_calls = tool_calls;
   }
-  if (p.stream && p.tool_choice != ToolChoice::kNone) {
-    // The buffered answer in one delta: the tool calls (with their index) or the text.
-    nlohmann::json chunk =
-        StreamChunkJson(p.endpoint, r->ident, tool_calls.is_null() ? r->text : "", r->first_chunk,
-                        FinishReason::kNone, r->index, TakeStreamLogprobs(*r));
+  if (p.stream && split) {
+    // The buffered answer in one delta: its text and the tool calls (with their index).
+    const std::string& content = results_[r->index].text;
+    nlohmann::json chunk = StreamChunkJson(p.endpoint, r->ident, content, r->first_chunk,
+                                           FinishReason::kNone, r->index, TakeStreamLogprobs(*r));
     if (!tool_calls.is_null()) {
       nlohmann::json deltas = nlohmann::json::array();
       for (size_t k = 0; k < tool_calls.size(); ++k) {
@@ -496,7 +531,7 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
         deltas.push_back(d);
       }
       chunk["choices"][0]["delta"]["tool_calls"] = deltas;
-      chunk["choices"][0]["delta"].erase("content");
+      if (content.empty()) chunk["choices"][0]["delta"].erase("content");
     }
     QueueOut({OutItem::kChunk, SseEvent(DumpJson(chunk))});
     r->first_chunk = false;
@@ -509,6 +544,7 @@ void Session::Finish(const std::shared_ptr<RequestState>& r, const TokenEvent& e
                                                 r->index, TakeStreamLogprobs(*r))))});
   }
   if (!active_.empty()) return;  // other choices still running
+  LogAccess(*r, TotalUsage(), tool_calls.is_null() ? FinishName(finish) : "tool_calls");
   if (!p.stream) {
     return SendJson(http::status::ok,
                     CompletionResponseJson(p.endpoint, r->ident, results_, TotalUsage()));

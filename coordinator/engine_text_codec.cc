@@ -49,19 +49,27 @@ Result<std::vector<int32_t>> EngineTextCodec::Encode(std::string_view text,
 
 Result<std::vector<int32_t>> EngineTextCodec::EncodeChat(
     const std::vector<ChatMessage>& messages) const {
+  return EncodeChatTemplate(messages, /*add_generation_prompt=*/true);
+}
+
+Result<std::vector<int32_t>> EngineTextCodec::EncodeChatTemplate(
+    const std::vector<ChatMessage>& messages, bool add_generation_prompt) const {
   if (chat_template_ == nullptr) {
     return FailedPrecondition("the model has no chat template; use /v1/completions");
   }
   std::vector<engine::ChatMessage> converted;
   converted.reserve(messages.size());
   for (const auto& m : messages) converted.push_back({m.role, m.content});
-  ASSIGN_OR_RETURN(std::string rendered,
-                   chat_template_->Render(converted, /*add_generation_prompt=*/true));
+  ASSIGN_OR_RETURN(std::string rendered, chat_template_->Render(converted, add_generation_prompt));
   return tokenizer_->Encode(rendered, /*add_special=*/false, /*parse_special=*/true);
 }
 
 std::string EngineTextCodec::TokenPiece(int32_t token) const {
   return tokenizer_->TokenToPiece(token);
+}
+
+std::string EngineTextCodec::Decode(std::span<const int32_t> ids) const {
+  return tokenizer_->Decode(ids);
 }
 
 std::unique_ptr<StreamDecoder> EngineTextCodec::NewDecoder() const {

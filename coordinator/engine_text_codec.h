@@ -31,6 +31,10 @@ class EngineTextCodec : public TextCodec {
   // Renders the chat template with the generation prompt and tokenizes the
   // result with special tokens parsed (the template's own markers).
   Result<std::vector<int32_t>> EncodeChat(const std::vector<ChatMessage>& messages) const override;
+  Result<std::vector<int32_t>> EncodeChatTemplate(const std::vector<ChatMessage>& messages,
+                                                  bool add_generation_prompt) const override;
+  int64_t VocabSize() const override { return tokenizer_->vocab_size(); }
+  std::string Decode(std::span<const int32_t> ids) const override;
   std::unique_ptr<StreamDecoder> NewDecoder() const override;
   std::string TokenPiece(int32_t token) const override;
 

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
 
+#include "common/logging.h"
 #include "coordinator/openai_fields.h"
 
 namespace kvrelay::coordinator {
@@ -240,10 +243,54 @@ std::optional<ApiError> ParseLogitBias(const json& lb,
   return std::nullopt;
 }
 
+// The body as a JSON object, or the 400 for it.
+std::optional<ApiError> ParseBody(std::string_view body_text, json* body) {
+  if (!DepthWithin(body_text, kMaxJsonDepth)) {
+    return BadRequest(
+        "request body nests JSON deeper than " + std::to_string(kMaxJsonDepth) + " levels", "",
+        "invalid_json");
+  }
+  try {
+    *body = json::parse(body_text);
+  } catch (const json::exception& e) {
+    return BadRequest(std::string("request body is not valid JSON: ") + e.what(), "",
+                      "invalid_json");
+  }
+  if (!body->is_object()) {
+    return BadRequest(std::string("request body must be a JSON object, got ") + TypeName(*body), "",
+                      "invalid_json");
+  }
+  return std::nullopt;
+}
+
+// `model`: optional (absent or null: the served model, as vLLM), a string when given.
+std::optional<ApiError> GetModel(const json& body, std::string* out) {
+  out->clear();
+  const json* model = Field(body, "model");
+  if (model == nullptr) return std::nullopt;
+  if (!model->is_string()) return WrongType("model", "a string", *model);
+  *out = model->get<std::string>();
+  return std::nullopt;
+}
+
+// Tools offered, or a tool call in the history: the model may write
+// <tool_call> blocks (see SplitToolCalls).
+bool HasToolMarkup(const json& body) {
+  if (const json* tools = Field(body, "tools"); tools != nullptr && tools->is_array()) {
+    if (!tools->empty()) return true;
+  }
+  const json* messages = Field(body, "messages");
+  if (messages == nullptr || !messages->is_array()) return false;
+  for (const json& m : *messages) {
+    if (m.is_object() && Field(m, "tool_calls") != nullptr) return true;
+  }
+  return false;
+}
+
 // The request fields ParseCompletionRequest understands (some only in their
-// no-op form, e.g. logprobs false, best_of 1, tools []). `user` is the
-// caller's end-user id, which OpenAI uses for abuse monitoring only: it has
-// no effect on the result, so accepting it is not a silent no-op.
+// no-op form, e.g. logprobs false, best_of 1, tools []); their types are
+// checked. `user` is the caller's end-user id, which OpenAI uses for abuse
+// monitoring only. Every other field is ignored with a warning.
 bool KnownField(Endpoint endpoint, std::string_view key) {
   static constexpr std::string_view kCommon[] = {"model",
                                                  "max_tokens",
@@ -302,30 +349,14 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
                                                const ApiLimits& limits, CompletionParams* out) {
   *out = CompletionParams();
   out->endpoint = endpoint;
-  if (!DepthWithin(body_text, kMaxJsonDepth)) {
-    return BadRequest(
-        "request body nests JSON deeper than " + std::to_string(kMaxJsonDepth) + " levels", "",
-        "invalid_json");
-  }
   json body;
-  try {
-    body = json::parse(body_text);
-  } catch (const json::exception& e) {
-    return BadRequest(std::string("request body is not valid JSON: ") + e.what(), "",
-                      "invalid_json");
-  }
-  if (!body.is_object())
-    return BadRequest(std::string("request body must be a JSON object, got ") + TypeName(body), "",
-                      "invalid_json");
+  if (auto err = ParseBody(body_text, &body)) return err;
 
-  const json* model = Field(body, "model");
-  if (model == nullptr)
-    return BadRequest("missing required parameter: 'model'", "model", "missing_required_parameter");
-  if (!model->is_string()) return WrongType("model", "a string", *model);
-  out->model = model->get<std::string>();
+  if (auto err = GetModel(body, &out->model)) return err;
 
   if (endpoint == Endpoint::kChatCompletions) {
     if (auto err = ParseMessages(body, &out->messages)) return err;
+    out->tool_markup = HasToolMarkup(body);
   } else {
     if (auto err = ParsePrompt(body, out)) return err;
   }
@@ -479,21 +510,139 @@ std::optional<ApiError> ParseCompletionRequest(Endpoint endpoint, std::string_vi
   if (endpoint == Endpoint::kChatCompletions) {
     if (auto err = ParseTools(body, body_text, out)) return err;
   }
-  // Every field not understood above is refused by name, never ignored: a
-  // client that asked for something must not get a silent no-op.
-  std::string unknown;
-  std::string first;
+  // Fields not understood above are ignored, as vLLM and llama-server do
+  // (clients send store, metadata, reasoning_effort, ... unasked); the server
+  // warns about each name once (LogIgnoredFields).
   for (const auto& [key, value] : body.items()) {
-    if (KnownField(endpoint, key)) continue;
-    if (first.empty()) first = key;
-    unknown += (unknown.empty() ? "'" : ", '") + key + "'";
+    if (!KnownField(endpoint, key)) out->ignored_fields.push_back(key);
   }
-  if (!unknown.empty()) {
-    return BadRequest(
-        "unsupported parameter(s) " + unknown + " for " +
-            (endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions"),
-        first, "unsupported_parameter");
+  return std::nullopt;
+}
+
+std::optional<ApiError> CheckModel(std::string_view requested, const std::string& served,
+                                   const ApiLimits& limits) {
+  if (requested.empty() || requested == served) return std::nullopt;
+  for (const std::string& alias : limits.model_aliases) {
+    if (requested == alias) return std::nullopt;
   }
+  ApiError e;
+  e.http_status = 404;
+  e.type = "invalid_request_error";
+  e.message = "The model '" + std::string(requested) + "' does not exist (this server serves '" +
+              served + "')";
+  e.param = "model";
+  e.code = "model_not_found";
+  return e;
+}
+
+void LogIgnoredFields(const std::vector<std::string>& fields) {
+  if (fields.empty()) return;
+  // Bounded: a client sending random names cannot grow the set forever.
+  constexpr size_t kMaxRemembered = 1024;
+  static std::mutex mutex;
+  static std::set<std::string, std::less<>> warned;  // guarded by mutex
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const std::string& f : fields) {
+    if (warned.size() >= kMaxRemembered || !warned.insert(f).second) continue;
+    LOG_WARNING << "the request field '" << f.substr(0, 64)
+                << "' is not supported and was ignored (warned once per field name)";
+  }
+}
+
+std::optional<ApiError> TokenizeJson(std::string_view body_text, const TextCodec& codec,
+                                     const std::string& served_model, const ApiLimits& limits,
+                                     int64_t max_model_len, nlohmann::json* out) {
+  json body;
+  if (auto err = ParseBody(body_text, &body)) return err;
+  std::string model;
+  if (auto err = GetModel(body, &model)) return err;
+  if (auto err = CheckModel(model, served_model, limits)) return err;
+  const bool chat = Field(body, "messages") != nullptr;
+  if (!chat && Field(body, "prompt") == nullptr) {
+    return BadRequest("missing required parameter: 'prompt' (or 'messages')", "prompt",
+                      "missing_required_parameter");
+  }
+  bool add_special = !chat;  // vLLM's defaults: true for a prompt, false for messages
+  bool add_generation_prompt = true;
+  bool token_strs = false;
+  if (auto err = GetBool(body, "add_special_tokens", &add_special)) return err;
+  if (auto err = GetBool(body, "add_generation_prompt", &add_generation_prompt)) return err;
+  if (auto err = GetBool(body, "return_token_strs", &token_strs)) return err;
+  Result<std::vector<int32_t>> tokens = std::vector<int32_t>();
+  std::vector<std::string> ignored;
+  if (chat) {
+    std::vector<ChatMessage> messages;
+    if (auto err = ParseMessages(body, &messages)) return err;
+    tokens = codec.EncodeChatTemplate(messages, add_generation_prompt);
+  } else {
+    const json& prompt = body["prompt"];
+    if (!prompt.is_string()) return WrongType("prompt", "a string", prompt);
+    tokens = codec.Encode(prompt.get<std::string>(), add_special);
+  }
+  if (!tokens.ok()) {
+    return BadRequest("cannot tokenize: " + tokens.status().message(),
+                      chat ? "messages" : "prompt");
+  }
+  static constexpr std::string_view kKnown[] = {"model",
+                                                "prompt",
+                                                "messages",
+                                                "add_special_tokens",
+                                                "add_generation_prompt",
+                                                "return_token_strs"};
+  for (const auto& [key, value] : body.items()) {
+    if (std::find(std::begin(kKnown), std::end(kKnown), key) == std::end(kKnown)) {
+      ignored.push_back(key);
+    }
+  }
+  LogIgnoredFields(ignored);
+  *out = json{{"tokens", *tokens},
+              {"count", tokens->size()},
+              {"max_model_len", max_model_len > 0 ? json(max_model_len) : json(nullptr)}};
+  if (token_strs) {
+    json strs = json::array();
+    for (int32_t t : *tokens) strs.push_back(codec.TokenPiece(t));
+    (*out)["token_strs"] = strs;
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> DetokenizeJson(std::string_view body_text, const TextCodec& codec,
+                                       const std::string& served_model, const ApiLimits& limits,
+                                       nlohmann::json* out) {
+  json body;
+  if (auto err = ParseBody(body_text, &body)) return err;
+  std::string model;
+  if (auto err = GetModel(body, &model)) return err;
+  if (auto err = CheckModel(model, served_model, limits)) return err;
+  const json* tokens = Field(body, "tokens");
+  if (tokens == nullptr) {
+    return BadRequest("missing required parameter: 'tokens'", "tokens",
+                      "missing_required_parameter");
+  }
+  if (!tokens->is_array()) return WrongType("tokens", "an array of token ids", *tokens);
+  const int64_t vocab = codec.VocabSize();
+  std::vector<int32_t> ids;
+  ids.reserve(tokens->size());
+  for (size_t i = 0; i < tokens->size(); ++i) {
+    const json& t = (*tokens)[i];
+    const std::string field = "tokens[" + std::to_string(i) + "]";
+    if (!t.is_number_integer()) return WrongType(field, "an integer token id", t);
+    const bool negative = t.is_number_integer() && !t.is_number_unsigned() && t.get<int64_t>() < 0;
+    const uint64_t id = negative ? 0 : t.get<uint64_t>();
+    if (negative || id > static_cast<uint64_t>(std::numeric_limits<int32_t>::max()) ||
+        (vocab > 0 && id >= static_cast<uint64_t>(vocab))) {
+      return BadRequest("token id " + t.dump() + " (" + field + ") is out of the vocabulary [0, " +
+                            (vocab > 0 ? std::to_string(vocab) : std::string("2^31")) + ")",
+                        field, "invalid_value");
+    }
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  std::vector<std::string> ignored;
+  for (const auto& [key, value] : body.items()) {
+    if (key != "model" && key != "tokens") ignored.push_back(key);
+  }
+  LogIgnoredFields(ignored);
+  *out = json{{"prompt", codec.Decode(ids)}};
   return std::nullopt;
 }
 

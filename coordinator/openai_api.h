@@ -2,10 +2,15 @@
 // /v1/chat/completions and /v1/completions bodies, and building responses,
 // stream chunks and error objects the official clients accept.
 //
-// Pure functions over nlohmann::json; no I/O, thread-safe.
+// Also the tokenizer endpoints (/tokenize, /detokenize) and the model-name
+// check every endpoint shares.
+//
+// Pure functions over nlohmann::json and a TextCodec, thread-safe; the only
+// I/O is LogIgnoredFields' warning.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -35,12 +40,28 @@ struct ApiLimits {
   // When the request gives none: this many, lowered to what fits the
   // context and KV pool (never refused for it); 0 = all the remaining context
   // (as vLLM).
-  int max_tokens_default = 256;
-  int max_tokens_limit = 4096;  // a larger max_tokens is a 400
-  int max_stop_strings = 4;     // as OpenAI
+  int max_tokens_default = 0;
+  // A larger max_tokens is a 400 when parsing. The real bound is the server's:
+  // the context (ServerOptions::max_context_tokens) minus the prompt.
+  int max_tokens_limit = std::numeric_limits<int32_t>::max();
+  int max_stop_strings = 4;  // as OpenAI
   int max_stop_string_bytes = 256;
   int max_n = 16;  // n > max_n is a 400 (each choice is a request of its own)
+  // Names a request's `model` may give besides ServerOptions::model_name
+  // (the first --served-model-name, which responses echo): the other served
+  // names, the model file's name and the GGUF's general.name. An omitted or
+  // empty `model` means the served model (as vLLM).
+  std::vector<std::string> model_aliases;
 };
+
+// Nullopt when `requested` names the served model (`served` or an alias, or
+// is empty); else OpenAI's 404 model_not_found.
+std::optional<ApiError> CheckModel(std::string_view requested, const std::string& served,
+                                   const ApiLimits& limits);
+
+// Warns (once per field name for the process) that a request field is not
+// understood and was ignored, as vLLM does.
+void LogIgnoredFields(const std::vector<std::string>& fields);
 
 // tool_choice (kNone also when the request has no tools).
 enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
@@ -87,6 +108,11 @@ struct CompletionParams {
   // Chat with tools: the functions are described in the system message;
   // required / named calls are constrained by sampling.json_schema.
   ToolChoice tool_choice = ToolChoice::kNone;
+  // Tools were offered or the history holds tool calls: the answer may carry
+  // <tool_call> blocks, which never reach `content` (SplitToolCalls).
+  bool tool_markup = false;
+  // Top-level fields not understood, ignored (for LogIgnoredFields).
+  std::vector<std::string> ignored_fields;
 };
 
 // The tool calls in a chat answer: for kRequired / kNamed the whole text is
@@ -95,6 +121,20 @@ struct CompletionParams {
 // when the text holds none.
 nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
                                 const std::string& id_prefix);
+
+// A chat answer split into what the client sees: `content` (a string, or
+// null when nothing but tool calls) and `tool_calls` (as ExtractToolCalls).
+// For kAuto and kNone every <tool_call> fragment is cut from the content:
+// complete blocks, a block the answer ended inside, a stray </tool_call> and
+// a partial tag at the very end; with kNone no call is made of them (the
+// client asked for none). An unterminated block still counts as a call when
+// its JSON is complete (the model stopped at EOS before closing it).
+struct ToolCallSplit {
+  nlohmann::json content;
+  nlohmann::json tool_calls;
+};
+ToolCallSplit SplitToolCalls(const std::string& text, ToolChoice choice,
+                             const std::string& id_prefix);
 
 // Parses and validates a body. On failure returns the error naming the field;
 // the model name is not checked here (see the server: 404 for unknown models).
@@ -154,8 +194,22 @@ nlohmann::json StreamChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
                               const UsageCounts& usage);
 
-// GET /v1/models body.
-nlohmann::json ModelsJson(const std::string& model, int64_t created);
+// GET /v1/models body; each entry carries max_model_len (as vLLM) and
+// context_length (as OpenRouter and LM Studio) when `max_model_len` > 0.
+nlohmann::json ModelsJson(const std::string& model, int64_t created, int64_t max_model_len = 0);
+
+// POST /tokenize, vLLM's shapes: {model?, prompt, add_special_tokens?} or
+// {model?, messages, add_generation_prompt?, add_special_tokens?} ->
+// {tokens, count, max_model_len}. Sets *out, or returns the error (400
+// naming the field, 404 for another model).
+std::optional<ApiError> TokenizeJson(std::string_view body, const TextCodec& codec,
+                                     const std::string& served_model, const ApiLimits& limits,
+                                     int64_t max_model_len, nlohmann::json* out);
+// POST /detokenize: {model?, tokens} -> {prompt}; an id outside the
+// vocabulary is a 400 naming it.
+std::optional<ApiError> DetokenizeJson(std::string_view body, const TextCodec& codec,
+                                       const std::string& served_model, const ApiLimits& limits,
+                                       nlohmann::json* out);
 
 // Serializes without throwing: invalid UTF-8 becomes U+FFFD.
 std::string DumpJson(const nlohmann::json& j);

@@ -1,7 +1,9 @@
 // OpenAI response bodies: completions and chat completions (whole and as
 // stream chunks), usage, logprobs, the model list. The request side is
 // openai_api.cc; both are declared in openai_api.h.
+#include <algorithm>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "coordinator/openai_api.h"
@@ -51,7 +53,8 @@ nlohmann::json CompletionResponseJson(Endpoint endpoint, const ResponseIdentity&
                            {"logprobs", c.logprobs},
                            {"finish_reason", FinishReasonJson(c.finish)}});
       if (!c.tool_calls.is_null()) {
-        array.back()["message"]["content"] = nullptr;
+        // Text the model wrote besides its calls stays (as OpenAI and vLLM).
+        if (c.text.empty()) array.back()["message"]["content"] = nullptr;
         array.back()["message"]["tool_calls"] = c.tool_calls;
         array.back()["finish_reason"] = "tool_calls";
       }
@@ -143,31 +146,101 @@ nlohmann::json LogprobsJson(Endpoint endpoint, const std::vector<LogprobEntry>& 
               {"text_offset", text_offset}};
 }
 
-nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
-                                const std::string& id_prefix) {
+namespace {
+
+constexpr std::string_view kOpenTag = "<tool_call>";
+constexpr std::string_view kCloseTag = "</tool_call>";
+
+// Length of the longest proper prefix of a tag (2 bytes at least) that `s`
+// ends with: the start of a tag the answer was cut inside.
+size_t PartialTagTail(std::string_view s) {
+  size_t best = 0;
+  for (std::string_view tag : {kOpenTag, kCloseTag}) {
+    for (size_t k = std::min(tag.size() - 1, s.size()); k >= 2 && k > best; --k) {
+      if (s.substr(s.size() - k) == tag.substr(0, k)) {
+        best = k;
+        break;
+      }
+    }
+  }
+  return best;
+}
+
+std::string_view Trim(std::string_view s) {
+  const size_t b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+}  // namespace
+
+ToolCallSplit SplitToolCalls(const std::string& text, ToolChoice choice,
+                             const std::string& id_prefix) {
   std::vector<json> calls;
-  auto add = [&](const std::string& body) {
-    json v = json::parse(body, nullptr, false);
+  // One call from {"name", "arguments"} ("parameters" as some models write
+  // it); arguments given as a string are passed on as they are.
+  auto add = [&](std::string_view body) {
+    json v = json::parse(Trim(body), nullptr, false);
     if (v.is_discarded() || !v.is_object() || !v.contains("name") || !v["name"].is_string()) {
       return;
     }
-    json args = v.contains("arguments") ? v["arguments"] : json::object();
-    calls.push_back(json{{"id", "call_" + id_prefix + "_" + std::to_string(calls.size())},
-                         {"type", "function"},
-                         {"function", {{"name", v["name"]}, {"arguments", args.dump()}}}});
+    json args = v.contains("arguments")    ? v["arguments"]
+                : v.contains("parameters") ? v["parameters"]
+                                           : json::object();
+    calls.push_back(
+        json{{"id", "call_" + id_prefix + "_" + std::to_string(calls.size())},
+             {"type", "function"},
+             {"function",
+              {{"name", v["name"]}, {"arguments", args.is_string() ? args : json(args.dump())}}}});
   };
+  ToolCallSplit out;
   if (choice == ToolChoice::kRequired || choice == ToolChoice::kNamed) {
-    add(text);
-  } else if (choice == ToolChoice::kAuto) {
-    const std::string open = "<tool_call>", close = "</tool_call>";
-    for (size_t at = text.find(open); at != std::string::npos; at = text.find(open, at + 1)) {
-      const size_t end = text.find(close, at);
-      if (end == std::string::npos) break;
-      add(text.substr(at + open.size(), end - at - open.size()));
+    add(text);  // the whole answer is the grammar-constrained call
+  } else {
+    std::string content;
+    bool cut = false;
+    const std::string_view t(text);
+    size_t pos = 0;
+    while (pos < t.size()) {
+      const size_t open = t.find(kOpenTag, pos);
+      const size_t stray = t.find(kCloseTag, pos);
+      if (stray < open) {  // a close without an open: dropped
+        content.append(t.substr(pos, stray - pos));
+        pos = stray + kCloseTag.size();
+        cut = true;
+        continue;
+      }
+      if (open == std::string_view::npos) {
+        std::string_view rest = t.substr(pos);
+        const size_t tail = PartialTagTail(rest);
+        cut = cut || tail > 0;
+        content.append(rest.substr(0, rest.size() - tail));
+        break;
+      }
+      content.append(t.substr(pos, open - pos));
+      cut = true;
+      const size_t body = open + kOpenTag.size();
+      const size_t close = t.find(kCloseTag, body);
+      // An unterminated block runs to the end; its JSON may still be whole.
+      if (choice == ToolChoice::kAuto)
+        add(t.substr(body, close == std::string_view::npos ? t.npos : close - body));
+      pos = close == std::string_view::npos ? t.size() : close + kCloseTag.size();
     }
+    out.content = cut ? std::string(Trim(content)) : content;
   }
-  if (calls.empty()) return nullptr;
-  return json(calls);
+  if (!calls.empty()) {
+    out.tool_calls = json(calls);
+    if (out.content.is_string() && out.content.get<std::string>().empty()) out.content = nullptr;
+  } else if (out.content.is_null()) {
+    out.content = text;  // required / named, but not a call after all
+  }
+  return out;
+}
+
+nlohmann::json ExtractToolCalls(const std::string& text, ToolChoice choice,
+                                const std::string& id_prefix) {
+  if (choice == ToolChoice::kNone) return nullptr;
+  return SplitToolCalls(text, choice, id_prefix).tool_calls;
 }
 
 nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
@@ -181,12 +254,13 @@ nlohmann::json UsageChunkJson(Endpoint endpoint, const ResponseIdentity& ident,
               {"usage", UsageJson(usage)}};
 }
 
-nlohmann::json ModelsJson(const std::string& model, int64_t created) {
-  return json{
-      {"object", "list"},
-      {"data",
-       json::array({json{
-           {"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "kvrelay"}}})}};
+nlohmann::json ModelsJson(const std::string& model, int64_t created, int64_t max_model_len) {
+  json entry = {{"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "kvrelay"}};
+  if (max_model_len > 0) {
+    entry["max_model_len"] = max_model_len;
+    entry["context_length"] = max_model_len;
+  }
+  return json{{"object", "list"}, {"data", json::array({entry})}};
 }
 
 std::string DumpJson(const nlohmann::json& j) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,7 +40,25 @@ class TextCodec {
   // tokens in the rendered template are parsed as such).
   virtual Result<std::vector<int32_t>> EncodeChat(
       const std::vector<ChatMessage>& messages) const = 0;
+  // As EncodeChat, with or without the assistant turn's opening (for
+  // /tokenize). The default renders only with it (EncodeChat).
+  virtual Result<std::vector<int32_t>> EncodeChatTemplate(const std::vector<ChatMessage>& messages,
+                                                          bool add_generation_prompt) const {
+    if (!add_generation_prompt) {
+      return InvalidArgument("this tokenizer cannot render a chat without the generation prompt");
+    }
+    return EncodeChat(messages);
+  }
   virtual std::unique_ptr<StreamDecoder> NewDecoder() const = 0;
+  // Token ids are [0, VocabSize()); 0 = unknown (ids are not checked here).
+  virtual int64_t VocabSize() const { return 0; }
+  // The text of a whole sequence of ids (ids must be in the vocabulary).
+  virtual std::string Decode(std::span<const int32_t> ids) const {
+    std::unique_ptr<StreamDecoder> d = NewDecoder();
+    std::string s;
+    for (int32_t id : ids) s += d->Push(id);
+    return s + d->Flush();
+  }
   // The bytes one token stands for (for logprobs); may be an incomplete UTF-8
   // sequence.
   virtual std::string TokenPiece(int32_t token) const {

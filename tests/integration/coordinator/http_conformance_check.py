@@ -315,9 +315,9 @@ def main():
         "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string",
                                                                        "pattern": "a"}}})),
                  400, "unsupported schema keyword", param="response_format.json_schema.schema")
-    r = post("/v1/chat/completions", chat("x", frobnicate=1, prediction={}))
-    expect_error(r, 400, "unknown fields", code="unsupported_parameter")
-    check("frobnicate" in r.body.decode() and "prediction" in r.body.decode(), "unknown fields named")
+    # #42: unknown fields are ignored (with a warning in the log), as vLLM and llama-server do.
+    r = post("/v1/chat/completions", chat("x", max_tokens=2, frobnicate=1, prediction={}))
+    check(r.status == 200, "unknown fields ignored: %d %r" % (r.status, r.body[:200]))
     expect_error(post("/v1/completions", completion("hi", max_tokens=4096, ignore_eos=True)), 400,
                  "prompt + max_tokens that can never fit the KV pool", code="context_length_exceeded")
     expect_error(post("/v1/completions", completion("x", max_tokens=-1)), 400, "max_tokens < 1",

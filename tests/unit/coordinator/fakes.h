@@ -59,14 +59,19 @@ class ByteCodec : public TextCodec {
     return out;
   }
   Result<std::vector<int32_t>> EncodeChat(const std::vector<ChatMessage>& messages) const override {
+    return EncodeChatTemplate(messages, /*add_generation_prompt=*/true);
+  }
+  Result<std::vector<int32_t>> EncodeChatTemplate(const std::vector<ChatMessage>& messages,
+                                                  bool add_generation_prompt) const override {
     std::string text;
     for (const auto& m : messages) text += m.role + ": " + m.content + "\n";
-    text += "assistant: ";
+    if (add_generation_prompt) text += "assistant: ";
     return Encode(text, false);
   }
   std::unique_ptr<StreamDecoder> NewDecoder() const override {
     return std::make_unique<ByteDecoder>();
   }
+  int64_t VocabSize() const override { return 256; }
 };
 
 class FakeBackend : public Backend {
