@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,9 @@ UnitRange Split(int units, int size, int rank) {
 
 struct DevLayer {
   DevMatrix wq, wk, wv, wo, gate, up, down;
+  // gate rows then up rows in one matrix (one product per step) when the two
+  // share a type and width; gate and up are then empty.
+  DevMatrix gate_up;
   float* attn_norm = nullptr;
   float* ffn_norm = nullptr;
   float* bq = nullptr;
@@ -67,10 +71,20 @@ class CudaBackend final : public ComputeBackend {
 
  private:
   Status UploadMatrix(const GgufTensor* t, DevMatrix* out);
+  // The tensors' rows stacked into one device matrix (same type and width:
+  // quantized rows are self-contained, so stacking is a byte concatenation).
+  Status UploadStacked(std::span<const GgufTensor* const> ts, DevMatrix* out);
   Status UploadFloats(const std::vector<float>& v, float** out);
   // fp16 copies of every matrix when they fit (fp16_weight_cache_fraction).
   Status BuildFp16Cache();
   Status Alloc(size_t bytes, void** out);
+  // Whether a product of w with T tokens reads the q8 activations (xq_), so
+  // the kernel that writes its input may quantize it in place (fusion).
+  bool ReadsQ8(const DevMatrix& w, int64_t T) const {
+    return w.data != nullptr && T < options_.gemm_min_tokens &&
+           math::QuantizedActivationType(w.type);
+  }
+  DevQ8 Q8() const { return {xq_q_.as<int8_t>(), xq_d_.as<float>(), xq_s_.as<float>()}; }
   // Y (+)= W X for T tokens; `xq_ready` says x is already quantized in xq_.
   Status MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias, bool accumulate,
                 float* y, bool* xq_ready);
@@ -114,23 +128,41 @@ Status CudaBackend::Alloc(size_t bytes, void** out) {
 }
 
 Status CudaBackend::UploadMatrix(const GgufTensor* t, DevMatrix* out) {
-  if (t == nullptr) return InvalidArgument("missing weight tensor");
-  const uint32_t type = static_cast<uint32_t>(t->type);
-  if (!math::DeviceSupportsType(type)) {
-    return Unimplemented("cuda backend: tensor " + t->name + " has ggml type " +
-                         std::to_string(type) +
-                         "; supported: F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K");
+  return UploadStacked(std::span<const GgufTensor* const>(&t, 1), out);
+}
+
+Status CudaBackend::UploadStacked(std::span<const GgufTensor* const> ts, DevMatrix* out) {
+  size_t bytes = 0;
+  for (const GgufTensor* t : ts) {
+    if (t == nullptr) return InvalidArgument("missing weight tensor");
+    const uint32_t type = static_cast<uint32_t>(t->type);
+    if (!math::DeviceSupportsType(type)) {
+      return Unimplemented("cuda backend: tensor " + t->name + " has ggml type " +
+                           std::to_string(type) +
+                           "; supported: F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K");
+    }
+    if (math::QuantizedActivationType(type) && t->Cols() % 32 != 0) {
+      return InvalidArgument("tensor " + t->name + ": columns are not a multiple of 32");
+    }
+    if (t->type != ts[0]->type || t->Cols() != ts[0]->Cols()) {
+      return InvalidArgument("tensor " + t->name + ": stacked with " + ts[0]->name +
+                             " of another type or width");
+    }
+    bytes += t->nbytes;
   }
-  out->type = type;
-  out->cols = t->Cols();
-  out->rows = t->Rows();
-  out->row_bytes = out->rows > 0 ? static_cast<int64_t>(t->nbytes) / out->rows : 0;
-  if (math::QuantizedActivationType(type) && out->cols % 32 != 0) {
-    return InvalidArgument("tensor " + t->name + ": columns are not a multiple of 32");
-  }
+  out->type = static_cast<uint32_t>(ts[0]->type);
+  out->cols = ts[0]->Cols();
+  out->rows = 0;
+  for (const GgufTensor* t : ts) out->rows += t->Rows();
+  out->row_bytes = out->rows > 0 ? static_cast<int64_t>(bytes) / out->rows : 0;
   void* p = nullptr;
-  RETURN_IF_ERROR(Alloc(t->nbytes, &p));
-  KVR_CUDA_RETURN(cudaMemcpy(p, t->data, t->nbytes, cudaMemcpyHostToDevice));
+  RETURN_IF_ERROR(Alloc(bytes, &p));
+  size_t at = 0;
+  for (const GgufTensor* t : ts) {
+    KVR_CUDA_RETURN(
+        cudaMemcpy(static_cast<uint8_t*>(p) + at, t->data, t->nbytes, cudaMemcpyHostToDevice));
+    at += t->nbytes;
+  }
   out->data = static_cast<const uint8_t*>(p);
   return Status::Ok();
 }
@@ -150,7 +182,9 @@ Status CudaBackend::UploadFloats(const std::vector<float>& v, float** out) {
 Status CudaBackend::BuildFp16Cache() {
   std::vector<DevMatrix*> all;
   for (DevLayer& l : layers_) {
-    for (DevMatrix* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down}) all.push_back(m);
+    for (DevMatrix* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.gate_up, &l.down}) {
+      if (m->data != nullptr) all.push_back(m);
+    }
   }
   all.push_back(&lm_head_);
   size_t bytes = 0;
@@ -209,8 +243,14 @@ Status CudaBackend::Init() {
     RETURN_IF_ERROR(UploadMatrix(w.wk, &d.wk).WithContext(ctx));
     RETURN_IF_ERROR(UploadMatrix(w.wv, &d.wv).WithContext(ctx));
     RETURN_IF_ERROR(UploadMatrix(w.wo, &d.wo).WithContext(ctx));
-    RETURN_IF_ERROR(UploadMatrix(w.ffn_gate, &d.gate).WithContext(ctx));
-    RETURN_IF_ERROR(UploadMatrix(w.ffn_up, &d.up).WithContext(ctx));
+    if (w.ffn_gate != nullptr && w.ffn_up != nullptr && w.ffn_gate->type == w.ffn_up->type &&
+        w.ffn_gate->Cols() == w.ffn_up->Cols()) {
+      const GgufTensor* gu[2] = {w.ffn_gate, w.ffn_up};
+      RETURN_IF_ERROR(UploadStacked(gu, &d.gate_up).WithContext(ctx));
+    } else {
+      RETURN_IF_ERROR(UploadMatrix(w.ffn_gate, &d.gate).WithContext(ctx));
+      RETURN_IF_ERROR(UploadMatrix(w.ffn_up, &d.up).WithContext(ctx));
+    }
     RETURN_IF_ERROR(UploadMatrix(w.ffn_down, &d.down).WithContext(ctx));
     RETURN_IF_ERROR(UploadFloats(w.attn_norm_w, &d.attn_norm));
     RETURN_IF_ERROR(UploadFloats(w.ffn_norm_w, &d.ffn_norm));
@@ -275,13 +315,9 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
     if (bias != nullptr) LaunchAddBias(y, bias, T, w.rows, s);
     return Status::Ok();
   }
-  DevQ8 q{xq_q_.as<int8_t>(), xq_d_.as<float>(), xq_s_.as<float>()};
+  // xq_ holds T * max(d_model, q_dim, ffn_dim) activations (Run reserves it).
+  const DevQ8 q = Q8();
   if (math::QuantizedActivationType(w.type) && !*xq_ready) {
-    const int64_t nb = w.cols / 32;
-    RETURN_IF_ERROR(xq_q_.Reserve(static_cast<size_t>(T * w.cols)));
-    RETURN_IF_ERROR(xq_d_.Reserve(static_cast<size_t>(T * nb) * sizeof(float)));
-    RETURN_IF_ERROR(xq_s_.Reserve(static_cast<size_t>(T * nb) * sizeof(float)));
-    q = {xq_q_.as<int8_t>(), xq_d_.as<float>(), xq_s_.as<float>()};
     LaunchQuantizeQ8(x, T, w.cols, q, s);
     *xq_ready = true;
   }
@@ -501,7 +537,16 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   RETURN_IF_ERROR(attn_.Reserve(T * qd * f));
   RETURN_IF_ERROR(proj_.Reserve(T * d * f));
   RETURN_IF_ERROR(gate_.Reserve(T * c.ffn_dim * f));
-  RETURN_IF_ERROR(up_.Reserve(T * c.ffn_dim * f));
+  RETURN_IF_ERROR(up_.Reserve(2 * T * c.ffn_dim * f));  // [T][gate | up] when stacked
+  {
+    const int64_t widest = std::max(
+        {static_cast<int64_t>(d), static_cast<int64_t>(qd), static_cast<int64_t>(c.ffn_dim)});
+    // Only GEMV products (fewer than gemm_min_tokens rows) read q8.
+    const int64_t tq = std::min<int64_t>(T, options_.gemm_min_tokens - 1);
+    RETURN_IF_ERROR(xq_q_.Reserve(static_cast<size_t>(std::max<int64_t>(tq * widest, 1))));
+    RETURN_IF_ERROR(xq_d_.Reserve(static_cast<size_t>(std::max<int64_t>(tq * widest / 32, 1)) * f));
+    RETURN_IF_ERROR(xq_s_.Reserve(static_cast<size_t>(std::max<int64_t>(tq * widest / 32, 1)) * f));
+  }
   RETURN_IF_ERROR(
       partials_.Reserve(static_cast<size_t>(T) * c.n_heads * splits * (c.head_dim + 2) * f));
   if (mirror) RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
@@ -529,8 +574,10 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     LaunchEmbed(embd_, d_tokens, T, x, st);
     for (int l = 0; l < L; ++l) {
       const DevLayer& w = layers_[l];
-      LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, st);
-      bool xq = false;
+      // RMSNorm + q8 in one kernel when the Q projection reads q8.
+      const DevQ8 nq = Q8();
+      bool xq = ReadsQ8(w.wq, T);
+      LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, xq ? &nq : nullptr, st);
       RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, q_.as<float>(), &xq));
       RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, k_.as<float>(), &xq));
       RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, v_.as<float>(), &xq));
@@ -560,12 +607,25 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       } else {
         RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, true, x, &aq));
       }
-      LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, st);
-      bool fq = false;
-      RETURN_IF_ERROR(MatMul(w.gate, xn, T, nullptr, false, gate_.as<float>(), &fq));
-      RETURN_IF_ERROR(MatMul(w.up, xn, T, nullptr, false, up_.as<float>(), &fq));
-      LaunchSiluMul(gate_.as<float>(), up_.as<float>(), T, c.ffn_dim, st);
-      bool dq = false;
+      const bool stacked = w.gate_up.data != nullptr;
+      bool fq = ReadsQ8(stacked ? w.gate_up : w.gate, T);
+      LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, fq ? &nq : nullptr, st);
+      const int64_t n_ffn = c.ffn_dim;
+      const float *g_in = up_.as<float>(), *u_in = up_.as<float>() + n_ffn;
+      int64_t ld_ffn = 2 * n_ffn;
+      if (stacked) {
+        RETURN_IF_ERROR(MatMul(w.gate_up, xn, T, nullptr, false, up_.as<float>(), &fq));
+      } else {
+        RETURN_IF_ERROR(MatMul(w.gate, xn, T, nullptr, false, gate_.as<float>(), &fq));
+        RETURN_IF_ERROR(MatMul(w.up, xn, T, nullptr, false, up_.as<float>(), &fq));
+        g_in = gate_.as<float>();
+        u_in = up_.as<float>();
+        ld_ffn = n_ffn;
+      }
+      // SwiGLU + the down projection's q8 input in one kernel (not under
+      // kExact TP, whose down input is the gathered full width).
+      bool dq = !exact_tp && ReadsQ8(w.down, T);
+      LaunchSwiGlu(g_in, u_in, ld_ffn, T, n_ffn, gate_.as<float>(), dq ? &nq : nullptr, st);
       if (exact_tp) {
         RETURN_IF_ERROR(
             GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
@@ -580,9 +640,10 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       }
     }
     if (R > 0) {
-      LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, st);
+      const DevQ8 oq = Q8();
+      bool lq = ReadsQ8(lm_head_, R);
+      LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, lq ? &oq : nullptr, st);
       RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
-      bool lq = false;
       RETURN_IF_ERROR(MatMul(lm_head_, xn, R, nullptr, false, logits_.as<float>(), &lq));
       RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
       KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,

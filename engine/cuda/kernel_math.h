@@ -209,6 +209,10 @@ KVR_HD void QuantizeBlockQ8(const float* x, int8_t* q, float* d, float* s) {
   *s = Q8Sum(amax, sum);
 }
 
+// Type codes are ggml's (engine/gguf/ggml_type.h).
+inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ8_0 = 8,
+                          kTypeQ4_K = 12, kTypeQ6_K = 14;
+
 // ---- weight blocks against int8 activations ----
 // 4-way int8 dot with accumulate (dp4a on the device).
 KVR_HD int Dp4a(uint32_t a, uint32_t b, int c) {
@@ -254,11 +258,62 @@ KVR_HD float BlockTermQ8_0(const uint8_t* blk, const int8_t* xq, float dx) {
   return HalfToFloat(Load16(blk)) * dx * static_cast<float>(acc);
 }
 
+// ---- mmvq: the decode GEMV's view of a weight block (kernels.cu MmvqKernel) ----
+// Each 32-element block of a Q4_0 / Q4_1 / Q8_0 row is split over
+// kMmvqParts = 2 threads. Part p holds four int8 quads of weights (Q4: the
+// unsigned nibbles 0..15) loaded and unpacked once per step, then dotted with
+// dp4a against the four activation ints (of the block's eight) they meet, for
+// every token of the batch. A part's term is
+//   fma(d * dx, isum_p, p == 0 ? m * sx : 0)
+// with m = -8 d (Q4_0), the block min (Q4_1) or 0 (Q8_0), so the two parts
+// sum to BlockTerm*'s value up to one float rounding (docs/gpu-numerics.md).
+// The explicit Fma keeps the device's contraction choices out of the result.
+inline constexpr int kMmvqParts = 2;
+struct WeightPart {
+  uint32_t w[4];  // int8 quads (Q4: nibbles in 0..15)
+  float d;        // block scale
+  float m;        // multiplies the activation block sum (part 0 only)
+};
+
+// Index (0..7) of the activation int that quad i of part `part` meets.
+KVR_HD int MmvqActInt(uint32_t type, int part, int i) {
+  if (type == kTypeQ8_0) return 4 * part + i;
+  return 2 * part + (i >> 1) + 4 * (i & 1);  // nibble byte k holds elements k, k + 16
+}
+
+KVR_HD WeightPart LoadWeightPart(uint32_t type, const uint8_t* blk, int part) {
+  WeightPart wp;
+  wp.d = HalfToFloat(Load16(blk));
+  if (type == kTypeQ8_0) {
+    wp.m = 0.0f;
+    for (int i = 0; i < 4; ++i) wp.w[i] = Load32From16(blk + 2 + 4 * (4 * part + i));
+    return wp;
+  }
+  const uint8_t* qs = blk + 2;
+  if (type == kTypeQ4_1) {
+    wp.m = HalfToFloat(Load16(blk + 2));
+    qs = blk + 4;
+  } else {
+    wp.m = -8.0f * wp.d;
+  }
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t v = Load32From16(qs + 4 * (2 * part + j));
+    wp.w[2 * j] = v & 0x0F0F0F0Fu;
+    wp.w[2 * j + 1] = (v >> 4) & 0x0F0F0F0Fu;
+  }
+  return wp;
+}
+
+// xa: the block's activation ints for this part, in quad order
+// (xa[i] = activation int MmvqActInt(type, part, i)).
+KVR_HD float PartTerm(const WeightPart& wp, const uint32_t* xa, float dx, float sx, int part) {
+  int acc = 0;
+  for (int i = 0; i < 4; ++i) acc = Dp4a(wp.w[i], xa[i], acc);
+  return Fma(wp.d * dx, static_cast<float>(acc), part == 0 ? wp.m * sx : 0.0f);
+}
+
 // ---- element dequantization (embeddings, fp16 tiles for prefill, the
 // float-activation path of K-quants) ----
-// Type codes are ggml's (engine/gguf/ggml_type.h).
-inline constexpr uint32_t kTypeF32 = 0, kTypeF16 = 1, kTypeQ4_0 = 2, kTypeQ4_1 = 3, kTypeQ8_0 = 8,
-                          kTypeQ4_K = 12, kTypeQ6_K = 14;
 inline constexpr int kQ4_KBytes = 144, kQ6_KBytes = 210;
 
 // The 6-bit (scale, min) pair j of a Q4_K super-block's 12 scale bytes.

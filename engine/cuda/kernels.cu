@@ -3,6 +3,9 @@
 // reductions. Launch configuration notes say why a shape was chosen.
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "engine/cuda/kernel_math.h"
 #include "engine/cuda/kernels.cuh"
 
@@ -26,13 +29,9 @@ __device__ __forceinline__ float WarpMax(float v) {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// One warp per (token, 32-block).
-__global__ void QuantizeQ8Kernel(const float* __restrict__ x, int64_t T, int64_t cols, DevQ8 out) {
-  const int64_t nb = cols / 32;
-  const int64_t item = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (item >= T * nb) return;
-  const float v = x[item * 32 + lane];  // [t][cols] == [t][nb][32]
+// The 32 elements of one activation block, one per lane, to q8 (as
+// math::QuantizeBlockQ8): amax and the code sum reduced with shuffles.
+__device__ __forceinline__ void WarpQuantizeQ8(float v, int64_t item, int lane, DevQ8 out) {
   const float amax = WarpMax(math::Fabs(v));
   const float inv = math::Q8Inverse(amax);
   const int8_t q = math::Q8Code(v, inv);
@@ -44,8 +43,94 @@ __global__ void QuantizeQ8Kernel(const float* __restrict__ x, int64_t T, int64_t
   }
 }
 
-// Decode GEMV: one warp per output row, up to kTok tokens per CTA so each
-// weight byte is read once per kTok tokens. Lanes stride over the row's
+// One warp per (token, 32-block).
+__global__ void QuantizeQ8Kernel(const float* __restrict__ x, int64_t T, int64_t cols, DevQ8 out) {
+  const int64_t nb = cols / 32;
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (item >= T * nb) return;
+  WarpQuantizeQ8(x[item * 32 + lane], item, lane, out);  // [t][cols] == [t][nb][32]
+}
+
+// The quantized decode GEMV (mmvq) for Q4_0 / Q4_1 / Q8_0 against q8
+// activations, kCols tokens per CTA. 128 threads, two per 32-element weight
+// block (math::WeightPart), stride 64 blocks along the row; kMmvqRows rows per
+// CTA. Each thread loads and unpacks its part of a weight block once (32-bit
+// loads) and dots it with dp4a against every token's activation ints, so a
+// batch of kCols costs one pass over the weights. Partial sums: warp shuffle
+// tree, then the four warps in order through shared memory.
+constexpr int kMmvqThreads = 128;
+constexpr int kMmvqRows = 2;
+constexpr int kMmvqMaxCols = 8;
+template <uint32_t kType, int kCols>
+__global__ void __launch_bounds__(kMmvqThreads)
+    MmvqKernel(DevMatrix w, DevQ8 xq, int64_t T, const float* __restrict__ bias, bool accumulate,
+               float* __restrict__ y) {
+  constexpr int kBytes = kType == math::kTypeQ4_0   ? math::kQ4_0Bytes
+                         : kType == math::kTypeQ4_1 ? math::kQ4_1Bytes
+                                                    : math::kQ8_0Bytes;
+  constexpr int kBlocksPerPass = kMmvqThreads / math::kMmvqParts;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int part = tid % math::kMmvqParts;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kMmvqRows;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kCols;
+  const int nt = static_cast<int>(T - t0 < kCols ? T - t0 : kCols);
+  const int64_t nb = w.cols / 32;
+  int act[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) act[i] = math::MmvqActInt(kType, part, i);
+  float acc[kMmvqRows][kCols];
+#pragma unroll
+  for (int r = 0; r < kMmvqRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  }
+  for (int64_t b = tid / math::kMmvqParts; b < nb; b += kBlocksPerPass) {
+    math::WeightPart wp[kMmvqRows];
+#pragma unroll
+    for (int r = 0; r < kMmvqRows; ++r) {
+      const int64_t row = r0 + r < w.rows ? r0 + r : w.rows - 1;  // tail rows: in bounds, unused
+      wp[r] = math::LoadWeightPart(kType, w.data + row * w.row_bytes + b * kBytes, part);
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (c >= nt) break;
+      const int64_t a = (t0 + c) * nb + b;
+      const uint32_t* xi = reinterpret_cast<const uint32_t*>(xq.q + a * 32);
+      uint32_t xa[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xa[i] = xi[act[i]];
+      const float dx = xq.d[a], sx = xq.s[a];
+#pragma unroll
+      for (int r = 0; r < kMmvqRows; ++r) acc[r][c] += math::PartTerm(wp[r], xa, dx, sx, part);
+    }
+  }
+  __shared__ float red[kMmvqThreads / kWarp][kMmvqRows * kCols];
+#pragma unroll
+  for (int r = 0; r < kMmvqRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float v = WarpSum(acc[r][c]);
+      if (lane == 0) red[warp][r * kCols + c] = v;
+    }
+  }
+  __syncthreads();
+  if (tid >= kMmvqRows * kCols) return;
+  const int r = tid / kCols, c = tid % kCols;
+  const int64_t row = r0 + r;
+  if (row >= w.rows || c >= nt) return;
+  float v = red[0][tid];
+#pragma unroll
+  for (int k = 1; k < kMmvqThreads / kWarp; ++k) v += red[k][tid];
+  const float out = v + (bias != nullptr ? bias[row] : 0.0f);
+  float* dst = y + (t0 + c) * w.rows + row;
+  *dst = accumulate ? *dst + out : out;
+}
+
+// Decode GEMV for float-activation types (F16, F32, Q4_K, Q6_K), and for
+// Q4_0/Q4_1/Q8_0 only under KVRELAY_CUDA_GEMV=legacy (MmvqKernel otherwise):
+// one warp per output row, up to kTok tokens per CTA so each weight byte is
+// read once per kTok tokens (its unpacking is redone per token). Lanes stride over the row's
 // 32-blocks (quantized types) or elements (float types), so a warp reads a
 // contiguous span of the row per iteration (coalesced).
 constexpr int kTok = 8;
@@ -131,45 +216,69 @@ __global__ void AddBiasKernel(float* __restrict__ y, const float* __restrict__ b
   }
 }
 
-__global__ void EmbedKernel(DevMatrix w, const int32_t* __restrict__ tokens,
+// One thread per output element, grid-stride.
+__global__ void EmbedKernel(DevMatrix w, const int32_t* __restrict__ tokens, int64_t T,
                             float* __restrict__ out) {
-  const int64_t t = blockIdx.x;
-  const uint8_t* row = w.data + static_cast<int64_t>(tokens[t]) * w.row_bytes;
-  for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
-    out[t * w.cols + c] = math::DequantElem(w.type, row, c);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < T * w.cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / w.cols, c = i % w.cols;
+    out[i] = math::DequantElem(w.type, w.data + static_cast<int64_t>(tokens[t]) * w.row_bytes, c);
   }
 }
 
-// One CTA per row: squares summed in double (the CPU sums them in order;
-// the double sum of float squares rounds to the same float mean except in
-// rare ties), then the CPU's scale and multiply.
-constexpr int kNormThreads = 256;
-__global__ void RmsNormKernel(const float* __restrict__ x, const int32_t* __restrict__ rows, int d,
-                              const float* __restrict__ w, float eps, float* __restrict__ y) {
-  __shared__ double part[kNormThreads];
+// One CTA per row (up to 1024 threads, about 4 elements each): squares summed
+// in double (the CPU sums them in order; the double sum of float squares
+// rounds to the same float mean except in rare ties), reduced with warp
+// shuffles, then the CPU's scale and multiply. With q.q set, each warp also
+// quantizes its 32-element blocks of the result to q8 (the fused
+// RMSNorm + quantize: the same codes as QuantizeQ8Kernel on y).
+constexpr int kNormMaxThreads = 1024;
+__device__ __forceinline__ double WarpSumDouble(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+__global__ void __launch_bounds__(kNormMaxThreads)
+    RmsNormKernel(const float* __restrict__ x, const int32_t* __restrict__ rows, int d,
+                  const float* __restrict__ w, float eps, float* __restrict__ y, DevQ8 q) {
+  __shared__ double part[kNormMaxThreads / kWarp];
   const int64_t r = blockIdx.x;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int warps = blockDim.x / kWarp;
   const float* xr = x + (rows != nullptr ? static_cast<int64_t>(rows[r]) : r) * d;
   double ss = 0;
-  for (int i = threadIdx.x; i < d; i += blockDim.x) ss += static_cast<double>(xr[i] * xr[i]);
-  part[threadIdx.x] = ss;
-  __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (static_cast<int>(threadIdx.x) < s) part[threadIdx.x] += part[threadIdx.x + s];
-    __syncthreads();
+  // d % 32 == 0 and rows start 128-byte aligned: float4 loads.
+  const float4* x4 = reinterpret_cast<const float4*>(xr);
+  for (int i = threadIdx.x; i < d / 4; i += blockDim.x) {
+    const float4 v = x4[i];
+    ss += static_cast<double>(v.x * v.x) + static_cast<double>(v.y * v.y) +
+          static_cast<double>(v.z * v.z) + static_cast<double>(v.w * v.w);
   }
-  const float scale = math::RmsScale(part[0], d, eps);
-  for (int i = threadIdx.x; i < d; i += blockDim.x)
-    y[r * d + i] = math::RmsApply(xr[i], scale, w[i]);
+  ss = WarpSumDouble(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  double total = 0;
+  for (int k = 0; k < warps; ++k) total += part[k];
+  const float scale = math::RmsScale(total, d, eps);
+  const int nb = d / 32;
+  for (int b = warp; b < nb; b += warps) {
+    const int i = b * 32 + lane;
+    const float v = math::RmsApply(xr[i], scale, w[i]);
+    y[r * d + i] = v;
+    if (q.q != nullptr) WarpQuantizeQ8(v, r * nb + b, lane, q);
+  }
 }
 
+// One thread per (token, head, pair): T * (n_q + n_kv) * rope_dim / 2 threads.
 __global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k,
-                           const int64_t* __restrict__ pos, int n_q, int n_kv, int hd, int rope_dim,
-                           bool neox, float theta_scale) {
-  const int64_t t = blockIdx.x;
+                           const int64_t* __restrict__ pos, int64_t T, int n_q, int n_kv, int hd,
+                           int rope_dim, bool neox, float theta_scale) {
   const int half = rope_dim / 2;
-  const int pairs = (n_q + n_kv) * half;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    const int head = p / half, i = p % half;
+  const int64_t per_token = static_cast<int64_t>(n_q + n_kv) * half;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < T * per_token;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = p / per_token;
+    const int head = static_cast<int>(p % per_token) / half,
+              i = static_cast<int>(p % per_token) % half;
     float* base = head < n_q ? q + (t * n_q + head) * hd : k + (t * n_kv + (head - n_q)) * hd;
     const float theta = math::RopeTheta(pos[t], theta_scale, i);
     const int a = neox ? i : 2 * i;
@@ -178,13 +287,21 @@ __global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k,
   }
 }
 
-__global__ void SiluMulKernel(float* __restrict__ gate, const float* __restrict__ up, int64_t T,
-                              int64_t n) {
-  const int64_t n8 = n & ~int64_t{7};
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < T * n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    gate[i] = math::SiluMulElem(gate[i], up[i], i % n < n8);
-  }
+// out[t][i] = silu(gate[t][i]) * up[t][i] for i < n, gate and up rows ld
+// floats apart (ld = 2 n and up = gate + n for the concatenated gate|up
+// product). One warp per (token, 32-block); with q.q set the block is also
+// quantized to q8 for the down projection (the fused SwiGLU + quantize).
+// n % 32 == 0, so every element lies in a whole group of 8 (SiluMulElem).
+__global__ void SwiGluKernel(const float* __restrict__ gate, const float* __restrict__ up,
+                             int64_t ld, int64_t T, int64_t n, float* __restrict__ out, DevQ8 q) {
+  const int64_t nb = n / 32;
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (item >= T * nb) return;
+  const int64_t t = item / nb, i = (item % nb) * 32 + lane;
+  const float v = math::SiluMulElem(gate[t * ld + i], up[t * ld + i], true);
+  out[t * n + i] = v;
+  if (q.q != nullptr) WarpQuantizeQ8(v, item, lane, q);
 }
 
 __device__ __forceinline__ uint8_t* SlabAt(const DevKvView& kv, int64_t seq, int64_t p, int layer,
@@ -194,23 +311,26 @@ __device__ __forceinline__ uint8_t* SlabAt(const DevKvView& kv, int64_t seq, int
   return kv.pool + blk * kv.block_bytes + layer * kv.layer_bytes + slab * kv.slab_bytes;
 }
 
+// One thread per (token, kv element): T * kv_heads * head_dim threads.
 __global__ void WriteKvKernel(DevKvView kv, int layer, const float* __restrict__ k,
                               const float* __restrict__ v, const int32_t* __restrict__ seq,
-                              const int64_t* __restrict__ pos) {
-  const int64_t t = blockIdx.x;
+                              const int64_t* __restrict__ pos, int64_t T) {
   const int kvd = kv.kv_heads * kv.head_dim;
-  for (int e = threadIdx.x; e < kvd; e += blockDim.x) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < T * kvd;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / kvd;
+    const int e = static_cast<int>(i % kvd);
     const int h = e / kv.head_dim, d = e % kv.head_dim;
     int off;
     uint8_t* ks = SlabAt(kv, seq[t], pos[t], layer, h, &off);
     uint8_t* vs = ks + static_cast<int64_t>(kv.kv_heads) * kv.slab_bytes;
     const int64_t idx = static_cast<int64_t>(off) * kv.head_dim + d;
     if (kv.f16) {
-      reinterpret_cast<__half*>(ks)[idx] = __float2half_rn(k[t * kvd + e]);
-      reinterpret_cast<__half*>(vs)[idx] = __float2half_rn(v[t * kvd + e]);
+      reinterpret_cast<__half*>(ks)[idx] = __float2half_rn(k[i]);
+      reinterpret_cast<__half*>(vs)[idx] = __float2half_rn(v[i]);
     } else {
-      reinterpret_cast<float*>(ks)[idx] = k[t * kvd + e];
-      reinterpret_cast<float*>(vs)[idx] = v[t * kvd + e];
+      reinterpret_cast<float*>(ks)[idx] = k[i];
+      reinterpret_cast<float*>(vs)[idx] = v[i];
     }
   }
 }
@@ -314,10 +434,11 @@ __global__ void AttentionMergeKernel(const float* __restrict__ partials, int n_h
 }
 
 __global__ void GatherRowsKernel(const float* __restrict__ x, const int32_t* __restrict__ rows,
-                                 int d, float* __restrict__ out) {
-  const int64_t r = blockIdx.x;
-  for (int i = threadIdx.x; i < d; i += blockDim.x)
-    out[r * d + i] = x[static_cast<int64_t>(rows[r]) * d + i];
+                                 int64_t R, int d, float* __restrict__ out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < R * d;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = x[static_cast<int64_t>(rows[i / d]) * d + i % d];
+  }
 }
 
 int GridFor(int64_t n, int threads) {
@@ -334,9 +455,57 @@ void LaunchQuantizeQ8(const float* x, int64_t T, int64_t cols, DevQ8 out, cudaSt
       x, T, cols, out);
 }
 
+namespace {
+
+// KVRELAY_CUDA_GEMV=legacy routes the quantized types to the pre-mmvq
+// GemvKernel (one warp per row, a whole block per lane), kept for a GPU A/B.
+bool LegacyGemv() {
+  static const bool legacy = [] {
+    const char* e = std::getenv("KVRELAY_CUDA_GEMV");
+    return e != nullptr && std::strcmp(e, "legacy") == 0;
+  }();
+  return legacy;
+}
+
+template <uint32_t kType>
+void LaunchMmvq(const DevMatrix& w, const DevQ8& xq, int64_t T, const float* bias, bool accumulate,
+                float* y, cudaStream_t stream) {
+  const int cols = T >= kMmvqMaxCols ? kMmvqMaxCols : T > 4 ? 8 : T > 2 ? 4 : static_cast<int>(T);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(w.rows, kMmvqRows)),
+                  static_cast<unsigned>(CeilDiv(T, cols)));
+  switch (cols) {
+    case 1:
+      MmvqKernel<kType, 1><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
+      break;
+    case 2:
+      MmvqKernel<kType, 2><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
+      break;
+    case 4:
+      MmvqKernel<kType, 4><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
+      break;
+    default:
+      MmvqKernel<kType, 8><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
+      break;
+  }
+}
+
+}  // namespace
+
 void LaunchGemv(const DevMatrix& w, const float* x, const DevQ8& xq, int64_t T, const float* bias,
                 bool accumulate, float* y, cudaStream_t stream) {
   if (T == 0 || w.rows == 0) return;
+  if (!LegacyGemv()) {
+    switch (w.type) {
+      case math::kTypeQ4_0:
+        return LaunchMmvq<math::kTypeQ4_0>(w, xq, T, bias, accumulate, y, stream);
+      case math::kTypeQ4_1:
+        return LaunchMmvq<math::kTypeQ4_1>(w, xq, T, bias, accumulate, y, stream);
+      case math::kTypeQ8_0:
+        return LaunchMmvq<math::kTypeQ8_0>(w, xq, T, bias, accumulate, y, stream);
+      default:
+        break;  // float activations: GemvKernel below
+    }
+  }
   const dim3 grid(static_cast<unsigned>(CeilDiv(w.rows, kRowsPerCta)),
                   static_cast<unsigned>(CeilDiv(T, kTok)));
   const int threads = kRowsPerCta * kWarp;
@@ -384,31 +553,40 @@ void LaunchAddBias(float* y, const float* bias, int64_t T, int64_t rows, cudaStr
 void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* out,
                  cudaStream_t stream) {
   if (T == 0) return;
-  EmbedKernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(w, tokens, out);
+  EmbedKernel<<<GridFor(T * w.cols, 256), 256, 0, stream>>>(w, tokens, T, out);
 }
 
 void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
-                   float* y, cudaStream_t stream) {
+                   float* y, const DevQ8* q, cudaStream_t stream) {
   if (R == 0) return;
-  RmsNormKernel<<<static_cast<unsigned>(R), kNormThreads, 0, stream>>>(x, rows, d, w, eps, y);
+  // About 4 elements a thread, whole warps, at most 1024 threads.
+  int threads = static_cast<int>(CeilDiv(d / 4, kWarp) * kWarp);
+  threads = threads < kWarp ? kWarp : threads > kNormMaxThreads ? kNormMaxThreads : threads;
+  RmsNormKernel<<<static_cast<unsigned>(R), threads, 0, stream>>>(x, rows, d, w, eps, y,
+                                                                  q != nullptr ? *q : DevQ8{});
 }
 
 void LaunchRope(float* q, float* k, const int64_t* pos, int64_t T, int n_q, int n_kv, int hd,
                 int rope_dim, bool neox, float theta_scale, cudaStream_t stream) {
-  if (T == 0) return;
-  RopeKernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(q, k, pos, n_q, n_kv, hd, rope_dim, neox,
-                                                           theta_scale);
+  const int64_t n = T * (n_q + n_kv) * (rope_dim / 2);
+  if (n == 0) return;
+  RopeKernel<<<GridFor(n, 256), 256, 0, stream>>>(q, k, pos, T, n_q, n_kv, hd, rope_dim, neox,
+                                                  theta_scale);
 }
 
-void LaunchSiluMul(float* gate, const float* up, int64_t T, int64_t n, cudaStream_t stream) {
-  if (T * n == 0) return;
-  SiluMulKernel<<<GridFor(T * n, 256), 256, 0, stream>>>(gate, up, T, n);
+void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
+                  const DevQ8* q, cudaStream_t stream) {
+  const int64_t warps = T * (n / 32);
+  if (warps == 0) return;
+  SwiGluKernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(
+      gate, up, ld, T, n, out, q != nullptr ? *q : DevQ8{});
 }
 
 void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v,
                    const int32_t* seq, const int64_t* pos, int64_t T, cudaStream_t stream) {
-  if (T == 0) return;
-  WriteKvKernel<<<static_cast<unsigned>(T), 256, 0, stream>>>(kv, layer, k, v, seq, pos);
+  const int64_t n = T * kv.kv_heads * kv.head_dim;
+  if (n == 0) return;
+  WriteKvKernel<<<GridFor(n, 256), 256, 0, stream>>>(kv, layer, k, v, seq, pos, T);
 }
 
 int AttentionSplits(int64_t max_len, int split_tokens) {
@@ -455,7 +633,7 @@ void LaunchAttention(const DevKvView& kv, int layer, const float* q, const int32
 void LaunchGatherRows(const float* x, const int32_t* rows, int64_t R, int d, float* out,
                       cudaStream_t stream) {
   if (R == 0) return;
-  GatherRowsKernel<<<static_cast<unsigned>(R), 256, 0, stream>>>(x, rows, d, out);
+  GatherRowsKernel<<<GridFor(R * d, 256), 256, 0, stream>>>(x, rows, R, d, out);
 }
 
 }  // namespace kvrelay::engine::cuda

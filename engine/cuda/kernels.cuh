@@ -34,10 +34,12 @@ struct DevQ8 {
 // x [T][cols] -> q8 (cols % 32 == 0).
 void LaunchQuantizeQ8(const float* x, int64_t T, int64_t cols, DevQ8 out, cudaStream_t stream);
 
-// y[t][r] (+)= W[r] . x[t] for T tokens, the decode GEMV: weights read once
-// per 8 tokens, Q4_0/Q4_1/Q8_0 against the q8 activations (dp4a), other
-// types against float x. bias (rows floats) may be null; accumulate adds into
-// y (the residual). ldy = rows.
+// y[t][r] (+)= W[r] . x[t] for T tokens, the decode GEMV. Q4_0/Q4_1/Q8_0
+// multiply in place against the q8 activations xq (x unused): the mmvq
+// kernel, dp4a, each weight block read once per 8 tokens. Other types use
+// float x (xq unused). bias (rows floats) may be null; accumulate adds into
+// y (the residual). ldy = rows. KVRELAY_CUDA_GEMV=legacy selects the
+// previous quantized kernel (for A/B runs on a GPU).
 void LaunchGemv(const DevMatrix& w, const float* x, const DevQ8& xq, int64_t T, const float* bias,
                 bool accumulate, float* y, cudaStream_t stream);
 
@@ -50,14 +52,18 @@ void LaunchAddBias(float* y, const float* bias, int64_t T, int64_t rows, cudaStr
 // Embedding rows: out[t] = dequant(W row tokens[t]).
 void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* out,
                  cudaStream_t stream);
-// y[r] = RMSNorm(x[rows[r]]) * w over d floats; rows may be null (identity).
+// y[r] = RMSNorm(x[rows[r]]) * w over d floats (d % 32 == 0); rows may be
+// null (identity). With q non-null, y is also quantized to q8 in the same
+// kernel (the fused RMSNorm + quantize; q as LaunchQuantizeQ8's output).
 void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
-                   float* y, cudaStream_t stream);
+                   float* y, const DevQ8* q, cudaStream_t stream);
 // RoPE in place on q [T][n_q * hd] and k [T][n_kv * hd] at positions pos[t].
 void LaunchRope(float* q, float* k, const int64_t* pos, int64_t T, int n_q, int n_kv, int hd,
                 int rope_dim, bool neox, float theta_scale, cudaStream_t stream);
-// gate[i] = silu(gate[i]) * up[i] over rows of n.
-void LaunchSiluMul(float* gate, const float* up, int64_t T, int64_t n, cudaStream_t stream);
+// out[t][i] = silu(gate[t * ld + i]) * up[t * ld + i], i < n (n % 32 == 0);
+// with q non-null, out is also quantized to q8 (the down projection's input).
+void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
+                  const DevQ8* q, cudaStream_t stream);
 
 // Where a step's KV lives: pool + the flattened block tables.
 struct DevKvView {

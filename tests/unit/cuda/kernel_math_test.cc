@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "engine/gguf/ggml_type.h"
@@ -17,6 +18,7 @@
 #include "engine/kernels/matmul.h"
 #include "engine/kernels/ops.h"
 #include "engine/runtime/sampler.h"
+#include "tests/gpu/agreement.h"
 
 namespace kvrelay::engine::cuda {
 namespace {
@@ -307,6 +309,271 @@ TEST(KernelMathTest, PickSortedReproducesTheSeededCpuSampler) {
     }
   }
   EXPECT_EQ(checked, 160);
+}
+
+// ---- the decode GEMV (mmvq), the fused RMSNorm / SwiGLU + q8 kernels ----
+
+int BlockBytes(uint32_t type) {
+  return type == math::kTypeQ4_0   ? math::kQ4_0Bytes
+         : type == math::kTypeQ4_1 ? math::kQ4_1Bytes
+                                   : math::kQ8_0Bytes;
+}
+
+// The two parts of a block cover its 32 elements exactly once, and each
+// weight byte, scaled, is the element DequantizeRow decodes.
+TEST(KernelMathTest, WeightPartsCoverTheBlockOnce) {
+  const int64_t n = 256;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    const uint32_t t = static_cast<uint32_t>(type);
+    std::vector<float> x = RandomFloats(n, 0.3f, 31);
+    std::vector<uint8_t> row = QuantizeRowForTest(type, x.data(), n);
+    std::vector<float> want(n);
+    DequantizeRow(type, row.data(), want.data(), n);
+    for (int64_t b = 0; b < n / 32; ++b) {
+      int seen[32] = {};
+      for (int part = 0; part < math::kMmvqParts; ++part) {
+        const math::WeightPart wp = math::LoadWeightPart(t, row.data() + b * BlockBytes(t), part);
+        for (int i = 0; i < 4; ++i) {
+          const int a = math::MmvqActInt(t, part, i);
+          ASSERT_GE(a, 0);
+          ASSERT_LT(a, 8);
+          for (int k = 0; k < 4; ++k) {
+            const int e = 4 * a + k;
+            ++seen[e];
+            const int code = t == math::kTypeQ8_0 ? static_cast<int8_t>(wp.w[i] >> (8 * k))
+                                                  : static_cast<int>((wp.w[i] >> (8 * k)) & 0xFF);
+            if (t != math::kTypeQ8_0) {
+              ASSERT_LT(code, 16);
+            }
+            const float got = wp.d * static_cast<float>(code) + wp.m;
+            ASSERT_NEAR(got, want[b * 32 + e], 1e-6f * (1.0f + std::fabs(want[b * 32 + e])))
+                << "type " << t << " block " << b << " element " << e;
+          }
+        }
+      }
+      for (int e = 0; e < 32; ++e) ASSERT_EQ(seen[e], 1) << "type " << t << " element " << e;
+    }
+  }
+}
+
+// kernels.cu MmvqKernel's sum for one (row, token), in its order: 128
+// threads, thread tid takes part tid % 2 of blocks tid / 2, + 64, ...; each
+// warp's partials are reduced by the xor-shuffle tree, then the four warps
+// are added in order. Bit for bit what the device computes (every product
+// whose rounding could differ is an explicit fma).
+float EmulateMmvq(uint32_t type, const uint8_t* row, int64_t nb, const int8_t* q, const float* d,
+                  const float* s) {
+  float acc[128] = {};
+  for (int tid = 0; tid < 128; ++tid) {
+    const int part = tid % math::kMmvqParts;
+    for (int64_t b = tid / math::kMmvqParts; b < nb; b += 128 / math::kMmvqParts) {
+      const math::WeightPart wp = math::LoadWeightPart(type, row + b * BlockBytes(type), part);
+      uint32_t xa[4];
+      for (int i = 0; i < 4; ++i)
+        std::memcpy(&xa[i], q + b * 32 + 4 * math::MmvqActInt(type, part, i), 4);
+      acc[tid] += math::PartTerm(wp, xa, d[b], s[b], part);
+    }
+  }
+  float warp_sum[4];
+  for (int w = 0; w < 4; ++w) {
+    float v[32];
+    std::copy(acc + 32 * w, acc + 32 * w + 32, v);
+    for (int o = 16; o > 0; o >>= 1) {
+      float next[32];
+      for (int l = 0; l < 32; ++l) next[l] = v[l] + v[l ^ o];
+      std::copy(next, next + 32, v);
+    }
+    warp_sum[w] = v[0];
+  }
+  float out = warp_sum[0];
+  for (int w = 1; w < 4; ++w) out += warp_sum[w];
+  return out;
+}
+
+// Activations [T][cols] -> q8 blocks, as QuantizeQ8Kernel (one block per warp).
+struct HostQ8 {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+HostQ8 QuantizeRows(const float* x, int64_t T, int64_t cols) {
+  HostQ8 out;
+  const int64_t nb = cols / 32;
+  out.q.resize(T * cols);
+  out.d.resize(T * nb);
+  out.s.resize(T * nb);
+  for (int64_t i = 0; i < T * nb; ++i)
+    math::QuantizeBlockQ8(x + i * 32, out.q.data() + i * 32, &out.d[i], &out.s[i]);
+  return out;
+}
+
+// y[t][r] of the emulated mmvq, with the bound the reordering allows:
+// 4e-6 of the terms' magnitude (as the block-dot test above).
+void ExpectMmvqMatchesCpu(const GgufTensor& w, const std::vector<uint8_t>& bytes, const float* x,
+                          int64_t T, const char* what) {
+  const int64_t rows = w.Rows(), cols = w.Cols(), nb = cols / 32;
+  const uint32_t type = static_cast<uint32_t>(w.type);
+  std::vector<float> want(T * rows);
+  MatMulWithPath(w, x, T, want.data(), nullptr, KernelPath::kScalar);
+  const HostQ8 xq = QuantizeRows(x, T, cols);
+  const int64_t row_bytes = static_cast<int64_t>(bytes.size()) / rows;
+  std::vector<float> deq(cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    DequantizeRow(w.type, bytes.data() + r * row_bytes, deq.data(), cols);
+    for (int64_t t = 0; t < T; ++t) {
+      double magnitude = 0;
+      for (int64_t c = 0; c < cols; ++c) magnitude += std::fabs(deq[c] * x[t * cols + c]);
+      const float got = EmulateMmvq(type, bytes.data() + r * row_bytes, nb, xq.q.data() + t * cols,
+                                    xq.d.data() + t * nb, xq.s.data() + t * nb);
+      ASSERT_NEAR(got, want[t * rows + r], 4e-6 * magnitude + 1e-6)
+          << what << " type " << type << " t " << t << " r " << r;
+    }
+  }
+}
+
+// Widths below one pass (18 blocks), over three passes (130) and the 7B
+// shape's FFN input (344 blocks); odd row counts; 1..8 tokens and more.
+TEST(KernelMathTest, MmvqMatchesTheCpuGemm) {
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    for (const auto& [rows, cols, T] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {5, 576, 1}, {7, 4160, 3}, {3, 11008, 8}, {4, 2048, 11}}) {
+      std::vector<uint8_t> bytes;
+      GgufTensor w = MakeTensor(type, rows, cols, &bytes, static_cast<uint64_t>(cols + T));
+      std::vector<float> x = RandomFloats(T * cols, 1.0f, 40 + T);
+      ExpectMmvqMatchesCpu(w, bytes, x.data(), T, "mmvq");
+    }
+  }
+}
+
+// kernels.cu RmsNormKernel's double sum, in its order: threads of a
+// 32-multiple CTA of about d / 4 threads (at most 1024) sum float4 groups
+// strided by the CTA, warps reduce by the xor tree, warps added in order.
+float EmulateRmsScale(const float* x, int d, float eps) {
+  int threads = (d / 4 + 31) / 32 * 32;
+  threads = std::clamp(threads, 32, 1024);
+  std::vector<double> ss(threads, 0.0);
+  for (int tid = 0; tid < threads; ++tid) {
+    for (int i = tid; i < d / 4; i += threads) {
+      const float* v = x + 4 * i;
+      ss[tid] += static_cast<double>(v[0] * v[0]) + static_cast<double>(v[1] * v[1]) +
+                 static_cast<double>(v[2] * v[2]) + static_cast<double>(v[3] * v[3]);
+    }
+  }
+  double total = 0;
+  for (int w = 0; w < threads / 32; ++w) {
+    double v[32];
+    std::copy(ss.begin() + 32 * w, ss.begin() + 32 * w + 32, v);
+    for (int o = 16; o > 0; o >>= 1) {
+      double next[32];
+      for (int l = 0; l < 32; ++l) next[l] = v[l] + v[l ^ o];
+      std::copy(next, next + 32, v);
+    }
+    total += v[0];
+  }
+  return math::RmsScale(total, d, eps);
+}
+
+// The fused RMSNorm + q8 kernel's float output is the CPU's RmsNormFast bit
+// for bit (the double sum's order does not reach the float mean on these
+// inputs), and its q8 blocks are QuantizeBlockQ8 of that output.
+TEST(KernelMathTest, FusedRmsNormQuantizeMatchesTheCpu) {
+  for (int d : {64, 576, 4096, 5120}) {
+    std::vector<float> x = RandomFloats(d, 2.0f, d + 7), w = RandomFloats(d, 1.0f, d + 8);
+    std::vector<float> want(d), got(d);
+    RmsNormFast(x.data(), w.data(), d, 1e-5f, want.data());
+    const float scale = EmulateRmsScale(x.data(), d, 1e-5f);
+    for (int i = 0; i < d; ++i) got[i] = math::RmsApply(x[i], scale, w[i]);
+    for (int i = 0; i < d; ++i) ASSERT_EQ(Bits(got[i]), Bits(want[i])) << "d " << d << " i " << i;
+  }
+}
+
+// One transformer FFN, decode-style, as the device runs it after the
+// fusions: RMSNorm + q8 in one kernel, one mmvq over the stacked gate|up
+// rows, SwiGLU + q8 in one kernel, mmvq of the down projection. Against the
+// CPU engine's RmsNormFast, MatMul (gate, up), SiluMul, MatMul (down). The
+// bound on the output: float reordering (4e-6) plus the q8 code of an
+// activation that a reordered sum moved across a rounding boundary (one
+// code step of one element: ~1/(127 n) of the magnitude), 1e-4 of the
+// magnitude sum_j |W_rj h_j| in all.
+TEST(KernelMathTest, FusedFfnPipelineMatchesTheCpu) {
+  const int64_t d = 576, ffn = 1536, T = 4;
+  for (GgmlType type : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
+    const uint32_t ty = static_cast<uint32_t>(type);
+    std::vector<uint8_t> gb, ub, db;
+    GgufTensor gate = MakeTensor(type, ffn, d, &gb, 51), up = MakeTensor(type, ffn, d, &ub, 52);
+    GgufTensor down = MakeTensor(type, d, ffn, &db, 53);
+    std::vector<float> x = RandomFloats(T * d, 1.5f, 54), norm_w = RandomFloats(d, 1.0f, 55);
+    // CPU engine.
+    std::vector<float> xn(T * d), g(T * ffn), u(T * ffn), h(T * ffn), want(T * d);
+    for (int64_t t = 0; t < T; ++t)
+      RmsNormFast(x.data() + t * d, norm_w.data(), d, 1e-5f, xn.data() + t * d);
+    MatMulWithPath(gate, xn.data(), T, g.data(), nullptr, KernelPath::kScalar);
+    MatMulWithPath(up, xn.data(), T, u.data(), nullptr, KernelPath::kScalar);
+    for (int64_t t = 0; t < T; ++t)
+      SiluMul(g.data() + t * ffn, u.data() + t * ffn, ffn, h.data() + t * ffn, KernelPath::kScalar);
+    MatMulWithPath(down, h.data(), T, want.data(), nullptr, KernelPath::kScalar);
+    // Device emulation.
+    std::vector<float> yn(T * d);
+    for (int64_t t = 0; t < T; ++t) {
+      const float scale = EmulateRmsScale(x.data() + t * d, static_cast<int>(d), 1e-5f);
+      for (int64_t i = 0; i < d; ++i)
+        yn[t * d + i] = math::RmsApply(x[t * d + i], scale, norm_w[i]);
+    }
+    const HostQ8 nq = QuantizeRows(yn.data(), T, d);
+    std::vector<uint8_t> stacked = gb;  // gate rows, then up rows
+    stacked.insert(stacked.end(), ub.begin(), ub.end());
+    const int64_t gu_row = static_cast<int64_t>(stacked.size()) / (2 * ffn);
+    std::vector<float> gu(T * 2 * ffn), hd(T * ffn), got(T * d);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t r = 0; r < 2 * ffn; ++r) {
+        gu[t * 2 * ffn + r] =
+            EmulateMmvq(ty, stacked.data() + r * gu_row, d / 32, nq.q.data() + t * d,
+                        nq.d.data() + t * (d / 32), nq.s.data() + t * (d / 32));
+      }
+      for (int64_t i = 0; i < ffn; ++i)
+        hd[t * ffn + i] = math::SiluMulElem(gu[t * 2 * ffn + i], gu[t * 2 * ffn + ffn + i], true);
+    }
+    const HostQ8 hq = QuantizeRows(hd.data(), T, ffn);
+    const int64_t down_row = static_cast<int64_t>(db.size()) / d;
+    std::vector<float> deq(ffn);
+    for (int64_t r = 0; r < d; ++r) {
+      DequantizeRow(type, db.data() + r * down_row, deq.data(), ffn);
+      for (int64_t t = 0; t < T; ++t) {
+        got[t * d + r] = EmulateMmvq(ty, db.data() + r * down_row, ffn / 32, hq.q.data() + t * ffn,
+                                     hq.d.data() + t * (ffn / 32), hq.s.data() + t * (ffn / 32));
+        double magnitude = 0;
+        for (int64_t j = 0; j < ffn; ++j) magnitude += std::fabs(deq[j] * h[t * ffn + j]);
+        ASSERT_NEAR(got[t * d + r], want[t * d + r], 1e-4 * magnitude + 1e-6)
+            << "type " << ty << " t " << t << " r " << r;
+      }
+    }
+  }
+}
+
+// The agreement metric of `kvrelay_gpu_check agree` (tests/gpu/agreement.h):
+// near-ties are counted but not required; a flip where the CPU's top-2 gap
+// exceeds 2 * eps fails, and so does any logit off by more than eps.
+TEST(KernelMathTest, AgreementRequiresTop1OnlyAtDecisivePositions) {
+  gpucheck::Agreement a;
+  a.eps = 0.1;
+  const float cpu_tie[3] = {1.0f, 1.15f, 0.0f}, gpu_tie[3] = {1.08f, 1.07f, 0.0f};
+  EXPECT_FALSE(a.Add(cpu_tie, gpu_tie, 3));  // gap 0.15 < 0.2: a near-tie flip
+  const float cpu_clear[3] = {0.0f, 2.0f, 1.0f}, gpu_clear[3] = {0.05f, 1.95f, 1.02f};
+  EXPECT_TRUE(a.Add(cpu_clear, gpu_clear, 3));
+  EXPECT_EQ(a.positions, 2);
+  EXPECT_EQ(a.decisive, 1);
+  EXPECT_EQ(a.decisive_agree, 1);
+  EXPECT_TRUE(a.Pass());
+  const float cpu_flip[3] = {0.0f, 2.0f, 1.7f}, gpu_flip[3] = {0.0f, 1.92f, 1.98f};
+  EXPECT_FALSE(a.Add(cpu_flip, gpu_flip, 3));  // gap 0.3 > 0.2 and flipped
+  EXPECT_EQ(a.decisive, 2);
+  EXPECT_FALSE(a.Pass());
+
+  gpucheck::Agreement b;
+  b.eps = 0.1;
+  const float cpu_far[2] = {0.0f, 5.0f}, gpu_far[2] = {0.3f, 5.0f};
+  EXPECT_TRUE(b.Add(cpu_far, gpu_far, 2));
+  EXPECT_NEAR(b.max_dlogit, 0.3, 1e-6);
+  EXPECT_FALSE(b.Pass());  // top-1 agrees, but a logit is off by 0.3 > eps
 }
 
 }  // namespace
