@@ -1,6 +1,10 @@
 // kvrelay launch: the cluster topology on this machine over TCP (no MPI).
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cli/command.h"
 #include "common/flags.h"
@@ -18,6 +22,30 @@ std::atomic<bool> g_stop{false};
 // this one (relative to the working directory; scripts/serve.sh runs from the
 // repository root, where /kvstore/ is git-ignored).
 constexpr char kDefaultKvStoreDir[] = "kvstore";
+
+// Repeatable, so taken out of the arguments before Flags (one value a flag).
+constexpr char kCoordinatorArgFlag[] = "coordinator-arg";
+
+// Removes every --coordinator-arg VALUE / --coordinator-arg=VALUE from `args`
+// and returns the values in order. A VALUE may itself start with "--" (it is
+// a coordinator flag), so the separate form takes the next argument as is.
+Result<std::vector<std::string>> TakeCoordinatorArgs(std::vector<std::string>* args) {
+  const std::string flag = std::string("--") + kCoordinatorArgFlag;
+  std::vector<std::string> taken, rest;
+  for (size_t i = 0; i < args->size(); ++i) {
+    const std::string& a = (*args)[i];
+    if (a == flag) {
+      if (i + 1 >= args->size()) return InvalidArgument(flag + " needs a value");
+      taken.push_back((*args)[++i]);
+    } else if (a.starts_with(flag + "=")) {
+      taken.push_back(a.substr(flag.size() + 1));
+    } else {
+      rest.push_back(a);
+    }
+  }
+  *args = std::move(rest);
+  return taken;
+}
 
 FlagSpec LaunchSpec() {
   const deploy::LaunchOptions d;
@@ -60,7 +88,12 @@ FlagSpec LaunchSpec() {
        {"ready-timeout-ms", std::to_string(d.ready_timeout_ms),
         "how long to wait for the cluster to be ready"},
        {"demo", "", "send this prompt as one chat request, print the answer, stop"},
-       {"max-tokens", "128", "max_tokens of the --demo request"},
+       {"max-tokens", "128",
+        "max_tokens of the --demo request (which sends $KVRELAY_API_KEY as its bearer token "
+        "when set)"},
+       {kCoordinatorArgFlag, "",
+        "one argument for kvrelay-coordinator, repeatable, e.g. --coordinator-arg=--api-keys=FILE "
+        "--coordinator-arg=--cors-allow-origin=*"},
        {"cluster-key-file", "", "the cluster secret (default: a fresh one for this launch)"},
        {"control-tls-dir", "",
         "mutual TLS on the control plane with the certificates scripts/make-cluster-certs.sh "
@@ -76,8 +109,10 @@ FlagSpec LaunchSpec() {
 }
 void OnSignal(int) { g_stop.store(true); }
 
-Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags) {
+Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags,
+                                               std::vector<std::string> coordinator_args) {
   deploy::LaunchOptions o;
+  o.coordinator_args = std::move(coordinator_args);
   o.model_path = flags.Get("model", o.model_path);
   o.host = flags.Get("host", o.host);
   ASSIGN_OR_RETURN(int64_t port, flags.GetInt("port", 8080));
@@ -155,8 +190,14 @@ Result<DemoFlags> ParseDemoFlags(const Flags& flags) {
 
 // Streams one chat completion from the cluster and prints the text as it arrives.
 Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt, int max_tokens) {
+  // A coordinator given --api-keys answers 401 without one of its keys.
+  std::vector<std::pair<std::string, std::string>> auth;
+  if (const char* key = std::getenv("KVRELAY_API_KEY"); key != nullptr && *key != '\0') {
+    auth.push_back({"Authorization", std::string("Bearer ") + key});
+  }
   // The served model's name, from /v1/models.
   coordinator::HttpCallSpec models;
+  models.headers = auth;
   models.host = host;
   models.port = port;
   models.target = "/v1/models";
@@ -178,7 +219,8 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
   spec.port = port;
   spec.target = "/v1/chat/completions";
   spec.body = body.dump();
-  spec.headers = {{"Content-Type", "application/json"}};
+  spec.headers = auth;
+  spec.headers.push_back({"Content-Type", "application/json"});
   spec.timeout_ms = 300'000;
   std::string pending;
   Status parse_error;
@@ -220,11 +262,17 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
   return Status::Ok();
 }
 
-int RunLaunch(const std::vector<std::string>& args) {
+int RunLaunch(const std::vector<std::string>& all_args) {
+  std::vector<std::string> args = all_args;
+  auto coordinator_args = TakeCoordinatorArgs(&args);
+  if (!coordinator_args.ok()) {
+    std::fprintf(stderr, "kvrelay launch: %s\n", coordinator_args.status().ToString().c_str());
+    return 2;
+  }
   int exit_code = 0;
   auto flags = ParseCommandFlags(args, LaunchSpec(), &exit_code);
   if (!flags) return exit_code;
-  auto options = ParseLaunchFlags(*flags);
+  auto options = ParseLaunchFlags(*flags, *std::move(coordinator_args));
   if (!options.ok()) {
     std::fprintf(stderr, "kvrelay launch: %s\n", options.status().ToString().c_str());
     return 2;
@@ -268,7 +316,7 @@ KVRELAY_COMMAND(
     launch, "launch",
     "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
     "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR (default kvstore) | "
-    "--no-kv-store] [--decode-device cpu|cuda[:N]] [--demo PROMPT]",
+    "--no-kv-store] [--decode-device cpu|cuda[:N]] [--coordinator-arg ARG]... [--demo PROMPT]",
     RunLaunch);
 
 }  // namespace kvrelay::cli

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <deque>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <thread>
+#include <utility>
 
 #include "common/logging.h"
 #include "coordinator/http_client.h"
@@ -18,6 +20,48 @@
 #include "protocols/cluster_auth.h"
 
 namespace kvrelay::deploy {
+
+namespace {
+
+// The coordinator flags the launcher sets itself, and what to use instead.
+// Passed through a second time they would silently win (the last value of a
+// flag counts) and break the cluster, e.g. a second --port or a key file the
+// workers do not have.
+constexpr std::pair<std::string_view, std::string_view> kLauncherOwnedFlags[] = {
+    {"model", "--model"},
+    {"host", "--host"},
+    {"port", "--port"},
+    {"control-port", "--control-port"},
+    {"control-host", ""},
+    {"cluster-key-file", "--cluster-key-file"},
+    {"control-tls-cert", "--control-tls-dir"},
+    {"control-tls-key", "--control-tls-dir"},
+    {"control-tls-ca", "--control-tls-dir"},
+    {"kv-dtype", "--kv-dtype"},
+    {"router", "--router"},
+    {"heartbeat-ms", "--heartbeat-ms"},
+    {"heartbeat-timeout-ms", "--heartbeat-timeout-ms"},
+    {"max-running", "--max-running"},
+    {"max-queue-delay-ms", "--max-queue-delay-ms"},
+};
+
+Status ValidateCoordinatorArgs(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (!arg.starts_with("--")) continue;  // a value of the flag before it
+    const std::string_view name = std::string_view(arg).substr(2, arg.find('=') - 2);
+    for (const auto& [owned, instead] : kLauncherOwnedFlags) {
+      if (name == owned) {
+        return InvalidArgument(
+            "--coordinator-arg " + arg + ": the launcher sets --" + std::string(owned) + " itself" +
+            (instead.empty() ? std::string(" (the control plane stays on loopback)")
+                             : "; use kvrelay launch " + std::string(instead)));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status LaunchOptions::Validate() const {
   if (prefill < 0 || decode < 0 || colocated < 0)
@@ -49,6 +93,7 @@ Status LaunchOptions::Validate() const {
         "--heartbeat-timeout-ms, --tp-step-timeout-ms, --kv-progress-timeout-ms and "
         "--coordinator-timeout-ms must be >= 0 (0 = the default)");
   }
+  RETURN_IF_ERROR(ValidateCoordinatorArgs(coordinator_args));
   if (max_restarts < 0) return InvalidArgument("--max-restarts must be >= 0");
   if (restart_window_s < 1) return InvalidArgument("--restart-window-s must be >= 1");
   if (restart_backoff_ms < 0 || restart_backoff_max_ms < restart_backoff_ms) {
@@ -148,6 +193,7 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
     argv.push_back("--max-queue-delay-ms");
     argv.push_back(std::to_string(options_.coordinator_max_queue_delay_ms));
   }
+  argv.insert(argv.end(), options_.coordinator_args.begin(), options_.coordinator_args.end());
   return argv;
 }
 

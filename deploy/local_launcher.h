@@ -83,6 +83,13 @@ struct LaunchOptions {
   // --max-queue-delay-ms); 0 = its defaults.
   int coordinator_max_running = 0;
   int coordinator_max_queue_delay_ms = 0;
+  // Arguments appended verbatim to the coordinator's command line (kvrelay
+  // launch --coordinator-arg, repeatable): every kvrelay-coordinator option
+  // the launcher has no flag of its own for (--api-keys, --cors-allow-origin,
+  // --model-name, --default-max-tokens, ...). Validate() refuses the flags
+  // the launcher sets itself (--port, --cluster-key-file, ...), naming the
+  // launch flag to use instead.
+  std::vector<std::string> coordinator_args;
   bool restart = true;
   int max_restarts = 5;
   int restart_window_s = 60;
