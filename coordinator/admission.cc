@@ -23,15 +23,27 @@ AdmissionQueue::AdmissionQueue(Options options)
         return options;
       }()) {}
 
+double AdmissionQueue::HoldEstimateLocked() const {
+  if (holds_ > 0) return hold_ms_;
+  if (started_.empty()) return 0;
+  const TimePoint now = Now();
+  double sum = 0;
+  for (const auto& [id, at] : started_) {
+    sum += std::chrono::duration<double, std::milli>(now - at).count();
+  }
+  return sum / static_cast<double>(started_.size());
+}
+
 double AdmissionQueue::PredictedLocked() const {
-  if (holds_ == 0) return 0;
   if (running_ < options_.max_running && queue_.empty()) return 0;
-  return static_cast<double>(queue_.size() + 1) * hold_ms_ / options_.max_running;
+  return static_cast<double>(queue_.size() + 1) * HoldEstimateLocked() / options_.max_running;
 }
 
 int AdmissionQueue::RetryAfterLocked(double excess_ms) const {
-  if (holds_ == 0) return options_.retry_after_seconds;
-  return std::max(1, static_cast<int>(std::ceil(excess_ms / 1000.0)));
+  const int computed = std::max(1, static_cast<int>(std::ceil(excess_ms / 1000.0)));
+  // Before any request finished the estimate is a lower bound (the running
+  // ones' age): the configured value is the floor.
+  return holds_ == 0 ? std::max(options_.retry_after_seconds, computed) : computed;
 }
 
 Status AdmissionQueue::Enqueue(uint64_t id, std::function<void()> start, Refusal* refusal) {
@@ -41,7 +53,8 @@ Status AdmissionQueue::Enqueue(uint64_t id, std::function<void()> start, Refusal
       if (static_cast<int>(queue_.size()) >= options_.max_queue) {
         // Come back when about one waiter has started.
         if (refusal) {
-          *refusal = {Refusal::kQueueFull, RetryAfterLocked(hold_ms_ / options_.max_running)};
+          *refusal = {Refusal::kQueueFull,
+                      RetryAfterLocked(HoldEstimateLocked() / options_.max_running)};
         }
         return ResourceExhausted("admission queue is full (" + std::to_string(queue_.size()) +
                                  " waiting, " + std::to_string(running_) + " running)");

@@ -3,14 +3,17 @@
 // Anything beyond is refused (the HTTP layer answers 429 with Retry-After),
 // so memory and backend load stay bounded under any offered load.
 //
-// With `max_queue_delay_ms` set, a request is also refused when the wait it
-// would see in the queue is predicted to exceed that bound: a client is told
-// at once to come back later instead of waiting (and holding a connection)
-// for a first token that arrives too late to be of use. The prediction comes
-// from the queue: while every slot is busy, a slot frees every H / max_running
-// on average, where H is the measured time a request holds its slot (an
-// exponentially weighted mean over finished requests), so the (q+1)-th
-// waiter starts after about (q + 1) * H / max_running.
+// A request is also refused when the wait it would see in the queue is
+// predicted to exceed `max_queue_delay_ms` (10 s by default; 0 = no bound): a
+// client is told at once to come back later instead of waiting (and holding
+// a connection) for a first token that arrives too late to be of use. The
+// prediction comes from the measured throughput of the slots: while every
+// slot is busy, a slot frees every H / max_running on average, where H is the
+// measured time a request holds its slot (an exponentially weighted mean over
+// finished requests; before any finished, the mean age of the running ones,
+// which they have held at least), so the (q+1)-th waiter starts after about
+// (q + 1) * H / max_running. Retry-After is computed from the same estimate:
+// the time until the queue ahead has drained to within the bound.
 #pragma once
 
 #include <cstdint>
@@ -24,13 +27,17 @@
 
 namespace kvrelay::coordinator {
 
+// The default bound on the predicted queue wait (--max-queue-delay-ms): a
+// request that would wait longer for a slot is refused at once with 429.
+inline constexpr int kDefaultMaxQueueDelayMs = 10'000;
+
 class AdmissionQueue {
  public:
   struct Options {
-    int max_running = 64;         // >= 1
-    int max_queue = 256;          // >= 0
-    int max_queue_delay_ms = 0;   // refuse beyond this predicted queue wait; 0 = no bound
-    int retry_after_seconds = 1;  // Retry-After while no hold time was measured yet
+    int max_running = 64;                              // >= 1
+    int max_queue = 256;                               // >= 0
+    int max_queue_delay_ms = kDefaultMaxQueueDelayMs;  // refuse beyond this predicted wait; 0 = off
+    int retry_after_seconds = 1;  // Retry-After at least, until a hold time was measured
     std::function<TimePoint()> now =
         nullptr;  // the clock (tests pass their own); empty = Clock::now
   };
@@ -73,6 +80,9 @@ class AdmissionQueue {
   };
   TimePoint Now() const { return options_.now ? options_.now() : Clock::now(); }
   double PredictedLocked() const;
+  // H: the measured mean hold time, or before any request finished the mean
+  // age of the running ones (0 when none runs).
+  double HoldEstimateLocked() const;
   int RetryAfterLocked(double excess_ms) const;
 
   const Options options_;

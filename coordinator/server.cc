@@ -151,15 +151,15 @@ void Core::UpdateAdmissionGauges() {
   running->Set(admission.running());
 }
 
-bool Core::AcquireClientSlot(const std::string& client) {
+Core::ClientSlot Core::AcquireClientSlot(const std::string& client) {
   std::lock_guard<std::mutex> lock(clients_mutex);
   int& n = clients[client];
-  if (n >= options.max_connections_per_client) {
+  if (n >= options.max_connections_per_client + kHealthConnectionsPerClient) {
     if (n == 0) clients.erase(client);
-    return false;
+    return ClientSlot::kRefused;
   }
   ++n;
-  return true;
+  return n > options.max_connections_per_client ? ClientSlot::kProbeOnly : ClientSlot::kFull;
 }
 
 void Core::ReleaseClientSlot(const std::string& client) {
@@ -239,13 +239,18 @@ struct Server::Impl {
                     "the server has " + std::to_string(opt.max_connections) +
                         " open connections; retry later");
     }
-    if (!core->AcquireClientSlot(client)) {
+    // Over its own limit a client still reaches /health and /metrics on a
+    // few more connections (Session::Handle refuses the rest with 429).
+    const Core::ClientSlot slot = core->AcquireClientSlot(client);
+    if (slot == Core::ClientSlot::kRefused) {
       core->refused_connections->Increment();
       return Refuse(socket, 429, "Too Many Requests",
                     "this client has " + std::to_string(opt.max_connections_per_client) +
                         " open connections; reuse them or close some");
     }
-    std::make_shared<Session>(std::move(socket), core, std::move(client))->Run();
+    std::make_shared<Session>(std::move(socket), core, std::move(client),
+                              slot == Core::ClientSlot::kProbeOnly)
+        ->Run();
   }
 };
 

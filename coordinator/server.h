@@ -22,6 +22,7 @@
 
 #include "common/metrics.h"
 #include "common/status.h"
+#include "coordinator/admission.h"
 #include "coordinator/api_keys.h"
 #include "coordinator/backend.h"
 #include "coordinator/openai_api.h"
@@ -32,6 +33,10 @@ namespace kvrelay::coordinator {
 // Chain hashes of the full blocks of `tokens` for one tenant.
 using PrefixHasher = std::function<std::vector<PrefixBlockHash>(std::span<const int32_t> tokens,
                                                                 std::string_view tenant_salt)>;
+
+// Connections a client over max_connections_per_client still gets for
+// /health and /metrics; beyond them it is refused on accept.
+inline constexpr int kHealthConnectionsPerClient = 8;
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
@@ -47,14 +52,16 @@ struct ServerOptions {
   size_t max_stream_backlog_bytes = 4 << 20;  // unsent SSE bytes before a slow client is dropped
   int max_connections = 4096;                 // more are refused on accept (503)
   // One client (remote IP address) holding more open connections is refused
-  // on accept (429), so one client cannot take every connection.
+  // (429), so one client cannot take every connection; its next
+  // kHealthConnectionsPerClient connections still answer /health and
+  // /metrics (one request each), so a monitor on its address sees the server.
   int max_connections_per_client = 1024;
   int retry_after_seconds = 1;  // Retry-After of a 429 / 503 until hold times are measured
   int max_running = 64;         // admission: concurrent requests in the backend
   int max_queue = 256;          // admission: waiting requests; beyond: 429
   // admission: refuse (429 + Retry-After from the queue) when the predicted
   // queue wait exceeds this; 0 = no bound (see coordinator/admission.h).
-  int max_queue_delay_ms = 0;
+  int max_queue_delay_ms = kDefaultMaxQueueDelayMs;
   ApiLimits limits;
   ApiKeys api_keys;                   // empty: no authentication
   PrefixHasher prefix_hasher;         // optional; fills GenerationRequest::prefix_blocks

@@ -58,9 +58,13 @@ struct Core {
   // Brings the registry's copies of backend->Counters() up to date.
   void ExportBackendCounters();
 
-  // Per-client connection accounting (client = remote IP address). Acquire
-  // returns false when the client already holds max_connections_per_client.
-  bool AcquireClientSlot(const std::string& client);
+  // Per-client connection accounting (client = remote IP address). Past
+  // max_connections_per_client a client still gets kHealthConnectionsPerClient
+  // connections that serve only /health and /metrics (a monitor on the same
+  // address as a busy client must see the server), then kRefused. Every
+  // connection that was not refused is released once.
+  enum class ClientSlot { kFull, kProbeOnly, kRefused };
+  ClientSlot AcquireClientSlot(const std::string& client);
   void ReleaseClientSlot(const std::string& client);
 
   const ServerOptions options;
@@ -153,7 +157,10 @@ struct RequestState {
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, std::shared_ptr<Core> core, std::string client);
+  // `probe_only`: the client is over its connection limit; this connection
+  // answers /health and /metrics and refuses the rest with 429, then closes.
+  Session(tcp::socket socket, std::shared_ptr<Core> core, std::string client,
+          bool probe_only = false);
   ~Session();
 
   void Run();
@@ -232,6 +239,7 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::tcp_stream stream_;
   std::shared_ptr<Core> core_;
   const std::string client_;  // remote address, for the per-client connection limit
+  const bool probe_only_;     // over the per-client limit: /health and /metrics only
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   http::request<http::string_body> req_;

@@ -35,8 +35,12 @@ RequestLimits LimitsOf(const ServerOptions& o) {
 
 }  // namespace
 
-Session::Session(tcp::socket socket, std::shared_ptr<Core> core, std::string client)
-    : stream_(std::move(socket)), core_(std::move(core)), client_(std::move(client)) {
+Session::Session(tcp::socket socket, std::shared_ptr<Core> core, std::string client,
+                 bool probe_only)
+    : stream_(std::move(socket)),
+      core_(std::move(core)),
+      client_(std::move(client)),
+      probe_only_(probe_only) {
   core_->connections.fetch_add(1);
   core_->open_connections->Add(1);
 }
@@ -68,6 +72,7 @@ void Session::OnHeader(beast::error_code ec) {
     info_.version = h.version();
     info_.keep_alive = h.keep_alive();
     info_.head = h.method() == http::verb::head;
+    if (probe_only_) info_.keep_alive = false;  // one answer, then the slot goes back
     if (auto err = CheckRequestHeader(h)) return SendError(*err);
     if (WantsContinue(h)) {
       if (!parser_->is_done()) {
@@ -138,6 +143,19 @@ void Session::Handle() {
   };
   if (target == "/health") return get_route("health", [&] { HandleHealth(); });
   if (target == "/metrics") return get_route("metrics", [&] { HandleMetrics(); });
+  if (probe_only_) {
+    // The client is over its connection limit: only the two routes above.
+    endpoint_label_ = "other";
+    core_->refused_connections->Increment();
+    HttpError e = TooManyRequests(
+        "too_many_connections",
+        "this client has " + std::to_string(core_->options.max_connections_per_client) +
+            " open connections (only /health and /metrics are served beyond them); reuse them "
+            "or close some",
+        1);
+    e.close = true;
+    return SendError(e);
+  }
   if (target == "/v1/models") {
     return get_route("models", [&] {
       if (!Authenticate()) return;

@@ -1,6 +1,8 @@
 #include "kv_transfer/layer_stream.h"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "common/hash.h"
 #include "protocols/kv_manifest.pb.h"
@@ -117,12 +119,43 @@ LayerStreamSender::~LayerStreamSender() { CancelAll(); }
 void LayerStreamSender::CancelAll() {
   for (TransferHandle h : handles_) Note(transport_->Cancel(h));
   handles_.clear();
+  deferred_.clear();
 }
 
 int LayerStreamSender::layers_sent() const {
   int n = 0;
   for (bool s : sent_) n += s ? 1 : 0;
   return n;
+}
+
+Status LayerStreamSender::Fail(Status why) {
+  Note(why);
+  status_ = std::move(why);
+  CancelAll();
+  return status_;
+}
+
+Status LayerStreamSender::PostOne(const PendingSend& p) {
+  const TransferDesc desc =
+      p.payload ? LayerDesc(peer_, spec_, buffers_, p.layer)
+                : BytesDesc(peer_, spec_.request_id, StreamTag(spec_.stream_id, p.layer, false),
+                            &manifests_[p.layer]);
+  ASSIGN_OR_RETURN(TransferHandle h, transport_->PostSend(desc));
+  handles_.push_back(h);
+  return Status::Ok();
+}
+
+Status LayerStreamSender::PostDeferred() {
+  while (!deferred_.empty()) {
+    Status st = PostOne(deferred_.front());
+    if (st.code() == StatusCode::kResourceExhausted) return Status::Ok();  // still full
+    if (!st.ok()) {
+      return Fail(
+          st.WithContext("layer stream: posting layer " + std::to_string(deferred_.front().layer)));
+    }
+    deferred_.pop_front();
+  }
+  return Status::Ok();
 }
 
 Status LayerStreamSender::SendLayer(int layer) {
@@ -151,34 +184,37 @@ Status LayerStreamSender::SendLayer(int layer) {
     c->set_layer(static_cast<uint32_t>(layer));
     c->set_xxh3(SliceChecksum(buffers_, i, layer));
   }
-  std::string& slot = manifests_[layer];
-  ASSIGN_OR_RETURN(slot, EncodeManifestSlot(m.SerializeAsString(), spec_.dst_blocks.size()));
-
-  ASSIGN_OR_RETURN(TransferHandle mh,
-                   transport_->PostSend(BytesDesc(
-                       peer_, spec_.request_id, StreamTag(spec_.stream_id, layer, false), &slot)));
-  handles_.push_back(mh);
-  ASSIGN_OR_RETURN(TransferHandle dh,
-                   transport_->PostSend(LayerDesc(peer_, spec_, buffers_, layer)));
-  handles_.push_back(dh);
+  auto slot = EncodeManifestSlot(m.SerializeAsString(), spec_.dst_blocks.size());
+  if (!slot.ok()) return Fail(slot.status());
+  manifests_[layer] = std::move(*slot);
   sent_[layer] = true;
-  return Status::Ok();
+  // Behind whatever is already deferred: the receiver takes a layer's
+  // halves in any order, but the oldest layers should leave first.
+  deferred_.push_back({layer, /*payload=*/false});
+  deferred_.push_back({layer, /*payload=*/true});
+  return PostDeferred();
 }
 
 Status LayerStreamSender::Finish(Deadline deadline) {
   RETURN_IF_ERROR(status_);
-  while (!handles_.empty()) {
+  for (;;) {
+    ASSIGN_OR_RETURN(bool done, Poll());
+    if (done) return Status::Ok();
+    if (handles_.empty()) {
+      // Only deferred sends left, and the transport is full with other
+      // streams' transfers: wait for room, bounded by the deadline.
+      if (deadline.Expired()) {
+        return Fail(DeadlineExceeded("layer stream: " + std::to_string(deferred_.size()) +
+                                     " sends still waiting for transport room at the deadline"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
     TransferHandle h = handles_.front();
     handles_.erase(handles_.begin());
     Status st = transport_->Wait(h, deadline);
-    if (!st.ok()) {
-      Note(st);
-      status_ = st;
-      CancelAll();
-      return st;
-    }
+    if (!st.ok()) return Fail(st);
   }
-  return Status::Ok();
 }
 
 Result<bool> LayerStreamSender::Poll() {
@@ -187,14 +223,12 @@ Result<bool> LayerStreamSender::Poll() {
     Result<bool> done = transport_->Poll(*it);
     if (!done.ok()) {
       handles_.erase(it);
-      Note(done.status());
-      status_ = done.status();
-      CancelAll();
-      return status_;
+      return Fail(done.status());
     }
     it = *done ? handles_.erase(it) : std::next(it);
   }
-  return handles_.empty();
+  RETURN_IF_ERROR(PostDeferred());
+  return handles_.empty() && deferred_.empty();
 }
 
 // --- receiver --------------------------------------------------------------

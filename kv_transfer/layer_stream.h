@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -81,16 +82,28 @@ class LayerStreamSender {
   LayerStreamSender& operator=(const LayerStreamSender&) = delete;
 
   // Posts layer `layer` (manifest + payload). Each layer once, any order.
+  // Back-pressure: when the transport has max_inflight transfers in flight
+  // (ResourceExhausted) the layer's sends are deferred, in order, and posted
+  // by later SendLayer / Poll / Finish calls as room frees up; the stream is
+  // finished only once they have been posted and have finished. Any other
+  // post error fails the whole stream: Poll / Finish return it, so a layer
+  // that never left is never reported delivered.
   Status SendLayer(int layer);
-  // Waits for every posted send; cancels the rest at the deadline or first error.
+  // Waits for every posted and deferred send; cancels the rest at the
+  // deadline or first error.
   Status Finish(Deadline deadline);
-  // Non-blocking Finish: true once every posted send finished OK, false while
-  // some are in flight; the first error cancels the rest and is returned.
+  // Non-blocking Finish: posts what was deferred while there is room; true
+  // once every send finished OK, false while some are in flight or deferred;
+  // the first error cancels the rest and is returned.
   Result<bool> Poll();
+  // Layers accepted by SendLayer (posted or deferred).
   int layers_sent() const;
-  // Posted sends not yet finished (as of the last Poll); with a deadline on
-  // progress, a number that stops falling means the path is stuck.
-  int unfinished() const { return static_cast<int>(handles_.size()); }
+  // Sends not yet finished (as of the last Poll), deferred ones included;
+  // with a deadline on progress, a number that stops falling means the path
+  // is stuck.
+  int unfinished() const { return static_cast<int>(handles_.size() + deferred_.size()); }
+  // Sends deferred by back-pressure and not posted yet.
+  int deferred() const { return static_cast<int>(deferred_.size()); }
   int peer() const { return peer_; }
   // Cancels every unfinished send (also done by the destructor).
   void CancelAll();
@@ -103,12 +116,25 @@ class LayerStreamSender {
   void Note(const Status& s) {
     if (s.code() == StatusCode::kAborted) quarantined_ = true;
   }
+  // One half of a layer: its manifest or its payload.
+  struct PendingSend {
+    int layer = 0;
+    bool payload = false;
+  };
+  // Posts deferred sends in order until the transport is full again; an
+  // error other than ResourceExhausted fails the stream (status_).
+  Status PostDeferred();
+  // Posts one half; ResourceExhausted when the transport is full.
+  Status PostOne(const PendingSend& p);
+  // Fails the stream: records `why`, cancels every posted send, drops the deferred.
+  Status Fail(Status why);
   Transport* transport_;
   int peer_;
   StreamSpec spec_;
   StreamBuffers buffers_;
   std::vector<std::string> manifests_;   // per layer slot; must outlive its send
   std::vector<TransferHandle> handles_;  // unfinished sends
+  std::deque<PendingSend> deferred_;     // accepted, not posted yet (back-pressure)
   std::vector<bool> sent_;
   Status status_;
   bool quarantined_ = false;

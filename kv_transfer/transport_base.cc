@@ -37,8 +37,11 @@ Result<TransferHandle> TransportBase::Post(const TransferDesc& desc, bool is_sen
   op->total = TotalBytes(op->regions);
 
   std::unique_lock lock(domain_->mu);
-  if (static_cast<int>(ops_.size()) >= max_inflight_) {
-    return ResourceExhausted(std::string(name()) + " transport: " + std::to_string(ops_.size()) +
+  // Only unfinished transfers count: a caller that reaps its handles late
+  // (a prefill worker polls a request's sends only once the request has
+  // finished computing) must not make every other stream fail.
+  if (unfinished_ >= max_inflight_) {
+    return ResourceExhausted(std::string(name()) + " transport: " + std::to_string(unfinished_) +
                              " transfers in flight (max_inflight)");
   }
   if (lost_peers_.count(desc.peer)) {
@@ -50,9 +53,15 @@ Result<TransferHandle> TransportBase::Post(const TransferDesc& desc, bool is_sen
   }
   op->handle = next_handle_++;
   ops_[op->handle] = op;
+  op->counted_by = this;
+  ++unfinished_;
   if (is_send) {
     Status st = StartSendLocked(op, lock);
     if (!st.ok()) {
+      if (op->counted_by != nullptr) {
+        op->counted_by = nullptr;
+        --unfinished_;
+      }
       ops_.erase(op->handle);
       return st;
     }
@@ -89,6 +98,10 @@ Result<TransferHandle> TransportBase::Post(const TransferDesc& desc, bool is_sen
 void TransportBase::CompleteLocked(const OpPtr& op, Status status) {
   if (op->done) return;
   op->done = true;
+  if (op->counted_by != nullptr) {
+    --op->counted_by->unfinished_;
+    op->counted_by = nullptr;
+  }
   op->status = std::move(status);
   if (!op->is_send) {
     auto it = posted_recvs_.find(op->key);

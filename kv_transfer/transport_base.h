@@ -66,6 +66,9 @@ class TransportBase : public Transport {
     int backend_state = 0;     // backend-specific (e.g. MPI: bound to a direct receive)
     Status backend_error;      // backend-specific: first error seen while backend_state != 0
     bool quarantined = false;  // ended kAborted: the backend keeps the buffers
+    // The endpoint whose max_inflight slot this op holds until done (the
+    // local backend completes a peer endpoint's ops too); null: none.
+    TransportBase* counted_by = nullptr;
   };
   using OpPtr = std::shared_ptr<Op>;
 
@@ -149,6 +152,10 @@ class TransportBase : public Transport {
 
   const int max_inflight_;
   const int64_t max_unexpected_bytes_;
+  // Posted transfers not finished yet: what max_inflight bounds. A finished
+  // transfer whose handle the caller has not consumed yet (Poll/Wait/Cancel)
+  // holds no backend resource and does not count (guarded by domain_->mu).
+  int unfinished_ = 0;
   std::chrono::milliseconds max_unexpected_age_{60000};  // guarded by domain_->mu
   // All guarded by domain_->mu.
   TransferHandle next_handle_ = 1;

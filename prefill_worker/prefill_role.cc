@@ -310,6 +310,8 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
       }
       if (senders.front()->layers_sent() != layer) continue;  // sent in an earlier step
       for (auto& sender : senders) {
+        // A full transport defers the layer (back-pressure); any other error
+        // fails the stream, which its delivery then reports for the request.
         Status s = sender->SendLayer(layer);
         if (!s.ok()) {
           LOG_WARNING << "KV layer " << layer << " of request " << seq.request << ": "
@@ -347,7 +349,22 @@ bool PrefillRole::HandOver(RequestId id, bool deliver) {
 
 void PrefillRole::Progress() {
   if (tiered_) tiered_->Pump();
+  PostDeferredSends();
   if (delivering_ > 0) PollDeliveries();
+}
+
+void PrefillRole::PostDeferredSends() {
+  // Sends the transport had no room for (back-pressure, LayerStreamSender)
+  // of requests still computing leave as soon as room frees, not only at
+  // their hand-over; an error is kept by the sender and reported there.
+  for (auto& [id, out] : outgoing_) {
+    if (out.delivering) continue;  // PollDeliveries polls these
+    for (auto& segment : out.senders) {
+      for (auto& sender : segment) {
+        if (sender->deferred() > 0) (void)sender->Poll();
+      }
+    }
+  }
 }
 
 void PrefillRole::PollDeliveries() {

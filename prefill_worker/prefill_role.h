@@ -128,6 +128,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void RetireAll();
   // Polls the deliveries in flight; reports each one that ended.
   void PollDeliveries();
+  // Posts the sends of requests still computing that back-pressure deferred.
+  void PostDeferredSends();
 
   worker::WorkerContext ctx_;
   std::unique_ptr<engine::Engine> engine_;

@@ -260,30 +260,37 @@ TEST_F(HttpEdgeTest, ConnectionCloseExactlyWhenTheServerCloses) {
 }
 
 // #14: one client holding every connection locked everyone out (/health
-// included). Past its own limit a client is refused with 429; others get in.
+// included). Past its own limit (and a few connections that serve only
+// /health and /metrics) a client is refused with 429; others get in.
 TEST_F(HttpEdgeTest, OneClientCannotTakeEveryConnection) {
   ServerOptions o;
-  o.max_connections = 6;
+  o.max_connections = 16;
   o.max_connections_per_client = 4;
   StartServer(o);
+  constexpr int kProbes = kHealthConnectionsPerClient;
+  static_assert(4 + kProbes < 16, "the test needs room for another client");
   std::vector<std::unique_ptr<tcp::socket>> hog;
-  for (int i = 0; i < 6; ++i) hog.push_back(Connect("127.0.0.1"));
-  // The first four are served; the fifth and sixth were refused on accept.
-  int refused = 0;
-  for (int i = 0; i < 6; ++i) {
-    Send(*hog[i], "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+  for (int i = 0; i < 4 + kProbes + 1; ++i) hog.push_back(Connect("127.0.0.1"));
+  // The first four are served; the next ones answer only /health and
+  // /metrics; the last was refused on accept.
+  int served = 0, refused = 0;
+  for (auto& s : hog) {
+    Send(*s, "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
     beast::flat_buffer buf;
-    Response r = Read(*hog[i], buf);
+    Response r = Read(*s, buf);
     if (!r.ok) continue;  // refused and reset before the request was read
     if (r.status == 429) {
       ++refused;
       EXPECT_EQ(r.headers["connection"], "close");
       EXPECT_FALSE(r.headers["retry-after"].empty());
+      EXPECT_EQ(json::parse(r.body)["error"]["code"], "too_many_connections");
     } else {
       EXPECT_EQ(r.status, 200);
+      ++served;
     }
   }
-  EXPECT_LE(refused, 2);
+  EXPECT_EQ(served, 4);
+  EXPECT_GE(refused, kProbes);
   // Another client still gets /health and a completion.
   auto other = Connect("127.0.0.2");
   Send(*other, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
@@ -296,7 +303,77 @@ TEST_F(HttpEdgeTest, OneClientCannotTakeEveryConnection) {
   EXPECT_EQ(
       metrics_.GetCounter("kvrelay_refused_connections_total", "", {{"model_name", "test-model"}})
           ->value(),
-      2);
+      kProbes + 1);
+}
+
+// #46 finding 6c: a client at its connection limit (1,024 by default) got
+// 429 for /health too, so a monitor sharing its address saw the server as
+// down. /health and /metrics are exempt; anything else is still refused.
+TEST_F(HttpEdgeTest, HealthAndMetricsAreServedPastThePerClientLimit) {
+  ServerOptions o;
+  o.max_connections = 64;
+  o.max_connections_per_client = 4;
+  StartServer(o);
+  std::vector<std::unique_ptr<tcp::socket>> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(Connect("127.0.0.1"));
+    Send(*held.back(), "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    beast::flat_buffer buf;
+    Response r = Read(*held.back(), buf);
+    ASSERT_EQ(r.status, 200);
+    EXPECT_NE(r.headers["connection"], "close");  // kept: the limit is held
+  }
+  for (const char* target : {"/health", "/metrics"}) {
+    SCOPED_TRACE(target);
+    auto probe = Connect("127.0.0.1");
+    Send(*probe, std::string("GET ") + target + " HTTP/1.1\r\nHost: x\r\n\r\n");
+    beast::flat_buffer buf;
+    Response r = Read(*probe, buf);
+    ASSERT_TRUE(r.ok) << r.error;
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(r.headers["connection"], "close");  // one answer, then the slot goes back
+    EXPECT_TRUE(ServerClosed(*probe, buf));
+  }
+  auto probe = Connect("127.0.0.1");
+  Send(*probe, Post("/v1/chat/completions", Chat("hi", 2).dump()));
+  beast::flat_buffer buf;
+  Response r = Read(*probe, buf);
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.status, 429);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "too_many_connections");
+  EXPECT_FALSE(r.headers["retry-after"].empty());
+  EXPECT_TRUE(backend_->submitted().empty());
+}
+
+// #46 finding 6b: admission refuses by default (no opt-in) when the predicted
+// queue wait passes 10 s, and Retry-After comes from the estimate, also
+// before any request finished (the running ones' age bounds the hold time).
+TEST(AdmissionDelayTest, RefusesByDefaultWithRetryAfterFromTheEstimate) {
+  EXPECT_EQ(ServerOptions{}.max_queue_delay_ms, kDefaultMaxQueueDelayMs);
+  TimePoint now{};
+  AdmissionQueue::Options o;
+  o.max_running = 1;
+  o.now = [&] { return now; };
+  AdmissionQueue q(o);
+  int started = 0;
+  auto start = [&] { ++started; };
+  ASSERT_TRUE(q.Enqueue(1, start).ok());
+  ASSERT_TRUE(q.Enqueue(2, start).ok());  // queued behind 1
+  // Nothing finished yet, but 1 has held its slot 25 s: the next waiter
+  // (second in line) waits at least 2 x 25 s = 50 s > 10 s.
+  now += std::chrono::seconds(25);
+  AdmissionQueue::Refusal refusal;
+  Status st = q.Enqueue(3, start, &refusal);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_EQ(refusal.reason, AdmissionQueue::Refusal::kQueueDelay);
+  EXPECT_EQ(refusal.retry_after_seconds, 40);  // back when within the bound: 50 s - 10 s
+  // Measured: 1 held 25 s; 2 runs. The next waits 25 s: back in 15 s.
+  q.Release(1);
+  EXPECT_EQ(started, 2);
+  st = q.Enqueue(4, start, &refusal);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_EQ(refusal.retry_after_seconds, 15);
+  EXPECT_EQ(q.queued(), 0);
 }
 
 // #14: a prompt that can never fit the KV pool of any worker is the client's
