@@ -11,6 +11,22 @@
 
 namespace kvrelay::coordinator {
 
+Status CheckTokenIds(const GenerationRequest& request, int64_t vocab_size) {
+  if (vocab_size <= 0) return Status::Ok();
+  auto outside = [&](const char* what, int64_t t) {
+    return InvalidArgument(std::string(what) + " token id " + std::to_string(t) +
+                           " is outside the model's vocabulary [0, " + std::to_string(vocab_size) +
+                           ")");
+  };
+  for (int32_t t : request.prompt) {
+    if (t < 0 || t >= vocab_size) return outside("prompt", t);
+  }
+  for (const auto& [t, bias] : request.sampling.logit_bias) {
+    if (t < 0 || t >= vocab_size) return outside("logit_bias", t);
+  }
+  return Status::Ok();
+}
+
 void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& conn,
                                     const protocols::Frame& frame, PendingEvents& out) {
   const auto type = static_cast<MessageType>(frame.type);
@@ -93,7 +109,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         if (to_hash(b, &h)) router.prefix_index().OnStored(worker_id, h);
       }
       for (const auto& b : ev.evicted_block_hashes()) {
-        if (to_hash(b, &h)) router.prefix_index().OnEvicted(worker_id, h);
+        if (to_hash(b, &h)) router.OnEvicted(worker_id, h);
       }
       break;
     }
@@ -130,6 +146,11 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       RequestEntry& r = it->second;
       r.prompt_tokens = static_cast<int>(done.prompt_tokens());
       r.cached_tokens = static_cast<int>(done.cached_prompt_tokens());
+      // Its prompt no longer waits there: without this a repeat sent before
+      // the next heartbeat saw the worker loaded by the very request whose
+      // prefix it holds, and went elsewhere (#42).
+      w->info.queued_tokens = std::max<int64_t>(0, w->info.queued_tokens - r.queued_charge);
+      r.queued_charge = 0;
       TokenEvent e;
       e.token = done.first_token();
       e.prompt_tokens = r.prompt_tokens;
@@ -231,6 +252,11 @@ void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
   if (last_tick != TimePoint{} && now - last_tick > 2 * tick_period()) {
     const auto stalled = now - last_tick - tick_period();
     for (auto& [id, w] : workers) w.last_seen += stalled;
+    // Nor against a request waiting for a worker: the workers' registrations
+    // of that time are still unread too.
+    for (auto& [id, r] : requests) {
+      if (r.phase == Phase::kWaiting) r.wait_until += stalled;
+    }
     if (now - last_tick > limit / 2) {  // worth saying; shorter gaps are a loaded host's jitter
       LOG_WARNING << "the control loop did not run for "
                   << std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick).count()
@@ -238,6 +264,7 @@ void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
     }
   }
   last_tick = now;
+  ExpireWaiting(now, out);
   std::vector<std::string> late;
   for (auto& [id, w] : workers) {
     if (now - w.last_seen > limit) late.push_back(id);
@@ -404,12 +431,13 @@ Status ClusterBackend::Submit(GenerationRequest request, TokenSink sink) {
     if (state_->requests.count(request.id)) {
       return AlreadyExists("request id " + std::to_string(request.id) + " is live");
     }
+    RETURN_IF_ERROR(CheckTokenIds(request, options_.vocab_size));
     const uint64_t id = request.id;
     RequestEntry& r = state_->requests[id];
     r.request = std::move(request);
     r.sink = std::move(sink);
     Status s = state_->Start(id, r);
-    if (!s.ok()) {
+    if (!s.ok() && !state_->Wait(r, s)) {
       state_->requests.erase(id);
       return s;
     }

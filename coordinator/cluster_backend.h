@@ -35,6 +35,12 @@
 // had already handed over, which the decode side finishes. A worker that
 // registers again under the same name replaces its old entry.
 //
+// Waiting for a worker: a request that finds no healthy worker of a role it
+// needs, on Submit or when re-run after a loss, waits up to
+// worker_wait_bound() for one to register and is started when one does; past
+// the bound it ends with the Unavailable error it would have got at once.
+// Cancel releases it meanwhile.
+//
 // Threading: all control traffic runs on one IoThread; sinks are called there.
 // Submit/Cancel/Health/Workers are thread-safe.
 #pragma once
@@ -81,6 +87,20 @@ struct ClusterBackendOptions {
     return heartbeat_timeout.count() > 0 ? heartbeat_timeout
                                          : heartbeat_interval * missed_heartbeats;
   }
+  // A request that has not started and finds no healthy worker (a prefill or
+  // a decode one) waits this long for one to register (--worker-wait-ms)
+  // before it fails as it would have at once: workers that lost their link
+  // (a stalled coordinator, a restart) re-register within one reconnect
+  // backoff, at most 2 s. Negative = 6 heartbeat intervals (3 s at 500 ms);
+  // 0 = no wait.
+  std::chrono::milliseconds worker_wait{-1};
+  std::chrono::milliseconds worker_wait_bound() const {
+    return worker_wait.count() >= 0 ? worker_wait : heartbeat_interval * 6;
+  }
+  // The model's vocabulary size: a request naming a token id outside
+  // [0, vocab_size) (prompt or logit_bias) is refused with InvalidArgument
+  // before it reaches a worker. 0 = not checked here.
+  int64_t vocab_size = 0;
   RouterOptions router;
   // What every worker must agree with (handshake); tp fields are ignored.
   protocols::PeerConfig config;
@@ -96,6 +116,11 @@ struct ClusterBackendOptions {
   // the cluster key inside the TLS session. Null = plaintext.
   std::shared_ptr<protocols::TlsContext> tls;
 };
+
+// OK when every token id of `request` (its prompt and its logit_bias) lies in
+// [0, vocab_size); otherwise InvalidArgument naming the first id outside (the
+// client's error: 400, not a capacity problem). vocab_size <= 0: OK.
+Status CheckTokenIds(const GenerationRequest& request, int64_t vocab_size);
 
 // What the control plane refused, for tests and metrics.
 struct ControlSecurityCounters {

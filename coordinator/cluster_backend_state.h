@@ -22,7 +22,8 @@ namespace cluster_internal {
 using protocols::FramedConnection;
 using protocols::MessageType;
 
-enum class Phase { kReserving, kPrefilling, kDecoding };
+// kWaiting: no healthy worker could take it yet (ClusterBackendOptions::worker_wait).
+enum class Phase { kWaiting, kReserving, kPrefilling, kDecoding };
 
 struct WorkerEntry {
   WorkerInfo info;
@@ -47,6 +48,12 @@ struct RequestEntry {
   int prompt_tokens = 0;
   int cached_tokens = 0;
   int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
+  // kWaiting: when it gives up, and the error it then ends with.
+  TimePoint wait_until{};
+  Status wait_error;
+  // Prompt tokens added to its prefill worker's queued_tokens when routed,
+  // taken off again at PrefillDone (heartbeats refresh the figure meanwhile).
+  int64_t queued_charge = 0;
 };
 
 // Where one control connection stands before it may act as a worker: the
@@ -120,11 +127,23 @@ struct ClusterBackend::State {
   TimePoint last_tick{};                                       // guarded by mu: watchdog's last run
   TimePoint last_beat{};                                       // guarded by mu: our last heartbeat
 
+  // How long a routed prompt counts as cached on its prefill worker before
+  // the worker's cache events (sent with its heartbeats) confirm or evict it.
+  std::chrono::milliseconds OptimisticPrefixTtl() const {
+    return std::max(options.heartbeat_interval * 4, std::chrono::milliseconds(1000));
+  }
+
   // How often the watchdog runs: a tenth of the worker timeout (so a silent
-  // worker is dropped within 1.1 x it), at most one heartbeat interval.
+  // worker is dropped within 1.1 x it), at most one heartbeat interval and a
+  // quarter of the worker wait (a waiting request ends within 1.25 x it).
   std::chrono::milliseconds tick_period() const {
     const auto t = std::chrono::duration_cast<std::chrono::milliseconds>(options.worker_timeout());
-    return std::min(std::max(t / 10, std::chrono::milliseconds(5)), options.heartbeat_interval);
+    auto period =
+        std::min(std::max(t / 10, std::chrono::milliseconds(5)), options.heartbeat_interval);
+    const auto wait = options.worker_wait_bound();
+    if (wait.count() > 0)
+      period = std::min(period, std::max(wait / 4, std::chrono::milliseconds(5)));
+    return period;
   }
 
   WorkerEntry* FindWorker(const std::string& id) {
@@ -202,7 +221,7 @@ struct ClusterBackend::State {
     }
     conn_worker.erase(conn.get());
     workers.erase(it);
-    router.prefix_index().RemoveWorker(id);
+    router.RemoveWorker(id);
     std::vector<uint64_t> affected;
     for (auto& [rid, r] : requests) {
       if (r.prefill_id == id || r.decode_id == id) affected.push_back(rid);
@@ -227,6 +246,10 @@ struct ClusterBackend::State {
                    << " after losing " << id;
           continue;
         }
+        if (Wait(r, s)) {
+          LOG_INFO << "request " << rid << " waits for a worker after losing " << id;
+          continue;
+        }
         Fail(rid, s.WithContext("worker " + id + " was lost and no other can take the request"),
              out);
         continue;
@@ -234,6 +257,54 @@ struct ClusterBackend::State {
       Fail(rid, Unavailable("worker " + id + " was lost: " + reason.message()), out);
     }
     if (conn) conn->Close(reason);
+  }
+
+  // Parks r, which Start refused with `why`, until a worker registers: true
+  // when it waits (no healthy worker of a role it needs, and waiting is on).
+  bool Wait(RequestEntry& r, const Status& why) {
+    const auto bound = options.worker_wait_bound();
+    if (why.code() != StatusCode::kUnavailable || bound.count() <= 0) return false;
+    r.phase = Phase::kWaiting;
+    r.prefill_id.clear();  // it is nobody's: no worker may report on it
+    r.decode_id.clear();
+    r.wait_until = Clock::now() + bound;
+    r.wait_error = why;
+    return true;
+  }
+
+  // A worker registered: starts the waiting requests that can start now, in
+  // arrival order; those still without a worker of a role they need wait on.
+  void AdmitWaiting(PendingEvents& out) {
+    std::vector<uint64_t> waiting;
+    for (auto& [id, r] : requests) {
+      if (r.phase == Phase::kWaiting) waiting.push_back(id);
+    }
+    for (uint64_t id : waiting) {
+      RequestEntry& r = requests[id];
+      Status s = Start(id, r);
+      // Start changes nothing when it refuses: one still without a worker
+      // of a role it needs waits on.
+      if (s.ok() || s.code() == StatusCode::kUnavailable) continue;
+      Fail(id, s, out);
+    }
+  }
+
+  // Ends the waiting requests whose bound has passed, with the error they
+  // would have got without waiting.
+  void ExpireWaiting(TimePoint now, PendingEvents& out) {
+    std::vector<uint64_t> expired;
+    for (auto& [id, r] : requests) {
+      if (r.phase == Phase::kWaiting && now >= r.wait_until) expired.push_back(id);
+    }
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::milliseconds>(options.worker_wait_bound());
+    for (uint64_t id : expired) {
+      const Status why = requests[id].wait_error;
+      Fail(id,
+           Status(why.code(), why.message() + " (waited " + std::to_string(waited.count()) +
+                                  " ms for one to register)"),
+           out);
+    }
   }
 
   // Routes r to a prefill worker (and a decode group) and starts it: a block
@@ -255,8 +326,13 @@ struct ClusterBackend::State {
     r.decode_id = decode_id;
     r.decode_blocks.clear();
     r.prompt_tokens = static_cast<int>(r.request.prompt.size());
-    // Queue accounting until the next heartbeat refreshes it.
-    p->info.queued_tokens += r.prompt_tokens;
+    // Queue accounting until the next heartbeat refreshes it (PrefillDone
+    // takes it off again).
+    r.queued_charge = r.prompt_tokens;
+    p->info.queued_tokens += r.queued_charge;
+    // The prompt's blocks will be cached there: an immediate repeat finds
+    // them before the worker's heartbeat reports them (#42).
+    router.NoteRouted(prefill_id, r.request.prefix_blocks, Clock::now() + OptimisticPrefixTtl());
     if (decode_id == prefill_id) {
       SendPrefillTask(id, r);
     } else {

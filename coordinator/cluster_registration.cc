@@ -148,6 +148,9 @@ void ClusterBackend::State::OnRegister(const std::shared_ptr<FramedConnection>& 
   LOG_INFO << "registered worker " << w.info.id << " rank " << w.rank << " kv " << w.kv_address;
   conn_worker[conn.get()] = w.info.id;
   workers[w.info.id] = std::move(w);
+  // Requests that found no worker (a stall, a restart, the replacement just
+  // above) start now.
+  AdmitWaiting(out);
 }
 
 }  // namespace kvrelay::coordinator

@@ -56,7 +56,9 @@ const FlagSpec kSpec = {
      {"request-timeout-ms", "600000", "per-request deadline"},
      {"default-max-tokens", "0",
       "max_tokens when a request gives none (0 = all the remaining context, as vLLM)"},
-     {"max-queue-delay-ms", "0", "refuse requests queued longer (0 = no limit)"},
+     {"max-queue-delay-ms", std::to_string(kDefaultMaxQueueDelayMs),
+      "refuse (429, Retry-After from the estimate) a request whose predicted queue wait is "
+      "longer (0 = no limit)"},
      {"cors-allow-origin", "",
       "send CORS headers allowing this origin ('*' or e.g. https://app.example); empty = none"},
      {"max-connections", "4096", "open connections at most"},
@@ -65,6 +67,9 @@ const FlagSpec kSpec = {
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
      {"heartbeat-timeout-ms", "0",
       "cluster mode: drop a worker silent this long (0 = 3 heartbeat intervals)"},
+     {"worker-wait-ms", "6 heartbeat intervals",
+      "cluster mode: a request that finds no healthy worker waits this long for one to "
+      "register before it fails (0 = fail at once)"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
      {"cluster-key-file", "",
       "cluster mode: the cluster secret every worker must prove (required)"},
@@ -140,7 +145,8 @@ Status Run(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(int64_t max_body, flags.GetInt("max-body-bytes", 1 << 20));
   ASSIGN_OR_RETURN(int64_t timeout_ms, flags.GetInt("request-timeout-ms", 600'000));
   ASSIGN_OR_RETURN(int64_t default_max_tokens, flags.GetInt("default-max-tokens", 0));
-  ASSIGN_OR_RETURN(int64_t max_queue_delay, flags.GetInt("max-queue-delay-ms", 0));
+  ASSIGN_OR_RETURN(int64_t max_queue_delay,
+                   flags.GetInt("max-queue-delay-ms", kDefaultMaxQueueDelayMs));
   ASSIGN_OR_RETURN(int64_t max_conn, flags.GetInt("max-connections", 4096));
   ASSIGN_OR_RETURN(int64_t max_conn_client, flags.GetInt("max-connections-per-client", 1024));
   if (max_queue_delay < 0) return InvalidArgument("--max-queue-delay-ms must be >= 0");
@@ -208,12 +214,18 @@ Status Run(const std::vector<std::string>& args) {
     // Cluster mode: workers register over the control plane; this process
     // only tokenizes, routes and streams. The model is loaded for its
     // tokenizer, chat template, fingerprint and KV layout.
+    ClusterBackendOptions co;
     ASSIGN_OR_RETURN(int64_t control_port, flags.GetInt("control-port", 9000));
     ASSIGN_OR_RETURN(int64_t heartbeat_ms, flags.GetInt("heartbeat-ms", 500));
     ASSIGN_OR_RETURN(int64_t heartbeat_timeout_ms, flags.GetInt("heartbeat-timeout-ms", 0));
+    if (flags.Has("worker-wait-ms")) {
+      ASSIGN_OR_RETURN(int64_t wait_ms, flags.GetInt("worker-wait-ms", 0));
+      if (wait_ms < 0) return InvalidArgument("--worker-wait-ms must be >= 0");
+      co.worker_wait = std::chrono::milliseconds(wait_ms);
+    }
     if (control_port < 0 || control_port > 65535)
       return InvalidArgument("--control-port must be 0..65535");
-    ClusterBackendOptions co;
+    co.vocab_size = model->config().vocab;
     // The control plane is internal: loopback unless asked, whatever --host the HTTP API uses.
     co.host = flags.Get("control-host", "127.0.0.1");
     if (!flags.Has("cluster-key-file")) {

@@ -216,6 +216,87 @@ size_t SeekMatch(const std::vector<PrefixMatch>& matches, size_t from, const std
 
 }  // namespace
 
+void Router::NoteRouted(const std::string& worker, std::span<const PrefixBlockHash> chain,
+                        TimePoint until) {
+  if (chain.empty()) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  ExpireLocked(Clock::now());
+  auto& latest = noted_until_[worker];
+  for (const PrefixBlockHash& h : chain) {
+    TimePoint& t = latest[h];
+    t = std::max(t, until);
+    optimistic_.OnStored(worker, h);
+  }
+  noted_.emplace(until, Noted{worker, std::vector<PrefixBlockHash>(chain.begin(), chain.end())});
+}
+
+void Router::ExpireLocked(TimePoint now) {
+  while (!noted_.empty() && noted_.begin()->first <= now) {
+    const Noted& n = noted_.begin()->second;
+    if (auto w = noted_until_.find(n.worker); w != noted_until_.end()) {
+      for (const PrefixBlockHash& h : n.chain) {
+        auto it = w->second.find(h);
+        if (it == w->second.end() || it->second > now) continue;  // noted again since
+        w->second.erase(it);
+        optimistic_.OnEvicted(n.worker, h);
+      }
+      if (w->second.empty()) noted_until_.erase(w);
+    }
+    noted_.erase(noted_.begin());
+  }
+}
+
+void Router::OnEvicted(const std::string& worker, const PrefixBlockHash& hash) {
+  prefix_index_.OnEvicted(worker, hash);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (auto w = noted_until_.find(worker); w != noted_until_.end()) {
+    w->second.erase(hash);
+    optimistic_.OnEvicted(worker, hash);
+  }
+}
+
+void Router::RemoveWorker(const std::string& worker) {
+  prefix_index_.RemoveWorker(worker);
+  std::lock_guard<std::mutex> lock(mutex_);
+  noted_until_.erase(worker);  // its notes in noted_ then expire as no-ops
+  optimistic_.RemoveWorker(worker);
+}
+
+std::vector<PrefixMatch> Router::Matches(std::span<const PrefixBlockHash> chain) {
+  std::vector<PrefixMatch> reported = prefix_index_.MatchedBlocksAll(chain);
+  std::vector<PrefixMatch> noted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (noted_.empty()) return reported;
+    ExpireLocked(Clock::now());
+    noted = optimistic_.MatchedBlocksAll(chain);
+  }
+  if (noted.empty()) return reported;
+  // Merge the two id-sorted lists, keeping the longer run per worker.
+  std::vector<PrefixMatch> out;
+  out.reserve(reported.size() + noted.size());
+  size_t i = 0, j = 0;
+  while (i < reported.size() || j < noted.size()) {
+    if (j == noted.size() || (i < reported.size() && reported[i].worker < noted[j].worker)) {
+      out.push_back(std::move(reported[i++]));
+    } else if (i == reported.size() || noted[j].worker < reported[i].worker) {
+      out.push_back(std::move(noted[j++]));
+    } else {
+      PrefixMatch m = std::move(reported[i++]);
+      m.blocks = std::max(m.blocks, noted[j++].blocks);
+      out.push_back(std::move(m));
+    }
+  }
+  return out;
+}
+
+int64_t Router::MatchedBlocks(const std::string& worker, std::span<const PrefixBlockHash> chain) {
+  for (const PrefixMatch& m : Matches(chain)) {
+    if (m.worker == worker) return m.blocks;
+  }
+  return 0;
+}
+
 Result<std::string> Router::PickPrefill(const RouteRequest& request,
                                         const std::vector<WorkerInfo>& workers) {
   return PickPrefillAmong(request, RoutingCandidates(workers, WorkerRole::kPrefill));
@@ -247,8 +328,7 @@ Result<std::string> Router::PickPrefillAmong(const RouteRequest& request,
       // One walk of the chain for every worker (the per-candidate lookup was
       // O(candidates x chain) hash probes); the candidates are matched to it
       // by id, merging when they come in id order as RoutingCandidates makes them.
-      const std::vector<PrefixMatch> matches =
-          prefix_index_.MatchedBlocksAll(request.prefix_blocks);
+      const std::vector<PrefixMatch> matches = Matches(request.prefix_blocks);
       size_t next = 0;  // lower bound of the previous candidate's id in matches
       const WorkerInfo* best = nullptr;
       int64_t best_score = std::numeric_limits<int64_t>::min();

@@ -12,6 +12,13 @@
 // the best free-block fraction minus running-batch fraction.
 //
 // Workers with role kColocated take both parts.
+//
+// Optimistic prefixes (#42): workers report the blocks they cached with their
+// heartbeats, so a request repeated right after the first would find nothing
+// cached anywhere. NoteRouted counts a routed request's chain as cached on the
+// worker it was sent to until a deadline, by when the worker's own stored or
+// evicted events have corrected the index; an eviction it reports, or its
+// removal, clears the optimistic entry at once.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +33,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "coordinator/backend.h"
 
@@ -146,7 +154,24 @@ class Router {
   explicit Router(RouterOptions options) : options_(options) {}
 
   RouterPolicy policy() const { return options_.policy; }
+  // What the workers reported. Feed evictions and removals through
+  // OnEvicted / RemoveWorker below so that optimistic entries follow them.
   PrefixIndex& prefix_index() { return prefix_index_; }
+
+  // Counts `chain` as cached on `worker` (for the prefix_aware policy) until
+  // `until` or until the worker reports evicting a block of it: the router
+  // just sent the request there, and the worker's stored events come with its
+  // next heartbeat. An earlier `until` than a previous note of the same block
+  // does not shorten it.
+  void NoteRouted(const std::string& worker, std::span<const PrefixBlockHash> chain,
+                  TimePoint until);
+  // A worker's eviction event, and the removal of a worker (it died or
+  // re-registered): both the reported and the optimistic entries go.
+  void OnEvicted(const std::string& worker, const PrefixBlockHash& hash);
+  void RemoveWorker(const std::string& worker);
+  // Blocks of `chain` counted as cached on `worker`: the longer of the
+  // reported and the optimistic leading runs.
+  int64_t MatchedBlocks(const std::string& worker, std::span<const PrefixBlockHash> chain);
 
   // Id of the chosen prefill worker; Unavailable when none is healthy.
   Result<std::string> PickPrefill(const RouteRequest& request,
@@ -164,10 +189,25 @@ class Router {
                                       std::span<const WorkerInfo* const> candidates);
 
  private:
+  struct Noted {
+    std::string worker;
+    std::vector<PrefixBlockHash> chain;
+  };
+  // MatchedBlocksAll over the reported and the optimistic index, the longer
+  // run per worker; drops expired optimistic entries first.
+  std::vector<PrefixMatch> Matches(std::span<const PrefixBlockHash> chain);
+  void ExpireLocked(TimePoint now);  // mutex_ held
+
   const RouterOptions options_;
   PrefixIndex prefix_index_;
+  PrefixIndex optimistic_;  // NoteRouted's entries, until they expire
   std::mutex mutex_;
   uint64_t round_robin_next_ = 0;  // guarded by mutex_
+  // guarded by mutex_: the notes by deadline, and each (worker, block)'s
+  // latest deadline (a note expires a block only when it set the latest).
+  std::multimap<TimePoint, Noted> noted_;
+  std::map<std::string, std::unordered_map<PrefixBlockHash, TimePoint, PrefixBlockHashHasher>>
+      noted_until_;
 };
 
 }  // namespace kvrelay::coordinator

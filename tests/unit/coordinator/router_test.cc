@@ -49,6 +49,60 @@ TEST(RouterTest, ParsesPolicies) {
   EXPECT_NE(bad.status().message().find("random"), std::string::npos);
 }
 
+// #42: the workers report what they cached with their heartbeats (500 ms), so
+// a prompt repeated right after the first used to find nothing cached and go
+// to the least loaded worker. The router now counts a routed chain as cached
+// where it sent it, until the deadline or the worker's eviction says otherwise.
+TEST(RouterTest, AnImmediateRepeatGoesWhereThePrefixWasJustSent) {
+  Router r({RouterPolicy::kPrefixAware});
+  std::vector<PrefixBlockHash> chain;  // a 1,251-token prompt: 78 full blocks
+  for (int i = 0; i < 78; ++i) chain.push_back(H(static_cast<uint8_t>(i + 1)));
+  RouteRequest req;
+  req.prefix_blocks = chain;
+  req.prompt_tokens = 1251;
+  std::vector<WorkerInfo> ws = {Prefill("p-0", 0), Prefill("p-1", 0)};
+  auto first = r.PickPrefill(req, ws);
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(*first, "p-0");  // the tie goes to the lower id
+  r.NoteRouted(*first, chain, Clock::now() + std::chrono::hours(1));
+  // p-0 now looks busier (other work arrived there), but holds the prefix.
+  ws[0].queued_tokens = 400;
+  EXPECT_EQ(r.MatchedBlocks("p-0", chain), 78);
+  EXPECT_EQ(r.MatchedBlocks("p-1", chain), 0);
+  EXPECT_EQ(*r.PickPrefill(req, ws), "p-0");
+  // A shorter prompt sharing the first 10 blocks matches those 10.
+  RouteRequest shorter;
+  shorter.prefix_blocks = std::span<const PrefixBlockHash>(chain).first(10);
+  EXPECT_EQ(r.MatchedBlocks("p-0", shorter.prefix_blocks), 10);
+
+  // The worker's eviction of block 40 corrects the note at once.
+  r.OnEvicted("p-0", chain[40]);
+  EXPECT_EQ(r.MatchedBlocks("p-0", chain), 40);
+  // A reported store is kept when the note goes (the worker died: both go).
+  r.prefix_index().OnStored("p-1", chain[0]);
+  r.RemoveWorker("p-0");
+  EXPECT_EQ(r.MatchedBlocks("p-0", chain), 0);
+  EXPECT_EQ(r.MatchedBlocks("p-1", chain), 1);
+}
+
+TEST(RouterTest, AnOptimisticPrefixExpiresAtItsDeadline) {
+  Router r({RouterPolicy::kPrefixAware});
+  const std::vector<PrefixBlockHash> chain = {H(1), H(2), H(3)};
+  const TimePoint now = Clock::now();
+  r.NoteRouted("p-0", chain, now - std::chrono::milliseconds(1));  // already past
+  EXPECT_EQ(r.MatchedBlocks("p-0", chain), 0);
+  // A later note of the same blocks keeps them until its own deadline, even
+  // when an earlier note of them expires.
+  r.NoteRouted("p-1", chain, now + std::chrono::hours(1));
+  r.NoteRouted("p-1", std::span<const PrefixBlockHash>(chain).first(1),
+               now - std::chrono::milliseconds(1));
+  EXPECT_EQ(r.MatchedBlocks("p-1", chain), 3);
+  // What the worker reported stays after a note of it expires.
+  r.prefix_index().OnStored("p-2", H(1));
+  r.NoteRouted("p-2", chain, now - std::chrono::milliseconds(1));
+  EXPECT_EQ(r.MatchedBlocks("p-2", chain), 1);
+}
+
 TEST(RouterTest, RoundRobinCyclesOverHealthyPrefillWorkers) {
   Router r({RouterPolicy::kRoundRobin});
   std::vector<WorkerInfo> ws = {Prefill("p-b", 0), Prefill("p-a", 0), Prefill("p-c", 0),
