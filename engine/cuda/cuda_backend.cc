@@ -43,6 +43,10 @@ struct DevLayer {
   // gate rows then up rows in one matrix (one product per step) when the two
   // share a type and width; gate and up are then empty.
   DevMatrix gate_up;
+  // Q, K and V rows in one matrix likewise (wq, wk, wv then empty), with the
+  // biases stacked in bqkv (zeros where a projection has none), or null.
+  DevMatrix wqkv;
+  float* bqkv = nullptr;
   float* attn_norm = nullptr;
   float* ffn_norm = nullptr;
   float* bq = nullptr;
@@ -182,7 +186,8 @@ Status CudaBackend::UploadFloats(const std::vector<float>& v, float** out) {
 Status CudaBackend::BuildFp16Cache() {
   std::vector<DevMatrix*> all;
   for (DevLayer& l : layers_) {
-    for (DevMatrix* m : {&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.gate_up, &l.down}) {
+    for (DevMatrix* m :
+         {&l.wq, &l.wk, &l.wv, &l.wqkv, &l.wo, &l.gate, &l.up, &l.gate_up, &l.down}) {
       if (m->data != nullptr) all.push_back(m);
     }
   }
@@ -239,9 +244,35 @@ Status CudaBackend::Init() {
     const LayerWeights& w = model_.layers()[l];
     DevLayer& d = layers_[l];
     const std::string ctx = "layer " + std::to_string(l);
-    RETURN_IF_ERROR(UploadMatrix(w.wq, &d.wq).WithContext(ctx));
-    RETURN_IF_ERROR(UploadMatrix(w.wk, &d.wk).WithContext(ctx));
-    RETURN_IF_ERROR(UploadMatrix(w.wv, &d.wv).WithContext(ctx));
+    if (w.wq != nullptr && w.wk != nullptr && w.wv != nullptr && w.wq->type == w.wk->type &&
+        w.wq->type == w.wv->type && w.wq->Cols() == w.wk->Cols() && w.wq->Cols() == w.wv->Cols()) {
+      const GgufTensor* qkv[3] = {w.wq, w.wk, w.wv};
+      RETURN_IF_ERROR(UploadStacked(qkv, &d.wqkv).WithContext(ctx));
+      if (!w.bq.empty() || !w.bk.empty() || !w.bv.empty()) {
+        std::vector<float> b;
+        for (const auto& [t, bias] :
+             {std::pair{w.wq, &w.bq}, std::pair{w.wk, &w.bk}, std::pair{w.wv, &w.bv}}) {
+          if (!bias->empty() && static_cast<int64_t>(bias->size()) != t->Rows()) {
+            return InvalidArgument(ctx + ": bias of " + t->name + " has " +
+                                   std::to_string(bias->size()) + " values for " +
+                                   std::to_string(t->Rows()) + " rows");
+          }
+          if (bias->empty()) {
+            b.insert(b.end(), static_cast<size_t>(t->Rows()), 0.0f);
+          } else {
+            b.insert(b.end(), bias->begin(), bias->end());
+          }
+        }
+        RETURN_IF_ERROR(UploadFloats(b, &d.bqkv));
+      }
+    } else {
+      RETURN_IF_ERROR(UploadMatrix(w.wq, &d.wq).WithContext(ctx));
+      RETURN_IF_ERROR(UploadMatrix(w.wk, &d.wk).WithContext(ctx));
+      RETURN_IF_ERROR(UploadMatrix(w.wv, &d.wv).WithContext(ctx));
+      RETURN_IF_ERROR(UploadFloats(w.bq, &d.bq));
+      RETURN_IF_ERROR(UploadFloats(w.bk, &d.bk));
+      RETURN_IF_ERROR(UploadFloats(w.bv, &d.bv));
+    }
     RETURN_IF_ERROR(UploadMatrix(w.wo, &d.wo).WithContext(ctx));
     if (w.ffn_gate != nullptr && w.ffn_up != nullptr && w.ffn_gate->type == w.ffn_up->type &&
         w.ffn_gate->Cols() == w.ffn_up->Cols()) {
@@ -254,9 +285,6 @@ Status CudaBackend::Init() {
     RETURN_IF_ERROR(UploadMatrix(w.ffn_down, &d.down).WithContext(ctx));
     RETURN_IF_ERROR(UploadFloats(w.attn_norm_w, &d.attn_norm));
     RETURN_IF_ERROR(UploadFloats(w.ffn_norm_w, &d.ffn_norm));
-    RETURN_IF_ERROR(UploadFloats(w.bq, &d.bq));
-    RETURN_IF_ERROR(UploadFloats(w.bk, &d.bk));
-    RETURN_IF_ERROR(UploadFloats(w.bv, &d.bv));
   }
   RETURN_IF_ERROR(UploadMatrix(&model_.token_embd(), &embd_).WithContext("token_embd"));
   if (&model_.lm_head() == &model_.token_embd()) {
@@ -528,10 +556,11 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
 
   // Scratch.
   const size_t f = sizeof(float);
-  const int splits = AttentionSplits(max_len, options_.attention_split_tokens);
+  const int split_tokens = AttentionSplitTokens(T, c.n_heads, options_.attention_split_tokens);
+  const int splits = AttentionSplits(max_len, split_tokens);
   RETURN_IF_ERROR(x_.Reserve(T * d * f));
   RETURN_IF_ERROR(xn_.Reserve(T * std::max(d, qd) * f));
-  RETURN_IF_ERROR(q_.Reserve(T * qd * f));
+  RETURN_IF_ERROR(q_.Reserve(T * (qd + 2 * kvd) * f));  // [T][q | k | v] when stacked
   RETURN_IF_ERROR(k_.Reserve(T * kvd * f));
   RETURN_IF_ERROR(v_.Reserve(T * kvd * f));
   RETURN_IF_ERROR(attn_.Reserve(T * qd * f));
@@ -576,26 +605,38 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       const DevLayer& w = layers_[l];
       // RMSNorm + q8 in one kernel when the Q projection reads q8.
       const DevQ8 nq = Q8();
-      bool xq = ReadsQ8(w.wq, T);
+      const bool qkv_stacked = w.wqkv.data != nullptr;
+      bool xq = ReadsQ8(qkv_stacked ? w.wqkv : w.wq, T);
       LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, xq ? &nq : nullptr, st);
-      RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, q_.as<float>(), &xq));
-      RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, k_.as<float>(), &xq));
-      RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, v_.as<float>(), &xq));
-      LaunchRope(q_.as<float>(), k_.as<float>(), d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim,
-                 c.rope_dim, c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
+      float *qp = q_.as<float>(), *kp = k_.as<float>(), *vp = v_.as<float>();
+      int64_t ldq = qd, ldkv = kvd;
+      if (qkv_stacked) {
+        RETURN_IF_ERROR(MatMul(w.wqkv, xn, T, w.bqkv, false, qp, &xq));
+        kp = qp + qd;
+        vp = kp + kvd;
+        ldq = ldkv = qd + 2 * kvd;
+      } else {
+        RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, qp, &xq));
+        RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, kp, &xq));
+        RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, vp, &xq));
+      }
+      LaunchRope(qp, kp, ldq, ldkv, d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim,
+                 c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
       if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
-      LaunchWriteKv(kv, l, k_.as<float>(), v_.as<float>(), d_seq, d_pos, T, st);
+      LaunchWriteKv(kv, l, kp, vp, ldkv, d_seq, d_pos, T, st);
       if (mirror) {
         float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
-        KVR_CUDA_RETURN(
-            cudaMemcpyAsync(stash, k_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
-        KVR_CUDA_RETURN(
-            cudaMemcpyAsync(stash + T * kvd, v_.get(), T * kvd * f, cudaMemcpyDeviceToDevice, st));
+        KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash, kvd * f, kp, ldkv * f, kvd * f, T,
+                                          cudaMemcpyDeviceToDevice, st));
+        KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash + T * kvd, kvd * f, vp, ldkv * f, kvd * f, T,
+                                          cudaMemcpyDeviceToDevice, st));
       }
-      LaunchAttention(kv, l, q_.as<float>(), d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
-                      max_len, options_.attention_split_tokens, partials_.as<float>(),
-                      attn_.as<float>(), st);
-      bool aq = false;
+      // The merge quantizes the attention output for the output projection
+      // (not under kExact TP, whose projection input is gathered first).
+      bool aq = !exact_tp && ReadsQ8(w.wo, T);
+      LaunchAttention(kv, l, qp, ldq, d_seq, d_pos, T, c.n_heads, c.sliding_window, scale, max_len,
+                      split_tokens, partials_.as<float>(), attn_.as<float>(), aq ? &nq : nullptr,
+                      st);
       if (exact_tp) {
         RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>())
                             .WithContext("attention"));
@@ -667,7 +708,7 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   if (graphable) {
     key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
           std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" +
-          std::to_string(mirror);
+          std::to_string(split_tokens) + "/" + std::to_string(mirror);
     for (const void* p :
          {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(), gate_.get(),
           up_.get(), partials_.get(), logits_.get(), kv_stash_.get(), xq_q_.get(), xq_d_.get(),

@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kNormMaxThreads)
 }
 
 // One thread per (token, head, pair): T * (n_q + n_kv) * rope_dim / 2 threads.
-__global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k,
+__global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k, int64_t ldq, int64_t ldk,
                            const int64_t* __restrict__ pos, int64_t T, int n_q, int n_kv, int hd,
                            int rope_dim, bool neox, float theta_scale) {
   const int half = rope_dim / 2;
@@ -279,7 +279,7 @@ __global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k,
     const int64_t t = p / per_token;
     const int head = static_cast<int>(p % per_token) / half,
               i = static_cast<int>(p % per_token) % half;
-    float* base = head < n_q ? q + (t * n_q + head) * hd : k + (t * n_kv + (head - n_q)) * hd;
+    float* base = head < n_q ? q + t * ldq + head * hd : k + t * ldk + (head - n_q) * hd;
     const float theta = math::RopeTheta(pos[t], theta_scale, i);
     const int a = neox ? i : 2 * i;
     const int b = neox ? i + half : 2 * i + 1;
@@ -313,8 +313,9 @@ __device__ __forceinline__ uint8_t* SlabAt(const DevKvView& kv, int64_t seq, int
 
 // One thread per (token, kv element): T * kv_heads * head_dim threads.
 __global__ void WriteKvKernel(DevKvView kv, int layer, const float* __restrict__ k,
-                              const float* __restrict__ v, const int32_t* __restrict__ seq,
-                              const int64_t* __restrict__ pos, int64_t T) {
+                              const float* __restrict__ v, int64_t ld,
+                              const int32_t* __restrict__ seq, const int64_t* __restrict__ pos,
+                              int64_t T) {
   const int kvd = kv.kv_heads * kv.head_dim;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < T * kvd;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -326,11 +327,11 @@ __global__ void WriteKvKernel(DevKvView kv, int layer, const float* __restrict__
     uint8_t* vs = ks + static_cast<int64_t>(kv.kv_heads) * kv.slab_bytes;
     const int64_t idx = static_cast<int64_t>(off) * kv.head_dim + d;
     if (kv.f16) {
-      reinterpret_cast<__half*>(ks)[idx] = __float2half_rn(k[i]);
-      reinterpret_cast<__half*>(vs)[idx] = __float2half_rn(v[i]);
+      reinterpret_cast<__half*>(ks)[idx] = __float2half_rn(k[t * ld + e]);
+      reinterpret_cast<__half*>(vs)[idx] = __float2half_rn(v[t * ld + e]);
     } else {
-      reinterpret_cast<float*>(ks)[idx] = k[i];
-      reinterpret_cast<float*>(vs)[idx] = v[i];
+      reinterpret_cast<float*>(ks)[idx] = k[t * ld + e];
+      reinterpret_cast<float*>(vs)[idx] = v[t * ld + e];
     }
   }
 }
@@ -346,7 +347,7 @@ __device__ __forceinline__ float LoadKv(const uint8_t* slab, bool f16, int64_t i
 // write one unnormalised partial per (token, head, split).
 constexpr int kAttnWarps = 4;
 template <int kE>
-__global__ void AttentionKernel(DevKvView kv, int layer, const float* __restrict__ q,
+__global__ void AttentionKernel(DevKvView kv, int layer, const float* __restrict__ q, int64_t ldq,
                                 const int32_t* __restrict__ seq, const int64_t* __restrict__ pos,
                                 int n_heads, int window, float scale, int split_tokens,
                                 float* __restrict__ partials) {
@@ -364,7 +365,7 @@ __global__ void AttentionKernel(DevKvView kv, int layer, const float* __restrict
   if (j0 < j_lo) j0 = j_lo;
   if (j1 > p + 1) j1 = p + 1;
   float qv[kE], acc[kE];
-  const float* qrow = q + (t * n_heads + head) * hd;
+  const float* qrow = q + t * ldq + head * hd;
 #pragma unroll
   for (int e = 0; e < kE; ++e) {
     qv[e] = qrow[lane + kWarp * e];
@@ -415,9 +416,11 @@ __global__ void AttentionKernel(DevKvView kv, int layer, const float* __restrict
   for (int e = 0; e < kE; ++e) out[2 + lane + kWarp * e] = acc[e];
 }
 
-// grid (n_heads, T), hd threads: merges the splits of one (token, head).
+// grid (n_heads, T), hd threads: merges the splits of one (token, head) by
+// log-sum-exp. With q.q set each warp also quantizes its 32 outputs to q8
+// (the output projection's input; hd % 32 == 0, so a warp is one block).
 __global__ void AttentionMergeKernel(const float* __restrict__ partials, int n_heads, int hd,
-                                     int n_splits, float* __restrict__ out) {
+                                     int n_splits, float* __restrict__ out, DevQ8 q) {
   const int head = blockIdx.x;
   const int64_t t = blockIdx.y;
   const int e = threadIdx.x;
@@ -430,7 +433,10 @@ __global__ void AttentionMergeKernel(const float* __restrict__ partials, int n_h
     m = math::MergeSoftmax(m, {ps[0], ps[1]}, &sa, &sb);
     acc = acc * sa + ps[2 + e] * sb;
   }
-  out[(t * n_heads + head) * hd + e] = m.l > 0.0f ? acc / m.l : 0.0f;
+  const float v = m.l > 0.0f ? acc / m.l : 0.0f;
+  const int64_t i = (t * n_heads + head) * hd + e;
+  out[i] = v;
+  if (q.q != nullptr) WarpQuantizeQ8(v, i / 32, e % kWarp, q);
 }
 
 __global__ void GatherRowsKernel(const float* __restrict__ x, const int32_t* __restrict__ rows,
@@ -566,12 +572,13 @@ void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const 
                                                                   q != nullptr ? *q : DevQ8{});
 }
 
-void LaunchRope(float* q, float* k, const int64_t* pos, int64_t T, int n_q, int n_kv, int hd,
-                int rope_dim, bool neox, float theta_scale, cudaStream_t stream) {
+void LaunchRope(float* q, float* k, int64_t ldq, int64_t ldk, const int64_t* pos, int64_t T,
+                int n_q, int n_kv, int hd, int rope_dim, bool neox, float theta_scale,
+                cudaStream_t stream) {
   const int64_t n = T * (n_q + n_kv) * (rope_dim / 2);
   if (n == 0) return;
-  RopeKernel<<<GridFor(n, 256), 256, 0, stream>>>(q, k, pos, T, n_q, n_kv, hd, rope_dim, neox,
-                                                  theta_scale);
+  RopeKernel<<<GridFor(n, 256), 256, 0, stream>>>(q, k, ldq, ldk, pos, T, n_q, n_kv, hd, rope_dim,
+                                                  neox, theta_scale);
 }
 
 void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
@@ -582,21 +589,30 @@ void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int
       gate, up, ld, T, n, out, q != nullptr ? *q : DevQ8{});
 }
 
-void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v,
+void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v, int64_t ld,
                    const int32_t* seq, const int64_t* pos, int64_t T, cudaStream_t stream) {
   const int64_t n = T * kv.kv_heads * kv.head_dim;
   if (n == 0) return;
-  WriteKvKernel<<<GridFor(n, 256), 256, 0, stream>>>(kv, layer, k, v, seq, pos, T);
+  WriteKvKernel<<<GridFor(n, 256), 256, 0, stream>>>(kv, layer, k, v, ld, seq, pos, T);
 }
 
 int AttentionSplits(int64_t max_len, int split_tokens) {
   return static_cast<int>(CeilDiv(max_len, split_tokens));
 }
 
-void LaunchAttention(const DevKvView& kv, int layer, const float* q, const int32_t* seq,
-                     const int64_t* pos, int64_t T, int n_heads, int window, float scale,
-                     int64_t max_len, int split_tokens, float* partials, float* out,
-                     cudaStream_t stream) {
+int AttentionSplitTokens(int64_t T, int n_heads, int max_split_tokens) {
+  // About two CTAs per SM of a 132-SM part before splitting the context.
+  constexpr int64_t kTargetCtas = 264, kMinSplit = 64;
+  int64_t split = max_split_tokens;
+  for (int64_t ctas = T * n_heads; ctas < kTargetCtas && split / 2 >= kMinSplit; ctas *= 2)
+    split /= 2;
+  return static_cast<int>(split);
+}
+
+void LaunchAttention(const DevKvView& kv, int layer, const float* q, int64_t ldq,
+                     const int32_t* seq, const int64_t* pos, int64_t T, int n_heads, int window,
+                     float scale, int64_t max_len, int split_tokens, float* partials, float* out,
+                     const DevQ8* out_q8, cudaStream_t stream) {
   if (T == 0) return;
   const int splits = AttentionSplits(max_len, split_tokens);
   const dim3 grid(static_cast<unsigned>(n_heads), static_cast<unsigned>(T),
@@ -604,30 +620,31 @@ void LaunchAttention(const DevKvView& kv, int layer, const float* q, const int32
   const int threads = kAttnWarps * kWarp;
   switch (kv.head_dim / kWarp) {
     case 1:
-      AttentionKernel<1><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+      AttentionKernel<1><<<grid, threads, 0, stream>>>(kv, layer, q, ldq, seq, pos, n_heads, window,
                                                        scale, split_tokens, partials);
       break;
     case 2:
-      AttentionKernel<2><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+      AttentionKernel<2><<<grid, threads, 0, stream>>>(kv, layer, q, ldq, seq, pos, n_heads, window,
                                                        scale, split_tokens, partials);
       break;
     case 3:
-      AttentionKernel<3><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+      AttentionKernel<3><<<grid, threads, 0, stream>>>(kv, layer, q, ldq, seq, pos, n_heads, window,
                                                        scale, split_tokens, partials);
       break;
     case 4:
-      AttentionKernel<4><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+      AttentionKernel<4><<<grid, threads, 0, stream>>>(kv, layer, q, ldq, seq, pos, n_heads, window,
                                                        scale, split_tokens, partials);
       break;
     case 8:
-      AttentionKernel<8><<<grid, threads, 0, stream>>>(kv, layer, q, seq, pos, n_heads, window,
+      AttentionKernel<8><<<grid, threads, 0, stream>>>(kv, layer, q, ldq, seq, pos, n_heads, window,
                                                        scale, split_tokens, partials);
       break;
     default:
       return;  // refused at backend creation (SupportedHeadDim)
   }
   AttentionMergeKernel<<<dim3(static_cast<unsigned>(n_heads), static_cast<unsigned>(T)),
-                         kv.head_dim, 0, stream>>>(partials, n_heads, kv.head_dim, splits, out);
+                         kv.head_dim, 0, stream>>>(partials, n_heads, kv.head_dim, splits, out,
+                                                   out_q8 != nullptr ? *out_q8 : DevQ8{});
 }
 
 void LaunchGatherRows(const float* x, const int32_t* rows, int64_t R, int d, float* out,

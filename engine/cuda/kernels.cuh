@@ -57,9 +57,12 @@ void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* ou
 // kernel (the fused RMSNorm + quantize; q as LaunchQuantizeQ8's output).
 void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
                    float* y, const DevQ8* q, cudaStream_t stream);
-// RoPE in place on q [T][n_q * hd] and k [T][n_kv * hd] at positions pos[t].
-void LaunchRope(float* q, float* k, const int64_t* pos, int64_t T, int n_q, int n_kv, int hd,
-                int rope_dim, bool neox, float theta_scale, cudaStream_t stream);
+// RoPE in place on q [T][n_q * hd] and k [T][n_kv * hd] at positions pos[t];
+// token t's rows start at q + t * ldq and k + t * ldk (a stacked Q|K|V
+// product has ldq = ldk = q_dim + 2 kv_dim).
+void LaunchRope(float* q, float* k, int64_t ldq, int64_t ldk, const int64_t* pos, int64_t T,
+                int n_q, int n_kv, int hd, int rope_dim, bool neox, float theta_scale,
+                cudaStream_t stream);
 // out[t][i] = silu(gate[t * ld + i]) * up[t * ld + i], i < n (n % 32 == 0);
 // with q non-null, out is also quantized to q8 (the down projection's input).
 void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
@@ -78,19 +81,27 @@ struct DevKvView {
   const int32_t* tables = nullptr;     // all sequences' block ids
   const int64_t* table_off = nullptr;  // per sequence: first entry in tables
 };
-// Writes k/v [T][kv_heads * hd] of token t to (seq[t], pos[t]) of `layer`.
-void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v,
+// Writes k/v [T][kv_heads * hd] (token t's rows at k + t * ld, v + t * ld)
+// to (seq[t], pos[t]) of `layer`.
+void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v, int64_t ld,
                    const int32_t* seq, const int64_t* pos, int64_t T, cudaStream_t stream);
 // Causal paged attention, one output row per token: token t of sequence
 // seq[t] at position pos[t] attends to [max(0, pos - window + 1), pos].
 // Positions are split into chunks of `split_tokens` (flash-decoding); the
 // partial (m, l, acc) go to `partials` (T * n_heads * n_splits * (hd + 2)
-// floats) and a second kernel merges them. max_len bounds pos + 1.
-void LaunchAttention(const DevKvView& kv, int layer, const float* q, const int32_t* seq,
-                     const int64_t* pos, int64_t T, int n_heads, int window, float scale,
-                     int64_t max_len, int split_tokens, float* partials, float* out,
-                     cudaStream_t stream);
+// floats) and a second kernel merges them by log-sum-exp; with out_q8
+// non-null it also quantizes out to q8 for the output projection. max_len
+// bounds pos + 1. Token t's query row is at q + t * ldq.
+void LaunchAttention(const DevKvView& kv, int layer, const float* q, int64_t ldq,
+                     const int32_t* seq, const int64_t* pos, int64_t T, int n_heads, int window,
+                     float scale, int64_t max_len, int split_tokens, float* partials, float* out,
+                     const DevQ8* out_q8, cudaStream_t stream);
 int AttentionSplits(int64_t max_len, int split_tokens);
+// The split size for T tokens of n_heads heads: max_split_tokens halved
+// (not below 64) until T * n_heads * 2^k CTAs would fill the GPU, so a short
+// batch still spreads a long context over every SM (FlashDecoding). Depends
+// on T, not on the context length, so a decode graph stays valid.
+int AttentionSplitTokens(int64_t T, int n_heads, int max_split_tokens);
 
 // Row gather: out[r] = x[rows[r]] (d floats).
 void LaunchGatherRows(const float* x, const int32_t* rows, int64_t R, int d, float* out,
