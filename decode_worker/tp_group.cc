@@ -17,6 +17,7 @@
 
 #include "common/logging.h"
 #include "protocols/cluster_auth.h"
+#include "protocols/preauth_slots.h"
 
 namespace kvrelay::decode_worker {
 namespace {
@@ -414,28 +415,32 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
       if (!keep[i]) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
     }
     // New connections: each starts its own authentication, up to
-    // max_unauthenticated at once; more are closed at once and counted (a
-    // local process opening silent connections cannot grow rank 0's memory
-    // or delay the real followers, only occupy these slots until their
-    // deadlines).
+    // max_unauthenticated at once; beyond that the oldest unauthenticated
+    // one is dropped for the new one (protocols/preauth_slots.h) and
+    // counted: a local process opening silent connections cannot grow rank
+    // 0's memory, and its connections, always older than a real follower's,
+    // go first, so it cannot keep the followers out.
     if ((fds[0].revents & POLLIN) != 0 && joined < options_.tp_size - 1) {
       for (;;) {
         const int fd = ::accept(listen_fd_, nullptr, nullptr);
         if (fd < 0) break;  // EAGAIN: none left
-        const size_t strangers = static_cast<size_t>(std::count_if(
-            pending.begin(), pending.end(), [](const auto& p) { return !p->authenticated(); }));
-        if (strangers >= options_.max_unauthenticated) {
-          ::close(fd);
+        const std::vector<size_t> evict = protocols::OldestUnauthenticated(
+            pending, options_.max_unauthenticated,
+            [](const std::unique_ptr<PendingFollower>& p) { return !p->authenticated(); });
+        if (!evict.empty()) {
           uint64_t n;
           {
             std::lock_guard lock(counters_mu_);
-            n = ++counters_.refused_connections;
+            n = counters_.refused_connections += evict.size();
           }
-          if (n <= 10 || n % 1000 == 0) {
-            LOG_WARNING << "TP group: refusing a connection: " << strangers
-                        << " unauthenticated connections already (" << n << " refused so far)";
+          if (n <= 10 || n % 1000 < evict.size()) {
+            LOG_WARNING << "TP group: " << options_.max_unauthenticated
+                        << " unauthenticated connections: dropping the oldest (" << n
+                        << " refused so far)";
           }
-          continue;
+          for (size_t i = evict.size(); i-- > 0;) {
+            pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(evict[i]));
+          }
         }
         pending.push_back(
             std::make_unique<PendingFollower>(fd, options_.cluster_key, stage_deadline()));

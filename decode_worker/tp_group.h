@@ -104,9 +104,10 @@ struct TpGroupOptions {
   // before any TP message; a connection that cannot is dropped, not joined.
   protocols::ClusterKey cluster_key;
   // Rank 0 authenticates every connection concurrently, each within 5 s;
-  // connections beyond this many still unauthenticated are closed at accept
-  // and counted (refused_connections), as the KV port does (its 32): a group
-  // has a handful of followers, so 16 leaves room for them beside strangers.
+  // beyond this many still unauthenticated, the oldest of them is dropped
+  // for each new one and counted (refused_connections), as the KV port does
+  // (its 32; protocols/preauth_slots.h): a real follower authenticates within
+  // a round trip, so silent connections held open cannot keep it out.
   size_t max_unauthenticated = 16;
 };
 
@@ -122,7 +123,8 @@ class TcpTpGroup : public engine::TpCollective {
   uint16_t port() const { return port_; }  // rank 0's listening port
   // Rank 0: what the TP port refused while the group formed (auth failures,
   // oversized messages before authentication, a follower naming another rank
-  // than the one it authenticated as, connections over max_unauthenticated).
+  // than the one it authenticated as, connections dropped for
+  // max_unauthenticated).
   // Thread-safe.
   protocols::PortSecurityCounters security_counters() const;
   // OK while every link works; else the first link's error (the group is

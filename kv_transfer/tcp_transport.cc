@@ -12,6 +12,7 @@
 
 #include "common/logging.h"
 #include "protocols/peer_handshake.h"
+#include "protocols/preauth_slots.h"
 
 namespace kvrelay::kv_transfer {
 namespace {
@@ -460,6 +461,7 @@ void TcpTransport::AcceptLoop() {
       socket.set_option(asio::socket_base::receive_buffer_size(options_.socket_buffer_bytes),
                         ignored);
     }
+    std::vector<std::shared_ptr<Inbound>> evicted;
     {
       std::lock_guard lock(domain_->mu);
       if (stopping_) return;  // the socket closes on destruction
@@ -468,21 +470,36 @@ void TcpTransport::AcceptLoop() {
         auto in = w.lock();
         return !in || in->closed();
       });
-      size_t strangers = 0;
-      for (const auto& w : inbound_) {
-        if (auto in = w.lock(); in && !in->identified()) ++strangers;
-      }
-      if (inbound_.size() >= options_.max_connections ||
-          strangers >= options_.max_unauthenticated) {
+      if (inbound_.size() >= options_.max_connections) {
         const uint64_t n = ++refused_connections_;
         if (n <= 10 || n % 1000 == 0) {
           LOG_WARNING << "tcp transport: refusing a data connection (" << inbound_.size()
-                      << " open, " << strangers << " unauthenticated; " << n << " refused)";
+                      << " open; " << n << " refused)";
         }
         socket.close(ignored);
         AcceptLoop();
         return;
       }
+      // Pre-auth slots full: the oldest stranger makes room (protocols/
+      // preauth_slots.h), so silent connections cannot lock a peer out.
+      for (size_t i : protocols::OldestUnauthenticated(inbound_, options_.max_unauthenticated,
+                                                       [](const std::weak_ptr<Inbound>& w) {
+                                                         auto in = w.lock();
+                                                         return in && !in->identified();
+                                                       })) {
+        if (auto in = inbound_[i].lock()) evicted.push_back(std::move(in));
+      }
+      if (!evicted.empty()) {
+        const uint64_t n = refused_connections_ += evicted.size();
+        if (n <= 10 || n % 1000 < evicted.size()) {
+          LOG_WARNING << "tcp transport: " << options_.max_unauthenticated
+                      << " unauthenticated data connections: evicting the oldest (" << n
+                      << " refused)";
+        }
+      }
+    }
+    for (auto& in : evicted) {
+      in->Fail(ResourceExhausted("evicted: the data port's pre-authentication slots are full"));
     }
     auto in = std::make_shared<Inbound>(this, std::move(socket));
     {

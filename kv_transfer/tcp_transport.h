@@ -7,8 +7,10 @@
 // takes a peer slot, can buffer at most kMaxUnauthenticatedPayload bytes and
 // is closed after auth_timeout; a peer's new authenticated connection replaces
 // its old one, and only the current connection's close counts as that peer
-// being lost. Chunk headers are bounded before anything is allocated (a
-// total above max_transfer_bytes closes the connection).
+// being lost. When the unauthenticated slots are full the oldest stranger is
+// evicted for the new connection (protocols/preauth_slots.h). Chunk headers
+// are bounded before anything is allocated (a total above max_transfer_bytes
+// closes the connection).
 //
 // A send is cut into kKvData frames (frame header + chunk header: request,
 // tag, offset, total) of at most chunk_bytes. No user-space copy on either
@@ -74,8 +76,10 @@ class TcpTransport final : public TransportBase {
     protocols::ClusterKey cluster_key;
     // An accepted connection that has not authenticated by then is closed.
     std::chrono::milliseconds auth_timeout{5000};
-    // Accepted connections open at once, and of those unauthenticated ones;
-    // more are closed at accept.
+    // Accepted connections open at once (more are closed at accept), and of
+    // those unauthenticated ones: when these are full, the oldest is evicted
+    // to admit the new one (protocols/preauth_slots.h), so a local process
+    // holding them with silent connections cannot lock a peer out.
     size_t max_connections = 256;
     size_t max_unauthenticated = 32;
     // Largest transfer a chunk header may announce.
@@ -143,7 +147,8 @@ class TcpTransport final : public TransportBase {
   uint64_t foreign_frames_ = 0;
 
  public:
-  // Connections closed at accept (limits) and that failed authentication.
+  // Connections closed at accept (limits) or evicted from a full set of
+  // pre-auth slots, and that failed authentication.
   uint64_t refused_connections() const;
   uint64_t auth_failures() const;
   // Those, plus connections closed at a frame or chunk header over its limit

@@ -12,6 +12,7 @@
 
 #include "common/logging.h"
 #include "protocols/cluster_auth.h"
+#include "protocols/preauth_slots.h"
 
 namespace kvrelay::protocols {
 namespace {
@@ -616,6 +617,7 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
     }
     ConnectionOptions options = state->options;
     options.name += "#" + std::to_string(state->next_id++);
+    std::vector<std::shared_ptr<FramedConnection>> evicted;
     {
       std::lock_guard lock(state->mutex);
       if (state->stopped) return;  // the socket closes on destruction
@@ -623,27 +625,38 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
         auto c = w.lock();
         return !c || c->closed();
       });
-      size_t unauthenticated = 0;
-      for (const auto& w : state->accepted) {
-        if (auto c = w.lock(); c && !c->authenticated()) ++unauthenticated;
-      }
-      const bool full = state->accepted.size() >= state->limits.max_connections;
-      const bool too_many_unauth =
-          options.require_authentication && unauthenticated >= state->limits.max_unauthenticated;
-      if (full || too_many_unauth) {
+      if (state->accepted.size() >= state->limits.max_connections) {
         // Refused before anything is allocated for it; the peer sees a close.
         const uint64_t n = ++state->refused;
         if (n <= 10 || n % 1000 == 0) {
-          LOG_WARNING << "refusing connection " << options.name << ": "
-                      << (full ? std::to_string(state->accepted.size()) + " open connections"
-                               : std::to_string(unauthenticated) + " unauthenticated connections")
-                      << " (" << n << " refused so far)";
+          LOG_WARNING << "refusing connection " << options.name << ": " << state->accepted.size()
+                      << " open connections (" << n << " refused so far)";
         }
         boost::system::error_code ignored;
         socket.close(ignored);
         AcceptLoop(state);
         return;
       }
+      // Pre-auth slots full: the oldest unauthenticated connection makes
+      // room (preauth_slots.h), so silent connections cannot lock peers out.
+      if (options.require_authentication) {
+        for (size_t i : OldestUnauthenticated(state->accepted, state->limits.max_unauthenticated,
+                                              [](const std::weak_ptr<FramedConnection>& w) {
+                                                auto c = w.lock();
+                                                return c && !c->authenticated();
+                                              })) {
+          if (auto c = state->accepted[i].lock()) evicted.push_back(std::move(c));
+        }
+        const uint64_t n = state->refused += evicted.size();
+        if (!evicted.empty() && (n <= 10 || n % 1000 < evicted.size())) {
+          LOG_WARNING << "accepting " << options.name << ": " << state->limits.max_unauthenticated
+                      << " unauthenticated connections, evicting the oldest (" << n
+                      << " refused so far)";
+        }
+      }
+    }
+    for (auto& c : evicted) {
+      c->Close(ResourceExhausted("evicted: the port's pre-authentication slots are full"));
     }
     auto conn = FramedConnection::Adopt(state->io, std::move(socket), options);
     {

@@ -65,10 +65,12 @@ struct ConnectionOptions {
 // port, a certificate the CA did not sign, no certificate at all).
 bool IsTlsHandshakeFailure(const Status& close_reason);
 
-// Limits of a FramedServer: connections over them are closed at accept.
+// Limits of a FramedServer: connections over max_connections are closed at accept.
 struct ServerLimits {
   size_t max_connections = 1024;  // open connections accepted by this server
-  // Open connections that have not authenticated yet (with require_authentication).
+  // Open connections that have not authenticated yet (with
+  // require_authentication); when full, the oldest of them is evicted to
+  // admit the new one (preauth_slots.h).
   size_t max_unauthenticated = 64;
 };
 
@@ -217,7 +219,8 @@ class FramedServer {
   uint16_t port() const { return port_; }
   // Stops accepting and closes every connection it accepted. Thread-safe, idempotent.
   void Stop();
-  // Connections refused at accept because a ServerLimits bound was reached.
+  // Connections refused at accept because a ServerLimits bound was reached,
+  // or evicted from a full set of pre-authentication slots.
   uint64_t refused_connections() const;
 
   struct State;  // implementation detail, shared with the io thread

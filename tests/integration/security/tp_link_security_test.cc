@@ -3,7 +3,8 @@
 // connection that cannot prove the key is dropped without stopping the group
 // from forming, and a follower holding another key is told why it failed.
 // Strangers are authenticated concurrently, so silent ones delay nobody, and
-// those beyond max_unauthenticated are refused at accept and counted.
+// beyond max_unauthenticated each new one evicts the oldest (counted), so
+// silent connections cannot keep a follower out.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -248,11 +249,11 @@ TEST(TpLinkSecurity, SilentStrangersDoNotDelayTheGroup) {
   EXPECT_EQ(leader.group->security_counters().refused_connections, 0u);
 }
 
-// Beyond max_unauthenticated, connections are closed at accept and counted
-// on refused_connections (kvrelay_worker_tp_refused_connections_total); the
-// strangers within the cap stay pending, and once they go the real follower
-// still joins.
-TEST(TpLinkSecurity, StrangersBeyondTheCapAreRefusedAndCounted) {
+// Beyond max_unauthenticated, each new connection evicts the oldest stranger
+// (issue #46), counted on refused_connections
+// (kvrelay_worker_tp_refused_connections_total); once they go the real
+// follower joins.
+TEST(TpLinkSecurity, StrangersBeyondTheCapEvictTheOldestAndAreCounted) {
   const auto key = NewKey();
   Leader leader;
   TpGroupOptions o = Options(0, 0, key);
@@ -260,36 +261,51 @@ TEST(TpLinkSecurity, StrangersBeyondTheCapAreRefusedAndCounted) {
   leader.group = std::move(TcpTpGroup::Listen(o)).value();
   const uint16_t port = leader.group->port();
   leader.Start();
-  std::vector<int> within;
-  for (int i = 0; i < 3; ++i) within.push_back(Dial(port));
-  // The cap's strangers are accepted (in order, from the backlog) before the
-  // ones dialled next, which find the cap full and are closed at once.
-  std::vector<int> beyond;
-  const Deadline until = Deadline::AfterMs(10000);
-  while (leader.group->security_counters().refused_connections < 2 && !until.Expired()) {
-    const int fd = Dial(port);
-    if (ClosedWithin(fd, 2000)) {
-      beyond.push_back(fd);
-    } else {
-      within.push_back(fd);  // accepted before the cap was full: pending too
-    }
-  }
-  const auto counted = leader.group->security_counters();
-  EXPECT_GE(counted.refused_connections, 2u);
-  EXPECT_EQ(counted.refused_connections, beyond.size());
-  EXPECT_EQ(within.size(), 3u) << "the cap admits exactly max_unauthenticated strangers";
-  // The strangers within the cap leave (their slots free up), and the real
-  // follower joins.
-  for (int fd : within) ::close(fd);
-  for (int fd : beyond) ::close(fd);
-  ASSERT_TRUE(WaitUntil([&] { return leader.group->security_counters().auth_failures >= 3; }))
-      << "the leader did not drop the strangers that left";
+  std::vector<int> fds;
+  for (int i = 0; i < 5; ++i) fds.push_back(Dial(port));
+  ASSERT_TRUE(WaitUntil([&] { return leader.group->security_counters().refused_connections >= 2; }))
+      << "the two oldest strangers were not evicted";
+  // Accepted in order: the two oldest went, the newest three hold the slots.
+  EXPECT_TRUE(ClosedWithin(fds[0], 2000));
+  EXPECT_TRUE(ClosedWithin(fds[1], 2000));
+  for (int i = 2; i < 5; ++i) EXPECT_FALSE(ClosedWithin(fds[i], 100)) << "stranger " << i;
+  EXPECT_EQ(leader.group->security_counters().refused_connections, 2u);
+  for (int fd : fds) ::close(fd);
   auto follower =
       TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(10000));
   ASSERT_TRUE(follower.ok()) << follower.status().ToString();
   leader.thread.join();
   ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
-  EXPECT_EQ(leader.group->security_counters().refused_connections, beyond.size());
+}
+
+// Issue #46: a local process holding every pre-auth slot of the TP port with
+// silent connections (more of them than slots, kept open) cannot keep the
+// follower out: its connection evicts the oldest stranger, authenticates and
+// joins well before any stranger's 5 s deadline would have freed a slot
+// (today it was closed at accept and the group failed to form).
+TEST(TpLinkSecurity, SilentStrangersHoldingEverySlotCannotKeepTheFollowerOut) {
+  const auto key = NewKey();
+  Leader leader;
+  TpGroupOptions o = Options(0, 0, key);
+  o.max_unauthenticated = 3;
+  leader.group = std::move(TcpTpGroup::Listen(o)).value();
+  const uint16_t port = leader.group->port();
+  leader.Start();
+  std::vector<int> strangers;
+  for (int i = 0; i < 10; ++i) strangers.push_back(Dial(port));
+  ASSERT_TRUE(WaitUntil([&] { return leader.group->security_counters().refused_connections >= 7; }))
+      << "the strangers were not all accepted";
+  const auto start = std::chrono::steady_clock::now();
+  auto follower =
+      TcpTpGroup::Connect(Options(1, port, key), "hello-from-rank-1", Deadline::AfterMs(4000));
+  ASSERT_TRUE(follower.ok()) << follower.status().ToString();
+  auto setup = (*follower)->ReceiveFromLeader(Deadline::AfterMs(4000));
+  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 4.0);
+  leader.thread.join();
+  ASSERT_TRUE(leader.hellos.ok()) << leader.hellos.status().ToString();
+  EXPECT_EQ((*leader.hellos)[1], "hello-from-rank-1");
+  for (int fd : strangers) ::close(fd);
 }
 
 }  // namespace

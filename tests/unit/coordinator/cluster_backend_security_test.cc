@@ -64,6 +64,16 @@ int64_t RssBytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+// Polls `cond` every 10 ms until it holds or `deadline` passes.
+template <typename F>
+bool WaitUntil(F cond, Deadline deadline) {
+  while (!cond()) {
+    if (deadline.Expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
 // One control connection driven by the test.
 class Peer {
  public:
@@ -387,7 +397,7 @@ TEST_F(ControlSecurityTest, ASilentConnectionIsClosedAtTheAuthTimeout) {
   EXPECT_LT(SecondsSince(start), 3.0);
 }
 
-TEST_F(ControlSecurityTest, UnauthenticatedConnectionsAreCapped) {
+TEST_F(ControlSecurityTest, UnauthenticatedConnectionsAreCappedOldestFirst) {
   backend_->Shutdown();
   ClusterBackendOptions o;
   o.config = TestConfig();
@@ -397,20 +407,15 @@ TEST_F(ControlSecurityTest, UnauthenticatedConnectionsAreCapped) {
   backend_ = std::move(ClusterBackend::Create(o)).value();
   std::vector<std::unique_ptr<Peer>> idle;
   for (int i = 0; i < 4; ++i) idle.push_back(std::make_unique<Peer>(io_, port()));
-  // Connections are accepted in order, so a few more than four make the
-  // server refuse at least one (those are closed at once).
-  std::vector<std::unique_ptr<Peer>> extra;
-  for (int i = 0; i < 20 && backend_->security_counters().refused_connections == 0; ++i) {
-    extra.push_back(std::make_unique<Peer>(io_, port()));
-    (void)extra.back()->conn->WaitClosed(Deadline::AfterMs(200));
-  }
+  // Connections are accepted in order: a fifth stranger evicts the oldest
+  // (issue #46: refusing the newest let silent connections lock workers out).
+  auto fifth = std::make_unique<Peer>(io_, port());
+  EXPECT_NE(idle.front()->conn->WaitClosed(Deadline::AfterMs(5000)).code(),
+            StatusCode::kDeadlineExceeded);
   EXPECT_GE(backend_->security_counters().refused_connections, 1u);
-  ASSERT_FALSE(extra.empty());
-  EXPECT_TRUE(extra.back()->conn->closed());
-  extra.clear();
-  // Authenticated workers are not affected by strangers holding the slots
-  // once they leave; and a closed stranger frees its slot.
+  EXPECT_FALSE(fifth->conn->closed());
   idle.clear();
+  fifth.reset();
   bool joined = false;
   for (int i = 0; i < 50 && !joined; ++i) {
     Peer good(io_, port());
@@ -418,6 +423,42 @@ TEST_F(ControlSecurityTest, UnauthenticatedConnectionsAreCapped) {
     if (!joined) usleep(50000);
   }
   EXPECT_TRUE(joined);
+}
+
+// Issue #46, finding 3: a local process holding every pre-auth slot of the
+// control port with silent connections (far more of them than slots, for
+// longer than the auth timeout lets one live) cannot keep a worker from
+// registering: its connection evicts the oldest stranger and proves the key.
+TEST_F(ControlSecurityTest, SilentConnectionsHoldingEverySlotCannotKeepAWorkerOut) {
+  backend_->Shutdown();
+  ClusterBackendOptions o;
+  o.config = TestConfig();
+  o.cluster_key = key_;
+  o.auth_timeout = std::chrono::milliseconds(60000);  // the strangers outlive the test
+  o.limits.max_unauthenticated = 4;
+  backend_ = std::move(ClusterBackend::Create(o)).value();
+  std::vector<std::unique_ptr<Peer>> strangers;
+  for (int i = 0; i < 12; ++i) strangers.push_back(std::make_unique<Peer>(io_, port()));
+  // Every slot is held (the strangers beyond four evicted their elders).
+  ASSERT_TRUE(WaitUntil([&] { return backend_->security_counters().refused_connections >= 8; },
+                        Deadline::AfterMs(10000)));
+  // A worker joins on its first try (no stranger leaves meanwhile), twice
+  // (a re-registration after a restart is a new connection too).
+  for (const char* id : {"prefill-0", "decode-0"}) {
+    Peer good(io_, port());
+    Status st = good.Join(
+        key_, id,
+        std::string(id) == "prefill-0" ? proto::WORKER_ROLE_PREFILL : proto::WORKER_ROLE_DECODE);
+    EXPECT_TRUE(st.ok()) << id << ": " << st.ToString();
+    strangers.push_back(std::make_unique<Peer>(io_, port()));  // the attacker refills
+  }
+  // Memory stays bounded: every stranger but the newest four is closed.
+  auto open = [&] {
+    size_t n = 0;
+    for (const auto& p : strangers) n += p->conn->closed() ? 0 : 1;
+    return n;
+  };
+  EXPECT_TRUE(WaitUntil([&] { return open() <= 4; }, Deadline::AfterMs(10000))) << open();
 }
 
 // Liveness (issue #14, silent faults): a registered worker that goes silent

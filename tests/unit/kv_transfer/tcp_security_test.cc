@@ -240,7 +240,9 @@ TEST(TcpSecurity, UnclaimedStagedDataExpires) {
   ASSERT_TRUE(recv_side->Cancel(*r).ok());
 }
 
-TEST(TcpSecurity, ConnectionsOverTheCapAreClosedAtAccept) {
+// Over the cap of unauthenticated connections the oldest is evicted (issue
+// #46: closing the newest let silent connections lock every peer out).
+TEST(TcpSecurity, ConnectionsOverTheCapEvictTheOldest) {
   TcpTransport::Options o;
   o.rank = 1;
   o.cluster_key = TestKey();
@@ -256,6 +258,9 @@ TEST(TcpSecurity, ConnectionsOverTheCapAreClosedAtAccept) {
     (void)(*c)->WaitClosed(Deadline::AfterMs(100));
   }
   EXPECT_GE(recv_side->refused_connections(), 1u);
+  ASSERT_FALSE(strangers.empty());
+  EXPECT_NE(strangers.front()->WaitClosed(Deadline::AfterMs(5000)).code(),
+            StatusCode::kDeadlineExceeded);
   for (auto& c : strangers) c->Close(Cancelled("done"));
   // A real peer gets in once the strangers left.
   auto send_side = Endpoint(0);
@@ -266,6 +271,43 @@ TEST(TcpSecurity, ConnectionsOverTheCapAreClosedAtAccept) {
   }
   ASSERT_TRUE(st.ok()) << st.ToString();
   ExpectTransferWorks(send_side.get(), recv_side.get(), 15);
+}
+
+// Issue #46, finding 2: a local process holding every pre-auth slot of the
+// data port with silent connections (more of them than slots, kept open far
+// beyond the test) cannot keep a sender out: its connection evicts the
+// oldest stranger, authenticates and carries data on the first try.
+TEST(TcpSecurity, SilentStrangersHoldingEverySlotCannotLockAPeerOut) {
+  TcpTransport::Options o;
+  o.rank = 1;
+  o.cluster_key = TestKey();
+  o.max_unauthenticated = 4;
+  o.auth_timeout = std::chrono::milliseconds(60000);
+  auto recv_side = std::move(TcpTransport::Create(o)).value();
+  protocols::IoThread io("hold-io");
+  std::vector<std::shared_ptr<protocols::FramedConnection>> strangers;
+  for (int i = 0; i < 12; ++i) {
+    auto c = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
+                                                  Deadline::AfterMs(5000));
+    ASSERT_TRUE(c.ok());
+    strangers.push_back(*c);
+  }
+  const Deadline held = Deadline::AfterMs(10000);
+  while (recv_side->refused_connections() < 8 && !held.Expired()) usleep(5000);
+  ASSERT_GE(recv_side->refused_connections(), 8u) << "the strangers were not all accepted";
+  auto send_side = Endpoint(0);
+  Status st = send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(4000));
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ExpectTransferWorks(send_side.get(), recv_side.get(), 16);
+  // The attacker refills; the authenticated connection keeps working.
+  for (int i = 0; i < 8; ++i) {
+    auto c = protocols::FramedConnection::Connect(io, "127.0.0.1", recv_side->port(), {},
+                                                  Deadline::AfterMs(5000));
+    ASSERT_TRUE(c.ok());
+    strangers.push_back(*c);
+  }
+  ExpectTransferWorks(send_side.get(), recv_side.get(), 17);
+  for (auto& c : strangers) c->Close(Cancelled("done"));
 }
 
 // Each kind of refusal on the data port is counted (security_counters(),
