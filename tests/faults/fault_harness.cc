@@ -44,6 +44,7 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
   c->log_path_ = c->dir_ + "/launch.log";
   ASSIGN_OR_RETURN(c->http_port_, deploy::PickFreePort());
   ASSIGN_OR_RETURN(uint16_t control, deploy::PickFreePort());
+  // The prefix store on (in the test's own directory), as `kvrelay launch` runs it by default.
   std::vector<std::string> args = {KVRELAY_FAULTS_KVRELAY,
                                    "launch",
                                    "--model",
@@ -64,7 +65,8 @@ Result<std::unique_ptr<LaunchedCluster>> LaunchedCluster::Start(const Options& o
                                    "128",
                                    "--threads-per-worker",
                                    "1",
-                                   "--no-kv-store",
+                                   "--kv-store",
+                                   c->dir_ + "/kvstore",
                                    "--heartbeat-ms",
                                    std::to_string(options.heartbeat_ms),
                                    "--kv-timeout-ms",
@@ -289,9 +291,11 @@ void LoadClient::Start(double rate_per_s) {
         Outcome* slot = outs_.back().get();
         const int p = i % static_cast<int>(prompts_.size());
         slot->prompt = p;
+        in_flight_.fetch_add(1);
         requests_.emplace_back([this, slot, p] {
           *slot = Complete(port_, prompts_[p], max_tokens_, timeout_ms_);
           slot->prompt = p;
+          in_flight_.fetch_sub(1);
         });
       }
       next += interval;

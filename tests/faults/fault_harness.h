@@ -114,6 +114,9 @@ class LoadClient {
   void Start(double rate_per_s);
   // Returns every outcome, in sending order.
   std::vector<Outcome> Stop();
+  // Requests sent and not yet answered: a fault is injected only while this is
+  // at least 1, so every case hits a request in flight.
+  int InFlight() const { return in_flight_.load(); }
 
  private:
   const uint16_t port_;
@@ -121,6 +124,7 @@ class LoadClient {
   const int max_tokens_;
   const int timeout_ms_;
   std::atomic<bool> stop_{false};
+  std::atomic<int> in_flight_{0};
   std::thread sender_;
   std::mutex mu_;
   std::vector<std::thread> requests_;           // guarded by mu_

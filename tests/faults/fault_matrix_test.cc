@@ -45,6 +45,7 @@
 #include "protocols/cluster_auth.h"
 #include "tests/faults/fault_harness.h"
 #include "tests/faults/tcp_relay.h"
+#include "tests/testing/skip.h"
 
 namespace kvrelay::faults {
 namespace {
@@ -114,6 +115,13 @@ constexpr auto kCoordinatorLongStop =
 // SIGCONT: those answers may take that backlog / the measured capacity more.
 constexpr double kFinalStatusWithinS = 2 * kHeartbeatS;
 
+// Requests sent before `t` and answered (or failed) after it.
+int InFlightAt(const std::vector<Outcome>& outcomes, Clock::time_point t) {
+  int n = 0;
+  for (const Outcome& o : outcomes) n += o.sent < t && o.ended > t;
+  return n;
+}
+
 // The worst latency of the requests answered before the fault (the load's
 // own latency, with no fault in it); 0 when none.
 double OrdinaryLatencyS(const std::vector<Outcome>& outcomes, Clock::time_point fault_at) {
@@ -143,7 +151,8 @@ class FaultMatrixTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     ref_ = GreedyReference::Get();
-    if (ref_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (ref_ == nullptr)
+      KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
     const char* texts[] = {"The capital of France is", "Rivers flow to the sea because",
                            "def add(a, b):\n    return", "The three primary colours are"};
     for (const char* t : texts) {
@@ -238,6 +247,10 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   load.Start(rate);
   // Load for a moment before the fault (so requests are in flight at it).
   std::this_thread::sleep_for(milliseconds(LongForm() ? 8000 : 2500));  // load duration, no race
+  // The fault must hit a request: at ~70% load the cluster is idle ~30% of the
+  // time, so wait for one in flight rather than hope.
+  ASSERT_TRUE(WaitFor([&] { return load.InFlight() > 0; }, seconds(20)))
+      << "no request in flight within 20 s of load";
   const auto fault_at = Clock::now();
   // Where the final-status clock starts: the fault, or a stopped
   // coordinator's SIGCONT (it cannot answer before).
@@ -285,6 +298,7 @@ void FaultMatrixTest::RunOnce(const Case& c, int round) {
   // Keep the load on a little after recovery, then stop it.
   std::this_thread::sleep_for(milliseconds(LongForm() ? 8000 : 2000));  // load duration, no race
   std::vector<Outcome> outcomes = load.Stop();
+  EXPECT_GE(InFlightAt(outcomes, fault_at), 1) << "the fault hit no request in flight";
   ASSERT_TRUE(back) << victim << " did not come back within 60 s";
 
   int affected = 0, ok = 0, wrong = 0;
@@ -439,10 +453,11 @@ INSTANTIATE_TEST_SUITE_P(
 // answers right again; the coordinator too.
 TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
   if (std::system("command -v mpirun >/dev/null 2>&1 && command -v setpriv >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "mpirun or setpriv not found";
+    KVRELAY_SKIP_OR_FAIL() << "mpirun or setpriv not found";
   }
   GreedyReference* ref = GreedyReference::Get();
-  if (ref == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  if (ref == nullptr)
+    KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   const std::vector<int32_t> prompt = ref->Encode("The capital of France is");
   const std::string want = ref->Text(prompt, kMaxTokens);
   LaunchedCluster::Options o;
@@ -534,7 +549,8 @@ class KvPathFaultTest : public ::testing::TestWithParam<KvFault> {
  protected:
   void SetUp() override {
     ref_ = GreedyReference::Get();
-    if (ref_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (ref_ == nullptr)
+      KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
     for (const char* t : {"The capital of France is", "Rivers flow to the sea because"}) {
       prompts_.push_back(ref_->Encode(t));
       expected_.push_back(ref_->Text(prompts_.back(), kMaxTokens));
@@ -649,6 +665,8 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   LoadClient load(port_, prompts_, kMaxTokens, kRequestTimeoutMs);
   load.Start(rate);
   std::this_thread::sleep_for(milliseconds(2500));  // load duration, no race
+  ASSERT_TRUE(WaitFor([&] { return load.InFlight() > 0; }, seconds(20)))
+      << "no request in flight within 20 s of load";
   const auto fault_at = Clock::now();
   if (fault == KvFault::kCut) {
     relay_->Cut();
@@ -665,6 +683,7 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   }
   std::this_thread::sleep_for(milliseconds(fault == KvFault::kBlackhole ? 5000 : 3000));  // load
   std::vector<Outcome> outcomes = load.Stop();
+  EXPECT_GE(InFlightAt(outcomes, fault_at), 1) << "the fault hit no request in flight";
   const double ordinary = OrdinaryLatencyS(outcomes, fault_at);
   int affected = 0;
   std::string first_error;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -36,17 +37,28 @@ inline std::string MetricLabel(const std::string& line, const std::string& key) 
   return line.substr(at, line.find('"', at) - at);
 }
 
+// A metric's values by worker. Reading a worker whose series is missing gives
+// NaN, not 0 (std::map's operator[] would insert a 0): every comparison with
+// NaN is false, so a check such as `g["decode-0"] == 0` or `>= 1` fails on a
+// missing series or an empty /metrics instead of passing.
+class GaugeMap : public std::map<std::string, double> {
+ public:
+  double operator[](const std::string& worker) const {
+    auto it = find(worker);
+    return it == end() ? std::numeric_limits<double>::quiet_NaN() : it->second;
+  }
+};
+
 // Values of `name` by the `worker` label (empty when /metrics does not answer 200).
-inline std::map<std::string, double> WorkerGauge(uint16_t port, const std::string& name,
-                                                 int timeout_ms = 10'000) {
-  std::map<std::string, double> out;
+inline GaugeMap WorkerGauge(uint16_t port, const std::string& name, int timeout_ms = 10'000) {
+  GaugeMap out;
   const std::string prefix = name + "{";
   for (const std::string& line : MetricsLines(port, timeout_ms)) {
     if (line.rfind(prefix, 0) != 0) continue;
     const auto close = line.find('}');
     const std::string worker = MetricLabel(line, "worker");
     if (close == std::string::npos || worker.empty()) continue;
-    out[worker] = std::strtod(line.c_str() + close + 1, nullptr);
+    out.insert_or_assign(worker, std::strtod(line.c_str() + close + 1, nullptr));
   }
   return out;
 }

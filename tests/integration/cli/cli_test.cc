@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/skip.h"
+
 namespace {
 
 struct RunResult {
@@ -132,7 +134,7 @@ TEST(CliArgsTest, SimCalibrateRefusesBadProbeRounds) {
 TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
   const std::string model =
       std::string(KVRELAY_CLI_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!std::ifstream(model)) GTEST_SKIP() << "no model at " << model;
+  if (!std::ifstream(model)) KVRELAY_SKIP_OR_FAIL() << "no model at " << model;
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(fd, 0);
   sockaddr_in addr{};
@@ -180,7 +182,7 @@ std::string RunMerged(const std::string& command) {
 }
 
 TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
-  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
   const std::string merged =
       RunMerged(kCli + " generate --model " + Model() + " --prompt Hello --max-tokens 8");
   const size_t stats = merged.find("[1 prompt tokens, 8 generated");
@@ -192,7 +194,7 @@ TEST(CliGenerateTest, StatisticsAreOnALineOfTheirOwn) {
 // #18: special-token text in a raw --prompt is parsed as llama.cpp does
 // (<|im_start|> is one token), and --no-special keeps it text.
 TEST(CliGenerateTest, RawPromptParsesSpecialTokensUnlessNoSpecial) {
-  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
   auto prompt_ids = [&](const std::string& flags) {
     RunResult r = RunCmd(kCli + " generate --model " + Model() +
                          " --prompt '<|im_start|>user' --max-tokens 1 --json " + flags);
@@ -217,7 +219,7 @@ TEST(CliGenerateTest, RawPromptParsesSpecialTokensUnlessNoSpecial) {
 // The answer alone on stdout; every log line (the launcher's and its
 // children's) on stderr.
 TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
-  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
   RunResult r =
       // serve.sh's topology (a TP = 2 decode group): its stop must be quiet too.
       RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --tp 2 --model " +
@@ -246,7 +248,7 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
 // output lengths, the report's per-request rows in trace order. A malformed
 // trace is an error before anything is sent.
 TEST(CliBenchServeTest, TraceReplaysArrivalsAndLengths) {
-  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
   const std::string dir = ::testing::TempDir();
   const std::string trace = dir + "/cli_trace.csv", report = dir + "/cli_trace.json";
   {
@@ -305,7 +307,7 @@ test -n "$U" || { echo "no cluster ready line in $L" >&2; exit 1; }
 // KIVI pools stage partial blocks in f32 carved from the pool; perplexity
 // sizes the pool for that (before: "KV pool exhausted" for kivi4 and kivi2).
 TEST(CliPerplexityTest, WorksWithEveryKvDtypeIncludingKivi) {
-  if (!std::ifstream(Model())) GTEST_SKIP() << "no model at " << Model();
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
   const std::string text =
       std::string(KVRELAY_CLI_SOURCE_DIR) + "/tests/data/kjv_genesis_exodus.txt";
   double f32 = 0;

@@ -36,6 +36,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "tests/testing/openai_client_report.h"
+#include "tests/testing/skip.h"
 #include "tests/testing/test_env.h"
 #include "tests/testing/worker_metrics.h"
 
@@ -364,7 +365,8 @@ class ClusterTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ref_ = GetReference();
-    if (ref_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (ref_ == nullptr)
+      KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   }
 
   // Every GreedyPrompts() output through the cluster equals the engine's.
@@ -747,7 +749,7 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
   };
   std::string log;
   if (env_venv == nullptr && kvrelay::testing::EnsureOpenAiVenv(venv, &log) != 0) {
-    GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
+    KVRELAY_SKIP_OR_FAIL() << "cannot create a venv with the openai client: " << log;
   }
   coordinator::HttpCallSpec models;
   models.port = port_;
@@ -760,7 +762,8 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
   int rc = run("'" + venv + "/bin/python' '" + script +
                    "' http://127.0.0.1:" + std::to_string(port_) + "/v1 '" + name + "'",
                &out);
-  if (rc != 0 && out.find("No module named 'openai'") != std::string::npos) GTEST_SKIP() << out;
+  if (rc != 0 && out.find("No module named 'openai'") != std::string::npos)
+    KVRELAY_SKIP_OR_FAIL() << out;
   ASSERT_EQ(rc, 0) << out;
   json j = json::parse(out);
   // The completion equals the engine's greedy continuation (same 8-token budget,
@@ -1067,7 +1070,8 @@ TEST_F(ClusterTest, RequestsOfAFrozenPrefillWorkerAreReRun) {
 // deploy/mpirun/launch.sh: coordinator + 1 prefill + 1 decode group of TP = 2
 // under mpirun (4 MPI ranks, MPMD).
 TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
-  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun not found";
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0)
+    KVRELAY_SKIP_OR_FAIL() << "mpirun not found";
   auto http = deploy::PickFreePort();
   auto control = deploy::PickFreePort();
   ASSERT_TRUE(http.ok() && control.ok());
@@ -1216,7 +1220,7 @@ std::unique_ptr<GemmaLongPrompt> MakeGemmaLongPrompt(std::string* skip) {
 TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
   std::string skip;
   auto gemma = MakeGemmaLongPrompt(&skip);
-  if (gemma == nullptr && !skip.empty()) GTEST_SKIP() << skip;
+  if (gemma == nullptr && !skip.empty()) KVRELAY_SKIP_OR_FAIL() << skip;
   ASSERT_NE(gemma, nullptr);
   const std::string& model_path = gemma->model_path;
   Reference& ref = gemma->ref;
@@ -1329,7 +1333,7 @@ TEST(Gemma3Cluster, LongPromptPastTheWindowMatchesEngine) {
 TEST(Gemma3Cluster, PrefixStoreKeepsKvGroupsAndServesTheWindowFromDiskAfterARestart) {
   std::string skip;
   auto gemma = MakeGemmaLongPrompt(&skip);
-  if (gemma == nullptr && !skip.empty()) GTEST_SKIP() << skip;
+  if (gemma == nullptr && !skip.empty()) KVRELAY_SKIP_OR_FAIL() << skip;
   ASSERT_NE(gemma, nullptr);
   const engine::KvCacheGroups& groups = gemma->ref.engine->kv_groups();
   const int B = gemma->eo.block_tokens;

@@ -23,6 +23,7 @@
 #include "coordinator/server.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/skip.h"
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::coordinator {
@@ -92,7 +93,8 @@ class FaultInjectingBackend : public Backend {
 
 TEST(HttpConformanceTest, EveryRouteAndErrorThroughH11OnOneConnection) {
   const std::string path = SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!fs::exists(path)) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  if (!fs::exists(path))
+    KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   const std::string venv = BinaryDir() + "/h11-venv";
   std::string log;
   if (!fs::exists(venv + "/bin/python") ||
@@ -101,7 +103,7 @@ TEST(HttpConformanceTest, EveryRouteAndErrorThroughH11OnOneConnection) {
     if (RunCommand(
             "python3 -m venv '" + venv + "' 2>&1 && '" + venv + "/bin/pip' install -q h11 2>&1",
             &log) != 0) {
-      GTEST_SKIP() << "cannot install h11 from PyPI into a venv: " << log;
+      KVRELAY_SKIP_OR_FAIL() << "cannot install h11 from PyPI into a venv: " << log;
     }
   }
 

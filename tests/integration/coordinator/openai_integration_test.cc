@@ -17,6 +17,7 @@
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tests/testing/openai_client_report.h"
+#include "tests/testing/skip.h"
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::coordinator {
@@ -70,7 +71,8 @@ class OpenAiIntegrationTest : public ::testing::Test {
     model_.reset();
   }
   void SetUp() override {
-    if (server_ == nullptr) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (server_ == nullptr)
+      KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   }
 
   static HttpCallResult Post(const std::string& target, const json& body) {
@@ -145,13 +147,14 @@ TEST_F(OpenAiIntegrationTest, OfficialPythonClient) {
   const std::string venv = BinaryDir() + "/openai-venv";
   std::string log;
   if (EnsureOpenAiVenv(venv, &log) != 0) {
-    GTEST_SKIP() << "cannot create a venv with the openai client: " << log;
+    KVRELAY_SKIP_OR_FAIL() << "cannot create a venv with the openai client: " << log;
   }
   std::string out;
   std::string script = SourceDir() + "/tests/integration/coordinator/openai_client_check.py";
   std::string url = "http://127.0.0.1:" + std::to_string(server_->port()) + "/v1";
   int rc = RunCommand("'" + venv + "/bin/python' '" + script + "' " + url + " smollm2", &out);
-  if (rc != 0 && out.find("No module named 'openai'") != std::string::npos) GTEST_SKIP() << out;
+  if (rc != 0 && out.find("No module named 'openai'") != std::string::npos)
+    KVRELAY_SKIP_OR_FAIL() << out;
   ASSERT_EQ(rc, 0) << out;
   json j = json::parse(out);
   auto expected = codec_->Encode("The capital of France is", true);

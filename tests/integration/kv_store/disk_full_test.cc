@@ -18,6 +18,7 @@
 #include <filesystem>
 
 #include "kv_store/rocksdb_tier.h"
+#include "tests/testing/skip.h"
 #include "tests/unit/kv_store/test_blocks.h"
 
 namespace kvrelay::kv_store {
@@ -71,7 +72,7 @@ RocksDbTier::Options Opts(const fs::path& dir) {
 
 TEST(KvStoreDiskFullTest, AFullTmpfsFailsWritesSoftlyAndTheRestartOpensReadOnly) {
   ScopedTmpfs tmpfs("24m");
-  if (!tmpfs.mounted()) GTEST_SKIP() << "cannot mount a tmpfs (" << tmpfs.error() << ")";
+  if (!tmpfs.mounted()) KVRELAY_SKIP_OR_FAIL() << "cannot mount a tmpfs (" << tmpfs.error() << ")";
 
   std::vector<uint64_t> durable;
   {

@@ -12,6 +12,8 @@
 #include <sstream>
 #include <string>
 
+#include "tests/testing/skip.h"
+
 #ifndef KVRELAY_RESTART_CHILD
 #error "KVRELAY_RESTART_CHILD must name the child executable"
 #endif
@@ -51,7 +53,7 @@ std::string Field(const std::string& text, const std::string& key) {
 TEST(KvStoreRestartTest, RestoredPrefixGeneratesTheSameTokensAsAFreshComputation) {
   const char* src = std::getenv("KVRELAY_SOURCE_DIR");
   const fs::path model = fs::path(src ? src : ".") / "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!fs::exists(model)) GTEST_SKIP() << "model not found: " << model;
+  if (!fs::exists(model)) KVRELAY_SKIP_OR_FAIL() << "model not found: " << model;
   const fs::path dir =
       fs::temp_directory_path() / ("kvstore_restart_" + std::to_string(::getpid()));
   fs::remove_all(dir);

@@ -38,6 +38,7 @@
 #include "engine/runtime/model.h"
 #include "kv_store/rocksdb_tier.h"
 #include "kv_store/tiered_cache.h"
+#include "tests/testing/skip.h"
 
 namespace kvrelay::kv_store {
 namespace {
@@ -60,7 +61,7 @@ class RestoreRaceTest : public ::testing::Test {
   void SetUp() override {
     const char* src = std::getenv("KVRELAY_SOURCE_DIR");
     model_path_ = (fs::path(src ? src : ".") / "models/SmolLM2-135M-Instruct.Q4_1.gguf").string();
-    if (!fs::exists(model_path_)) GTEST_SKIP() << "model not found: " << model_path_;
+    if (!fs::exists(model_path_)) KVRELAY_SKIP_OR_FAIL() << "model not found: " << model_path_;
     dir_ = fs::temp_directory_path() / ("kvstore_race_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     // The "run before the restart": compute the three prompts and write their

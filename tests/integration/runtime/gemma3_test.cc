@@ -50,6 +50,7 @@
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/skip.h"
 #include "tests/unit/runtime/forward_test_util.h"
 
 namespace kvrelay::engine {
@@ -95,8 +96,9 @@ bool NoAvx2() { return !KernelPathSupported(KernelPath::kAvx2); }
   do {                                                                                      \
     ASSERT_TRUE((f).error.empty()) << (f).error;                                            \
     if ((f).model == nullptr) {                                                             \
-      GTEST_SKIP() << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh " \
-                      "gemma3-270m (scripts/test.sh does) to run the Gemma 3 tests";        \
+      KVRELAY_SKIP_OR_FAIL()                                                                \
+          << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh "          \
+             "gemma3-270m (scripts/test.sh does) to run the Gemma 3 tests";                 \
     }                                                                                       \
     ASSERT_FALSE((f).ref.is_null()) << "tests/data/llamacpp_reference_gemma3.json missing"; \
   } while (0)

@@ -13,6 +13,7 @@
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/skip.h"
 #include "tests/testing/test_env.h"
 
 namespace kvrelay::engine {
@@ -78,7 +79,8 @@ std::string PythonWithJsonschema(std::string* why) {
 
 TEST(StructuredOutputTest, EveryOutputParsesAndValidatesAcrossSchemasAndSeeds) {
   const std::string path = testing::SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!fs::exists(path)) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  if (!fs::exists(path))
+    KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   auto model = Model::Load(path);
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   std::shared_ptr<const Model> m(std::move(*model));
@@ -136,13 +138,13 @@ TEST(StructuredOutputTest, EveryOutputParsesAndValidatesAcrossSchemasAndSeeds) {
   std::ofstream(file) << cases.dump(2);
   std::string why;
   const std::string python = PythonWithJsonschema(&why);
-  if (python.empty()) GTEST_SKIP() << "no Python jsonschema package: " << why;
+  if (python.empty()) KVRELAY_SKIP_OR_FAIL() << "no Python jsonschema package: " << why;
   std::string out;
   const int rc = testing::RunCommand(python + " '" + testing::SourceDir() +
                                          "/tests/integration/runtime/validate_json_schema.py' '" +
                                          file + "' 2>&1",
                                      &out);
-  if (rc == 3) GTEST_SKIP() << out;
+  if (rc == 3) KVRELAY_SKIP_OR_FAIL() << out;
   EXPECT_EQ(rc, 0) << out;
   std::printf("%s", out.c_str());
 }
@@ -150,7 +152,8 @@ TEST(StructuredOutputTest, EveryOutputParsesAndValidatesAcrossSchemasAndSeeds) {
 // A schema the grammar does not support is refused at Submit, by name.
 TEST(StructuredOutputTest, UnsupportedSchemaIsRefusedAtSubmit) {
   const std::string path = testing::SourceDir() + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-  if (!fs::exists(path)) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+  if (!fs::exists(path))
+    KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
   EngineOptions eo;
   eo.model_path = path;
   eo.kv_capacity_bytes = 16 << 20;

@@ -21,6 +21,7 @@
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/skip.h"
 #include "tests/unit/runtime/forward_test_util.h"
 
 namespace kvrelay::engine {
@@ -316,8 +317,8 @@ TEST(TensorParallel, RefusesWhatItCannotMirror) {
 // tokens, and a sharded forward pass its logits bit for bit (kExact).
 TEST(TensorParallelGemma3, ReplicatedKvHeadMatchesOneRank) {
   if (!std::filesystem::exists(GemmaPath())) {
-    GTEST_SKIP() << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh "
-                    "gemma3-270m (scripts/test.sh does)";
+    KVRELAY_SKIP_OR_FAIL() << "models/gemma-3-270m-q4_k_m.gguf absent: run scripts/fetch-model.sh "
+                              "gemma3-270m (scripts/test.sh does)";
   }
   auto whole = LoadShard(0, 1, TpMode::kExact, GemmaPath());
   ASSERT_NE(whole, nullptr);

@@ -26,6 +26,7 @@
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"
 #include "tests/testing/greedy_cluster.h"
+#include "tests/testing/skip.h"
 #include "tests/testing/worker_metrics.h"
 
 namespace kvrelay {
@@ -87,7 +88,7 @@ class SecurityTest : public ::testing::Test {
     cluster_ = nullptr;
   }
   void SetUp() override {
-    if (!model_) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (!model_) KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
     ASSERT_NE(launcher_, nullptr);
   }
 

@@ -24,6 +24,7 @@
 #include "protocols/peer_handshake.h"
 #include "protocols/tls.h"
 #include "tests/testing/greedy_cluster.h"
+#include "tests/testing/skip.h"
 
 namespace kvrelay {
 namespace {
@@ -64,7 +65,7 @@ class TlsClusterTest : public ::testing::Test {
     if (!root_.empty()) fs::remove_all(root_, ec);
   }
   void SetUp() override {
-    if (!model_) GTEST_SKIP() << "model file not present (run scripts/fetch-model.sh)";
+    if (!model_) KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
     ASSERT_NE(launcher_, nullptr);
   }
 

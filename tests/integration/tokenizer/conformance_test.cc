@@ -14,6 +14,7 @@
 #include "engine/gguf/gguf.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
+#include "tests/testing/skip.h"
 
 namespace kvrelay::engine {
 namespace {
@@ -50,7 +51,7 @@ class ConformanceTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_NE(ref_, nullptr) << "tests/data/llamacpp_reference.json is missing";
     ASSERT_EQ(open_error_, nullptr) << *open_error_;
-    if (gguf_ == nullptr) GTEST_SKIP() << "model file absent (scripts/fetch-model.sh)";
+    if (gguf_ == nullptr) KVRELAY_SKIP_OR_FAIL() << "model file absent (scripts/fetch-model.sh)";
     auto t = Tokenizer::FromGguf(*gguf_);
     ASSERT_TRUE(t.ok()) << t.status().ToString();
     tok_ = std::move(*t);

@@ -19,6 +19,7 @@
 #include "coordinator/admission.h"
 #include "coordinator/http_client.h"
 #include "coordinator/server.h"
+#include "tests/testing/skip.h"
 #include "tests/unit/coordinator/fakes.h"
 
 namespace kvrelay::coordinator {
@@ -481,7 +482,8 @@ TEST_F(HttpEdgeTest, NoMaxTokensDefaultIsLoweredToTheKvPool) {
 // _total, every series has HELP and TYPE, names and units as it expects.
 TEST_F(HttpEdgeTest, MetricsPassPromtool) {
   if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "promtool not installed (scripts/install-deps.sh installs 'prometheus')";
+    KVRELAY_SKIP_OR_FAIL()
+        << "promtool not installed (scripts/install-deps.sh installs 'prometheus')";
   }
   StartServer();
   HttpCallSpec spec;

@@ -9,6 +9,7 @@
 
 #include "engine/gguf/fingerprint.h"
 #include "engine/gguf/gguf.h"
+#include "tests/testing/skip.h"
 
 namespace kvrelay::engine {
 namespace {
@@ -23,7 +24,7 @@ class RealModelTest : public ::testing::Test {
   void SetUp() override {
     auto f = GgufFile::Open(ModelPath());
     if (!f.ok() && f.status().code() == StatusCode::kNotFound) {
-      GTEST_SKIP() << "model not present: " << ModelPath();
+      KVRELAY_SKIP_OR_FAIL() << "model not present: " << ModelPath();
     }
     ASSERT_TRUE(f.ok()) << f.status().ToString();
     file_ = std::move(f).value();

@@ -13,6 +13,8 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -66,22 +68,21 @@ std::vector<float> RandomActs(int64_t n, uint32_t seed) {
   return x;
 }
 
-class KQuantPathTest : public ::testing::TestWithParam<GgmlType> {};
+// A vector path this CPU lacks is a skip of that (type, path) case, listed as
+// skipped by ctest and scripts/test.sh, not a silent `continue`.
+class KQuantPathTest : public ::testing::TestWithParam<std::tuple<GgmlType, KernelPath>> {};
 
 // Every vector path (AVX2, AVX-512 with its register tiles of several rows x
 // tokens) returns the scalar row-by-row bits, for odd and even row and token
 // counts, tile remainders included; and a batch returns, per token, the bits
 // of that token multiplied alone (batch invariance).
 TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
-  const GgmlType type = GetParam();
+  const auto [type, path] = GetParam();
+  if (!KernelPathSupported(path)) GTEST_SKIP() << "CPU (or OS) without " << KernelPathName(path);
   const int64_t be = BlockElems(type);
   ThreadPool pool(2, "kq");
   uint32_t seed = 7;
-  for (const KernelPath path : {KernelPath::kAvx2, KernelPath::kAvx512}) {
-    if (!KernelPathSupported(path)) {
-      std::printf("[ SKIPPED  ] %s: CPU without it\n", std::string(KernelPathName(path)).c_str());
-      continue;
-    }
+  {
     for (const auto& [rows, cols, tokens] : std::vector<std::array<int64_t, 3>>{{1, be, 1},
                                                                                 {9, 3 * be, 5},
                                                                                 {65, 4 * be, 1},
@@ -115,9 +116,14 @@ TEST_P(KQuantPathTest, VectorPathsEqualScalarBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, KQuantPathTest,
-                         ::testing::Values(GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_0),
-                         [](const auto& info) { return std::string(GgmlTypeName(info.param)); });
+INSTANTIATE_TEST_SUITE_P(
+    TypesAndPaths, KQuantPathTest,
+    ::testing::Combine(::testing::Values(GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kQ5_0),
+                       ::testing::Values(KernelPath::kAvx2, KernelPath::kAvx512)),
+    [](const auto& info) {
+      return std::string(GgmlTypeName(std::get<0>(info.param))) + "_" +
+             std::string(KernelPathName(std::get<1>(info.param)));
+    });
 
 TEST(Q8K, QuantizesAsGgml) {
   // One block whose largest magnitude is negative: iscale = -127 / max > 0.
@@ -187,18 +193,22 @@ TEST(Q4K, HandBlock) {
   }
 }
 
-std::vector<const kernels::KQuantKernels*> VectorTables() {
-  std::vector<const kernels::KQuantKernels*> tables;
-  if (KernelPathSupported(KernelPath::kAvx2)) tables.push_back(&kernels::Avx2KQuantKernels());
-  if (KernelPathSupported(KernelPath::kAvx512)) tables.push_back(&kernels::Avx512KQuantKernels());
-  return tables;
-}
+// One vector table per test case: a table this CPU cannot run is a skip of
+// that case (the AVX-512 half on an AVX2-only host), never dropped silently.
+class KQuantTables : public ::testing::TestWithParam<KernelPath> {
+ protected:
+  std::vector<const kernels::KQuantKernels*> VectorTables() const {
+    if (!KernelPathSupported(GetParam())) return {};
+    return {GetParam() == KernelPath::kAvx512 ? &kernels::Avx512KQuantKernels()
+                                              : &kernels::Avx2KQuantKernels()};
+  }
+};
 
 // Every vector table against the scalar one, called directly (MatMul picks
 // only the best table of the CPU).
-TEST(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
+TEST_P(KQuantTables, EveryVectorTableEqualsScalarForQ5_0) {
   const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
-  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  if (tables.empty()) GTEST_SKIP() << "CPU (or OS) without " << KernelPathName(GetParam());
   const int64_t rows = 13, cols = 32 * 11, tokens = 7;
   std::vector<uint8_t> bytes = RandomBytes(GgmlType::kQ5_0, rows, cols, 99);
   const std::vector<float> x = RandomActs(tokens * cols, 100);
@@ -239,9 +249,9 @@ Q8KBuffers QuantizeQ8K(const std::vector<float>& x, int64_t tokens, int64_t cols
 // and block sums: random blocks, a zero block, a block whose largest
 // magnitude occurs twice with opposite signs (the first one's sign counts),
 // and values on the rounding ties of iscale * x.
-TEST(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
+TEST_P(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
   const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
-  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  if (tables.empty()) GTEST_SKIP() << "CPU (or OS) without " << KernelPathName(GetParam());
   const int64_t tokens = 5, cols = 256 * 3;
   std::vector<float> x = RandomActs(tokens * cols, 31);
   std::fill(x.begin() + cols, x.begin() + cols + 256, 0.0f);  // token 1, block 0
@@ -266,9 +276,9 @@ TEST(KQuantTables, EveryVectorQuantizerEqualsScalarQ8K) {
 
 // The same for Q4_K and Q6_K, every table and the scalar one (the AVX-512
 // table's batched tiles fall back to AVX2 for small calls; KVRELAY_KERNELS picks among these).
-TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
+TEST_P(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
   const std::vector<const kernels::KQuantKernels*> tables = VectorTables();
-  if (tables.empty()) GTEST_SKIP() << "CPU without AVX2";
+  if (tables.empty()) GTEST_SKIP() << "CPU (or OS) without " << KernelPathName(GetParam());
   const int64_t rows = 11, cols = 256 * 5, tokens = 9;
   const std::vector<float> x = RandomActs(tokens * cols, 7);
   const Q8KBuffers a = QuantizeQ8K(x, tokens, cols);
@@ -297,6 +307,10 @@ TEST(KQuantTables, EveryVectorTableEqualsScalarForQ4KAndQ6K) {
 // The float order of the K-quant dots is llama.cpp's for a prompt pass
 // (kquant.h): written out here from the block layout, step by step, and
 // compared bit for bit (the two orders it replaced differ on these data).
+INSTANTIATE_TEST_SUITE_P(Paths, KQuantTables,
+                         ::testing::Values(KernelPath::kAvx2, KernelPath::kAvx512),
+                         [](const auto& info) { return std::string(KernelPathName(info.param)); });
+
 TEST(KQuantOrder, Q4KAndQ6KSumAsGgmlsPromptPass) {
   const int64_t cols = 256 * 4, rows = 6, tokens = 3;
   const std::vector<float> x = RandomActs(tokens * cols, 21);
