@@ -130,6 +130,31 @@ TEST(ApiCompatToolsTest, FragmentsNeverReachTheContent) {
   EXPECT_EQ(s.tool_calls[0]["function"]["arguments"], R"({"a":1})");
 }
 
+// tool_choice "auto" on outputs SmolLM2-135M-Instruct.Q4_1 wrote (greedy,
+// 2026-12-04): with a call in the history it calls again; on a first question
+// it once echoed the function's description as bare JSON, which is no call.
+TEST(ApiCompatToolsTest, RecordedModelOutputs) {
+  ToolCallSplit s = SplitToolCalls(
+      "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Rome\"}}\n</tool_call>",
+      ToolChoice::kAuto, "x");
+  EXPECT_TRUE(s.content.is_null());
+  ASSERT_EQ(s.tool_calls.size(), 1u);
+  EXPECT_EQ(s.tool_calls[0]["function"]["name"], "get_weather");
+  EXPECT_EQ(s.tool_calls[0]["function"]["arguments"], R"({"city":"Rome"})");
+  // Cut by max_tokens 12: no call, and nothing of it in the content.
+  s = SplitToolCalls("<tool_call>\n{\"name\":\"get_weather\",\"arg", ToolChoice::kAuto, "x");
+  EXPECT_EQ(s.content, "");
+  EXPECT_TRUE(s.tool_calls.is_null());
+  const std::string echoed =
+      "{\"name\":\"get_weather\",\"description\":\"Get the current weather in Tokyo\","
+      "\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},"
+      "\"required\":[\"city\"]}}\n\nThe function is returning a JSON object with the current "
+      "weather in Tokyo.";
+  s = SplitToolCalls(echoed, ToolChoice::kAuto, "x");
+  EXPECT_EQ(s.content, echoed);
+  EXPECT_TRUE(s.tool_calls.is_null());
+}
+
 // --- the server ---
 
 class ApiCompatServerTest : public ::testing::Test {
