@@ -35,9 +35,12 @@ if(NOT KVRELAY_MINIMAL_GPU)
   target_include_directories(kvrelay_rocksdb INTERFACE ${ROCKSDB_INCLUDE_DIR})
   target_link_libraries(kvrelay_rocksdb INTERFACE ${ROCKSDB_LIBRARY})
 
-  find_package(nlohmann_json 3 QUIET)
-  kvrelay_require(nlohmann_json_FOUND "nlohmann-json" "nlohmann-json3-dev")
 endif()
+
+# Header-only; the engine's grammar needs it in every configuration, the
+# minimal GPU build included (--prepare carries the headers and CMake files).
+find_package(nlohmann_json 3 QUIET)
+kvrelay_require(nlohmann_json_FOUND "nlohmann-json" "nlohmann-json3-dev")
 
 find_path(XXHASH_INCLUDE_DIR xxhash.h)
 find_library(XXHASH_LIBRARY xxhash)

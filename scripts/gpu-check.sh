@@ -7,6 +7,8 @@
 #        OpenSSL/xxHash archives and headers the minimal build needs into
 #        build-gpu-deps/ (carry that folder to the GPU machine) and check that
 #        the minimal configuration configures and compiles (build-gpu/)
+#   scripts/gpu-check.sh --dry-run   (here, after --prepare) the tool starts,
+#        refuses without a GPU (exit 3), generates a synthetic model; CI runs it
 #   scripts/gpu-check.sh             (on the GPU machine) build the minimal
 #        configuration, generate the synthetic models, run every check
 #
@@ -67,10 +69,36 @@ if [ "${1:-}" = "--prepare" ]; then
   cp -r /usr/include/openssl "$DEPS/include/"
   cp /usr/include/x86_64-linux-gnu/openssl/*.h "$DEPS/include/openssl/" 2>/dev/null || true
   cp /usr/include/xxhash.h "$DEPS/include/"
+  # nlohmann-json (header-only, the engine's grammar): headers + its CMake package.
+  rm -rf "$DEPS/include/nlohmann" "$DEPS/share/cmake/nlohmann_json"
+  [ -d /usr/include/nlohmann ] || { echo "gpu-check --prepare: nlohmann-json not found (apt-get install nlohmann-json3-dev)"; exit 1; }
+  cp -r /usr/include/nlohmann "$DEPS/include/"
+  mkdir -p "$DEPS/share/cmake"
+  cp -r /usr/share/cmake/nlohmann_json "$DEPS/share/cmake/"
   du -sh "$DEPS"
   configure_and_build || { say "FAIL: the minimal configuration does not build"; exit 1; }
   ls -la "$BUILD/tests/gpu/kvrelay_gpu_check"
   say "prepared: carry build-gpu-deps/ to the GPU machine (run with carry=[\"build-gpu-deps\"])"
+  exit 0
+fi
+
+if [ "${1:-}" = "--dry-run" ]; then
+  # Here, without a GPU, after --prepare: what of the run can be checked on
+  # the CPU is checked (the tool starts, finds no device and says so with exit
+  # 3; the default shape's synthetic model is generated), and the GPU steps
+  # are listed. Measures and records nothing.
+  BIN=$BUILD/tests/gpu/kvrelay_gpu_check
+  [ -x "$BIN" ] || { say "FAIL: $BIN is not built (run scripts/gpu-check.sh --prepare first)"; exit 1; }
+  "$BIN" probe
+  rc=$?
+  if [ $rc -eq 0 ]; then say "a GPU is present: run scripts/gpu-check.sh without --dry-run"; exit 0; fi
+  [ $rc -eq 3 ] || { say "FAIL: probe exited $rc (expected 3, no GPU)"; exit 1; }
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$BIN" gen --shape default --layers 2 --out "$tmp/default.gguf" || { say "FAIL: gen"; exit 1; }
+  [ -s "$tmp/default.gguf" ] || { say "FAIL: gen wrote no model"; exit 1; }
+  say "dry run ok: the tool runs, refuses without a GPU, generates models; on a GPU it runs:"
+  say "  gen default/7B, agree default/7B, bench default/7B, sample, ipc, nccl1"
   exit 0
 fi
 
