@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <span>
@@ -36,6 +37,35 @@ UnitRange Split(int units, int size, int rank) {
   r.begin = rank * base + std::min(rank, extra);
   r.end = r.begin + base + (rank < extra ? 1 : 0);
   return r;
+}
+
+// Kernel families whose share of a step `kvrelay_gpu_check bench` measures:
+// with KVRELAY_CUDA_DOUBLE=<name> (read every step) every launch of that
+// family is enqueued twice, so the step grows by the family's cost. The
+// step's outputs are then meaningless; timing only.
+enum class Family {
+  kNone,
+  kMatMul,
+  kQuantize,
+  kNorm,
+  kRope,
+  kKvWrite,
+  kAttention,
+  kSwiGlu,
+  kEmbed
+};
+Family DoubledFamily() {
+  const char* e = std::getenv("KVRELAY_CUDA_DOUBLE");
+  if (e == nullptr) return Family::kNone;
+  static const std::pair<const char*, Family> kNames[] = {
+      {"matmul", Family::kMatMul},    {"quantize", Family::kQuantize},
+      {"norm", Family::kNorm},        {"rope", Family::kRope},
+      {"kv_write", Family::kKvWrite}, {"attention", Family::kAttention},
+      {"swiglu", Family::kSwiGlu},    {"embed", Family::kEmbed}};
+  for (const auto& [name, f] : kNames) {
+    if (std::strcmp(e, name) == 0) return f;
+  }
+  return Family::kNone;
 }
 
 struct DevLayer {
@@ -100,7 +130,11 @@ class CudaBackend final : public ComputeBackend {
                        float* full);
   Status AllReduce(float* data, int64_t n);
 
+  // Launches of family f per step: 2 for the doubled family, else 1.
+  int Reps(Family f) const { return f == doubled_ ? 2 : 1; }
+
   ComputeBackendOptions options_;
+  Family doubled_ = Family::kNone;  // set at the start of each Run
   const Model& model_;
   KvBlockPool* pool_;
   TpCollective* collective_ = nullptr;
@@ -335,6 +369,13 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
     }
     LaunchFloatToHalf(x, T * w.cols, xh_.as<__half>(), s);
     const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    for (int rep = 1; rep < Reps(Family::kMatMul); ++rep) {
+      KVR_CUBLAS_RETURN(cublasGemmEx(
+          cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(T),
+          static_cast<int>(w.cols), &alpha, wf16, CUDA_R_16F, static_cast<int>(w.cols), xh_.get(),
+          CUDA_R_16F, static_cast<int>(w.cols), &beta, y, CUDA_R_32F, static_cast<int>(w.rows),
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
     KVR_CUBLAS_RETURN(cublasGemmEx(
         cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(w.rows), static_cast<int>(T),
         static_cast<int>(w.cols), &alpha, wf16, CUDA_R_16F, static_cast<int>(w.cols), xh_.get(),
@@ -346,10 +387,11 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
   // xq_ holds T * max(d_model, q_dim, ffn_dim) activations (Run reserves it).
   const DevQ8 q = Q8();
   if (math::QuantizedActivationType(w.type) && !*xq_ready) {
-    LaunchQuantizeQ8(x, T, w.cols, q, s);
+    for (int rep = 0; rep < Reps(Family::kQuantize); ++rep) LaunchQuantizeQ8(x, T, w.cols, q, s);
     *xq_ready = true;
   }
-  LaunchGemv(w, x, q, T, bias, accumulate, y, s);
+  for (int rep = 0; rep < Reps(Family::kMatMul); ++rep)
+    LaunchGemv(w, x, q, T, bias, accumulate, y, s);
   return Status::Ok();
 }
 
@@ -460,6 +502,7 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   }
   // The device is per host thread; steps may run on another thread than Init.
   KVR_CUDA_RETURN(cudaSetDevice(options_.device.index));
+  doubled_ = DoubledFamily();
   const int B = kl.block_tokens;
   // Validation: the CPU ForwardPass's rules and messages.
   ASSIGN_OR_RETURN(const StepShape shape, CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
@@ -600,14 +643,16 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   float* xn = xn_.as<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   auto enqueue = [&]() -> Status {
-    LaunchEmbed(embd_, d_tokens, T, x, st);
+    for (int rep = 0; rep < Reps(Family::kEmbed); ++rep) LaunchEmbed(embd_, d_tokens, T, x, st);
     for (int l = 0; l < L; ++l) {
       const DevLayer& w = layers_[l];
       // RMSNorm + q8 in one kernel when the Q projection reads q8.
       const DevQ8 nq = Q8();
       const bool qkv_stacked = w.wqkv.data != nullptr;
       bool xq = ReadsQ8(qkv_stacked ? w.wqkv : w.wq, T);
-      LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, xq ? &nq : nullptr, st);
+      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+        LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, xq ? &nq : nullptr, st);
+      }
       float *qp = q_.as<float>(), *kp = k_.as<float>(), *vp = v_.as<float>();
       int64_t ldq = qd, ldkv = kvd;
       if (qkv_stacked) {
@@ -620,10 +665,14 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
         RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, kp, &xq));
         RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, vp, &xq));
       }
-      LaunchRope(qp, kp, ldq, ldkv, d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim,
-                 c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
+      for (int rep = 0; rep < Reps(Family::kRope); ++rep) {
+        LaunchRope(qp, kp, ldq, ldkv, d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim,
+                   c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
+      }
       if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
-      LaunchWriteKv(kv, l, kp, vp, ldkv, d_seq, d_pos, T, st);
+      for (int rep = 0; rep < Reps(Family::kKvWrite); ++rep) {
+        LaunchWriteKv(kv, l, kp, vp, ldkv, d_seq, d_pos, T, st);
+      }
       if (mirror) {
         float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
         KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash, kvd * f, kp, ldkv * f, kvd * f, T,
@@ -634,9 +683,11 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       // The merge quantizes the attention output for the output projection
       // (not under kExact TP, whose projection input is gathered first).
       bool aq = !exact_tp && ReadsQ8(w.wo, T);
-      LaunchAttention(kv, l, qp, ldq, d_seq, d_pos, T, c.n_heads, c.sliding_window, scale, max_len,
-                      split_tokens, partials_.as<float>(), attn_.as<float>(), aq ? &nq : nullptr,
-                      st);
+      for (int rep = 0; rep < Reps(Family::kAttention); ++rep) {
+        LaunchAttention(kv, l, qp, ldq, d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
+                        max_len, split_tokens, partials_.as<float>(), attn_.as<float>(),
+                        aq ? &nq : nullptr, st);
+      }
       if (exact_tp) {
         RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>())
                             .WithContext("attention"));
@@ -650,7 +701,9 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       }
       const bool stacked = w.gate_up.data != nullptr;
       bool fq = ReadsQ8(stacked ? w.gate_up : w.gate, T);
-      LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, fq ? &nq : nullptr, st);
+      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+        LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, fq ? &nq : nullptr, st);
+      }
       const int64_t n_ffn = c.ffn_dim;
       const float *g_in = up_.as<float>(), *u_in = up_.as<float>() + n_ffn;
       int64_t ld_ffn = 2 * n_ffn;
@@ -666,7 +719,9 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       // SwiGLU + the down projection's q8 input in one kernel (not under
       // kExact TP, whose down input is the gathered full width).
       bool dq = !exact_tp && ReadsQ8(w.down, T);
-      LaunchSwiGlu(g_in, u_in, ld_ffn, T, n_ffn, gate_.as<float>(), dq ? &nq : nullptr, st);
+      for (int rep = 0; rep < Reps(Family::kSwiGlu); ++rep) {
+        LaunchSwiGlu(g_in, u_in, ld_ffn, T, n_ffn, gate_.as<float>(), dq ? &nq : nullptr, st);
+      }
       if (exact_tp) {
         RETURN_IF_ERROR(
             GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
@@ -683,7 +738,9 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     if (R > 0) {
       const DevQ8 oq = Q8();
       bool lq = ReadsQ8(lm_head_, R);
-      LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, lq ? &oq : nullptr, st);
+      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+        LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, lq ? &oq : nullptr, st);
+      }
       RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
       RETURN_IF_ERROR(MatMul(lm_head_, xn, R, nullptr, false, logits_.as<float>(), &lq));
       RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
@@ -708,7 +765,8 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   if (graphable) {
     key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
           std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" +
-          std::to_string(split_tokens) + "/" + std::to_string(mirror);
+          std::to_string(split_tokens) + "/" + std::to_string(static_cast<int>(doubled_)) + "/" +
+          std::to_string(mirror);
     for (const void* p :
          {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(), gate_.get(),
           up_.get(), partials_.get(), logits_.get(), kv_stash_.get(), xq_q_.get(), xq_d_.get(),

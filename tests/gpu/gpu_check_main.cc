@@ -7,6 +7,7 @@
 //         [--max-dlogit-prefill 1.5]
 //   bench --model PATH [--batches 1,16,64,256] [--prompt 64] [--steps 16]
 //         [--prefill 512] [--hbm-tbps 4.8] [--kv f16|f32] [--gemm-min-tokens 32] [--mirror]
+//         [--shares 1,16]              each kernel family's share of a decode step
 //   sample                         device sampler vs the CPU Sampler
 //   ipc [--mib 64]                 cuda_ipc between this process and a child
 //   nccl1                          a 1-rank NCCL communicator and the nccl transport
@@ -414,6 +415,82 @@ int Bench(const Args& a) {
         batch1 > 0 && b > 1
             ? (" (" + std::to_string(tps / batch1).substr(0, 5) + "x batch 1)").c_str()
             : "");
+    for (auto& t : tables) {
+      for (BlockId id : t) pool->get()->Release(id);
+    }
+  }
+  // Each kernel family's share of a decode step: the backend enqueues every
+  // launch of the family named by KVRELAY_CUDA_DOUBLE twice, and the step's
+  // growth over the plain step is the family's cost (graphs replay as usual).
+  std::vector<int64_t> share_batches;
+  {
+    std::string s = a.Get("shares", "1,16");
+    for (size_t p = 0; p < s.size();) {
+      const size_t q = s.find(',', p);
+      const int64_t b = std::atoll(s.substr(p, q - p).c_str());
+      if (b > 0 && b <= max_b) share_batches.push_back(b);
+      p = q == std::string::npos ? s.size() : q + 1;
+    }
+  }
+  for (int64_t b : share_batches) {
+    std::vector<std::vector<BlockId>> tables;
+    std::vector<SeqStep> prompts;
+    std::vector<std::vector<int32_t>> prompt_tokens;
+    for (int64_t s = 0; s < b; ++s) {
+      auto t = AllocBlocks(pool->get(), per_seq);
+      if (!t.ok()) return Fail(t.status(), "bench: share blocks");
+      tables.push_back(std::move(*t));
+      prompt_tokens.push_back(RandomTokens(P, vocab, 2000 + s));
+    }
+    ForwardOutput out;
+    for (int64_t s = 0; s < b; ++s) {
+      SeqStep q = MakeSeqStep(tables[s], 0, prompt_tokens[s], LogitRows::kNone);
+      Status st = (*gpu)->Run(std::span<const SeqStep>(&q, 1), &out);
+      if (!st.ok()) return Fail(st, "bench: share prefill");
+    }
+    // Median step over `steps` decode steps at the same positions each time.
+    auto measure = [&](const char* family) -> Result<double> {
+      if (family == nullptr) {
+        unsetenv("KVRELAY_CUDA_DOUBLE");
+      } else {
+        setenv("KVRELAY_CUDA_DOUBLE", family, 1);
+      }
+      std::vector<double> times;
+      std::vector<std::vector<int32_t>> next(b, std::vector<int32_t>(1, 1));
+      for (int64_t step = 0; step < warm + steps; ++step) {
+        std::vector<SeqStep> seqs;
+        for (int64_t s = 0; s < b; ++s) {
+          next[s][0] = static_cast<int32_t>((s * 31 + step * 7) % vocab);
+          seqs.push_back(MakeSeqStep(tables[s], P + step, next[s], LogitRows::kLast));
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        RETURN_IF_ERROR((*gpu)->Run(seqs, &out));
+        if (step >= warm) {
+          times.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+      }
+      return Median(times);
+    };
+    auto base = measure(nullptr);
+    if (!base.ok()) return Fail(base.status(), "bench: share base");
+    std::string line;
+    double total = 0;
+    for (const char* family :
+         {"matmul", "quantize", "norm", "rope", "kv_write", "attention", "swiglu", "embed"}) {
+      auto t = measure(family);
+      if (!t.ok()) return Fail(t.status(), "bench: share");
+      const double share = std::max(0.0, (*t - *base) / *base);
+      total += share;
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "  %s %.1f%%", family, 100.0 * share);
+      line += buf;
+    }
+    unsetenv("KVRELAY_CUDA_DOUBLE");
+    std::printf(
+        "step shares, decode batch %lld (step %.3f ms):%s  (sum %.1f%%; the rest is "
+        "launch gaps, copies and the host)\n",
+        static_cast<long long>(b), *base * 1e3, line.c_str(), 100.0 * total);
     for (auto& t : tables) {
       for (BlockId id : t) pool->get()->Release(id);
     }
