@@ -99,6 +99,10 @@ std::string_view MissReasonName(MissReason r) {
       return "tokens";
     case MissReason::kExpired:
       return "expired";
+    case MissReason::kAuth:
+      return "auth";
+    case MissReason::kUnsealed:
+      return "unsealed";
     case MissReason::kCount:
       break;
   }
@@ -171,6 +175,13 @@ Result<std::string> EncodeBlock(const BlockMeta& meta, const engine::KvBlockPool
   layers.reserve(static_cast<size_t>(meta.layout.layers));
   for (int i = 0; i < meta.layout.layers; ++i) layers.push_back(pool.LayerData(block, i));
   return EncodeBlock(meta, layers);
+}
+
+bool PeekTenantSaltHash(std::string_view encoded, Sha256Digest* out) {
+  if (encoded.size() < kFixedHeaderBytes) return false;
+  if (Load<uint32_t>(encoded.data(), kOffMagic) != kBlockMagic) return false;
+  std::memcpy(out->data(), encoded.data() + kOffSalt, out->size());
+  return true;
 }
 
 DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {

@@ -28,6 +28,9 @@
 // choose their own compression (RocksDbTier stores blobs uncompressed, see
 // rocksdb_tier.h for why).
 //
+// In the disk tier every block is sealed (AES-256-GCM, block_seal.h) when the
+// worker has a cluster key: the bytes above are the plaintext of that envelope.
+//
 // Decoding always takes the caller's expectations (model, layout, tenant,
 // chain hash, tokens): a block is served only when every field matches and the
 // checksum verifies. Anything else is a MISS with a reason, never an error the
@@ -99,6 +102,10 @@ enum class MissReason : uint8_t {
   kHash,      // header's chain hash is not the key looked up
   kTokens,    // token ids differ (hash collision or a wrong key)
   kExpired,   // older than the tier's TTL
+  kAuth,      // a sealed block failed authentication (block_seal.h): another
+              // cluster key or tenant, moved to another key, or tampered
+  kUnsealed,  // a plaintext block where a sealed one is required (written
+              // before sealing, or by a process without a cluster key)
   kCount,     // number of reasons (array size)
 };
 std::string_view MissReasonName(MissReason r);
@@ -133,6 +140,10 @@ inline size_t EncodedPayloadOffset(const KvLayout& layout, bool grouped = false)
 inline size_t EncodedBlockBytes(const KvLayout& layout, bool grouped = false) {
   return EncodedPayloadOffset(layout, grouped) + static_cast<size_t>(layout.BlockBytes());
 }
+
+// The tenant salt hash in an encoded block's header, unverified (the caller
+// decodes later); false when `encoded` is too short or not a block.
+bool PeekTenantSaltHash(std::string_view encoded, Sha256Digest* out);
 
 // Verifies `encoded` against `expected` and returns its payload or the reason
 // it must not be used. Never reads outside `encoded`; never throws.

@@ -9,6 +9,7 @@
 #include <rocksdb/options.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cctype>
@@ -80,6 +81,110 @@ bool MentionsLock(const std::string& msg) {
   return lower.find("lock") != std::string::npos;
 }
 
+// Modes of everything the store creates, whatever the process umask: the
+// blocks are tenants' prompts (sealed, see block_seal.h, but private anyway).
+constexpr mode_t kPrivateDirMode = 0700;
+constexpr mode_t kPrivateFileMode = 0600;
+
+// A FileSystem that makes every file and directory RocksDB creates private
+// (files 0600, directories 0700) right after creating it. The store
+// directory is 0700 already, so no other user can open a file in the moment
+// between its creation (umask mode) and the chmod.
+class PrivateFileSystem final : public rocksdb::FileSystemWrapper {
+ public:
+  explicit PrivateFileSystem(const std::shared_ptr<rocksdb::FileSystem>& target)
+      : rocksdb::FileSystemWrapper(target) {}
+  static const char* kClassName() { return "KvrelayPrivateFileSystem"; }
+  const char* Name() const override { return kClassName(); }
+
+  rocksdb::IOStatus NewWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                    rocksdb::IODebugContext* dbg) override {
+    return Private(target()->NewWritableFile(f, o, r, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus ReopenWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                       std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                       rocksdb::IODebugContext* dbg) override {
+    return Private(target()->ReopenWritableFile(f, o, r, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus ReuseWritableFile(const std::string& f, const std::string& old_f,
+                                      const rocksdb::FileOptions& o,
+                                      std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                      rocksdb::IODebugContext* dbg) override {
+    return Private(target()->ReuseWritableFile(f, old_f, o, r, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus NewRandomRWFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSRandomRWFile>* r,
+                                    rocksdb::IODebugContext* dbg) override {
+    return Private(target()->NewRandomRWFile(f, o, r, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus NewLogger(const std::string& f, const rocksdb::IOOptions& o,
+                              std::shared_ptr<rocksdb::Logger>* r,
+                              rocksdb::IODebugContext* dbg) override {
+    return Private(target()->NewLogger(f, o, r, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus LockFile(const std::string& f, const rocksdb::IOOptions& o,
+                             rocksdb::FileLock** l, rocksdb::IODebugContext* dbg) override {
+    return Private(target()->LockFile(f, o, l, dbg), f, kPrivateFileMode);
+  }
+  rocksdb::IOStatus CreateDir(const std::string& d, const rocksdb::IOOptions& o,
+                              rocksdb::IODebugContext* dbg) override {
+    return Private(target()->CreateDir(d, o, dbg), d, kPrivateDirMode);
+  }
+  rocksdb::IOStatus CreateDirIfMissing(const std::string& d, const rocksdb::IOOptions& o,
+                                       rocksdb::IODebugContext* dbg) override {
+    return Private(target()->CreateDirIfMissing(d, o, dbg), d, kPrivateDirMode);
+  }
+
+ private:
+  static rocksdb::IOStatus Private(rocksdb::IOStatus s, const std::string& path, mode_t mode) {
+    if (s.ok() && ::chmod(path.c_str(), mode) != 0) {
+      LOG_WARNING << "kv_store: chmod " << path << ": " << std::strerror(errno);
+    }
+    return s;
+  }
+};
+
+// Creates `dir` and its missing parents, each one 0700.
+Status CreatePrivateDirectories(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> missing;
+  std::error_code ec;
+  for (std::filesystem::path p = dir; !p.empty() && !std::filesystem::exists(p, ec);
+       p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Unavailable("creating " + dir.string() + ": " + ec.message());
+  for (const std::filesystem::path& p : missing) ::chmod(p.c_str(), kPrivateDirMode);
+  return Status::Ok();
+}
+
+// Makes `root` 0700 and what is under it private (directories 0700, files
+// 0600), e.g. a store written by an older kvrelay with the umask's modes.
+// Symbolic links are neither followed nor changed. An error only when `root`
+// itself cannot be made private (another owner): its blocks would be readable.
+Status MakeTreePrivate(const std::filesystem::path& root) {
+  if (::chmod(root.c_str(), kPrivateDirMode) != 0) {
+    return FailedPrecondition("kv_store: cannot make " + root.string() +
+                              " private (chmod 0700): " + std::strerror(errno));
+  }
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(root, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    struct stat st;
+    if (::lstat(it->path().c_str(), &st) != 0) continue;
+    const mode_t want = S_ISDIR(st.st_mode)   ? kPrivateDirMode
+                        : S_ISREG(st.st_mode) ? kPrivateFileMode
+                                              : 0;
+    if (want == 0 || (st.st_mode & 07777) == want) continue;
+    if (::chmod(it->path().c_str(), want) != 0) {
+      LOG_WARNING << "kv_store: chmod " << it->path().string() << ": " << std::strerror(errno);
+    }
+  }
+  return Status::Ok();
+}
+
 rocksdb::CompressionType SstCompression() {
   for (rocksdb::CompressionType t : rocksdb::GetSupportedCompressions()) {
     if (t == rocksdb::kLZ4Compression) return t;
@@ -121,7 +226,10 @@ Status RocksDbTier::Options::Validate() const {
 
 RocksDbTier::RocksDbTier(const Options& options) : options_(options) {
   if (!options_.now_us) options_.now_us = WallMicros;
-  env_ = options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  rocksdb::Env* base = options_.env != nullptr ? options_.env : rocksdb::Env::Default();
+  private_env_ =
+      rocksdb::NewCompositeEnv(std::make_shared<PrivateFileSystem>(base->GetFileSystem()));
+  env_ = private_env_.get();
 }
 
 int64_t RocksDbTier::Now() const { return options_.now_us(); }
@@ -298,8 +406,8 @@ Status RocksDbTier::ReopenForWriting() {
 
 Status RocksDbTier::OpenDb() {
   std::error_code ec;
-  std::filesystem::create_directories(options_.path, ec);
-  if (ec) return Unavailable("creating " + options_.path + ": " + ec.message());
+  RETURN_IF_ERROR(CreatePrivateDirectories(options_.path));
+  RETURN_IF_ERROR(MakeTreePrivate(options_.path));
 
   auto short_of_space = [this] { return ShortOfSpace(); };
 
@@ -342,7 +450,7 @@ Status RocksDbTier::OpenDb() {
                 << options_.path << " to " << aside << " and starting empty";
       std::filesystem::rename(options_.path, aside, ec);
       if (ec) return Unavailable("moving damaged " + options_.path + " aside: " + ec.message());
-      std::filesystem::create_directories(options_.path, ec);
+      RETURN_IF_ERROR(CreatePrivateDirectories(options_.path));
       PruneDamagedCopies(aside);
       if (std::string why = short_of_space(); !why.empty() && std::filesystem::exists(aside)) {
         // A forensic copy is not worth a store that cannot open.
@@ -563,8 +671,12 @@ RocksDbTier::~RocksDbTier() {
   CloseDb();
   if (damaged && !read_only_) {
     // The next Open moves the directory aside and starts empty.
-    std::ofstream marker(std::filesystem::path(options_.path) / kDamagedMarker);
-    marker << "damage seen by this process; the next open discards this database\n";
+    const std::filesystem::path marker_path = std::filesystem::path(options_.path) / kDamagedMarker;
+    {
+      std::ofstream marker(marker_path);
+      marker << "damage seen by this process; the next open discards this database\n";
+    }
+    ::chmod(marker_path.c_str(), kPrivateFileMode);
     LOG_WARNING << "kv_store: " << options_.path << " marked damaged";
   }
 }

@@ -77,6 +77,12 @@
 // corruption) as TierEvents (tier = kDisk); TakeEvents() hands them to one
 // consumer (TieredCache, which forwards them on its owner thread).
 //
+// Privacy: the store directory (and the parents Open creates) is 0700 and
+// every file in it 0600 whatever the process umask: Open chmods an existing
+// tree (a store of an older kvrelay), and the Env's FileSystem chmods every
+// file and directory RocksDB creates later. The blocks themselves are sealed
+// by the caller (TieredCache::Options::sealer, block_seal.h).
+//
 // One writer process per directory: RocksDB locks the directory (LOCK file),
 // so a second process opening the same path fails with Unavailable. kvrelay
 // gives every worker its own directory (see tiered_cache.h for why).
@@ -245,7 +251,10 @@ class RocksDbTier final : public KvTier {
 
   Options options_;
   OpenReport open_report_;
-  rocksdb::Env* env_ = nullptr;  // options_.env or the default
+  // options_.env (or the default) over a FileSystem that makes every file
+  // RocksDB creates private (0600; directories 0700). Owns the wrapper.
+  std::unique_ptr<rocksdb::Env> private_env_;
+  rocksdb::Env* env_ = nullptr;  // private_env_
   // db_ is replaced only by ReopenForWriting (writer thread) under db_mutex_
   // held exclusively; readers on other threads hold it shared.
   mutable std::shared_mutex db_mutex_;

@@ -19,7 +19,13 @@ TieredCache::TieredCache(const Options& options, HostRamTier* ram, KvTier* disk)
     : options_(options), ram_(ram), disk_(disk) {
   if (ram_ != nullptr && disk_ != nullptr && !options_.write_through) {
     ram_->SetEvictionCallback([this](const BlockHash& hash, std::string value) {
-      const bool ok = disk_->Put(hash, std::move(value)).ok();
+      bool ok = false;
+      if (!options_.sealer) {
+        ok = disk_->Put(hash, std::move(value)).ok();
+      } else if (Sha256Digest salt_hash; PeekTenantSaltHash(value, &salt_hash)) {
+        Result<std::string> sealed = options_.sealer->Seal(hash, salt_hash, value);
+        ok = sealed.ok() && disk_->Put(hash, std::move(sealed).value()).ok();
+      }
       std::lock_guard<std::mutex> lock(mutex_);
       ++stats_.demotions;
       if (!ok) ++stats_.spills_dropped;
@@ -145,15 +151,21 @@ bool TieredCache::Store(const BlockHash& hash, const Note& note, engine::KvBlock
   const bool disk_has = disk_ != nullptr && disk_->Contains(hash);
   if (ram_ != nullptr && disk_ != nullptr && options_.write_through) {
     if (!disk_has) {
-      Status d = disk_->Put(hash, *encoded);
-      dropped = !d.ok();
-      stored = d.ok();
+      Result<std::string> value = ForDisk(hash, note.salt_hash, *encoded);
+      const bool ok = value.ok() && disk_->Put(hash, std::move(value).value()).ok();
+      dropped = !ok;
+      stored = ok;
     }
     stored = ram_->Put(hash, std::move(encoded).value()).ok() || stored || disk_has;
   } else if (ram_ != nullptr) {
     stored = ram_->Put(hash, std::move(encoded).value()).ok();
   } else if (disk_ != nullptr) {
-    stored = disk_has || disk_->Put(hash, std::move(encoded).value()).ok();
+    if (!disk_has) {
+      Result<std::string> value =
+          options_.sealer ? ForDisk(hash, note.salt_hash, *encoded) : std::move(encoded);
+      stored = value.ok() && disk_->Put(hash, std::move(value).value()).ok();
+    }
+    stored = stored || disk_has;
     dropped = !stored;
   }
   std::lock_guard<std::mutex> lock(mutex_);
@@ -230,7 +242,9 @@ bool TieredCache::WriteThroughOne(const BlockHash& hash) {
   }
   const engine::KvLayout& layout = pool_->layout();
   const BlockGroup group = MakeBlockGroup(groups_, note.group);
-  if (!disk_->HasQueueRoom(static_cast<int64_t>(EncodedBlockBytes(layout, group.grouped())))) {
+  size_t disk_bytes = EncodedBlockBytes(layout, group.grouped());
+  if (options_.sealer) disk_bytes = BlockSealer::SealedBytes(disk_bytes);
+  if (!disk_->HasQueueRoom(static_cast<int64_t>(disk_bytes))) {
     return false;
   }
   std::vector<engine::BlockId> held = pool_->MatchPrefix(std::span<const BlockHash>(&hash, 1));
@@ -238,6 +252,7 @@ bool TieredCache::WriteThroughOne(const BlockHash& hash) {
   BlockMeta meta{note.model, layout, note.salt_hash, hash, note.tokens, group};
   Result<std::string> encoded = EncodeBlock(meta, *pool_, held[0]);
   pool_->Release(held[0]);
+  if (encoded.ok() && options_.sealer) encoded = ForDisk(hash, note.salt_hash, *encoded);
   if (!encoded.ok()) {
     LOG_WARNING << "kv_store: cannot encode block for write-through: "
                 << encoded.status().ToString();
@@ -315,6 +330,23 @@ Status TieredCache::Drain(Deadline deadline) {
   Status s = disk_->WaitDurable(deadline);
   Pump();  // deliver the stored events of what was just written
   return s;
+}
+
+Result<std::string> TieredCache::ForDisk(const BlockHash& hash, const Sha256Digest& salt_hash,
+                                         std::string_view encoded) const {
+  if (!options_.sealer) return std::string(encoded);
+  Result<std::string> sealed = options_.sealer->Seal(hash, salt_hash, encoded);
+  if (!sealed.ok()) LOG_WARNING << "kv_store: cannot seal a block: " << sealed.status().ToString();
+  return sealed;
+}
+
+MissReason TieredCache::FromDisk(const BlockHash& hash, const Sha256Digest& salt_hash,
+                                 std::string stored, std::string* encoded) const {
+  if (!options_.sealer) {
+    *encoded = std::move(stored);
+    return MissReason::kNone;
+  }
+  return options_.sealer->Open(hash, salt_hash, stored, encoded);
 }
 
 void TieredCache::CountMiss(MissReason r) {
@@ -446,10 +478,18 @@ void TieredCache::ReadLoad(LoadHandle& load) {
     }
     if (from < 0 && disk_ != nullptr) {
       if (from_disk[i].ok()) {
-        DecodedBlock d = DecodeBlock(*from_disk[i], load.expected[i]);
+        std::string encoded;
+        const MissReason opened = FromDisk(load.hashes[i], load.expected[i].tenant_salt_hash,
+                                           std::move(from_disk[i]).value(), &encoded);
+        DecodedBlock d;
+        if (opened == MissReason::kNone) {
+          d = DecodeBlock(encoded, load.expected[i]);
+        } else {
+          d.reason = opened;  // never decoded: its bytes did not authenticate
+        }
         if (d.ok()) {
           from = 1;
-          value = std::move(from_disk[i]).value();
+          value = std::move(encoded);
         } else {
           CountMiss(d.reason);
           last = d.reason;

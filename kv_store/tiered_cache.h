@@ -94,6 +94,7 @@
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/kv_cache/kv_groups.h"
 #include "kv_store/block_codec.h"
+#include "kv_store/block_seal.h"
 #include "kv_store/host_ram_tier.h"
 #include "kv_store/kv_tier.h"
 
@@ -140,6 +141,13 @@ class TieredCache {
     int64_t max_tracked_blocks = 1 << 17;        // bound of the (hash -> tokens, tenant) table
     int64_t max_write_backlog_blocks = 1 << 14;  // committed blocks waiting for the disk queue
     int max_encodes_per_pump = 256;              // bound on one Pump's work
+    // Seals every block the disk tier stores and opens every block read from
+    // it (block_seal.h): the worker sets one made from its cluster key. Null:
+    // the disk holds plaintext blocks (tests, tools). A block that does not
+    // open (another key or tenant, tampered, or plaintext in a sealed store)
+    // is a miss counted by reason (kAuth, kUnsealed) and erased from the
+    // disk. The host-RAM tier is process memory and holds plaintext.
+    std::shared_ptr<const BlockSealer> sealer = nullptr;
   };
 
   struct Stats {
@@ -330,6 +338,14 @@ class TieredCache {
   // Writes one backlog entry; false when the disk queue has no room (retry later).
   bool WriteThroughOne(const BlockHash& hash);
   void CountMiss(MissReason r);
+  // The bytes the disk tier stores for the encoded block `encoded` of tenant
+  // `salt_hash` under `hash`: sealed when a sealer is set, else a copy.
+  Result<std::string> ForDisk(const BlockHash& hash, const Sha256Digest& salt_hash,
+                              std::string_view encoded) const;
+  // The encoded block in `stored`, a value the disk tier returned for `hash`
+  // (opened when a sealer is set); kNone, or the miss reason.
+  MissReason FromDisk(const BlockHash& hash, const Sha256Digest& salt_hash, std::string stored,
+                      std::string* encoded) const;
   void LoaderLoop();
   void ReadLoad(LoadHandle& load);
 

@@ -39,8 +39,12 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     disk.path = o.kv_store_path;
     disk.capacity_bytes = o.kv_store_capacity_bytes;
     ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
-    tiered_ = std::make_unique<kv_store::TieredCache>(kv_store::TieredCache::Options(),
-                                                      ram_tier_.get(), disk_tier_.get());
+    // Blocks on disk are sealed with keys derived from the cluster key and
+    // each tenant's salt: a copied store is unreadable without the key.
+    kv_store::TieredCache::Options cache_options;
+    ASSIGN_OR_RETURN(cache_options.sealer, kv_store::BlockSealer::Create(o.cluster_key.secret()));
+    tiered_ =
+        std::make_unique<kv_store::TieredCache>(cache_options, ram_tier_.get(), disk_tier_.get());
     tiered_->Attach(
         engine_->pool(),
         [this](const kv_store::TierEvent& e) {

@@ -1,0 +1,151 @@
+#include "kv_store/block_seal.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
+#include <openssl/rand.h>
+
+#include <bit>
+#include <climits>
+#include <cstring>
+
+namespace kvrelay::kv_store {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the seal header is written in host order and assumes little-endian hosts");
+
+constexpr char kKeyInfo[] = "kvrelay kv_store block key v1";
+constexpr size_t kAadPrefixBytes = 8;  // magic, version, flags
+
+struct CipherCtx {
+  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+  ~CipherCtx() { EVP_CIPHER_CTX_free(ctx); }
+};
+
+// The bytes authenticated beside the ciphertext: header prefix and tier key.
+void MakeAad(const char* header, const BlockHash& key, uint8_t out[kAadPrefixBytes + 32]) {
+  std::memcpy(out, header, kAadPrefixBytes);
+  std::memcpy(out + kAadPrefixBytes, key.data(), key.size());
+}
+
+}  // namespace
+
+BlockSealer::BlockSealer(std::string_view secret) : secret_(secret) {}
+
+BlockSealer::~BlockSealer() {
+  if (!secret_.empty()) OPENSSL_cleanse(secret_.data(), secret_.size());
+}
+
+Result<std::shared_ptr<const BlockSealer>> BlockSealer::Create(std::string_view cluster_secret) {
+  if (cluster_secret.empty()) {
+    return InvalidArgument("BlockSealer: the cluster secret is empty (--cluster-key-file)");
+  }
+  return std::shared_ptr<const BlockSealer>(new BlockSealer(cluster_secret));
+}
+
+bool BlockSealer::TenantKey(const Sha256Digest& tenant_salt_hash, uint8_t out[32]) const {
+  EVP_PKEY_CTX* ctx = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, nullptr);
+  if (ctx == nullptr) return false;
+  size_t len = 32;
+  const bool ok =
+      EVP_PKEY_derive_init(ctx) == 1 && EVP_PKEY_CTX_set_hkdf_md(ctx, EVP_sha256()) == 1 &&
+      EVP_PKEY_CTX_set1_hkdf_salt(ctx, tenant_salt_hash.data(),
+                                  static_cast<int>(tenant_salt_hash.size())) == 1 &&
+      EVP_PKEY_CTX_set1_hkdf_key(ctx, reinterpret_cast<const unsigned char*>(secret_.data()),
+                                 static_cast<int>(secret_.size())) == 1 &&
+      EVP_PKEY_CTX_add1_hkdf_info(ctx, reinterpret_cast<const unsigned char*>(kKeyInfo),
+                                  static_cast<int>(sizeof(kKeyInfo) - 1)) == 1 &&
+      EVP_PKEY_derive(ctx, out, &len) == 1 && len == 32;
+  EVP_PKEY_CTX_free(ctx);
+  return ok;
+}
+
+Result<std::string> BlockSealer::Seal(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
+                                      std::string_view encoded) const {
+  if (encoded.size() > static_cast<size_t>(INT_MAX)) {
+    return InvalidArgument("BlockSealer::Seal: block of " + std::to_string(encoded.size()) +
+                           " bytes is too large");
+  }
+  std::string out(SealedBytes(encoded.size()), '\0');
+  char* p = out.data();
+  const uint32_t magic = kSealMagic;
+  const uint16_t version = kSealVersion;
+  const uint16_t flags = 0;
+  std::memcpy(p, &magic, 4);
+  std::memcpy(p + 4, &version, 2);
+  std::memcpy(p + 6, &flags, 2);
+  auto* nonce = reinterpret_cast<unsigned char*>(p + kAadPrefixBytes);
+  if (RAND_bytes(nonce, static_cast<int>(kSealNonceBytes)) != 1) {
+    return Internal("BlockSealer::Seal: RAND_bytes failed (no randomness for a nonce)");
+  }
+  uint8_t tenant_key[32];
+  if (!TenantKey(tenant_salt_hash, tenant_key)) {
+    return Internal("BlockSealer::Seal: HKDF-SHA256 failed");
+  }
+  uint8_t aad[kAadPrefixBytes + 32];
+  MakeAad(p, key, aad);
+  CipherCtx c;
+  auto* ct = reinterpret_cast<unsigned char*>(p + kSealHeaderBytes);
+  int n = 0, tail = 0;
+  const bool ok =
+      c.ctx != nullptr &&
+      EVP_EncryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, tenant_key, nonce) == 1 &&
+      EVP_EncryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1 &&
+      EVP_EncryptUpdate(c.ctx, ct, &n, reinterpret_cast<const unsigned char*>(encoded.data()),
+                        static_cast<int>(encoded.size())) == 1 &&
+      EVP_EncryptFinal_ex(c.ctx, ct + n, &tail) == 1 &&
+      EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagBytes),
+                          p + kSealHeaderBytes + encoded.size()) == 1;
+  OPENSSL_cleanse(tenant_key, sizeof(tenant_key));
+  if (!ok) return Internal("BlockSealer::Seal: AES-256-GCM encryption failed");
+  return out;
+}
+
+MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
+                             std::string_view sealed, std::string* encoded) const {
+  encoded->clear();
+  if (sealed.size() < 4) return MissReason::kTruncated;
+  const char* p = sealed.data();
+  uint32_t magic;
+  std::memcpy(&magic, p, 4);
+  if (magic == kBlockMagic) return MissReason::kUnsealed;
+  if (magic != kSealMagic) return MissReason::kBadMagic;
+  if (sealed.size() < kSealOverheadBytes) return MissReason::kTruncated;
+  uint16_t version, flags;
+  std::memcpy(&version, p + 4, 2);
+  std::memcpy(&flags, p + 6, 2);
+  if (version != kSealVersion || flags != 0) return MissReason::kBadVersion;
+  const size_t ct_bytes = sealed.size() - kSealOverheadBytes;
+  if (ct_bytes > static_cast<size_t>(INT_MAX)) return MissReason::kTruncated;
+  uint8_t tenant_key[32];
+  if (!TenantKey(tenant_salt_hash, tenant_key)) return MissReason::kAuth;
+  uint8_t aad[kAadPrefixBytes + 32];
+  MakeAad(p, key, aad);
+  // The GCM tag is set before the final call; OpenSSL takes a non-const pointer.
+  unsigned char tag[kSealTagBytes];
+  std::memcpy(tag, p + kSealHeaderBytes + ct_bytes, kSealTagBytes);
+  std::string out(ct_bytes, '\0');
+  auto* pt = reinterpret_cast<unsigned char*>(out.data());
+  CipherCtx c;
+  int n = 0, tail = 0;
+  const bool ok =
+      c.ctx != nullptr &&
+      EVP_DecryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, tenant_key,
+                         reinterpret_cast<const unsigned char*>(p + kAadPrefixBytes)) == 1 &&
+      EVP_DecryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1 &&
+      EVP_DecryptUpdate(c.ctx, pt, &n, reinterpret_cast<const unsigned char*>(p + kSealHeaderBytes),
+                        static_cast<int>(ct_bytes)) == 1 &&
+      EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagBytes), tag) == 1 &&
+      EVP_DecryptFinal_ex(c.ctx, pt + n, &tail) == 1;
+  OPENSSL_cleanse(tenant_key, sizeof(tenant_key));
+  if (!ok) {
+    // Never hand out bytes that did not authenticate.
+    OPENSSL_cleanse(out.data(), out.size());
+    return MissReason::kAuth;
+  }
+  *encoded = std::move(out);
+  return MissReason::kNone;
+}
+
+}  // namespace kvrelay::kv_store

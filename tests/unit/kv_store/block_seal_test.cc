@@ -1,0 +1,109 @@
+#include "kv_store/block_seal.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tests/unit/kv_store/test_blocks.h"
+
+namespace kvrelay::kv_store {
+namespace {
+
+constexpr char kSecret[] = "0123456789abcdef0123456789abcdef-cluster-a";
+constexpr char kOtherSecret[] = "0123456789abcdef0123456789abcdef-cluster-b";
+
+std::shared_ptr<const BlockSealer> Sealer(std::string_view secret = kSecret) {
+  return BlockSealer::Create(secret).value();
+}
+
+std::string_view Bytes(const std::vector<int32_t>& tokens) {
+  return {reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(int32_t)};
+}
+
+TEST(BlockSealTest, OpensToTheSameBytesAndHidesTheTokens) {
+  const testing::TestBlock b = testing::MakeBlock(1);
+  const std::string plain = b.Encoded();
+  ASSERT_FALSE(plain.empty());
+  ASSERT_NE(plain.find(Bytes(b.meta.tokens)), std::string::npos) << "the plaintext holds them";
+  auto sealer = Sealer();
+  Result<std::string> sealed = sealer->Seal(b.meta.hash, b.meta.tenant_salt_hash, plain);
+  ASSERT_TRUE(sealed.ok()) << sealed.status().ToString();
+  EXPECT_EQ(sealed->size(), BlockSealer::SealedBytes(plain.size()));
+  EXPECT_EQ(sealed->find(Bytes(b.meta.tokens)), std::string::npos);
+  EXPECT_EQ(sealed->find(plain.substr(kFixedHeaderBytes, 64)), std::string::npos);
+
+  std::string opened;
+  ASSERT_EQ(sealer->Open(b.meta.hash, b.meta.tenant_salt_hash, *sealed, &opened),
+            MissReason::kNone);
+  EXPECT_EQ(opened, plain);
+  EXPECT_TRUE(DecodeBlock(opened, b.meta).ok());
+  // A sealer made again from the same secret (a restart) opens it too.
+  EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, *sealed, &opened),
+            MissReason::kNone);
+}
+
+TEST(BlockSealTest, EverySealUsesAFreshNonce) {
+  const testing::TestBlock b = testing::MakeBlock(2);
+  auto sealer = Sealer();
+  const std::string plain = b.Encoded();
+  std::string a = *sealer->Seal(b.meta.hash, b.meta.tenant_salt_hash, plain);
+  std::string c = *sealer->Seal(b.meta.hash, b.meta.tenant_salt_hash, plain);
+  EXPECT_NE(a.substr(8, kSealNonceBytes), c.substr(8, kSealNonceBytes));
+  EXPECT_NE(a, c);
+}
+
+TEST(BlockSealTest, AnotherClusterKeyTenantOrBlockKeyFailsAuthentication) {
+  const testing::TestBlock b = testing::MakeBlock(3);
+  const std::string sealed = *Sealer()->Seal(b.meta.hash, b.meta.tenant_salt_hash, b.Encoded());
+  std::string opened = "left over";
+  EXPECT_EQ(Sealer(kOtherSecret)->Open(b.meta.hash, b.meta.tenant_salt_hash, sealed, &opened),
+            MissReason::kAuth);
+  EXPECT_TRUE(opened.empty());
+  EXPECT_EQ(Sealer()->Open(b.meta.hash, TenantSaltHash("tenant-b"), sealed, &opened),
+            MissReason::kAuth);
+  BlockHash moved = b.meta.hash;
+  moved[0] ^= 1;  // the same bytes stored under another block's key
+  EXPECT_EQ(Sealer()->Open(moved, b.meta.tenant_salt_hash, sealed, &opened), MissReason::kAuth);
+  EXPECT_TRUE(opened.empty());
+}
+
+TEST(BlockSealTest, AnyFlippedByteIsAMiss) {
+  const testing::TestBlock b = testing::MakeBlock(4);
+  auto sealer = Sealer();
+  const std::string sealed = *sealer->Seal(b.meta.hash, b.meta.tenant_salt_hash, b.Encoded());
+  // Nonce, the ciphertext's first, middle and last byte, the tag.
+  for (size_t at : {size_t{9}, kSealHeaderBytes, sealed.size() / 2,
+                    sealed.size() - kSealTagBytes - 1, sealed.size() - 1}) {
+    std::string bad = sealed;
+    bad[at] ^= 0x20;
+    std::string opened;
+    EXPECT_EQ(sealer->Open(b.meta.hash, b.meta.tenant_salt_hash, bad, &opened), MissReason::kAuth)
+        << "byte " << at;
+    EXPECT_TRUE(opened.empty());
+  }
+  std::string other_version = sealed;
+  other_version[4] ^= 0x02;
+  std::string opened;
+  EXPECT_EQ(sealer->Open(b.meta.hash, b.meta.tenant_salt_hash, other_version, &opened),
+            MissReason::kBadVersion);
+  EXPECT_EQ(sealer->Open(b.meta.hash, b.meta.tenant_salt_hash, sealed.substr(0, 30), &opened),
+            MissReason::kTruncated);
+}
+
+TEST(BlockSealTest, APlaintextBlockIsAMissNotAnError) {
+  const testing::TestBlock b = testing::MakeBlock(5);
+  std::string opened;
+  EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, b.Encoded(), &opened),
+            MissReason::kUnsealed);
+  EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, "garbage!", &opened),
+            MissReason::kBadMagic);
+  EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, "", &opened),
+            MissReason::kTruncated);
+}
+
+TEST(BlockSealTest, AnEmptySecretIsRefused) {
+  EXPECT_EQ(BlockSealer::Create("").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvrelay::kv_store
