@@ -4,6 +4,7 @@
 // ClusterBackend; the workers are driven frame by frame (control_peer.h).
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,8 +75,13 @@ class ClusterWaitTest : public ::testing::Test {
     return reserve.prefill_rank();
   }
 
+  // A sink's events, alive until the backend is gone (a failing test may
+  // leave requests live, whose final events come at Shutdown).
+  CollectedEvents& NewEvents() { return events_.emplace_back(); }
+
   protocols::ClusterKey key_ = std::move(protocols::ClusterKey::Generate()).value();
   protocols::IoThread io_{"wait-test-io"};
+  std::deque<CollectedEvents> events_;
   std::unique_ptr<ClusterBackend> backend_;
 };
 
@@ -84,7 +90,7 @@ class ClusterWaitTest : public ::testing::Test {
 // failed at once. They now wait for a worker and start when one registers.
 TEST_F(ClusterWaitTest, ARequestWithNoWorkerWaitsAndStartsWhenOneRegisters) {
   StartBackend(std::chrono::milliseconds(60000));  // far beyond the test
-  CollectedEvents events;
+  CollectedEvents& events = NewEvents();
   Status st = backend_->Submit(Request(1), events.Sink());
   ASSERT_TRUE(st.ok()) << st.ToString();  // before: "no healthy prefill worker"
   EXPECT_FALSE(events.Finished());
@@ -102,7 +108,7 @@ TEST_F(ClusterWaitTest, ARequestWithNoWorkerWaitsAndStartsWhenOneRegisters) {
 // Past the bound a waiting request ends with the error it got at once before.
 TEST_F(ClusterWaitTest, TheWaitEndsAtItsBoundWithTheSameError) {
   StartBackend(std::chrono::milliseconds(300));
-  CollectedEvents events;
+  CollectedEvents& events = NewEvents();
   const TimePoint submitted = Clock::now();
   ASSERT_TRUE(backend_->Submit(Request(1), events.Sink()).ok());
   // Generous: the watchdog runs at least once a heartbeat interval (5 s here).
@@ -125,7 +131,7 @@ TEST_F(ClusterWaitTest, TheWaitEndsAtItsBoundWithTheSameError) {
 // later.
 TEST_F(ClusterWaitTest, ACancelledWaitingRequestIsReleased) {
   StartBackend(std::chrono::milliseconds(60000));
-  CollectedEvents cancelled;
+  CollectedEvents& cancelled = NewEvents();
   ASSERT_TRUE(backend_->Submit(Request(1), cancelled.Sink()).ok());
   backend_->Cancel(1);
   ASSERT_TRUE(cancelled.WaitFinished(Deadline::AfterMs(5000)));
@@ -134,7 +140,7 @@ TEST_F(ClusterWaitTest, ACancelledWaitingRequestIsReleased) {
   ASSERT_TRUE(prefill.Join(key_, "prefill-0", proto::WORKER_ROLE_PREFILL).ok());
   ASSERT_TRUE(decode.Join(key_, "decode-0", proto::WORKER_ROLE_DECODE).ok());
   // The first reservation the decode worker sees is the next request's.
-  CollectedEvents next;
+  CollectedEvents& next = NewEvents();
   ASSERT_TRUE(backend_->Submit(Request(2), next.Sink()).ok());
   PlayThrough(decode, prefill, 2);
   ASSERT_TRUE(next.WaitFinished(Deadline::AfterMs(5000)));
@@ -152,7 +158,7 @@ TEST_F(ClusterWaitTest, ARequestOnAReplacedWorkerRunsOnItsNewRegistration) {
   ControlPeer decode(io_, port());
   ASSERT_TRUE(prefill->Join(key_, "prefill-0", proto::WORKER_ROLE_PREFILL).ok());
   ASSERT_TRUE(decode.Join(key_, "decode-0", proto::WORKER_ROLE_DECODE).ok());
-  CollectedEvents events;
+  CollectedEvents& events = NewEvents();
   ASSERT_TRUE(backend_->Submit(Request(1), events.Sink()).ok());
   proto::ReserveBlocks first;
   ASSERT_TRUE(decode.Expect(MessageType::kReserveBlocks, &first).ok());
@@ -177,7 +183,7 @@ TEST_F(ClusterWaitTest, TokenIdsOutsideTheVocabularyAreInvalidArguments) {
   ControlPeer prefill(io_, port()), decode(io_, port());
   ASSERT_TRUE(prefill.Join(key_, "prefill-0", proto::WORKER_ROLE_PREFILL).ok());
   ASSERT_TRUE(decode.Join(key_, "decode-0", proto::WORKER_ROLE_DECODE).ok());
-  CollectedEvents events;
+  CollectedEvents& events = NewEvents();
   GenerationRequest prompt = Request(1);
   prompt.prompt.push_back(1000);
   Status st = backend_->Submit(prompt, events.Sink());
@@ -217,14 +223,14 @@ TEST_F(ClusterWaitTest, AnImmediateRepeatGoesToTheWorkerThatHasItsPrefix) {
     h.fill(static_cast<uint8_t>(b + 1));
     req.prefix_blocks.push_back(h);
   }
-  CollectedEvents first;
+  CollectedEvents& first = NewEvents();
   ASSERT_TRUE(backend_->Submit(req, first.Sink()).ok());
   const uint32_t first_rank = PlayThrough(decode, p0, 1);  // ties go to the lower id
   EXPECT_EQ(first_rank, 10u);
   ASSERT_TRUE(first.WaitFinished(Deadline::AfterMs(5000)));
   // No heartbeat and no cache event arrived meanwhile.
   req.id = 2;
-  CollectedEvents repeat;
+  CollectedEvents& repeat = NewEvents();
   ASSERT_TRUE(backend_->Submit(req, repeat.Sink()).ok());
   EXPECT_EQ(PlayThrough(decode, p0, 2), 10u);
   ASSERT_TRUE(repeat.WaitFinished(Deadline::AfterMs(5000)));
