@@ -5,10 +5,15 @@
 //   which scripts/test.sh collects from ctest's log and lists at the end;
 // - a binary in which nothing passed, nothing failed and something skipped
 //   exits with kSkipExitCode, which ctest reports as "Skipped" (the test's
-//   SKIP_RETURN_CODE), not "Passed".
+//   SKIP_RETURN_CODE), not "Passed";
+// - ::testing::TempDir() is a directory of this process's own (TEST_TMPDIR,
+//   made with mkdtemp and removed at the end), so two checkouts' test runs on
+//   one machine never write the same file under /tmp.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "tests/testing/skip.h"
@@ -32,8 +37,17 @@ std::string SkipReason(const ::testing::TestResult& result) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::string scratch;
+  const char* given = std::getenv("TEST_TMPDIR");
+  if (given == nullptr || given[0] == '\0') {
+    char tmpl[] = "/tmp/kvrelay-test-XXXXXX";
+    if (::mkdtemp(tmpl) != nullptr) {
+      scratch = tmpl;
+      ::setenv("TEST_TMPDIR", tmpl, 1);
+    }
+  }
   ::testing::InitGoogleTest(&argc, argv);
-  const int rc = RUN_ALL_TESTS();
+  int rc = RUN_ALL_TESTS();
   const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
   for (int s = 0; s < unit.total_test_suite_count(); ++s) {
     const ::testing::TestSuite& suite = *unit.GetTestSuite(s);
@@ -45,8 +59,12 @@ int main(int argc, char** argv) {
     }
   }
   std::fflush(stdout);
+  if (!scratch.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(scratch, ec);
+  }
   if (rc == 0 && unit.successful_test_count() == 0 && unit.skipped_test_count() > 0) {
-    return kvrelay::testing::kSkipExitCode;
+    rc = kvrelay::testing::kSkipExitCode;
   }
   return rc;
 }
