@@ -89,13 +89,16 @@ struct ClusterBackendOptions {
   }
   // A request that has not started and finds no healthy worker (a prefill or
   // a decode one) waits this long for one to register (--worker-wait-ms)
-  // before it fails as it would have at once: workers that lost their link
-  // (a stalled coordinator, a restart) re-register within one reconnect
-  // backoff, at most 2 s. Negative = 6 heartbeat intervals (3 s at 500 ms);
-  // 0 = no wait.
+  // before it fails as it would have at once: workers that dropped their
+  // link to a stalled coordinator are mid-reconnect when it resumes and
+  // re-register within ms. Negative = one heartbeat interval: a request must
+  // still get its final status within 2 intervals of a fault that leaves no
+  // worker of a role (the fault matrix's bound); a deployment that wants
+  // requests to ride out a worker restart sets more (a worker's reconnect
+  // backoff is at most 2 s). 0 = no wait.
   std::chrono::milliseconds worker_wait{-1};
   std::chrono::milliseconds worker_wait_bound() const {
-    return worker_wait.count() >= 0 ? worker_wait : heartbeat_interval * 6;
+    return worker_wait.count() >= 0 ? worker_wait : heartbeat_interval;
   }
   // The model's vocabulary size: a request naming a token id outside
   // [0, vocab_size) (prompt or logit_bias) is refused with InvalidArgument

@@ -135,14 +135,14 @@ struct ClusterBackend::State {
 
   // How often the watchdog runs: a tenth of the worker timeout (so a silent
   // worker is dropped within 1.1 x it), at most one heartbeat interval and a
-  // quarter of the worker wait (a waiting request ends within 1.25 x it).
+  // tenth of the worker wait (a waiting request ends within 1.1 x it).
   std::chrono::milliseconds tick_period() const {
     const auto t = std::chrono::duration_cast<std::chrono::milliseconds>(options.worker_timeout());
     auto period =
         std::min(std::max(t / 10, std::chrono::milliseconds(5)), options.heartbeat_interval);
     const auto wait = options.worker_wait_bound();
     if (wait.count() > 0)
-      period = std::min(period, std::max(wait / 4, std::chrono::milliseconds(5)));
+      period = std::min(period, std::max(wait / 10, std::chrono::milliseconds(5)));
     return period;
   }
 

@@ -67,7 +67,7 @@ const FlagSpec kSpec = {
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
      {"heartbeat-timeout-ms", "0",
       "cluster mode: drop a worker silent this long (0 = 3 heartbeat intervals)"},
-     {"worker-wait-ms", "6 heartbeat intervals",
+     {"worker-wait-ms", "1 heartbeat interval",
       "cluster mode: a request that finds no healthy worker waits this long for one to "
       "register before it fails (0 = fail at once)"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
