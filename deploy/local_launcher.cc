@@ -3,12 +3,14 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <thread>
@@ -200,7 +202,19 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
 Status LocalLauncher::Start() {
   RETURN_IF_ERROR(options_.Validate());
   key_file_ = options_.cluster_key_file;
-  if (key_file_.empty()) {
+  if (key_file_.empty() && !options_.kv_store_dir.empty()) {
+    // The prefix store is sealed with keys derived from the cluster key
+    // (kv_store/block_seal.h): a key kept beside it (in its 0700 root) lets
+    // the next launch reuse the stored prefixes. A fresh key would not.
+    std::error_code ec;
+    std::filesystem::create_directories(options_.kv_store_dir, ec);
+    if (ec) return Unavailable("creating " + options_.kv_store_dir + ": " + ec.message());
+    ::chmod(options_.kv_store_dir.c_str(), 0700);
+    key_file_ = options_.kv_store_dir + "/cluster.key";
+    if (!std::filesystem::exists(key_file_, ec)) {
+      RETURN_IF_ERROR(protocols::ClusterKey::GenerateFile(key_file_));
+    }
+  } else if (key_file_.empty()) {
     const char* tmp = std::getenv("TMPDIR");
     std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/kvrelay-launch-XXXXXX";
     if (::mkdtemp(templ.data()) == nullptr) {

@@ -63,9 +63,11 @@ struct LaunchOptions {
   std::string router = "prefix_aware";
   std::string bin_dir;  // where kvrelay-coordinator etc. live; empty = next to this binary
   int ready_timeout_ms = 120'000;
-  // The cluster secret every process proves on the internal ports. Empty: a
-  // fresh key is generated for this launch (mode 0600, in a private temporary
-  // directory removed by Stop()).
+  // The cluster secret every process proves on the internal ports. Empty: with
+  // a kv_store_dir, <kv_store_dir>/cluster.key (generated once, mode 0600), so
+  // the sealed prefix store is reused by the next launch; without one, a
+  // fresh key for this launch (in a private temporary directory removed by
+  // Stop()).
   std::string cluster_key_file;
   // Mutual TLS on the control plane: a directory as scripts/make-cluster-
   // certs.sh writes it (ca.crt, coordinator.crt/.key, worker.crt/.key); the
