@@ -4,6 +4,43 @@
 #include <cstdlib>
 
 namespace kvrelay {
+namespace {
+
+// Levenshtein distance, for "did you mean" (flag names are short).
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::string SuggestFlag(const std::string& name, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = std::max<size_t>(2, name.size() / 3) + 1;  // farther than this: no guess
+  for (const std::string& k : known) {
+    size_t d = EditDistance(name, k);
+    // A known flag that the typed one is a prefix or suffix of (--kv-store-path
+    // for --kv-store, --port for --control-port) is a near miss too.
+    if (k.size() >= 3 && (name.find(k) != std::string::npos || k.find(name) != std::string::npos)) {
+      d = std::min<size_t>(d, 1 + (name.size() > k.size() ? 0 : 1));
+    }
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
 
 Result<Flags> Flags::Parse(const std::vector<std::string>& args,
                            const std::vector<std::string>& known_values,
@@ -36,7 +73,11 @@ Result<Flags> Flags::Parse(const std::vector<std::string>& args,
       }
       flags.values_[name] = value;
     } else {
-      return InvalidArgument("unknown flag --" + name);
+      std::vector<std::string> known = known_values;
+      known.insert(known.end(), known_switches.begin(), known_switches.end());
+      const std::string guess = SuggestFlag(name, known);
+      return InvalidArgument("unknown flag --" + name +
+                             (guess.empty() ? "" : " (did you mean --" + guess + "?)"));
     }
   }
   return flags;

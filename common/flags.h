@@ -31,6 +31,10 @@ struct FlagSpec {
   std::vector<FlagDef> flags;
 };
 
+// The known flag closest to `name` (edit distance, or one containing the
+// other), empty when none is close: the "did you mean" of unknown flags.
+std::string SuggestFlag(const std::string& name, const std::vector<std::string>& known);
+
 class Flags {
  public:
   // `switches` are flags that take no value; `positional` receives the rest.

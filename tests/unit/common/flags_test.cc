@@ -66,5 +66,29 @@ TEST(FlagsTest, ValuesSwitchesAndErrors) {
   EXPECT_FALSE(Flags::Parse({"--model"}, Spec()).ok());
 }
 
+// An unknown flag names the closest known one (issue #42: no "did you mean").
+TEST(FlagsTest, UnknownFlagSuggestsTheClosest) {
+  const FlagSpec spec = {"kvrelay launch",
+                         "",
+                         "",
+                         0,
+                         {{"kv-store", "kvstore", "store dir"},
+                          {"control-port", "0", "control port"},
+                          {"max-tokens", "16", "tokens"},
+                          {"no-kv-store", "", "off", true}}};
+  auto err = [&](const std::string& flag) {
+    auto r = Flags::Parse({flag, "x"}, spec);
+    EXPECT_FALSE(r.ok()) << flag;
+    return r.ok() ? std::string() : r.status().message();
+  };
+  EXPECT_NE(err("--kv-store-path").find("did you mean --kv-store?"), std::string::npos)
+      << err("--kv-store-path");
+  EXPECT_NE(err("--max-token").find("did you mean --max-tokens?"), std::string::npos);
+  EXPECT_NE(err("--contrl-port").find("did you mean --control-port?"), std::string::npos);
+  // Nothing close: no guess.
+  EXPECT_EQ(err("--temperature").find("did you mean"), std::string::npos) << err("--temperature");
+  EXPECT_EQ(SuggestFlag("zz", {"kv-store", "control-port"}), "");
+}
+
 }  // namespace
 }  // namespace kvrelay
