@@ -103,7 +103,9 @@ const FlagSpec kSpec = {
      {"reps", "3", "repetitions (median reported)"},
      {"dir", "$TMPDIR/kvrelay_bench_prefix", "RocksDB store directory"},
      {"threads", "0", "compute threads (0 = all cores)"},
-     {"kv-dtype", "f32", "KV cache dtype"}}};
+     {"kv-dtype", "f32", "KV cache dtype"},
+     {"seal", "", "seal the RocksDB blocks (AES-256-GCM, as a worker does with its cluster key)",
+      true}}};
 
 int Run(const std::vector<std::string>& args) {
   int exit_code = 0;
@@ -158,6 +160,14 @@ int Run(const std::vector<std::string>& args) {
   disk_opts.max_queue_bytes = 4LL << 30;
   auto ram = kv_store::HostRamTier::Create({.capacity_bytes = 4LL << 30}).value();
 
+  // The worker's disk blocks are sealed (kv_store/block_seal.h); --seal
+  // measures that path, with a bench-only secret.
+  kv_store::TieredCache::Options disk_cache_opts;
+  if (flags.Has("seal")) {
+    auto sealer = kv_store::BlockSealer::Create("kvrelay bench prefix: not a real cluster key");
+    if (!sealer.ok()) return fail(sealer.status());
+    disk_cache_opts.sealer = *sealer;
+  }
   const std::string salt = "bench";
   const int vocab = model->config().vocab;
   std::vector<double> ttft_a, ttft_b, ttft_c, restore_b, restore_c, open_c;
@@ -189,7 +199,7 @@ int Run(const std::vector<std::string>& args) {
       if (!r.ok()) return fail(r.status());
       auto disk = kv_store::RocksDbTier::Open(disk_opts);
       if (!disk.ok()) return fail(disk.status());
-      kv_store::TieredCache cache({}, ram.get(), disk->get());
+      kv_store::TieredCache cache(disk_cache_opts, ram.get(), disk->get());
       auto n = cache.PersistPrefix((*e)->pool(), seen, model->fingerprint(), salt);
       if (!n.ok()) return fail(n.status());
       Status durable = (*disk)->WaitDurable(Deadline::AfterMs(120000));
@@ -238,7 +248,7 @@ int Run(const std::vector<std::string>& args) {
       open_c.push_back(Now() - o0);
       auto e = new_engine();
       if (!e.ok()) return fail(e.status());
-      kv_store::TieredCache cache({}, nullptr, disk->get());
+      kv_store::TieredCache cache(disk_cache_opts, nullptr, disk->get());
       std::vector<BlockId> table;
       const double t0 = Now();
       auto restored = cache.RestorePrefix((*e)->pool(), prompt, model->fingerprint(), salt, &table);
@@ -277,7 +287,7 @@ int Run(const std::vector<std::string>& args) {
 
 KVRELAY_COMMAND(bench_prefix, "bench prefix",
                 "bench prefix --model PATH [--prompt-tokens 2048] [--seen-tokens 1920] [--reps 3] "
-                "[--dir DIR] [--threads N] [--kv-dtype f32]",
+                "[--dir DIR] [--threads N] [--kv-dtype f32] [--seal]",
                 Run);
 
 }  // namespace kvrelay::cli
