@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "coordinator/http_client.h"
 #include "deploy/local_launcher.h"
+#include "engine/kv_cache/kv_cache.h"
 #include "nlohmann/json.hpp"
 
 namespace kvrelay::cli {
@@ -146,6 +147,8 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags,
   o.kv_capacity_mb = cap;
   o.ready_timeout_ms = static_cast<int>(ready);
   o.kv_dtype = flags.Get("kv-dtype", o.kv_dtype);
+  // Refused here, not after every process has loaded the model.
+  RETURN_IF_ERROR(engine::ParseKvDtype(o.kv_dtype).status().WithContext("--kv-dtype"));
   if (flags.Has("no-kv-store") && flags.Has("kv-store")) {
     return InvalidArgument("--kv-store DIR and --no-kv-store contradict each other");
   }

@@ -145,7 +145,7 @@ namespace {
 // started, not after the workers have loaded the model. SO_REUSEADDR as the
 // coordinator binds, so a port in TIME_WAIT is not called busy. A host that is
 // not an IPv4 literal is left to the coordinator to check.
-Status CheckPortFree(const std::string& host, uint16_t port, const char* what) {
+Status CheckPortFree(const std::string& host, uint16_t port, const char* what, const char* flag) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -160,7 +160,9 @@ Status CheckPortFree(const std::string& host, uint16_t port, const char* what) {
   if (ok) return Status::Ok();
   return Unavailable(std::string("cannot use ") + what + " port " + std::to_string(port) + " on " +
                      host + ": " + std::strerror(err) +
-                     (err == EADDRINUSE ? " (another server holds it; pick another --port)" : ""));
+                     (err == EADDRINUSE
+                          ? std::string(" (another server holds it; pick another ") + flag + ")"
+                          : std::string()));
 }
 
 }  // namespace
@@ -241,9 +243,11 @@ Status LocalLauncher::Start() {
     return gguf.status().WithContext("--model " + options_.model_path);
   }
   http_port_ = options_.port;
-  if (http_port_ != 0) RETURN_IF_ERROR(CheckPortFree(options_.host, http_port_, "the HTTP"));
+  if (http_port_ != 0)
+    RETURN_IF_ERROR(CheckPortFree(options_.host, http_port_, "the HTTP", "--port"));
   if (options_.control_port != 0) {
-    RETURN_IF_ERROR(CheckPortFree(options_.host, options_.control_port, "the control"));
+    RETURN_IF_ERROR(
+        CheckPortFree(options_.host, options_.control_port, "the control", "--control-port"));
   }
   if (http_port_ == 0) {
     ASSIGN_OR_RETURN(http_port_, PickFreePort());

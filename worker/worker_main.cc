@@ -15,10 +15,46 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop.store(true); }
 
 // Every flag a worker takes, with its default; --help prints it.
-FlagSpec WorkerSpec(const std::string& program) {
-  return {program,
-          "A cluster worker: registers with the coordinator's control plane and serves its\n"
-          "role (started by kvrelay launch or mpirun).",
+// The binary of each role (kvrelay-worker is the colocated one).
+std::string ProgramName(RoleKind role) {
+  switch (role) {
+    case RoleKind::kPrefill:
+      return "kvrelay-prefill";
+    case RoleKind::kDecode:
+      return "kvrelay-decode";
+    case RoleKind::kColocated:
+      return "kvrelay-worker";
+  }
+  return "kvrelay-worker";
+}
+
+std::string RoleSummary(RoleKind role) {
+  const char* what = "";
+  switch (role) {
+    case RoleKind::kPrefill:
+      what =
+          "A prefill worker: runs prompts (reusing cached prefixes, from its prefix store too)\n"
+          "and streams their KV, layer by layer, to the decode group the coordinator names.";
+      break;
+    case RoleKind::kDecode:
+      what =
+          "A decode worker, or one rank of a tensor-parallel decode group (--tp-size,\n"
+          "--tp-rank): receives a prompt's KV from a prefill worker and generates its tokens.";
+      break;
+    case RoleKind::kColocated:
+      what =
+          "A colocated worker: prefill and decode of each request in one process (no KV\n"
+          "transfer).";
+      break;
+  }
+  return std::string(what) +
+         "\nIt registers with the coordinator's control plane (started by kvrelay launch or "
+         "mpirun).";
+}
+
+FlagSpec WorkerSpec(RoleKind role) {
+  return {ProgramName(role),
+          RoleSummary(role),
           "",
           0,
           {{"id", "<role>-<rank>", "worker id"},
@@ -184,8 +220,8 @@ int Serve(const WorkerOptions& options, const RoleFactory& make_role,
 
 int WorkerMain(RoleKind role, const RoleFactory& make_role, const FollowerMain& run_follower,
                int argc, char** argv) {
-  const std::string name = "kvrelay-" + std::string(RoleKindName(role));
-  const FlagSpec spec = WorkerSpec(name);
+  const std::string name = ProgramName(role);
+  const FlagSpec spec = WorkerSpec(role);
   const Result<Flags> flags = Flags::Parse(std::vector<std::string>(argv + 1, argv + argc), spec);
   if (flags.ok() && flags->help_requested()) {
     std::fputs(Flags::Usage(spec).c_str(), stdout);

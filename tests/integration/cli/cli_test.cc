@@ -93,11 +93,21 @@ TEST(CliHelpTest, DaemonsPrintTheirUsage) {
     for (const char* flag : {"--help", "-h"}) {
       RunResult r = RunCmd(kBinDir + "/" + d + " " + flag);
       EXPECT_EQ(r.exit_code, 0) << d << " " << flag << "\n" << r.err;
-      // kvrelay-worker is the colocated role and names itself so.
-      EXPECT_EQ(r.out.rfind("usage: kvrelay-", 0), 0u) << d << ": " << r.out;
+      // Each daemon names itself as its binary (kvrelay-worker, the colocated
+      // role, once said kvrelay-colocated).
+      EXPECT_EQ(r.out.rfind(std::string("usage: ") + d + " ", 0), 0u) << d << ": " << r.out;
       EXPECT_NE(r.out.find("(default: "), std::string::npos) << d;
     }
+    // And so do its errors.
+    RunResult bad = RunCmd(kBinDir + "/" + d + " --no-such-flag");
+    EXPECT_NE(bad.exit_code, 0) << d;
+    EXPECT_EQ(bad.err.rfind(std::string(d) + ": ", 0), 0u) << d << ": " << bad.err;
   }
+  // The roles describe themselves (their --help once said the same thing).
+  const std::string prefill = RunCmd(kBinDir + "/kvrelay-prefill --help").out;
+  const std::string decode = RunCmd(kBinDir + "/kvrelay-decode --help").out;
+  EXPECT_NE(prefill.find("A prefill worker"), std::string::npos) << prefill;
+  EXPECT_NE(decode.find("A decode worker"), std::string::npos) << decode;
   RunResult c = RunCmd(kBinDir + "/kvrelay-coordinator --help");
   EXPECT_NE(c.out.find("--max-connections-per-client VALUE"), std::string::npos);
   EXPECT_NE(c.out.find("(default: 1024)"), std::string::npos);
@@ -147,11 +157,19 @@ TEST(CliLaunchTest, BusyPortFailsFastNamingThePort) {
   const std::string port = std::to_string(ntohs(addr.sin_port));
   RunResult r =
       RunCmd(kCli + " launch --host 127.0.0.1 --port " + port + " --no-kv-store --model " + model);
+  // The same port as the control port: the hint names the flag that moves it.
+  RunResult c = RunCmd(kCli + " launch --host 127.0.0.1 --port 0 --control-port " + port +
+                       " --no-kv-store --model " + model);
   close(fd);
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("port " + port), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("in use"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pick another --port)"), std::string::npos) << r.err;
   EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
+  EXPECT_EQ(c.exit_code, 1) << c.err;
+  EXPECT_NE(c.err.find("control port " + port), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("pick another --control-port)"), std::string::npos) << c.err;
+  EXPECT_EQ(c.err.find("started "), std::string::npos) << c.err;
 }
 
 TEST(CliLaunchTest, BadModelFailsBeforeAnyWorkerStarts) {
@@ -163,6 +181,16 @@ TEST(CliLaunchTest, BadModelFailsBeforeAnyWorkerStarts) {
     EXPECT_NE(r.err.find("--model " + model), std::string::npos) << r.err;
     EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
   }
+}
+
+// An unknown --kv-dtype is refused before any process starts (it was accepted
+// until the workers spawned and failed one by one).
+TEST(CliLaunchTest, BadKvDtypeFailsBeforeAnyWorkerStarts) {
+  RunResult r = RunCmd(kCli + " launch --port 0 --no-kv-store --kv-dtype fp8");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--kv-dtype"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("unknown KV dtype 'fp8'"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("started "), std::string::npos) << r.err;
 }
 
 std::string Model() {
