@@ -88,10 +88,16 @@ Status ControlLink::Connect(const proto::RegisterWorker& reg, Deadline deadline)
                                                                copts, deadline));
   // Connect() has already started reading; a second Start() would run two
   // concurrent reads on one socket and corrupt the frame stream under load.
-  RETURN_IF_ERROR(protocols::ClientHandshake(*conn_, options_.cluster_key, options_.worker_id,
+  // The key hint only where the key is the likely cause: a peer-config
+  // mismatch (KV dtype, model) names its field itself.
+  if (Status hs = protocols::ClientHandshake(*conn_, options_.cluster_key, options_.worker_id,
                                              options_.peer_config, {}, deadline)
-                      .status()
-                      .WithContext("joining the cluster (check --cluster-key-file)"));
+                      .status();
+      !hs.ok()) {
+    const bool auth = hs.message().rfind("authentication failed", 0) == 0;
+    return hs.WithContext(auth ? "joining the cluster (check --cluster-key-file)"
+                               : "joining the cluster");
+  }
   Send(MessageType::kRegisterWorker, reg);
   ASSIGN_OR_RETURN(protocols::Frame frame, conn_->Receive(deadline));
   proto::RegisterReply reply;
