@@ -43,25 +43,14 @@ UnitRange Split(int units, int size, int rank) {
 // with KVRELAY_CUDA_DOUBLE=<name> (read every step) every launch of that
 // family is enqueued twice, so the step grows by the family's cost. The
 // step's outputs are then meaningless; timing only.
-enum class Family {
-  kNone,
-  kMatMul,
-  kQuantize,
-  kNorm,
-  kRope,
-  kKvWrite,
-  kAttention,
-  kSwiGlu,
-  kEmbed
-};
+enum class Family { kNone, kMatMul, kQuantize, kNorm, kRopeKv, kAttention, kSwiGlu, kEmbed };
 Family DoubledFamily() {
   const char* e = std::getenv("KVRELAY_CUDA_DOUBLE");
   if (e == nullptr) return Family::kNone;
   static const std::pair<const char*, Family> kNames[] = {
-      {"matmul", Family::kMatMul},    {"quantize", Family::kQuantize},
-      {"norm", Family::kNorm},        {"rope", Family::kRope},
-      {"kv_write", Family::kKvWrite}, {"attention", Family::kAttention},
-      {"swiglu", Family::kSwiGlu},    {"embed", Family::kEmbed}};
+      {"matmul", Family::kMatMul},  {"quantize", Family::kQuantize},   {"norm", Family::kNorm},
+      {"rope_kv", Family::kRopeKv}, {"attention", Family::kAttention}, {"swiglu", Family::kSwiGlu},
+      {"embed", Family::kEmbed}};
   for (const auto& [name, f] : kNames) {
     if (std::strcmp(e, name) == 0) return f;
   }
@@ -665,13 +654,11 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
         RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, kp, &xq));
         RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, vp, &xq));
       }
-      for (int rep = 0; rep < Reps(Family::kRope); ++rep) {
-        LaunchRope(qp, kp, ldq, ldkv, d_pos, T, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim,
-                   c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
-      }
+      // The copies of this layer's cached blocks land before its KV is touched.
       if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
-      for (int rep = 0; rep < Reps(Family::kKvWrite); ++rep) {
-        LaunchWriteKv(kv, l, kp, vp, ldkv, d_seq, d_pos, T, st);
+      for (int rep = 0; rep < Reps(Family::kRopeKv); ++rep) {
+        LaunchRopeWriteKv(kv, l, qp, kp, vp, ldq, ldkv, d_seq, d_pos, T, c.n_heads, c.rope_dim,
+                          c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
       }
       if (mirror) {
         float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;

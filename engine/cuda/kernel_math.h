@@ -179,6 +179,21 @@ KVR_HD void RopePair(float* x0, float* x1, float c, float s) {
   *x1 = Fma(a, s, b * c);
 }
 
+// The key elements unit u of a head owns in the fused RoPE + KV write
+// (kernels.cu RopeWriteKvKernel): units u < rope_dim / 2 are the rotated pair
+// (e0, e1) of RopeTheta's index u; the rest are the unrotated tail element
+// rope_dim + u - rope_dim / 2 (e1 = -1). hd - rope_dim / 2 units cover a head.
+KVR_HD void RopeKvUnit(int u, int rope_dim, bool neox, int* e0, int* e1) {
+  const int half = rope_dim / 2;
+  if (u < half) {
+    *e0 = neox ? u : 2 * u;
+    *e1 = neox ? u + half : 2 * u + 1;
+  } else {
+    *e0 = rope_dim + u - half;
+    *e1 = -1;
+  }
+}
+
 // ---- activation quantization (quant_blocks.h QuantizedActs) ----
 // For a block with absolute maximum amax: the per-element code and the two
 // fp16-rounded floats, as the CPU's Quantize.

@@ -268,25 +268,6 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   }
 }
 
-// One thread per (token, head, pair): T * (n_q + n_kv) * rope_dim / 2 threads.
-__global__ void RopeKernel(float* __restrict__ q, float* __restrict__ k, int64_t ldq, int64_t ldk,
-                           const int64_t* __restrict__ pos, int64_t T, int n_q, int n_kv, int hd,
-                           int rope_dim, bool neox, float theta_scale) {
-  const int half = rope_dim / 2;
-  const int64_t per_token = static_cast<int64_t>(n_q + n_kv) * half;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < T * per_token;
-       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = p / per_token;
-    const int head = static_cast<int>(p % per_token) / half,
-              i = static_cast<int>(p % per_token) % half;
-    float* base = head < n_q ? q + t * ldq + head * hd : k + t * ldk + (head - n_q) * hd;
-    const float theta = math::RopeTheta(pos[t], theta_scale, i);
-    const int a = neox ? i : 2 * i;
-    const int b = neox ? i + half : 2 * i + 1;
-    math::RopePair(base + a, base + b, cosf(theta), sinf(theta));
-  }
-}
-
 // out[t][i] = silu(gate[t][i]) * up[t][i] for i < n, gate and up rows ld
 // floats apart (ld = 2 n and up = gate + n for the concatenated gate|up
 // product). One warp per (token, 32-block); with q.q set the block is also
@@ -311,27 +292,57 @@ __device__ __forceinline__ uint8_t* SlabAt(const DevKvView& kv, int64_t seq, int
   return kv.pool + blk * kv.block_bytes + layer * kv.layer_bytes + slab * kv.slab_bytes;
 }
 
-// One thread per (token, kv element): T * kv_heads * head_dim threads.
-__global__ void WriteKvKernel(DevKvView kv, int layer, const float* __restrict__ k,
-                              const float* __restrict__ v, int64_t ld,
-                              const int32_t* __restrict__ seq, const int64_t* __restrict__ pos,
-                              int64_t T) {
-  const int kvd = kv.kv_heads * kv.head_dim;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < T * kvd;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / kvd;
-    const int e = static_cast<int>(i % kvd);
-    const int h = e / kv.head_dim, d = e % kv.head_dim;
+// RoPE and the KV write in one kernel (rotate, then store): one thread per
+// (token, unit), with n_q * half query units (a pair rotated in place) then
+// n_kv * (hd - half) key units (math::RopeKvUnit: a rotated pair, or one
+// unrotated tail element). A key thread writes its elements back (the host
+// mirror copies rotated keys) and stores them and the matching value
+// elements to (seq[t], pos[t]) of `layer`. The arithmetic is
+// math::RopeTheta / RopePair and an fp16 (or f32) store.
+__global__ void RopeWriteKvKernel(DevKvView kv, int layer, float* __restrict__ q,
+                                  float* __restrict__ k, const float* __restrict__ v, int64_t ldq,
+                                  int64_t ldkv, const int32_t* __restrict__ seq,
+                                  const int64_t* __restrict__ pos, int64_t T, int n_q, int rope_dim,
+                                  bool neox, float theta_scale) {
+  const int hd = kv.head_dim, half = rope_dim / 2;
+  const int k_units = hd - half;
+  const int64_t per_token =
+      static_cast<int64_t>(n_q) * half + static_cast<int64_t>(kv.kv_heads) * k_units;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < T * per_token;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = g / per_token;
+    int64_t u = g % per_token;
+    if (u < static_cast<int64_t>(n_q) * half) {
+      const int head = static_cast<int>(u / half), i = static_cast<int>(u % half);
+      float* base = q + t * ldq + head * hd;
+      const float theta = math::RopeTheta(pos[t], theta_scale, i);
+      math::RopePair(base + (neox ? i : 2 * i), base + (neox ? i + half : 2 * i + 1), cosf(theta),
+                     sinf(theta));
+      continue;
+    }
+    u -= static_cast<int64_t>(n_q) * half;
+    const int h = static_cast<int>(u / k_units), unit = static_cast<int>(u % k_units);
+    float* kb = k + t * ldkv + h * hd;
+    const float* vb = v + t * ldkv + h * hd;
+    int e0, e1;
+    math::RopeKvUnit(unit, rope_dim, neox, &e0, &e1);
+    if (e1 >= 0) {
+      const float theta = math::RopeTheta(pos[t], theta_scale, unit);
+      math::RopePair(kb + e0, kb + e1, cosf(theta), sinf(theta));
+    }
     int off;
     uint8_t* ks = SlabAt(kv, seq[t], pos[t], layer, h, &off);
     uint8_t* vs = ks + static_cast<int64_t>(kv.kv_heads) * kv.slab_bytes;
-    const int64_t idx = static_cast<int64_t>(off) * kv.head_dim + d;
-    if (kv.f16) {
-      reinterpret_cast<__half*>(ks)[idx] = __float2half_rn(k[t * ld + e]);
-      reinterpret_cast<__half*>(vs)[idx] = __float2half_rn(v[t * ld + e]);
-    } else {
-      reinterpret_cast<float*>(ks)[idx] = k[t * ld + e];
-      reinterpret_cast<float*>(vs)[idx] = v[t * ld + e];
+    const int64_t row = static_cast<int64_t>(off) * hd;
+    for (int e : {e0, e1}) {
+      if (e < 0) continue;
+      if (kv.f16) {
+        reinterpret_cast<__half*>(ks)[row + e] = __float2half_rn(kb[e]);
+        reinterpret_cast<__half*>(vs)[row + e] = __float2half_rn(vb[e]);
+      } else {
+        reinterpret_cast<float*>(ks)[row + e] = kb[e];
+        reinterpret_cast<float*>(vs)[row + e] = vb[e];
+      }
     }
   }
 }
@@ -572,15 +583,6 @@ void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const 
                                                                   q != nullptr ? *q : DevQ8{});
 }
 
-void LaunchRope(float* q, float* k, int64_t ldq, int64_t ldk, const int64_t* pos, int64_t T,
-                int n_q, int n_kv, int hd, int rope_dim, bool neox, float theta_scale,
-                cudaStream_t stream) {
-  const int64_t n = T * (n_q + n_kv) * (rope_dim / 2);
-  if (n == 0) return;
-  RopeKernel<<<GridFor(n, 256), 256, 0, stream>>>(q, k, ldq, ldk, pos, T, n_q, n_kv, hd, rope_dim,
-                                                  neox, theta_scale);
-}
-
 void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
                   const DevQ8* q, cudaStream_t stream) {
   const int64_t warps = T * (n / 32);
@@ -589,11 +591,15 @@ void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int
       gate, up, ld, T, n, out, q != nullptr ? *q : DevQ8{});
 }
 
-void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v, int64_t ld,
-                   const int32_t* seq, const int64_t* pos, int64_t T, cudaStream_t stream) {
-  const int64_t n = T * kv.kv_heads * kv.head_dim;
+void LaunchRopeWriteKv(const DevKvView& kv, int layer, float* q, float* k, const float* v,
+                       int64_t ldq, int64_t ldkv, const int32_t* seq, const int64_t* pos, int64_t T,
+                       int n_q, int rope_dim, bool neox, float theta_scale, cudaStream_t stream) {
+  const int half = rope_dim / 2;
+  const int64_t n = T * (static_cast<int64_t>(n_q) * half +
+                         static_cast<int64_t>(kv.kv_heads) * (kv.head_dim - half));
   if (n == 0) return;
-  WriteKvKernel<<<GridFor(n, 256), 256, 0, stream>>>(kv, layer, k, v, ld, seq, pos, T);
+  RopeWriteKvKernel<<<GridFor(n, 256), 256, 0, stream>>>(kv, layer, q, k, v, ldq, ldkv, seq, pos, T,
+                                                         n_q, rope_dim, neox, theta_scale);
 }
 
 int AttentionSplits(int64_t max_len, int split_tokens) {

@@ -57,12 +57,6 @@ void LaunchEmbed(const DevMatrix& w, const int32_t* tokens, int64_t T, float* ou
 // kernel (the fused RMSNorm + quantize; q as LaunchQuantizeQ8's output).
 void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const float* w, float eps,
                    float* y, const DevQ8* q, cudaStream_t stream);
-// RoPE in place on q [T][n_q * hd] and k [T][n_kv * hd] at positions pos[t];
-// token t's rows start at q + t * ldq and k + t * ldk (a stacked Q|K|V
-// product has ldq = ldk = q_dim + 2 kv_dim).
-void LaunchRope(float* q, float* k, int64_t ldq, int64_t ldk, const int64_t* pos, int64_t T,
-                int n_q, int n_kv, int hd, int rope_dim, bool neox, float theta_scale,
-                cudaStream_t stream);
 // out[t][i] = silu(gate[t * ld + i]) * up[t * ld + i], i < n (n % 32 == 0);
 // with q non-null, out is also quantized to q8 (the down projection's input).
 void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
@@ -81,10 +75,13 @@ struct DevKvView {
   const int32_t* tables = nullptr;     // all sequences' block ids
   const int64_t* table_off = nullptr;  // per sequence: first entry in tables
 };
-// Writes k/v [T][kv_heads * hd] (token t's rows at k + t * ld, v + t * ld)
-// to (seq[t], pos[t]) of `layer`.
-void LaunchWriteKv(const DevKvView& kv, int layer, const float* k, const float* v, int64_t ld,
-                   const int32_t* seq, const int64_t* pos, int64_t T, cudaStream_t stream);
+// RoPE and the KV write in one kernel: q [T][n_q * hd] and k [T][n_kv * hd]
+// rotated in place at positions pos[t] (token t's rows at q + t * ldq,
+// k + t * ldkv, v + t * ldkv; a stacked Q|K|V product has ldq = ldkv =
+// q_dim + 2 kv_dim), then k and v stored to (seq[t], pos[t]) of `layer`.
+void LaunchRopeWriteKv(const DevKvView& kv, int layer, float* q, float* k, const float* v,
+                       int64_t ldq, int64_t ldkv, const int32_t* seq, const int64_t* pos, int64_t T,
+                       int n_q, int rope_dim, bool neox, float theta_scale, cudaStream_t stream);
 // Causal paged attention, one output row per token: token t of sequence
 // seq[t] at position pos[t] attends to [max(0, pos - window + 1), pos].
 // Positions are split into chunks of `split_tokens` (flash-decoding); the

@@ -477,7 +477,7 @@ int Bench(const Args& a) {
     std::string line;
     double total = 0;
     for (const char* family :
-         {"matmul", "quantize", "norm", "rope", "kv_write", "attention", "swiglu", "embed"}) {
+         {"matmul", "quantize", "norm", "rope_kv", "attention", "swiglu", "embed"}) {
       auto t = measure(family);
       if (!t.ok()) return Fail(t.status(), "bench: share");
       const double share = std::max(0.0, (*t - *base) / *base);

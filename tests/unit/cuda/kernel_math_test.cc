@@ -104,6 +104,34 @@ TEST(KernelMathTest, RopeMatchesTheCpuBitForBit) {
   }
 }
 
+// The fused RoPE + KV write's units cover each key head once, and the
+// rotated units are RopeRotate's pairs (normal: (2i, 2i+1); NeoX: (i, i+half)).
+TEST(KernelMathTest, RopeKvUnitsCoverTheHeadOnce) {
+  for (const auto& [hd, rope_dim] :
+       std::vector<std::pair<int, int>>{{64, 64}, {128, 64}, {96, 32}}) {
+    for (bool neox : {false, true}) {
+      std::vector<int> seen(hd, 0);
+      for (int u = 0; u < hd - rope_dim / 2; ++u) {
+        int e0, e1;
+        math::RopeKvUnit(u, rope_dim, neox, &e0, &e1);
+        ASSERT_GE(e0, 0);
+        ASSERT_LT(e0, hd);
+        ++seen[e0];
+        if (u < rope_dim / 2) {
+          ASSERT_EQ(e0, neox ? u : 2 * u);
+          ASSERT_EQ(e1, neox ? u + rope_dim / 2 : 2 * u + 1);
+          ++seen[e1];
+        } else {
+          ASSERT_EQ(e1, -1);
+          ASSERT_GE(e0, rope_dim);
+        }
+      }
+      for (int e = 0; e < hd; ++e)
+        ASSERT_EQ(seen[e], 1) << "hd " << hd << " rope_dim " << rope_dim << " e " << e;
+    }
+  }
+}
+
 GgufTensor MakeTensor(GgmlType type, int64_t rows, int64_t cols, std::vector<uint8_t>* bytes,
                       uint64_t seed) {
   std::vector<float> w = RandomFloats(rows * cols, 0.05f, seed);
