@@ -4,15 +4,18 @@
 // Weights are copied to device memory in their GGUF formats (Q4_0, Q4_1,
 // Q8_0, Q4_K, Q6_K, F16, F32), never expanded. Steps of fewer than
 // gemm_min_tokens tokens (decode) use GEMV kernels written for memory
-// bandwidth: each weight byte is read once per 8 tokens; Q4_0/Q4_1/Q8_0
-// multiply in place against activations quantized to int8 per 32-block with
-// the CPU engine's rounding (dp4a), so they compute the CPU's integer block
-// dots exactly and differ only in float summation order. Larger steps
-// (prefill chunks, big batches) dequantize each matrix to an fp16 tile and run
-// cuBLAS (tensor cores, fp32 accumulation). Attention is paged over the block
-// table with an online softmax split over chunks of positions
-// (flash-decoding) and merged. RMSNorm, RoPE and SwiGLU are fused element
-// kernels with the CPU's arithmetic (kernel_math.h). KV pool dtypes: f32 and
+// bandwidth: Q4_0/Q4_1/Q8_0 run the mmvq kernel, which reads each weight
+// block once per 16 tokens and multiplies it in place (dp4a) against
+// activations quantized to int8 per 32-block with the CPU engine's rounding,
+// so it computes the CPU's integer block dots exactly and differs only in
+// float summation order (docs/gpu-numerics.md). Q/K/V and gate/up are stacked
+// at upload, one product each. Larger steps (prefill chunks, big batches)
+// dequantize each matrix to an fp16 tile and run cuBLAS (tensor cores, fp32
+// accumulation). Attention is paged over the block table with an online
+// softmax split over chunks of positions (flash-decoding) and merged by
+// log-sum-exp. RMSNorm, SwiGLU and the attention merge also write the next
+// product's q8 input; RoPE and the KV write are one kernel; all use the CPU's
+// arithmetic (kernel_math.h). KV pool dtypes: f32 and
 // f16 (the same slab bytes as the CPU pool, so blocks move between the two
 // with plain copies).
 //

@@ -57,11 +57,11 @@ __global__ void QuantizeQ8Kernel(const float* __restrict__ x, int64_t T, int64_t
 // block (math::WeightPart), stride 64 blocks along the row; kMmvqRows rows per
 // CTA. Each thread loads and unpacks its part of a weight block once (32-bit
 // loads) and dots it with dp4a against every token's activation ints, so a
-// batch of kCols costs one pass over the weights. Partial sums: warp shuffle
+// batch of up to kMmvqMaxCols tokens costs one pass over the weights. Partial sums: warp shuffle
 // tree, then the four warps in order through shared memory.
 constexpr int kMmvqThreads = 128;
 constexpr int kMmvqRows = 2;
-constexpr int kMmvqMaxCols = 8;
+constexpr int kMmvqMaxCols = 16;  // tokens per weight pass (more: chunks)
 template <uint32_t kType, int kCols>
 __global__ void __launch_bounds__(kMmvqThreads)
     MmvqKernel(DevMatrix w, DevQ8 xq, int64_t T, const float* __restrict__ bias, bool accumulate,
@@ -487,7 +487,7 @@ bool LegacyGemv() {
 template <uint32_t kType>
 void LaunchMmvq(const DevMatrix& w, const DevQ8& xq, int64_t T, const float* bias, bool accumulate,
                 float* y, cudaStream_t stream) {
-  const int cols = T >= kMmvqMaxCols ? kMmvqMaxCols : T > 4 ? 8 : T > 2 ? 4 : static_cast<int>(T);
+  const int cols = T > 8 ? kMmvqMaxCols : T > 4 ? 8 : T > 2 ? 4 : static_cast<int>(T);
   const dim3 grid(static_cast<unsigned>(CeilDiv(w.rows, kMmvqRows)),
                   static_cast<unsigned>(CeilDiv(T, cols)));
   switch (cols) {
@@ -500,8 +500,12 @@ void LaunchMmvq(const DevMatrix& w, const DevQ8& xq, int64_t T, const float* bia
     case 4:
       MmvqKernel<kType, 4><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
       break;
-    default:
+    case 8:
       MmvqKernel<kType, 8><<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
+      break;
+    default:
+      MmvqKernel<kType, kMmvqMaxCols>
+          <<<grid, kMmvqThreads, 0, stream>>>(w, xq, T, bias, accumulate, y);
       break;
   }
 }

@@ -36,7 +36,7 @@ void LaunchQuantizeQ8(const float* x, int64_t T, int64_t cols, DevQ8 out, cudaSt
 
 // y[t][r] (+)= W[r] . x[t] for T tokens, the decode GEMV. Q4_0/Q4_1/Q8_0
 // multiply in place against the q8 activations xq (x unused): the mmvq
-// kernel, dp4a, each weight block read once per 8 tokens. Other types use
+// kernel, dp4a, each weight block read once per 16 tokens. Other types use
 // float x (xq unused). bias (rows floats) may be null; accumulate adds into
 // y (the residual). ldy = rows. KVRELAY_CUDA_GEMV=legacy selects the
 // previous quantized kernel (for A/B runs on a GPU).

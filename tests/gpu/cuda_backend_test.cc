@@ -103,7 +103,7 @@ TEST(CudaBackendGpuTest, ForwardMatchesTheCpuForEveryWeightType) {
 
 // Logits of `batch` sequences, each prefilled with 20 tokens on its own,
 // then `steps` decode steps that advance all of them in one Run (the mmvq
-// GEMV with 1..8 tokens per weight pass, in chunks of 8 above).
+// GEMV with 1..16 tokens per weight pass, in chunks of 16 above).
 std::vector<float> RunBatchedDecode(const Model& m, KvBlockPool* pool, ComputeBackend* be,
                                     int batch, int steps) {
   const int prompt = 20, vocab = m.config().vocab;
@@ -139,7 +139,7 @@ TEST(CudaBackendGpuTest, BatchedDecodeMatchesTheCpu) {
   for (GgmlType t : {GgmlType::kQ4_0, GgmlType::kQ4_1, GgmlType::kQ8_0}) {
     // qwen2 has Q/K/V biases (stacked with the weights on the device).
     auto m = Synthetic(t, GgmlType::kQ8_0, t == GgmlType::kQ8_0 ? "qwen2" : "llama");
-    for (int batch : {2, 3, 8, 11}) {
+    for (int batch : {2, 3, 8, 11, 17}) {
       auto cpu_pool = testutil::MakePool(*m, 2 * batch, 16, KvDtype::kF16),
            gpu_pool = testutil::MakePool(*m, 2 * batch, 16, KvDtype::kF16);
       auto cpu = CreateComputeBackend({}, *m, cpu_pool.get(), nullptr);
