@@ -252,8 +252,11 @@ namespace {
 // its own deadline, so a silent one delays nobody else.
 struct PendingFollower {
   enum class Stage { kAuthHello, kAuthProof, kTpHello };
-  PendingFollower(int fd, const protocols::ClusterKey& key, Deadline d)
-      : link(std::make_unique<TpLink>(fd)), auth(key, protocols::kAuthChannelTp), deadline(d) {
+  PendingFollower(int fd, const protocols::ClusterKey& key, Deadline d, bool foreign)
+      : link(std::make_unique<TpLink>(fd)),
+        auth(key, protocols::kAuthChannelTp),
+        deadline(d),
+        foreign(foreign) {
     // A stranger can make rank 0 buffer no more than an auth message.
     link->set_max_message_bytes(protocols::kFrameHeaderBytes +
                                 protocols::kMaxUnauthenticatedPayload);
@@ -263,6 +266,7 @@ struct PendingFollower {
   protocols::AuthResponder auth;
   Stage stage = Stage::kAuthHello;
   Deadline deadline;
+  bool foreign = false;  // from another local user (protocols/preauth_slots.h)
 };
 
 constexpr auto kTpStageTimeout = std::chrono::seconds(5);  // each of auth, hello
@@ -424,26 +428,35 @@ Result<std::vector<std::string>> TcpTpGroup::Accept(
       for (;;) {
         const int fd = ::accept(listen_fd_, nullptr, nullptr);
         if (fd < 0) break;  // EAGAIN: none left
-        const std::vector<size_t> evict = protocols::OldestUnauthenticated(
-            pending, options_.max_unauthenticated,
-            [](const std::unique_ptr<PendingFollower>& p) { return !p->authenticated(); });
-        if (!evict.empty()) {
+        const bool foreign = protocols::FromOtherLocalUser(fd);
+        const protocols::PreAuthAdmission admission = protocols::AdmitStranger(
+            pending, options_.max_unauthenticated, foreign,
+            [](const std::unique_ptr<PendingFollower>& p) { return !p->authenticated(); },
+            [](const std::unique_ptr<PendingFollower>& p) { return p->foreign; });
+        const size_t refused = admission.evict.size() + (admission.admit ? 0 : 1);
+        if (refused > 0) {
           uint64_t n;
           {
             std::lock_guard lock(counters_mu_);
-            n = counters_.refused_connections += evict.size();
+            n = counters_.refused_connections += refused;
           }
-          if (n <= 10 || n % 1000 < evict.size()) {
+          if (n <= 10 || n % 1000 < refused) {
             LOG_WARNING << "TP group: " << options_.max_unauthenticated
-                        << " unauthenticated connections: dropping the oldest (" << n
-                        << " refused so far)";
+                        << " unauthenticated connections: "
+                        << (admission.admit ? "dropping the oldest"
+                                            : "refusing another local user's")
+                        << " (" << n << " refused so far)";
           }
-          for (size_t i = evict.size(); i-- > 0;) {
-            pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(evict[i]));
+          for (size_t i = admission.evict.size(); i-- > 0;) {
+            pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(admission.evict[i]));
           }
         }
+        if (!admission.admit) {
+          ::close(fd);
+          continue;
+        }
         pending.push_back(
-            std::make_unique<PendingFollower>(fd, options_.cluster_key, stage_deadline()));
+            std::make_unique<PendingFollower>(fd, options_.cluster_key, stage_deadline(), foreign));
       }
     }
   }

@@ -74,8 +74,9 @@ std::string EncodeHead(MessageType type, const ChunkHeader& h, size_t data_bytes
 // io thread only; the transport state under the transport's mutex.
 class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
  public:
-  Inbound(TcpTransport* t, tcp::socket socket)
+  Inbound(TcpTransport* t, tcp::socket socket, bool foreign)
       : t_(t),
+        foreign_(foreign),
         socket_(std::move(socket)),
         auth_(t->options_.cluster_key, protocols::kAuthChannelKv),
         auth_timer_(socket_.get_executor()) {}
@@ -95,6 +96,8 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   // Io thread.
   bool closed() const { return closed_; }
   bool identified() const { return peer_ >= 0; }
+  // From a process of another local user (protocols/preauth_slots.h).
+  bool foreign() const { return foreign_; }
   // Any thread: closes the connection on the io thread (a read in flight is aborted).
   void Close(const Status& why) {
     asio::post(socket_.get_executor(), [self = shared_from_this(), why] { self->Fail(why); });
@@ -359,6 +362,7 @@ class TcpTransport::Inbound : public std::enable_shared_from_this<Inbound> {
   }
 
   TcpTransport* const t_;
+  const bool foreign_;
   tcp::socket socket_;
   bool closed_ = false;
   int peer_ = -1;  // learned from the hello
@@ -461,6 +465,8 @@ void TcpTransport::AcceptLoop() {
       socket.set_option(asio::socket_base::receive_buffer_size(options_.socket_buffer_bytes),
                         ignored);
     }
+    // Asked before the lock: one netlink round trip to the local kernel.
+    const bool foreign = protocols::FromOtherLocalUser(socket.native_handle());
     std::vector<std::shared_ptr<Inbound>> evicted;
     {
       std::lock_guard lock(domain_->mu);
@@ -480,28 +486,40 @@ void TcpTransport::AcceptLoop() {
         AcceptLoop();
         return;
       }
-      // Pre-auth slots full: the oldest stranger makes room (protocols/
-      // preauth_slots.h), so silent connections cannot lock a peer out.
-      for (size_t i : protocols::OldestUnauthenticated(inbound_, options_.max_unauthenticated,
-                                                       [](const std::weak_ptr<Inbound>& w) {
-                                                         auto in = w.lock();
-                                                         return in && !in->identified();
-                                                       })) {
+      // Pre-auth slots full: the oldest stranger makes room, another local
+      // user's only among its own kind (protocols/preauth_slots.h), so silent
+      // connections cannot lock a peer out.
+      const protocols::PreAuthAdmission admission = protocols::AdmitStranger(
+          inbound_, options_.max_unauthenticated, foreign,
+          [](const std::weak_ptr<Inbound>& w) {
+            auto in = w.lock();
+            return in && !in->identified();
+          },
+          [](const std::weak_ptr<Inbound>& w) {
+            auto in = w.lock();
+            return in && in->foreign();
+          });
+      for (size_t i : admission.evict) {
         if (auto in = inbound_[i].lock()) evicted.push_back(std::move(in));
       }
-      if (!evicted.empty()) {
-        const uint64_t n = refused_connections_ += evicted.size();
-        if (n <= 10 || n % 1000 < evicted.size()) {
-          LOG_WARNING << "tcp transport: " << options_.max_unauthenticated
-                      << " unauthenticated data connections: evicting the oldest (" << n
-                      << " refused)";
-        }
+      const uint64_t n = refused_connections_ += evicted.size() + (admission.admit ? 0 : 1);
+      if (n > 0 && (n <= 10 || n % 1000 < evicted.size() + 1) &&
+          (!evicted.empty() || !admission.admit)) {
+        LOG_WARNING << "tcp transport: " << options_.max_unauthenticated
+                    << " unauthenticated data connections: "
+                    << (admission.admit ? "evicting the oldest" : "refusing another local user's")
+                    << " (" << n << " refused)";
+      }
+      if (!admission.admit) {
+        socket.close(ignored);
+        AcceptLoop();
+        return;
       }
     }
     for (auto& in : evicted) {
       in->Fail(ResourceExhausted("evicted: the data port's pre-authentication slots are full"));
     }
-    auto in = std::make_shared<Inbound>(this, std::move(socket));
+    auto in = std::make_shared<Inbound>(this, std::move(socket), foreign);
     {
       std::lock_guard lock(domain_->mu);
       inbound_.push_back(in);

@@ -571,9 +571,13 @@ struct FramedServer::State {
   AcceptHandler on_accept;
   std::atomic<uint64_t> refused{0};
   std::mutex mutex;
-  bool stopped = false;                                   // guarded by mutex
-  std::vector<std::weak_ptr<FramedConnection>> accepted;  // guarded by mutex
-  int next_id = 0;                                        // io thread only
+  bool stopped = false;  // guarded by mutex
+  struct Accepted {
+    std::weak_ptr<FramedConnection> conn;
+    bool foreign = false;  // from another local user (preauth_slots.h)
+  };
+  std::vector<Accepted> accepted;  // guarded by mutex; in accept order
+  int next_id = 0;                 // io thread only
 };
 
 namespace {
@@ -617,12 +621,15 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
     }
     ConnectionOptions options = state->options;
     options.name += "#" + std::to_string(state->next_id++);
+    // Asked before the lock: one netlink round trip to the local kernel.
+    const bool foreign =
+        options.require_authentication && FromOtherLocalUser(socket.native_handle());
     std::vector<std::shared_ptr<FramedConnection>> evicted;
     {
       std::lock_guard lock(state->mutex);
       if (state->stopped) return;  // the socket closes on destruction
-      std::erase_if(state->accepted, [](const auto& w) {
-        auto c = w.lock();
+      std::erase_if(state->accepted, [](const auto& a) {
+        auto c = a.conn.lock();
         return !c || c->closed();
       });
       if (state->accepted.size() >= state->limits.max_connections) {
@@ -638,20 +645,32 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
         return;
       }
       // Pre-auth slots full: the oldest unauthenticated connection makes
-      // room (preauth_slots.h), so silent connections cannot lock peers out.
+      // room, another local user's only among its own kind (preauth_slots.h),
+      // so silent connections cannot lock peers out.
       if (options.require_authentication) {
-        for (size_t i : OldestUnauthenticated(state->accepted, state->limits.max_unauthenticated,
-                                              [](const std::weak_ptr<FramedConnection>& w) {
-                                                auto c = w.lock();
-                                                return c && !c->authenticated();
-                                              })) {
-          if (auto c = state->accepted[i].lock()) evicted.push_back(std::move(c));
+        const PreAuthAdmission admission = AdmitStranger(
+            state->accepted, state->limits.max_unauthenticated, foreign,
+            [](const FramedServer::State::Accepted& a) {
+              auto c = a.conn.lock();
+              return c && !c->authenticated();
+            },
+            [](const FramedServer::State::Accepted& a) { return a.foreign; });
+        for (size_t i : admission.evict) {
+          if (auto c = state->accepted[i].conn.lock()) evicted.push_back(std::move(c));
         }
-        const uint64_t n = state->refused += evicted.size();
-        if (!evicted.empty() && (n <= 10 || n % 1000 < evicted.size())) {
+        const size_t refused = evicted.size() + (admission.admit ? 0 : 1);
+        const uint64_t n = state->refused += refused;
+        if (refused > 0 && (n <= 10 || n % 1000 < refused)) {
           LOG_WARNING << "accepting " << options.name << ": " << state->limits.max_unauthenticated
-                      << " unauthenticated connections, evicting the oldest (" << n
-                      << " refused so far)";
+                      << " unauthenticated connections, "
+                      << (admission.admit ? "evicting the oldest" : "refusing another local user's")
+                      << " (" << n << " refused so far)";
+        }
+        if (!admission.admit) {
+          boost::system::error_code ignored;
+          socket.close(ignored);
+          AcceptLoop(state);
+          return;
         }
       }
     }
@@ -661,7 +680,7 @@ void AcceptLoop(const std::shared_ptr<FramedServer::State>& state) {
     auto conn = FramedConnection::Adopt(state->io, std::move(socket), options);
     {
       std::lock_guard lock(state->mutex);
-      state->accepted.push_back(conn);
+      state->accepted.push_back({conn, foreign});
     }
     state->on_accept(conn);
     AcceptLoop(state);
@@ -675,7 +694,7 @@ FramedServer::~FramedServer() { Stop(); }
 uint64_t FramedServer::refused_connections() const { return state_->refused.load(); }
 
 void FramedServer::Stop() {
-  std::vector<std::weak_ptr<FramedConnection>> accepted;
+  std::vector<State::Accepted> accepted;
   {
     std::lock_guard lock(state_->mutex);
     if (state_->stopped) return;
@@ -690,8 +709,8 @@ void FramedServer::Stop() {
     closed->set_value();
   });
   if (!io_.InThisThread() && !io_.context().stopped()) future.wait_for(std::chrono::seconds(5));
-  for (auto& w : accepted) {
-    if (auto c = w.lock()) c->Close(Cancelled("server stopped"));
+  for (auto& a : accepted) {
+    if (auto c = a.conn.lock()) c->Close(Cancelled("server stopped"));
   }
 }
 

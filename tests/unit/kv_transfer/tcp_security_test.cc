@@ -6,13 +6,22 @@
 //
 // The hostile senders are raw frame connections driven by the test; the
 // well-behaved ones are real TcpTransport endpoints.
+#include <arpa/inet.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
 
 #include "kv_transfer/tcp_transport.h"
 #include "protocols/framed_connection.h"
+#include "protocols/preauth_slots.h"
 #include "transport_pair.h"
 
 namespace kvrelay::kv_transfer {
@@ -308,6 +317,143 @@ TEST(TcpSecurity, SilentStrangersHoldingEverySlotCannotLockAPeerOut) {
   }
   ExpectTransferWorks(send_side.get(), recv_side.get(), 17);
   for (auto& c : strangers) c->Close(Cancelled("done"));
+}
+
+// A process of another local user that churns connections as fast as the
+// port accepts them (which oldest-first eviction alone loses to: the peer's
+// connection is pushed out mid-handshake) cannot keep a peer of the
+// cluster's own uid out: foreign connections only evict each other.
+class ForeignChurner {
+ public:
+  // Forks a child that drops to uid/gid 65534 and keeps `held` connections
+  // to 127.0.0.1:port, redialling each one the port closes at once.
+  ForeignChurner(uint16_t port, int held) {
+    pid_ = fork();
+    if (pid_ != 0) return;
+    // Child: no allocation (the parent has threads); exits when killed.
+    if (setgroups(0, nullptr) != 0 || setresgid(65534, 65534, 65534) != 0 ||
+        setresuid(65534, 65534, 65534) != 0) {
+      _exit(2);
+    }
+    int fds[64];
+    const int n = held < 64 ? held : 64;
+    for (int i = 0; i < n; ++i) fds[i] = -1;
+    for (;;) {
+      for (int i = 0; i < n; ++i) {
+        if (fds[i] >= 0) {
+          char b[256];
+          pollfd p{fds[i], POLLIN, 0};
+          if (::poll(&p, 1, 0) == 0 || ::read(fds[i], b, sizeof(b)) > 0) continue;
+          ::close(fds[i]);
+        }
+        fds[i] = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        a.sin_port = htons(port);
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        if (::connect(fds[i], reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+          ::close(fds[i]);
+          fds[i] = -1;
+        }
+      }
+    }
+  }
+  ~ForeignChurner() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  bool started() const { return pid_ > 0; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+TEST(TcpSecurity, AnotherLocalUsersChurnCannotLockAPeerOut) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the attacker as another user";
+  TcpTransport::Options o;
+  o.rank = 1;
+  o.cluster_key = TestKey();
+  o.max_unauthenticated = 8;
+  o.auth_timeout = std::chrono::milliseconds(60000);
+  auto recv_side = std::move(TcpTransport::Create(o)).value();
+  ForeignChurner attacker(recv_side->port(), 32);  // 4x the slots, redialled at once
+  ASSERT_TRUE(attacker.started());
+  const Deadline churning = Deadline::AfterMs(20000);
+  while (recv_side->refused_connections() < 200 && !churning.Expired()) usleep(5000);
+  ASSERT_GE(recv_side->refused_connections(), 200u) << "the attacker is not churning";
+  for (int round = 0; round < 10; ++round) {
+    auto send_side = Endpoint(0);
+    Status st = send_side->ConnectPeer(1, "127.0.0.1", recv_side->port(), Deadline::AfterMs(2000));
+    ASSERT_TRUE(st.ok()) << "round " << round << ": " << st.ToString();
+    recv_side->PeerRejoined(0);  // the last round's sender closed (as a restart would)
+    ExpectTransferWorks(send_side.get(), recv_side.get(), 100 + round, 20000);
+  }
+}
+
+// The kernel tells a connection from another local user (sock_diag) from
+// one of this process's uid.
+TEST(PreAuthSlots, AnotherLocalUsersConnectionIsRecognised) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to connect as another user";
+  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::listen(lfd, 8), 0);
+  ASSERT_EQ(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  auto accept_one = [&] {
+    pollfd p{lfd, POLLIN, 0};
+    EXPECT_EQ(::poll(&p, 1, 10000), 1);
+    return ::accept(lfd, nullptr, nullptr);
+  };
+  {
+    ForeignChurner stranger(ntohs(a.sin_port), 1);
+    ASSERT_TRUE(stranger.started());
+    const int fd = accept_one();
+    ASSERT_GE(fd, 0);
+    EXPECT_TRUE(protocols::FromOtherLocalUser(fd));
+    ::close(fd);
+  }
+  const int own = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_EQ(::connect(own, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  const int fd = accept_one();
+  ASSERT_GE(fd, 0);
+  EXPECT_FALSE(protocols::FromOtherLocalUser(fd));
+  ::close(fd);
+  ::close(own);
+  ::close(lfd);
+}
+
+// The admission policy of every internal port (protocols/preauth_slots.h).
+TEST(PreAuthSlots, ForeignConnectionsShareHalfTheSlotsAndEvictOnlyEachOther) {
+  struct C {
+    bool unauth;
+    bool foreign;
+  };
+  auto unauth = [](const C& c) { return c.unauth; };
+  auto foreign = [](const C& c) { return c.foreign; };
+  using V = std::vector<size_t>;
+  // Room left: nobody is evicted.
+  EXPECT_TRUE(protocols::AdmitStranger(std::vector<C>{{true, false}}, 4, true, unauth, foreign)
+                  .evict.empty());
+  // Full of the cluster's own strangers: ours evicts the oldest; a foreign one is refused.
+  const std::vector<C> ours(4, C{true, false});
+  EXPECT_EQ(protocols::AdmitStranger(ours, 4, false, unauth, foreign).evict, V{0});
+  EXPECT_FALSE(protocols::AdmitStranger(ours, 4, true, unauth, foreign).admit);
+  // Foreign ones hold at most half: the next foreign evicts the oldest foreign.
+  const std::vector<C> mixed = {{true, true}, {true, false}, {true, true}, {false, false}};
+  auto a = protocols::AdmitStranger(mixed, 4, true, unauth, foreign);
+  EXPECT_TRUE(a.admit);
+  EXPECT_EQ(a.evict, V{0});
+  // Ours evicts foreign first (the oldest), even when ours are older.
+  const std::vector<C> full = {{true, false}, {true, true}, {true, false}, {true, true}};
+  EXPECT_EQ(protocols::AdmitStranger(full, 4, false, unauth, foreign).evict, V{1});
+  // Authenticated entries never count or go.
+  const std::vector<C> authed(10, C{false, false});
+  EXPECT_TRUE(protocols::AdmitStranger(authed, 4, true, unauth, foreign).evict.empty());
 }
 
 // Each kind of refusal on the data port is counted (security_counters(),
