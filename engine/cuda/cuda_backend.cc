@@ -600,8 +600,12 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   RETURN_IF_ERROR(gate_.Reserve(T * c.ffn_dim * f));
   RETURN_IF_ERROR(up_.Reserve(2 * T * c.ffn_dim * f));  // [T][gate | up] when stacked
   {
+    // The widest product input: kExact TP multiplies the gathered full
+    // width (the full model's q_dim and ffn_dim), wider than this shard's.
+    const ModelConfig& fc = model_.full_config();
     const int64_t widest = std::max(
-        {static_cast<int64_t>(d), static_cast<int64_t>(qd), static_cast<int64_t>(c.ffn_dim)});
+        {static_cast<int64_t>(d), static_cast<int64_t>(qd), static_cast<int64_t>(c.ffn_dim),
+         static_cast<int64_t>(fc.q_dim()), static_cast<int64_t>(fc.ffn_dim)});
     // Only GEMV products (fewer than gemm_min_tokens rows) read q8.
     const int64_t tq = std::min<int64_t>(T, options_.gemm_min_tokens - 1);
     RETURN_IF_ERROR(xq_q_.Reserve(static_cast<size_t>(std::max<int64_t>(tq * widest, 1))));
