@@ -82,6 +82,7 @@ struct WorkerInfo {
   int64_t transfer_bytes = 0;         // cumulative KV bytes sent/received
   double transfer_seconds = 0;        // cumulative seconds spent in KV transfer
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
+  int64_t kv_integrity_failures = 0;  // cumulative: KV streams refused by a checksum/manifest check
   // Per KV cache group: its window (0 = full attention) and the most blocks
   // one sequence held in it between steps (from heartbeats).
   std::vector<int64_t> kv_group_window;

@@ -69,6 +69,8 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.prefix_hit_tokens = static_cast<int64_t>(hb.prefix_hit_tokens());
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
       w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
+      w->info.kv_integrity_failures =
+          static_cast<int64_t>(std::min<uint64_t>(hb.kv_integrity_failures(), INT64_MAX));
       w->info.transfer_seconds = hb.transfer_seconds();
       w->info.kv_group_window.assign(hb.kv_group_window().begin(), hb.kv_group_window().end());
       w->info.kv_group_peak_blocks.assign(hb.kv_group_peak_blocks().begin(),

@@ -276,6 +276,11 @@ void Session::HandleMetrics() {
     core_->AdvanceWorkerCounter("kvrelay_worker_transfer_bytes_total",
                                 "KV bytes the worker transferred.", w.id,
                                 static_cast<double>(w.transfer_bytes));
+    core_->AdvanceWorkerCounter(
+        "kvrelay_worker_kv_integrity_failures_total",
+        "KV streams the worker refused because a block checksum, the manifest or the model "
+        "fingerprint did not check out (the request failed or was re-run; never decoded).",
+        w.id, static_cast<double>(w.kv_integrity_failures));
     core_->AdvanceWorkerCounter("kvrelay_worker_transfer_seconds_total",
                                 "Seconds the worker spent in KV transfer.", w.id,
                                 w.transfer_seconds);

@@ -198,6 +198,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
                            "the KV path is cut?)");
     }
     if (!s.ok()) {
+      if (s.code() == StatusCode::kDataLoss) kv_integrity_failures_.fetch_add(1);
       in.receivers.clear();  // cancels outstanding receives before the blocks go back
       if (tp_ != nullptr) tp_->CancelKv(id);
       done.push_back({id, s.WithContext("receiving KV"), -1});

@@ -16,6 +16,7 @@
 // engine's request owns the blocks, so they go back on every path.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 
@@ -44,6 +45,7 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   protocols::PortSecurityCounters tp_security_counters() const override {
     return tp_ ? tp_->security_counters() : protocols::PortSecurityCounters{};
   }
+  uint64_t kv_integrity_failures() const override { return kv_integrity_failures_.load(); }
   void Shutdown() override;
 
   // --- engine::KvConnector (load side) ---
@@ -84,6 +86,8 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<MpiTpCollective> mpi_collective_;  // TP over MPI only
   std::unique_ptr<TpLeader> tp_;                     // TP size > 1 only
   std::map<engine::RequestId, Incoming> incoming_;
+  // KV streams failed by an integrity check (DataLoss); read by heartbeats.
+  std::atomic<uint64_t> kv_integrity_failures_{0};
   uint32_t reserving_prefill_rank_ = 0;           // set around the Submit of a ReserveBlocks
   std::vector<engine::BlockId> reserved_blocks_;  // what StartRemoteLoad was given
   // Declared last, destroyed first: the engine cancels its loads through

@@ -78,6 +78,9 @@ class Role {
   // What the role's own internal port (a TP group's link) refused so far;
   // heartbeats carry it to the coordinator's /metrics. Zeros without one.
   virtual protocols::PortSecurityCounters tp_security_counters() const { return {}; }
+  // KV streams refused by an integrity check (checksum, manifest,
+  // fingerprint) since the worker started; the decode role counts them.
+  virtual uint64_t kv_integrity_failures() const { return 0; }
   // The role's prefix store's counts, for heartbeats (the coordinator's
   // kvrelay_worker_kvstore_*); false when it has none.
   virtual bool FillPrefixStore(proto::PrefixStoreCounters* /*out*/) const { return false; }

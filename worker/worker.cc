@@ -158,6 +158,7 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   };
   if (base_.transport) fill(base_.transport->security_counters(), hb->mutable_kv_port());
   fill(role_->tp_security_counters(), hb->mutable_tp_port());
+  hb->set_kv_integrity_failures(role_->kv_integrity_failures());
   proto::PrefixStoreCounters store;
   if (role_->FillPrefixStore(&store)) *hb->mutable_prefix_store() = std::move(store);
 }

@@ -661,6 +661,16 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   const double capacity = 6 / std::max(1e-3, Seconds(Clock::now() - start));
   ASSERT_TRUE(WaitFor([&] { return AllIdle(); }, seconds(30)));
   const auto baseline = WorkerGauge(port_, "kvrelay_worker_kv_utilization");
+  // KV streams refused by a checksum/manifest check so far, summed over the
+  // workers; -1 when no worker exports the series (so a missing series fails).
+  auto integrity_failures = [&] {
+    const auto g = WorkerGauge(port_, "kvrelay_worker_kv_integrity_failures_total");
+    double n = g.empty() ? -1 : 0;
+    for (const auto& [w, v] : g) n += v;
+    return n;
+  };
+  const double integrity_before = integrity_failures();
+  ASSERT_GE(integrity_before, 0) << "no worker exports kvrelay_worker_kv_integrity_failures_total";
   const double rate = std::max(0.5, 0.7 * capacity);
   LoadClient load(port_, prompts_, kMaxTokens, kRequestTimeoutMs);
   load.Start(rate);
@@ -684,6 +694,15 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   std::this_thread::sleep_for(milliseconds(fault == KvFault::kBlackhole ? 5000 : 3000));  // load
   std::vector<Outcome> outcomes = load.Stop();
   EXPECT_GE(InFlightAt(outcomes, fault_at), 1) << "the fault hit no request in flight";
+  if (fault == KvFault::kCorrupt) {
+    // The flipped byte was caught by a block checksum, and counted (a
+    // heartbeat or two later), not decoded: the checks are what this proves.
+    double now = -1;
+    EXPECT_TRUE(
+        WaitFor([&] { return (now = integrity_failures()) >= integrity_before + 1; }, seconds(10)))
+        << "the corrupted KV chunk was not counted as an integrity failure on /metrics ("
+        << integrity_before << " before, " << now << " after)";
+  }
   const double ordinary = OrdinaryLatencyS(outcomes, fault_at);
   int affected = 0;
   std::string first_error;
