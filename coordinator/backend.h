@@ -83,6 +83,11 @@ struct WorkerInfo {
   double transfer_seconds = 0;        // cumulative seconds spent in KV transfer
   int64_t quarantined_kv_blocks = 0;  // never reused: abandoned to a dead peer's MPI request
   int64_t kv_integrity_failures = 0;  // cumulative: KV streams refused by a checksum/manifest check
+  int64_t prompt_tokens_computed = 0;  // cumulative (the cached ones: prefix_hit_tokens)
+  int64_t generated_tokens = 0;        // cumulative
+  int64_t preemptions = 0;             // cumulative
+  double process_cpu_seconds = 0;      // the worker process's user + system CPU
+  int64_t process_resident_bytes = 0;  // its RSS
   // Per KV cache group: its window (0 = full attention) and the most blocks
   // one sequence held in it between steps (from heartbeats).
   std::vector<int64_t> kv_group_window;

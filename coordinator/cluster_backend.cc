@@ -69,8 +69,15 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       w->info.prefix_hit_tokens = static_cast<int64_t>(hb.prefix_hit_tokens());
       w->info.transfer_bytes = static_cast<int64_t>(hb.transfer_bytes());
       w->info.quarantined_kv_blocks = static_cast<int64_t>(hb.quarantined_kv_blocks());
-      w->info.kv_integrity_failures =
-          static_cast<int64_t>(std::min<uint64_t>(hb.kv_integrity_failures(), INT64_MAX));
+      auto count = [](uint64_t v) {
+        return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX));
+      };
+      w->info.kv_integrity_failures = count(hb.kv_integrity_failures());
+      w->info.prompt_tokens_computed = count(hb.prompt_tokens_computed());
+      w->info.generated_tokens = count(hb.generated_tokens());
+      w->info.preemptions = count(hb.preemptions());
+      w->info.process_cpu_seconds = hb.process_cpu_seconds();
+      w->info.process_resident_bytes = count(hb.process_resident_bytes());
       w->info.transfer_seconds = hb.transfer_seconds();
       w->info.kv_group_window.assign(hb.kv_group_window().begin(), hb.kv_group_window().end());
       w->info.kv_group_peak_blocks.assign(hb.kv_group_peak_blocks().begin(),

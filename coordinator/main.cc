@@ -17,6 +17,7 @@
 #include "coordinator/local_engine_backend.h"
 #include "coordinator/router.h"
 #include "coordinator/server.h"
+#include "coordinator/stats_logger.h"
 #include "engine/gguf/gguf.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
@@ -65,6 +66,9 @@ const FlagSpec kSpec = {
      {"max-connections-per-client", "1024", "open connections per client address"},
      {"control-port", "", "cluster mode: the workers' control port (0 = pick a free one)"},
      {"heartbeat-ms", "500", "cluster mode: worker heartbeat interval"},
+     {"log-stats-interval-ms", "10000",
+      "a stats line (throughput, running, queued, KV use, prefix hit rate) this often while "
+      "serving (0 = none)"},
      {"heartbeat-timeout-ms", "0",
       "cluster mode: drop a worker silent this long (0 = 3 heartbeat intervals)"},
      {"worker-wait-ms", "1 heartbeat interval",
@@ -279,12 +283,19 @@ Status Run(const std::vector<std::string>& args) {
   MetricsRegistry metrics;
   ASSIGN_OR_RETURN(auto server, Server::Create(so, backend.get(), &codec, &metrics));
   RETURN_IF_ERROR(server->Start());
+  ASSIGN_OR_RETURN(int64_t stats_ms, flags.GetInt("log-stats-interval-ms", 10'000));
+  if (stats_ms < 0) return InvalidArgument("--log-stats-interval-ms must be >= 0");
+  std::unique_ptr<StatsLogger> stats;
+  if (stats_ms > 0) {
+    stats = std::make_unique<StatsLogger>(backend.get(), std::chrono::milliseconds(stats_ms));
+  }
   std::printf("kvrelay-coordinator listening on http://%s:%u (model '%s')\n", so.host.c_str(),
               static_cast<unsigned>(server->port()), so.model_name.c_str());
   std::fflush(stdout);
   int sig = 0;
   sigwait(&signals, &sig);
   LOG_INFO << "signal " << sig << ": shutting down";
+  stats.reset();
   server->Stop();
   server.reset();
   backend.reset();

@@ -2,6 +2,7 @@
 // routing them, and writing responses by RFC 9110 / 9112 (no content in a
 // response to HEAD or in a 1xx / 204; Allow on 405; Connection: close exactly
 // when the server closes afterwards).
+#include <algorithm>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/write.hpp>
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <tuple>
 
 #include "common/logging.h"
+#include "common/process_stats.h"
 #include "coordinator/http_request.h"
 #include "coordinator/server_internal.h"
 
@@ -227,6 +229,32 @@ void Session::HandleHealth() {
 void Session::HandleMetrics() {
   MetricsRegistry* m = core_->registry;
   const auto now = core_->backend->Workers();
+  // The coordinator process itself, named as Prometheus client libraries do.
+  const ProcessStats self = ReadProcessStats();
+  {
+    double delta = 0;
+    {
+      std::lock_guard<std::mutex> lock(core_->worker_totals_mutex);
+      double& last = core_->worker_totals["process_cpu_seconds_total"];
+      delta = std::max(0.0, self.cpu_seconds - last);
+      last = std::max(last, self.cpu_seconds);
+    }
+    m->GetCounter("process_cpu_seconds_total", "Total user and system CPU time spent in seconds.",
+                  core_->Labels())
+        ->Increment(delta);
+  }
+  for (const auto& [name, help, value] :
+       std::initializer_list<std::tuple<const char*, const char*, double>>{
+           {"process_resident_memory_bytes", "Resident memory size in bytes.",
+            static_cast<double>(self.resident_bytes)},
+           {"process_virtual_memory_bytes", "Virtual memory size in bytes.",
+            static_cast<double>(self.virtual_bytes)},
+           {"process_open_fds", "Number of open file descriptors.",
+            static_cast<double>(self.open_fds)},
+           {"process_start_time_seconds", "Start time of the process since the Unix epoch.",
+            self.start_time_seconds}}) {
+    m->GetGauge(name, help, core_->Labels())->Set(value);
+  }
   {
     // A worker that left (died, or its group broke) reads unhealthy and idle,
     // not its last values.
@@ -276,6 +304,27 @@ void Session::HandleMetrics() {
     core_->AdvanceWorkerCounter("kvrelay_worker_transfer_bytes_total",
                                 "KV bytes the worker transferred.", w.id,
                                 static_cast<double>(w.transfer_bytes));
+    // Prefix cache queries and hits in prompt tokens, preemptions and the
+    // worker process, under vLLM's names where it has one.
+    core_->AdvanceWorkerCounter(
+        "kvrelay_worker_prefix_cache_queries_total",
+        "Prompt tokens the worker looked up in its prefix cache (computed + cached).", w.id,
+        static_cast<double>(w.prompt_tokens_computed + w.prefix_hit_tokens));
+    core_->AdvanceWorkerCounter("kvrelay_worker_prefix_cache_hits_total",
+                                "Prompt tokens the worker found in its prefix cache.", w.id,
+                                static_cast<double>(w.prefix_hit_tokens));
+    core_->AdvanceWorkerCounter("kvrelay_worker_generation_tokens_total",
+                                "Tokens the worker generated.", w.id,
+                                static_cast<double>(w.generated_tokens));
+    core_->AdvanceWorkerCounter("kvrelay_worker_preemptions_total",
+                                "Sequences the worker's scheduler preempted (KV ran short).", w.id,
+                                static_cast<double>(w.preemptions));
+    core_->AdvanceWorkerCounter("kvrelay_worker_process_cpu_seconds_total",
+                                "User and system CPU seconds of the worker process.", w.id,
+                                w.process_cpu_seconds);
+    m->GetGauge("kvrelay_worker_process_resident_memory_bytes",
+                "Resident memory of the worker process in bytes.", l)
+        ->Set(static_cast<double>(w.process_resident_bytes));
     core_->AdvanceWorkerCounter(
         "kvrelay_worker_kv_integrity_failures_total",
         "KV streams the worker refused because a block checksum, the manifest or the model "

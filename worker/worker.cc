@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "common/logging.h"
+#include "common/process_stats.h"
 #include "kv_transfer/transport_factory.h"
 #include "protocols/messages.h"
 
@@ -159,6 +160,13 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   if (base_.transport) fill(base_.transport->security_counters(), hb->mutable_kv_port());
   fill(role_->tp_security_counters(), hb->mutable_tp_port());
   hb->set_kv_integrity_failures(role_->kv_integrity_failures());
+  const engine::Engine::Stats stats = e->stats();
+  hb->set_prompt_tokens_computed(static_cast<uint64_t>(stats.prompt_tokens_computed));
+  hb->set_generated_tokens(static_cast<uint64_t>(stats.generated_tokens));
+  hb->set_preemptions(static_cast<uint64_t>(stats.preemptions));
+  const ProcessStats process = ReadProcessStats();
+  hb->set_process_cpu_seconds(process.cpu_seconds);
+  hb->set_process_resident_bytes(static_cast<uint64_t>(process.resident_bytes));
   proto::PrefixStoreCounters store;
   if (role_->FillPrefixStore(&store)) *hb->mutable_prefix_store() = std::move(store);
 }
