@@ -11,8 +11,7 @@
 // holding block_tokens x head_dim values in the pool's KvDtype (plus scales
 // for int8 / KIVI). Head-major slabs make head sharding a contiguous slice.
 // The byte format of a slab per dtype, and its error bound, is specified in
-// engine/kv_cache/kv_codec.h. SequenceKv (sequence_kv.h) is the block-table
-// helper for one sequence (append, fork, copy-on-write, commit).
+// engine/kv_cache/kv_codec.h.
 #pragma once
 
 #include <array>
