@@ -16,6 +16,7 @@ PACKAGES=(
   python3 python3-venv python3-yaml
   iproute2 util-linux  # ip, tc, nsenter, unshare: tests/multinode's emulated hosts
   prometheus  # promtool: the coordinator's /metrics is checked with `promtool check metrics`
+  clang-format clang-tidy  # tests/docs: the format and clang-tidy checks (CONTRIBUTING.md)
 )
 
 missing=()
