@@ -27,6 +27,18 @@ Status CheckTokenIds(const GenerationRequest& request, int64_t vocab_size) {
   return Status::Ok();
 }
 
+uint64_t MigratedSeed(uint64_t seed, size_t carried, int migration) {
+  // SplitMix64's finalizer over the three, one after the other.
+  auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(seed + 0x9e3779b97f4a7c15ULL);
+  h = mix(h ^ static_cast<uint64_t>(carried));
+  return mix(h ^ static_cast<uint64_t>(migration));
+}
+
 void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& conn,
                                     const protocols::Frame& frame, PendingEvents& out) {
   const auto type = static_cast<MessageType>(frame.type);
@@ -153,8 +165,12 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       auto it = requests.find(done.request_id());
       if (it == requests.end() || it->second.prefill_id != worker_id) break;
       RequestEntry& r = it->second;
-      r.prompt_tokens = static_cast<int>(done.prompt_tokens());
-      r.cached_tokens = static_cast<int>(done.cached_prompt_tokens());
+      // A migrated request's re-prefill counts the tokens it carries as
+      // prompt: the client's usage keeps its own prompt and first cache hit.
+      if (r.migrations == 0) {
+        r.prompt_tokens = static_cast<int>(done.prompt_tokens());
+        r.cached_tokens = static_cast<int>(done.cached_prompt_tokens());
+      }
       // Its prompt no longer waits there: without this a repeat sent before
       // the next heartbeat saw the worker loaded by the very request whose
       // prefix it holds, and went elsewhere (#42).
@@ -179,6 +195,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         break;
       }
       out.emplace_back(r.sink, e);
+      r.generated.push_back(e.token);
       r.phase = Phase::kDecoding;
       if (r.decode_id != r.prefill_id) SendStartDecode(done.request_id(), r, done.first_token());
       break;
@@ -207,6 +224,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
           e.prompt_tokens = it->second.prompt_tokens;
           e.cached_tokens = it->second.cached_tokens;
           out.emplace_back(it->second.sink, e);
+          if (e.token >= 0) it->second.generated.push_back(e.token);
         }
       }
       break;
@@ -311,6 +329,9 @@ Result<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(ClusterBackendOpt
         "heartbeat_timeout (--heartbeat-timeout-ms) must be 0 (= missed_heartbeats intervals) or "
         "at least one heartbeat interval: a shorter one drops every live worker between two of "
         "its heartbeats");
+  }
+  if (options.migration_limit < 0) {
+    return InvalidArgument("migration_limit (--migration-limit) must be >= 0 (0 = no migration)");
   }
   if (options.cluster_key.empty()) {
     return InvalidArgument(
@@ -493,9 +514,18 @@ ControlSecurityCounters ClusterBackend::security_counters() const {
   return c;
 }
 
+uint64_t ClusterBackend::requests_migrated() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->requests_migrated;
+}
+
 std::vector<BackendCounter> ClusterBackend::Counters() {
   const ControlSecurityCounters c = security_counters();
-  return {{"kvrelay_control_auth_failures_total",
+  return {{"kvrelay_requests_migrated_total",
+           "Requests started again on other workers (prompt + the tokens already streamed) "
+           "after losing a worker mid-answer (--migration-limit).",
+           static_cast<double>(requests_migrated())},
+          {"kvrelay_control_auth_failures_total",
            "Control-plane connections that failed the cluster-key challenge-response.",
            static_cast<double>(c.auth_failures)},
           {"kvrelay_control_refused_connections_total",

@@ -35,6 +35,13 @@
 // had already handed over, which the decode side finishes. A worker that
 // registers again under the same name replaces its old entry.
 //
+// Migration: a request that already streamed tokens and loses its decode
+// worker (or, re-prefilling, either worker) continues on other workers from
+// prompt + those tokens (ClusterBackendOptions::migration_limit); greedy
+// answers are unchanged by it. A sampled one continues from the same tokens
+// with a seed derived from its own and the number of tokens carried
+// (MigratedSeed): repeatable, but not the draws an undisturbed run makes.
+//
 // Waiting for a worker: a request that finds no healthy worker of a role it
 // needs, on Submit or when re-run after a loss, waits up to
 // worker_wait_bound() for one to register and is started when one does; past
@@ -100,6 +107,17 @@ struct ClusterBackendOptions {
   std::chrono::milliseconds worker_wait_bound() const {
     return worker_wait.count() >= 0 ? worker_wait : heartbeat_interval;
   }
+  // Request migration (--migration-limit): a request whose decode worker (or
+  // TP group) is lost mid-answer, or whose prefill worker is lost before the
+  // hand-over, is started again on other workers as a new prefill of its
+  // prompt plus the tokens already sent to the client, with max_tokens
+  // reduced by those; the client's stream continues where it stopped. Each
+  // request moves at most this many times, then fails as with 0 (the error
+  // "worker X was lost"). Not moved: requests under a JSON schema (the
+  // grammar's state is not rebuilt from tokens) or with presence/frequency
+  // penalties (they count generated tokens only, so the re-prefilled tokens
+  // would escape them).
+  int migration_limit = 3;
   // The model's vocabulary size: a request naming a token id outside
   // [0, vocab_size) (prompt or logit_bias) is refused with InvalidArgument
   // before it reaches a worker. 0 = not checked here.
@@ -125,6 +143,11 @@ struct ClusterBackendOptions {
 // client's error: 400, not a capacity problem). vocab_size <= 0: OK.
 Status CheckTokenIds(const GenerationRequest& request, int64_t vocab_size);
 
+// The seed a sampled request continues with after its migration-th move,
+// carrying `carried` generated tokens: a mix of all three, so a re-run of the
+// same move draws the same tokens and two moves never share a stream.
+uint64_t MigratedSeed(uint64_t seed, size_t carried, int migration);
+
 // What the control plane refused, for tests and metrics.
 struct ControlSecurityCounters {
   uint64_t auth_failures = 0;           // connections that failed the challenge-response
@@ -146,7 +169,10 @@ class ClusterBackend final : public Backend {
   Status Health() override;
   std::vector<WorkerInfo> Workers() override;
   ControlSecurityCounters security_counters() const;
-  // security_counters() as kvrelay_control_*_total.
+  // Requests started again elsewhere after losing a worker mid-answer.
+  uint64_t requests_migrated() const;
+  // security_counters() as kvrelay_control_*_total, and
+  // kvrelay_requests_migrated_total.
   std::vector<BackendCounter> Counters() override;
 
   // Stops serving: fails live requests, closes worker connections, joins the io thread.

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/logging.h"
 #include "coordinator/cluster_backend.h"
@@ -48,6 +49,10 @@ struct RequestEntry {
   int prompt_tokens = 0;
   int cached_tokens = 0;
   int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
+  // Migration: every token sent to the client so far, in order (the prompt's
+  // continuation a new prefill starts from), and how often it moved.
+  std::vector<int32_t> generated;
+  int migrations = 0;
   // kWaiting: when it gives up, and the error it then ends with.
   TimePoint wait_until{};
   Status wait_error;
@@ -126,6 +131,7 @@ struct ClusterBackend::State {
   std::unique_ptr<boost::asio::steady_timer> timer;            // io thread only
   TimePoint last_tick{};                                       // guarded by mu: watchdog's last run
   TimePoint last_beat{};                                       // guarded by mu: our last heartbeat
+  uint64_t requests_migrated = 0;                              // guarded by mu
 
   // How long a routed prompt counts as cached on its prefill worker before
   // the worker's cache events (sent with its heartbeats) confirm or evict it.
@@ -237,8 +243,8 @@ struct ClusterBackend::State {
       const std::string other = r.prefill_id == id ? r.decode_id : r.prefill_id;
       if (other != id) SendCancel(other, rid, "peer worker " + id + " lost");
       // Nothing has reached the client yet: run it again on the workers left
-      // (once; a second loss fails it).
-      if (r.phase != Phase::kDecoding && r.reroutes < 1) {
+      // (once; a second loss may migrate it, below).
+      if (r.generated.empty() && r.phase != Phase::kDecoding && r.reroutes < 1) {
         ++r.reroutes;
         Status s = Start(rid, r);
         if (s.ok()) {
@@ -254,9 +260,93 @@ struct ClusterBackend::State {
              out);
         continue;
       }
+      if (Migrate(rid, r, id, out)) continue;
       Fail(rid, Unavailable("worker " + id + " was lost: " + reason.message()), out);
     }
     if (conn) conn->Close(reason);
+  }
+
+  // Why r may not continue on other workers, or "" when it may
+  // (ClusterBackendOptions::migration_limit).
+  std::string MigrationBlocker(const RequestEntry& r) const {
+    const SamplingParams& p = r.request.sampling;
+    if (r.migrations >= options.migration_limit) {
+      return "it moved " + std::to_string(r.migrations) + " times (--migration-limit " +
+             std::to_string(options.migration_limit) + ")";
+    }
+    if (!p.json_schema.empty()) {
+      return "its output follows a JSON schema, whose state is not rebuilt from tokens";
+    }
+    if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+      return "presence/frequency penalties count generated tokens only: a re-prefill would drop "
+             "them";
+    }
+    return "";
+  }
+
+  // r lost worker `lost` after its tokens started to stream (or a second time
+  // before): starts it again elsewhere as a new prefill of its prompt plus the
+  // tokens already sent, for the tokens still allowed; its sink sees the
+  // stream go on. True when r was moved, waits for a worker, or ended here;
+  // false when it may not move (the caller fails it as before).
+  bool Migrate(uint64_t rid, RequestEntry& r, const std::string& lost, PendingEvents& out) {
+    const std::string blocker = MigrationBlocker(r);
+    if (!blocker.empty()) {
+      if (options.migration_limit > 0) {
+        LOG_INFO << "request " << rid << " not migrated after losing " << lost << ": " << blocker;
+      }
+      return false;
+    }
+    if (static_cast<int64_t>(r.generated.size()) >= r.request.sampling.max_tokens) {
+      // Its last token was sent; only the Finish was lost.
+      TokenEvent e;
+      e.finished = true;
+      e.finish_reason = FinishReason::kLength;
+      e.prompt_tokens = r.prompt_tokens;
+      e.cached_tokens = r.cached_tokens;
+      out.emplace_back(r.sink, e);
+      requests.erase(rid);
+      return true;
+    }
+    ++r.migrations;
+    ++requests_migrated;
+    const size_t carried = r.generated.size();
+    Status s = Start(rid, r);
+    if (s.ok()) {
+      LOG_INFO << "request " << rid << " migrated from " << lost << " to " << r.prefill_id
+               << (r.decode_id == r.prefill_id ? "" : " / " + r.decode_id) << " carrying "
+               << carried << " tokens (move " << r.migrations << " of " << options.migration_limit
+               << ")";
+      return true;
+    }
+    if (Wait(r, s)) {
+      LOG_INFO << "request " << rid << " migrating from " << lost << " carrying " << carried
+               << " tokens waits for a worker";
+      return true;
+    }
+    Fail(rid, s.WithContext("worker " + lost + " was lost and no other can take the request"), out);
+    return true;
+  }
+
+  // What a (re-)prefill of r computes: its prompt, then the tokens it already
+  // sent (none unless it migrated).
+  static std::vector<int32_t> PrefillPrompt(const RequestEntry& r) {
+    std::vector<int32_t> tokens;
+    tokens.reserve(r.request.prompt.size() + r.generated.size());
+    tokens.insert(tokens.end(), r.request.prompt.begin(), r.request.prompt.end());
+    tokens.insert(tokens.end(), r.generated.begin(), r.generated.end());
+    return tokens;
+  }
+
+  // r's sampling for its current run: max_tokens less the tokens already
+  // sent, and after a move a derived seed (MigratedSeed).
+  static SamplingParams RunSampling(const RequestEntry& r) {
+    SamplingParams p = r.request.sampling;
+    if (r.migrations > 0) {
+      p.max_tokens -= static_cast<int>(r.generated.size());
+      p.seed = MigratedSeed(p.seed, r.generated.size(), r.migrations);
+    }
+    return p;
   }
 
   // Parks r, which Start refused with `why`, until a worker registers: true
@@ -313,9 +403,15 @@ struct ClusterBackend::State {
     std::vector<WorkerInfo> infos;
     for (auto& [wid, w] : workers) infos.push_back(w.info);
     RouteRequest route;
+    // A migrated request's prompt blocks lead its longer prefill: still the
+    // prefix to route by.
     route.prefix_blocks = r.request.prefix_blocks;
-    route.prompt_tokens = static_cast<int64_t>(r.request.prompt.size());
-    route.max_new_tokens = r.request.sampling.max_tokens;
+    const int64_t prefill_tokens =
+        static_cast<int64_t>(r.request.prompt.size() + r.generated.size());
+    const int64_t new_tokens =
+        r.request.sampling.max_tokens - static_cast<int64_t>(r.generated.size());
+    route.prompt_tokens = prefill_tokens;
+    route.max_new_tokens = new_tokens;
     ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
     WorkerEntry* p = FindWorker(prefill_id);
     std::string decode_id = prefill_id;
@@ -325,10 +421,10 @@ struct ClusterBackend::State {
     r.prefill_id = prefill_id;
     r.decode_id = decode_id;
     r.decode_blocks.clear();
-    r.prompt_tokens = static_cast<int>(r.request.prompt.size());
+    r.prompt_tokens = static_cast<int>(r.request.prompt.size());  // the client's, for usage
     // Queue accounting until the next heartbeat refreshes it (PrefillDone
     // takes it off again).
-    r.queued_charge = r.prompt_tokens;
+    r.queued_charge = prefill_tokens;
     p->info.queued_tokens += r.queued_charge;
     // The prompt's blocks will be cached there: an immediate repeat finds
     // them before the worker's heartbeat reports them (#42).
@@ -338,9 +434,8 @@ struct ClusterBackend::State {
     } else {
       r.phase = Phase::kReserving;
       WorkerEntry* d = FindWorker(decode_id);
-      d->info.free_kv_blocks -=
-          (r.prompt_tokens + r.request.sampling.max_tokens + d->info.block_tokens - 1) /
-          std::max<int64_t>(1, d->info.block_tokens);
+      d->info.free_kv_blocks -= (prefill_tokens + new_tokens + d->info.block_tokens - 1) /
+                                std::max<int64_t>(1, d->info.block_tokens);
       SendReserveBlocks(id, r);
     }
     return Status::Ok();
@@ -350,8 +445,8 @@ struct ClusterBackend::State {
     WorkerEntry* p = FindWorker(r.prefill_id);
     proto::PrefillTask task;
     task.set_request_id(rid);
-    for (int32_t t : r.request.prompt) task.add_prompt_token_ids(t);
-    protocols::ToProto(r.request.sampling, task.mutable_sampling());
+    for (int32_t t : PrefillPrompt(r)) task.add_prompt_token_ids(t);
+    protocols::ToProto(RunSampling(r), task.mutable_sampling());
     task.set_tenant_salt(r.request.tenant_salt);
     if (r.decode_id != r.prefill_id) {
       WorkerEntry* d = FindWorker(r.decode_id);
@@ -376,8 +471,8 @@ struct ClusterBackend::State {
     WorkerEntry* p = FindWorker(r.prefill_id);
     proto::ReserveBlocks m;
     m.set_request_id(rid);
-    for (int32_t t : r.request.prompt) m.add_prompt_token_ids(t);
-    protocols::ToProto(r.request.sampling, m.mutable_sampling());
+    for (int32_t t : PrefillPrompt(r)) m.add_prompt_token_ids(t);
+    protocols::ToProto(RunSampling(r), m.mutable_sampling());
     m.set_prefill_rank(p ? p->rank : 0);
     SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
   }

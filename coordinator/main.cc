@@ -74,6 +74,9 @@ const FlagSpec kSpec = {
      {"worker-wait-ms", "1 heartbeat interval",
       "cluster mode: a request that finds no healthy worker waits this long for one to "
       "register before it fails (0 = fail at once)"},
+     {"migration-limit", "3",
+      "cluster mode: a request whose worker is lost mid-answer continues on another worker "
+      "(prompt + tokens sent re-prefilled) at most this many times (0 = it fails)"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
      {"cluster-key-file", "",
       "cluster mode: the cluster secret every worker must prove (required)"},
@@ -227,6 +230,12 @@ Status Run(const std::vector<std::string>& args) {
       if (wait_ms < 0) return InvalidArgument("--worker-wait-ms must be >= 0");
       co.worker_wait = std::chrono::milliseconds(wait_ms);
     }
+    ASSIGN_OR_RETURN(int64_t migration_limit, flags.GetInt("migration-limit", 3));
+    if (migration_limit < 0 || migration_limit > 1000) {
+      return InvalidArgument("--migration-limit must be 0..1000 (0 = no migration), got " +
+                             std::to_string(migration_limit));
+    }
+    co.migration_limit = static_cast<int>(migration_limit);
     if (control_port < 0 || control_port > 65535)
       return InvalidArgument("--control-port must be 0..65535");
     co.vocab_size = model->config().vocab;

@@ -92,6 +92,18 @@ struct CollectedEvents {
     std::unique_lock lock(mu);
     return cv.wait_until(lock, d.at, [&] { return !got.empty() && got.back().finished; });
   }
+  // True once `n` token events arrived (or the stream finished first: false).
+  bool WaitTokens(size_t n, Deadline d) {
+    std::unique_lock lock(mu);
+    auto tokens = [&] {
+      size_t k = 0;
+      for (const auto& e : got) k += e.token >= 0 ? 1 : 0;
+      return k;
+    };
+    cv.wait_until(lock, d.at,
+                  [&] { return tokens() >= n || (!got.empty() && got.back().finished); });
+    return tokens() >= n;
+  }
   bool Finished() {
     std::lock_guard lock(mu);
     return !got.empty() && got.back().finished;

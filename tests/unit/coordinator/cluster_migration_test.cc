@@ -1,0 +1,243 @@
+// Request migration (issue #39): a request whose decode worker is lost
+// mid-answer continues on another one as a new prefill of its prompt plus the
+// tokens already streamed, on the same client stream. Real TCP on 127.0.0.1
+// to a real ClusterBackend; the workers are driven frame by frame
+// (control_peer.h).
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coordinator/cluster_backend.h"
+#include "tests/unit/coordinator/control_peer.h"
+
+namespace kvrelay::coordinator {
+namespace {
+
+using protocols::MessageType;
+using testing::CollectedEvents;
+using testing::ControlPeer;
+
+constexpr uint64_t kId = 1;
+
+class ClusterMigrationTest : public ::testing::Test {
+ protected:
+  void StartBackend(int migration_limit) {
+    ClusterBackendOptions o;
+    o.config = testing::ControlTestConfig();
+    o.cluster_key = key_;
+    // Long heartbeats: no worker is dropped for silence during a test.
+    o.heartbeat_interval = std::chrono::milliseconds(5000);
+    o.worker_wait = std::chrono::milliseconds(0);
+    o.migration_limit = migration_limit;
+    auto b = ClusterBackend::Create(o);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    backend_ = std::move(*b);
+  }
+  void TearDown() override {
+    if (backend_) backend_->Shutdown();
+  }
+  uint16_t port() const { return backend_->control_port(); }
+
+  static GenerationRequest Request() {
+    GenerationRequest req;
+    req.id = kId;
+    req.prompt = {11, 12, 13, 14, 15};
+    req.sampling.max_tokens = 8;
+    req.sampling.seed = 42;
+    return req;
+  }
+
+  std::unique_ptr<ControlPeer> Join(const std::string& id, proto::WorkerRole role, uint32_t rank) {
+    auto peer = std::make_unique<ControlPeer>(io_, port());
+    Status s = peer->Join(key_, id, role, rank);
+    EXPECT_TRUE(s.ok()) << id << ": " << s.ToString();
+    return peer;
+  }
+
+  // Plays the request's reservation and prefill through `decode` and
+  // `prefill`: the prefill's first token is `first`. Returns the prefill task
+  // (its prompt and sampling, as the coordinator sent them).
+  static proto::PrefillTask Prefill(ControlPeer& decode, ControlPeer& prefill, int32_t first) {
+    proto::ReserveBlocks reserve;
+    EXPECT_TRUE(decode.Expect(MessageType::kReserveBlocks, &reserve).ok());
+    EXPECT_EQ(reserve.request_id(), kId);
+    proto::ReserveBlocksReply reply;
+    reply.set_request_id(kId);
+    reply.set_ok(true);
+    reply.add_block_ids(7);
+    EXPECT_TRUE(decode.Send(MessageType::kReserveBlocksReply, reply).ok());
+    proto::PrefillTask task;
+    EXPECT_TRUE(prefill.Expect(MessageType::kPrefillTask, &task).ok());
+    EXPECT_EQ(task.request_id(), kId);
+    // The decode side reserved for the same prompt as the prefill computes.
+    EXPECT_EQ(
+        std::vector<int32_t>(reserve.prompt_token_ids().begin(), reserve.prompt_token_ids().end()),
+        std::vector<int32_t>(task.prompt_token_ids().begin(), task.prompt_token_ids().end()));
+    EXPECT_EQ(reserve.sampling().max_tokens(), task.sampling().max_tokens());
+    proto::PrefillDone done;
+    done.set_request_id(kId);
+    done.set_first_token(first);
+    done.set_prompt_tokens(static_cast<uint32_t>(task.prompt_token_ids_size()));
+    EXPECT_TRUE(prefill.Send(MessageType::kPrefillDone, done).ok());
+    proto::StartDecode start;
+    EXPECT_TRUE(decode.Expect(MessageType::kStartDecode, &start).ok());
+    EXPECT_EQ(start.first_token(), first);
+    return task;
+  }
+
+  static void Stream(ControlPeer& decode, const std::vector<int32_t>& tokens) {
+    proto::TokenChunk chunk;
+    auto* entry = chunk.add_entries();
+    entry->set_request_id(kId);
+    for (int32_t t : tokens) entry->add_token_ids(t);
+    EXPECT_TRUE(decode.Send(MessageType::kTokenChunk, chunk).ok());
+  }
+
+  static void Finish(ControlPeer& decode) {
+    proto::Finish fin;
+    fin.set_request_id(kId);
+    fin.set_reason(proto::Finish::REASON_LENGTH);
+    EXPECT_TRUE(decode.Send(MessageType::kFinish, fin).ok());
+  }
+
+  // decode-0 takes the request, streams 100, 101, 102 (they reach the
+  // client), then decode-1 registers and decode-0's connection drops.
+  void StreamThreeThenLoseDecode0(CollectedEvents& events) {
+    prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+    auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+    ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+    const proto::PrefillTask first = Prefill(*decode0, *prefill_, 100);
+    EXPECT_EQ(first.prompt_token_ids_size(), 5);
+    EXPECT_EQ(first.sampling().max_tokens(), 8u);
+    Stream(*decode0, {101, 102});
+    ASSERT_TRUE(events.WaitTokens(3, Deadline::AfterMs(5000)));
+    decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
+    decode0.reset();  // its connection closes: the coordinator drops it
+  }
+
+  CollectedEvents& NewEvents() { return events_.emplace_back(); }
+
+  protocols::ClusterKey key_ = std::move(protocols::ClusterKey::Generate()).value();
+  protocols::IoThread io_{"migration-test-io"};
+  std::deque<CollectedEvents> events_;
+  std::unique_ptr<ClusterBackend> backend_;
+  std::unique_ptr<ControlPeer> prefill_, decode1_;
+};
+
+// The client's stream goes on after its decode worker died: the tokens it had
+// are re-prefilled after the prompt on another worker for the tokens left,
+// and the rest reach the same sink; no error, no repeat, no gap, usage of
+// the client's own prompt.
+TEST_F(ClusterMigrationTest, ALostDecodeWorkersRequestContinuesOnAnother) {
+  StartBackend(/*migration_limit=*/3);
+  CollectedEvents& events = NewEvents();
+  StreamThreeThenLoseDecode0(events);
+  const proto::PrefillTask again = Prefill(*decode1_, *prefill_, 103);
+  EXPECT_EQ(std::vector<int32_t>(again.prompt_token_ids().begin(), again.prompt_token_ids().end()),
+            (std::vector<int32_t>{11, 12, 13, 14, 15, 100, 101, 102}));
+  EXPECT_EQ(again.sampling().max_tokens(), 5u);  // 8 less the 3 sent
+  // The seed after a move is derived, and documented as such.
+  EXPECT_EQ(again.sampling().seed(), MigratedSeed(42, 3, 1));
+  Stream(*decode1_, {104, 105, 106, 107});
+  Finish(*decode1_);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  const TokenEvent last = events.Last();
+  EXPECT_EQ(last.finish_reason, FinishReason::kLength) << last.error.ToString();
+  EXPECT_TRUE(last.error.ok()) << last.error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  {
+    std::lock_guard lock(events.mu);
+    for (const TokenEvent& e : events.got) {
+      EXPECT_EQ(e.prompt_tokens, 5);  // never the re-prefill's 8
+      EXPECT_NE(e.finish_reason, FinishReason::kError) << e.error.ToString();
+    }
+  }
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+  bool exported = false;
+  for (const BackendCounter& c : backend_->Counters()) {
+    if (c.name == "kvrelay_requests_migrated_total") {
+      exported = true;
+      EXPECT_EQ(c.value, 1.0);
+    }
+  }
+  EXPECT_TRUE(exported);
+}
+
+// --migration-limit 0: the request fails as before the change.
+TEST_F(ClusterMigrationTest, WithLimitZeroTheRequestFailsAsBefore) {
+  StartBackend(/*migration_limit=*/0);
+  CollectedEvents& events = NewEvents();
+  StreamThreeThenLoseDecode0(events);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  const TokenEvent last = events.Last();
+  EXPECT_EQ(last.finish_reason, FinishReason::kError);
+  EXPECT_EQ(last.error.code(), StatusCode::kUnavailable) << last.error.ToString();
+  EXPECT_NE(last.error.message().find("worker decode-0 was lost"), std::string::npos)
+      << last.error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102}));
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
+}
+
+// --migration-limit 1: the second loss fails the request, although a third
+// decode worker could take it.
+TEST_F(ClusterMigrationTest, ASecondLossPastTheLimitFails) {
+  StartBackend(/*migration_limit=*/1);
+  CollectedEvents& events = NewEvents();
+  StreamThreeThenLoseDecode0(events);
+  Prefill(*decode1_, *prefill_, 103);
+  Stream(*decode1_, {104});
+  ASSERT_TRUE(events.WaitTokens(5, Deadline::AfterMs(5000)));
+  auto decode2 = Join("decode-2", proto::WORKER_ROLE_DECODE, 22);
+  decode1_.reset();
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  const TokenEvent last = events.Last();
+  EXPECT_EQ(last.finish_reason, FinishReason::kError);
+  EXPECT_NE(last.error.message().find("worker decode-1 was lost"), std::string::npos)
+      << last.error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104}));
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+}
+
+// A request under a JSON schema is not moved: the grammar's state on a new
+// worker would start from the schema's beginning, not from the tokens sent.
+TEST_F(ClusterMigrationTest, AJsonSchemaRequestIsNotMoved) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  GenerationRequest req = Request();
+  req.sampling.json_schema = R"({"type":"object"})";
+  ASSERT_TRUE(backend_->Submit(req, events.Sink()).ok());
+  Prefill(*decode0, *prefill_, 100);
+  ASSERT_TRUE(events.WaitTokens(1, Deadline::AfterMs(5000)));
+  decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
+  decode0.reset();
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_NE(events.Last().error.message().find("worker decode-0 was lost"), std::string::npos)
+      << events.Last().error.ToString();
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
+}
+
+// The decode worker sent the last allowed token and died before its Finish:
+// nothing is left to generate, so the stream ends (length) without a move.
+TEST_F(ClusterMigrationTest, ALossAfterTheLastTokenEndsTheStream) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  Prefill(*decode0, *prefill_, 100);
+  Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
+  ASSERT_TRUE(events.WaitTokens(8, Deadline::AfterMs(5000)));
+  decode0.reset();
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens().size(), 8u);
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
+}
+
+}  // namespace
+}  // namespace kvrelay::coordinator
