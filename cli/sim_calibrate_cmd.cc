@@ -19,13 +19,13 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "cli/sim_support.h"
 #include "common/clock.h"
 #include "common/flags.h"
 #include "deploy/local_launcher.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/runtime/model.h"
 #include "sim/busy_fit.h"
+#include "sim/calibrate/serve_harness.h"
 #include "sim/cluster_sim.h"
 #include "sim/profile.h"
 #include "sim/stats.h"
@@ -36,7 +36,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-using namespace simtool;  // NOLINT(build/namespaces): the commands' own toolkit
+using namespace sim::calibrate;  // NOLINT(build/namespaces): the command's library
 
 // x with `digits` decimals, for the profile's source lines.
 std::string Fixed(double x, int digits) {

@@ -1,5 +1,5 @@
-// See sim_support.h.
-#include "cli/sim_support.h"
+// See serve_harness.h.
+#include "sim/calibrate/serve_harness.h"
 
 #include <fcntl.h>
 #include <sched.h>
@@ -28,7 +28,7 @@
 #include "deploy/local_launcher.h"
 #include "sim/profile.h"
 
-namespace kvrelay::cli::simtool {
+namespace kvrelay::sim::calibrate {
 
 namespace fs = std::filesystem;
 
@@ -400,4 +400,4 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
   return out;
 }
 
-}  // namespace kvrelay::cli::simtool
+}  // namespace kvrelay::sim::calibrate

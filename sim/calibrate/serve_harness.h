@@ -1,7 +1,12 @@
-// What `kvrelay sim calibrate` and `kvrelay sim validate` share: running this
-// binary's own `bench ...` commands as child processes, launching the
-// single-host topologies they measure, and fitting a low-load run into a
-// profile's serving-path terms.
+// What calibration (sim/calibrate/) and validation (sim/validate/) share:
+// running the calling binary's own `bench ...` commands as child processes,
+// launching the single-host topologies they measure, and fitting a low-load
+// run into a profile's serving-path terms.
+//
+// The calling process must be the `kvrelay` binary (/proc/self/exe is what
+// RunSelf, StartBusy and ServeRuns start). Layering: sim/calibrate may depend
+// on engine, kv_transfer, kv_store, coordinator and deploy; nothing below it
+// depends on it.
 #pragma once
 
 #include <sys/types.h>
@@ -17,7 +22,7 @@
 #include "deploy/local_launcher.h"
 #include "sim/profile.h"
 
-namespace kvrelay::cli::simtool {
+namespace kvrelay::sim::calibrate {
 
 using nlohmann::json;
 
@@ -105,4 +110,4 @@ Result<std::vector<ServeRun>> ServeRuns(const Topology& t, const std::string& mo
                                         std::map<std::string, double>* idle_cpu_per_s = nullptr,
                                         double idle_probe_s = 3);
 
-}  // namespace kvrelay::cli::simtool
+}  // namespace kvrelay::sim::calibrate
