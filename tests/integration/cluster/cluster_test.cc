@@ -893,8 +893,12 @@ void ExpectKillFailsOnlyItsGroup(Reference* ref, deploy::LocalLauncher& cluster,
   EXPECT_EQ(after.completion_tokens, 8);
 }
 
+// With --migration-limit 0 (DecodeWorkerKilledMidStreamIsMigrated: with
+// migration on, the default, those requests complete elsewhere).
 TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
-  auto cluster = StartCluster(1, 2, 0);
+  deploy::LaunchOptions o = ClusterOptions(1, 2, 0);
+  o.coordinator_args = {"--migration-limit", "0"};
+  auto cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
   ExpectKillFailsOnlyItsGroup(ref_, *cluster, "decode-0");
 }
@@ -902,7 +906,10 @@ TEST_F(ClusterTest, DecodeWorkerKilledMidStream) {
 // A TP = 2 group loses a follower rank: the whole group fails its requests
 // (it cannot compute without that rank) and leaves; the other group goes on.
 TEST_F(ClusterTest, TensorParallelRankKilledMidStream) {
-  auto cluster = StartCluster(1, 2, 0, "prefix_aware", /*tp=*/2);
+  deploy::LaunchOptions o = ClusterOptions(1, 2, 0);
+  o.tp = 2;
+  o.coordinator_args = {"--migration-limit", "0"};  // as above
+  auto cluster = StartCluster(o);
   ASSERT_NE(cluster, nullptr);
   ExpectKillFailsOnlyItsGroup(ref_, *cluster, "decode-0-tp1");
 }
@@ -1889,6 +1896,57 @@ TEST(Gemma3Cluster, PrefixStoreKeepsKvGroupsAndServesTheWindowFromDiskAfterARest
       cluster->Stop();
     }
   }
+}
+
+// Issue #39, request migration: kill -9 of the decode worker streaming a
+// greedy answer. The coordinator re-prefills prompt + the tokens already sent
+// on the other decode worker (--migration-limit, default 3) and the client's
+// stream completes without an error, with the text of an undisturbed run.
+TEST_F(ClusterTest, DecodeWorkerKilledMidStreamIsMigrated) {
+  auto cluster = StartCluster(1, 2, 0);
+  ASSERT_NE(cluster, nullptr);
+  const uint16_t port = cluster->http_port();
+  constexpr int kTokens = 400;
+  const std::vector<int32_t> prompt = ref_->Encode("Tell me a story about a lighthouse keeper");
+  const std::string want = ref_->Text(ref_->Greedy(prompt, kTokens));
+  std::atomic<int> chunks{0};
+  StreamOutcome got;
+  std::thread client([&] {
+    got = Stream(
+        port, prompt, kTokens,
+        [&](const StreamOutcome& s) {
+          chunks = s.chunks;
+          return true;
+        },
+        120'000);
+  });
+  std::string victim;
+  WaitFor(
+      [&] {
+        if (chunks < 10) return false;
+        for (const auto& [id, running] : WorkerGauge(port, "kvrelay_worker_running")) {
+          if (id.rfind("decode-", 0) == 0 && running >= 1) victim = id;
+        }
+        return !victim.empty();
+      },
+      milliseconds(60'000));
+  const int chunks_at_kill = chunks;
+  if (!victim.empty()) kill(cluster->processes().Pid(victim), SIGKILL);
+  client.join();
+  ASSERT_FALSE(victim.empty()) << "no decode worker reported the request running";
+  EXPECT_LT(chunks_at_kill, kTokens) << "the answer was complete before the kill";
+  EXPECT_TRUE(got.error.empty()) << got.error;
+  EXPECT_TRUE(got.done);
+  EXPECT_EQ(got.text, want) << "killed " << victim << " after " << chunks_at_kill << " chunks";
+  double migrated = -1;
+  for (const std::string& line : testing::MetricsLines(port, 10'000)) {
+    // "name{} value" (the series has no labels).
+    if (line.rfind("kvrelay_requests_migrated_total", 0) == 0 &&
+        line.find(' ') != std::string::npos) {
+      migrated = std::strtod(line.c_str() + line.rfind(' ') + 1, nullptr);
+    }
+  }
+  EXPECT_EQ(migrated, 1.0);
 }
 
 }  // namespace
