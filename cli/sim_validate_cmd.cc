@@ -8,11 +8,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli/command.h"
@@ -22,6 +22,7 @@
 #include "sim/profile.h"
 #include "sim/validate/compare.h"
 #include "sim/validate/points.h"
+#include "sim/validate/report.h"
 
 namespace kvrelay::cli {
 namespace {
@@ -46,6 +47,7 @@ int Fail(const Status& s) {
 
 // The command's flags, checked.
 struct ValidateArgs {
+  ValidateArgs(Flags f, sim::Profile p) : flags(std::move(f)), profile(std::move(p)) {}
   Flags flags;
   sim::Profile profile;  // --profile, without its jitter with --no-jitter
   std::string model, which, save_dir, from_dir;
@@ -109,7 +111,7 @@ std::optional<ValidateArgs> ParseValidateArgs(const std::vector<std::string>& ar
     std::fprintf(stderr, "sim validate: --save-real and --from-real exclude each other\n");
     return std::nullopt;
   }
-  ValidateArgs a{*f, std::move(*profile)};
+  ValidateArgs a(*f, std::move(*profile));
   std::stringstream ss(f->Get("rates", "0.5,1,1.5"));
   std::string tok;
   while (std::getline(ss, tok, ',')) {
@@ -159,87 +161,6 @@ std::optional<ValidateArgs> ParseValidateArgs(const std::vector<std::string>& ar
   return a;
 }
 
-void PrintRetimed(const Topology& t, const PointPlan& plan, const RetimeResult& r) {
-  const size_t n_rates = plan.rates.size();
-  for (size_t k = 0; k < r.points.size(); ++k) {
-    const Retimed& p = r.points[k];
-    if (!p.refit) continue;
-    std::printf(
-        "%-14s rate %.2f repeat %zu re-timed at low load (%s): TTFT p50 %.1f ms, TPOT p50 "
-        "%.2f ms -> %s %.3f (profile %.3f, %+.1f%%), prefill_scale %.3f (profile %.3f, "
-        "%+.1f%%)\n",
-        t.name.c_str(), plan.rates[k % n_rates], k / n_rates + 1,
-        plan.per_point ? "before and after" : "before the repeat", p.low.ttft_s * 1e3,
-        p.low.tpot_s * 1e3, r.step_name, p.step, p.step_given, 100 * (p.step / p.step_given - 1),
-        p.prefill, p.prefill_given, 100 * (p.prefill / p.prefill_given - 1));
-  }
-}
-
-// With --per-request: each request of the row's first repeat, real vs
-// simulated, where the simulator put them and the CPU the run spent.
-void PrintPerRequest(const Compared& row) {
-  const json& j = row.real.front();
-  const auto& sr = row.sim.front().requests;
-  for (size_t i = 0; i < sr.size() && i < j["requests"].size(); ++i) {
-    const json& q = j["requests"][i];
-    std::printf("    req %2zu at %7.3f s: TTFT %7.1f/%7.1f ms  TPOT %6.2f/%6.2f ms\n", i,
-                q.value("start_s", 0.0), q.value("ttft_ms", 0.0), sr[i].ttft_s() * 1e3,
-                sim::calibrate::RequestTpotMs(q), sr[i].tpot_s() * 1e3);
-  }
-  std::map<int, int> by_worker;
-  for (const auto& t : sr) ++by_worker[t.prefill_worker];
-  std::printf("    simulated requests per (prefill/colocated) worker:");
-  for (const auto& [wk, cnt] : by_worker) std::printf(" #%d %d", wk, cnt);
-  std::printf("\n");
-  if (!j.contains("cluster_cpu_s")) return;
-  std::printf("    CPU during the run:");
-  for (const auto& c : j["cluster_cpu_s"]) {
-    std::printf(" %s %.2f s", c[0].get<std::string>().c_str(), c[1].get<double>());
-  }
-  if (j.contains("client_cpu_s")) std::printf(" client %.2f s", j.value("client_cpu_s", 0.0));
-  std::printf("; simulated: workers %.2f s (solo), serving path %.2f s\n",
-              row.sim.front().worker_cpu_s, row.sim.front().serving_cpu_s);
-}
-
-// The comparison table; the rows' --json report.
-json PrintTable(const std::vector<Compared>& rows, bool per_request) {
-  std::printf("\n%-14s %5s | %-23s | %-23s | %-23s | %-23s | %-21s\n", "topology", "rate",
-              "TTFT p50 real/sim ms", "TTFT p90 real/sim ms", "TPOT p50 real/sim ms",
-              "TPOT p90 real/sim ms", "out tok/s real/sim");
-  json report = json::array();
-  for (const auto& row : rows) {
-    std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
-    for (int k = 0; k < kMetrics; ++k) {
-      const double real = row.real_m[k], sim = row.sim_m[k];
-      std::printf(" %7.1f/%7.1f %+5.0f%% |", real, sim, real != 0 ? 100 * (sim - real) / real : 0);
-    }
-    std::printf("\n");
-    if (per_request) PrintPerRequest(row);
-    report.push_back(RowReport(row));
-  }
-  return report;
-}
-
-// The real system against itself, per cell: (max - min) / median of its
-// repeats. A cell whose error is within its own spread is within noise.
-void PrintSpreads(const std::vector<Compared>& rows, size_t repeats) {
-  std::printf(
-      "\nreal repeat spread per cell ((max - min) / median over %lld repeats; * = the "
-      "cell's error exceeds 15%% but not this spread)\n",
-      static_cast<long long>(repeats));
-  std::printf("%-14s %5s | %9s | %9s | %9s | %9s | %9s\n", "topology", "rate", "TTFT p50",
-              "TTFT p90", "TPOT p50", "TPOT p90", "out tok/s");
-  for (const auto& row : rows) {
-    std::printf("%-14s %5.2f |", row.topology.c_str(), row.rate);
-    for (int k = 0; k < kMetrics; ++k) {
-      const double err = RelErr(row.sim_m[k], row.real_m[k]);
-      std::printf(" %7.0f%%%s |", 100 * row.real_spread[k],
-                  err > 0.15 && err <= row.real_spread[k] ? "*" : " ");
-    }
-    std::printf("\n");
-  }
-}
-
 double PrintCellsWithin(const CellsWithin& c, const char* what) {
   std::printf("%s: cells within 15%%: %lld of %lld; max relative error %.3f\n", what,
               static_cast<long long>(c.within), static_cast<long long>(c.cells), c.max_err);
@@ -255,7 +176,7 @@ void PrintSummary(const ValidateArgs& a, const std::vector<Compared>& rows, cons
                 100 * (d.ttft_ratio - 1), 100 * (d.tpot_ratio - 1));
   }
   std::printf("\n");
-  if (a.plan.repeats > 1) PrintSpreads(rows, a.plan.repeats);
+  if (a.plan.repeats > 1) std::fputs(FormatSpreads(rows, a.plan.repeats).c_str(), stdout);
   const SamplingFloor floor = ComputeSamplingFloor(rows);
   std::printf(
       "sampling floor (the real runs' even vs odd requests of each point, TTFT/TPOT cells): "
@@ -339,13 +260,15 @@ int RunValidate(const std::vector<std::string>& args) {
     if (!runs.ok()) return Fail(runs.status());
     a.plan.per_point = runs->per_point;  // what a saved set has
     const RetimeResult timed = RetimePoints(profile, t, *runs, a.plan, a.no_jitter);
-    PrintRetimed(t, a.plan, timed);
+    std::fputs(FormatRetimed(t, a.plan, timed).c_str(), stdout);
     auto points = SimulatePoints(t, *runs, timed, profile, a.plan, a.phases);
     if (!points.ok()) return Fail(points.status());
     for (auto& row : *points) rows.push_back(std::move(row));
   }
   const double wall_s = SecondsSince(t0);
-  const json report = PrintTable(rows, a.per_request);
+  std::fputs(FormatTable(rows, a.per_request).c_str(), stdout);
+  json report = json::array();
+  for (const auto& row : rows) report.push_back(RowReport(row));
   PrintSummary(a, rows, report, wall_s, load_start);
   return 0;
 }
