@@ -353,12 +353,353 @@ Result<LinkCost> RunStoreRestoreProbe(const ProbeOptions& opt, int64_t kv_bytes_
   return link;
 }
 
-Result<ServingFigures> RunServingPathProbes(const ProbeOptions& opt, Profile* profile) {
+namespace {
+
+// What every topology's serving probes share.
+struct ServingSetup {
+  const std::vector<std::string>& serve;  // the low-load bench serve run; ends with --seed S
+  const std::string& pair_trace;          // the pairs probe's trace file
+  double short_model_s;                   // the short prompts' prefill by the step model
+};
+
+// Slowdown probes: a run next to a background load, its p50 `metric`
+// against the mean of the alone runs just before and just after it (fresh
+// prompts each), so the machine's drift over the minutes of the calibration
+// does not enter the ratio. Runs: alone, then per probe: busy, alone.
+struct Probe {
+  Background load;
+  const char* metric;  // "ttft_ms" / "tpot_ms"
+};
+
+// One topology's bench serve runs, in order, and where its probes are.
+struct TopologyRuns {
+  bool tp = false, roles = false;  // which probes run
+  std::vector<Probe> probes;
+  std::vector<Background> bg;
+  std::vector<std::vector<std::string>> runs;
+  size_t short_before = SIZE_MAX, pairs_at = SIZE_MAX;
+};
+
+TopologyRuns PlanTopologyRuns(const ProbeOptions& opt, const Topology& t, const ServingSetup& setup,
+                              const BusyProbe& dec_probe) {
   const std::string& model = opt.model;
+  const std::string& kv_dtype = opt.kv_dtype;
+  const std::string th = std::to_string(opt.threads);
+  const int rounds = opt.rounds;
+  const std::vector<std::string>& serve = setup.serve;
+  const std::string& pair_trace = setup.pair_trace;
+  // The TP 2 group runs a second time next to a process that keeps one
+  // core busy (a prefill bench engine), as the prefill worker does.
+  const bool tp = t.tp > 1 && UsableCores() >= 2;
+  // 1P+1D runs the roles' probes (their busy_alpha): the decode next to
+  // a second load generator through the same coordinator that keeps the
+  // prefill worker computing long prompts one after another, and the
+  // prefill's pairs (fresh prompts: the first run's are in its prefix
+  // cache).
+  const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
+  auto with_seed = [&](int seed) {
+    std::vector<std::string> a = serve;
+    a.back() = std::to_string(seed);  // serve ends with --seed S
+    return a;
+  };
+  // A second bench serve through the same coordinator, one request at a
+  // time, that keeps `process` busy.
+  auto busy_load = [](const sim::BusyProbe& b, int seed, const char* process) {
+    return Background{
+        SIZE_MAX,
+        {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
+         "--num-prompts", std::to_string(b.bg_prompts), "--input-len", std::to_string(b.bg_in),
+         "--output-len", std::to_string(b.bg_out), "--seed", std::to_string(seed)},
+        process};
+  };
+  std::vector<Probe> probes;
+  // `rounds` each (one such pair moved by x1.2 between two calibrations
+  // an hour apart): the TP group's TPOT next to a core kept busy; the
+  // decode role's TPOT next to the busy prefill worker.
+  for (int rep = 0; tp && rep < rounds; ++rep) {
+    probes.push_back({{SIZE_MAX,
+                       {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype",
+                        kv_dtype, "--pp", "512", "--tg", "1", "--reps", "200", "--skip-batches"},
+                       ""},
+                      "tpot_ms"});
+  }
+  for (int rep = 0; roles && rep < rounds; ++rep) {
+    probes.push_back({busy_load(dec_probe, 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
+  }
+  std::vector<Background> bg;
+  std::vector<std::vector<std::string>> runs = {serve};
+  int seed = 4243;
+  for (Probe& pr : probes) {
+    pr.load.run = runs.size();
+    bg.push_back(pr.load);
+    runs.push_back(with_seed(seed++));
+    runs.push_back(with_seed(seed++));
+  }
+  // The prefill's pairs probe (1P+1D, and the TP topology for the
+  // prefill next to a TP group): the pairs trace `rounds` times. On 1P+1D
+  // a run of kShortPrompt-token prompts, one at a time, comes before and
+  // after them: their TTFT is mostly what of a TTFT is not the worker's
+  // (HTTP, routing, the first token's way back; ServingOverhead::ttft_s,
+  // not charged to the next prompt's wait), set against the pairs' first
+  // ones (alone, in the same minutes) by sim::TtftOutsideWorker.
+  auto short_run = [&] {
+    return std::vector<std::string>{"--rate",
+                                    "inf",
+                                    "--max-concurrency",
+                                    "1",
+                                    "--num-prompts",
+                                    opt.quick ? "8" : "24",
+                                    "--input-len",
+                                    std::to_string(kShortPrompt),
+                                    "--output-len",
+                                    "2",
+                                    "--seed",
+                                    std::to_string(seed++)};
+  };
+  const size_t short_before = roles ? runs.size() : SIZE_MAX;
+  if (roles) runs.push_back(short_run());
+  const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
+  for (int rep = 0; (roles || tp) && rep < rounds; ++rep) {
+    runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
+  }
+  if (roles) runs.push_back(short_run());
+  return TopologyRuns{tp,           roles,   std::move(probes), std::move(bg), std::move(runs),
+                      short_before, pairs_at};
+}
+
+// A slowdown probe's busy figure, the mean of its two alone ones, and their ratio.
+struct Slowdown {
+  double busy = 0, alone = 0, s = 0;
+};
+
+// The roles' probes on 1P+1D, into *fig and *p: the decode role's TPOT next
+// to the busy prefill worker (`dec`, the medians of its rounds) and the
+// prefill's pairs (their busy_source; the busy_alpha is fitted later,
+// FitTpAndRoleTerms), and the short prompts' TTFT against the pairs' first
+// ones (ServingOverhead::ttft_s). alone_fallback_ttft_s: the low-load run's
+// TTFT p50, for when the pairs have no lead TTFT.
+void FitRoleProbes(const ProbeOptions& opt, const Topology& t, const std::vector<ServeRun>& r,
+                   const TopologyRuns& plan, const Slowdown& dec, const PairFigures& pairs,
+                   double alone_fallback_ttft_s, double short_model_s, ServingFigures* fig,
+                   Profile* profile) {
   const std::string& kv_dtype = opt.kv_dtype;
   const std::string& date = opt.date;
   const std::string th = std::to_string(opt.threads);
   const int rounds = opt.rounds;
+  Profile& p = *profile;
+  const double prefill_s = fig->prefill_s;
+  const BusyProbe& pre_probe = fig->pre_probe;
+  double& short_ttft_s = fig->short_ttft_s;
+  double& ttft_outside_s = fig->ttft_outside_s;
+  std::pair<double, double>& role_slowdown = fig->role_slowdown;
+  const size_t short_before = plan.short_before, pairs_at = plan.pairs_at;
+  // s = busy / alone of the role's figure; the busy_alpha that makes the
+  // simulator reproduce it is fitted once the rest of the profile is
+  // (below, sim::FitRoleBusyAlphas).
+  const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
+  const double sp = pairs.slowdown;
+  if (sp > 0 && sd > 0) {
+    role_slowdown = {sp, sd};
+    const std::string how = "kvrelay bench serve --max-concurrency 1 --input-len " +
+                            std::to_string(opt.input_len) + " --output-len " +
+                            std::to_string(opt.output_len) + " on kvrelay launch (1P+1D, " + th +
+                            " thread per worker, KV " + kv_dtype +
+                            ") next to a second bench serve (--max-concurrency 1) that keeps ";
+    // The figure each busy_source gives: "<metric> p50 <busy> ms vs <alone> alone (xs; ...)".
+    auto source = [&](const char* metric, int digits, double busy, double alone, double s,
+                      const char* keeps) {
+      char fig[200];
+      std::snprintf(fig, sizeof(fig),
+                    "%s p50 %.*f ms vs %.*f alone (x%.3f; medians of %d rounds, each "
+                    "against the alone runs just before and after it)",
+                    metric, digits, busy, digits, alone, s, rounds);
+      return how + keeps + ": " + fig +
+             ", busy_alpha = what makes the simulator reproduce that slowdown in that "
+             "scenario with the rest of this profile (sim/busy_fit.h), " +
+             date;
+    };
+    p.prefill.busy_source =
+        "kvrelay bench serve --trace of " + std::to_string(pre_probe.fg_prompts) + " pairs (" +
+        std::to_string(opt.input_len) + " in / " + std::to_string(opt.output_len) +
+        " out, the second " + Fixed(pre_probe.pair_gap_s * 1e3, 0) + " ms after the first, pairs " +
+        Fixed(pre_probe.pair_period_s, 1) + " s apart; " + std::to_string(rounds) +
+        " rounds) on kvrelay launch (1P+1D, " + th + " thread per worker, KV " + kv_dtype +
+        "): the second's first token less the first's, median " + Fixed(pairs.gap_s * 1e3, 1) +
+        " ms, against the first's TTFT, median " + Fixed(pairs.lead_ttft_s * 1e3, 1) +
+        " ms (a prefill alone, in the same runs): x" + Fixed(sp, 3) +
+        ", busy_alpha = what makes the simulator reproduce that in that scenario with the "
+        "rest of this profile (sim/busy_fit.h), " +
+        date;
+    p.decode.busy_source = source("TPOT", 2, tpot_busy, tpot_alone, sd,
+                                  "the prefill worker busy (--input-len 512 --output-len 1)");
+  }
+  std::fprintf(opt.log,
+               "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
+               t.name.c_str(), tpot_busy, tpot_alone, sd);
+  // The short prompts' TTFTs (before and after the pairs, pooled)
+  // against the pairs' first ones: sim::TtftOutsideWorker.
+  std::vector<double> shorts;
+  for (const size_t run : {short_before, pairs_at + static_cast<size_t>(rounds)}) {
+    for (const json& q : r[run].report["requests"]) {
+      if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
+        shorts.push_back(q.value("ttft_ms", 0.0) / 1e3);
+      }
+    }
+  }
+  short_ttft_s = sim::Percentile(&shorts, 0.5);
+  const double alone_ttft_s = pairs.lead_ttft_s > 0 ? pairs.lead_ttft_s : alone_fallback_ttft_s;
+  ttft_outside_s = sim::TtftOutsideWorker(short_ttft_s, short_model_s, alone_ttft_s, prefill_s);
+  std::fprintf(
+      opt.log,
+      "%-14s %d-token prompts alone: TTFT p50 %.1f ms (engine model %.1f); %d-token: %.1f ms "
+      "(the pairs' first ones; engine model %.1f) -> %.1f ms of a TTFT outside the prefill "
+      "worker\n",
+      t.name.c_str(), kShortPrompt, short_ttft_s * 1e3, short_model_s * 1e3,
+      static_cast<int>(opt.input_len), alone_ttft_s * 1e3, prefill_s * 1e3, ttft_outside_s * 1e3);
+}
+
+// One topology's serving runs and what they measure, into *fig and *p.
+Status ProbeTopology(const ProbeOptions& opt, const Topology& t, const ServingSetup& setup,
+                     ServingFigures* fig, Profile* profile) {
+  const std::string& model = opt.model;
+  const std::string& kv_dtype = opt.kv_dtype;
+  const int rounds = opt.rounds;
+  Profile& p = *profile;
+  const double short_model_s = setup.short_model_s;
+  const double prefill_s = fig->prefill_s, decode_s = fig->decode_s;
+  const BusyProbe& dec_probe = fig->dec_probe;
+  std::vector<ServePoint>& pts = fig->pts;
+  std::vector<double>& decode_cores = fig->decode_cores;
+  double& tp_busy_slowdown = fig->tp_busy_slowdown;
+  double& tp_engine_slowdown = fig->tp_engine_slowdown;
+  double& tp_prefill_slowdown = fig->tp_prefill_slowdown;
+  double& ttft_outside_s = fig->ttft_outside_s;
+  TopologyRuns plan = PlanTopologyRuns(opt, t, setup, dec_probe);
+  const bool tp = plan.tp, roles = plan.roles;
+  const std::vector<Probe>& probes = plan.probes;
+  const std::vector<std::vector<std::string>>& runs = plan.runs;
+  const std::vector<Background>& bg = plan.bg;
+  const size_t pairs_at = plan.pairs_at;
+  auto r = ServeRuns(t, model, opt.threads, kv_dtype, opt.input_len, runs, bg);
+  if (!r.ok()) return r.status();
+  auto p50 = [&](size_t run, const char* what) { return (*r)[run].report[what].value("p50", 0.0); };
+  auto slowdown = [&](size_t i) {
+    const char* m = probes[i].metric;
+    Slowdown d{p50(2 * i + 1, m), (p50(2 * i, m) + p50(2 * i + 2, m)) / 2, 0};
+    d.s = d.alone > 0 ? d.busy / d.alone : 0;
+    return d;
+  };
+  // Over the probe's rounds (probes 0 .. rounds - 1): the medians of the
+  // busy figures, of the alone ones and of the ratios (one round's slow
+  // spell does not move a median of four).
+  auto median_of_rounds = [&] {
+    std::vector<double> busy, alone, s;
+    for (int i = 0; i < rounds; ++i) {
+      const Slowdown d = slowdown(static_cast<size_t>(i));
+      busy.push_back(d.busy);
+      alone.push_back(d.alone);
+      s.push_back(d.s);
+    }
+    return Slowdown{sim::Percentile(&busy, 0.5), sim::Percentile(&alone, 0.5),
+                    sim::Percentile(&s, 0.5)};
+  };
+  // The pairs probe from its rounds (runs pairs_at ..), pooled:
+  // sim::PairsFigures of their arrivals, first tokens and TPOTs.
+  auto pair_times = [&](size_t run, std::vector<double>* arrivals, std::vector<double>* firsts,
+                        std::vector<double>* tpots) {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (const json& q : (*r)[run].report["requests"]) {
+      const bool ok = q.value("ok", false) && q.value("ttft_ms", 0.0) > 0;
+      const double start = q.value("start_s", 0.0), tpot_ms = RequestTpotMs(q);
+      arrivals->push_back(start);
+      firsts->push_back(ok ? start + q.value("ttft_ms", 0.0) / 1e3 : nan);
+      tpots->push_back(ok && tpot_ms > 0 ? tpot_ms / 1e3 : nan);
+    }
+    if (firsts->size() % 2 == 1) {  // (a trace of pairs: cannot happen)
+      arrivals->pop_back();
+      firsts->pop_back();
+      tpots->pop_back();
+    }
+  };
+  sim::PairFigures pairs;
+  if (pairs_at != SIZE_MAX) {
+    std::vector<double> arrivals, firsts, tpots;
+    for (int rep = 0; rep < rounds; ++rep) {
+      pair_times(pairs_at + static_cast<size_t>(rep), &arrivals, &firsts, &tpots);
+    }
+    pairs = sim::PairsFigures(arrivals, firsts, tpots);
+    std::fprintf(
+        opt.log,
+        "%-14s pairs: the second's first token %.1f ms after the first's, the first's TTFT "
+        "%.1f ms (medians of %zu pairs): a queued prefill next to a fresh decode x%.3f; the "
+        "first's TPOT over the second's (a decode next to that prefill): x%.3f\n",
+        t.name.c_str(), pairs.gap_s * 1e3, pairs.lead_ttft_s * 1e3, pairs.pairs, pairs.slowdown,
+        pairs.decode_slowdown);
+  }
+  if (roles) {
+    FitRoleProbes(opt, t, *r, plan, median_of_rounds(), pairs, p50(0, "ttft_ms") / 1e3,
+                  short_model_s, fig, &p);
+  }
+  if (tp) {
+    const Slowdown core = median_of_rounds();
+    // The group's slowdown next to the prefill worker is the pairs'
+    // (the first one decodes while the prefill worker computes the
+    // second and streams its KV to both ranks): x1.22-1.37 in runs where
+    // a bench engine beside it gave x1.11-1.21, and validation round
+    // 13's TP 2 requests that decoded beside a busy prefill worker were
+    // 8-42 % slower than simulated with the latter (docs/BENCHMARKS.md,
+    // round 14). The bench engine's is the fallback (no pairs with TPOTs).
+    tp_busy_slowdown = pairs.decode_slowdown > 0 ? pairs.decode_slowdown : core.s;
+    tp_engine_slowdown = core.s;
+    // Of the prefill worker's own time (the figure less what of the
+    // first's TTFT is outside the worker, from 1P+1D's short prompts).
+    const double own = pairs.lead_ttft_s - ttft_outside_s;
+    tp_prefill_slowdown = own > 0 ? pairs.gap_s / own : 0;
+    std::fprintf(opt.log,
+                 "%-14s next to a bench engine prefill: TPOT p50 %.2f ms (alone %.2f, x%.3f); next "
+                 "to the prefill worker (pairs): x%.3f (used)\n",
+                 t.name.c_str(), core.busy, core.alone, core.s, tp_busy_slowdown);
+  }
+  const json& j = r->front().report;
+  const auto& cpu = r->front().cpu_s;
+  // The TP topology's variation is not kept (its roles' are 1P+1D's);
+  // sim validate re-measures each topology's own.
+  if (t.tp == 1) FitJitter(t, j, &p);
+  pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
+  double tokens = 0;
+  for (const auto& q : j["requests"]) tokens += q.value("output_tokens", 0.0);
+  auto cpu_of = [&](const char* name) {
+    auto it = cpu.find(name);
+    return it == cpu.end() ? 0.0 : it->second;
+  };
+  // One request at a time: the decode processes step from the first
+  // token to the last of each request and wait otherwise. Their cores
+  // while stepping, pooled over every alone
+  // run of this topology (runs 0, 2, .., one each side of every busy run):
+  // one run's figure moved from 1.12 to 1.43 cores between calibrations.
+  double alone_cpu = 0, alone_wall = 0;
+  for (size_t i = 0; i <= 2 * probes.size(); i += 2) {
+    for (const auto& q : (*r)[i].report["requests"]) {
+      alone_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
+    }
+    auto it = (*r)[i].cpu_s.find("kvrelay-decode");
+    if (it != (*r)[i].cpu_s.end()) alone_cpu += it->second;
+  }
+  decode_cores.push_back(alone_wall > 0 ? alone_cpu / alone_wall : 0);
+  std::fprintf(opt.log,
+               "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
+               "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
+               "while decoding, %zu alone runs pooled)\n",
+               t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
+               decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
+               tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back(),
+               probes.size() + 1);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ServingFigures> RunServingPathProbes(const ProbeOptions& opt, Profile* profile) {
   Profile& p = *profile;
   {
     const auto [prefill_s, decode_s] = LowLoadModel(p, opt.input_len, opt.output_len);
@@ -377,15 +718,6 @@ Result<ServingFigures> RunServingPathProbes(const ProbeOptions& opt, Profile* pr
                                             std::to_string(opt.output_len),
                                             "--seed",
                                             "4242"};
-    std::vector<ServePoint> pts;
-    std::vector<double> decode_cores;  // per topology: decode CPU / decode wall
-    double tp_busy_slowdown = 0;       // TP 2 TPOT next to the busy prefill worker / alone
-    double tp_engine_slowdown = 0;     // TP 2 TPOT next to a bench engine prefill / alone
-    double tp_prefill_slowdown =
-        0;                      // 1P+1D TP2: the pairs probe's (queued prefill next to the group)
-    double short_ttft_s = 0;    // 1P+1D: the median TTFT of kShortPrompt-token prompts, alone
-    double ttft_outside_s = 0;  // 1P+1D: what of an alone TTFT does not hold the prefill worker
-    std::pair<double, double> role_slowdown{0, 0};  // 1P+1D: prefill TTFT, decode TPOT
     // The roles' two probes (run below, then simulated for their busy_alpha):
     // pairs of this run's requests, the second one queued behind the first
     // and then prefilling while the first one decodes (sim::BusyProbe::
@@ -415,287 +747,12 @@ Result<ServingFigures> RunServingPathProbes(const ProbeOptions& opt, Profile* pr
     if (Status st = sim::SaveTrace(pair_trace, sim::PairTrace(pre_probe)); !st.ok()) {
       return st;
     }
+    ServingFigures fig{prefill_s, decode_s, {}, {}, 0, 0, 0, 0, 0, {0, 0}, pre_probe, dec_probe};
+    const ServingSetup setup{serve, pair_trace, short_model_s};
     for (const auto& t : Topologies(opt.colocated)) {
-      // The TP 2 group runs a second time next to a process that keeps one
-      // core busy (a prefill bench engine), as the prefill worker does.
-      const bool tp = t.tp > 1 && UsableCores() >= 2;
-      // 1P+1D runs the roles' probes (their busy_alpha): the decode next to
-      // a second load generator through the same coordinator that keeps the
-      // prefill worker computing long prompts one after another, and the
-      // prefill's pairs (fresh prompts: the first run's are in its prefix
-      // cache).
-      const bool roles = t.colocated == 0 && t.tp == 1 && UsableCores() >= 2;
-      auto with_seed = [&](int seed) {
-        std::vector<std::string> a = serve;
-        a.back() = std::to_string(seed);  // serve ends with --seed S
-        return a;
-      };
-      // A second bench serve through the same coordinator, one request at a
-      // time, that keeps `process` busy.
-      auto busy_load = [](const sim::BusyProbe& b, int seed, const char* process) {
-        return Background{
-            SIZE_MAX,
-            {"bench", "serve", "--url", "{url}", "--rate", "inf", "--max-concurrency", "1",
-             "--num-prompts", std::to_string(b.bg_prompts), "--input-len", std::to_string(b.bg_in),
-             "--output-len", std::to_string(b.bg_out), "--seed", std::to_string(seed)},
-            process};
-      };
-      // Slowdown probes: a run next to a background load, its p50 `metric`
-      // against the mean of the alone runs just before and just after it
-      // (fresh prompts each), so the machine's drift over the minutes of
-      // the calibration does not enter the ratio. Runs: alone, then per
-      // probe: busy, alone.
-      struct Probe {
-        Background load;
-        const char* metric;  // "ttft_ms" / "tpot_ms"
-      };
-      std::vector<Probe> probes;
-      // `rounds` each (one such pair moved by x1.2 between two calibrations
-      // an hour apart): the TP group's TPOT next to a core kept busy; the
-      // decode role's TPOT next to the busy prefill worker.
-      for (int rep = 0; tp && rep < rounds; ++rep) {
-        probes.push_back(
-            {{SIZE_MAX,
-              {"bench", "engine", "--model", model, "--threads", th, "--kv-dtype", kv_dtype, "--pp",
-               "512", "--tg", "1", "--reps", "200", "--skip-batches"},
-              ""},
-             "tpot_ms"});
-      }
-      for (int rep = 0; roles && rep < rounds; ++rep) {
-        probes.push_back({busy_load(dec_probe, 7002 + 10 * rep, "kvrelay-prefill"), "tpot_ms"});
-      }
-      std::vector<Background> bg;
-      std::vector<std::vector<std::string>> runs = {serve};
-      int seed = 4243;
-      for (Probe& pr : probes) {
-        pr.load.run = runs.size();
-        bg.push_back(pr.load);
-        runs.push_back(with_seed(seed++));
-        runs.push_back(with_seed(seed++));
-      }
-      // The prefill's pairs probe (1P+1D, and the TP topology for the
-      // prefill next to a TP group): the pairs trace `rounds` times. On 1P+1D
-      // a run of kShortPrompt-token prompts, one at a time, comes before and
-      // after them: their TTFT is mostly what of a TTFT is not the worker's
-      // (HTTP, routing, the first token's way back; ServingOverhead::ttft_s,
-      // not charged to the next prompt's wait), set against the pairs' first
-      // ones (alone, in the same minutes) by sim::TtftOutsideWorker.
-      auto short_run = [&] {
-        return std::vector<std::string>{"--rate",
-                                        "inf",
-                                        "--max-concurrency",
-                                        "1",
-                                        "--num-prompts",
-                                        opt.quick ? "8" : "24",
-                                        "--input-len",
-                                        std::to_string(kShortPrompt),
-                                        "--output-len",
-                                        "2",
-                                        "--seed",
-                                        std::to_string(seed++)};
-      };
-      const size_t short_before = roles ? runs.size() : SIZE_MAX;
-      if (roles) runs.push_back(short_run());
-      const size_t pairs_at = roles || tp ? runs.size() : SIZE_MAX;
-      for (int rep = 0; (roles || tp) && rep < rounds; ++rep) {
-        runs.push_back({"--trace", pair_trace, "--seed", std::to_string(seed++)});
-      }
-      if (roles) runs.push_back(short_run());
-      auto r = ServeRuns(t, model, opt.threads, kv_dtype, opt.input_len, runs, bg);
-      if (!r.ok()) return r.status();
-      auto p50 = [&](size_t run, const char* what) {
-        return (*r)[run].report[what].value("p50", 0.0);
-      };
-      // Probe i's busy figure, the mean of its two alone ones, and their ratio.
-      struct Slowdown {
-        double busy = 0, alone = 0, s = 0;
-      };
-      auto slowdown = [&](size_t i) {
-        const char* m = probes[i].metric;
-        Slowdown d{p50(2 * i + 1, m), (p50(2 * i, m) + p50(2 * i + 2, m)) / 2, 0};
-        d.s = d.alone > 0 ? d.busy / d.alone : 0;
-        return d;
-      };
-      // Over the probe's rounds (probes 0 .. rounds - 1): the medians of the
-      // busy figures, of the alone ones and of the ratios (one round's slow
-      // spell does not move a median of four).
-      auto median_of_rounds = [&] {
-        std::vector<double> busy, alone, s;
-        for (int i = 0; i < rounds; ++i) {
-          const Slowdown d = slowdown(static_cast<size_t>(i));
-          busy.push_back(d.busy);
-          alone.push_back(d.alone);
-          s.push_back(d.s);
-        }
-        return Slowdown{sim::Percentile(&busy, 0.5), sim::Percentile(&alone, 0.5),
-                        sim::Percentile(&s, 0.5)};
-      };
-      // The pairs probe from its rounds (runs pairs_at ..), pooled:
-      // sim::PairsFigures of their arrivals, first tokens and TPOTs.
-      auto pair_times = [&](size_t run, std::vector<double>* arrivals, std::vector<double>* firsts,
-                            std::vector<double>* tpots) {
-        const double nan = std::numeric_limits<double>::quiet_NaN();
-        for (const json& q : (*r)[run].report["requests"]) {
-          const bool ok = q.value("ok", false) && q.value("ttft_ms", 0.0) > 0;
-          const double start = q.value("start_s", 0.0), tpot_ms = RequestTpotMs(q);
-          arrivals->push_back(start);
-          firsts->push_back(ok ? start + q.value("ttft_ms", 0.0) / 1e3 : nan);
-          tpots->push_back(ok && tpot_ms > 0 ? tpot_ms / 1e3 : nan);
-        }
-        if (firsts->size() % 2 == 1) {  // (a trace of pairs: cannot happen)
-          arrivals->pop_back();
-          firsts->pop_back();
-          tpots->pop_back();
-        }
-      };
-      sim::PairFigures pairs;
-      if (pairs_at != SIZE_MAX) {
-        std::vector<double> arrivals, firsts, tpots;
-        for (int rep = 0; rep < rounds; ++rep) {
-          pair_times(pairs_at + static_cast<size_t>(rep), &arrivals, &firsts, &tpots);
-        }
-        pairs = sim::PairsFigures(arrivals, firsts, tpots);
-        std::fprintf(
-            opt.log,
-            "%-14s pairs: the second's first token %.1f ms after the first's, the first's TTFT "
-            "%.1f ms (medians of %zu pairs): a queued prefill next to a fresh decode x%.3f; the "
-            "first's TPOT over the second's (a decode next to that prefill): x%.3f\n",
-            t.name.c_str(), pairs.gap_s * 1e3, pairs.lead_ttft_s * 1e3, pairs.pairs, pairs.slowdown,
-            pairs.decode_slowdown);
-      }
-      if (roles) {
-        // s = busy / alone of the role's figure; the busy_alpha that makes the
-        // simulator reproduce it is fitted once the rest of the profile is
-        // (below, sim::FitRoleBusyAlphas).
-        const Slowdown dec = median_of_rounds();
-        const double tpot_alone = dec.alone, tpot_busy = dec.busy, sd = dec.s;
-        const double sp = pairs.slowdown;
-        if (sp > 0 && sd > 0) {
-          role_slowdown = {sp, sd};
-          const std::string how =
-              "kvrelay bench serve --max-concurrency 1 --input-len " +
-              std::to_string(opt.input_len) + " --output-len " + std::to_string(opt.output_len) +
-              " on kvrelay launch (1P+1D, " + th + " thread per worker, KV " + kv_dtype +
-              ") next to a second bench serve (--max-concurrency 1) that keeps ";
-          // The figure each busy_source gives: "<metric> p50 <busy> ms vs <alone> alone (xs; ...)".
-          auto source = [&](const char* metric, int digits, double busy, double alone, double s,
-                            const char* keeps) {
-            char fig[200];
-            std::snprintf(fig, sizeof(fig),
-                          "%s p50 %.*f ms vs %.*f alone (x%.3f; medians of %d rounds, each "
-                          "against the alone runs just before and after it)",
-                          metric, digits, busy, digits, alone, s, rounds);
-            return how + keeps + ": " + fig +
-                   ", busy_alpha = what makes the simulator reproduce that slowdown in that "
-                   "scenario with the rest of this profile (sim/busy_fit.h), " +
-                   date;
-          };
-          p.prefill.busy_source =
-              "kvrelay bench serve --trace of " + std::to_string(pre_probe.fg_prompts) +
-              " pairs (" + std::to_string(opt.input_len) + " in / " +
-              std::to_string(opt.output_len) + " out, the second " +
-              Fixed(pre_probe.pair_gap_s * 1e3, 0) + " ms after the first, pairs " +
-              Fixed(pre_probe.pair_period_s, 1) + " s apart; " + std::to_string(rounds) +
-              " rounds) on kvrelay launch (1P+1D, " + th + " thread per worker, KV " + kv_dtype +
-              "): the second's first token less the first's, median " +
-              Fixed(pairs.gap_s * 1e3, 1) + " ms, against the first's TTFT, median " +
-              Fixed(pairs.lead_ttft_s * 1e3, 1) + " ms (a prefill alone, in the same runs): x" +
-              Fixed(sp, 3) +
-              ", busy_alpha = what makes the simulator reproduce that in that scenario with the "
-              "rest of this profile (sim/busy_fit.h), " +
-              date;
-          p.decode.busy_source = source("TPOT", 2, tpot_busy, tpot_alone, sd,
-                                        "the prefill worker busy (--input-len 512 --output-len 1)");
-        }
-        std::fprintf(
-            opt.log,
-            "%-14s decode next to a busy prefill worker: TPOT p50 %.2f ms (alone %.2f, x%.3f)\n",
-            t.name.c_str(), tpot_busy, tpot_alone, sd);
-        // The short prompts' TTFTs (before and after the pairs, pooled)
-        // against the pairs' first ones: sim::TtftOutsideWorker.
-        std::vector<double> shorts;
-        for (const size_t run : {short_before, pairs_at + static_cast<size_t>(rounds)}) {
-          for (const json& q : (*r)[run].report["requests"]) {
-            if (q.value("ok", false) && q.value("ttft_ms", 0.0) > 0) {
-              shorts.push_back(q.value("ttft_ms", 0.0) / 1e3);
-            }
-          }
-        }
-        short_ttft_s = sim::Percentile(&shorts, 0.5);
-        const double alone_ttft_s =
-            pairs.lead_ttft_s > 0 ? pairs.lead_ttft_s : p50(0, "ttft_ms") / 1e3;
-        ttft_outside_s =
-            sim::TtftOutsideWorker(short_ttft_s, short_model_s, alone_ttft_s, prefill_s);
-        std::fprintf(
-            opt.log,
-            "%-14s %d-token prompts alone: TTFT p50 %.1f ms (engine model %.1f); %d-token: %.1f ms "
-            "(the pairs' first ones; engine model %.1f) -> %.1f ms of a TTFT outside the prefill "
-            "worker\n",
-            t.name.c_str(), kShortPrompt, short_ttft_s * 1e3, short_model_s * 1e3,
-            static_cast<int>(opt.input_len), alone_ttft_s * 1e3, prefill_s * 1e3,
-            ttft_outside_s * 1e3);
-      }
-      if (tp) {
-        const Slowdown core = median_of_rounds();
-        // The group's slowdown next to the prefill worker is the pairs'
-        // (the first one decodes while the prefill worker computes the
-        // second and streams its KV to both ranks): x1.22-1.37 in runs where
-        // a bench engine beside it gave x1.11-1.21, and validation round
-        // 13's TP 2 requests that decoded beside a busy prefill worker were
-        // 8-42 % slower than simulated with the latter (docs/BENCHMARKS.md,
-        // round 14). The bench engine's is the fallback (no pairs with TPOTs).
-        tp_busy_slowdown = pairs.decode_slowdown > 0 ? pairs.decode_slowdown : core.s;
-        tp_engine_slowdown = core.s;
-        // Of the prefill worker's own time (the figure less what of the
-        // first's TTFT is outside the worker, from 1P+1D's short prompts).
-        const double own = pairs.lead_ttft_s - ttft_outside_s;
-        tp_prefill_slowdown = own > 0 ? pairs.gap_s / own : 0;
-        std::fprintf(
-            opt.log,
-            "%-14s next to a bench engine prefill: TPOT p50 %.2f ms (alone %.2f, x%.3f); next "
-            "to the prefill worker (pairs): x%.3f (used)\n",
-            t.name.c_str(), core.busy, core.alone, core.s, tp_busy_slowdown);
-      }
-      const json& j = r->front().report;
-      const auto& cpu = r->front().cpu_s;
-      // The TP topology's variation is not kept (its roles' are 1P+1D's);
-      // sim validate re-measures each topology's own.
-      if (t.tp == 1) FitJitter(t, j, &p);
-      pts.push_back({j["ttft_ms"].value("p50", 0.0) / 1e3, j["tpot_ms"].value("p50", 0.0) / 1e3});
-      double tokens = 0;
-      for (const auto& q : j["requests"]) tokens += q.value("output_tokens", 0.0);
-      auto cpu_of = [&](const char* name) {
-        auto it = cpu.find(name);
-        return it == cpu.end() ? 0.0 : it->second;
-      };
-      // One request at a time: the decode processes step from the first
-      // token to the last of each request and wait otherwise. Their cores
-      // while stepping, pooled over every alone
-      // run of this topology (runs 0, 2, .., one each side of every busy run):
-      // one run's figure moved from 1.12 to 1.43 cores between calibrations.
-      double alone_cpu = 0, alone_wall = 0;
-      for (size_t i = 0; i <= 2 * probes.size(); i += 2) {
-        for (const auto& q : (*r)[i].report["requests"]) {
-          alone_wall += (q.value("e2e_ms", 0.0) - q.value("ttft_ms", 0.0)) / 1e3;
-        }
-        auto it = (*r)[i].cpu_s.find("kvrelay-decode");
-        if (it != (*r)[i].cpu_s.end()) alone_cpu += it->second;
-      }
-      decode_cores.push_back(alone_wall > 0 ? alone_cpu / alone_wall : 0);
-      std::fprintf(
-          opt.log,
-          "%-14s low load: TTFT p50 %.1f ms (engine model %.1f), TPOT p50 %.2f ms (engine "
-          "model %.2f); CPU per output token: coordinator %.3f ms, decode %.2f ms (%.2f cores "
-          "while decoding, %zu alone runs pooled)\n",
-          t.name.c_str(), pts.back().ttft_s * 1e3, prefill_s * 1e3, pts.back().tpot_s * 1e3,
-          decode_s * 1e3, tokens > 0 ? cpu_of("kvrelay-coordin") / tokens * 1e3 : 0,
-          tokens > 0 ? cpu_of("kvrelay-decode") / tokens * 1e3 : 0, decode_cores.back(),
-          probes.size() + 1);
+      RETURN_IF_ERROR(ProbeTopology(opt, t, setup, &fig, &p));
     }
-    return ServingFigures{prefill_s,           decode_s,         pts,
-                          decode_cores,        tp_busy_slowdown, tp_engine_slowdown,
-                          tp_prefill_slowdown, short_ttft_s,     ttft_outside_s,
-                          role_slowdown,       pre_probe,        dec_probe};
+    return fig;
   }
 }
 
