@@ -28,19 +28,20 @@
 //
 // Failure: a worker whose connection closes, or that is silent for
 // `worker_timeout()` (missed_heartbeats intervals unless heartbeat_timeout
-// says otherwise), is dropped. Its requests that have
-// produced no token yet are re-run once on the workers left; the others end
-// with an error event (UNAVAILABLE) and the peer worker is told to cancel,
+// says otherwise), is dropped. Its requests that have produced no token yet
+// are re-run once on the workers left; the others migrate (below) or end
+// with an error event (UNAVAILABLE), and the peer worker is told to cancel,
 // which releases the blocks there — except requests a lost prefill worker
 // had already handed over, which the decode side finishes. A worker that
 // registers again under the same name replaces its old entry.
 //
 // Migration: a request that already streamed tokens and loses its decode
 // worker (or, re-prefilling, either worker) continues on other workers from
-// prompt + those tokens (ClusterBackendOptions::migration_limit); greedy
-// answers are unchanged by it. A sampled one continues from the same tokens
-// with a seed derived from its own and the number of tokens carried
-// (MigratedSeed): repeatable, but not the draws an undisturbed run makes.
+// prompt + those tokens (ClusterBackendOptions::migration_limit): a new
+// prefill of them, then decode as usual, on the same sink. Greedy answers
+// are unchanged by it. A sampled one continues from the same tokens with a
+// seed derived from its own and the number of tokens carried (MigratedSeed):
+// repeatable, but not the draws an undisturbed run makes.
 //
 // Waiting for a worker: a request that finds no healthy worker of a role it
 // needs, on Submit or when re-run after a loss, waits up to
@@ -111,7 +112,10 @@ struct ClusterBackendOptions {
   // TP group) is lost mid-answer, or whose prefill worker is lost before the
   // hand-over, is started again on other workers as a new prefill of its
   // prompt plus the tokens already sent to the client, with max_tokens
-  // reduced by those; the client's stream continues where it stopped. Each
+  // reduced by those; the client's stream continues where it stopped. It
+  // moves only to workers registered at that moment: with none of a role it
+  // needs it fails at once (worker_wait is for requests not yet started; a
+  // client mid-answer is not held for a restart). Each
   // request moves at most this many times, then fails as with 0 (the error
   // "worker X was lost"). Not moved: requests under a JSON schema (the
   // grammar's state is not rebuilt from tokens) or with presence/frequency

@@ -285,9 +285,9 @@ struct ClusterBackend::State {
   }
 
   // r lost worker `lost` after its tokens started to stream (or a second time
-  // before): starts it again elsewhere as a new prefill of its prompt plus the
-  // tokens already sent, for the tokens still allowed; its sink sees the
-  // stream go on. True when r was moved, waits for a worker, or ended here;
+  // before): starts it again on the workers registered now as a new prefill
+  // of its prompt plus the tokens already sent, for the tokens still allowed;
+  // its sink sees the stream go on. True when r was moved or ended here;
   // false when it may not move (the caller fails it as before).
   bool Migrate(uint64_t rid, RequestEntry& r, const std::string& lost, PendingEvents& out) {
     const std::string blocker = MigrationBlocker(r);
@@ -308,23 +308,24 @@ struct ClusterBackend::State {
       requests.erase(rid);
       return true;
     }
-    ++r.migrations;
-    ++requests_migrated;
+    ++r.migrations;  // before Start: its sampling depends on it (RunSampling)
     const size_t carried = r.generated.size();
     Status s = Start(rid, r);
     if (s.ok()) {
+      ++requests_migrated;
       LOG_INFO << "request " << rid << " migrated from " << lost << " to " << r.prefill_id
                << (r.decode_id == r.prefill_id ? "" : " / " + r.decode_id) << " carrying "
                << carried << " tokens (move " << r.migrations << " of " << options.migration_limit
                << ")";
       return true;
     }
-    if (Wait(r, s)) {
-      LOG_INFO << "request " << rid << " migrating from " << lost << " carrying " << carried
-               << " tokens waits for a worker";
-      return true;
-    }
-    Fail(rid, s.WithContext("worker " + lost + " was lost and no other can take the request"), out);
+    // No worker of a role it needs is registered now: it ends as before
+    // rather than wait for one (a client mid-answer is not held for a
+    // restart; a request that has not started does wait, see Wait).
+    Fail(rid,
+         Unavailable("worker " + lost +
+                     " was lost and no other can take the request: " + s.message()),
+         out);
     return true;
   }
 

@@ -24,13 +24,14 @@ constexpr uint64_t kId = 1;
 
 class ClusterMigrationTest : public ::testing::Test {
  protected:
-  void StartBackend(int migration_limit) {
+  void StartBackend(int migration_limit,
+                    std::chrono::milliseconds worker_wait = std::chrono::milliseconds(0)) {
     ClusterBackendOptions o;
     o.config = testing::ControlTestConfig();
     o.cluster_key = key_;
     // Long heartbeats: no worker is dropped for silence during a test.
     o.heartbeat_interval = std::chrono::milliseconds(5000);
-    o.worker_wait = std::chrono::milliseconds(0);
+    o.worker_wait = worker_wait;
     o.migration_limit = migration_limit;
     auto b = ClusterBackend::Create(o);
     ASSERT_TRUE(b.ok()) << b.status().ToString();
@@ -104,8 +105,9 @@ class ClusterMigrationTest : public ::testing::Test {
   }
 
   // decode-0 takes the request, streams 100, 101, 102 (they reach the
-  // client), then decode-1 registers and decode-0's connection drops.
-  void StreamThreeThenLoseDecode0(CollectedEvents& events) {
+  // client), then decode-1 registers (unless !other) and decode-0's
+  // connection drops.
+  void StreamThreeThenLoseDecode0(CollectedEvents& events, bool other = true) {
     prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
     auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
     ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
@@ -114,7 +116,7 @@ class ClusterMigrationTest : public ::testing::Test {
     EXPECT_EQ(first.sampling().max_tokens(), 8u);
     Stream(*decode0, {101, 102});
     ASSERT_TRUE(events.WaitTokens(3, Deadline::AfterMs(5000)));
-    decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
+    if (other) decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
     decode0.reset();  // its connection closes: the coordinator drops it
   }
 
@@ -199,6 +201,23 @@ TEST_F(ClusterMigrationTest, ASecondLossPastTheLimitFails) {
       << last.error.ToString();
   EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104}));
   EXPECT_EQ(backend_->requests_migrated(), 1u);
+}
+
+// With no other decode worker registered the request fails at once, as
+// before: a client mid-answer is not held for a worker to (re)register, even
+// with a long --worker-wait-ms (that wait is for requests not yet started).
+TEST_F(ClusterMigrationTest, WithNoOtherWorkerItFailsAtOnce) {
+  StartBackend(/*migration_limit=*/3, /*worker_wait=*/std::chrono::milliseconds(60000));
+  CollectedEvents& events = NewEvents();
+  StreamThreeThenLoseDecode0(events, /*other=*/false);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  const TokenEvent last = events.Last();
+  EXPECT_EQ(last.finish_reason, FinishReason::kError);
+  EXPECT_EQ(last.error.code(), StatusCode::kUnavailable) << last.error.ToString();
+  EXPECT_NE(last.error.message().find("worker decode-0 was lost"), std::string::npos)
+      << last.error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102}));
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
 }
 
 // A request under a JSON schema is not moved: the grammar's state on a new
