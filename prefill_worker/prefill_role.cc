@@ -287,6 +287,21 @@ Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) 
   });
 }
 
+void PrefillRole::QuantizeTailLayer(const engine::SeqStep& seq, const Outgoing& out, int layer) {
+  engine::KvBlockPool* pool = engine_->pool();
+  const auto tail = static_cast<size_t>(out.prompt_tokens / ctx_.layout.block_tokens);
+  if (out.tables.empty()) {
+    if (tail < seq.blocks.size()) (void)pool->LayerData(seq.blocks[tail], layer);
+    return;
+  }
+  const engine::KvCacheGroups& groups = engine_->kv_groups();
+  const std::vector<engine::BlockId>& table =
+      out.tables[static_cast<size_t>(groups.group_of[static_cast<size_t>(layer)])];
+  if (tail < table.size() && table[tail] != engine::kNoBlock) {
+    (void)pool->LayerData(table[tail], groups.slot_of[static_cast<size_t>(layer)]);
+  }
+}
+
 void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
   // Heartbeats go out from the link's own thread; keep what they report fresh
   // in the middle of a long step.
@@ -298,6 +313,13 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
     Outgoing& out = it->second;
     const int64_t n = static_cast<int64_t>(out.dst_blocks.size());
     if (layer == 0 && !out.tables.empty()) RecordGroupBlocks(seq, out);
+    // The step that ends the prompt wrote its partial tail block: a KIVI pool
+    // holds that layer in f32 staging, its slab bytes stale until quantized.
+    // Quantize it (LayerData) before the layer is sent, as the engine does at
+    // every prompt's end, so the decode side continues from the same bytes.
+    if (seq.end() == out.prompt_tokens && out.prompt_tokens % B != 0) {
+      QuantizeTailLayer(seq, out, layer);
+    }
     for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
       const worker::BlockRange r = worker::StreamSegment(n, g);
       // The segment is streamed from the step whose chunk completes it.

@@ -105,6 +105,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   };
 
   void OnPrefillTask(const proto::PrefillTask& task);
+  // Quantizes `layer` of the prompt's partial tail block (KIVI staging).
+  void QuantizeTailLayer(const engine::SeqStep& seq, const Outgoing& out, int layer);
   // Connects the data plane to every rank of `target`; fills out->decode_ranks.
   Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
   // Starts segment `g`'s senders from the request's blocks `table` (its own).

@@ -27,7 +27,15 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
   buffers.layout.kv_heads = layout.kv_heads;
   buffers.layout.slab_bytes = layout.SlabBytes();
   buffers.local_heads = local;
-  for (engine::BlockId b : blocks) buffers.block_layer0.push_back(pool->LayerData(b, 0).data());
+  for (engine::BlockId b : blocks) {
+    buffers.block_layer0.push_back(pool->LayerData(b, 0).data());
+    // The stream reads (sends) or overwrites (receives) every layer through
+    // the stride below, so each (block, layer) goes through LayerData: a KIVI
+    // pool quantizes a staged layer before it is sent and takes received
+    // bytes as the layer's contents (else a later write into a partial tail
+    // block starts from zeros, or a staged layer's stale bytes are sent).
+    for (int l = 1; l < layout.layers; ++l) (void)pool->LayerData(b, l);
+  }
   if (layout.layers > 1 && !blocks.empty()) {
     // Layers of one block are a fixed stride apart in the pool.
     buffers.layer_stride = pool->LayerData(blocks[0], 1).data() - buffers.block_layer0[0];

@@ -239,13 +239,15 @@ class KvBlockPoolImpl final : public KvBlockPool {
 
   std::span<uint8_t> LayerData(BlockId id, int layer) override {
     if (kivi_) Flush(id, layer);
-    // The caller may overwrite the bytes (import); from now on they are the truth.
+    // The caller may overwrite the bytes (import); from now on they are the
+    // truth. fill_ stays what was written here: a sender also comes this way
+    // before the rows are computed, and quantizing a partial tail block over
+    // all block_tokens rows would mix the slab's stale rows into each K
+    // channel's range (the prefill and decode sides then disagreed with the
+    // engine's KIVI tokens after a few steps).
     if (kivi_) {
       const int64_t cell = Cell(id, layer);
-      if (state_[cell] == LayerState::kFresh) {
-        state_[cell] = LayerState::kQuantized;
-        fill_[cell] = static_cast<uint16_t>(layout_.block_tokens);
-      }
+      if (state_[cell] == LayerState::kFresh) state_[cell] = LayerState::kQuantized;
     }
     return {LayerPtr(id, layer), static_cast<size_t>(layer_bytes_)};
   }

@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/thread_pool.h"
 #include "engine/grammar/json_grammar.h"
+#include "engine/kv_cache/kv_codec.h"
 #include "engine/runtime/compute_backend.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
@@ -582,6 +583,26 @@ class Engine::Impl {
     s.n_committed = hits + n;
   }
 
+  // KIVI pools keep a partly written block in f32 staging until it fills.
+  // A prompt's partial tail block is quantized when its prompt is done, in
+  // every deployment: a prefill worker must quantize it to send it (LayerData),
+  // so the decode side continues from those bytes; doing the same here keeps
+  // colocated, disaggregated and single-process greedy tokens identical.
+  // (No-op for other dtypes and for a full tail block.)
+  void QuantizePromptTail(Sequence& s) {
+    if (!kvcodec::IsKivi(pool_->layout().dtype)) return;
+    const int B = options_.block_tokens;
+    if (s.n_computed % B == 0) return;
+    const int64_t tail = s.n_computed / B;
+    for (int g = 0; g < groups_.size(); ++g) {
+      BlockTable& table = Table(s, g);
+      if (tail >= table.size() || table[tail] == kNoBlock) continue;
+      for (int l = 0; l < groups_.n_layers(); ++l) {
+        if (groups_.group_of[static_cast<size_t>(l)] == g) (void)pool_->LayerData(table[tail], l);
+      }
+    }
+  }
+
   // Registers every newly full block in the prefix cache.
   void CommitFullBlocks(Sequence& s) {
     const int B = options_.block_tokens;
@@ -772,6 +793,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     DropOutOfWindow(s);
     NotePeakBlocks(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
+    if (s.n_generated == 0) QuantizePromptTail(s);
     float* logits = out.logits.data() + out.row_begin[i] * vocab;
     TokenEvent ev;
     const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
