@@ -391,6 +391,9 @@ Status LocalLauncher::Supervise(const std::atomic<bool>& stop) {
                                 std::max(due - now, Clock::duration::zero())));
     }
     auto exited = group_.WaitAnyExit(Deadline::After(wait));
+    // Shutting down: a signal to the whole process group (Ctrl-C, timeout(1))
+    // ends the children too, and those exits are not failures to restart.
+    if (stop.load()) break;
     if (exited.ok()) {
       const std::string what = exited->name + " " + exited->description;
       if (!options_.restart) return Unavailable(what);

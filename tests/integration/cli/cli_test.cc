@@ -271,6 +271,33 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   EXPECT_EQ(warnings, 0u) << r.err;
 }
 
+// Ctrl-C or timeout(1) signals the launcher's whole process group: the
+// children's exits during that shutdown are not failures, and the launcher
+// must not restart them ("prefill-0 exited with status 0; restarting").
+TEST(CliLaunchTest, ASignalToTheProcessGroupStopsWithoutRestarts) {
+  if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
+  const std::string dir = ::testing::TempDir();
+  const std::string log = dir + "/cli_group_stop.log", script = dir + "/cli_group_stop.sh";
+  {
+    std::ofstream sh(script);
+    sh << "L=" << log << "\n"
+       << "setsid " << kCli << " launch --prefill 1 --decode 1 --port 0 --no-kv-store --model "
+       << Model() << " 2>$L & P=$!\n"
+       << R"(for i in $(seq 600); do grep -q 'cluster ready on' $L && break; sleep 0.1; done
+grep -q 'cluster ready on' $L || { kill -KILL -- -$P; echo "never ready" >&2; exit 1; }
+kill -TERM -- -$P
+for i in $(seq 300); do kill -0 $P 2>/dev/null || break; sleep 0.1; done
+kill -0 $P 2>/dev/null && { kill -KILL -- -$P; echo "still running 30 s after SIGTERM" >&2; exit 1; }
+cat $L >&2
+)";
+  }
+  RunResult r = RunCmd("bash " + script);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("cluster ready on"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("restarting"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("restarted "), std::string::npos) << r.err;
+}
+
 // bench serve --trace replays a trace file (the simulator's format) against
 // a real cluster: each request at its arrival time with its own prompt and
 // output lengths, the report's per-request rows in trace order. A malformed
