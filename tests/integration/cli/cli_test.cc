@@ -16,35 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/run_command.h"
 #include "tests/testing/skip.h"
 
 namespace {
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs `command` through the shell with a 60 s limit (timeout(1)), stdout and
-// stderr captured separately.
-RunResult RunCmd(const std::string& command) {
-  const std::string err_path = ::testing::TempDir() + "/cli_test_stderr.txt";
-  const std::string full = "timeout -s KILL 60 " + command + " 2>" + err_path + " </dev/null";
-  RunResult r;
-  FILE* p = ::popen(full.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::ifstream e(err_path);
-  std::stringstream ss;
-  ss << e.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+using kvrelay::testing::RunResult;
+RunResult RunCmd(const std::string& command) { return kvrelay::testing::RunCmd(command, 60); }
 
 const std::string kCli = KVRELAY_CLI_BIN;
 const std::string kBinDir = KVRELAY_DAEMON_BIN_DIR;

@@ -10,33 +10,12 @@
 #include <sstream>
 #include <string>
 
+#include "tests/testing/run_command.h"
+
 namespace {
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs `command` through the shell with a 120 s limit, stdout and stderr
-// captured separately.
-RunResult RunCmd(const std::string& command) {
-  const std::string err_path = ::testing::TempDir() + "/launch_passthrough_stderr.txt";
-  const std::string full = "timeout -s KILL 120 " + command + " 2>" + err_path + " </dev/null";
-  RunResult r;
-  FILE* p = ::popen(full.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = ::pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::ifstream e(err_path);
-  std::stringstream ss;
-  ss << e.rdbuf();
-  r.err = ss.str();
-  return r;
-}
+using kvrelay::testing::RunResult;
+RunResult RunCmd(const std::string& command) { return kvrelay::testing::RunCmd(command, 120); }
 
 const std::string kCli = KVRELAY_CLI_BIN;
 
