@@ -715,11 +715,14 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
           std::max(worst_after_fault, Seconds(o.ended - std::max(o.sent, fault_at)));
     }
     if (o.ended > fault_at) {
-      // Within 2 heartbeat intervals of the fault (or of its sending; an
-      // answer: plus its ordinary latency, as above): a cut without a reset
-      // ends its requests by the no-progress deadline (1.5 H, from the
-      // stream's last byte), not by the 10 s kv_timeout.
-      const double bound = kFinalStatusWithinS + (o.http_status == 200 ? ordinary : 0);
+      // Within 2 heartbeat intervals of the fault (or of its sending) plus
+      // this run's ordinary latency: a cut without a reset ends its requests
+      // by the no-progress deadline (1.5 H, from the stream's last byte), not
+      // by the 10 s kv_timeout; but a worker checks that deadline between
+      // engine steps, and under load one step can take as long as a whole
+      // short request (blackhole_kv_link: 2.7-3.5 s against a fixed 2 s at
+      // load 5.5, issue #42). So the bound follows the run's own latency.
+      const double bound = kFinalStatusWithinS + ordinary;
       EXPECT_LT(Seconds(o.ended - std::max(o.sent, fault_at)), bound)
           << "request " << i << " (HTTP " << o.http_status << "), bound " << bound
           << " s: " << o.error;
