@@ -335,9 +335,19 @@ def run(a, env, check):
                         project_secret(d, secrets[m["name"]], env.workdir)
                     mounts[m["mountPath"]] = d
                 cmd = []
+                # Each mount path where a path starts (a word, a --flag= value,
+                # a path inside an `sh -c` script) maps to its volume, in one pass: a volume's own path (under
+                # /tmp when the build is) must not be mapped again by a later
+                # mount such as /tmp.
+                mount_re = None
+                if mounts:
+                    alts = "|".join(re.escape(mp.rstrip("/"))
+                                    for mp in sorted(mounts, key=len, reverse=True))
+                    mount_re = re.compile(r"(^|[=\s\"':])(%s)(?=[/\s\"']|$)" % alts)
+                by_path = {mp.rstrip("/"): d for mp, d in mounts.items()}
                 for word in c["command"] + c.get("args", []):
-                    for mp, d in mounts.items():
-                        word = word.replace(mp, d)
+                    if mount_re is not None:
+                        word = mount_re.sub(lambda m: m.group(1) + by_path[m.group(2)], word)
                     for path in set(re.findall(r"/opt/kvrelay/[^\s\"']+", word)):
                         word = word.replace(path, map_image_path(copies, path, build_dir,
                                                                  model_dir))
