@@ -22,25 +22,15 @@ using testing::ControlPeer;
 
 constexpr uint64_t kId = 1;
 
-class ClusterMigrationTest : public ::testing::Test {
+class ClusterMigrationTest : public testing::ClusterBackendTest {
  protected:
   void StartBackend(int migration_limit,
                     std::chrono::milliseconds worker_wait = std::chrono::milliseconds(0)) {
-    ClusterBackendOptions o;
-    o.config = testing::ControlTestConfig();
-    o.cluster_key = key_;
-    // Long heartbeats: no worker is dropped for silence during a test.
-    o.heartbeat_interval = std::chrono::milliseconds(5000);
-    o.worker_wait = worker_wait;
-    o.migration_limit = migration_limit;
-    auto b = ClusterBackend::Create(o);
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    backend_ = std::move(*b);
+    ClusterBackendTest::StartBackend([&](ClusterBackendOptions& o) {
+      o.worker_wait = worker_wait;
+      o.migration_limit = migration_limit;
+    });
   }
-  void TearDown() override {
-    if (backend_) backend_->Shutdown();
-  }
-  uint16_t port() const { return backend_->control_port(); }
 
   static GenerationRequest Request() {
     GenerationRequest req;
@@ -122,10 +112,8 @@ class ClusterMigrationTest : public ::testing::Test {
 
   CollectedEvents& NewEvents() { return events_.emplace_back(); }
 
-  protocols::ClusterKey key_ = std::move(protocols::ClusterKey::Generate()).value();
   protocols::IoThread io_{"migration-test-io"};
-  std::deque<CollectedEvents> events_;
-  std::unique_ptr<ClusterBackend> backend_;
+  std::deque<CollectedEvents> events_;  // read until TearDown shut the backend down
   std::unique_ptr<ControlPeer> prefill_, decode1_;
 };
 

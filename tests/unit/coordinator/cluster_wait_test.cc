@@ -20,24 +20,14 @@ using testing::CollectedEvents;
 using testing::ControlPeer;
 using testing::ControlTestConfig;
 
-class ClusterWaitTest : public ::testing::Test {
+class ClusterWaitTest : public testing::ClusterBackendTest {
  protected:
   void StartBackend(std::chrono::milliseconds worker_wait, int64_t vocab_size = 0) {
-    ClusterBackendOptions o;
-    o.config = ControlTestConfig();
-    o.cluster_key = key_;
-    // Long heartbeats: no worker is dropped for silence during a test.
-    o.heartbeat_interval = std::chrono::milliseconds(5000);
-    o.worker_wait = worker_wait;
-    o.vocab_size = vocab_size;
-    auto b = ClusterBackend::Create(o);
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    backend_ = std::move(*b);
+    ClusterBackendTest::StartBackend([&](ClusterBackendOptions& o) {
+      o.worker_wait = worker_wait;
+      o.vocab_size = vocab_size;
+    });
   }
-  void TearDown() override {
-    if (backend_) backend_->Shutdown();
-  }
-  uint16_t port() const { return backend_->control_port(); }
 
   static GenerationRequest Request(uint64_t id, int prompt_tokens = 5) {
     GenerationRequest req;
@@ -79,10 +69,8 @@ class ClusterWaitTest : public ::testing::Test {
   // leave requests live, whose final events come at Shutdown).
   CollectedEvents& NewEvents() { return events_.emplace_back(); }
 
-  protocols::ClusterKey key_ = std::move(protocols::ClusterKey::Generate()).value();
   protocols::IoThread io_{"wait-test-io"};
-  std::deque<CollectedEvents> events_;
-  std::unique_ptr<ClusterBackend> backend_;
+  std::deque<CollectedEvents> events_;  // read until TearDown shut the backend down
 };
 
 // Finding 5: requests that arrived while no worker was registered (a stalled
