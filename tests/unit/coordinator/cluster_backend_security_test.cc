@@ -23,6 +23,7 @@
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"
+#include "tests/unit/coordinator/control_peer.h"
 
 namespace kvrelay::coordinator {
 namespace {
@@ -121,30 +122,7 @@ class Peer {
   std::shared_ptr<FramedConnection> conn;
 };
 
-struct Events {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<TokenEvent> got;
-  TokenSink Sink() {
-    return [this](const TokenEvent& e) {
-      std::lock_guard lock(mu);
-      got.push_back(e);
-      cv.notify_all();
-    };
-  }
-  bool WaitFinished(Deadline d) {
-    std::unique_lock lock(mu);
-    return cv.wait_until(lock, d.at, [&] { return !got.empty() && got.back().finished; });
-  }
-  std::vector<int32_t> Tokens() {
-    std::lock_guard lock(mu);
-    std::vector<int32_t> t;
-    for (const auto& e : got) {
-      if (e.token >= 0) t.push_back(e.token);
-    }
-    return t;
-  }
-};
+using Events = testing::CollectedEvents;  // tests/unit/coordinator/control_peer.h
 
 class ControlSecurityTest : public ::testing::Test {
  protected:
