@@ -347,7 +347,7 @@ OverlapResult MeasureOverlap(Transport* t, Signal* sig, double layer_ms, int rep
   kv_transfer::StreamSpec spec;
   spec.request_id = 1000;
   spec.layers = kLayers;
-  for (int i = 0; i < kBlocks; ++i) spec.dst_blocks.push_back(i);
+  for (int i = 0; i < kBlocks; ++i) spec.blocks.push_back(i);
   spec.global_heads = {0, kHeads};
   spec.block_tokens = kBlockTokens;
   spec.head_dim = kHeadDim;
@@ -480,7 +480,7 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   kv_transfer::StreamSpec spec;
   spec.request_id = 2000;
   spec.layers = layout.layers;
-  for (int i = 0; i < blocks; ++i) spec.dst_blocks.push_back(i);
+  for (int i = 0; i < blocks; ++i) spec.blocks.push_back(i);
   spec.global_heads = {0, layout.kv_heads};
   spec.block_tokens = layout.block_tokens;
   spec.head_dim = layout.head_dim;

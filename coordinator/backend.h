@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/status.h"
 #include "engine/runtime/sampler.h"
 #include "protocols/port_counters.h"
@@ -113,6 +114,7 @@ struct BackendCounter {
   std::string name;
   std::string help;
   double value = 0;
+  MetricLabels labels;  // beside the server's own (model)
 };
 
 class Backend {

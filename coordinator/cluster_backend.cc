@@ -60,6 +60,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
   WorkerEntry* w = FindWorker(worker_id);
   if (!w) return;
   w->last_seen = Clock::now();
+  ++control_messages[{false, frame.type}];
   Status s;
   switch (type) {
     case MessageType::kWorkerLeaving: {
@@ -135,26 +136,22 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       break;
     }
     case MessageType::kReserveBlocksReply: {
+      // Sent only when the decode side refuses the reservation.
       proto::ReserveBlocksReply rep;
       s = protocols::DecodeMessage(frame, type, &rep);
       if (!s.ok()) break;
       if (IsForeign(worker_id, rep.request_id(), "ReserveBlocksReply")) break;
       auto it = requests.find(rep.request_id());
-      if (it == requests.end() || it->second.phase != Phase::kReserving ||
-          it->second.decode_id != worker_id) {  // (re-run elsewhere meanwhile)
-        // Cancelled meanwhile: make sure the decode side lets go.
-        if (rep.ok()) SendCancel(worker_id, rep.request_id(), "request no longer live");
-        break;
+      if (rep.ok()) break;  // (an acceptance says nothing the hand-over will not)
+      if (it == requests.end() || it->second.decode_id != worker_id ||
+          it->second.phase != Phase::kPrefilling) {
+        break;  // ended or re-run elsewhere meanwhile
       }
-      if (!rep.ok()) {
-        Fail(rep.request_id(),
-             ResourceExhausted("decode worker " + worker_id +
-                               " could not reserve KV blocks: " + rep.reason()),
-             out);
-        break;
-      }
-      it->second.decode_blocks.assign(rep.block_ids().begin(), rep.block_ids().end());
-      SendPrefillTask(rep.request_id(), it->second);
+      SendCancel(it->second.prefill_id, rep.request_id(), "decode side refused the request");
+      Fail(rep.request_id(),
+           ResourceExhausted("decode worker " + worker_id +
+                             " could not reserve KV blocks: " + rep.reason()),
+           out);
       break;
     }
     case MessageType::kPrefillDone: {
@@ -196,8 +193,20 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       }
       out.emplace_back(r.sink, e);
       r.generated.push_back(e.token);
-      r.phase = Phase::kDecoding;
-      if (r.decode_id != r.prefill_id) SendStartDecode(done.request_id(), r, done.first_token());
+      // Disaggregated: the first token travels to the decode side with the
+      // KV (the hand-over frame); the request waits for the decode side's
+      // first report.
+      r.phase = r.decode_id != r.prefill_id ? Phase::kHandingOver : Phase::kDecoding;
+      r.handing_over_since = Clock::now();
+      LOG_DEBUG << "request " << done.request_id() << ": " << PhaseName(r.phase);
+      // The decode side's reports that overtook this frame, in their order.
+      std::vector<proto::TokenChunk::Entry> early = std::move(r.early_tokens);
+      std::optional<proto::Finish> early_finish = std::move(r.early_finish);
+      r.early_tokens.clear();
+      r.early_finish.reset();
+      const std::string decode_id = r.decode_id;
+      for (const auto& entry : early) OnTokens(entry, r, out);
+      if (early_finish) OnFinish(decode_id, *early_finish, out);
       break;
     }
     case MessageType::kTokenChunk: {
@@ -207,25 +216,23 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       for (const auto& entry : chunk.entries()) {
         auto it = requests.find(entry.request_id());
         if (it == requests.end()) continue;
+        RequestEntry& r = it->second;
         // Tokens come from the request's decode side (== prefill when colocated).
-        if (it->second.decode_id != worker_id) {
+        if (r.decode_id != worker_id) {
           if (!IsForeign(worker_id, entry.request_id(), "TokenChunk")) {
             ++counters.foreign_frames;  // its prefill worker: not the one that streams tokens
           }
           continue;
         }
-        for (int k = 0; k < entry.token_ids_size(); ++k) {
-          TokenEvent e;
-          e.token = entry.token_ids(k);
-          if (k < entry.logprobs_size()) {
-            e.has_logprobs = true;
-            e.logprobs = protocols::FromProto(entry.logprobs(k));
+        if (r.phase == Phase::kPrefilling && r.decode_id != r.prefill_id) {
+          // Overtook the PrefillDone on the prefill's connection: replayed
+          // after it. Bounded by what the request may generate.
+          if (static_cast<int64_t>(r.early_tokens.size()) < r.request.sampling.max_tokens) {
+            r.early_tokens.push_back(entry);
           }
-          e.prompt_tokens = it->second.prompt_tokens;
-          e.cached_tokens = it->second.cached_tokens;
-          out.emplace_back(it->second.sink, e);
-          if (e.token >= 0) it->second.generated.push_back(e.token);
+          continue;
         }
+        OnTokens(entry, r, out);
       }
       break;
     }
@@ -234,31 +241,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       s = protocols::DecodeMessage(frame, type, &fin);
       if (!s.ok()) break;
       if (IsForeign(worker_id, fin.request_id(), "Finish")) break;
-      auto it = requests.find(fin.request_id());
-      if (it == requests.end()) break;
-      RequestEntry& r = it->second;
-      // A worker the request was moved away from may still report on it.
-      if (worker_id != r.prefill_id && worker_id != r.decode_id) break;
-      TokenEvent e;
-      e.finished = true;
-      e.finish_reason = FromProto(fin.reason());
-      e.prompt_tokens = r.prompt_tokens;
-      e.cached_tokens = r.cached_tokens;
-      if (e.finish_reason == FinishReason::kError) {
-        e.error = Status(static_cast<StatusCode>(
-                             fin.status_code() ? fin.status_code()
-                                               : static_cast<uint32_t>(StatusCode::kInternal)),
-                         worker_id + ": " + fin.message());
-        const std::string other = worker_id == r.prefill_id ? r.decode_id : r.prefill_id;
-        // The reason names the failure (code first): a prefill worker that
-        // already delivered this request's KV learns from a decode-side
-        // DEADLINE_EXCEEDED that its data connection is dead.
-        if (other != worker_id) {
-          SendCancel(other, fin.request_id(), "peer failed: " + e.error.ToString().substr(0, 200));
-        }
-      }
-      out.emplace_back(r.sink, e);
-      requests.erase(it);
+      OnFinish(worker_id, fin, out);
       break;
     }
     default:
@@ -266,6 +249,94 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
   }
   if (!s.ok()) {
     LOG_WARNING << "bad control frame from " << worker_id << ": " << s.ToString();
+  }
+}
+
+void ClusterBackend::State::OnFinish(const std::string& worker_id, const proto::Finish& fin,
+                                     PendingEvents& out) {
+  auto it = requests.find(fin.request_id());
+  if (it == requests.end()) return;
+  RequestEntry& r = it->second;
+  // A worker the request was moved away from may still report on it, and
+  // so may an earlier attempt on the same worker (a re-run keeps the id).
+  if (worker_id != r.prefill_id && worker_id != r.decode_id) return;
+  if (fin.kv_transfer_id() != 0 &&
+      fin.kv_transfer_id() != KvTransferId(fin.request_id(), r.attempts)) {
+    return;
+  }
+  if (r.phase == Phase::kDecoding && worker_id == r.prefill_id && r.decode_id != r.prefill_id) {
+    return;  // the hand-over is complete: the decode side has everything
+  }
+  if (r.phase == Phase::kPrefilling && worker_id == r.decode_id && r.decode_id != r.prefill_id &&
+      (fin.reason() == proto::Finish::REASON_STOP ||
+       fin.reason() == proto::Finish::REASON_LENGTH)) {
+    r.early_finish = fin;  // overtook the PrefillDone: replayed after it
+    return;
+  }
+  TokenEvent e;
+  e.finished = true;
+  e.finish_reason = FromProto(fin.reason());
+  e.prompt_tokens = r.prompt_tokens;
+  e.cached_tokens = r.cached_tokens;
+  if (e.finish_reason == FinishReason::kError) {
+    e.error = Status(
+        static_cast<StatusCode>(fin.status_code() ? fin.status_code()
+                                                  : static_cast<uint32_t>(StatusCode::kInternal)),
+        worker_id + ": " + fin.message());
+    const std::string other = worker_id == r.prefill_id ? r.decode_id : r.prefill_id;
+    // The reason names the failure (code first): a prefill worker that
+    // already delivered this request's KV learns from a decode-side
+    // DEADLINE_EXCEEDED that its data connection is dead.
+    if (other != worker_id) {
+      SendCancel(other, fin.request_id(), "peer failed: " + e.error.ToString().substr(0, 200));
+    }
+    // The hand-over failed (KV lost, cut or corrupt: DATA_LOSS) after the
+    // first token reached the client: the request moves on from prompt +
+    // tokens sent, as after a lost worker.
+    if (r.phase == Phase::kHandingOver) {
+      LOG_INFO << "request " << fin.request_id() << ": hand-over failed on " << worker_id << ": "
+               << e.error.ToString();
+      if (Migrate(fin.request_id(), r, worker_id, out)) return;
+    }
+  }
+  out.emplace_back(r.sink, e);
+  requests.erase(it);
+}
+
+void ClusterBackend::State::OnTokens(const proto::TokenChunk::Entry& entry, RequestEntry& r,
+                                     PendingEvents& out) {
+  if (r.phase == Phase::kHandingOver) {
+    r.phase = Phase::kDecoding;  // the decode side has the KV and the first token
+    LOG_DEBUG << "request " << entry.request_id() << ": decoding on " << r.decode_id;
+  }
+  for (int k = 0; k < entry.token_ids_size(); ++k) {
+    TokenEvent e;
+    e.token = entry.token_ids(k);
+    if (k < entry.logprobs_size()) {
+      e.has_logprobs = true;
+      e.logprobs = protocols::FromProto(entry.logprobs(k));
+    }
+    e.prompt_tokens = r.prompt_tokens;
+    e.cached_tokens = r.cached_tokens;
+    out.emplace_back(r.sink, e);
+    if (e.token >= 0) r.generated.push_back(e.token);
+  }
+}
+
+void ClusterBackend::State::NudgeHandOvers(TimePoint now) {
+  // Off the fast path: a decode side reports within a step of its KV
+  // arriving. One that has not after a tick may be behind a path that
+  // stopped without a reset, which it cannot tell from a prefill still
+  // computing; told that the prefill is done, it fails the load after
+  // --kv-progress-timeout-ms of silence instead of at --kv-timeout-ms.
+  for (auto& [rid, r] : requests) {
+    if (r.phase != Phase::kHandingOver || r.hand_over_due_sent) continue;
+    if (now - r.handing_over_since < tick_period()) continue;
+    r.hand_over_due_sent = true;
+    proto::HandOverDue m;
+    m.set_request_id(rid);
+    WorkerEntry* d = FindWorker(r.decode_id);
+    SendTo(d ? d->conn : nullptr, MessageType::kHandOverDue, m);
   }
 }
 
@@ -292,6 +363,7 @@ void ClusterBackend::State::CheckHeartbeats(PendingEvents& out) {
   }
   last_tick = now;
   ExpireWaiting(now, out);
+  NudgeHandOvers(now);
   std::vector<std::string> late;
   for (auto& [id, w] : workers) {
     if (now - w.last_seen > limit) late.push_back(id);
@@ -521,25 +593,40 @@ uint64_t ClusterBackend::requests_migrated() const {
 
 std::vector<BackendCounter> ClusterBackend::Counters() {
   const ControlSecurityCounters c = security_counters();
-  return {{"kvrelay_requests_migrated_total",
-           "Requests started again on other workers (prompt + the tokens already streamed) "
-           "after losing a worker mid-answer (--migration-limit).",
-           static_cast<double>(requests_migrated())},
-          {"kvrelay_control_auth_failures_total",
-           "Control-plane connections that failed the cluster-key challenge-response.",
-           static_cast<double>(c.auth_failures)},
-          {"kvrelay_control_refused_connections_total",
-           "Control-plane connections refused at accept (connection limits).",
-           static_cast<double>(c.refused_connections)},
-          {"kvrelay_control_oversized_frames_total",
-           "Control-plane connections closed at a frame header over their size limit.",
-           static_cast<double>(c.oversized_frames)},
-          {"kvrelay_control_foreign_frames_total",
-           "Worker frames about a request the sender does not own, dropped.",
-           static_cast<double>(c.foreign_frames)},
-          {"kvrelay_control_tls_handshake_failures_total",
-           "Control-plane connections that failed the TLS handshake (TLS on).",
-           static_cast<double>(c.tls_handshake_failures)}};
+  std::vector<BackendCounter> messages;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    for (const auto& [key, n] : state_->control_messages) {
+      messages.push_back(
+          {"kvrelay_control_messages_total",
+           "Control-plane messages between the coordinator and its registered workers.",
+           static_cast<double>(n),
+           {{"direction", key.first ? "sent" : "received"},
+            {"type", std::string(protocols::MessageTypeName(key.second))}}});
+    }
+  }
+  std::vector<BackendCounter> all = {
+      {"kvrelay_requests_migrated_total",
+       "Requests started again on other workers (prompt + the tokens already streamed) "
+       "after losing a worker mid-answer (--migration-limit).",
+       static_cast<double>(requests_migrated())},
+      {"kvrelay_control_auth_failures_total",
+       "Control-plane connections that failed the cluster-key challenge-response.",
+       static_cast<double>(c.auth_failures)},
+      {"kvrelay_control_refused_connections_total",
+       "Control-plane connections refused at accept (connection limits).",
+       static_cast<double>(c.refused_connections)},
+      {"kvrelay_control_oversized_frames_total",
+       "Control-plane connections closed at a frame header over their size limit.",
+       static_cast<double>(c.oversized_frames)},
+      {"kvrelay_control_foreign_frames_total",
+       "Worker frames about a request the sender does not own, dropped.",
+       static_cast<double>(c.foreign_frames)},
+      {"kvrelay_control_tls_handshake_failures_total",
+       "Control-plane connections that failed the TLS handshake (TLS on).",
+       static_cast<double>(c.tls_handshake_failures)}};
+  all.insert(all.end(), messages.begin(), messages.end());
+  return all;
 }
 
 std::vector<WorkerInfo> ClusterBackend::Workers() {

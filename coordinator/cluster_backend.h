@@ -3,17 +3,23 @@
 // Workers (prefill, decode, colocated) connect to the control port, pass the
 // configuration handshake (model fingerprint, KV dtype, block size, head
 // layout must equal the coordinator's), register, and heartbeat. A request
-// then goes:
-//   1. coordinator -> decode D:  ReserveBlocks (the prompt, sent to D once):
-//      D reserves the prompt's blocks and posts KV receives from the prefill
-//      rank; D -> coordinator:   ReserveBlocksReply (block ids or refusal).
-//   2. coordinator -> prefill P: PrefillTask with DecodeTarget (D's ranks, each
-//      rank's Transport conn info, block ids). P prefills, streaming each
-//      segment's KV layer by layer to D as chunks complete it; once the
-//      streams are delivered, P -> coordinator: PrefillDone (first token).
-//   3. coordinator -> D:         StartDecode (the first token). D decodes the
-//      sequence once every layer arrived and verified, and streams
-//      TokenChunks, then a Finish. From here the request no longer depends on P.
+// then goes, in one hop:
+//   1. coordinator -> decode D and prefill P at once: ReserveBlocks (the
+//      prompt; D reserves its blocks and posts KV receives from P's rank) and
+//      PrefillTask with a DecodeTarget (D's ranks and each rank's Transport
+//      conn info). P starts at once, streaming each segment's KV layer by
+//      layer to D as chunks complete it; the streams name blocks by their
+//      position in the prompt, so P needs nothing back from D.
+//   2. P samples the first token: P -> coordinator PrefillDone (TTFT: it
+//      reaches the client now), and P -> D the hand-over frame, the last
+//      transfer of the KV streams, carrying that token.
+//   3. D decodes once every layer verified and the frame arrived, and streams
+//      TokenChunks, then a Finish. From its first TokenChunk the request no
+//      longer depends on P. D -> coordinator ReserveBlocksReply only refuses.
+//      D's reports may overtake P's PrefillDone (another connection): they
+//      wait for it. A hand-over D has not reported on within a watchdog tick
+//      gets a HandOverDue (P is done: D may time a silent path out).
+// Each attempt (a re-run, a migration) streams under its own kv_transfer_id.
 // A colocated worker takes a PrefillTask without a DecodeTarget and does both.
 //
 // Security: the control port (bound to `host`, loopback by default) is an

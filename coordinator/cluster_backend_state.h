@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,27 @@ namespace cluster_internal {
 using protocols::FramedConnection;
 using protocols::MessageType;
 
-// kWaiting: no healthy worker could take it yet (ClusterBackendOptions::worker_wait).
-enum class Phase { kWaiting, kReserving, kPrefilling, kDecoding };
+// A request's life on the coordinator:
+//   kWaiting: no healthy worker could take it yet (ClusterBackendOptions::worker_wait);
+//   kPrefilling: its prefill task (and decode reservation) went out;
+//   kHandingOver: the first token reached the client (PrefillDone) and the
+//     KV is on its way to the decode group, which has not reported yet: a
+//     lost prefill worker still matters (the request migrates);
+//   kDecoding: the decode side streams (or a colocated worker does both).
+enum class Phase { kWaiting, kPrefilling, kHandingOver, kDecoding };
+inline const char* PhaseName(Phase p) {
+  switch (p) {
+    case Phase::kWaiting:
+      return "waiting";
+    case Phase::kPrefilling:
+      return "prefilling";
+    case Phase::kHandingOver:
+      return "handing over";
+    case Phase::kDecoding:
+      return "decoding";
+  }
+  return "?";
+}
 
 struct WorkerEntry {
   WorkerInfo info;
@@ -44,8 +64,7 @@ struct RequestEntry {
   TokenSink sink;
   std::string prefill_id;
   std::string decode_id;  // == prefill_id for a colocated worker
-  Phase phase = Phase::kReserving;
-  std::vector<int32_t> decode_blocks;
+  Phase phase = Phase::kPrefilling;
   int prompt_tokens = 0;
   int cached_tokens = 0;
   int reroutes = 0;  // times re-run elsewhere after losing a worker before any token
@@ -59,7 +78,24 @@ struct RequestEntry {
   // Prompt tokens added to its prefill worker's queued_tokens when routed,
   // taken off again at PrefillDone (heartbeats refresh the figure meanwhile).
   int64_t queued_charge = 0;
+  // Disaggregated: the decode side's reports that arrived before the
+  // PrefillDone (they travel on another connection and may overtake it);
+  // replayed right after it.
+  std::vector<proto::TokenChunk::Entry> early_tokens;
+  std::optional<proto::Finish> early_finish;
+  // kHandingOver: since when, and whether the decode side was told its KV
+  // is overdue (HandOverDue, sent when it has not reported for a tick).
+  TimePoint handing_over_since{};
+  bool hand_over_due_sent = false;
+  // Attempts started so far (Start); the KV streams of attempt k carry
+  // KvTransferId(id, k), so a re-run never meets an earlier attempt's bytes.
+  uint32_t attempts = 0;
 };
+
+// The KV stream id of attempt `attempt` of request `id`.
+inline uint64_t KvTransferId(uint64_t id, uint32_t attempt) {
+  return id ^ (static_cast<uint64_t>(attempt) << 48);
+}
 
 // Where one control connection stands before it may act as a worker: the
 // cluster-key challenge-response, then the configuration Hello.
@@ -132,6 +168,17 @@ struct ClusterBackend::State {
   TimePoint last_tick{};                                       // guarded by mu: watchdog's last run
   TimePoint last_beat{};                                       // guarded by mu: our last heartbeat
   uint64_t requests_migrated = 0;                              // guarded by mu
+  // Control messages of registered workers by (sent, type): the request
+  // path's message count per request (kvrelay_control_messages_total).
+  std::map<std::pair<bool, uint16_t>, uint64_t> control_messages;  // guarded by mu
+
+  // Every message to a worker goes through here (counted).
+  template <typename Message>
+  void SendTo(const std::shared_ptr<FramedConnection>& conn, MessageType type, const Message& m) {
+    if (!conn) return;
+    if (conn_worker.count(conn.get()) != 0) ++control_messages[{true, static_cast<uint16_t>(type)}];
+    cluster_internal::SendTo(conn, type, m);
+  }
 
   // How long a routed prompt counts as cached on its prefill worker before
   // the worker's cache events (sent with its heartbeats) confirm or evict it.
@@ -235,9 +282,9 @@ struct ClusterBackend::State {
     for (uint64_t rid : affected) {
       RequestEntry& r = requests[rid];
       if (r.phase == Phase::kDecoding && r.prefill_id == id && r.decode_id != id) {
-        // Handed over: the prefill side reported its first token only once the
-        // KV streams were delivered to the transport, so the request no longer
-        // depends on it (a decode-side KV failure still ends it with an error).
+        // Handed over: the decode side has every layer and the first token
+        // (it already streams), so the request no longer depends on it. In
+        // kHandingOver it still does: it migrates (below).
         continue;
       }
       const std::string other = r.prefill_id == id ? r.decode_id : r.prefill_id;
@@ -421,7 +468,10 @@ struct ClusterBackend::State {
     }
     r.prefill_id = prefill_id;
     r.decode_id = decode_id;
-    r.decode_blocks.clear();
+    r.early_tokens.clear();
+    r.early_finish.reset();
+    r.hand_over_due_sent = false;
+    ++r.attempts;
     r.prompt_tokens = static_cast<int>(r.request.prompt.size());  // the client's, for usage
     // Queue accounting until the next heartbeat refreshes it (PrefillDone
     // takes it off again).
@@ -430,15 +480,18 @@ struct ClusterBackend::State {
     // The prompt's blocks will be cached there: an immediate repeat finds
     // them before the worker's heartbeat reports them (#42).
     router.NoteRouted(prefill_id, r.request.prefix_blocks, Clock::now() + OptimisticPrefixTtl());
-    if (decode_id == prefill_id) {
-      SendPrefillTask(id, r);
-    } else {
-      r.phase = Phase::kReserving;
+    // One hop: the decode reservation and the prefill task leave together.
+    // The prefill starts at once and streams the KV by block position; the
+    // decode side maps positions to the blocks it reserves, and starts on
+    // the hand-over frame that ends the streams (no block ids come back,
+    // nothing else goes to the decode side).
+    if (decode_id != prefill_id) {
       WorkerEntry* d = FindWorker(decode_id);
       d->info.free_kv_blocks -= (prefill_tokens + new_tokens + d->info.block_tokens - 1) /
                                 std::max<int64_t>(1, d->info.block_tokens);
       SendReserveBlocks(id, r);
     }
+    SendPrefillTask(id, r);
     return Status::Ok();
   }
 
@@ -449,6 +502,7 @@ struct ClusterBackend::State {
     for (int32_t t : PrefillPrompt(r)) task.add_prompt_token_ids(t);
     protocols::ToProto(RunSampling(r), task.mutable_sampling());
     task.set_tenant_salt(r.request.tenant_salt);
+    task.set_kv_transfer_id(KvTransferId(rid, r.attempts));
     if (r.decode_id != r.prefill_id) {
       WorkerEntry* d = FindWorker(r.decode_id);
       auto* target = task.mutable_decode();
@@ -460,7 +514,6 @@ struct ClusterBackend::State {
       } else {
         target->add_ranks(d ? d->rank : 0);
       }
-      for (int32_t b : r.decode_blocks) target->add_block_ids(b);
       target->set_kv_address(d ? d->kv_address : "");
     }
     r.phase = Phase::kPrefilling;
@@ -475,19 +528,19 @@ struct ClusterBackend::State {
     for (int32_t t : PrefillPrompt(r)) m.add_prompt_token_ids(t);
     protocols::ToProto(RunSampling(r), m.mutable_sampling());
     m.set_prefill_rank(p ? p->rank : 0);
+    m.set_kv_transfer_id(KvTransferId(rid, r.attempts));
     SendTo(d ? d->conn : nullptr, MessageType::kReserveBlocks, m);
-  }
-
-  void SendStartDecode(uint64_t rid, RequestEntry& r, int32_t first_token) {
-    WorkerEntry* d = FindWorker(r.decode_id);
-    proto::StartDecode m;
-    m.set_request_id(rid);
-    m.set_first_token(first_token);
-    SendTo(d ? d->conn : nullptr, MessageType::kStartDecode, m);
   }
 
   void OnFrame(const std::shared_ptr<FramedConnection>& conn, const protocols::Frame& frame,
                PendingEvents& out);
+  // A request's tokens from its decode side (its first report ends the hand-over).
+  void OnTokens(const proto::TokenChunk::Entry& entry, RequestEntry& r, PendingEvents& out);
+  // A request's end as `worker_id` reports it.
+  void OnFinish(const std::string& worker_id, const proto::Finish& fin, PendingEvents& out);
+  // Tells the decode side of each hand-over silent for a tick that its KV
+  // is due (HandOverDue): from then on it times a stalled path out.
+  void NudgeHandOvers(TimePoint now);
   // Security: the frames of a connection before it is a configured peer.
   void OnHandshakeFrame(const std::shared_ptr<FramedConnection>& conn,
                         const protocols::Frame& frame);

@@ -138,11 +138,13 @@ void Core::ExportBackendCounters() {
     double delta = 0;
     {
       std::lock_guard<std::mutex> lock(worker_totals_mutex);
-      double& last = worker_totals[c.name];
+      std::string key = c.name;
+      for (const auto& [k, v] : c.labels) key += "|" + k + "=" + v;
+      double& last = worker_totals[key];
       delta = c.value >= last ? c.value - last : c.value;
       last = c.value;
     }
-    registry->GetCounter(c.name, c.help, Labels({}))->Increment(delta);
+    registry->GetCounter(c.name, c.help, Labels(c.labels))->Increment(delta);
   }
 }
 

@@ -53,15 +53,14 @@ Status DecodeRole::OnControlFrame(const protocols::Frame& frame) {
       OnReserveBlocks(m);
       return Status::Ok();
     }
-    case MessageType::kStartDecode: {
-      proto::StartDecode m;
+    case MessageType::kHandOverDue: {
+      proto::HandOverDue m;
       RETURN_IF_ERROR(protocols::DecodeMessage(frame, type, &m));
       auto it = incoming_.find(m.request_id());
-      if (it != incoming_.end()) {
-        it->second.first_token = m.first_token();
-        it->second.first_token_at = Clock::now();
+      if (it != incoming_.end() && it->second.due_at == TimePoint{}) {
+        it->second.due_at = Clock::now();
       }
-      return Status::Ok();  // (cancelled or failed meanwhile otherwise)
+      return Status::Ok();  // (loaded, cancelled or failed meanwhile otherwise)
     }
     case MessageType::kCancel: {
       proto::Cancel c;
@@ -84,67 +83,83 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   spec.sampling = protocols::FromProto(m.sampling());
   spec.mode = engine::RequestMode::kRemotePrompt;
   spec.want_text = false;  // the coordinator detokenizes
-  reserving_prefill_rank_ = m.prefill_rank();
+  spec.kv_peer = static_cast<int>(m.prefill_rank());
+  spec.kv_transfer_id = m.kv_transfer_id() != 0 ? m.kv_transfer_id() : id;
   // The coordinator routes this request's prefill to that rank: it is
   // registered, so alive, even if its previous process's connection closed
   // (a restarted prefill worker connects only when it first sends).
-  ctx_.transport->PeerRejoined(static_cast<int>(m.prefill_rank()));
-  reserved_blocks_.clear();
+  ctx_.transport->PeerRejoined(spec.kv_peer);
   Status s = engine_->Submit(std::move(spec));
+  if (s.ok()) return;  // one hop: the prefill side already streams
   proto::ReserveBlocksReply reply;
   reply.set_request_id(id);
-  reply.set_ok(s.ok());
-  if (s.ok()) {
-    for (BlockId b : reserved_blocks_) reply.add_block_ids(b);
-  } else {
-    reply.set_reason(s.ToString());
-  }
+  reply.set_ok(false);
+  reply.set_reason(s.ToString());
   ctx_.control->Send(MessageType::kReserveBlocksReply, reply);
 }
 
+namespace {
+// The id the request's KV streams and hand-over frame use.
+uint64_t TransferId(const engine::RequestSpec& r) {
+  return r.kv_transfer_id != 0 ? r.kv_transfer_id : r.id;
+}
+}  // namespace
+
 Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    std::span<const BlockId> blocks) {
+  if (request.kv_peer < 0) {
+    return InvalidArgument("request " + std::to_string(request.id) + " names no KV peer");
+  }
   const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
-  in.blocks = static_cast<int64_t>(blocks.size());
-  in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  ASSIGN_OR_RETURN(in.receivers,
-                   worker::StartSegmentReceivers(
-                       ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
-                       ctx_.model->fingerprint(), request.id, blocks, own));
-  if (tp_ != nullptr) {
-    RETURN_IF_ERROR(tp_->ExpectKv(request.id, reserving_prefill_rank_, blocks));
-    in.follower_acks_pending = ctx_.options->tp_size - 1;
-  }
-  reserved_blocks_.assign(blocks.begin(), blocks.end());
-  incoming_[request.id] = std::move(in);
-  ctx_.events->ExpectDecodeOnly(request.id);
-  return Status::Ok();
+  ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
+                                     ctx_.transport, request.kv_peer, engine_->pool(),
+                                     ctx_.model->fingerprint(), TransferId(request), blocks, own));
+  const std::vector<std::vector<BlockId>> tables{{blocks.begin(), blocks.end()}};
+  return AddIncoming(request, std::move(in), tables);
 }
 
 Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
                                          const engine::KvCacheGroups& groups,
                                          std::span<const std::vector<BlockId>> tables) {
   if (groups.size() == 1) return StartRemoteLoad(request, tables[0]);
+  if (request.kv_peer < 0) {
+    return InvalidArgument("request " + std::to_string(request.id) + " names no KV peer");
+  }
   const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
+  ASSIGN_OR_RETURN(in.receivers, worker::StartGroupedSegmentReceivers(
+                                     ctx_.transport, request.kv_peer, engine_->pool(), groups,
+                                     ctx_.model->fingerprint(), TransferId(request), tables, own));
+  return AddIncoming(request, std::move(in), tables);
+}
+
+Status DecodeRole::AddIncoming(const engine::RequestSpec& request, Incoming in,
+                               std::span<const std::vector<BlockId>> tables) {
   in.blocks = static_cast<int64_t>(tables[0].size());
   in.deadline = Deadline::After(ctx_.options->kv_timeout);
-  ASSIGN_OR_RETURN(in.receivers,
-                   worker::StartGroupedSegmentReceivers(
-                       ctx_.transport, static_cast<int>(reserving_prefill_rank_), engine_->pool(),
-                       groups, ctx_.model->fingerprint(), request.id, tables, own));
+  ASSIGN_OR_RETURN(in.hand_over, kv_transfer::HandOverFrame::Receive(
+                                     ctx_.transport, request.kv_peer, TransferId(request),
+                                     static_cast<int64_t>(request.prompt.size())));
   if (tp_ != nullptr) {
-    RETURN_IF_ERROR(tp_->ExpectKvGroups(request.id, reserving_prefill_rank_, tables));
+    RETURN_IF_ERROR(tp_->ExpectKv(request.id, TransferId(request),
+                                  static_cast<uint32_t>(request.kv_peer), tables));
     in.follower_acks_pending = ctx_.options->tp_size - 1;
   }
-  // The prefill side addresses the stream by group 0's ids.
-  reserved_blocks_.assign(tables[0].begin(), tables[0].end());
   incoming_[request.id] = std::move(in);
   ctx_.events->ExpectDecodeOnly(request.id);
   return Status::Ok();
+}
+
+void DecodeRole::DropIncoming(RequestId id, Incoming& in) {
+  in.receivers.clear();  // cancels outstanding receives before the blocks go back
+  if (in.hand_over != nullptr && in.hand_over->quarantined()) {
+    quarantined_frames_.push_back(std::move(in.hand_over));
+  }
+  in.hand_over.reset();
+  if (tp_ != nullptr) tp_->CancelKv(id);
 }
 
 void DecodeRole::ApplyFollowerAcks() {
@@ -176,6 +191,15 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
     }
     if (s.ok()) s = in.follower_error;
     const auto now = Clock::now();
+    if (s.ok() && in.first_token < 0) {
+      Result<bool> frame = in.hand_over->Poll();
+      if (!frame.ok()) {
+        s = frame.status();
+      } else if (*frame) {
+        in.first_token = in.hand_over->first_token();
+        in.first_token_at = now;
+      }
+    }
     // Progress: a layer of ours verified, or a follower's heads all here.
     const int64_t progress = layers - in.follower_acks_pending;
     if (progress != in.progress) {
@@ -186,11 +210,14 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
     }
-    // After StartDecode every byte is in the prefill side's transport (it
-    // reports the first token only then), so the rest moves at link speed:
-    // silence for kv_progress_timeout is a path cut without a reset.
-    const auto stalled_since = std::max(in.progress_at, in.first_token_at);
-    if (s.ok() && !all_here && in.first_token >= 0 &&
+    // After the hand-over frame every layer is in the prefill side's
+    // transport (it posts the frame only then), and after a HandOverDue the
+    // coordinator knows the prefill is done: the rest moves at link speed,
+    // so silence for kv_progress_timeout is a path cut without a reset.
+    const bool complete = all_here && in.first_token >= 0;
+    const TimePoint handed = std::max(in.first_token_at, in.due_at);
+    const auto stalled_since = std::max(in.progress_at, handed);
+    if (s.ok() && !complete && handed != TimePoint{} &&
         now - stalled_since > ctx_.options->kv_progress_timeout) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " made no progress for " +
                            std::to_string(ctx_.options->kv_progress_timeout.count()) +
@@ -199,13 +226,12 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
     }
     if (!s.ok()) {
       if (s.code() == StatusCode::kDataLoss) kv_integrity_failures_.fetch_add(1);
-      in.receivers.clear();  // cancels outstanding receives before the blocks go back
-      if (tp_ != nullptr) tp_->CancelKv(id);
+      DropIncoming(id, in);
       done.push_back({id, s.WithContext("receiving KV"), -1});
       it = incoming_.erase(it);
       continue;
     }
-    if (!all_here || in.first_token < 0) {
+    if (!complete) {
       ++it;
       continue;
     }
@@ -220,8 +246,7 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
 void DecodeRole::CancelRemoteLoad(RequestId id) {
   auto it = incoming_.find(id);
   if (it == incoming_.end()) return;
-  it->second.receivers.clear();  // no write into the blocks after this
-  if (tp_ != nullptr) tp_->CancelKv(id);
+  DropIncoming(id, it->second);  // no write into the blocks after this
   incoming_.erase(it);
 }
 
@@ -240,7 +265,7 @@ Status DecodeRole::health() const {
 }
 
 void DecodeRole::Shutdown() {
-  for (auto& [id, in] : incoming_) in.receivers.clear();
+  for (auto& [id, in] : incoming_) DropIncoming(id, in);
   if (tp_ != nullptr) tp_->Shutdown();  // followers stop with their rank 0
 }
 

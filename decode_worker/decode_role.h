@@ -2,16 +2,20 @@
 // continuous batch; rank 0 of a tensor-parallel group also leads the group.
 //
 // The message flow for one request (coordinator/cluster_backend.h):
-//   ReserveBlocks  -> the role submits a kRemotePrompt request; the engine
-//                     reserves the prompt's blocks (held by the request from
-//                     now on) and calls StartRemoteLoad, where the role posts
-//                     a layer-stream receive of its own heads (and has every
-//                     TP follower post one for theirs); the reply names the
-//                     blocks so the prefill side can address them.
-//   StartDecode    -> the prefill side's first token.
-//   (KV arrives)   -> PollRemoteLoads reports the load done once every layer
-//                     of every rank is verified and the first token is known;
-//                     the engine then decodes it with the running batch.
+//   ReserveBlocks  -> the role submits a kRemotePrompt request whose kv_peer
+//                     is the prefill rank; the engine reserves the prompt's
+//                     blocks (held by the request from now on) and calls
+//                     StartRemoteLoad, where the role posts a layer-stream
+//                     receive of its own heads (and has every TP follower
+//                     post one for theirs) and the receive of the hand-over
+//                     frame. Nothing is replied unless the engine refuses.
+//   (KV arrives)   -> the streams name blocks by position in the prompt;
+//                     the hand-over frame, their last transfer, carries the
+//                     first token. PollRemoteLoads reports the load done once
+//                     every layer of every rank is verified and the frame is
+//                     in; the engine then decodes it with the running batch.
+//   HandOverDue    -> (only for a slow hand-over) the prefill side is done:
+//                     silence for kv_progress_timeout now fails the load.
 // A deadline (kv_timeout), a cancel or a broken TP link fails the load; the
 // engine's request owns the blocks, so they go back on every path.
 #pragma once
@@ -24,6 +28,7 @@
 #include "decode_worker/mpi_tp_collective.h"
 #include "decode_worker/tp_leader.h"
 #include "engine/runtime/kv_connector.h"
+#include "kv_transfer/hand_over_frame.h"
 #include "kv_transfer/layer_stream.h"
 #include "worker/role.h"
 
@@ -66,9 +71,13 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   struct Incoming {
     // One per segment of the prompt's blocks (worker/kv_streams.h).
     std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
+    // The hand-over frame: the prefill side's first token, sent after every
+    // layer was posted.
+    std::unique_ptr<kv_transfer::HandOverFrame> hand_over;
     int64_t blocks = 0;
     int32_t first_token = -1;
-    TimePoint first_token_at;  // StartDecode: the KV wait left after the prefill counts from here
+    TimePoint first_token_at;  // the frame arrived: the KV wait left counts from here
+    TimePoint due_at;          // HandOverDue arrived (the prefill is done): likewise
     Deadline deadline;
     int follower_acks_pending = 0;  // TP: followers still receiving their heads
     Status follower_error;
@@ -81,6 +90,12 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
 
   void OnReserveBlocks(const proto::ReserveBlocks& m);
   void ApplyFollowerAcks();
+  // Posts what every load needs beyond its streams (the TP followers' part,
+  // the hand-over frame) and records it.
+  Status AddIncoming(const engine::RequestSpec& request, Incoming in,
+                     std::span<const std::vector<engine::BlockId>> tables);
+  // Drops `in`'s transfers (receives cancelled before the blocks go back).
+  void DropIncoming(engine::RequestId id, Incoming& in);
 
   worker::WorkerContext ctx_;
   std::unique_ptr<MpiTpCollective> mpi_collective_;  // TP over MPI only
@@ -88,8 +103,9 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   std::map<engine::RequestId, Incoming> incoming_;
   // KV streams failed by an integrity check (DataLoss); read by heartbeats.
   std::atomic<uint64_t> kv_integrity_failures_{0};
-  uint32_t reserving_prefill_rank_ = 0;           // set around the Submit of a ReserveBlocks
-  std::vector<engine::BlockId> reserved_blocks_;  // what StartRemoteLoad was given
+  // Hand-over frames whose receive ended kAborted: the transport owns their
+  // slots for its life (transport.h), so they are kept, never freed.
+  std::vector<std::unique_ptr<kv_transfer::HandOverFrame>> quarantined_frames_;
   // Declared last, destroyed first: the engine cancels its loads through
   // this connector while incoming_ is still alive.
   std::unique_ptr<engine::Engine> engine_;

@@ -110,6 +110,7 @@ void Follower::Ack(engine::RequestId id, const Status& s) {
 
 void Follower::ExpectKv(const proto::TpExpectKv& m) {
   const engine::RequestId id = m.request_id();
+  const uint64_t transfer = m.kv_transfer_id() != 0 ? m.kv_transfer_id() : id;  // its streams' id
   const engine::KvCacheGroups& groups = follower_->kv_groups();
   std::vector<std::vector<BlockId>> tables;
   tables.emplace_back(m.block_ids().begin(), m.block_ids().end());
@@ -143,11 +144,11 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   auto receivers =
       groups.size() == 1
           ? worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
-                                          follower_->pool(), base_.model->fingerprint(), id,
+                                          follower_->pool(), base_.model->fingerprint(), transfer,
                                           tables[0], own)
           : worker::StartGroupedSegmentReceivers(
                 base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
-                groups, base_.model->fingerprint(), id, tables, own);
+                groups, base_.model->fingerprint(), transfer, tables, own);
   if (!receivers.ok()) {
     Ack(id, receivers.status());
     return;

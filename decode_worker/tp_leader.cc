@@ -83,19 +83,11 @@ Result<std::unique_ptr<TpLeader>> TpLeader::Start(const worker::WorkerOptions& o
   return leader;
 }
 
-Status TpLeader::ExpectKv(engine::RequestId id, uint32_t prefill_rank,
-                          std::span<const engine::BlockId> blocks) {
+Status TpLeader::ExpectKv(engine::RequestId id, uint64_t transfer_id, uint32_t prefill_rank,
+                          std::span<const std::vector<engine::BlockId>> tables) {
   proto::TpExpectKv e;
   e.set_request_id(id);
-  e.set_prefill_rank(prefill_rank);
-  for (engine::BlockId b : blocks) e.add_block_ids(b);
-  return group_->Broadcast(TpMsg::kExpectKv, e.SerializeAsString());
-}
-
-Status TpLeader::ExpectKvGroups(engine::RequestId id, uint32_t prefill_rank,
-                                std::span<const std::vector<engine::BlockId>> tables) {
-  proto::TpExpectKv e;
-  e.set_request_id(id);
+  e.set_kv_transfer_id(transfer_id);
   e.set_prefill_rank(prefill_rank);
   if (!tables.empty()) e.mutable_block_ids()->Add(tables[0].begin(), tables[0].end());
   for (size_t g = 1; g < tables.size(); ++g) {

@@ -36,14 +36,12 @@ class TpLeader {
   const std::vector<uint32_t>& data_ranks() const { return data_ranks_; }
   const std::vector<std::string>& kv_conn_infos() const { return kv_conn_infos_; }
 
-  // Every follower receives its heads of request `id` from `prefill_rank`
-  // into the same block ids.
-  Status ExpectKv(engine::RequestId id, uint32_t prefill_rank,
-                  std::span<const engine::BlockId> blocks);
-  // The same into every KV cache group's table (tables[g], group g of the
-  // engine's groups, which the followers mirror since TpSetup).
-  Status ExpectKvGroups(engine::RequestId id, uint32_t prefill_rank,
-                        std::span<const std::vector<engine::BlockId>> tables);
+  // Every follower receives its heads of request `id` (its KV streams'
+  // `transfer_id`) from `prefill_rank` into the same block ids: tables[g] for
+  // KV cache group g of the engine's groups, which the followers mirror
+  // since TpSetup (one table with one group).
+  Status ExpectKv(engine::RequestId id, uint64_t transfer_id, uint32_t prefill_rank,
+                  std::span<const std::vector<engine::BlockId>> tables);
   void CancelKv(engine::RequestId id);
   struct KvAck {
     engine::RequestId request = 0;

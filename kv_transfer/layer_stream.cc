@@ -17,23 +17,6 @@ size_t ManifestSlotBytes(size_t blocks) {
   return n + (n & 1);
 }
 
-TransferDesc BytesDesc(int peer, uint64_t request_id, uint32_t tag, std::string* slot) {
-  TransferDesc d;
-  d.peer = peer;
-  d.request_id = request_id;
-  d.tag = tag;
-  d.layout.kv_heads = 1;  // a byte buffer is a one-head, one-layer slice: K half then V half
-  d.layout.slab_bytes = static_cast<int64_t>(slot->size() / 2);
-  KvSlice s;
-  s.layer_begin = 0;
-  s.layer_end = 1;
-  s.head_begin = 0;
-  s.head_end = 1;
-  s.layer_data = reinterpret_cast<uint8_t*>(slot->data());
-  d.slices.push_back(s);
-  return d;
-}
-
 TransferDesc LayerDesc(int peer, const StreamSpec& spec, const StreamBuffers& b, int layer) {
   TransferDesc d;
   d.peer = peer;
@@ -44,7 +27,7 @@ TransferDesc LayerDesc(int peer, const StreamSpec& spec, const StreamBuffers& b,
       b.layer_stride != 0 ? b.layer_stride : 2 * b.layout.kv_heads * b.layout.slab_bytes;
   for (size_t i = 0; i < b.block_layer0.size(); ++i) {
     KvSlice s;
-    s.block = spec.dst_blocks[i];
+    s.block = spec.blocks[i];
     s.layer_begin = layer;
     s.layer_end = layer + 1;
     s.head_begin = b.local_heads.begin;
@@ -67,11 +50,10 @@ Status CheckSpec(const StreamSpec& spec, const StreamBuffers& b) {
                            " outside [1, 32767]");
   }
   if (spec.stream_id >= (1u << 15)) return InvalidArgument("layer stream: stream_id >= 2^15");
-  if (spec.dst_blocks.empty()) return InvalidArgument("layer stream: no blocks");
-  if (spec.dst_blocks.size() != b.block_layer0.size()) {
-    return InvalidArgument("layer stream: " + std::to_string(spec.dst_blocks.size()) +
-                           " dst_blocks but " + std::to_string(b.block_layer0.size()) +
-                           " block buffers");
+  if (spec.blocks.empty()) return InvalidArgument("layer stream: no blocks");
+  if (spec.blocks.size() != b.block_layer0.size()) {
+    return InvalidArgument("layer stream: " + std::to_string(spec.blocks.size()) + " blocks but " +
+                           std::to_string(b.block_layer0.size()) + " block buffers");
   }
   if (!b.layer_data.empty() &&
       b.layer_data.size() != static_cast<size_t>(spec.layers) * b.block_layer0.size()) {
@@ -138,8 +120,8 @@ Status LayerStreamSender::Fail(Status why) {
 Status LayerStreamSender::PostOne(const PendingSend& p) {
   const TransferDesc desc =
       p.payload ? LayerDesc(peer_, spec_, buffers_, p.layer)
-                : BytesDesc(peer_, spec_.request_id, StreamTag(spec_.stream_id, p.layer, false),
-                            &manifests_[p.layer]);
+                : SlotDesc(peer_, spec_.request_id, StreamTag(spec_.stream_id, p.layer, false),
+                           &manifests_[p.layer]);
   ASSIGN_OR_RETURN(TransferHandle h, transport_->PostSend(desc));
   handles_.push_back(h);
   return Status::Ok();
@@ -170,7 +152,7 @@ Status LayerStreamSender::SendLayer(int layer) {
   m.set_request_id(spec_.request_id);
   m.set_layer_begin(static_cast<uint32_t>(layer));
   m.set_layer_end(static_cast<uint32_t>(layer + 1));
-  for (auto b : spec_.dst_blocks) m.add_block_ids(b);
+  for (auto b : spec_.blocks) m.add_block_ids(b);
   m.mutable_heads()->set_begin(static_cast<uint32_t>(spec_.global_heads.begin));
   m.mutable_heads()->set_end(static_cast<uint32_t>(spec_.global_heads.end));
   m.set_block_tokens(static_cast<uint32_t>(spec_.block_tokens));
@@ -178,13 +160,13 @@ Status LayerStreamSender::SendLayer(int layer) {
   m.set_dtype(static_cast<proto::KvDtype>(static_cast<int>(spec_.dtype) + 1));
   m.set_byte_count(ExpectedBytes(buffers_));
   m.set_model_fingerprint(spec_.model_fingerprint.data(), spec_.model_fingerprint.size());
-  for (size_t i = 0; i < spec_.dst_blocks.size(); ++i) {
+  for (size_t i = 0; i < spec_.blocks.size(); ++i) {
     auto* c = m.add_checksums();
-    c->set_block_id(spec_.dst_blocks[i]);
+    c->set_block_id(spec_.blocks[i]);
     c->set_layer(static_cast<uint32_t>(layer));
     c->set_xxh3(SliceChecksum(buffers_, i, layer));
   }
-  auto slot = EncodeManifestSlot(m.SerializeAsString(), spec_.dst_blocks.size());
+  auto slot = EncodeManifestSlot(m.SerializeAsString(), spec_.blocks.size());
   if (!slot.ok()) return Fail(slot.status());
   manifests_[layer] = std::move(*slot);
   sent_[layer] = true;
@@ -271,9 +253,9 @@ Status LayerStreamReceiver::Start() {
   if (started_) return FailedPrecondition("layer stream: Start called twice");
   started_ = true;
   for (int l = 0; l < spec_.layers; ++l) {
-    manifests_[l].assign(ManifestSlotBytes(spec_.dst_blocks.size()), '\0');
+    manifests_[l].assign(ManifestSlotBytes(spec_.blocks.size()), '\0');
     auto mh = transport_->PostRecv(
-        BytesDesc(peer_, spec_.request_id, StreamTag(spec_.stream_id, l, false), &manifests_[l]));
+        SlotDesc(peer_, spec_.request_id, StreamTag(spec_.stream_id, l, false), &manifests_[l]));
     if (!mh.ok()) {
       Invalidate(mh.status());
       return status_;
@@ -330,16 +312,51 @@ Status LayerStreamReceiver::Verify(int l) {
   return VerifyLayerManifest(manifests_[l], spec_, buffers_, l);
 }
 
-Result<std::string> EncodeManifestSlot(std::string_view manifest, size_t blocks) {
-  std::string slot(ManifestSlotBytes(blocks), '\0');
-  if (manifest.size() + kSlotHeader > slot.size()) {
-    return Internal("layer stream: manifest larger than its slot");
+TransferDesc SlotDesc(int peer, uint64_t request_id, uint32_t tag, std::string* slot) {
+  TransferDesc d;
+  d.peer = peer;
+  d.request_id = request_id;
+  d.tag = tag;
+  d.layout.kv_heads = 1;  // a byte buffer is a one-head, one-layer slice: K half then V half
+  d.layout.slab_bytes = static_cast<int64_t>(slot->size() / 2);
+  KvSlice s;
+  s.layer_begin = 0;
+  s.layer_end = 1;
+  s.head_begin = 0;
+  s.head_end = 1;
+  s.layer_data = reinterpret_cast<uint8_t*>(slot->data());
+  d.slices.push_back(s);
+  return d;
+}
+
+Result<std::string> EncodeSlot(std::string_view payload, size_t slot_bytes) {
+  std::string slot(slot_bytes, '\0');
+  if (slot_bytes % 2 != 0 || payload.size() + kSlotHeader > slot.size()) {
+    return Internal("slot: " + std::to_string(payload.size()) + " bytes do not fit a slot of " +
+                    std::to_string(slot_bytes));
   }
-  const uint32_t len32 = static_cast<uint32_t>(manifest.size());
+  const uint32_t len32 = static_cast<uint32_t>(payload.size());
   std::memcpy(slot.data() + 8, &len32, 4);
-  if (!manifest.empty()) std::memcpy(slot.data() + kSlotHeader, manifest.data(), manifest.size());
+  if (!payload.empty()) std::memcpy(slot.data() + kSlotHeader, payload.data(), payload.size());
   const uint64_t sum = Xxh3_64(slot.data() + 8, slot.size() - 8);
   std::memcpy(slot.data(), &sum, 8);
+  return slot;
+}
+
+Result<std::string_view> OpenSlot(std::string_view slot) {
+  if (slot.size() < kSlotHeader) return DataLoss("shorter than its header");
+  uint64_t sum = 0;
+  std::memcpy(&sum, slot.data(), 8);
+  if (sum != Xxh3_64(slot.data() + 8, slot.size() - 8)) return DataLoss("checksum mismatch");
+  uint32_t len = 0;
+  std::memcpy(&len, slot.data() + 8, 4);
+  if (len > slot.size() - kSlotHeader) return DataLoss("length beyond its slot");
+  return slot.substr(kSlotHeader, len);
+}
+
+Result<std::string> EncodeManifestSlot(std::string_view manifest, size_t blocks) {
+  auto slot = EncodeSlot(manifest, ManifestSlotBytes(blocks));
+  if (!slot.ok()) return Internal("layer stream: manifest larger than its slot");
   return slot;
 }
 
@@ -348,23 +365,16 @@ Status VerifyLayerManifest(std::string_view slot, const StreamSpec& spec,
   if (l < 0 || l >= spec.layers) {
     return InvalidArgument("layer stream: layer " + std::to_string(l) + " outside the stream");
   }
-  if (slot.size() != ManifestSlotBytes(spec.dst_blocks.size())) {
+  if (slot.size() != ManifestSlotBytes(spec.blocks.size())) {
     return DataLoss("layer stream: manifest slot of " + std::to_string(slot.size()) +
-                    " bytes, expected " +
-                    std::to_string(ManifestSlotBytes(spec.dst_blocks.size())));
+                    " bytes, expected " + std::to_string(ManifestSlotBytes(spec.blocks.size())));
   }
   const std::string where =
       "request " + std::to_string(spec.request_id) + " layer " + std::to_string(l) + ": ";
-  uint64_t sum = 0;
-  std::memcpy(&sum, slot.data(), 8);
-  if (sum != Xxh3_64(slot.data() + 8, slot.size() - 8)) {
-    return DataLoss(where + "manifest checksum mismatch");
-  }
-  uint32_t len = 0;
-  std::memcpy(&len, slot.data() + 8, 4);
+  auto body = OpenSlot(slot);
+  if (!body.ok()) return DataLoss(where + "manifest " + body.status().message());
   proto::KvTransferManifest m;
-  if (len > slot.size() - kSlotHeader ||
-      !m.ParseFromArray(slot.data() + kSlotHeader, static_cast<int>(len))) {
+  if (!m.ParseFromArray(body->data(), static_cast<int>(body->size()))) {
     return DataLoss(where + "unparseable manifest");
   }
   auto field = [&](const char* name, uint64_t got, uint64_t want) -> Status {
@@ -387,24 +397,23 @@ Status VerifyLayerManifest(std::string_view slot, const StreamSpec& spec,
     return DataLoss(where + "manifest model_fingerprint differs from this worker's model");
   }
   RETURN_IF_ERROR(
-      field("block count", static_cast<uint64_t>(m.block_ids_size()), spec.dst_blocks.size()));
+      field("block count", static_cast<uint64_t>(m.block_ids_size()), spec.blocks.size()));
   RETURN_IF_ERROR(
-      field("checksum count", static_cast<uint64_t>(m.checksums_size()), spec.dst_blocks.size()));
-  for (size_t i = 0; i < spec.dst_blocks.size(); ++i) {
+      field("checksum count", static_cast<uint64_t>(m.checksums_size()), spec.blocks.size()));
+  for (size_t i = 0; i < spec.blocks.size(); ++i) {
     const int idx = static_cast<int>(i);
-    if (m.block_ids(idx) != spec.dst_blocks[i] ||
-        m.checksums(idx).block_id() != spec.dst_blocks[i] ||
+    if (m.block_ids(idx) != spec.blocks[i] || m.checksums(idx).block_id() != spec.blocks[i] ||
         m.checksums(idx).layer() != static_cast<uint32_t>(l)) {
       return DataLoss(where + "manifest entry " + std::to_string(i) + " names block " +
                       std::to_string(m.block_ids(idx)) + ", expected block " +
-                      std::to_string(spec.dst_blocks[i]));
+                      std::to_string(spec.blocks[i]));
     }
     uint64_t got = SliceChecksum(buffers, i, l);
     if (got != m.checksums(idx).xxh3()) {
       char buf[160];
       std::snprintf(buf, sizeof(buf),
-                    "checksum mismatch in block %d: received %016llx, sent %016llx",
-                    spec.dst_blocks[i], static_cast<unsigned long long>(got),
+                    "checksum mismatch in block %d: received %016llx, sent %016llx", spec.blocks[i],
+                    static_cast<unsigned long long>(got),
                     static_cast<unsigned long long>(m.checksums(idx).xxh3()));
       return DataLoss(where + buf);
     }

@@ -39,9 +39,12 @@ struct StreamSpec {
   // Several streams of one request between the same two ranks (e.g. two head
   // routes) need distinct ids. < 2^15.
   uint32_t stream_id = 0;
-  int layers = 0;                           // < 2^15
-  std::vector<engine::BlockId> dst_blocks;  // destination block ids, in order
-  HeadRange global_heads;                   // model kv heads carried
+  int layers = 0;  // < 2^15
+  // The stream's blocks, in order, as both ends name them on the wire (the
+  // workers name a block by its position in the prompt, so a sender needs
+  // nothing from the receiver: each end maps the names to its own memory).
+  std::vector<engine::BlockId> blocks;
+  HeadRange global_heads;  // model kv heads carried
   int block_tokens = 0;
   int head_dim = 0;
   engine::KvDtype dtype = engine::KvDtype::kF32;
@@ -52,7 +55,7 @@ struct StreamSpec {
 struct StreamBuffers {
   BufferLayout layout;                 // caller's heads and slab size
   HeadRange local_heads;               // heads of this stream in the caller's buffer
-  std::vector<uint8_t*> block_layer0;  // per block (same order as dst_blocks): layer 0 address
+  std::vector<uint8_t*> block_layer0;  // per block (same order as blocks): layer 0 address
   int64_t layer_stride = 0;            // 0: contiguous (2 * kv_heads * slab_bytes)
   // Optional, [layer * blocks + block]: where each (block, layer) lives when a
   // block's layers are not a fixed stride apart (an engine with KV cache
@@ -189,8 +192,17 @@ class LayerStreamReceiver {
   bool quarantined_ = false;
 };
 
-// The manifest slot of one layer: [u64 xxh3 of the rest][u32 length]
-// [serialized KvTransferManifest][zero padding], sized for `blocks` blocks.
+// A fixed-size slot for a small message: [u64 xxh3 of the rest][u32 length]
+// [payload][zero padding]. A receive posts exactly `slot_bytes`.
+Result<std::string> EncodeSlot(std::string_view payload, size_t slot_bytes);
+// The payload of a slot whose checksum and length hold; DataLoss otherwise.
+// Never reads outside `slot`.
+Result<std::string_view> OpenSlot(std::string_view slot);
+// A byte buffer as a one-slice transfer of (request_id, tag) with `peer`.
+TransferDesc SlotDesc(int peer, uint64_t request_id, uint32_t tag, std::string* slot);
+
+// The manifest slot of one layer (EncodeSlot of a serialized
+// KvTransferManifest), sized for `blocks` blocks.
 Result<std::string> EncodeManifestSlot(std::string_view manifest, size_t blocks);
 // Checks a received slot against what the receiver expects for `layer` and
 // the bytes that landed in `buffers` (every manifest field, every block's

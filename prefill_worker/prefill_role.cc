@@ -161,14 +161,12 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
     Outgoing out;
     out.pinned = engine::BlockTable(engine_->pool());
     Status s = ConnectDecodeGroup(task.decode(), &out);
-    out.dst_blocks.assign(task.decode().block_ids().begin(), task.decode().block_ids().end());
+    out.created = Clock::now();
+    out.transfer_id = task.kv_transfer_id() != 0 ? task.kv_transfer_id() : id;
     out.prompt_tokens = static_cast<int64_t>(spec.prompt.size());
     const int64_t B = ctx_.layout.block_tokens;
     const int64_t need = (out.prompt_tokens + B - 1) / B;
-    if (s.ok() && static_cast<int64_t>(out.dst_blocks.size()) != need) {
-      s = InvalidArgument("decode target has " + std::to_string(out.dst_blocks.size()) +
-                          " blocks, the prompt needs " + std::to_string(need));
-    }
+    out.prompt_blocks = need;
     if (!s.ok()) {
       ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
       return;
@@ -213,27 +211,24 @@ void PrefillRole::LoadPrefixGroups(const engine::RequestSpec& request,
 
 Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
                                  std::span<const BlockId> table) {
-  const worker::BlockRange r =
-      worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
+  const worker::BlockRange r = worker::StreamSegment(out.prompt_blocks, g);
   if (static_cast<int64_t>(table.size()) < r.first + r.count) {
     return Internal("request " + std::to_string(id) + " holds " + std::to_string(table.size()) +
                     " blocks, segment " + std::to_string(g) + " needs " +
                     std::to_string(r.first + r.count));
   }
   const auto src = table.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
-  const auto dst = std::span<const BlockId>(out.dst_blocks)
-                       .subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
   for (BlockId b : src) {
     engine_->pool()->Ref(b);
     out.pinned.Adopt(b);
   }
-  return AddSenders(id, out, g, dst, [&](const kv_transfer::HeadRange& heads) {
+  return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
     return worker::MakeStreamBuffers(engine_->pool(), src, heads);
   });
 }
 
 Status PrefillRole::AddSenders(
-    RequestId id, Outgoing& out, int64_t g, std::span<const BlockId> dst,
+    Outgoing& out, int64_t g,
     const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers) {
   // Decode rank k of a TP group of T receives only its heads.
   const int tp = static_cast<int>(out.decode_ranks.size());
@@ -243,7 +238,8 @@ Status PrefillRole::AddSenders(
                      kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, k));
     senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
         ctx_.transport, out.decode_ranks[k],
-        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), id, g, dst, heads),
+        worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), out.transfer_id, g,
+                               out.prompt_blocks, heads),
         buffers(heads)));
   }
   return Status::Ok();
@@ -269,19 +265,16 @@ void PrefillRole::RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out) {
 }
 
 Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) {
-  const worker::BlockRange r =
-      worker::StreamSegment(static_cast<int64_t>(out.dst_blocks.size()), g);
+  const worker::BlockRange r = worker::StreamSegment(out.prompt_blocks, g);
   for (int64_t i = r.first; i < r.first + r.count; ++i) {
     if (out.tables[0][static_cast<size_t>(i)] == engine::kNoBlock) {
       return Internal("request " + std::to_string(id) + ": block " + std::to_string(i) +
                       " of its full-attention group was never computed");
     }
   }
-  const auto dst = std::span<const BlockId>(out.dst_blocks)
-                       .subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
   // The wire format is the one-group one (every model layer of each block,
   // ctx_.layout); each layer is read from its group's block.
-  return AddSenders(id, out, g, dst, [&](const kv_transfer::HeadRange& heads) {
+  return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
     return worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
                                             heads, hole_layer_.data());
   });
@@ -311,7 +304,7 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
     auto it = outgoing_.find(seq.request);
     if (it == outgoing_.end()) continue;
     Outgoing& out = it->second;
-    const int64_t n = static_cast<int64_t>(out.dst_blocks.size());
+    const int64_t n = out.prompt_blocks;
     if (layer == 0 && !out.tables.empty()) RecordGroupBlocks(seq, out);
     // The step that ends the prompt wrote its partial tail block: a KIVI pool
     // holds that layer in f32 staging, its slab bytes stale until quantized.
@@ -356,7 +349,7 @@ bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTab
   return true;
 }
 
-bool PrefillRole::HandOver(RequestId id, bool deliver) {
+bool PrefillRole::HandOver(RequestId id, bool deliver, int32_t first_token) {
   auto it = outgoing_.find(id);
   if (it == outgoing_.end()) return false;
   if (!deliver) {
@@ -364,6 +357,9 @@ bool PrefillRole::HandOver(RequestId id, bool deliver) {
     return true;
   }
   Outgoing& out = it->second;
+  // (ConnectDecodeGroup refused a target without ranks: decode_ranks[0] exists.)
+  out.hand_over = kv_transfer::HandOverFrame::ToSend(
+      ctx_.transport, out.decode_ranks[0], out.transfer_id, first_token, out.prompt_tokens);
   out.delivering = true;
   ++delivering_;
   out.deliver_by = Deadline::After(ctx_.options->kv_timeout);
@@ -405,6 +401,7 @@ void PrefillRole::PollDeliveries() {
     Status s;
     bool all_done = true;
     std::map<int, int> unfinished;
+    bool all_posted = true;  // no layer waits for room in the transport
     for (auto& segment : out.senders) {
       if (segment.empty() && s.ok()) {
         s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
@@ -416,9 +413,22 @@ void PrefillRole::PollDeliveries() {
           s = done.status();
         } else {
           all_done = all_done && *done;
+          all_posted = all_posted && sender->deferred() == 0;
           unfinished[sender->peer()] += sender->unfinished();
         }
       }
+    }
+    // The hand-over frame follows every layer onto the wire: once it is in,
+    // the decode side knows the rest moves at link speed.
+    if (s.ok() && all_posted) {
+      Result<bool> sent = out.hand_over->Poll();
+      if (!sent.ok()) {
+        s = sent.status();
+      } else {
+        all_done = all_done && *sent;
+      }
+    } else {
+      all_done = false;
     }
     if (s.ok() && !all_done && out.deliver_by.Expired()) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
@@ -449,10 +459,7 @@ void PrefillRole::PollDeliveries() {
                            "rank " + std::to_string(stuck.front()) + " for " +
                            std::to_string(ctx_.options->kv_progress_timeout.count()) +
                            " ms (--kv-progress-timeout-ms; the KV path is cut?)");
-      for (int peer : stuck) {
-        ctx_.transport->AbandonPeer(peer, s);
-        peer_progress_.erase(peer);
-      }
+      for (int peer : stuck) AbandonStalledPeer(peer, s);
     }
     if (s.ok() && !all_done) {
       it = next;
@@ -460,9 +467,10 @@ void PrefillRole::PollDeliveries() {
     }
     ctx_.counters->transfer_seconds += SecondsSince(out.deliver_start);
     if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
-    if (s.ok()) delivered_[id] = {out.decode_ranks, now};
+    if (s.ok()) delivered_[id] = {out.decode_ranks, now, out.created};
+    const uint64_t transfer_id = out.transfer_id;
     Retire(it);  // senders first, then the blocks (Outgoing's member order)
-    ctx_.events->HandOverDone(id, s);
+    ctx_.events->HandOverDone(id, s, transfer_id);
     it = next;
   }
   std::erase_if(delivered_, [&](const auto& kv) {
@@ -481,6 +489,13 @@ void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
     for (auto& sender : segment) {
       sender->CancelAll();
       quarantined = quarantined || sender->quarantined();
+    }
+  }
+  if (out.hand_over != nullptr) {
+    if (out.hand_over->quarantined()) {
+      quarantined = true;
+    } else {
+      out.hand_over.reset();  // cancels an unfinished send
     }
   }
   if (quarantined) {
@@ -515,23 +530,36 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
   }
 }
 
+void PrefillRole::AbandonStalledPeer(int peer, const Status& why) {
+  ctx_.transport->AbandonPeer(peer, why);
+  peer_progress_.erase(peer);
+  abandoned_at_[peer] = Clock::now();
+}
+
 void PrefillRole::OnCancel(const proto::Cancel& c) {
-  if (auto d = delivered_.find(c.request_id()); d != delivered_.end()) {
-    // Delivered here, then timed out on the decode side: the bytes went into
-    // a connection that is cut without a reset. Drop it (every send queued on
-    // it fails now); the next request to that group connects again.
-    if (c.reason().rfind("peer failed: DEADLINE_EXCEEDED", 0) == 0) {
-      for (int peer : d->second.decode_ranks) {
-        const std::string why =
-            "decode rank " + std::to_string(peer) + " never received the KV of request " +
-            std::to_string(c.request_id()) + " delivered to it: dropping its data connection";
-        ctx_.transport->AbandonPeer(peer, Unavailable(why));
-        peer_progress_.erase(peer);
-      }
+  // Delivered (or still delivering) here, then timed out on the decode side:
+  // the bytes went into a connection that is cut without a reset. Drop it
+  // (every send queued on it fails now); the next request to that group
+  // connects again. Not when the request used a connection dropped since:
+  // that would drop the new one, with the requests that moved onto it.
+  const bool stalled = c.reason().rfind("peer failed: DEADLINE_EXCEEDED", 0) == 0;
+  auto abandon = [&](const std::vector<int>& ranks, TimePoint created) {
+    for (int peer : ranks) {
+      auto a = abandoned_at_.find(peer);
+      if (a != abandoned_at_.end() && created <= a->second) continue;
+      AbandonStalledPeer(
+          peer,
+          Unavailable("decode rank " + std::to_string(peer) + " never received the KV of request " +
+                      std::to_string(c.request_id()) + ": dropping its data connection"));
     }
+  };
+  if (auto d = delivered_.find(c.request_id()); d != delivered_.end()) {
+    const Delivered gone = d->second;
     delivered_.erase(d);
+    if (stalled) abandon(gone.decode_ranks, gone.created);
   }
   if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) {
+    if (stalled && it->second.delivering) abandon(it->second.decode_ranks, it->second.created);
     ctx_.events->ForgetHandOver(c.request_id());
     Retire(it);
   }

@@ -9,8 +9,9 @@
 // next computes, not only the prompt's last. When
 // the first token is sampled the engine hands the prompt's blocks to the
 // role (RequestFinished), which keeps them until the streams are delivered
-// (HandOver) and only then reports the first token, so the decode side is
-// told to start only when its KV is on the wire.
+// (HandOver). The first token goes to the coordinator at once (TTFT) and to
+// the decode group's rank 0 as the hand-over frame, posted after every layer
+// (kv_transfer/hand_over_frame.h): the decode side starts on its own.
 //
 // A task without a decode target runs to completion here: that is the
 // colocated worker (kvrelay-worker), the same role.
@@ -31,6 +32,7 @@
 #include "kv_store/host_ram_tier.h"
 #include "kv_store/rocksdb_tier.h"
 #include "kv_store/tiered_cache.h"
+#include "kv_transfer/hand_over_frame.h"
 #include "kv_transfer/layer_stream.h"
 #include "worker/role.h"
 
@@ -45,7 +47,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   Status Init(worker::WorkerContext& ctx) override;
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
-  bool HandOver(engine::RequestId id, bool deliver) override;
+  bool HandOver(engine::RequestId id, bool deliver, int32_t first_token) override;
   bool polling() const override { return delivering_ > 0; }
   void OnDisconnected() override { RetireAll(); }
   void OnPeersLost(std::span<const int> ranks) override;
@@ -92,10 +94,15 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     // senders[segment][tp rank]; empty until the segment's blocks are computed.
     std::vector<std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>>> senders;
     std::vector<int> decode_ranks;  // data-plane peers, in TP order
-    std::vector<engine::BlockId> dst_blocks;
+    TimePoint created;              // its sends use the data connections of this time on
+    uint64_t transfer_id = 0;       // its streams' and hand-over frame's id (this attempt's)
+    int64_t prompt_blocks = 0;      // blocks the streams carry (named by position)
     int64_t prompt_tokens = 0;
-    // Set by HandOver(deliver): the first token waits for the senders, polled
-    // by Progress, until every send finished or `deliver_by` passed.
+    // Set by HandOver(deliver): the first token, to decode_ranks[0] once
+    // every layer has been posted (the last frame of the streams).
+    std::unique_ptr<kv_transfer::HandOverFrame> hand_over;
+    // Set by HandOver(deliver): the senders and the frame are polled by
+    // Progress until every send finished or `deliver_by` passed.
     bool delivering = false;
     Deadline deliver_by;
     TimePoint deliver_start;
@@ -116,10 +123,10 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
   // Segment `g`'s senders from out.tables.
   Status StartGroupedSegment(engine::RequestId id, Outgoing& out, int64_t g);
-  // Segment `g`'s sender to each decode rank of out.decode_ranks, for the
-  // blocks `dst` there, with the buffers `buffers` gives for that rank's heads.
+  // Segment `g`'s sender to each decode rank of out.decode_ranks, with the
+  // buffers `buffers` gives for that rank's heads.
   Status AddSenders(
-      engine::RequestId id, Outgoing& out, int64_t g, std::span<const engine::BlockId> dst,
+      Outgoing& out, int64_t g,
       const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers);
   void OnCancel(const proto::Cancel& c);
   // Ends `it`'s streams (cancelling what is unfinished) and drops it. When a
@@ -132,6 +139,12 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   void PollDeliveries();
   // Posts the sends of requests still computing that back-pressure deferred.
   void PostDeferredSends();
+  // Drops `peer`'s data connection, which moves no bytes (a cut without a
+  // reset): every send queued on it fails now and the next request connects
+  // again. Requests already delivered into it end by the decode side's
+  // no-progress deadline (a Finish from here could reach the coordinator
+  // after it re-ran the same request id, and end the new attempt).
+  void AbandonStalledPeer(int peer, const Status& why);
 
   worker::WorkerContext ctx_;
   std::unique_ptr<engine::Engine> engine_;
@@ -155,8 +168,12 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   struct Delivered {
     std::vector<int> decode_ranks;
     TimePoint at;
+    TimePoint created;  // Outgoing::created
   };
   std::map<engine::RequestId, Delivered> delivered_;
+  // Per decode peer: when its data connection was last dropped as stalled.
+  // A request created before that sent on the dropped connection.
+  std::map<int, TimePoint> abandoned_at_;
   // Decode KV addresses whose connect just failed, and when (ConnectDecodeGroup).
   std::map<std::string, TimePoint> unreachable_;
 };

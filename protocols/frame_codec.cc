@@ -136,4 +136,50 @@ Status FrameDecoder::Finish() const {
   return Status::Ok();
 }
 
+std::string_view MessageTypeName(uint16_t type) {
+  switch (static_cast<MessageType>(type)) {
+    case MessageType::kHello:
+      return "Hello";
+    case MessageType::kHelloReply:
+      return "HelloReply";
+    case MessageType::kRegisterWorker:
+      return "RegisterWorker";
+    case MessageType::kRegisterReply:
+      return "RegisterReply";
+    case MessageType::kHeartbeat:
+      return "Heartbeat";
+    case MessageType::kPrefillTask:
+      return "PrefillTask";
+    case MessageType::kReserveBlocks:
+      return "ReserveBlocks";
+    case MessageType::kReserveBlocksReply:
+      return "ReserveBlocksReply";
+    case MessageType::kTokenChunk:
+      return "TokenChunk";
+    case MessageType::kCancel:
+      return "Cancel";
+    case MessageType::kFinish:
+      return "Finish";
+    case MessageType::kPrefixCacheEvent:
+      return "PrefixCacheEvent";
+    case MessageType::kPrefillDone:
+      return "PrefillDone";
+    case MessageType::kAuthHello:
+      return "AuthHello";
+    case MessageType::kAuthChallenge:
+      return "AuthChallenge";
+    case MessageType::kAuthProof:
+      return "AuthProof";
+    case MessageType::kPeerLost:
+      return "PeerLost";
+    case MessageType::kWorkerLeaving:
+      return "WorkerLeaving";
+    case MessageType::kKvData:
+      return "KvData";
+    case MessageType::kKvAbort:
+      return "KvAbort";
+  }
+  return "other";
+}
+
 }  // namespace kvrelay::protocols

@@ -39,7 +39,8 @@ enum class MessageType : uint16_t {
   kHeartbeat = 5,
   kPrefillTask = 6,
   kReserveBlocks = 7,
-  kStartDecode = 8,
+  // 8 was kStartDecode: the first token now travels with the KV
+  // (kv_transfer/hand_over_frame.h). Not to be reused.
   kReserveBlocksReply = 9,
   kTokenChunk = 10,
   kCancel = 11,
@@ -51,9 +52,13 @@ enum class MessageType : uint16_t {
   kAuthProof = 18,      // proto::AuthProof
   kPeerLost = 19,       // proto::PeerLost (coordinator -> prefill workers)
   kWorkerLeaving = 20,  // proto::WorkerLeaving: the worker stops on purpose
+  kHandOverDue = 21,    // proto::HandOverDue (coordinator -> decode worker)
   kKvData = 100,
   kKvAbort = 101,
 };
+
+// "PrefillTask", ... for metrics and logs; "other" for a type not listed above.
+std::string_view MessageTypeName(uint16_t type);
 
 struct FrameHeader {
   uint16_t version = kFrameVersion;

@@ -144,8 +144,8 @@ Result<protocols::Frame> ControlLink::Receive(Deadline deadline) {
 }
 
 void ControlLink::SendFinish(engine::RequestId id, proto::Finish::Reason reason,
-                             const Status& error, int64_t prompt_tokens,
-                             int64_t completion_tokens) {
+                             const Status& error, int64_t prompt_tokens, int64_t completion_tokens,
+                             uint64_t kv_transfer_id) {
   proto::Finish f;
   f.set_request_id(id);
   f.set_reason(reason);
@@ -155,6 +155,7 @@ void ControlLink::SendFinish(engine::RequestId id, proto::Finish::Reason reason,
   }
   f.set_prompt_tokens(static_cast<uint32_t>(prompt_tokens));
   f.set_completion_tokens(static_cast<uint32_t>(completion_tokens));
+  f.set_kv_transfer_id(kv_transfer_id);
   Send(MessageType::kFinish, f);
 }
 

@@ -77,7 +77,8 @@ class ControlLink {
   // the frame to be written, and closes the link.
   void Leave(const std::string& worker_id, const std::string& why);
   void SendFinish(engine::RequestId id, proto::Finish::Reason reason, const Status& error,
-                  int64_t prompt_tokens = 0, int64_t completion_tokens = 0);
+                  int64_t prompt_tokens = 0, int64_t completion_tokens = 0,
+                  uint64_t kv_transfer_id = 0);
   Result<protocols::Frame> Receive(Deadline deadline);
 
   // Heartbeats carry what `source` fills in (called on the run thread).

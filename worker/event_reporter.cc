@@ -45,17 +45,20 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
     protocols::ToProto(ev.logprobs, done.mutable_first_logprob());
   if (ev.finish_reason == engine::FinishReason::kError ||
       ev.finish_reason == engine::FinishReason::kCancelled || ev.token < 0) {
-    (void)hand_over_(ev.id, /*deliver=*/false);  // drops a half-sent stream, if any
+    (void)hand_over_(ev.id, /*deliver=*/false, -1);  // drops a half-sent stream, if any
     control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens);
     return;
   }
-  if (hand_over_(ev.id, /*deliver=*/true)) {
-    // Disaggregated: the first token goes out once the KV is delivered
-    // (HandOverDone), so the decode side never starts on missing KV.
-    const bool ended = ev.finished && ev.finish_reason != engine::FinishReason::kPrefilled;
-    done.set_finished(ended);
-    if (ended) done.set_reason(ToProto(ev.finish_reason));
-    handing_over_[ev.id] = PendingFirst{std::move(done), ev.prompt_tokens};
+  // A prefill-only request that ended at its first token (end of generation,
+  // max_tokens 1) hands nothing over: the coordinator cancels the decode side.
+  const bool ended = ev.finished && ev.finish_reason != engine::FinishReason::kPrefilled;
+  if (hand_over_(ev.id, /*deliver=*/!ended, ev.token) && !ended) {
+    // Disaggregated: the first token reaches the client now (TTFT) and the
+    // decode side with the KV (the hand-over frame); only a failed delivery
+    // is reported later (HandOverDone).
+    done.set_finished(false);
+    control_->Send(MessageType::kPrefillDone, done);
+    handing_over_[ev.id] = ev.prompt_tokens;
     return;
   }
   done.set_finished(ev.finished);
@@ -64,14 +67,14 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
   if (!ev.finished) generated_[ev.id] = 1;
 }
 
-void EventReporter::HandOverDone(engine::RequestId id, const Status& status) {
+void EventReporter::HandOverDone(engine::RequestId id, const Status& status,
+                                 uint64_t kv_transfer_id) {
   auto it = handing_over_.find(id);
   if (it == handing_over_.end()) return;  // cancelled meanwhile
-  if (status.ok()) {
-    control_->Send(MessageType::kPrefillDone, it->second.done);
-  } else {
+  if (!status.ok()) {
     control_->SendFinish(id, proto::Finish::REASON_ERROR,
-                         status.WithContext("KV transfer to decode"), it->second.prompt_tokens);
+                         status.WithContext("KV transfer to decode"), it->second, 0,
+                         kv_transfer_id);
   }
   handing_over_.erase(it);
 }

@@ -18,11 +18,11 @@ namespace kvrelay::worker {
 
 class EventReporter {
  public:
-  // `hand_over(id, deliver)`: the role starts finishing (deliver) or drops a
-  // request's KV hand-over to a decode group when its first token or its
-  // failure is reported (false: not a handed-over request). A delivery ends
-  // later in HandOverDone.
-  using HandOver = std::function<bool(engine::RequestId, bool deliver)>;
+  // `hand_over(id, deliver, first_token)`: the role starts finishing
+  // (deliver) or drops a request's KV hand-over to a decode group when its
+  // first token or its failure is reported (false: not a handed-over
+  // request). A delivery ends later in HandOverDone.
+  using HandOver = std::function<bool(engine::RequestId, bool deliver, int32_t first_token)>;
   EventReporter(ControlLink* control, const engine::Tokenizer* tokenizer, HandOver hand_over,
                 int64_t* queued_tokens);
 
@@ -35,9 +35,10 @@ class EventReporter {
   // stale event must not end the new attempt.
   void CancelledByCoordinator(engine::RequestId id);
   void Report(const std::vector<engine::TokenEvent>& events);
-  // The KV hand-over of `id` finished: its first token goes to the
-  // coordinator (ok), or the request ends with the transfer's error.
-  void HandOverDone(engine::RequestId id, const Status& status);
+  // The KV hand-over of `id` finished: nothing more to say (ok; its first
+  // token went to the coordinator when sampled), or the request ends with
+  // the transfer's error.
+  void HandOverDone(engine::RequestId id, const Status& status, uint64_t kv_transfer_id);
   // The hand-over of `id` was abandoned because the coordinator already
   // knows (it cancelled the request or dropped its decode group): report nothing.
   void ForgetHandOver(engine::RequestId id) { handing_over_.erase(id); }
@@ -56,12 +57,9 @@ class EventReporter {
   std::map<engine::RequestId, int64_t> generated_;  // tokens emitted per running request
   std::map<engine::RequestId, int> silenced_;       // cancel events not to report, per id
   proto::TokenChunk chunk_;                         // tokens batched within one Report
-  // First tokens whose KV is still on its way to the decode group.
-  struct PendingFirst {
-    proto::PrefillDone done;
-    int64_t prompt_tokens = 0;
-  };
-  std::map<engine::RequestId, PendingFirst> handing_over_;
+  // Requests whose KV is still on its way to the decode group: their
+  // prompt lengths, for the Finish of a failed delivery.
+  std::map<engine::RequestId, int64_t> handing_over_;
 };
 
 }  // namespace kvrelay::worker

@@ -4,13 +4,16 @@ namespace kvrelay::worker {
 
 kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        const engine::ModelFingerprint& model, engine::RequestId id,
-                                       int64_t segment, std::span<const engine::BlockId> dst,
+                                       int64_t segment, int64_t blocks,
                                        kv_transfer::HeadRange heads) {
   kv_transfer::StreamSpec spec;
   spec.request_id = id;
   spec.stream_id = static_cast<uint32_t>(segment);
   spec.layers = layout.layers;
-  spec.dst_blocks.assign(dst.begin(), dst.end());
+  const BlockRange r = StreamSegment(blocks, segment);
+  for (int64_t i = r.first; i < r.first + r.count; ++i) {
+    spec.blocks.push_back(static_cast<engine::BlockId>(i));  // its position in the prompt
+  }
   spec.global_heads = heads;
   spec.block_tokens = layout.block_tokens;
   spec.head_dim = layout.head_dim;
@@ -53,7 +56,7 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
     const BlockRange r = StreamSegment(n, g);
     const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
     receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
-        transport, peer, MakeStreamSpec(pool->layout(), model, id, g, seg, own),
+        transport, peer, MakeStreamSpec(pool->layout(), model, id, g, n, own),
         MakeStreamBuffers(pool, seg, {0, own.size()})));
     RETURN_IF_ERROR(receivers.back()->Start());
   }
@@ -98,7 +101,7 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGrou
     const BlockRange r = StreamSegment(n, g);
     const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
     receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
-        transport, peer, MakeStreamSpec(layout, model, id, g, seg, own),
+        transport, peer, MakeStreamSpec(layout, model, id, g, n, own),
         MakeGroupedStreamBuffers(pool, groups, tables, r, {0, own.size()})));
     RETURN_IF_ERROR(receivers.back()->Start());
   }

@@ -37,11 +37,13 @@ inline BlockRange StreamSegment(int64_t blocks, int64_t g) {
   return {first, std::min(kStreamSegmentBlocks, blocks - first)};
 }
 
-// Segment `segment`'s stream of request `id` into the decode side's blocks
-// `dst` (that segment's), carrying the model KV heads `heads`.
+// Segment `segment`'s stream of request `id`, a prompt of `blocks` blocks,
+// carrying the model KV heads `heads`. The stream names each block by its
+// position in the prompt: the sender needs nothing from the receiver, which
+// maps positions to the blocks it reserved (one hop, no block ids sent back).
 kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        const engine::ModelFingerprint& model, engine::RequestId id,
-                                       int64_t segment, std::span<const engine::BlockId> dst,
+                                       int64_t segment, int64_t blocks,
                                        kv_transfer::HeadRange heads);
 
 // The receivers of every segment of a prompt's KV into `blocks` of `pool`
@@ -60,8 +62,8 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
 // An engine with several KV cache groups (engine/kv_cache/kv_groups.h):
 // the stream still carries every model layer of each block, and model layer
 // l of block i lands in layer groups.slot_of[l] of
-// tables[groups.group_of[l]][i]. The streams' dst_blocks are group 0's ids
-// (what the reservation reported), so the wire format is the one-group one.
+// tables[groups.group_of[l]][i]. The streams name blocks by position, so
+// the wire format is the one-group one.
 // A sender whose sliding-window tables have holes (kNoBlock: a block the
 // engine never held, wholly before every later query's window) passes
 // `hole_layer`, zeros of one block layer (KvLayout::LayerBytes), read in

@@ -66,13 +66,16 @@ class Role {
   // True while Progress or the connector has something to poll soon: the
   // loop then wakes every millisecond instead of sleeping to the heartbeat.
   virtual bool polling() const { return false; }
-  // The request's first token was sampled here and its KV is handed to a
-  // decode group: finish the hand-over (deliver), or drop it because the
-  // request failed. False: not such a request. A delivery never blocks the
-  // loop: the role finishes it from Progress and reports the outcome with
-  // EventReporter::HandOverDone (or not at all when the coordinator has
+  // The request's first token (`first_token`) was sampled here and its KV is
+  // handed to a decode group: finish the hand-over (deliver: the rest of the
+  // KV, then the first token as the streams' last frame), or drop it because
+  // the request failed or ended. False: not such a request. A delivery never
+  // blocks the loop: the role finishes it from Progress and reports a failure
+  // with EventReporter::HandOverDone (nothing when the coordinator has
   // cancelled the request or dropped its decode group meanwhile).
-  virtual bool HandOver(engine::RequestId /*id*/, bool /*deliver*/) { return false; }
+  virtual bool HandOver(engine::RequestId /*id*/, bool /*deliver*/, int32_t /*first_token*/) {
+    return false;
+  }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
   // What the role's own internal port (a TP group's link) refused so far;

@@ -89,7 +89,9 @@ Status Worker::Init() {
   control_ = std::make_unique<ControlLink>(c);
   events_ = std::make_unique<EventReporter>(
       control_.get(), base_.model->tokenizer(),
-      [this](engine::RequestId id, bool deliver) { return role_->HandOver(id, deliver); },
+      [this](engine::RequestId id, bool deliver, int32_t first_token) {
+        return role_->HandOver(id, deliver, first_token);
+      },
       &counters_.queued_tokens);
   ctx_.options = &options_;
   ctx_.model = base_.model;

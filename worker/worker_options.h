@@ -67,7 +67,7 @@ struct WorkerOptions {
   std::chrono::milliseconds coordinator_timeout{0};
   std::chrono::milliseconds kv_timeout{30000};  // a KV stream must complete within this
   // A KV stream whose sender has handed every byte to its transport (decode
-  // side: StartDecode arrived; prefill side: a delivery in flight) moves at
+  // side: the hand-over frame arrived; prefill side: a delivery in flight) moves at
   // link speed: ms for this model's prompts. No byte for this long means the
   // path is cut without a reset (a link down, a relay that stops forwarding),
   // which no socket error reports: the request fails then, its blocks go back

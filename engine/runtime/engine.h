@@ -97,6 +97,10 @@ struct RequestSpec {
   // sampling.stop is not empty. Serving leaves it off: the coordinator
   // detokenizes and matches stop strings itself.
   bool want_text = true;
+  // kRemotePrompt: the data-plane peer that sends this request's KV, for the
+  // connector (as vLLM's kv_transfer_params: opaque to the engine). -1: none.
+  int kv_peer = -1;
+  uint64_t kv_transfer_id = 0;  // the id its KV streams use (0: id)
 };
 
 enum class FinishReason : uint8_t {

@@ -23,7 +23,7 @@ const StreamSpec& Spec() {
     StreamSpec s;
     s.request_id = 7;
     s.layers = kLayers;
-    s.dst_blocks = {3, 5};
+    s.blocks = {3, 5};
     s.global_heads = {0, kHeads};
     s.block_tokens = kBlockTokens;
     s.head_dim = kHeadDim;
@@ -54,7 +54,7 @@ std::string ValidManifest(const StreamBuffers& b, int layer) {
   m.set_request_id(s.request_id);
   m.set_layer_begin(static_cast<uint32_t>(layer));
   m.set_layer_end(static_cast<uint32_t>(layer + 1));
-  for (auto id : s.dst_blocks) m.add_block_ids(id);
+  for (auto id : s.blocks) m.add_block_ids(id);
   m.mutable_heads()->set_begin(0);
   m.mutable_heads()->set_end(kHeads);
   m.set_block_tokens(kBlockTokens);
@@ -62,9 +62,9 @@ std::string ValidManifest(const StreamBuffers& b, int layer) {
   m.set_dtype(proto::KV_DTYPE_F32);
   m.set_byte_count(2 * 2 * kHeads * kSlab);
   m.set_model_fingerprint(s.model_fingerprint.data(), s.model_fingerprint.size());
-  for (size_t i = 0; i < s.dst_blocks.size(); ++i) {
+  for (size_t i = 0; i < s.blocks.size(); ++i) {
     auto* c = m.add_checksums();
-    c->set_block_id(s.dst_blocks[i]);
+    c->set_block_id(s.blocks[i]);
     c->set_layer(static_cast<uint32_t>(layer));
     c->set_xxh3(kv_transfer::SliceChecksum(b, i, layer));
   }
@@ -88,7 +88,7 @@ int FuzzLayerManifest(const uint8_t* data, size_t size) {
   if (raw) {
     slot.assign(body);
   } else {
-    auto wrapped = kv_transfer::EncodeManifestSlot(body, Spec().dst_blocks.size());
+    auto wrapped = kv_transfer::EncodeManifestSlot(body, Spec().blocks.size());
     if (!wrapped.ok()) return 0;
     slot = std::move(*wrapped);
   }
@@ -101,7 +101,7 @@ int FuzzLayerManifest(const uint8_t* data, size_t size) {
     proto::KvTransferManifest m;
     if (!m.ParseFromArray(slot.data() + 12, static_cast<int>(n)) ||
         m.request_id() != Spec().request_id || m.layer_begin() != static_cast<uint32_t>(layer) ||
-        m.checksums_size() != static_cast<int>(Spec().dst_blocks.size())) {
+        m.checksums_size() != static_cast<int>(Spec().blocks.size())) {
       std::abort();
     }
   }
@@ -119,7 +119,7 @@ std::vector<std::string> LayerManifestSeeds() {
     s.push_back(static_cast<char>(m.size() >> 8));
     seeds.push_back(s + m + payload);
     // The same as a raw slot.
-    const std::string slot = *kv_transfer::EncodeManifestSlot(m, Spec().dst_blocks.size());
+    const std::string slot = *kv_transfer::EncodeManifestSlot(m, Spec().blocks.size());
     std::string r(1, static_cast<char>(layer | 2));
     r.push_back(static_cast<char>(slot.size() & 0xff));
     r.push_back(static_cast<char>(slot.size() >> 8));

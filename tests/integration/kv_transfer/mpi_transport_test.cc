@@ -119,7 +119,7 @@ TEST_F(MpiTransportTest, LayerStreamCatchesCorruptionAndDeadline) {
   StreamSpec spec;
   spec.request_id = 3;
   spec.layers = layers;
-  spec.dst_blocks = {5, 6, 7, 8};
+  spec.blocks = {5, 6, 7, 8};
   spec.global_heads = {0, heads};
   spec.block_tokens = 16;
   spec.head_dim = 64;

@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "coordinator/cluster_backend.h"
@@ -55,11 +57,6 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
     proto::ReserveBlocks reserve;
     EXPECT_TRUE(decode.Expect(MessageType::kReserveBlocks, &reserve).ok());
     EXPECT_EQ(reserve.request_id(), kId);
-    proto::ReserveBlocksReply reply;
-    reply.set_request_id(kId);
-    reply.set_ok(true);
-    reply.add_block_ids(7);
-    EXPECT_TRUE(decode.Send(MessageType::kReserveBlocksReply, reply).ok());
     proto::PrefillTask task;
     EXPECT_TRUE(prefill.Expect(MessageType::kPrefillTask, &task).ok());
     EXPECT_EQ(task.request_id(), kId);
@@ -68,14 +65,14 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
         std::vector<int32_t>(reserve.prompt_token_ids().begin(), reserve.prompt_token_ids().end()),
         std::vector<int32_t>(task.prompt_token_ids().begin(), task.prompt_token_ids().end()));
     EXPECT_EQ(reserve.sampling().max_tokens(), task.sampling().max_tokens());
+    // Both ends name this attempt's KV streams alike.
+    EXPECT_NE(task.kv_transfer_id(), 0u);
+    EXPECT_EQ(reserve.kv_transfer_id(), task.kv_transfer_id());
     proto::PrefillDone done;
     done.set_request_id(kId);
     done.set_first_token(first);
     done.set_prompt_tokens(static_cast<uint32_t>(task.prompt_token_ids_size()));
     EXPECT_TRUE(prefill.Send(MessageType::kPrefillDone, done).ok());
-    proto::StartDecode start;
-    EXPECT_TRUE(decode.Expect(MessageType::kStartDecode, &start).ok());
-    EXPECT_EQ(start.first_token(), first);
     return task;
   }
 
@@ -102,6 +99,7 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
     auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
     ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
     const proto::PrefillTask first = Prefill(*decode0, *prefill_, 100);
+    first_transfer_id_ = first.kv_transfer_id();
     EXPECT_EQ(first.prompt_token_ids_size(), 5);
     EXPECT_EQ(first.sampling().max_tokens(), 8u);
     Stream(*decode0, {101, 102});
@@ -111,6 +109,20 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
   }
 
   CollectedEvents& NewEvents() { return events_.emplace_back(); }
+
+  // Waits until the backend counted `n` control messages "direction type".
+  bool WaitForMessages(const std::string& what, double n) {
+    const Deadline d = Deadline::AfterMs(5000);
+    while (!d.Expired()) {
+      for (const BackendCounter& c : backend_->Counters()) {
+        if (c.name != "kvrelay_control_messages_total") continue;
+        std::map<std::string, std::string> l(c.labels.begin(), c.labels.end());
+        if (l["direction"] + " " + l["type"] == what && c.value >= n) return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a poll, bounded by d
+    }
+    return false;
+  }
 
   // The old behaviour: the request ends in the loss of decode-0, with the
   // three tokens it had streamed, and nothing was migrated.
@@ -128,6 +140,7 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
   protocols::IoThread io_{"migration-test-io"};
   std::deque<CollectedEvents> events_;  // read until TearDown shut the backend down
   std::unique_ptr<ControlPeer> prefill_, decode1_;
+  uint64_t first_transfer_id_ = 0;
 };
 
 // The client's stream goes on after its decode worker died: the tokens it had
@@ -144,6 +157,9 @@ TEST_F(ClusterMigrationTest, ALostDecodeWorkersRequestContinuesOnAnother) {
   EXPECT_EQ(again.sampling().max_tokens(), 5u);  // 8 less the 3 sent
   // The seed after a move is derived, and documented as such.
   EXPECT_EQ(again.sampling().seed(), MigratedSeed(42, 3, 1));
+  // Its KV streams are not the first attempt's: a cancelled receive of those
+  // (whose late bytes the decode side drops) cannot swallow the new ones.
+  EXPECT_NE(again.kv_transfer_id(), first_transfer_id_);
   Stream(*decode1_, {104, 105, 106, 107});
   Finish(*decode1_);
   ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
@@ -243,6 +259,196 @@ TEST_F(ClusterMigrationTest, ALossAfterTheLastTokenEndsTheStream) {
   EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
   EXPECT_EQ(events.Tokens().size(), 8u);
   EXPECT_EQ(backend_->requests_migrated(), 0u);
+}
+
+// One hop: the prefill task leaves with the reservation (Prefill above sends
+// no ReserveBlocksReply), and the decode side hears nothing more from the
+// coordinator: the first token reaches it with the KV. A request costs two
+// messages out and, before its tokens, one in (counted from the frames,
+// kvrelay_control_messages_total).
+TEST_F(ClusterMigrationTest, ARequestIsTwoMessagesOutAndOneBackBeforeItsTokens) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  Prefill(*decode0, *prefill_, 100);
+  Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  std::map<std::string, double> seen;
+  for (const BackendCounter& c : backend_->Counters()) {
+    if (c.name != "kvrelay_control_messages_total") continue;
+    std::map<std::string, std::string> l(c.labels.begin(), c.labels.end());
+    if (l["type"] == "Heartbeat" || l["type"] == "RegisterReply") continue;
+    seen[l["direction"] + " " + l["type"]] = c.value;
+  }
+  EXPECT_EQ(seen, (std::map<std::string, double>{{"sent ReserveBlocks", 1},
+                                                 {"sent PrefillTask", 1},
+                                                 {"received PrefillDone", 1},
+                                                 {"received TokenChunk", 1},
+                                                 {"received Finish", 1}}));
+}
+
+// A refused reservation is the decode side's only reply, and it cancels the
+// prefill already under way.
+TEST_F(ClusterMigrationTest, ARefusedReservationCancelsThePrefillUnderWay) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  EXPECT_FALSE(task.decode().ranks().empty());
+  proto::ReserveBlocksReply refuse;
+  refuse.set_request_id(kId);
+  refuse.set_ok(false);
+  refuse.set_reason("RESOURCE_EXHAUSTED: no free KV blocks");
+  ASSERT_TRUE(decode0->Send(MessageType::kReserveBlocksReply, refuse).ok());
+  proto::Cancel cancel;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kCancel, &cancel).ok());
+  EXPECT_EQ(cancel.request_id(), kId);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().error.code(), StatusCode::kResourceExhausted)
+      << events.Last().error.ToString();
+  EXPECT_NE(events.Last().error.message().find("no free KV blocks"), std::string::npos);
+}
+
+// The prefill worker dies after its first token reached the client but
+// before the decode side reported (the KV may not have arrived): the request
+// moves on from prompt + that token, and the stream goes on.
+TEST_F(ClusterMigrationTest, APrefillLostDuringTheHandOverMovesTheRequest) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  Prefill(*decode0, *prefill_, 100);
+  ASSERT_TRUE(events.WaitTokens(1, Deadline::AfterMs(5000)));
+  auto prefill1 = Join("prefill-1", proto::WORKER_ROLE_PREFILL, 11);
+  prefill_.reset();      // its connection closes: the coordinator drops it
+  proto::Cancel cancel;  // the decode side lets go of the first attempt
+  ASSERT_TRUE(decode0->Expect(MessageType::kCancel, &cancel).ok());
+  EXPECT_EQ(cancel.request_id(), kId);
+  const proto::PrefillTask again = Prefill(*decode0, *prefill1, 101);
+  EXPECT_EQ(std::vector<int32_t>(again.prompt_token_ids().begin(), again.prompt_token_ids().end()),
+            (std::vector<int32_t>{11, 12, 13, 14, 15, 100}));
+  Stream(*decode0, {102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+}
+
+// Once the decode side streams, the prefill worker no longer matters: its
+// loss changes nothing for the request.
+TEST_F(ClusterMigrationTest, APrefillLostAfterTheHandOverChangesNothing) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  Prefill(*decode0, *prefill_, 100);
+  Stream(*decode0, {101});
+  ASSERT_TRUE(events.WaitTokens(2, Deadline::AfterMs(5000)));
+  prefill_.reset();
+  Stream(*decode0, {102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens().size(), 8u);
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
+}
+
+// A hand-over that fails on the decode side (a corrupt KV chunk: DATA_LOSS)
+// after the first token reached the client is run again from prompt + that
+// token; with --migration-limit 0 it fails as before.
+TEST_F(ClusterMigrationTest, ACorruptHandOverIsRunAgain) {
+  for (const int limit : {3, 0}) {
+    SCOPED_TRACE("migration limit " + std::to_string(limit));
+    StartBackend(limit);
+    prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+    auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+    CollectedEvents& events = NewEvents();
+    ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+    first_transfer_id_ = Prefill(*decode0, *prefill_, 100).kv_transfer_id();
+    ASSERT_TRUE(events.WaitTokens(1, Deadline::AfterMs(5000)));
+    proto::Finish fin;
+    fin.set_request_id(kId);
+    fin.set_reason(proto::Finish::REASON_ERROR);
+    fin.set_status_code(static_cast<uint32_t>(StatusCode::kDataLoss));
+    fin.set_message("receiving KV: request 1 layer 3: checksum mismatch in block 0");
+    ASSERT_TRUE(decode0->Send(MessageType::kFinish, fin).ok());
+    proto::Cancel cancel;  // the prefill side drops what it still sends
+    ASSERT_TRUE(prefill_->Expect(MessageType::kCancel, &cancel).ok());
+    EXPECT_EQ(cancel.reason().rfind("peer failed: DATA_LOSS", 0), 0u) << cancel.reason();
+    if (limit == 0) {
+      ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+      EXPECT_EQ(events.Last().error.code(), StatusCode::kDataLoss)
+          << events.Last().error.ToString();
+      EXPECT_EQ(backend_->requests_migrated(), 0u);
+    } else {
+      const proto::PrefillTask again = Prefill(*decode0, *prefill_, 101);
+      EXPECT_EQ(again.prompt_token_ids_size(), 6);
+      // The first attempt's own delivery failing late (before the prefill
+      // side read the Cancel) says nothing about this one: ignored.
+      proto::Finish stale;
+      stale.set_request_id(kId);
+      stale.set_reason(proto::Finish::REASON_ERROR);
+      stale.set_status_code(static_cast<uint32_t>(StatusCode::kDeadlineExceeded));
+      stale.set_message("KV transfer to decode: made no progress");
+      stale.set_kv_transfer_id(first_transfer_id_);
+      ASSERT_NE(first_transfer_id_, again.kv_transfer_id());
+      ASSERT_TRUE(prefill_->Send(MessageType::kFinish, stale).ok());
+      Stream(*decode0, {102, 103, 104, 105, 106, 107});
+      Finish(*decode0);
+      ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+      EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength)
+          << events.Last().error.ToString();
+      EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+      EXPECT_EQ(backend_->requests_migrated(), 1u);
+    }
+    prefill_.reset();
+    backend_->Shutdown();
+  }
+}
+
+// The decode side's reports travel on its own connection and may overtake
+// the prefill side's PrefillDone (seen under a SIGSTOPped coordinator: both
+// wait in their sockets). They are held until it comes: the client gets the
+// first token first, and none is lost.
+TEST_F(ClusterMigrationTest, DecodeReportsThatOvertakeThePrefillDoneWaitForIt) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  // A frame after them on the same connection: once it is answered, the
+  // coordinator has read the tokens and the Finish.
+  proto::Heartbeat hb;
+  hb.set_worker_id("decode-0");
+  ASSERT_TRUE(decode0->Send(MessageType::kHeartbeat, hb).ok());
+  EXPECT_TRUE(WaitForMessages("received Heartbeat", 1));
+  EXPECT_FALSE(events.Finished());
+  EXPECT_EQ(events.Tokens(), std::vector<int32_t>{});
+  proto::PrefillDone done;
+  done.set_request_id(kId);
+  done.set_first_token(100);
+  done.set_prompt_tokens(5);
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
 }
 
 }  // namespace

@@ -43,11 +43,6 @@ class ClusterWaitTest : public testing::ClusterBackendTest {
     proto::ReserveBlocks reserve;
     EXPECT_TRUE(decode.Expect(MessageType::kReserveBlocks, &reserve).ok());
     EXPECT_EQ(reserve.request_id(), id);
-    proto::ReserveBlocksReply reply;
-    reply.set_request_id(id);
-    reply.set_ok(true);
-    reply.add_block_ids(7);
-    EXPECT_TRUE(decode.Send(MessageType::kReserveBlocksReply, reply).ok());
     proto::PrefillTask task;
     EXPECT_TRUE(prefill.Expect(MessageType::kPrefillTask, &task).ok());
     EXPECT_EQ(task.request_id(), id);
@@ -56,8 +51,6 @@ class ClusterWaitTest : public testing::ClusterBackendTest {
     done.set_first_token(100);
     done.set_prompt_tokens(static_cast<uint32_t>(task.prompt_token_ids_size()));
     EXPECT_TRUE(prefill.Send(MessageType::kPrefillDone, done).ok());
-    proto::StartDecode start;
-    EXPECT_TRUE(decode.Expect(MessageType::kStartDecode, &start).ok());
     proto::Finish fin;
     fin.set_request_id(id);
     fin.set_reason(proto::Finish::REASON_LENGTH);

@@ -59,7 +59,7 @@ StreamSpec Spec(uint64_t req) {
   StreamSpec s;
   s.request_id = req;
   s.layers = kLayers;
-  for (int i = 0; i < kBlocks; ++i) s.dst_blocks.push_back(10 + i);
+  for (int i = 0; i < kBlocks; ++i) s.blocks.push_back(10 + i);
   s.global_heads = {0, kHeads};
   s.block_tokens = kBlockTokens;
   s.head_dim = kHeadDim;

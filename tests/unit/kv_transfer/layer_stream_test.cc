@@ -41,7 +41,7 @@ StreamSpec Spec(uint64_t req, int nblocks, HeadRange global, uint32_t stream_id 
   s.request_id = req;
   s.stream_id = stream_id;
   s.layers = kLayers;
-  for (int i = 0; i < nblocks; ++i) s.dst_blocks.push_back(100 + i);
+  for (int i = 0; i < nblocks; ++i) s.blocks.push_back(100 + i);
   s.global_heads = global;
   s.block_tokens = kBlockTokens;
   s.head_dim = kHeadDim;
