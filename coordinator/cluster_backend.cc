@@ -609,22 +609,28 @@ std::vector<BackendCounter> ClusterBackend::Counters() {
       {"kvrelay_requests_migrated_total",
        "Requests started again on other workers (prompt + the tokens already streamed) "
        "after losing a worker mid-answer (--migration-limit).",
-       static_cast<double>(requests_migrated())},
+       static_cast<double>(requests_migrated()),
+       {}},
       {"kvrelay_control_auth_failures_total",
        "Control-plane connections that failed the cluster-key challenge-response.",
-       static_cast<double>(c.auth_failures)},
+       static_cast<double>(c.auth_failures),
+       {}},
       {"kvrelay_control_refused_connections_total",
        "Control-plane connections refused at accept (connection limits).",
-       static_cast<double>(c.refused_connections)},
+       static_cast<double>(c.refused_connections),
+       {}},
       {"kvrelay_control_oversized_frames_total",
        "Control-plane connections closed at a frame header over their size limit.",
-       static_cast<double>(c.oversized_frames)},
+       static_cast<double>(c.oversized_frames),
+       {}},
       {"kvrelay_control_foreign_frames_total",
        "Worker frames about a request the sender does not own, dropped.",
-       static_cast<double>(c.foreign_frames)},
+       static_cast<double>(c.foreign_frames),
+       {}},
       {"kvrelay_control_tls_handshake_failures_total",
        "Control-plane connections that failed the TLS handshake (TLS on).",
-       static_cast<double>(c.tls_handshake_failures)}};
+       static_cast<double>(c.tls_handshake_failures),
+       {}}};
   all.insert(all.end(), messages.begin(), messages.end());
   return all;
 }

@@ -174,6 +174,8 @@ std::string_view MessageTypeName(uint16_t type) {
       return "PeerLost";
     case MessageType::kWorkerLeaving:
       return "WorkerLeaving";
+    case MessageType::kHandOverDue:
+      return "HandOverDue";
     case MessageType::kKvData:
       return "KvData";
     case MessageType::kKvAbort:
