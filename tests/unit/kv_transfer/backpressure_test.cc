@@ -206,23 +206,32 @@ TEST(Backpressure, StreamsBeyondMaxInflightWaitForRoomAndAllArrive) {
 // it never blocks in Finish).
 TEST(Backpressure, PollPostsDeferredLayers) {
   TcpPair p = MakeTcpPair(4);
-  std::vector<uint8_t> src = RandomBytes(kBlockBytes * kBlocks, 3), dst(kBlockBytes * kBlocks, 0);
-  LayerStreamReceiver rx(p.b.get(), 0, Spec(60), Buffers(dst));
-  ASSERT_TRUE(rx.Start().ok());
-  LayerStreamSender tx(p.a.get(), 1, Spec(60), Buffers(src));
-  for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(tx.SendLayer(l).ok());
-  EXPECT_GT(tx.deferred(), 0);
-  EXPECT_GE(tx.unfinished(), tx.deferred());
-  const Deadline until = Deadline::AfterMs(30000);
-  Result<bool> done = false;
-  while (done.ok() && !*done && !until.Expired()) {
-    done = tx.Poll();
-    (void)rx.Progress();
+  // Whether the burst outruns the 4 slots depends on how fast the io
+  // thread drains them (a loaded host once drained every one in time), so
+  // the burst is repeated, on a new stream, until some layers were deferred;
+  // each stream must arrive whole either way.
+  bool deferred_seen = false;
+  for (uint64_t req = 60; req < 70 && !deferred_seen; ++req) {
+    std::vector<uint8_t> src = RandomBytes(kBlockBytes * kBlocks, static_cast<uint32_t>(req)),
+                         dst(kBlockBytes * kBlocks, 0);
+    LayerStreamReceiver rx(p.b.get(), 0, Spec(req), Buffers(dst));
+    ASSERT_TRUE(rx.Start().ok());
+    LayerStreamSender tx(p.a.get(), 1, Spec(req), Buffers(src));
+    for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(tx.SendLayer(l).ok());
+    deferred_seen = tx.deferred() > 0;
+    EXPECT_GE(tx.unfinished(), tx.deferred());
+    const Deadline until = Deadline::AfterMs(30000);
+    Result<bool> done = false;
+    while (done.ok() && !*done && !until.Expired()) {
+      done = tx.Poll();
+      (void)rx.Progress();
+    }
+    ASSERT_TRUE(done.ok()) << done.status().ToString();
+    ASSERT_TRUE(*done);
+    ASSERT_TRUE(rx.WaitAll(until).ok()) << rx.status().ToString();
+    EXPECT_TRUE(src == dst);
   }
-  ASSERT_TRUE(done.ok()) << done.status().ToString();
-  ASSERT_TRUE(*done);
-  ASSERT_TRUE(rx.WaitAll(until).ok()) << rx.status().ToString();
-  EXPECT_TRUE(src == dst);
+  EXPECT_TRUE(deferred_seen) << "no burst of 10 outran the 4 transfer slots";
 }
 
 // A layer the transport refuses for another reason than a full queue fails
