@@ -203,12 +203,17 @@ std::vector<engine::KvConnector::RemoteLoadDone> DecodeRole::PollRemoteLoads() {
     // Progress: a layer of ours verified, or a follower's heads all here.
     const int64_t progress = layers - in.follower_acks_pending;
     if (progress != in.progress) {
+      // kv_timeout counts from the last progress (or the reservation): a
+      // long prompt that keeps streaming while its prefill computes (chunk
+      // by chunk, on a loaded host) is not cut; a silent one still is.
+      if (in.progress >= 0) in.deadline = Deadline::After(ctx_.options->kv_timeout);
       in.progress = progress;
       in.progress_at = now;
     }
     if (s.ok() && !(all_here && in.first_token >= 0) && in.deadline.Expired()) {
       s = DeadlineExceeded("KV of request " + std::to_string(id) + " did not arrive within " +
-                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+                           std::to_string(ctx_.options->kv_timeout.count()) +
+                           " ms of its reservation or its last layer");
     }
     // After the hand-over frame every layer is in the prefill side's
     // transport (it posts the frame only then), and after a HandOverDue the

@@ -30,7 +30,10 @@ class Follower {
   // Heads of one request's KV arriving from a prefill worker.
   struct Incoming {
     std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;  // per segment
+    // kv_timeout from the last layer verified (or the expectation): a long
+    // prompt that keeps streaming while its prefill computes is not cut.
     Deadline deadline;
+    int layers = 0;
   };
   void ExpectKv(const proto::TpExpectKv& m);
   void Progress();
@@ -162,13 +165,19 @@ void Follower::Progress() {
     Incoming& in = it->second;
     Status s;
     bool complete = true;
+    int layers = 0;
     for (auto& receiver : in.receivers) {
       if (s.ok()) s = receiver->Progress();
       complete = complete && receiver->complete();
+      layers += receiver->layers_complete();
+    }
+    if (layers != in.layers) {
+      in.layers = layers;
+      in.deadline = Deadline::After(options_.kv_timeout);
     }
     if (s.ok() && !complete && in.deadline.Expired()) {
       s = DeadlineExceeded("KV heads did not arrive within " +
-                           std::to_string(options_.kv_timeout.count()) + " ms");
+                           std::to_string(options_.kv_timeout.count()) + " ms of the last layer");
     }
     if (s.ok() && !complete) {
       ++it;
