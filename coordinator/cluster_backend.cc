@@ -162,6 +162,12 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       auto it = requests.find(done.request_id());
       if (it == requests.end() || it->second.prefill_id != worker_id) break;
       RequestEntry& r = it->second;
+      // An attempt the request moved away from, on the same worker.
+      if (r.phase != Phase::kPrefilling ||
+          (done.kv_transfer_id() != 0 &&
+           done.kv_transfer_id() != KvTransferId(done.request_id(), r.attempts))) {
+        break;
+      }
       // A migrated request's re-prefill counts the tokens it carries as
       // prompt: the client's usage keeps its own prompt and first cache hit.
       if (r.migrations == 0) {
@@ -290,12 +296,13 @@ void ClusterBackend::State::OnFinish(const std::string& worker_id, const proto::
     if (other != worker_id) {
       SendCancel(other, fin.request_id(), "peer failed: " + e.error.ToString().substr(0, 200));
     }
-    // The hand-over failed (KV lost, cut or corrupt: DATA_LOSS) after the
-    // first token reached the client: the request moves on from prompt +
-    // tokens sent, as after a lost worker.
-    if (r.phase == Phase::kHandingOver) {
-      LOG_INFO << "request " << fin.request_id() << ": hand-over failed on " << worker_id << ": "
-               << e.error.ToString();
+    // A fault of the worker or of its KV path, not of the request: a
+    // hand-over that failed (KV lost, cut or corrupt), a TP group that lost
+    // a rank, a stalled peer. The request moves on from prompt + tokens
+    // sent, as after a lost worker; with nothing sent yet it is run again.
+    if (IsWorkerFault(e.error.code()) && r.phase != Phase::kWaiting) {
+      LOG_INFO << "request " << fin.request_id() << ": " << PhaseName(r.phase) << " failed on "
+               << worker_id << ": " << e.error.ToString();
       if (Migrate(fin.request_id(), r, worker_id, out)) return;
     }
   }

@@ -42,15 +42,18 @@
 // registers again under the same name replaces its old entry.
 //
 // Migration: a request that already streamed tokens and loses its decode
-// worker (or, re-prefilling, either worker) continues on other workers from
-// prompt + those tokens (ClusterBackendOptions::migration_limit): a new
-// prefill of them, then decode as usual, on the same sink. Greedy answers
+// worker (or, re-prefilling, either worker), or whose worker reports a fault
+// of its own or of its KV path (IsWorkerFault: a TP rank gone, a stalled or
+// corrupt KV stream), continues on other workers from prompt + those tokens
+// (ClusterBackendOptions::migration_limit): a new prefill of them, then
+// decode as usual, on the same sink. With no worker of a role it needs, it
+// waits as below. Greedy answers
 // are unchanged by it. A sampled one continues from the same tokens with a
 // seed derived from its own and the number of tokens carried (MigratedSeed):
 // repeatable, but not the draws an undisturbed run makes.
 //
 // Waiting for a worker: a request that finds no healthy worker of a role it
-// needs, on Submit or when re-run after a loss, waits up to
+// needs, on Submit or when re-run or migrated after a loss, waits up to
 // worker_wait_bound() for one to register and is started when one does; past
 // the bound it ends with the Unavailable error it would have got at once.
 // Cancel releases it meanwhile.
@@ -101,8 +104,8 @@ struct ClusterBackendOptions {
     return heartbeat_timeout.count() > 0 ? heartbeat_timeout
                                          : heartbeat_interval * missed_heartbeats;
   }
-  // A request that has not started and finds no healthy worker (a prefill or
-  // a decode one) waits this long for one to register (--worker-wait-ms)
+  // A request that finds no healthy worker (a prefill or a decode one), new
+  // or moving on after a loss, waits this long for one to register (--worker-wait-ms)
   // before it fails as it would have at once: workers that dropped their
   // link to a stalled coordinator are mid-reconnect when it resumes and
   // re-register within ms. Negative = one heartbeat interval: a request must
@@ -115,13 +118,12 @@ struct ClusterBackendOptions {
     return worker_wait.count() >= 0 ? worker_wait : heartbeat_interval;
   }
   // Request migration (--migration-limit): a request whose decode worker (or
-  // TP group) is lost mid-answer, or whose prefill worker is lost before the
-  // hand-over, is started again on other workers as a new prefill of its
-  // prompt plus the tokens already sent to the client, with max_tokens
-  // reduced by those; the client's stream continues where it stopped. It
-  // moves only to workers registered at that moment: with none of a role it
-  // needs it fails at once (worker_wait is for requests not yet started; a
-  // client mid-answer is not held for a restart). Each
+  // TP group) is lost or fails mid-answer, or whose prefill worker is lost or
+  // its KV stream fails before the hand-over, is started again on other
+  // workers as a new prefill of its prompt plus the tokens already sent to
+  // the client, with max_tokens reduced by those; the client's stream
+  // continues where it stopped. With no worker of a role it needs registered
+  // (its only decode group restarting) it waits worker_wait for one. Each
   // request moves at most this many times, then fails as with 0 (the error
   // "worker X was lost"). Not moved: requests under a JSON schema (the
   // grammar's state is not rebuilt from tokens) or with presence/frequency

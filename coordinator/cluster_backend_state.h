@@ -46,6 +46,15 @@ inline const char* PhaseName(Phase p) {
   return "?";
 }
 
+// A worker's error report that names a fault of the worker or of its KV path
+// rather than of the request (which would fail the same anywhere): a peer
+// or TP rank gone, a stalled path, corrupt or lost KV, memory abandoned to
+// a dead peer. Such a request moves on to other workers (Migrate).
+inline bool IsWorkerFault(StatusCode code) {
+  return code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded ||
+         code == StatusCode::kDataLoss || code == StatusCode::kAborted;
+}
+
 struct WorkerEntry {
   WorkerInfo info;
   std::shared_ptr<FramedConnection> conn;
@@ -75,6 +84,7 @@ struct RequestEntry {
   // kWaiting: when it gives up, and the error it then ends with.
   TimePoint wait_until{};
   Status wait_error;
+  bool migrating = false;  // waits to continue after a loss (counted when it starts)
   // Prompt tokens added to its prefill worker's queued_tokens when routed,
   // taken off again at PrefillDone (heartbeats refresh the figure meanwhile).
   int64_t queued_charge = 0;
@@ -366,9 +376,15 @@ struct ClusterBackend::State {
                << ")";
       return true;
     }
-    // No worker of a role it needs is registered now: it ends as before
-    // rather than wait for one (a client mid-answer is not held for a
-    // restart; a request that has not started does wait, see Wait).
+    // No worker of a role it needs is registered now (its only decode group
+    // is restarting): it waits for one like a request not yet started, the
+    // client's stream held open, and fails when none comes in time.
+    if (Wait(r, s)) {
+      r.migrating = true;
+      LOG_INFO << "request " << rid << " waits for a worker to continue after losing " << lost
+               << " (carrying " << carried << " tokens)";
+      return true;
+    }
     Fail(rid,
          Unavailable("worker " + lost +
                      " was lost and no other can take the request: " + s.message()),
@@ -420,6 +436,14 @@ struct ClusterBackend::State {
     for (uint64_t id : waiting) {
       RequestEntry& r = requests[id];
       Status s = Start(id, r);
+      if (s.ok() && r.migrating) {
+        r.migrating = false;
+        ++requests_migrated;
+        LOG_INFO << "request " << id << " continues on " << r.prefill_id
+                 << (r.decode_id == r.prefill_id ? "" : " / " + r.decode_id) << " carrying "
+                 << r.generated.size() << " tokens (move " << r.migrations << " of "
+                 << options.migration_limit << ")";
+      }
       // Start changes nothing when it refuses: one still without a worker
       // of a role it needs waits on.
       if (s.ok() || s.code() == StatusCode::kUnavailable) continue;

@@ -72,11 +72,12 @@ const FlagSpec kSpec = {
      {"heartbeat-timeout-ms", "0",
       "cluster mode: drop a worker silent this long (0 = 3 heartbeat intervals)"},
      {"worker-wait-ms", "1 heartbeat interval",
-      "cluster mode: a request that finds no healthy worker waits this long for one to "
-      "register before it fails (0 = fail at once)"},
+      "cluster mode: a request that finds no healthy worker (new, or moving after a loss) "
+      "waits this long for one to register before it fails (0 = fail at once)"},
      {"migration-limit", "3",
-      "cluster mode: a request whose worker is lost mid-answer continues on another worker "
-      "(prompt + tokens sent re-prefilled) at most this many times (0 = it fails)"},
+      "cluster mode: a request whose worker is lost or fails (a TP rank, its KV path) "
+      "continues on another worker (prompt + tokens sent re-prefilled) at most this many "
+      "times (0 = it fails)"},
      {"control-host", "127.0.0.1", "cluster mode: the control port's bind address"},
      {"cluster-key-file", "",
       "cluster mode: the cluster secret every worker must prove (required)"},

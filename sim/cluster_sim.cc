@@ -550,7 +550,9 @@ void Simulator::OnStart(uint32_t r) {
     }
     const size_t dw = by_id_.at(*d);
     st.t.decode_worker = static_cast<int32_t>(dw);
-    // The decode group reserves blocks for prompt + output before the prefill.
+    // One hop (issue #39): the decode reservation and the prefill task leave
+    // together, so the prefill starts now and the decode group's blocks for
+    // prompt + output are held from now; no reply is waited for.
     st.reserved_blocks = BlocksFor(q.prompt_tokens + q.output_tokens);
     workers_[dw].used_blocks += st.reserved_blocks;
     if (config_.heartbeat_s > 0) {
@@ -936,7 +938,9 @@ void Simulator::OnStepEnd(size_t wi, uint64_t version) {
             }
             ++transfers_;
             transfer_bytes_ += bytes;
-            // The decode group admits it after its own hand-off latency.
+            // The first token travels with the KV (the hand-over frame): the
+            // decode group admits it after its own calibrated hand-off
+            // latency, with no coordinator hop in between.
             done += workers_[static_cast<size_t>(st.t.decode_worker)].ttft_add_s;
             events_.Push(done, kKvReady, 0, s.req);
           } else {

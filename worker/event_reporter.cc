@@ -38,6 +38,7 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
   *queued_tokens_ = std::max<int64_t>(0, *queued_tokens_ - ev.prompt_tokens);
   proto::PrefillDone done;
   done.set_request_id(ev.id);
+  done.set_kv_transfer_id(ev.kv_transfer_id);
   done.set_first_token(ev.token);
   done.set_prompt_tokens(static_cast<uint32_t>(ev.prompt_tokens));
   done.set_cached_prompt_tokens(static_cast<uint32_t>(ev.cached_prompt_tokens));
@@ -46,7 +47,8 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
   if (ev.finish_reason == engine::FinishReason::kError ||
       ev.finish_reason == engine::FinishReason::kCancelled || ev.token < 0) {
     (void)hand_over_(ev.id, /*deliver=*/false, -1);  // drops a half-sent stream, if any
-    control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens);
+    control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens, 0,
+                         ev.kv_transfer_id);
     return;
   }
   // A prefill-only request that ended at its first token (end of generation,
@@ -111,7 +113,7 @@ void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {
     if (ev.finished) {
       flush();  // the tokens before the Finish
       control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens,
-                           gen->second);
+                           gen->second, ev.kv_transfer_id);
       generated_.erase(gen);
     }
   }

@@ -241,6 +241,15 @@ void Worker::DropRequests() {
   }
 }
 
+void Worker::LeaveOnce(const Status& why) {
+  // This worker cannot serve any more (its TP group broke): it says why
+  // before the link closes, so the coordinator stops routing here at once
+  // and ends or re-runs every request it had here.
+  if (left_) return;
+  left_ = true;
+  control_->Leave(options_.worker_id, why.ToString());
+}
+
 Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
   *link_lost = false;
   engine::Engine* engine = role_->engine();
@@ -272,12 +281,22 @@ Status Worker::Serve(const std::atomic<bool>& stop, bool* link_lost) {
         LOG_ERROR << "engine step failed: " << events.status().ToString();
         return events.status();
       }
+      // A TP group cannot go on without a rank. It leaves before it reports
+      // the step's failed requests, so the coordinator, which moves them on
+      // to other workers (--migration-limit), no longer counts this one.
+      if (Status health = role_->health(); !health.ok()) {
+        LeaveOnce(health);
+        events_->Report(*events);
+        return health;
+      }
       events_->Report(*events);
     }
     control_->FlushCacheEvents();
-    // A TP group cannot go on without a rank: leave so the coordinator stops
-    // routing here (the step's requests have already failed).
-    RETURN_IF_ERROR(role_->health());
+    // The same for a rank lost between steps.
+    if (Status health = role_->health(); !health.ok()) {
+      LeaveOnce(health);
+      return health;
+    }
     control_->PublishHeartbeat();
   }
   return Status::Ok();
@@ -292,13 +311,9 @@ Status Worker::Run(const std::atomic<bool>& stop) {
     LOG_INFO << "registered as " << options_.worker_id << " (" << RoleKindName(options_.role)
              << "), kv data " << base_.transport->name() << " " << base_.transport->conn_info();
     bool link_lost = false;
+    left_ = false;
     result = Serve(stop, &link_lost);
-    if (!link_lost && !stop.load() && !result.ok()) {
-      // This worker cannot serve any more (its TP group broke): say why
-      // before the link closes, so the coordinator stops routing here at once
-      // and ends or re-runs every request it had here.
-      control_->Leave(options_.worker_id, result.ToString());
-    }
+    if (!link_lost && !stop.load() && !result.ok()) LeaveOnce(result);
     DropRequests();
     if (!link_lost || stop.load()) break;
     LOG_WARNING << result.ToString() << "; reconnecting";

@@ -56,6 +56,8 @@ class Worker {
   Status Register(const std::atomic<bool>& stop, bool first);
   // The inner loop: until `stop` (OK), a lost link (*link_lost) or a fatal error.
   Status Serve(const std::atomic<bool>& stop, bool* link_lost);
+  // Sends WorkerLeaving with `why`, once per registration.
+  void LeaveOnce(const Status& why);
   void DropRequests();
   // kPeerLost: abandons the dead peers on the transport, then tells the role.
   Status OnPeerLost(const protocols::Frame& frame);
@@ -68,6 +70,7 @@ class Worker {
   ProcessBase base_;
   WorkerCounters counters_;
   std::unique_ptr<ControlLink> control_;
+  bool left_ = false;  // WorkerLeaving sent on this registration
   std::unique_ptr<EventReporter> events_;
   WorkerContext ctx_;
   std::unique_ptr<Role> role_;  // destroyed first: it holds the engine and uses the rest

@@ -390,6 +390,7 @@ class Engine::Impl {
   TokenEvent FinishEvent(const Sequence& s, FinishReason reason, Status error) {
     TokenEvent ev;
     ev.id = s.spec.id;
+    ev.kv_transfer_id = s.spec.kv_transfer_id;
     ev.finished = true;
     ev.finish_reason = reason;
     ev.error = std::move(error);
@@ -401,6 +402,7 @@ class Engine::Impl {
   // Fills `ev` for a newly generated token; true when the request is done.
   bool CheckFinished(Sequence& s, int32_t token, TokenEvent* ev, bool emit_text) {
     ev->id = s.spec.id;
+    ev->kv_transfer_id = s.spec.kv_transfer_id;
     ev->token = token;
     ev->prompt_tokens = s.n_prompt;
     ev->cached_prompt_tokens = s.cached_prompt_tokens;

@@ -126,6 +126,10 @@ struct TokenEvent {
   // With a sampled `token` when sampling.logprobs >= 0.
   bool has_logprobs = false;
   TokenLogprobs logprobs;
+  // The request's RequestSpec::kv_transfer_id (0 when it has none): workers
+  // tag their reports with it, so a report of an earlier attempt of a re-run
+  // request (same id) is told apart from the current one's.
+  uint64_t kv_transfer_id = 0;
 };
 
 class Engine {

@@ -216,11 +216,152 @@ TEST_F(ClusterMigrationTest, ASecondLossPastTheLimitFails) {
 // With no other decode worker registered the request fails at once, as
 // before: a client mid-answer is not held for a worker to (re)register, even
 // with a long --worker-wait-ms (that wait is for requests not yet started).
-TEST_F(ClusterMigrationTest, WithNoOtherWorkerItFailsAtOnce) {
-  StartBackend(/*migration_limit=*/3, /*worker_wait=*/std::chrono::milliseconds(60000));
+TEST_F(ClusterMigrationTest, WithNoWorkerWaitAndNoOtherWorkerItFailsAtOnce) {
+  StartBackend(/*migration_limit=*/3, /*worker_wait=*/std::chrono::milliseconds(0));
   CollectedEvents& events = NewEvents();
   StreamThreeThenLoseDecode0(events, /*other=*/false);
   ExpectFailedAsBefore(events);
+}
+
+// With no other decode worker registered (the only one was dropped while
+// stalled, or its TP group restarts), the request waits --worker-wait-ms for
+// one, its client's stream held open, and continues on the worker that
+// registers: here decode-0 itself, back under the same name.
+TEST_F(ClusterMigrationTest, WithNoOtherWorkerItWaitsForOneToRegister) {
+  StartBackend(/*migration_limit=*/3, /*worker_wait=*/std::chrono::milliseconds(60000));
+  CollectedEvents& events = NewEvents();
+  StreamThreeThenLoseDecode0(events, /*other=*/false);
+  // The loss is handled (a frame after it on another connection is
+  // answered) and the request neither failed nor moved.
+  auto probe = Join("prefill-1", proto::WORKER_ROLE_PREFILL, 11);
+  EXPECT_FALSE(events.Finished()) << "it failed at once, as before waiting";
+  EXPECT_EQ(backend_->requests_migrated(), 0u);
+  probe.reset();
+  auto back = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  const proto::PrefillTask again = Prefill(*back, *prefill_, 103);
+  EXPECT_EQ(std::vector<int32_t>(again.prompt_token_ids().begin(), again.prompt_token_ids().end()),
+            (std::vector<int32_t>{11, 12, 13, 14, 15, 100, 101, 102}));
+  EXPECT_EQ(again.sampling().max_tokens(), 5u);
+  Stream(*back, {104, 105, 106, 107});
+  Finish(*back);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+}
+
+// A TP group that loses a rank mid-step leaves (WorkerLeaving) and then
+// fails the step's requests with the fault (DEADLINE_EXCEEDED from its TP
+// link): they move on to another decode worker, not back to the leaving
+// group. An error that is the request's own (INVALID_ARGUMENT) is not moved.
+TEST_F(ClusterMigrationTest, AFailedTpGroupsRequestMovesOn) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
+  ControlPeer* group = decode0.get();
+  ControlPeer* other = decode1_.get();
+  const std::string group_id = "decode-0";
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  proto::PrefillDone done;
+  done.set_request_id(kId);
+  done.set_first_token(100);
+  done.set_prompt_tokens(5);
+  done.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
+  Stream(*group, {101, 102});
+  ASSERT_TRUE(events.WaitTokens(3, Deadline::AfterMs(5000)));
+  proto::WorkerLeaving leaving;
+  leaving.set_worker_id(group_id);
+  leaving.set_reason("DEADLINE_EXCEEDED: TP link: peer did not answer in time");
+  ASSERT_TRUE(group->Send(MessageType::kWorkerLeaving, leaving).ok());
+  proto::Finish fin;
+  fin.set_request_id(kId);
+  fin.set_reason(proto::Finish::REASON_ERROR);
+  fin.set_status_code(static_cast<uint32_t>(StatusCode::kDeadlineExceeded));
+  fin.set_message("attention: collective with TP rank 1: TP link: peer did not answer in time");
+  fin.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(group->Send(MessageType::kFinish, fin).ok());
+  const proto::PrefillTask again = Prefill(*other, *prefill_, 103);
+  EXPECT_EQ(again.prompt_token_ids_size(), 8);
+  EXPECT_EQ(again.decode().worker_id(), "decode-1");
+  Stream(*other, {104, 105, 106, 107});
+  Finish(*other);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+
+  // A second request fails on the other worker with an error of its own.
+  CollectedEvents& second = NewEvents();
+  GenerationRequest req = Request();
+  req.id = kId + 1;
+  ASSERT_TRUE(backend_->Submit(req, second.Sink()).ok());
+  ASSERT_TRUE(other->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  done.set_request_id(kId + 1);
+  done.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
+  fin.set_request_id(kId + 1);
+  fin.set_status_code(static_cast<uint32_t>(StatusCode::kInvalidArgument));
+  fin.set_message("logit_bias names token 99999, out of the vocabulary");
+  fin.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(other->Send(MessageType::kFinish, fin).ok());
+  ASSERT_TRUE(second.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(second.Last().error.code(), StatusCode::kInvalidArgument)
+      << second.Last().error.ToString();
+  EXPECT_EQ(backend_->requests_migrated(), 1u);
+}
+
+// A corrupt KV chunk found before the PrefillDone reached the coordinator
+// (the decode side's DATA_LOSS overtook it): nothing reached the client, so
+// the request runs again from its prompt; the first attempt's PrefillDone,
+// arriving late on the same prefill worker, is not taken for the second's.
+TEST_F(ClusterMigrationTest, ACorruptChunkBeforeThePrefillDoneIsRunAgain) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  proto::Finish fin;
+  fin.set_request_id(kId);
+  fin.set_reason(proto::Finish::REASON_ERROR);
+  fin.set_status_code(static_cast<uint32_t>(StatusCode::kDataLoss));
+  fin.set_message("receiving KV: request 1 layer 2: checksum mismatch in block 0");
+  fin.set_kv_transfer_id(reserve.kv_transfer_id());
+  ASSERT_TRUE(decode0->Send(MessageType::kFinish, fin).ok());
+  proto::Cancel cancel;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kCancel, &cancel).ok());
+  proto::ReserveBlocks reserve2;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve2).ok());
+  proto::PrefillTask task2;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task2).ok());
+  EXPECT_EQ(task2.prompt_token_ids_size(), 5);  // nothing carried
+  EXPECT_NE(task2.kv_transfer_id(), task.kv_transfer_id());
+  proto::PrefillDone stale;  // (its token differs only to tell them apart)
+  stale.set_request_id(kId);
+  stale.set_first_token(99);
+  stale.set_prompt_tokens(5);
+  stale.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, stale).ok());
+  proto::PrefillDone done = stale;
+  done.set_first_token(100);
+  done.set_kv_transfer_id(task2.kv_transfer_id());
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
+  Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
 }
 
 // A request under a JSON schema is not moved: the grammar's state on a new
