@@ -14,12 +14,17 @@ Result<StepShape> CheckStep(std::span<const SeqStep> seqs, int block_tokens, int
     if (q.tokens.empty())
       return InvalidArgument("sequence " + std::to_string(s) + " has no tokens");
     if (q.cache_len < 0) return InvalidArgument("negative cache length");
-    const int64_t len = q.end();
-    if (static_cast<int64_t>(q.blocks.size()) * B < len) {
+    // Compared without forming cache_len + tokens first: a cache length near
+    // the int64 limit (a TP plan off the wire) must not wrap to a small end.
+    const int64_t room = static_cast<int64_t>(q.blocks.size()) * B;
+    const auto n_new = static_cast<int64_t>(q.tokens.size());
+    if (q.cache_len > room || n_new > room - q.cache_len) {
       return InvalidArgument("sequence " + std::to_string(s) + ": block table of " +
                              std::to_string(q.blocks.size()) + " blocks cannot hold " +
-                             std::to_string(len) + " positions");
+                             std::to_string(q.cache_len) + " cached + " + std::to_string(n_new) +
+                             " new positions");
     }
+    const int64_t len = q.end();
     for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
       if (q.blocks[b] < 0 || q.blocks[b] >= total_blocks) {
         return InvalidArgument("sequence " + std::to_string(s) + ": bad block id " +

@@ -43,4 +43,13 @@ std::vector<std::string> LayerManifestSeeds();
 int FuzzHttpRequest(const uint8_t* data, size_t size);
 std::vector<std::string> HttpRequestSeeds();
 
+// A TP follower's step plan (after the TP link authenticated its leader): a
+// proto::TpStepPlan through decode_worker::FromProto into
+// engine::TpFollower::Execute on a tiny synthetic model and an 8-block pool.
+// Invariant: a plan naming a block outside the pool, a position outside its
+// block table or a token outside the vocabulary is refused with a status;
+// never a crash or a write outside the pool.
+int FuzzTpPlan(const uint8_t* data, size_t size);
+std::vector<std::string> TpPlanSeeds();
+
 }  // namespace kvrelay::fuzz

@@ -107,6 +107,7 @@ int main(int argc, char** argv) {
       // A JSON parse and a schema compile per input; the flips reach the
       // request line and the first headers, where the framing is.
       {"http_request", kvrelay::fuzz::FuzzHttpRequest, kvrelay::fuzz::HttpRequestSeeds, 96},
+      {"tp_plan", kvrelay::fuzz::FuzzTpPlan, kvrelay::fuzz::TpPlanSeeds},
   };
   std::mt19937 rng(14);
   for (const Target& t : targets) {

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -307,6 +308,11 @@ TEST(TensorParallel, RefusesWhatItCannotMirror) {
   StepPlan bad_seq;
   bad_seq.seqs.push_back({0, {7, 1000}, 16, {1, 2}});
   EXPECT_EQ((*follower)->Execute(bad_seq).code(), StatusCode::kInvalidArgument);
+  // A cache length whose end wraps past the int64 limit (found by the
+  // tp_plan fuzz target: it crashed the follower) is refused too.
+  StepPlan wrap;
+  wrap.seqs.push_back({0, {7}, std::numeric_limits<int64_t>::max() - 1, {1, 2}});
+  EXPECT_EQ((*follower)->Execute(wrap).code(), StatusCode::kInvalidArgument);
 }
 
 // Gemma 3 270M (scripts/fetch-model.sh gemma3-270m; skipped without it) has
