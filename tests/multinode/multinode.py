@@ -16,6 +16,7 @@ Exit 0 = passed, 1 = failed, 77 = skipped (not root, no namespaces, no binaries)
 """
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -160,6 +161,13 @@ def scaling(a, env):
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "rows": rows, "efficiency": eff}, f, indent=2)
     print("scaling efficiency at 4+4: %.2f" % eff.get(4, 0.0), flush=True)
+    # 4P+4D against 4x 1P+1D. A floor this 2-core machine meets with margin
+    # (quick form: 0.79 measured shared, 2026-12-01; full form 0.57 with its
+    # 2P+2D row in between), asserted; the goal stays 0.8.
+    floor = 0.6 if a.quick else 0.5
+    check.expect(eff.get(4, 0.0) >= floor, "scaling efficiency at 4+4 %.2f >= %.2f"
+                 % (eff.get(4, 0.0), floor))
+    check.goal(eff.get(4, 0.0) >= 0.8, "scaling efficiency at 4+4 %.2f >= 0.8" % eff.get(4, 0.0))
     return check
 
 
@@ -255,14 +263,22 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
             out["completed"] = len(fine)
             out["final_status_s"] = [round(x, 3) for x in lat]
             out["errors"] = sorted(set((r["error"] or "")[:120] for r in affected))
-            # Whether the fault hit a request in flight depends on timing (a cut
-            # after the KV was delivered affects nothing, rightly): a goal, so
-            # the hard checks below (no hang, right tokens, serving, blocks
-            # back) decide the test.
-            check.goal(len(affected) + len(reruns) >= 1,
+            # Each fault is injected while a request is on its victim (a
+            # decode group running one, KV queued on the cut path): it must
+            # have failed a request or moved one (re-run, migrated).
+            check.expect(len(affected) + len(reruns) >= 1,
                        "%s: %d of %d requests failed, %d re-run elsewhere (%s; workers lost: %s)"
                        % (name, len(affected), n_req, len(reruns), "; ".join(out["errors"]),
                           "; ".join(out["lost"]) or "none"))
+            # Bounded by the KV deadline the workers document
+            # (--kv-timeout-ms, 30 s by default): a stream that stalls inside
+            # the kernel's socket buffers shows no unfinished send on the
+            # prefill side, and only that deadline ends it.
+            kv_deadline = (c.kv_timeout_ms or 30000) / 1000.0 + 5.0
+            check.expect(bool(lat) and max(lat) <= kv_deadline,
+                         "%s: every affected request had a final status (or moved) within the "
+                         "KV deadline + 5 s (%.0f s): measured %s s after the fault"
+                         % (name, kv_deadline, out["final_status_s"]))
             limit = 2 * hb_ms / 1000.0
             check.goal(bool(lat) and max(lat) <= limit,
                        "%s: every affected request had a final status (or was re-run) within 2 "
@@ -339,19 +355,29 @@ def fault_case(a, env, check, name, tp, link, fault, prompt_len, max_tokens, ref
 
 def coordinator_events(c, since):
     """([(s after `since`, worker, reason)], [(s after `since`, request)]) from the
-    coordinator's log: workers it dropped and requests it re-ran elsewhere."""
+    coordinator's log: workers it dropped and requests it re-ran or moved elsewhere."""
     lost, reruns = [], []
     for path in c.logs:
         with open(path, errors="replace") as f:
             for line in f:
-                m = re.match(r"[IWE] (\d+\.\d+) coordinator \S+\] (.*)", line)
-                if not m or float(m.group(1)) < since:
+                # common/logging.cc: "2026-12-04T20:02:13.441Z I 7791 coordinator
+                # file.cc:148] message" (mpirun may prefix its own tag).
+                m = re.search(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+)Z [DIWE] \d+ "
+                              r"coordinator \S+\] (.*)", line)
+                if not m:
                     continue
-                t, msg = float(m.group(1)) - since, m.group(2)
+                stamp = datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%f").replace(
+                    tzinfo=datetime.timezone.utc).timestamp()
+                if stamp < since:
+                    continue
+                t, msg = stamp - since, m.group(2)
                 w = re.match(r"worker (\S+) lost: (.*)", msg)
                 if w:
                     lost.append((t, w.group(1), w.group(2)[:80]))
-                r = re.match(r"request (\S+) re-run on", msg)
+                # Re-run before its first token, or moved on after it
+                # (--migration-limit): either way it did not fail.
+                r = re.match(r"request (\S+) (re-run on|migrated from|waits for a worker to "
+                             r"continue)", msg)
                 if r:
                     reruns.append((t, r.group(1)))
     return lost, reruns
