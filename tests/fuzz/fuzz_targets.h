@@ -52,4 +52,11 @@ std::vector<std::string> HttpRequestSeeds();
 int FuzzTpPlan(const uint8_t* data, size_t size);
 std::vector<std::string> TpPlanSeeds();
 
+// Control frames from authenticated, registered workers (a prefill and a
+// decode peer) about a live request, into a real ClusterBackend over
+// 127.0.0.1. Invariant: the coordinator survives, the request's stream is
+// well formed and ends within a deadline of its Cancel; never a crash.
+int FuzzControlFrames(const uint8_t* data, size_t size);
+std::vector<std::string> ControlFrameSeeds();
+
 }  // namespace kvrelay::fuzz
