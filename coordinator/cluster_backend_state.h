@@ -85,6 +85,9 @@ struct RequestEntry {
   TimePoint wait_until{};
   Status wait_error;
   bool migrating = false;  // waits to continue after a loss (counted when it starts)
+  // The workers of the attempt that failed, which its next Start prefers
+  // not to use again (empty: none to avoid).
+  std::string avoid_prefill, avoid_decode;
   // Prompt tokens added to its prefill worker's queued_tokens when routed,
   // taken off again at PrefillDone (heartbeats refresh the figure meanwhile).
   int64_t queued_charge = 0;
@@ -367,6 +370,8 @@ struct ClusterBackend::State {
     }
     ++r.migrations;  // before Start: its sampling depends on it (RunSampling)
     const size_t carried = r.generated.size();
+    r.avoid_prefill = r.prefill_id;
+    r.avoid_decode = r.decode_id;
     Status s = Start(rid, r);
     if (s.ok()) {
       ++requests_migrated;
@@ -484,12 +489,33 @@ struct ClusterBackend::State {
         r.request.sampling.max_tokens - static_cast<int64_t>(r.generated.size());
     route.prompt_tokens = prefill_tokens;
     route.max_new_tokens = new_tokens;
-    ASSIGN_OR_RETURN(std::string prefill_id, router.PickPrefill(route, infos));
+    // A request moving on after a fault prefers other workers than the
+    // attempt that failed (a path stuck between those two, a worker gone
+    // bad), and takes the same ones when no other can serve it.
+    auto pick = [&](const std::string& avoid, auto&& choose) -> Result<std::string> {
+      if (!avoid.empty()) {
+        std::vector<WorkerInfo> others;
+        for (const WorkerInfo& w : infos) {
+          if (w.id != avoid) others.push_back(w);
+        }
+        auto other = choose(others);
+        if (other.ok()) return other;
+      }
+      return choose(infos);
+    };
+    ASSIGN_OR_RETURN(std::string prefill_id,
+                     pick(r.avoid_prefill, [&](const std::vector<WorkerInfo>& from) {
+                       return router.PickPrefill(route, from);
+                     }));
     WorkerEntry* p = FindWorker(prefill_id);
     std::string decode_id = prefill_id;
     if (p->info.role != WorkerRole::kColocated) {
-      ASSIGN_OR_RETURN(decode_id, router.PickDecode(route, infos));
+      ASSIGN_OR_RETURN(decode_id, pick(r.avoid_decode, [&](const std::vector<WorkerInfo>& from) {
+                         return router.PickDecode(route, from);
+                       }));
     }
+    r.avoid_prefill.clear();
+    r.avoid_decode.clear();
     r.prefill_id = prefill_id;
     r.decode_id = decode_id;
     r.early_tokens.clear();

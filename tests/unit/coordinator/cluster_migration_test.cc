@@ -318,6 +318,52 @@ TEST_F(ClusterMigrationTest, AFailedTpGroupsRequestMovesOn) {
   EXPECT_EQ(backend_->requests_migrated(), 1u);
 }
 
+// A request moving on after a fault prefers workers other than the pair of
+// the attempt that failed (a path stuck between those two): here the
+// prefill side's "no progress to the decode rank" moves it from
+// prefill-0 / decode-0 to prefill-1 / decode-1.
+TEST_F(ClusterMigrationTest, AMovedRequestAvoidsThePairThatFailed) {
+  StartBackend(/*migration_limit=*/3);
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  auto prefill1 = Join("prefill-1", proto::WORKER_ROLE_PREFILL, 11);
+  decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
+  // The newcomers look busier than the failed pair, so only the avoidance
+  // (not the load) sends the request to them.
+  proto::Heartbeat busy;
+  busy.set_worker_id("prefill-1");
+  busy.set_queued_tokens(100000);
+  busy.set_capacity_blocks(1000);
+  busy.set_free_blocks(1000);
+  ASSERT_TRUE(prefill1->Send(MessageType::kHeartbeat, busy).ok());
+  busy.set_worker_id("decode-1");
+  busy.set_queued_tokens(0);
+  busy.set_free_blocks(2);
+  busy.set_running_requests(50);
+  ASSERT_TRUE(decode1_->Send(MessageType::kHeartbeat, busy).ok());
+  ASSERT_TRUE(WaitForMessages("received Heartbeat", 2));
+  proto::Finish fin;
+  fin.set_request_id(kId);
+  fin.set_reason(proto::Finish::REASON_ERROR);
+  fin.set_status_code(static_cast<uint32_t>(StatusCode::kDeadlineExceeded));
+  fin.set_message("KV transfer to decode: KV of request 1 made no progress to decode rank 20");
+  fin.set_kv_transfer_id(task.kv_transfer_id());
+  ASSERT_TRUE(prefill_->Send(MessageType::kFinish, fin).ok());
+  const proto::PrefillTask again = Prefill(*decode1_, *prefill1, 100);
+  EXPECT_EQ(again.decode().worker_id(), "decode-1");
+  Stream(*decode1_, {101, 102, 103, 104, 105, 106, 107});
+  Finish(*decode1_);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+}
+
 // A corrupt KV chunk found before the PrefillDone reached the coordinator
 // (the decode side's DATA_LOSS overtook it): nothing reached the client, so
 // the request runs again from its prompt; the first attempt's PrefillDone,
