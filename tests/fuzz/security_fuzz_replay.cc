@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
       {"http_request", kvrelay::fuzz::FuzzHttpRequest, kvrelay::fuzz::HttpRequestSeeds, 96},
       // Each input is a few TCP round trips to a live coordinator (~ms):
       // the flips reach the first records' headers and payload starts.
-      {"control_frame", kvrelay::fuzz::FuzzControlFrames, kvrelay::fuzz::ControlFrameSeeds, 24, 40},
+      {"control_frame", kvrelay::fuzz::FuzzControlFrames, kvrelay::fuzz::ControlFrameSeeds, 16, 20},
   };
   return kvrelay::fuzz::RunReplay(argc, argv, targets);
 }
