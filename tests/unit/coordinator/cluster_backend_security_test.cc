@@ -32,16 +32,7 @@ using protocols::ClusterKey;
 using protocols::FramedConnection;
 using protocols::MessageType;
 
-protocols::PeerConfig TestConfig() {
-  protocols::PeerConfig c;
-  c.model_fingerprint.fill(3);
-  c.kv_dtype = engine::KvDtype::kF32;
-  c.block_tokens = 16;
-  c.layers = 2;
-  c.kv_heads = 2;
-  c.head_dim = 8;
-  return c;
-}
+protocols::PeerConfig TestConfig() { return testing::ControlTestConfig(); }
 
 // ASan keeps freed memory in its quarantine (256 MiB by default) and TSan's
 // allocator and shadow grow on their own, so RSS says nothing about what the

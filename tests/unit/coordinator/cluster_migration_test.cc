@@ -108,6 +108,13 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
     decode0.reset();  // its connection closes: the coordinator drops it
   }
 
+  // The request ended by its length with all 8 tokens, 100..107, in order.
+  static void ExpectWholeAnswer(CollectedEvents& events) {
+    ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+    EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
+    EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  }
+
   CollectedEvents& NewEvents() { return events_.emplace_back(); }
 
   // Waits until the backend counted `n` control messages "direction type".
@@ -244,9 +251,7 @@ TEST_F(ClusterMigrationTest, WithNoOtherWorkerItWaitsForOneToRegister) {
   EXPECT_EQ(again.sampling().max_tokens(), 5u);
   Stream(*back, {104, 105, 106, 107});
   Finish(*back);
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
   EXPECT_EQ(backend_->requests_migrated(), 1u);
 }
 
@@ -292,9 +297,7 @@ TEST_F(ClusterMigrationTest, AFailedTpGroupsRequestMovesOn) {
   EXPECT_EQ(again.decode().worker_id(), "decode-1");
   Stream(*other, {104, 105, 106, 107});
   Finish(*other);
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
   EXPECT_EQ(backend_->requests_migrated(), 1u);
 
   // A second request fails on the other worker with an error of its own.
@@ -359,9 +362,7 @@ TEST_F(ClusterMigrationTest, AMovedRequestAvoidsThePairThatFailed) {
   EXPECT_EQ(again.decode().worker_id(), "decode-1");
   Stream(*decode1_, {101, 102, 103, 104, 105, 106, 107});
   Finish(*decode1_);
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
 }
 
 // A corrupt KV chunk found before the PrefillDone reached the coordinator
@@ -405,9 +406,7 @@ TEST_F(ClusterMigrationTest, ACorruptChunkBeforeThePrefillDoneIsRunAgain) {
   ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
   Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
   Finish(*decode0);
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
 }
 
 // A request under a JSON schema is not moved: the grammar's state on a new
@@ -525,9 +524,7 @@ TEST_F(ClusterMigrationTest, APrefillLostDuringTheHandOverMovesTheRequest) {
             (std::vector<int32_t>{11, 12, 13, 14, 15, 100}));
   Stream(*decode0, {102, 103, 104, 105, 106, 107});
   Finish(*decode0);
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
   EXPECT_EQ(backend_->requests_migrated(), 1u);
 }
 
@@ -633,9 +630,7 @@ TEST_F(ClusterMigrationTest, DecodeReportsThatOvertakeThePrefillDoneWaitForIt) {
   done.set_first_token(100);
   done.set_prompt_tokens(5);
   ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
-  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
-  EXPECT_EQ(events.Last().finish_reason, FinishReason::kLength) << events.Last().error.ToString();
-  EXPECT_EQ(events.Tokens(), (std::vector<int32_t>{100, 101, 102, 103, 104, 105, 106, 107}));
+  ExpectWholeAnswer(events);
 }
 
 }  // namespace
