@@ -147,11 +147,18 @@ int Run(const std::vector<std::string>& args) {
   eo.threads = static_cast<int>(*threads);
   eo.max_step_tokens = 512;
   eo.max_running = 4;
-  // One group: this tool persists and restores whole prompts through
-  // PersistPrefix / RestorePrefix into one table of every layer (a grouped
-  // cache loads through TieredCache::LoadMissingGroups, the worker's path).
-  eo.kv_groups = engine::KvGroupsMode::kOne;
-  auto new_engine = [&]() { return engine::Engine::Create(eo, model); };
+  // This tool persists and restores whole prompts through PersistPrefix /
+  // RestorePrefix into one table of every layer; a model whose KV cache
+  // splits into groups loads through TieredCache::LoadMissing, the worker's
+  // path, and is refused here.
+  auto new_engine = [&]() -> Result<std::unique_ptr<engine::Engine>> {
+    ASSIGN_OR_RETURN(std::unique_ptr<engine::Engine> e, engine::Engine::Create(eo, model));
+    if (e->kv_groups().size() > 1) {
+      return Unimplemented("bench prefix restores one KV cache group; this model has " +
+                           e->kv_groups().DebugString());
+    }
+    return e;
+  };
 
   fs::remove_all(dir);
   kv_store::RocksDbTier::Options disk_opts;

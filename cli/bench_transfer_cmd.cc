@@ -463,13 +463,18 @@ EngineOverlap MeasureEngineOverlap(Transport* t, Signal* sig, const Config& cfg)
   eo.max_running = 1;
   eo.max_context = 2 * kTokens;
   eo.threads = cfg.threads;
-  eo.kv_groups = engine::KvGroupsMode::kOne;  // the connector streams every layer
   auto created = engine::Engine::Create(eo);
   if (!created.ok()) {
     LOG_ERROR << "bench transfer: engine: " << created.status().ToString();
     std::exit(2);
   }
   std::unique_ptr<engine::Engine> eng = std::move(created).value();
+  // The connector below streams one table of every layer.
+  if (eng->kv_groups().size() > 1) {
+    LOG_ERROR << "bench transfer: the model's KV cache has " << eng->kv_groups().DebugString()
+              << "; this bench streams one KV cache group";
+    std::exit(2);
+  }
   BenchConnector connector;
   eng->SetKvConnector(&connector);
   const engine::KvLayout layout = eng->pool()->layout();

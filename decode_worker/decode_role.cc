@@ -22,7 +22,7 @@ DecodeRole::~DecodeRole() {
 Status DecodeRole::Init(worker::WorkerContext& ctx) {
   ctx_ = ctx;
   const worker::WorkerOptions& o = *ctx_.options;
-  // The KV streams land in every group's blocks (StartRemoteLoadGroups); TP
+  // The KV streams land in every group's blocks (StartRemoteLoad); TP
   // followers mirror the groups (TpSetup) and get every group's table.
   ASSIGN_OR_RETURN(engine_, engine::Engine::Create(o.engine, ctx_.model));
   engine_->SetKvConnector(this);
@@ -106,7 +106,8 @@ uint64_t TransferId(const engine::RequestSpec& r) {
 }  // namespace
 
 Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
-                                   std::span<const BlockId> blocks) {
+                                   const engine::KvCacheGroups& groups,
+                                   std::span<const std::vector<BlockId>> tables) {
   if (request.kv_peer < 0) {
     return InvalidArgument("request " + std::to_string(request.id) + " names no KV peer");
   }
@@ -114,23 +115,6 @@ Status DecodeRole::StartRemoteLoad(const engine::RequestSpec& request,
                                    ctx_.model->kv_head_range().end};
   Incoming in;
   ASSIGN_OR_RETURN(in.receivers, worker::StartSegmentReceivers(
-                                     ctx_.transport, request.kv_peer, engine_->pool(),
-                                     ctx_.model->fingerprint(), TransferId(request), blocks, own));
-  const std::vector<std::vector<BlockId>> tables{{blocks.begin(), blocks.end()}};
-  return AddIncoming(request, std::move(in), tables);
-}
-
-Status DecodeRole::StartRemoteLoadGroups(const engine::RequestSpec& request,
-                                         const engine::KvCacheGroups& groups,
-                                         std::span<const std::vector<BlockId>> tables) {
-  if (groups.size() == 1) return StartRemoteLoad(request, tables[0]);
-  if (request.kv_peer < 0) {
-    return InvalidArgument("request " + std::to_string(request.id) + " names no KV peer");
-  }
-  const kv_transfer::HeadRange own{ctx_.model->kv_head_range().begin,
-                                   ctx_.model->kv_head_range().end};
-  Incoming in;
-  ASSIGN_OR_RETURN(in.receivers, worker::StartGroupedSegmentReceivers(
                                      ctx_.transport, request.kv_peer, engine_->pool(), groups,
                                      ctx_.model->fingerprint(), TransferId(request), tables, own));
   return AddIncoming(request, std::move(in), tables);

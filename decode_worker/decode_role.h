@@ -54,15 +54,11 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   void Shutdown() override;
 
   // --- engine::KvConnector (load side) ---
-  Status StartRemoteLoad(const engine::RequestSpec& request,
-                         std::span<const engine::BlockId> blocks) override;
-  // KV cache groups (a gemma3 model, TP = 1): the sliding-window layers hold
-  // only their window once the request decodes.
-  // TP followers mirror the groups (TpSetup) and get every table.
-  bool SupportsKvGroups() const override { return true; }
-  Status StartRemoteLoadGroups(const engine::RequestSpec& request,
-                               const engine::KvCacheGroups& groups,
-                               std::span<const std::vector<engine::BlockId>> tables) override;
+  // Every KV cache group's table (a gemma3 model's sliding-window layers
+  // hold only their window once the request decodes); TP followers mirror
+  // the groups (TpSetup) and get every table.
+  Status StartRemoteLoad(const engine::RequestSpec& request, const engine::KvCacheGroups& groups,
+                         std::span<const std::vector<engine::BlockId>> tables) override;
   std::vector<RemoteLoadDone> PollRemoteLoads() override;
   void CancelRemoteLoad(engine::RequestId id) override;
 

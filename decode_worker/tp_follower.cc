@@ -144,14 +144,9 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   // As DecodeRole::OnReserveBlocks: the coordinator routed this to a
   // registered (so live, maybe restarted) prefill rank.
   base_.transport->PeerRejoined(static_cast<int>(m.prefill_rank()));
-  auto receivers =
-      groups.size() == 1
-          ? worker::StartSegmentReceivers(base_.transport.get(), static_cast<int>(m.prefill_rank()),
-                                          follower_->pool(), base_.model->fingerprint(), transfer,
-                                          tables[0], own)
-          : worker::StartGroupedSegmentReceivers(
-                base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(),
-                groups, base_.model->fingerprint(), transfer, tables, own);
+  auto receivers = worker::StartSegmentReceivers(
+      base_.transport.get(), static_cast<int>(m.prefill_rank()), follower_->pool(), groups,
+      base_.model->fingerprint(), transfer, tables, own);
   if (!receivers.ok()) {
     Ack(id, receivers.status());
     return;

@@ -550,66 +550,28 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
   return static_cast<int>(n);
 }
 
-Result<int> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
-                                     const engine::ModelFingerprint& model,
-                                     std::string_view tenant_salt,
-                                     std::vector<engine::BlockId>* loaded) {
-  if (pool_ == nullptr || loaded == nullptr) {
-    return FailedPrecondition("LoadMissing: no pool attached or no output table");
-  }
-  if (groups_.size() > 1) {
-    return FailedPrecondition(
-        "LoadMissing: the pool has several KV cache groups (LoadMissingGroups)");
-  }
-  const int bt = pool_->layout().block_tokens;
-  if (prefix.block_tokens != bt || prefix.first < 0 ||
-      static_cast<size_t>(prefix.first) > prefix.hashes.size() ||
-      prefix.hashes.size() * static_cast<size_t>(bt) > prefix.tokens.size()) {
-    return InvalidArgument("LoadMissing: prefix of " + std::to_string(prefix.hashes.size()) +
-                           " blocks of " + std::to_string(prefix.block_tokens) + " tokens over " +
-                           std::to_string(prefix.tokens.size()) + " tokens (pool blocks hold " +
-                           std::to_string(bt) + ")");
-  }
-  PrefixMatch m;
-  m.block_tokens = bt;
-  m.hashes.assign(prefix.hashes.begin(), prefix.hashes.end());
-  m.pool_blocks = static_cast<int>(prefix.first);
-  NoteBlocks(m.hashes, static_cast<size_t>(prefix.first), prefix.tokens, model,
-             TenantSaltHash(tenant_salt));
-  size_t i = static_cast<size_t>(prefix.first);
-  while (i < m.hashes.size() && ((ram_ != nullptr && ram_->Contains(m.hashes[i])) ||
-                                 (disk_ != nullptr && disk_->Contains(m.hashes[i])))) {
-    ++i;
-  }
-  m.external_blocks = static_cast<int>(i) - m.pool_blocks;
-  if (i < m.hashes.size()) CountMiss(MissReason::kNotFound);  // the stored prefix ends here
-  if (m.external_blocks == 0) return 0;
-  return LoadIntoNewBlocks(pool_, m, prefix.tokens, model, tenant_salt, loaded);
-}
-
-Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefix,
-                                               const engine::ModelFingerprint& model,
-                                               std::string_view tenant_salt,
-                                               std::vector<std::vector<engine::BlockId>>* tables) {
+Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
+                                         const engine::ModelFingerprint& model,
+                                         std::string_view tenant_salt,
+                                         std::vector<std::vector<engine::BlockId>>* tables) {
   if (pool_ == nullptr || tables == nullptr) {
-    return FailedPrecondition("LoadMissingGroups: no pool attached or no output tables");
+    return FailedPrecondition("LoadMissing: no pool attached or no output tables");
   }
-  if (groups_.size() <= 1) {
-    return FailedPrecondition(
-        "LoadMissingGroups: the cache serves one KV cache group (LoadMissing)");
-  }
+  // SetKvGroups keeps only a split; otherwise one group of the pool's layers.
+  const engine::KvCacheGroups groups =
+      groups_.size() > 1 ? groups_ : engine::KvCacheGroups::One(pool_->layout().layers);
   const int bt = pool_->layout().block_tokens;
   const int64_t n = static_cast<int64_t>(prefix.tokens.size());
   const int64_t first = prefix.first;
   const int64_t total = static_cast<int64_t>(prefix.hashes.size());
   if (prefix.block_tokens != bt || first < 0 || first > total || total * bt > n ||
-      pool_->layout().layers != groups_.layers_per_block()) {
-    return InvalidArgument("LoadMissingGroups: prefix of " + std::to_string(total) + " blocks of " +
+      pool_->layout().layers != groups.layers_per_block()) {
+    return InvalidArgument("LoadMissing: prefix of " + std::to_string(total) + " blocks of " +
                            std::to_string(prefix.block_tokens) + " tokens over " +
                            std::to_string(n) + " tokens (pool blocks hold " + std::to_string(bt) +
                            " tokens of " + std::to_string(pool_->layout().layers) + " layers)");
   }
-  const int n_groups = groups_.size();
+  const int n_groups = groups.size();
   tables->assign(static_cast<size_t>(n_groups), {});
   NoteBlocks(prefix.hashes, static_cast<size_t>(first), prefix.tokens, model,
              TenantSaltHash(tenant_salt));
@@ -619,7 +581,7 @@ Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefi
   };
   // The first block of group g a hit of k blocks needs (the engine's rule).
   auto needed_from = [&](int g, int64_t k) {
-    return std::max(first, groups_.DroppableBlocks(g, std::min<int64_t>(k * bt, n - 1), bt));
+    return std::max(first, groups.DroppableBlocks(g, std::min<int64_t>(k * bt, n - 1), bt));
   };
   // held[g][i - first]: group g's block i is (or may be) ours.
   using Held = std::vector<std::vector<char>>;
@@ -701,12 +663,12 @@ Result<int64_t> TieredCache::LoadMissingGroups(const engine::PrefixLookup& prefi
       load->hashes.push_back(key(g, i));
       load->expected.push_back(BlockMeta{model, pool_->layout(), salt_hash, key(g, i),
                                          std::vector<int32_t>(begin, begin + bt),
-                                         MakeBlockGroup(groups_, g)});
+                                         MakeBlockGroup(groups, g)});
     }
     QueueLoad(load);
     Result<int> filled = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
     if (!filled.ok()) {
-      LOG_WARNING << "kv_store: grouped prefix load: " << filled.status().ToString();
+      LOG_WARNING << "kv_store: prefix load: " << filled.status().ToString();
       for (engine::BlockId b : dst) pool_->Release(b);
       break;  // settle for what is held
     }

@@ -208,8 +208,8 @@ class TieredCache {
   // layers (block_codec.h, format version 2). Noting, spilling,
   // write-through and PersistPrefix then work per group block; a sliding
   // group's block the pool no longer holds is simply not stored. Loads go
-  // through LoadMissingGroups (LoadMissing and RestorePrefix fill one table
-  // of every layer and refuse). Routing: the router hashes prompts to chain
+  // through LoadMissing (RestorePrefix fills one table of every layer and
+  // refuses). Routing: the router hashes prompts to chain
   // hashes, so a block counts as cached on this worker when group 0's block
   // is (the other groups' keys reach the listener too and never match).
   void SetKvGroups(const engine::KvCacheGroups& groups);
@@ -256,21 +256,11 @@ class TieredCache {
                             const engine::ModelFingerprint& model, std::string_view tenant_salt,
                             std::vector<engine::BlockId>* table);
 
-  // The connector's admission side (engine::KvConnector::LoadPrefix): loads
-  // the leading run of `prefix.missing()` that RAM or disk holds into blocks
-  // allocated from the attached pool, appending them to `loaded` (one
-  // reference each, the caller's), using the engine's chain hashes as they
-  // are — nothing is hashed again. Notes every block from `prefix.first` on,
-  // so the ones computed next are written through with their tokens. Returns
-  // the number of blocks loaded; stops early, without error, when the pool has
-  // no free block or a read fails verification.
-  Result<int> LoadMissing(const engine::PrefixLookup& prefix, const engine::ModelFingerprint& model,
-                          std::string_view tenant_salt, std::vector<engine::BlockId>* loaded);
-
-  // The grouped connector's admission side (engine::KvConnector::
-  // LoadPrefixGroups; several KV cache groups, SetKvGroups). The engine holds
-  // the pool's hit of `prefix.first` blocks: group 0's blocks [0, first) and
-  // each sliding group's blocks from the window of min(first * B, n - 1) on
+  // The connector's admission side (engine::KvConnector::LoadPrefix), for
+  // the KV cache groups of SetKvGroups (one group of the pool's layers
+  // unless it split them). The engine holds the pool's hit of
+  // `prefix.first` blocks: group 0's blocks [0, first) and each sliding
+  // group's blocks from the window of min(first * B, n - 1) on
   // (n = prefix.tokens.size()). This finds the longest k > first such that
   // group 0 has blocks [first, k) and every sliding group the blocks
   // [max(first, w_g(k)), k), w_g(k) = the first block the window of position
@@ -279,14 +269,15 @@ class TieredCache {
   // the pool's blocks (a reference each) and loads the others into new
   // blocks (verified, committed under their group keys); when a read fails
   // or the pool runs out, the hit shrinks to the longest k that what it got
-  // still covers. On return (*tables)[g] holds group g's entries for
-  // [first, first + result): kNoBlock before w_g, one reference each after
-  // (the caller's). Returns the blocks the hit grew by (0: nothing loaded,
-  // tables empty per group).
-  Result<int64_t> LoadMissingGroups(const engine::PrefixLookup& prefix,
-                                    const engine::ModelFingerprint& model,
-                                    std::string_view tenant_salt,
-                                    std::vector<std::vector<engine::BlockId>>* tables);
+  // still covers. The engine's chain hashes are used as they are — nothing
+  // is hashed again — and every block from `prefix.first` on is noted, so
+  // the ones computed next are written through with their tokens. On return
+  // (*tables)[g] holds group g's entries for [first, first + result):
+  // kNoBlock before w_g, one reference each after (the caller's). Returns the
+  // blocks the hit grew by (0: nothing loaded, tables empty per group).
+  Result<int64_t> LoadMissing(const engine::PrefixLookup& prefix,
+                              const engine::ModelFingerprint& model, std::string_view tenant_salt,
+                              std::vector<std::vector<engine::BlockId>>* tables);
 
   // --- write side ---
   // Write-through of blocks committed since the last call (as many as the

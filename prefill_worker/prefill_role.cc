@@ -172,10 +172,8 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
       return;
     }
     out.senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
-    if (engine_->kv_groups().size() > 1) {
-      out.tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
-                        std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
-    }
+    out.tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
+                      std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
     outgoing_[id] = std::move(out);
   }
   const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
@@ -188,43 +186,15 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
 }
 
 void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
-                             engine::BlockTable& loaded) {
-  if (!tiered_ || prefix.missing().empty()) return;
-  std::vector<BlockId> table;  // one reference each, handed to `loaded`
-  auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &table);
-  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
-  loaded.Adopt(table);
-}
-
-void PrefillRole::LoadPrefixGroups(const engine::RequestSpec& request,
-                                   const engine::PrefixLookup& prefix,
-                                   const engine::KvCacheGroups& groups,
-                                   std::span<engine::BlockTable> tables) {
+                             const engine::KvCacheGroups& groups,
+                             std::span<engine::BlockTable> tables) {
   if (!tiered_ || prefix.missing().empty() || tables.size() != static_cast<size_t>(groups.size())) {
     return;
   }
   std::vector<std::vector<BlockId>> got;  // one reference per block, handed to `tables`
-  auto n = tiered_->LoadMissingGroups(prefix, ctx_.model->fingerprint(), request.tenant_salt, &got);
+  auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &got);
   if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
   for (size_t g = 0; g < got.size() && g < tables.size(); ++g) tables[g].Adopt(got[g]);
-}
-
-Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g,
-                                 std::span<const BlockId> table) {
-  const worker::BlockRange r = worker::StreamSegment(out.prompt_blocks, g);
-  if (static_cast<int64_t>(table.size()) < r.first + r.count) {
-    return Internal("request " + std::to_string(id) + " holds " + std::to_string(table.size()) +
-                    " blocks, segment " + std::to_string(g) + " needs " +
-                    std::to_string(r.first + r.count));
-  }
-  const auto src = table.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
-  for (BlockId b : src) {
-    engine_->pool()->Ref(b);
-    out.pinned.Adopt(b);
-  }
-  return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
-    return worker::MakeStreamBuffers(engine_->pool(), src, heads);
-  });
 }
 
 Status PrefillRole::AddSenders(
@@ -264,7 +234,7 @@ void PrefillRole::RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out) {
   }
 }
 
-Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) {
+Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g) {
   const worker::BlockRange r = worker::StreamSegment(out.prompt_blocks, g);
   for (int64_t i = r.first; i < r.first + r.count; ++i) {
     if (out.tables[0][static_cast<size_t>(i)] == engine::kNoBlock) {
@@ -272,21 +242,17 @@ Status PrefillRole::StartGroupedSegment(RequestId id, Outgoing& out, int64_t g) 
                       " of its full-attention group was never computed");
     }
   }
-  // The wire format is the one-group one (every model layer of each block,
-  // ctx_.layout); each layer is read from its group's block.
+  // The stream carries every model layer of each block (ctx_.layout); each
+  // layer is read from its group's block.
   return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
-    return worker::MakeGroupedStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r,
-                                            heads, hole_layer_.data());
+    return worker::MakeStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r, heads,
+                                     hole_layer_.empty() ? nullptr : hole_layer_.data());
   });
 }
 
-void PrefillRole::QuantizeTailLayer(const engine::SeqStep& seq, const Outgoing& out, int layer) {
+void PrefillRole::QuantizeTailLayer(const Outgoing& out, int layer) {
   engine::KvBlockPool* pool = engine_->pool();
   const auto tail = static_cast<size_t>(out.prompt_tokens / ctx_.layout.block_tokens);
-  if (out.tables.empty()) {
-    if (tail < seq.blocks.size()) (void)pool->LayerData(seq.blocks[tail], layer);
-    return;
-  }
   const engine::KvCacheGroups& groups = engine_->kv_groups();
   const std::vector<engine::BlockId>& table =
       out.tables[static_cast<size_t>(groups.group_of[static_cast<size_t>(layer)])];
@@ -305,13 +271,13 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
     if (it == outgoing_.end()) continue;
     Outgoing& out = it->second;
     const int64_t n = out.prompt_blocks;
-    if (layer == 0 && !out.tables.empty()) RecordGroupBlocks(seq, out);
+    if (layer == 0) RecordGroupBlocks(seq, out);
     // The step that ends the prompt wrote its partial tail block: a KIVI pool
     // holds that layer in f32 staging, its slab bytes stale until quantized.
     // Quantize it (LayerData) before the layer is sent, as the engine does at
     // every prompt's end, so the decode side continues from the same bytes.
     if (seq.end() == out.prompt_tokens && out.prompt_tokens % B != 0) {
-      QuantizeTailLayer(seq, out, layer);
+      QuantizeTailLayer(out, layer);
     }
     for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
       const worker::BlockRange r = worker::StreamSegment(n, g);
@@ -320,8 +286,7 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
       auto& senders = out.senders[static_cast<size_t>(g)];
       if (senders.empty()) {
         if (layer != 0) continue;  // became ready mid-step: impossible, the step is one chunk
-        const Status s = out.tables.empty() ? StartSegment(seq.request, out, g, seq.blocks)
-                                            : StartGroupedSegment(seq.request, out, g);
+        const Status s = StartSegment(seq.request, out, g);
         if (!s.ok()) {
           LOG_ERROR << "KV stream of request " << seq.request << ": " << s.ToString();
           continue;

@@ -65,18 +65,14 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   }
 
   // --- engine::KvConnector ---
+  // The store's blocks of every KV cache group (TieredCache::LoadMissing).
   void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
-                  engine::BlockTable& loaded) override;
-  // A grouped engine's (Init keeps the model's KV cache groups, with or
-  // without a prefix store): the store's group blocks (TieredCache::
-  // LoadMissingGroups).
-  void LoadPrefixGroups(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
-                        const engine::KvCacheGroups& groups,
-                        std::span<engine::BlockTable> tables) override;
+                  const engine::KvCacheGroups& groups,
+                  std::span<engine::BlockTable> tables) override;
+  // Streams each layer of every segment the step completed, gathering each
+  // model layer from its group's block.
   void SaveLayer(int layer, const engine::StepPlan& plan) override;
   bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
-  // SaveLayer gathers the groups' blocks of a grouped engine.
-  bool SupportsKvGroups() const override { return true; }
 
  private:
   // A prefill-only request whose KV goes to a decode group: one stream per
@@ -88,8 +84,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     // free (and reuse) a block a send still reads.
     engine::BlockTable pinned;
     engine::BlockTable blocks;  // the prompt's blocks, once the engine finished the request
-    // With KV cache groups: per group, the prompt's blocks as the steps
-    // computed them (kNoBlock: never held), each one pinned. Empty with one group.
+    // Per KV cache group, the prompt's blocks as the steps computed them
+    // (kNoBlock: never held), each one pinned.
     std::vector<std::vector<engine::BlockId>> tables;
     // senders[segment][tp rank]; empty until the segment's blocks are computed.
     std::vector<std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>>> senders;
@@ -113,16 +109,13 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
 
   void OnPrefillTask(const proto::PrefillTask& task);
   // Quantizes `layer` of the prompt's partial tail block (KIVI staging).
-  void QuantizeTailLayer(const engine::SeqStep& seq, const Outgoing& out, int layer);
+  void QuantizeTailLayer(const Outgoing& out, int layer);
   // Connects the data plane to every rank of `target`; fills out->decode_ranks.
   Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
-  // Starts segment `g`'s senders from the request's blocks `table` (its own).
-  Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g,
-                      std::span<const engine::BlockId> table);
-  // With KV cache groups: records (and pins) the step's blocks of every group.
+  // Records (and pins) the step's blocks of every KV cache group.
   void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
-  // Segment `g`'s senders from out.tables.
-  Status StartGroupedSegment(engine::RequestId id, Outgoing& out, int64_t g);
+  // Starts segment `g`'s senders from out.tables.
+  Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g);
   // Segment `g`'s sender to each decode rank of out.decode_ranks, with the
   // buffers `buffers` gives for that rank's heads.
   Status AddSenders(

@@ -23,50 +23,10 @@ kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
 }
 
 kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
-                                             std::span<const engine::BlockId> blocks,
-                                             kv_transfer::HeadRange local) {
-  const engine::KvLayout& layout = pool->layout();
-  kv_transfer::StreamBuffers buffers;
-  buffers.layout.kv_heads = layout.kv_heads;
-  buffers.layout.slab_bytes = layout.SlabBytes();
-  buffers.local_heads = local;
-  for (engine::BlockId b : blocks) {
-    buffers.block_layer0.push_back(pool->LayerData(b, 0).data());
-    // The stream reads (sends) or overwrites (receives) every layer through
-    // the stride below, so each (block, layer) goes through LayerData: a KIVI
-    // pool quantizes a staged layer before it is sent and takes received
-    // bytes as the layer's contents (else a later write into a partial tail
-    // block starts from zeros, or a staged layer's stale bytes are sent).
-    for (int l = 1; l < layout.layers; ++l) (void)pool->LayerData(b, l);
-  }
-  if (layout.layers > 1 && !blocks.empty()) {
-    // Layers of one block are a fixed stride apart in the pool.
-    buffers.layer_stride = pool->LayerData(blocks[0], 1).data() - buffers.block_layer0[0];
-  }
-  return buffers;
-}
-
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
-    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
-    const engine::ModelFingerprint& model, engine::RequestId id,
-    std::span<const engine::BlockId> blocks, kv_transfer::HeadRange own) {
-  std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
-  const int64_t n = static_cast<int64_t>(blocks.size());
-  for (int64_t g = 0; g < StreamSegments(n); ++g) {
-    const BlockRange r = StreamSegment(n, g);
-    const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
-    receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
-        transport, peer, MakeStreamSpec(pool->layout(), model, id, g, n, own),
-        MakeStreamBuffers(pool, seg, {0, own.size()})));
-    RETURN_IF_ERROR(receivers.back()->Start());
-  }
-  return receivers;
-}
-
-kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
-    engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
-    std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local, uint8_t* hole_layer) {
+                                             const engine::KvCacheGroups& groups,
+                                             std::span<const std::vector<engine::BlockId>> tables,
+                                             BlockRange range, kv_transfer::HeadRange local,
+                                             uint8_t* hole_layer) {
   const engine::KvLayout& layout = pool->layout();
   kv_transfer::StreamBuffers buffers;
   buffers.layout.kv_heads = layout.kv_heads;
@@ -87,7 +47,7 @@ kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
   return buffers;
 }
 
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
     kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
     const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
     engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
@@ -95,14 +55,12 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGrou
   std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
   engine::KvLayout layout = pool->layout();
   layout.layers = groups.n_layers();  // the stream carries every model layer
-  const std::span<const engine::BlockId> blocks = tables[0];
-  const int64_t n = static_cast<int64_t>(blocks.size());
+  const int64_t n = static_cast<int64_t>(tables[0].size());
   for (int64_t g = 0; g < StreamSegments(n); ++g) {
     const BlockRange r = StreamSegment(n, g);
-    const auto seg = blocks.subspan(static_cast<size_t>(r.first), static_cast<size_t>(r.count));
     receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
         transport, peer, MakeStreamSpec(layout, model, id, g, n, own),
-        MakeGroupedStreamBuffers(pool, groups, tables, r, {0, own.size()})));
+        MakeStreamBuffers(pool, groups, tables, r, {0, own.size()})));
     RETURN_IF_ERROR(receivers.back()->Start());
   }
   return receivers;

@@ -46,33 +46,31 @@ kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        int64_t segment, int64_t blocks,
                                        kv_transfer::HeadRange heads);
 
-// The receivers of every segment of a prompt's KV into `blocks` of `pool`
-// (this process's heads `own`), from data-plane peer `peer`, each Started.
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
-    kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
-    const engine::ModelFingerprint& model, engine::RequestId id,
-    std::span<const engine::BlockId> blocks, kv_transfer::HeadRange own);
-
-// Where `blocks` live in `pool`; `local` = the stream's heads within the
-// pool's own head set.
-kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
-                                             std::span<const engine::BlockId> blocks,
-                                             kv_transfer::HeadRange local);
-
-// An engine with several KV cache groups (engine/kv_cache/kv_groups.h):
-// the stream still carries every model layer of each block, and model layer
-// l of block i lands in layer groups.slot_of[l] of
-// tables[groups.group_of[l]][i]. The streams name blocks by position, so
-// the wire format is the one-group one.
+// Where blocks [range.first, range.first + range.count) of a prompt live in
+// `pool`, whose KV cache groups are `groups` (engine/kv_cache/kv_groups.h;
+// one group of every layer for most models): the stream carries every model
+// layer of each block, and model layer l of block i is layer
+// groups.slot_of[l] of tables[groups.group_of[l]][i]. The streams name blocks
+// by position, so the wire format does not depend on the grouping.
+// `local` = the stream's heads within the pool's own head set.
 // A sender whose sliding-window tables have holes (kNoBlock: a block the
 // engine never held, wholly before every later query's window) passes
 // `hole_layer`, zeros of one block layer (KvLayout::LayerBytes), read in
 // place of each such entry. Without it every entry must name a block.
-kv_transfer::StreamBuffers MakeGroupedStreamBuffers(
-    engine::KvBlockPool* pool, const engine::KvCacheGroups& groups,
-    std::span<const std::vector<engine::BlockId>> tables, BlockRange range,
-    kv_transfer::HeadRange local, uint8_t* hole_layer = nullptr);
-Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartGroupedSegmentReceivers(
+// Every (block, layer) goes through LayerData: a KIVI pool quantizes a staged
+// layer before it is sent and takes received bytes as the layer's contents
+// (else a later write into a partial tail block starts from zeros, or a staged
+// layer's stale bytes are sent).
+kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
+                                             const engine::KvCacheGroups& groups,
+                                             std::span<const std::vector<engine::BlockId>> tables,
+                                             BlockRange range, kv_transfer::HeadRange local,
+                                             uint8_t* hole_layer = nullptr);
+
+// The receivers of every segment of a prompt's KV into `tables` (one per KV
+// cache group, of equal length) of `pool` (this process's heads `own`), from
+// data-plane peer `peer`, each Started.
+Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegmentReceivers(
     kv_transfer::Transport* transport, int peer, engine::KvBlockPool* pool,
     const engine::KvCacheGroups& groups, const engine::ModelFingerprint& model,
     engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,

@@ -137,11 +137,6 @@ class Engine::Impl {
   }
 
   Status Submit(RequestSpec spec) {
-    if (connector_ != nullptr && groups_.size() > 1 && !connector_->SupportsKvGroups()) {
-      return FailedPrecondition("this KV connector needs one KV cache group, the engine has " +
-                                groups_.DebugString() +
-                                " (create it with EngineOptions::kv_groups = KvGroupsMode::kOne)");
-    }
     RETURN_IF_ERROR(CheckSpec(spec));
     auto seq = NewSequence(std::move(spec));
     if (seq->spec.mode != RequestMode::kRemotePrompt) {
@@ -149,24 +144,20 @@ class Engine::Impl {
       return Status::Ok();
     }
     // Decode side: the prompt's blocks are reserved now, held by the request,
-    // and filled by the connector.
+    // and filled by the connector. Every group's table covers the whole
+    // prompt while it loads; the sliding-window tables drop what is out of
+    // the window once it decodes.
     if (connector_ == nullptr) {
       return FailedPrecondition("request " + std::to_string(seq->spec.id) +
                                 " needs remote KV but the engine has no connector");
     }
-    ASSIGN_OR_RETURN(seq->blocks, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
-    if (groups_.size() == 1) {
-      RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, seq->blocks.span()));
-    } else {
-      // Every group's table covers the whole prompt while it loads; the
-      // sliding-window tables drop what is out of the window once it decodes.
-      std::vector<std::vector<BlockId>> tables{seq->blocks.ids()};
-      for (BlockTable& t : seq->group_tables) {
-        ASSIGN_OR_RETURN(t, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
-        tables.push_back(t.ids());
-      }
-      RETURN_IF_ERROR(connector_->StartRemoteLoadGroups(seq->spec, groups_, tables));
+    std::vector<std::vector<BlockId>> tables;
+    for (int g = 0; g < groups_.size(); ++g) {
+      BlockTable& t = Table(*seq, g);
+      ASSIGN_OR_RETURN(t, BlockTable::Allocate(pool_.get(), BlocksFor(seq->n_prompt)));
+      tables.push_back(t.ids());
     }
+    RETURN_IF_ERROR(connector_->StartRemoteLoad(seq->spec, groups_, tables));
     const RequestId id = seq->spec.id;
     loading_[id] = std::move(seq);
     return Status::Ok();
@@ -476,11 +467,7 @@ class Engine::Impl {
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     s.hashes = HashPrefixBlocks(std::span<const int32_t>(s.tokens.data(), n), B,
                                 model_->fingerprint(), s.spec.tenant_salt);
-    if (groups_.size() > 1) {
-      MatchGroupedPrefix(s);
-    } else {
-      s.blocks.Adopt(pool_->MatchPrefix(s.hashes));
-    }
+    MatchPoolPrefix(s);
     s.n_committed = s.blocks.size();
     LoadExternalPrefix(s);
     // At least the last token is computed again: its logits are needed.
@@ -491,12 +478,13 @@ class Engine::Impl {
     }
   }
 
-  // Several groups (vLLM's hybrid rule): a hit of k blocks needs group 0's
+  // vLLM's hybrid rule: a hit of k blocks needs group 0's
   // blocks [0, k) and, in a sliding-window group, only the blocks the first
   // recomputed position reads, [DroppableBlocks(p), k) with p =
   // min(k * B, n - 1); the entries before them stay holes. The longest k for
   // which every group holds its part wins.
-  void MatchGroupedPrefix(Sequence& s) {
+  // With one group that is the pool's longest run of cached blocks.
+  void MatchPoolPrefix(Sequence& s) {
     const int B = options_.block_tokens;
     const int64_t n = static_cast<int64_t>(s.tokens.size());
     const int64_t g0_hits = [&] {
@@ -534,31 +522,14 @@ class Engine::Impl {
     const int64_t hits = s.n_committed;
     if (hits >= static_cast<int64_t>(s.hashes.size())) return;
     const PrefixLookup prefix{s.tokens, s.hashes, hits, options_.block_tokens};
-    if (groups_.size() > 1) {
-      LoadExternalGroupedPrefix(s, prefix);
-      return;
-    }
-    BlockTable loaded(pool_.get());
-    connector_->LoadPrefix(s.spec, prefix, loaded);
-    const int64_t n =
-        std::min<int64_t>(loaded.size(), static_cast<int64_t>(s.hashes.size()) - hits);
-    loaded.Truncate(n);
-    for (int64_t i = 0; i < n; ++i) pool_->Commit(loaded[i], s.hashes[hits + i]);
-    s.blocks.Append(std::move(loaded));
-    s.n_committed = s.blocks.size();
-  }
-
-  // The grouped connector's blocks after the pool's grouped hit (the rule
-  // of MatchGroupedPrefix, checked here: a hole where a step would read is
-  // never admitted), committed per group.
-  void LoadExternalGroupedPrefix(Sequence& s, const PrefixLookup& prefix) {
-    if (!connector_->SupportsKvGroups()) return;
     const int B = options_.block_tokens;
-    const int64_t hits = prefix.first;
     const int64_t n_tokens = static_cast<int64_t>(s.tokens.size());
     std::vector<BlockTable> loaded;
     for (int g = 0; g < groups_.size(); ++g) loaded.emplace_back(pool_.get());
-    connector_->LoadPrefixGroups(s.spec, prefix, groups_, loaded);
+    connector_->LoadPrefix(s.spec, prefix, groups_, loaded);
+    // The connector's blocks extend the pool's hit under the rule of
+    // MatchPoolPrefix, checked here: a hole where a step would read is
+    // never admitted.
     const int64_t n = loaded[0].size();
     bool ok = n <= static_cast<int64_t>(s.hashes.size()) - hits;
     for (int g = 0; ok && g < groups_.size(); ++g) {
@@ -571,7 +542,7 @@ class Engine::Impl {
       }
     }
     if (!ok) {
-      LOG_ERROR << "KV connector returned an inconsistent grouped prefix for request '" << s.spec.id
+      LOG_ERROR << "KV connector returned an inconsistent prefix for request '" << s.spec.id
                 << "'; computing it instead";
       return;  // `loaded` returns every block
     }
@@ -839,12 +810,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
   if (model == nullptr) return InvalidArgument("Engine::Create: null model");
   ASSIGN_OR_RETURN(DeviceSpec device, ParseDevice(options.device));
   const ModelConfig& c = model->config();
-  KvCacheGroups groups = KvCacheGroups::One(c.n_layers);
-  if (options.kv_groups == KvGroupsMode::kAuto && device.kind == DeviceKind::kCpu) {
-    std::vector<int> windows;
-    for (int l = 0; l < c.n_layers; ++l) windows.push_back(c.LayerWindow(l));
-    groups = KvCacheGroups::FromLayerWindows(windows, /*split=*/true);
-  }
+  // A device backend addresses one group (it refuses per-layer windows).
+  std::vector<int> windows;
+  for (int l = 0; l < c.n_layers; ++l) windows.push_back(c.LayerWindow(l));
+  KvCacheGroups groups = KvCacheGroups::FromLayerWindows(
+      windows, /*split=*/options.split_kv_groups && device.kind == DeviceKind::kCpu);
   KvBlockPool::Options po;
   po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
   po.layout.layers = groups.layers_per_block();

@@ -41,21 +41,6 @@ namespace kvrelay::engine {
 class Model;
 struct TensorParallelHooks;
 
-// How the engine splits its KV cache into groups (engine/kv_cache/kv_groups.h).
-enum class KvGroupsMode : uint8_t {
-  // A model that mixes full-attention and sliding-window layers (gemma3) gets
-  // full-attention and sliding-window groups, so a sequence holds only the
-  // blocks inside its window on the sliding layers; any other model gets one
-  // group (exactly the one-table engine). The CPU backend only.
-  kAuto = 0,
-  // One group of every layer whatever the model. A KvConnector whose
-  // SupportsKvGroups() is false addresses blocks holding every layer and
-  // needs it (the worker roles' connectors, their layer streams and the
-  // RocksDB / host-RAM tiers all support groups), as do tools that move
-  // whole blocks themselves (kvrelay bench prefix / transfer).
-  kOne = 1,
-};
-
 struct EngineOptions {
   std::string model_path;  // GGUF file; ignored when a Model is passed to Create
   KvDtype kv_dtype = KvDtype::kF32;
@@ -71,7 +56,13 @@ struct EngineOptions {
   // (engine/runtime/compute_backend.h). Create fails with Unavailable when
   // no CUDA device is found, Unimplemented in a build without CUDA.
   std::string device = "cpu";
-  KvGroupsMode kv_groups = KvGroupsMode::kAuto;
+  // A model that mixes full-attention and sliding-window layers (gemma3) gets
+  // full-attention and sliding-window KV cache groups on the CPU backend, so
+  // a sequence holds only the blocks inside its window on the sliding layers
+  // (engine/kv_cache/kv_groups.h). False: one group of every layer whatever
+  // the model (attention still applies each layer's window) — the reference
+  // the split is tested against; every path is the same N-group code.
+  bool split_kv_groups = true;
 
   Status Validate() const;
 };
@@ -161,11 +152,8 @@ class Engine {
 
   // --- disaggregation and tiers ---
   // Installs the KV connector (kv_connector.h; not owned, must outlive the
-  // engine, may be null). Call before the first Submit. An engine with
-  // several KV cache groups (kv_groups()) fails every Submit with
-  // FailedPrecondition while a connector without SupportsKvGroups() is set
-  // (create it with EngineOptions::kv_groups = kOne); with one, prefix loads
-  // go through LoadPrefixGroups.
+  // engine, may be null). Call before the first Submit. The connector
+  // addresses the engine's KV cache groups (kv_groups()), one or several.
   void SetKvConnector(KvConnector* connector);
   // kRemotePrompt requests whose KV is still being loaded.
   int64_t loading() const;
@@ -179,8 +167,11 @@ class Engine {
   Status SetTensorParallel(const TensorParallelHooks& hooks);
 
   KvBlockPool* pool();
-  // The KV cache groups the pool's blocks serve (one unless kv_groups split
-  // a mixed-attention model); the pool's blocks hold layers_per_block() layers.
+  // The KV cache groups the pool's blocks serve: one group of every layer,
+  // or, for a model that mixes full-attention and sliding-window layers on
+  // the CPU backend, full-attention and sliding-window groups
+  // (KvCacheGroups::FromLayerWindows); the pool's blocks hold
+  // layers_per_block() layers.
   const KvCacheGroups& kv_groups() const;
   // Pool blocks request `id` holds now, per KV cache group (holes of a
   // sliding-window table not counted). NotFound unless it is queued, loading

@@ -41,51 +41,35 @@ class KvConnector {
   virtual ~KvConnector() = default;
 
   // --- admission side: prefix blocks from a lower tier ---
-  // `prefix.missing()` are the chain hashes of the request's full blocks that
-  // follow the ones the pool already holds. Loads as many LEADING ones as it
-  // can (verified) into blocks it takes from loaded.pool(), appending each to
-  // `loaded` in order; the engine commits them to the prefix cache and they
-  // belong to the request's block table from then on. An error or a shorter
-  // result just means the rest is computed.
+  // Every engine has N >= 1 KV cache groups (kv_groups.h; one group of every
+  // layer for most models). `prefix.missing()` are the chain hashes of the
+  // request's full blocks that follow the `prefix.first` ones the engine
+  // holds from its pool: group 0's blocks [0, first) and each sliding-window
+  // group's blocks from the window of min(first * B, n - 1) on. tables[g]
+  // (empty, of the engine's pool) is group g's. The connector may grow the
+  // hit to k blocks by appending to EVERY table the entries [first, k):
+  // kNoBlock for a block of a sliding-window group before the window of the
+  // next position the engine computes, min(k * B, n - 1)
+  // (KvCacheGroups::DroppableBlocks; n = prefix.tokens size), else a block
+  // holding that group's layers of those tokens (one reference each, the
+  // table's). The engine commits them under their group keys
+  // (GroupBlockHash; group 0's key is the chain hash itself) and they belong
+  // to the request's tables from then on. Tables of unequal length, or a hole
+  // where a block is needed, are refused (nothing is used); an error or a
+  // shorter hit just means the rest is computed.
   virtual void LoadPrefix(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
-                          BlockTable& /*loaded*/) {}
-  // Engines with several KV cache groups (kv_groups.h) call this instead,
-  // when SupportsKvGroups(). The engine holds the pool's hit of
-  // `prefix.first` blocks; tables[g] (empty, of the engine's pool) is group
-  // g's. The connector may grow the hit to k blocks by appending to EVERY
-  // table the entries [first, k): kNoBlock for a block of a sliding-window
-  // group before the window of the next position the engine computes,
-  // min(k * B, n - 1) (KvCacheGroups::DroppableBlocks; n = prefix.tokens
-  // size), else a block holding that group's layers of those tokens (one
-  // reference each, the table's). The engine commits them under their group
-  // keys (GroupBlockHash). Tables of unequal length, or a hole where a block
-  // is needed, are refused (nothing is used).
-  virtual void LoadPrefixGroups(const RequestSpec& /*request*/, const PrefixLookup& /*prefix*/,
-                                const KvCacheGroups& /*groups*/, std::span<BlockTable> /*tables*/) {
-  }
+                          const KvCacheGroups& /*groups*/, std::span<BlockTable> /*tables*/) {}
 
   // --- admission side: a prompt whose KV is computed elsewhere ---
   // Called by Engine::Submit for a kRemotePrompt request after it allocated
-  // `blocks` (ceil(prompt / B), held by the request until it ends). The
-  // connector starts receiving the prompt's KV into them. An error fails the
-  // Submit (the blocks go back).
-  virtual Status StartRemoteLoad(const RequestSpec& request, std::span<const BlockId> blocks) {
-    (void)request;
-    (void)blocks;
+  // tables[g], group g's table of ceil(prompt / B) blocks, held by the
+  // request until it ends (each block holds groups.layers_per_block() layers;
+  // model layer l is layer groups.slot_of[l] of tables[groups.group_of[l]]).
+  // The connector starts receiving the prompt's KV into them. An error fails
+  // the Submit (the blocks go back).
+  virtual Status StartRemoteLoad(const RequestSpec& /*request*/, const KvCacheGroups& /*groups*/,
+                                 std::span<const std::vector<BlockId>> /*tables*/) {
     return FailedPrecondition("this engine's connector cannot load remote KV");
-  }
-  // Engines with several KV cache groups (engine/kv_cache/kv_groups.h) admit
-  // a kRemotePrompt request through this instead: tables[g] is group g's
-  // table of ceil(prompt / B) blocks (each holding groups.layers_per_block()
-  // layers; model layer l is layer groups.slot_of[l] of
-  // tables[groups.group_of[l]]). Such an engine refuses requests unless
-  // SupportsKvGroups(); it calls LoadPrefixGroups instead of LoadPrefix,
-  // and SaveLayer's plan then carries SeqStep::group_blocks.
-  virtual bool SupportsKvGroups() const { return false; }
-  virtual Status StartRemoteLoadGroups(const RequestSpec& request, const KvCacheGroups& groups,
-                                       std::span<const std::vector<BlockId>> tables) {
-    if (groups.size() == 1 && tables.size() == 1) return StartRemoteLoad(request, tables[0]);
-    return FailedPrecondition("this engine's connector cannot load KV into several groups");
   }
   struct RemoteLoadDone {
     RequestId request = 0;

@@ -159,7 +159,10 @@ class TierConnector final : public engine::KvConnector {
  public:
   TierConnector(TieredCache* cache, engine::Engine* e) : cache_(cache), engine_(e) {}
   void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
-                  engine::BlockTable& loaded) override {
+                  const engine::KvCacheGroups& groups,
+                  std::span<engine::BlockTable> tables) override {
+    EXPECT_EQ(groups.size(), 1);  // the default model: one group of every layer
+    engine::BlockTable& loaded = tables[0];
     PrefixMatch m =
         cache_->Match(request.prompt, engine_->model().fingerprint(), request.tenant_salt);
     // The engine's pool hits end where its missing blocks start, and its

@@ -363,14 +363,14 @@ TEST(Gemma3, SlidingWindowKvIsBoundedAndTokensEqualOneGroup) {
     int64_t full_at_end = 0;    // full-attention blocks held at the last step
     int64_t blocks_total = 0, block_bytes = 0;
   };
-  auto run = [&](KvGroupsMode mode) {
+  auto run = [&](bool split) {
     Run r;
     EngineOptions o;
     o.threads = ThreadPool::DefaultThreads();
     o.kv_capacity_bytes = 256ll << 20;
     o.max_step_tokens = 200;  // chunks start at 0, 200, 400 (inside) and 600 (past the window)
     o.block_tokens = kBlock;
-    o.kv_groups = mode;
+    o.split_kv_groups = split;
     auto engine = Engine::Create(o, f.model);
     EXPECT_TRUE(engine.ok()) << engine.status().ToString();
     if (!engine.ok()) return r;
@@ -411,8 +411,8 @@ TEST(Gemma3, SlidingWindowKvIsBoundedAndTokensEqualOneGroup) {
     for (BlockId b = 0; b < e.pool()->total_blocks(); ++b) EXPECT_EQ(e.pool()->refcount(b), 0);
     return r;
   };
-  const Run one = run(KvGroupsMode::kOne);
-  const Run grouped = run(KvGroupsMode::kAuto);
+  const Run one = run(/*split=*/false);
+  const Run grouped = run(/*split=*/true);
   ASSERT_EQ(one.most.size(), 1u);
   ASSERT_EQ(grouped.most.size(), 6u);  // 1 full-attention + 5 sliding-window groups of 3 layers
   EXPECT_EQ(grouped.tokens.size(), static_cast<size_t>(kTokens));

@@ -1,7 +1,7 @@
 // The prefix tiers with several KV cache groups (engine/kv_cache/kv_groups.h):
 // one tier entry per group block (format version 2, only that group's
 // layers), the longest hit every group can serve (TieredCache::
-// LoadMissingGroups), a mismatched or damaged group entry as a miss, and an
+// LoadMissing), a mismatched or damaged group entry as a miss, and an
 // engine that keeps its groups with a store in front of it giving the tokens
 // of the engine alone after its pool is gone.
 #include <gtest/gtest.h>
@@ -102,7 +102,7 @@ int64_t NeededFrom(const KvCacheGroups& groups, int g, int64_t k, int64_t n) {
   return groups.DroppableBlocks(g, std::min<int64_t>(k * kB, n - 1), kB);
 }
 
-// Checks `tables` (from LoadMissingGroups with first = 0) against what was
+// Checks `tables` (from LoadMissing with first = 0) against what was
 // written: holes exactly before each group's window, the bytes elsewhere.
 void ExpectTables(KvBlockPool* pool, const KvCacheGroups& groups,
                   const std::vector<std::vector<BlockId>>& tables, int64_t hit, int64_t n,
@@ -212,7 +212,7 @@ TEST_F(GroupedTierTest, EveryGroupsBlocksRoundTripThroughDiskAcrossARestart) {
   cache.SetKvGroups(groups);
   const auto hashes = engine::HashPrefixBlocks(tokens, kB, model, kSalt);
   std::vector<std::vector<BlockId>> tables;
-  auto hit = cache.LoadMissingGroups({tokens, hashes, 0, kB}, model, kSalt, &tables);
+  auto hit = cache.LoadMissing({tokens, hashes, 0, kB}, model, kSalt, &tables);
   ASSERT_TRUE(hit.ok()) << hit.status().ToString();
   EXPECT_EQ(*hit, 6);
   ExpectTables(pool.get(), groups, tables, *hit, n, want);
@@ -227,10 +227,10 @@ TEST_F(GroupedTierTest, EveryGroupsBlocksRoundTripThroughDiskAcrossARestart) {
     EXPECT_TRUE(pool->IsCached(GroupBlockHash(hashes[5], g))) << "group " << g;
   }
   ReleaseTables(pool.get(), tables);
-  // The one-table entry points refuse a grouped cache rather than fill one
-  // table of every layer.
+  // RestorePrefix, which fills one table of every layer, refuses a grouped
+  // cache.
   std::vector<BlockId> flat;
-  EXPECT_EQ(cache.LoadMissing({tokens, hashes, 0, kB}, model, kSalt, &flat).status().code(),
+  EXPECT_EQ(cache.RestorePrefix(pool.get(), tokens, model, kSalt, &flat).status().code(),
             StatusCode::kFailedPrecondition);
   EXPECT_EQ(pool->available_blocks(), pool->total_blocks());
   cache.Detach();
@@ -254,7 +254,7 @@ TEST_F(GroupedTierTest, TheHitIsTheLongestEveryGroupCanServe) {
   auto load = [&](int64_t first, std::vector<std::vector<BlockId>>* tables, KvBlockPool* p) {
     cache.Attach(p);
     cache.SetKvGroups(groups);
-    auto hit = cache.LoadMissingGroups({tokens, hashes, first, kB}, model, kSalt, tables);
+    auto hit = cache.LoadMissing({tokens, hashes, first, kB}, model, kSalt, tables);
     EXPECT_TRUE(hit.ok()) << hit.status().ToString();
     return hit.ok() ? *hit : -1;
   };
@@ -327,7 +327,7 @@ TEST_F(GroupedTierTest, AMismatchedOrDamagedGroupEntryIsAMissNeverKv) {
   auto load = [&](std::vector<std::vector<BlockId>>* t, KvBlockPool* p) {
     cache.Attach(p);
     cache.SetKvGroups(groups);
-    auto hit = cache.LoadMissingGroups({tokens, hashes, 0, kB}, model, kSalt, t);
+    auto hit = cache.LoadMissing({tokens, hashes, 0, kB}, model, kSalt, t);
     EXPECT_TRUE(hit.ok()) << hit.status().ToString();
     return hit.ok() ? *hit : -1;
   };
@@ -407,21 +407,14 @@ class StoreConnector : public engine::KvConnector {
   explicit StoreConnector(TieredCache* cache, const engine::Model* model)
       : cache_(cache), model_(model) {}
   void LoadPrefix(const engine::RequestSpec& r, const engine::PrefixLookup& prefix,
-                  engine::BlockTable& loaded) override {
-    std::vector<BlockId> got;
-    (void)cache_->LoadMissing(prefix, model_->fingerprint(), r.tenant_salt, &got);
-    loaded.Adopt(got);
-  }
-  void LoadPrefixGroups(const engine::RequestSpec& r, const engine::PrefixLookup& prefix,
-                        const KvCacheGroups& groups,
-                        std::span<engine::BlockTable> tables) override {
+                  const KvCacheGroups& groups, std::span<engine::BlockTable> tables) override {
     std::vector<std::vector<BlockId>> got;
-    auto n = cache_->LoadMissingGroups(prefix, model_->fingerprint(), r.tenant_salt, &got);
+    auto n = cache_->LoadMissing(prefix, model_->fingerprint(), r.tenant_salt, &got);
     EXPECT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(got.size(), static_cast<size_t>(groups.size()));
     for (size_t g = 0; g < got.size(); ++g) tables[g].Adopt(got[g]);
     ++calls;
   }
-  bool SupportsKvGroups() const override { return true; }
   int calls = 0;
 
  private:
@@ -459,12 +452,12 @@ GenRun Generate(engine::Engine& e, std::vector<int32_t> prompt, int max_tokens,
   return r;
 }
 
-std::unique_ptr<engine::Engine> MakeEngine(engine::KvGroupsMode mode) {
+std::unique_ptr<engine::Engine> MakeEngine(bool split) {
   engine::EngineOptions o;
   o.block_tokens = 4;
   o.threads = 2;
   o.max_step_tokens = 8;
-  o.kv_groups = mode;
+  o.split_kv_groups = split;
   o.kv_capacity_bytes = 256 * MixedModel()->MakeKvLayout(engine::KvDtype::kF32, 4).BlockBytes();
   auto e = engine::Engine::Create(o, MixedModel());
   EXPECT_TRUE(e.ok()) << e.status().ToString();
@@ -478,7 +471,7 @@ TEST_F(GroupedTierTest, AGroupedEngineWithAStoreGivesTheEnginesTokensFromTheTier
   for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);  // byte tokens: never EOS
   constexpr int kTokens = 20;
   // The engine alone, and with one group.
-  auto alone = MakeEngine(engine::KvGroupsMode::kAuto);
+  auto alone = MakeEngine(/*split=*/true);
   ASSERT_NE(alone, nullptr);
   ASSERT_EQ(alone->kv_groups().size(), 3);
   const GenRun want = Generate(*alone, prompt, kTokens, nullptr);
@@ -490,7 +483,7 @@ TEST_F(GroupedTierTest, AGroupedEngineWithAStoreGivesTheEnginesTokensFromTheTier
     for (int pass = 0; pass < 2; ++pass) {
       auto disk = RocksDbTier::Open(DiskOpts()).value();
       TieredCache cache({}, nullptr, disk.get());
-      auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+      auto e = MakeEngine(/*split=*/true);
       ASSERT_NE(e, nullptr);
       cache.Attach(e->pool());
       cache.SetKvGroups(e->kv_groups());
@@ -524,14 +517,14 @@ TEST_F(GroupedTierTest, ASharedPrefixIsLoadedAndTheRestComputed) {
   for (auto& t : b) t = static_cast<int32_t>(rng() % 256);
   std::copy(a.begin(), a.begin() + 30, b.begin());  // 7 full blocks shared
   constexpr int kTokens = 16;
-  auto alone = MakeEngine(engine::KvGroupsMode::kAuto);
+  auto alone = MakeEngine(/*split=*/true);
   ASSERT_NE(alone, nullptr);
   const GenRun want = Generate(*alone, b, kTokens, nullptr);
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({}, ram.get(), disk.get());
   {
-    auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+    auto e = MakeEngine(/*split=*/true);
     cache.Attach(e->pool());
     cache.SetKvGroups(e->kv_groups());
     StoreConnector connector(&cache, &e->model());
@@ -541,7 +534,7 @@ TEST_F(GroupedTierTest, ASharedPrefixIsLoadedAndTheRestComputed) {
     e->SetKvConnector(nullptr);
     cache.Detach();
   }
-  auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+  auto e = MakeEngine(/*split=*/true);
   cache.Attach(e->pool());
   cache.SetKvGroups(e->kv_groups());
   StoreConnector connector(&cache, &e->model());
@@ -561,9 +554,8 @@ TEST_F(GroupedTierTest, ASharedPrefixIsLoadedAndTheRestComputed) {
 // engine refuses it (computes the prompt) rather than read a missing block.
 class HoleConnector : public engine::KvConnector {
  public:
-  void LoadPrefixGroups(const engine::RequestSpec&, const engine::PrefixLookup& prefix,
-                        const KvCacheGroups& groups,
-                        std::span<engine::BlockTable> tables) override {
+  void LoadPrefix(const engine::RequestSpec&, const engine::PrefixLookup& prefix,
+                  const KvCacheGroups& groups, std::span<engine::BlockTable> tables) override {
     for (int g = 0; g < groups.size(); ++g) {
       for (int i = 0; i < 3; ++i) {
         auto& t = tables[static_cast<size_t>(g)];
@@ -576,7 +568,6 @@ class HoleConnector : public engine::KvConnector {
     }
     (void)prefix;
   }
-  bool SupportsKvGroups() const override { return true; }
 };
 
 TEST(GroupedConnectorTest, AHoleWhereAStepReadsIsRefusedAndThePromptComputed) {
@@ -584,9 +575,9 @@ TEST(GroupedConnectorTest, AHoleWhereAStepReadsIsRefusedAndThePromptComputed) {
   std::mt19937 rng(11);
   std::vector<int32_t> prompt(20);
   for (auto& t : prompt) t = static_cast<int32_t>(rng() % 256);
-  auto alone = MakeEngine(engine::KvGroupsMode::kAuto);
+  auto alone = MakeEngine(/*split=*/true);
   const GenRun want = Generate(*alone, prompt, 8, nullptr);
-  auto e = MakeEngine(engine::KvGroupsMode::kAuto);
+  auto e = MakeEngine(/*split=*/true);
   HoleConnector connector;
   e->SetKvConnector(&connector);
   const GenRun got = Generate(*e, prompt, 8, nullptr);

@@ -117,10 +117,12 @@ TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock
   cache.Attach(pool2.get());
   const auto hashes = engine::HashPrefixBlocks(tokens, 8, model, kSalt);
   // The engine holds blocks 0 and 1 already: only 2..4 are asked for.
-  std::vector<BlockId> got;
-  auto n = cache.LoadMissing({tokens, hashes, 2, 8}, model, kSalt, &got);
+  std::vector<std::vector<BlockId>> tables;  // one KV cache group: tables[0]
+  auto n = cache.LoadMissing({tokens, hashes, 2, 8}, model, kSalt, &tables);
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(*n, 3);
+  ASSERT_EQ(tables.size(), 1u);
+  const std::vector<BlockId> got = tables[0];
   ASSERT_EQ(got.size(), 3u);
   for (size_t b = 0; b < got.size(); ++b) {
     for (int layer = 0; layer < layout.layers; ++layer) {
@@ -134,16 +136,19 @@ TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock
   EXPECT_EQ(cache.stats().restored_blocks_ram, 3);
 
   // Hashes that do not belong to the tokens given: the stored block's
-  // recorded tokens disagree, so nothing is loaded (verified, not trusted).
+  // recorded tokens disagree, so nothing is read from a tier (verified, not
+  // trusted). The pool's own blocks are matched by hash, as the engine's
+  // prefix cache matches them: evicted first, so the tier is asked.
+  EvictAll(pool2.get());
   auto other = tokens;
   other[2 * 8] ^= 1;
-  got.clear();
-  auto none = cache.LoadMissing({other, hashes, 2, 8}, model, kSalt, &got);
+  auto none = cache.LoadMissing({other, hashes, 2, 8}, model, kSalt, &tables);
   EXPECT_TRUE(none.ok() && *none == 0)
       << (none.ok() ? std::to_string(*none) : none.status().ToString());
-  EXPECT_TRUE(got.empty());
+  ASSERT_EQ(tables.size(), 1u);
+  EXPECT_TRUE(tables[0].empty());
   // A lookup in another block size is refused, not misread.
-  auto bad = cache.LoadMissing({tokens, hashes, 2, 16}, model, kSalt, &got);
+  auto bad = cache.LoadMissing({tokens, hashes, 2, 16}, model, kSalt, &tables);
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(pool2->available_blocks(), 8);  // every block back (some cached)
   cache.Detach();

@@ -272,9 +272,11 @@ class KeepingConnector : public KvConnector {
 // fills those blocks and then reports the load done.
 class LoadingConnector : public KvConnector {
  public:
-  Status StartRemoteLoad(const RequestSpec& request, std::span<const BlockId> blocks) override {
+  Status StartRemoteLoad(const RequestSpec& request, const KvCacheGroups& groups,
+                         std::span<const std::vector<BlockId>> tables) override {
+    EXPECT_EQ(groups.size(), 1);  // the default model: one group of every layer
     id = request.id;
-    dst.assign(blocks.begin(), blocks.end());
+    dst = tables[0];
     return Status::Ok();
   }
   std::vector<RemoteLoadDone> PollRemoteLoads() override {
@@ -377,7 +379,10 @@ TEST(EngineTest, CancelWhileLoadingStopsTheLoadAndReturnsTheBlocks) {
 // from another engine's pool): admission loads them instead of computing.
 class TierConnector : public KvConnector {
  public:
-  void LoadPrefix(const RequestSpec&, const PrefixLookup& prefix, BlockTable& loaded) override {
+  void LoadPrefix(const RequestSpec&, const PrefixLookup& prefix, const KvCacheGroups& groups,
+                  std::span<BlockTable> tables) override {
+    EXPECT_EQ(groups.size(), 1);  // the default model: one group of every layer
+    BlockTable& loaded = tables[0];
     for (const BlockHash& h : prefix.missing()) {
       auto it = store.find(h);
       if (it == store.end()) break;

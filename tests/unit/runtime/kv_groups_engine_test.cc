@@ -59,12 +59,12 @@ RequestSpec Spec(RequestId id, std::vector<int32_t> prompt, int max_tokens) {
 
 // `blocks` pool blocks of the one-group layout's size (so both modes get the
 // same bytes).
-std::unique_ptr<Engine> MakeEngine(KvGroupsMode mode, int64_t blocks = 512, int step = 8) {
+std::unique_ptr<Engine> MakeEngine(bool split, int64_t blocks = 512, int step = 8) {
   EngineOptions o;
   o.block_tokens = kBlock;
   o.threads = 2;
   o.max_step_tokens = step;
-  o.kv_groups = mode;
+  o.split_kv_groups = split;
   o.kv_capacity_bytes = blocks * MixedModel()->MakeKvLayout(KvDtype::kF32, kBlock).BlockBytes();
   auto e = Engine::Create(o, MixedModel());
   EXPECT_TRUE(e.ok()) << e.status().ToString();
@@ -108,14 +108,14 @@ void ExpectAllBlocksReturned(Engine& e) {
 }
 
 TEST(KvGroupsEngineTest, MixedModelSplitsOthersDoNot) {
-  auto grouped = MakeEngine(KvGroupsMode::kAuto);
+  auto grouped = MakeEngine(/*split=*/true);
   ASSERT_NE(grouped, nullptr);
   const KvCacheGroups& g = grouped->kv_groups();
   ASSERT_EQ(g.size(), 3);
   EXPECT_EQ(g.layers_per_block(), 2);
   EXPECT_EQ(g.layers[0], (std::vector<int>{2, 5}));
   EXPECT_EQ(grouped->pool()->layout().layers, 2);
-  auto one = MakeEngine(KvGroupsMode::kOne);
+  auto one = MakeEngine(/*split=*/false);
   ASSERT_NE(one, nullptr);
   EXPECT_EQ(one->kv_groups().size(), 1);
   EXPECT_EQ(one->pool()->layout().layers, 6);
@@ -130,8 +130,8 @@ TEST(KvGroupsEngineTest, SameTokensAsOneGroupAndBoundedWindowBlocks) {
   const std::vector<std::vector<int32_t>> prompts = {RandomPrompt(5, 1), RandomPrompt(30, 2),
                                                      RandomPrompt(13, 3)};
   std::vector<RequestId> ids;
-  auto run = [&](KvGroupsMode mode) {
-    auto e = MakeEngine(mode);
+  auto run = [&](bool split) {
+    auto e = MakeEngine(split);
     EXPECT_NE(e, nullptr);
     ids.clear();
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -143,15 +143,15 @@ TEST(KvGroupsEngineTest, SameTokensAsOneGroupAndBoundedWindowBlocks) {
     auto mid = e->HeldBlocks(2);
     EXPECT_TRUE(mid.ok());
     r = RunToEnd(*e, ids, std::move(r));
-    if (mid.ok() && mode == KvGroupsMode::kAuto) {
+    if (mid.ok() && split) {
       EXPECT_GT((*mid)[0], kWindowBlocks);  // > the window: the full group keeps everything
       for (int k = 1; k < e->kv_groups().size(); ++k) EXPECT_LE((*mid)[k], kWindowBlocks);
     }
     ExpectAllBlocksReturned(*e);
     return r;
   };
-  const Outcome one = run(KvGroupsMode::kOne);
-  const Outcome grouped = run(KvGroupsMode::kAuto);
+  const Outcome one = run(/*split=*/false);
+  const Outcome grouped = run(/*split=*/true);
   for (RequestId id : ids) {
     EXPECT_EQ(grouped.tokens.at(id).size(), 60u);
     EXPECT_EQ(grouped.tokens.at(id), one.tokens.at(id)) << "request " << id;
@@ -167,12 +167,12 @@ TEST(KvGroupsEngineTest, PrefixHitNeedsOnlyTheWindowAndEqualsScratch) {
   const std::vector<int32_t> prefix = RandomPrompt(40, 7);
   std::vector<int32_t> longer = prefix;
   for (int32_t t : RandomPrompt(9, 8)) longer.push_back(t);
-  auto fresh = MakeEngine(KvGroupsMode::kOne);
+  auto fresh = MakeEngine(/*split=*/false);
   ASSERT_NE(fresh, nullptr);
   ASSERT_TRUE(fresh->Submit(Spec(1, longer, 20)).ok());
   const Outcome want = RunToEnd(*fresh, {1});
 
-  auto e = MakeEngine(KvGroupsMode::kAuto);
+  auto e = MakeEngine(/*split=*/true);
   ASSERT_NE(e, nullptr);
   ASSERT_TRUE(e->Submit(Spec(1, prefix, 30)).ok());  // its blocks stay in the prefix cache
   (void)RunToEnd(*e, {1});
@@ -192,8 +192,8 @@ TEST(KvGroupsEngineTest, PrefixHitNeedsOnlyTheWindowAndEqualsScratch) {
 // on a grouped engine keeps every output.
 TEST(KvGroupsEngineTest, PreemptionKeepsOutputs) {
   std::vector<RequestId> ids = {1, 2, 3};
-  auto run = [&](KvGroupsMode mode, int64_t blocks) {
-    auto e = MakeEngine(mode, blocks);
+  auto run = [&](bool split, int64_t blocks) {
+    auto e = MakeEngine(split, blocks);
     EXPECT_NE(e, nullptr);
     for (RequestId id : ids) {
       EXPECT_TRUE(e->Submit(Spec(id, RandomPrompt(20, 10 + id), 40)).ok());
@@ -202,10 +202,10 @@ TEST(KvGroupsEngineTest, PreemptionKeepsOutputs) {
     ExpectAllBlocksReturned(*e);
     return std::make_pair(r, e->stats().preemptions);
   };
-  const auto [one, one_pre] = run(KvGroupsMode::kOne, 512);
+  const auto [one, one_pre] = run(/*split=*/false, 512);
   // 18 one-group blocks = 54 grouped blocks: a 60-token sequence holds 15 of
   // the full group plus at most 2 x 5 sliding ones, so three cannot run at once.
-  const auto [grouped, preemptions] = run(KvGroupsMode::kAuto, 18);
+  const auto [grouped, preemptions] = run(/*split=*/true, 18);
   EXPECT_EQ(one_pre, 0);
   EXPECT_GT(preemptions, 0);
   for (RequestId id : ids) EXPECT_EQ(grouped.tokens.at(id), one.tokens.at(id)) << id;
@@ -213,14 +213,13 @@ TEST(KvGroupsEngineTest, PreemptionKeepsOutputs) {
 
 // Disaggregated: a one-group prefill engine computes the prompt (longer than
 // the window); a grouped decode engine receives every layer of every block
-// into its group tables (as worker::StartGroupedSegmentReceivers lays the
+// into its group tables (as worker::StartSegmentReceivers lays the
 // stream out), decodes past the window with bounded sliding-window blocks and
 // gives the colocated tokens.
 class GroupedLoader : public KvConnector {
  public:
-  bool SupportsKvGroups() const override { return true; }
-  Status StartRemoteLoadGroups(const RequestSpec& request, const KvCacheGroups& groups,
-                               std::span<const std::vector<BlockId>> t) override {
+  Status StartRemoteLoad(const RequestSpec& request, const KvCacheGroups& groups,
+                         std::span<const std::vector<BlockId>> t) override {
     id = request.id;
     tables.assign(t.begin(), t.end());
     EXPECT_EQ(static_cast<int>(t.size()), groups.size());
@@ -248,13 +247,13 @@ class Keeper : public KvConnector {
 
 TEST(KvGroupsEngineTest, DisaggregatedIntoGroupsEqualsColocated) {
   const std::vector<int32_t> prompt = RandomPrompt(26, 21);  // 7 blocks, past the window
-  auto colo = MakeEngine(KvGroupsMode::kAuto);
+  auto colo = MakeEngine(/*split=*/true);
   ASSERT_NE(colo, nullptr);
   ASSERT_TRUE(colo->Submit(Spec(1, prompt, 40)).ok());
   const Outcome want = RunToEnd(*colo, {1});
 
-  auto prefill = MakeEngine(KvGroupsMode::kOne);
-  auto decode = MakeEngine(KvGroupsMode::kAuto);
+  auto prefill = MakeEngine(/*split=*/false);
+  auto decode = MakeEngine(/*split=*/true);
   ASSERT_NE(prefill, nullptr);
   ASSERT_NE(decode, nullptr);
   Keeper keeper;
@@ -297,16 +296,31 @@ TEST(KvGroupsEngineTest, DisaggregatedIntoGroupsEqualsColocated) {
 
 struct NullConnector : KvConnector {};
 
-TEST(KvGroupsEngineTest, AConnectorNeedsOneGroup) {
-  auto e = MakeEngine(KvGroupsMode::kAuto);
+// A connector that loads nothing serves a grouped engine as no connector
+// does (every engine addresses its groups; no connector is refused), and one
+// that cannot load remote KV fails a remote prompt with a clear error, its
+// blocks returned.
+TEST(KvGroupsEngineTest, AConnectorThatLoadsNothingChangesNothing) {
+  const std::vector<int32_t> prompt = RandomPrompt(26, 5);
+  auto bare = MakeEngine(/*split=*/true);
+  ASSERT_NE(bare, nullptr);
+  ASSERT_TRUE(bare->Submit(Spec(1, prompt, 12)).ok());
+  const Outcome want = RunToEnd(*bare, {1});
+
+  auto e = MakeEngine(/*split=*/true);
   ASSERT_NE(e, nullptr);
+  ASSERT_GT(e->kv_groups().size(), 1);
   NullConnector c;
   e->SetKvConnector(&c);
-  const Status s = e->Submit(Spec(1, RandomPrompt(5, 1), 2));
+  ASSERT_TRUE(e->Submit(Spec(1, prompt, 12)).ok());
+  EXPECT_EQ(RunToEnd(*e, {1}).tokens.at(1), want.tokens.at(1));
+
+  RequestSpec r = Spec(2, prompt, 12);
+  r.mode = RequestMode::kRemotePrompt;
+  const Status s = e->Submit(r);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
-  EXPECT_NE(s.message().find("kOne"), std::string::npos) << s.ToString();
-  e->SetKvConnector(nullptr);
-  EXPECT_TRUE(e->Submit(Spec(1, RandomPrompt(5, 1), 2)).ok());
+  EXPECT_NE(s.message().find("cannot load remote KV"), std::string::npos) << s.ToString();
+  ExpectAllBlocksReturned(*e);
 }
 
 }  // namespace
