@@ -45,7 +45,8 @@ Result<BlockId> BlockManager::Allocate() {
 }
 
 void BlockManager::Ref(BlockId id) {
-  if (!Valid(id) || (refcount_[static_cast<size_t>(id)] == 0 && !cached_[static_cast<size_t>(id)])) {
+  if (!Valid(id) ||
+      (refcount_[static_cast<size_t>(id)] == 0 && !cached_[static_cast<size_t>(id)])) {
     LOG_ERROR << "KvBlockPool::Ref on block " << id << " that is not allocated";
     return;
   }
@@ -67,8 +68,8 @@ bool BlockManager::Release(BlockId id) {
 }
 
 bool BlockManager::WouldCommit(BlockId id, const BlockHash& hash) const {
-  return Valid(id) && refcount_[static_cast<size_t>(id)] > 0 &&
-         !cached_[static_cast<size_t>(id)] && index_.count(hash) == 0;
+  return Valid(id) && refcount_[static_cast<size_t>(id)] > 0 && !cached_[static_cast<size_t>(id)] &&
+         index_.count(hash) == 0;
 }
 
 void BlockManager::Commit(BlockId id, const BlockHash& hash) {

@@ -64,9 +64,9 @@ class HostKvStorage final : public KvStorage {
     uint8_t* base = LayerPtr(id, layer);
     if (!kivi_) {
       for (int h = 0; h < heads; ++h) {
-        kvcodec::EncodeRow(layout_.dtype, base + h * slab_bytes_, t, d, offset, k + h * d);
-        kvcodec::EncodeRow(layout_.dtype, base + (heads + h) * slab_bytes_, t, d, offset,
-                           v + h * d);
+        const int64_t row = static_cast<int64_t>(h) * d;
+        kvcodec::EncodeRow(layout_.dtype, base + h * slab_bytes_, t, d, offset, k + row);
+        kvcodec::EncodeRow(layout_.dtype, base + (heads + h) * slab_bytes_, t, d, offset, v + row);
       }
       return;
     }
@@ -84,9 +84,10 @@ class HostKvStorage final : public KvStorage {
       }
     }
     for (int h = 0; h < heads; ++h) {
-      std::memcpy(stage + h * slab_floats + static_cast<int64_t>(offset) * d, k + h * d,
+      const int64_t row = static_cast<int64_t>(h) * d;
+      std::memcpy(stage + h * slab_floats + static_cast<int64_t>(offset) * d, k + row,
                   d * sizeof(float));
-      std::memcpy(stage + (heads + h) * slab_floats + static_cast<int64_t>(offset) * d, v + h * d,
+      std::memcpy(stage + (heads + h) * slab_floats + static_cast<int64_t>(offset) * d, v + row,
                   d * sizeof(float));
     }
     fill_[cell] = static_cast<uint16_t>(std::max<int>(fill_[cell], offset + 1));
