@@ -701,6 +701,24 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
   return hit - first;
 }
 
+void TieredCache::LoadPrefix(const engine::PrefixLookup& prefix,
+                             const engine::ModelFingerprint& model, std::string_view tenant_salt,
+                             std::span<engine::BlockTable> tables) {
+  if (prefix.missing().empty() || tables.empty()) return;
+  std::vector<std::vector<engine::BlockId>> got;  // one reference per block, handed to `tables`
+  Result<int64_t> n = LoadMissing(prefix, model, tenant_salt, &got);
+  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
+  if (got.size() != tables.size()) {
+    for (const auto& table : got) {
+      for (engine::BlockId b : table) {
+        if (b != engine::kNoBlock) pool_->Release(b);
+      }
+    }
+    return;
+  }
+  for (size_t g = 0; g < got.size(); ++g) tables[g].Adopt(got[g]);
+}
+
 Result<int> TieredCache::LoadIntoNewBlocks(engine::KvBlockPool* pool, const PrefixMatch& m,
                                            std::span<const int32_t> tokens,
                                            const engine::ModelFingerprint& model,

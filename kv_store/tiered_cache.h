@@ -91,6 +91,7 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "engine/kv_cache/block_table.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "engine/kv_cache/kv_groups.h"
 #include "kv_store/block_codec.h"
@@ -278,6 +279,12 @@ class TieredCache {
   Result<int64_t> LoadMissing(const engine::PrefixLookup& prefix,
                               const engine::ModelFingerprint& model, std::string_view tenant_salt,
                               std::vector<std::vector<engine::BlockId>>* tables);
+  // engine::KvConnector::LoadPrefix of a worker over this cache (the prefill
+  // role's, and any test that wants that path): LoadMissing, each group's
+  // blocks adopted by tables[g]. Nothing when no block is missing or the
+  // tables are not one per group; a failed load is logged (what loaded is kept).
+  void LoadPrefix(const engine::PrefixLookup& prefix, const engine::ModelFingerprint& model,
+                  std::string_view tenant_salt, std::span<engine::BlockTable> tables);
 
   // --- write side ---
   // Write-through of blocks committed since the last call (as many as the

@@ -186,15 +186,9 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
 }
 
 void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
-                             const engine::KvCacheGroups& groups,
+                             const engine::KvCacheGroups& /*groups*/,
                              std::span<engine::BlockTable> tables) {
-  if (!tiered_ || prefix.missing().empty() || tables.size() != static_cast<size_t>(groups.size())) {
-    return;
-  }
-  std::vector<std::vector<BlockId>> got;  // one reference per block, handed to `tables`
-  auto n = tiered_->LoadMissing(prefix, ctx_.model->fingerprint(), request.tenant_salt, &got);
-  if (!n.ok()) LOG_WARNING << "prefix load from the store failed: " << n.status().ToString();
-  for (size_t g = 0; g < got.size() && g < tables.size(); ++g) tables[g].Adopt(got[g]);
+  if (tiered_) tiered_->LoadPrefix(prefix, ctx_.model->fingerprint(), request.tenant_salt, tables);
 }
 
 Status PrefillRole::AddSenders(

@@ -65,7 +65,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   }
 
   // --- engine::KvConnector ---
-  // The store's blocks of every KV cache group (TieredCache::LoadMissing).
+  // The store's blocks of every KV cache group (TieredCache::LoadPrefix).
   void LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
                   const engine::KvCacheGroups& groups,
                   std::span<engine::BlockTable> tables) override;

@@ -21,8 +21,8 @@
 // connector for a request's missing prefix blocks when it admits the request
 // (KvConnector::LoadPrefix), so restored blocks belong to that request's block
 // table from the moment they are allocated, and nothing is pinned for a
-// request that is not being admitted. Here the connector is TieredCache's
-// admission + load API (Match, StartLoad, FinishLoad), with all three
+// request that is not being admitted. Here the connector calls
+// TieredCache::LoadPrefix, the prefill role's own LoadPrefix, with all three
 // requests submitted between two steps as in the failing case.
 #include <gtest/gtest.h>
 
@@ -153,8 +153,8 @@ TEST_F(RestoreRaceTest, PinningEveryArrivalsRestoreAcrossAStepFailsARequest) {
   cache.Detach();
 }
 
-// The admission side of a KV connector over the tiers: what the prefill
-// role's LoadPrefix does with TieredCache.
+// The admission side of the prefill role's KV connector: its LoadPrefix is
+// TieredCache::LoadPrefix, called here the same way.
 class TierConnector final : public engine::KvConnector {
  public:
   TierConnector(TieredCache* cache, engine::Engine* e) : cache_(cache), engine_(e) {}
@@ -162,7 +162,6 @@ class TierConnector final : public engine::KvConnector {
                   const engine::KvCacheGroups& groups,
                   std::span<engine::BlockTable> tables) override {
     EXPECT_EQ(groups.size(), 1);  // the default model: one group of every layer
-    engine::BlockTable& loaded = tables[0];
     PrefixMatch m =
         cache_->Match(request.prompt, engine_->model().fingerprint(), request.tenant_salt);
     // The engine's pool hits end where its missing blocks start, and its
@@ -170,17 +169,7 @@ class TierConnector final : public engine::KvConnector {
     EXPECT_EQ(static_cast<int64_t>(m.pool_blocks), prefix.first);
     EXPECT_TRUE(
         std::equal(prefix.hashes.begin(), prefix.hashes.end(), m.hashes.begin(), m.hashes.end()));
-    engine::BlockTable dst(loaded.pool());
-    for (int k = 0; k < m.external_blocks; ++k) {
-      auto b = loaded.pool()->Allocate();
-      if (!b.ok()) break;  // the pool is full: load what fits
-      dst.Adopt(*b);
-    }
-    auto load = cache_->StartLoad(m, request.prompt, engine_->model().fingerprint(),
-                                  request.tenant_salt, static_cast<int>(dst.size()));
-    auto n = cache_->FinishLoad(*load, dst.span(), Deadline::AfterMs(30000));
-    dst.Truncate(n.ok() ? *n : 0);
-    loaded.Append(std::move(dst));
+    cache_->LoadPrefix(prefix, engine_->model().fingerprint(), request.tenant_salt, tables);
     ++loads_;
   }
   int loads_ = 0;
