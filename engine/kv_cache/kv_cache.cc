@@ -112,12 +112,16 @@ class KvBlockPoolImpl final : public KvBlockPool {
     return storage_->HeadSlabF32(id, layer, value, head);
   }
   std::span<uint8_t> LayerData(BlockId id, int layer) override {
+    if (host_write_hook_) host_write_hook_(id);
     return storage_->LayerData(id, layer);
   }
   std::span<const uint8_t> LayerData(BlockId id, int layer) const override {
     return std::as_const(*storage_).LayerData(id, layer);
   }
-  void CopyBlock(BlockId src, BlockId dst) override { storage_->CopyBlock(src, dst); }
+  void CopyBlock(BlockId src, BlockId dst) override {
+    if (host_write_hook_) host_write_hook_(dst);
+    storage_->CopyBlock(src, dst);
+  }
 
   void Commit(BlockId id, const BlockHash& hash) override {
     if (manager_.WouldCommit(id, hash)) storage_->Seal(id);
@@ -133,10 +137,14 @@ class KvBlockPoolImpl final : public KvBlockPool {
   void SetEventListener(std::function<void(const KvEvent&)> listener) override {
     manager_.SetEventListener(std::move(listener));
   }
+  void SetHostWriteHook(std::function<void(BlockId)> hook) override {
+    host_write_hook_ = std::move(hook);
+  }
 
  private:
   BlockManager manager_;
   std::unique_ptr<KvStorage> storage_;
+  std::function<void(BlockId)> host_write_hook_;
 };
 
 }  // namespace

@@ -165,6 +165,11 @@ class KvBlockPool {
   // evicted, so a lower tier can copy it; then kEvicted is emitted.
   virtual void SetSpillHook(std::function<void(const BlockHash&, BlockId)> hook) = 0;
   virtual void SetEventListener(std::function<void(const KvEvent&)> listener) = 0;
+  // Called with the block before every write to its bytes that does not go
+  // through WriteToken: the mutable LayerData (an import, a KIVI flush) and
+  // CopyBlock's destination. A device backend that mirrors the pool re-reads
+  // such a block before it next uses it (ComputeBackend::InvalidateBlock).
+  virtual void SetHostWriteHook(std::function<void(BlockId)> hook) = 0;
 };
 
 }  // namespace kvrelay::engine

@@ -64,7 +64,8 @@ class ComputeBackend {
   // ForwardPass::SetCollective.
   virtual void SetCollective(TpCollective* collective) = 0;
   // The bytes of `block` in the host pool changed (all layers): a device
-  // mirror must re-read them. The CPU backend ignores it.
+  // mirror must re-read them (the engine routes the pool's host-write hook,
+  // KvBlockPool::SetHostWriteHook, here). The CPU backend ignores it.
   virtual void InvalidateBlock(BlockId block) = 0;
 };
 
@@ -101,62 +102,5 @@ struct ComputeBackendOptions {
 Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
                                                              const Model& model, KvBlockPool* pool,
                                                              ThreadPool* threads);
-
-// Wraps `pool` so that every write to block bytes that does not come from the
-// backend (mutable LayerData, CopyBlock's destination) calls
-// backend->InvalidateBlock first. `backend` must outlive the wrapper's use;
-// set it after creating the backend on the wrapped pool (SetBackend).
-class HostWriteTrackingPool : public KvBlockPool {
- public:
-  explicit HostWriteTrackingPool(std::unique_ptr<KvBlockPool> inner) : inner_(std::move(inner)) {}
-  void SetBackend(ComputeBackend* backend) { backend_ = backend; }
-  KvBlockPool* inner() { return inner_.get(); }
-
-  const KvLayout& layout() const override { return inner_->layout(); }
-  int64_t total_blocks() const override { return inner_->total_blocks(); }
-  int64_t free_blocks() const override { return inner_->free_blocks(); }
-  int64_t available_blocks() const override { return inner_->available_blocks(); }
-  Result<BlockId> Allocate() override { return inner_->Allocate(); }
-  void Ref(BlockId id) override { inner_->Ref(id); }
-  void Release(BlockId id) override { inner_->Release(id); }
-  int refcount(BlockId id) const override { return inner_->refcount(id); }
-  int64_t staging_slots_free() const override { return inner_->staging_slots_free(); }
-  // The backend's own write path (it mirrors device K/V here): no invalidation.
-  void WriteToken(BlockId id, int layer, int offset, const float* k, const float* v) override {
-    inner_->WriteToken(id, layer, offset, k, v);
-  }
-  void ReadHead(BlockId id, int layer, int head, int n, float* k, float* v) const override {
-    inner_->ReadHead(id, layer, head, n, k, v);
-  }
-  const float* HeadSlabF32(BlockId id, int layer, bool value, int head) const override {
-    return inner_->HeadSlabF32(id, layer, value, head);
-  }
-  std::span<uint8_t> LayerData(BlockId id, int layer) override {
-    if (backend_ != nullptr) backend_->InvalidateBlock(id);
-    return inner_->LayerData(id, layer);
-  }
-  std::span<const uint8_t> LayerData(BlockId id, int layer) const override {
-    return std::as_const(*inner_).LayerData(id, layer);
-  }
-  void CopyBlock(BlockId src, BlockId dst) override {
-    if (backend_ != nullptr) backend_->InvalidateBlock(dst);
-    inner_->CopyBlock(src, dst);
-  }
-  void Commit(BlockId id, const BlockHash& hash) override { inner_->Commit(id, hash); }
-  std::vector<BlockId> MatchPrefix(std::span<const BlockHash> hashes) override {
-    return inner_->MatchPrefix(hashes);
-  }
-  bool IsCached(const BlockHash& hash) const override { return inner_->IsCached(hash); }
-  void SetSpillHook(std::function<void(const BlockHash&, BlockId)> hook) override {
-    inner_->SetSpillHook(std::move(hook));
-  }
-  void SetEventListener(std::function<void(const KvEvent&)> listener) override {
-    inner_->SetEventListener(std::move(listener));
-  }
-
- private:
-  std::unique_ptr<KvBlockPool> inner_;
-  ComputeBackend* backend_ = nullptr;
-};
 
 }  // namespace kvrelay::engine

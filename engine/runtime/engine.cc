@@ -93,6 +93,8 @@ class Engine::Impl {
     if (connector_ != nullptr) {
       for (auto& [id, s] : loading_) connector_->CancelRemoteLoad(id);
     }
+    // backend_ goes before pool_: nothing may reach it through the pool after.
+    if (backend_) pool_->SetHostWriteHook(nullptr);
   }
 
   Status CheckSpec(const RequestSpec& spec) const {
@@ -844,16 +846,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
     return std::unique_ptr<Engine>(new Engine(
         std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups))));
   }
-  // A device backend mirrors the pool: host writes it did not make must reach it.
-  auto tracked = std::make_unique<HostWriteTrackingPool>(std::move(pool));
-  HostWriteTrackingPool* tracker = tracked.get();
-  auto impl =
-      std::make_unique<Impl>(options, std::move(model), std::move(tracked), std::move(groups));
+  auto impl = std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups));
   ComputeBackendOptions bo;
   bo.device = device;
   ASSIGN_OR_RETURN(impl->backend_,
                    CreateComputeBackend(bo, *impl->model_, impl->pool_.get(), &impl->threads_));
-  tracker->SetBackend(impl->backend_.get());
+  // A device backend mirrors the pool: host writes it did not make must reach it.
+  ComputeBackend* backend = impl->backend_.get();
+  impl->pool_->SetHostWriteHook([backend](BlockId b) { backend->InvalidateBlock(b); });
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 

@@ -161,14 +161,16 @@ TEST(CudaBackendGpuTest, KvWrittenIntoTheHostPoolIsUploadedBeforeUse) {
   REQUIRE_GPU();
   auto m = Synthetic(GgmlType::kQ4_1, GgmlType::kQ8_0);
   // Prefill on the CPU, copy the blocks' bytes into the device engine's
-  // (tracked) pool as an importer would, decode on the device.
+  // pool as an importer would (its host-write hook tells the backend), decode
+  // on the device.
   auto cpu_pool = testutil::MakePool(*m, 8);
-  auto tracked = std::make_unique<HostWriteTrackingPool>(testutil::MakePool(*m, 8));
+  auto tracked = testutil::MakePool(*m, 8);
   ComputeBackendOptions o;
   o.device = {DeviceKind::kCuda, 0};
   auto gpu = CreateComputeBackend(o, *m, tracked.get(), nullptr);
   ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
-  tracked->SetBackend(gpu->get());
+  ComputeBackend* backend = gpu->get();
+  tracked->SetHostWriteHook([backend](BlockId b) { backend->InvalidateBlock(b); });
   auto cpu = CreateComputeBackend({}, *m, cpu_pool.get(), nullptr);
   std::vector<int32_t> tokens = Tokens(40, m->config().vocab, 9);
   std::vector<BlockId> cb = {*cpu_pool->Allocate(), *cpu_pool->Allocate(), *cpu_pool->Allocate()};

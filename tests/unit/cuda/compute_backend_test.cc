@@ -83,11 +83,12 @@ class RecordingBackend final : public ComputeBackend {
   std::vector<BlockId> invalidated;
 };
 
-TEST(ComputeBackendTest, TrackingPoolReportsEveryHostWriteTheBackendDidNotMake) {
+TEST(ComputeBackendTest, PoolReportsEveryHostWriteTheBackendDidNotMake) {
   auto model = Synthetic();
-  HostWriteTrackingPool pool(testutil::MakePool(*model, 8));
+  auto owned = testutil::MakePool(*model, 8);
+  KvBlockPool& pool = *owned;
   RecordingBackend backend;
-  pool.SetBackend(&backend);
+  pool.SetHostWriteHook([&](BlockId b) { backend.InvalidateBlock(b); });
   const BlockId a = *pool.Allocate(), b = *pool.Allocate();
   std::vector<float> k(model->config().kv_dim(), 1.0f), v(k.size(), 2.0f);
   pool.WriteToken(a, 0, 0, k.data(), v.data());  // the backend's own mirror path
@@ -100,15 +101,22 @@ TEST(ComputeBackendTest, TrackingPoolReportsEveryHostWriteTheBackendDidNotMake) 
   EXPECT_EQ(backend.invalidated, std::vector<BlockId>{b});
   pool.CopyBlock(a, b);  // copy-on-write lands in b
   EXPECT_EQ(backend.invalidated, (std::vector<BlockId>{b, b}));
-  // Everything else reaches the wrapped pool unchanged.
   std::vector<float> k2(16 * model->config().head_dim), v2(k2.size());
   pool.ReadHead(b, 0, 0, 1, k2.data(), v2.data());
   EXPECT_EQ(k2[0], 1.0f);
   EXPECT_EQ(v2[0], 2.0f);
+  EXPECT_EQ(backend.invalidated.size(), 2u);  // reads, refs and releases: none
   EXPECT_EQ(pool.refcount(a), 1);
   pool.Release(a);
   pool.Release(b);
   EXPECT_EQ(pool.free_blocks(), pool.total_blocks());
+  EXPECT_EQ(backend.invalidated.size(), 2u);
+  // Without a hook, writes are simply not reported.
+  pool.SetHostWriteHook(nullptr);
+  const BlockId c = *pool.Allocate();
+  pool.LayerData(c, 0)[0] = 1;
+  EXPECT_EQ(backend.invalidated.size(), 2u);
+  pool.Release(c);
 }
 
 TEST(ComputeBackendTest, EngineWithCudaDeviceRefusesClearlyWithoutAGpu) {
