@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/logging.h"
+#include "engine/kv_cache/kv_codec.h"
 #include "kv_transfer/head_sharding.h"
 #include "protocols/messages.h"
 #include "protocols/sampling_codec.h"
@@ -239,19 +240,23 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g) {
   // The stream carries every model layer of each block (ctx_.layout); each
   // layer is read from its group's block.
   return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
-    return worker::MakeStreamBuffers(engine_->pool(), engine_->kv_groups(), out.tables, r, heads,
+    return worker::MakeStreamBuffers(worker::StreamSide::kSend, engine_->pool(),
+                                     engine_->kv_groups(), out.tables, r, heads,
                                      hole_layer_.empty() ? nullptr : hole_layer_.data());
   });
 }
 
-void PrefillRole::QuantizeTailLayer(const Outgoing& out, int layer) {
-  engine::KvBlockPool* pool = engine_->pool();
-  const auto tail = static_cast<size_t>(out.prompt_tokens / ctx_.layout.block_tokens);
+void PrefillRole::SealLayer(const Outgoing& out, worker::BlockRange r, int layer) {
+  const engine::KvBlockPool& pool = *engine_->pool();
+  if (!engine::kvcodec::IsKivi(pool.layout().dtype)) return;  // nothing is staged
   const engine::KvCacheGroups& groups = engine_->kv_groups();
   const std::vector<engine::BlockId>& table =
       out.tables[static_cast<size_t>(groups.group_of[static_cast<size_t>(layer)])];
-  if (tail < table.size() && table[tail] != engine::kNoBlock) {
-    (void)pool->LayerData(table[tail], groups.slot_of[static_cast<size_t>(layer)]);
+  for (int64_t i = r.first; i < r.first + r.count; ++i) {
+    const engine::BlockId b = table[static_cast<size_t>(i)];
+    // The const LayerData quantizes a staged layer in place; it writes no
+    // new values, so a device mirror is not told (no host-write hook).
+    if (b != engine::kNoBlock) (void)pool.LayerData(b, groups.slot_of[static_cast<size_t>(layer)]);
   }
 }
 
@@ -266,13 +271,6 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
     Outgoing& out = it->second;
     const int64_t n = out.prompt_blocks;
     if (layer == 0) RecordGroupBlocks(seq, out);
-    // The step that ends the prompt wrote its partial tail block: a KIVI pool
-    // holds that layer in f32 staging, its slab bytes stale until quantized.
-    // Quantize it (LayerData) before the layer is sent, as the engine does at
-    // every prompt's end, so the decode side continues from the same bytes.
-    if (seq.end() == out.prompt_tokens && out.prompt_tokens % B != 0) {
-      QuantizeTailLayer(out, layer);
-    }
     for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
       const worker::BlockRange r = worker::StreamSegment(n, g);
       // The segment is streamed from the step whose chunk completes it.
@@ -287,6 +285,13 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
         }
       }
       if (senders.front()->layers_sent() != layer) continue;  // sent in an earlier step
+      // The step that ends the prompt wrote its partial tail block: a KIVI
+      // pool holds that layer in f32 staging, its slab bytes stale until
+      // quantized. The hook runs after this step's attention of the layer,
+      // so quantizing it now changes nothing the step computes; it is what
+      // the engine does at every prompt's end, so the decode side continues
+      // from the same bytes.
+      SealLayer(out, r, layer);
       for (auto& sender : senders) {
         // A full transport defers the layer (back-pressure); any other error
         // fails the stream, which its delivery then reports for the request.

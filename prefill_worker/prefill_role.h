@@ -34,6 +34,7 @@
 #include "kv_store/tiered_cache.h"
 #include "kv_transfer/hand_over_frame.h"
 #include "kv_transfer/layer_stream.h"
+#include "worker/kv_streams.h"
 #include "worker/role.h"
 
 namespace kvrelay::prefill_worker {
@@ -108,8 +109,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   };
 
   void OnPrefillTask(const proto::PrefillTask& task);
-  // Quantizes `layer` of the prompt's partial tail block (KIVI staging).
-  void QuantizeTailLayer(const Outgoing& out, int layer);
+  // Seals `layer` of blocks `r` before it is sent: a KIVI layer still staged
+  // is quantized (the prompt's partial tail block); nothing for other dtypes.
+  void SealLayer(const Outgoing& out, worker::BlockRange r, int layer);
   // Connects the data plane to every rank of `target`; fills out->decode_ranks.
   Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
   // Records (and pins) the step's blocks of every KV cache group.

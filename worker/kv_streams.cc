@@ -22,7 +22,7 @@ kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
   return spec;
 }
 
-kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
+kv_transfer::StreamBuffers MakeStreamBuffers(StreamSide side, engine::KvBlockPool* pool,
                                              const engine::KvCacheGroups& groups,
                                              std::span<const std::vector<engine::BlockId>> tables,
                                              BlockRange range, kv_transfer::HeadRange local,
@@ -32,8 +32,14 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
   buffers.layout.kv_heads = layout.kv_heads;
   buffers.layout.slab_bytes = layout.SlabBytes();
   buffers.local_heads = local;
+  // The stream only writes through a receiver's addresses; a sender's are
+  // read (the bytes a KIVI sender seals later stay at the same address).
+  auto address = [&](engine::BlockId b, int slot) {
+    return side == StreamSide::kReceive ? pool->LayerData(b, slot).data()
+                                        : const_cast<uint8_t*>(pool->LayerAddress(b, slot));
+  };
   for (int64_t i = range.first; i < range.first + range.count; ++i) {
-    buffers.block_layer0.push_back(pool->LayerData(tables[0][static_cast<size_t>(i)], 0).data());
+    buffers.block_layer0.push_back(address(tables[0][static_cast<size_t>(i)], 0));
   }
   for (int l = 0; l < groups.n_layers(); ++l) {
     const std::vector<engine::BlockId>& table = tables[static_cast<size_t>(groups.group_of[l])];
@@ -41,7 +47,7 @@ kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
       const engine::BlockId b = table[static_cast<size_t>(i)];
       buffers.layer_data.push_back(b == engine::kNoBlock && hole_layer != nullptr
                                        ? hole_layer
-                                       : pool->LayerData(b, groups.slot_of[l]).data());
+                                       : address(b, groups.slot_of[l]));
     }
   }
   return buffers;
@@ -60,7 +66,7 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
     const BlockRange r = StreamSegment(n, g);
     receivers.push_back(std::make_unique<kv_transfer::LayerStreamReceiver>(
         transport, peer, MakeStreamSpec(layout, model, id, g, n, own),
-        MakeStreamBuffers(pool, groups, tables, r, {0, own.size()})));
+        MakeStreamBuffers(StreamSide::kReceive, pool, groups, tables, r, {0, own.size()})));
     RETURN_IF_ERROR(receivers.back()->Start());
   }
   return receivers;

@@ -46,6 +46,18 @@ kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
                                        int64_t segment, int64_t blocks,
                                        kv_transfer::HeadRange heads);
 
+// Which end of a stream the buffers are for.
+enum class StreamSide : uint8_t {
+  // The sender takes the addresses only (KvBlockPool::LayerAddress) and must
+  // seal each (block, layer) with LayerData before it sends that layer: a
+  // KIVI layer still staged is quantized then, not before the steps that
+  // write and read it staged are done (PrefillRole::SealLayer).
+  kSend,
+  // The receiver's blocks go through LayerData: a KIVI pool takes the bytes
+  // that land as the layer's contents.
+  kReceive,
+};
+
 // Where blocks [range.first, range.first + range.count) of a prompt live in
 // `pool`, whose KV cache groups are `groups` (engine/kv_cache/kv_groups.h;
 // one group of every layer for most models): the stream carries every model
@@ -57,11 +69,7 @@ kv_transfer::StreamSpec MakeStreamSpec(const engine::KvLayout& layout,
 // engine never held, wholly before every later query's window) passes
 // `hole_layer`, zeros of one block layer (KvLayout::LayerBytes), read in
 // place of each such entry. Without it every entry must name a block.
-// Every (block, layer) goes through LayerData: a KIVI pool quantizes a staged
-// layer before it is sent and takes received bytes as the layer's contents
-// (else a later write into a partial tail block starts from zeros, or a staged
-// layer's stale bytes are sent).
-kv_transfer::StreamBuffers MakeStreamBuffers(engine::KvBlockPool* pool,
+kv_transfer::StreamBuffers MakeStreamBuffers(StreamSide side, engine::KvBlockPool* pool,
                                              const engine::KvCacheGroups& groups,
                                              std::span<const std::vector<engine::BlockId>> tables,
                                              BlockRange range, kv_transfer::HeadRange local,

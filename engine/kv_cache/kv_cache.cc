@@ -118,6 +118,9 @@ class KvBlockPoolImpl final : public KvBlockPool {
   std::span<const uint8_t> LayerData(BlockId id, int layer) const override {
     return std::as_const(*storage_).LayerData(id, layer);
   }
+  const uint8_t* LayerAddress(BlockId id, int layer) const override {
+    return storage_->LayerAddress(id, layer);
+  }
   void CopyBlock(BlockId src, BlockId dst) override {
     if (host_write_hook_) host_write_hook_(dst);
     storage_->CopyBlock(src, dst);

@@ -150,6 +150,11 @@ class KvBlockPool {
   // contents for all block_tokens rows.
   virtual std::span<uint8_t> LayerData(BlockId id, int layer) = 0;
   virtual std::span<const uint8_t> LayerData(BlockId id, int layer) const = 0;
+  // Where LayerData(id, layer)'s bytes live, without flushing a KIVI layer's
+  // staging or changing its state: for a sender that takes the addresses of
+  // a whole segment up front and seals each layer (LayerData) only when it
+  // sends it, after the steps that still write or read it staged.
+  virtual const uint8_t* LayerAddress(BlockId id, int layer) const = 0;
   // Copies every layer of src into dst (copy-on-write).
   virtual void CopyBlock(BlockId src, BlockId dst) = 0;
 

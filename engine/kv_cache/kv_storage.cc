@@ -142,6 +142,8 @@ class HostKvStorage final : public KvStorage {
     return {LayerPtr(id, layer), static_cast<size_t>(layer_bytes_)};
   }
 
+  const uint8_t* LayerAddress(BlockId id, int layer) const override { return LayerPtr(id, layer); }
+
   void CopyBlock(BlockId src, BlockId dst) override {
     if (src == dst) return;
     std::memcpy(BlockPtr(dst), BlockPtr(src), static_cast<size_t>(block_bytes_));

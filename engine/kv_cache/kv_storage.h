@@ -45,6 +45,7 @@ class KvStorage {
   virtual const float* HeadSlabF32(BlockId id, int layer, bool value, int head) const = 0;
   virtual std::span<uint8_t> LayerData(BlockId id, int layer) = 0;
   virtual std::span<const uint8_t> LayerData(BlockId id, int layer) const = 0;
+  virtual const uint8_t* LayerAddress(BlockId id, int layer) const = 0;
   virtual void CopyBlock(BlockId src, BlockId dst) = 0;
 };
 

@@ -184,8 +184,12 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
       pool_->WriteToken(TableOf(q, l)[pos / B], slot, static_cast<int>(pos % B),
                         k_.data() + t * kvd, v_.data() + t * kvd);
     }
-    if (layer_hook) layer_hook(l);
     Attention(l, seqs);
+    // After this step's attention of the layer: what the hook does to the
+    // layer's bytes (a sender seals a KIVI layer, quantizing its staged rows)
+    // must not change what this step reads, or the K/V of the layers above
+    // would differ from a run without the hook.
+    if (layer_hook) layer_hook(l);
     if (exact_tp) {
       RETURN_IF_ERROR(
           GatherColumns(attn_.data(), q_cols_, T, &attn_full_).WithContext("attention"));

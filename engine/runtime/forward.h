@@ -46,8 +46,9 @@ class ForwardPass {
   ForwardPass(const Model& model, KvBlockPool* pool, KvCacheGroups groups, ThreadPool* threads);
 
   // Runs the step. `layer_hook` (may be empty) is called after layer l's K/V
-  // of all sequences are written. InvalidArgument for a bad sequence (token
-  // out of vocab, block table too short, pool layout mismatch).
+  // of all sequences are written and this step's attention of layer l has
+  // read them (it may seal the layer: KvBlockPool::LayerData). InvalidArgument for a bad sequence
+  // (token out of vocab, block table too short, pool layout mismatch).
   Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook = {});
 

@@ -84,7 +84,9 @@ class KvConnector {
   virtual void CancelRemoteLoad(RequestId /*request*/) {}
 
   // --- step side ---
-  // Layer `layer`'s K/V of every sequence in `plan` has been written.
+  // Layer `layer`'s K/V of every sequence in `plan` has been written, and
+  // this step is done reading it: the connector may seal it (LayerData)
+  // without changing what the step computes.
   virtual void SaveLayer(int /*layer*/, const StepPlan& /*plan*/) {}
   // A kPrefillOnly request finished (event `ev`, its first token sampled or
   // an error). `prompt_blocks` holds exactly the prompt's blocks; return true

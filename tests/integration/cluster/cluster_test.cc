@@ -1557,17 +1557,7 @@ TEST_P(QuantizedKvClusterTest, ColocatedMatchesEngine) {
 // are the engine's. After a restart on the same store directory the longest
 // prompt's prefix is restored from disk (cached_tokens, the restored-from-
 // disk counter) and the answers are still the engine's.
-// KIVI-4 KV handed over from a prefill to a decode worker still differs from
-// the engine's greedy tokens on one prompt (8 tokens: the same divergence at
-// its 5th token over TCP, MPI and after a disk restore; 5- and 21-token
-// prompts match, and so does a colocated worker). Two causes were found and
-// fixed (a staged tail layer was sent stale; imported layers were restaged
-// from zeros); the third is not found yet. Skipped, named, until it is.
-constexpr const char* kKiviHandOverBug =
-    "KIVI-4 hand-over still differs from the engine on an 8-token prompt (README: not done yet)";
-
 TEST_P(QuantizedKvClusterTest, TcpHandOverAndDiskRestoreMatchEngine) {
-  if (std::string(GetParam()) == "kivi4") GTEST_SKIP() << kKiviHandOverBug;
   ScratchDir scratch;
   ASSERT_FALSE(scratch.path.empty());
   const std::vector<int32_t>& stored = prompts_.back();
@@ -1611,7 +1601,6 @@ TEST_P(QuantizedKvClusterTest, TcpHandOverAndDiskRestoreMatchEngine) {
 // The same hand-over on the MPI data plane: coordinator + 1 prefill + 1
 // decode worker under mpirun with --kv-transport mpi.
 TEST_P(QuantizedKvClusterTest, MpiHandOverMatchesEngine) {
-  if (std::string(GetParam()) == "kivi4") GTEST_SKIP() << kKiviHandOverBug;
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0)
     KVRELAY_SKIP_OR_FAIL() << "mpirun not found";
   MpirunCluster cluster;

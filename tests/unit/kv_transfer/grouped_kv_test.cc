@@ -62,8 +62,8 @@ TEST(GroupedStreamBuffersTest, EachLayerFromItsGroupsBlockAndHolesFromTheStandIn
   const std::vector<std::vector<BlockId>> tables = {{0, 1, 2}, {kNoBlock, 3, 4}};
   std::vector<uint8_t> hole(static_cast<size_t>(o.layout.LayerBytes()), 0);
   const worker::BlockRange range{0, 3};
-  const kv_transfer::StreamBuffers b =
-      worker::MakeStreamBuffers(p, groups, tables, range, {0, 1}, hole.data());
+  const kv_transfer::StreamBuffers b = worker::MakeStreamBuffers(
+      worker::StreamSide::kSend, p, groups, tables, range, {0, 1}, hole.data());
   ASSERT_EQ(b.block_layer0.size(), 3u);
   ASSERT_EQ(b.layer_data.size(), 4u * 3u);  // every model layer of every block
   for (int l = 0; l < 4; ++l) {
