@@ -555,6 +555,8 @@ TEST(MpirunSupervisionTest, KilledProcessesAreRestartedAndServeAgain) {
 // (a corrupted block is caught by its checksum, never decoded), serving after,
 // KV blocks back.
 enum class KvFault { kCut, kCorrupt, kBlackhole };
+// How long cut_kv_link keeps the relayed KV link down.
+constexpr milliseconds kCutDown{1000};
 
 const char* KvFaultName(KvFault f) {
   switch (f) {
@@ -706,7 +708,7 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
   const auto fault_at = Clock::now();
   if (fault == KvFault::kCut) {
     relay_->Cut();
-    std::this_thread::sleep_for(milliseconds(1000));  // the link stays down this long
+    std::this_thread::sleep_for(kCutDown);  // the link stays down this long
     relay_->Restore();
   } else if (fault == KvFault::kBlackhole) {
     // No reset, no error: the open KV connections just go quiet for good.
@@ -749,8 +751,12 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
       // short request (blackhole_kv_link: 2.7-3.5 s against a fixed 2 s at
       // load 5.5, issue #42). So the bound follows the run's own latency.
       // A request whose hand-over failed after its first token moves on to
-      // a new prefill (--migration-limit): an answer may cost one more run.
-      const double bound = kFinalStatusWithinS + ordinary + (o.http_status == 200 ? ordinary : 0.0);
+      // a new prefill (--migration-limit): an answer may cost one more run,
+      // and a moved request whose KV path is cut cannot be answered before
+      // the link is back (moves to the refusing address fail at once).
+      const double down = fault == KvFault::kCut ? Seconds(kCutDown) : 0.0;
+      const double bound =
+          kFinalStatusWithinS + ordinary + (o.http_status == 200 ? down + ordinary : 0.0);
       EXPECT_LT(Seconds(o.ended - std::max(o.sent, fault_at)), bound)
           << "request " << i << " (HTTP " << o.http_status << "), bound " << bound
           << " s: " << o.error;
