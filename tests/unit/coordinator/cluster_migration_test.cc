@@ -91,6 +91,22 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
     EXPECT_TRUE(decode.Send(MessageType::kFinish, fin).ok());
   }
 
+  // The first attempt under way: prefill-0 (prefill_) and decode-0 joined,
+  // the request submitted, decode-0 asked to reserve its blocks and
+  // prefill-0 given the task (*task). Returns decode-0, or null (a failure
+  // recorded) when a step did not happen.
+  std::unique_ptr<ControlPeer> StartFirstAttempt(CollectedEvents& events,
+                                                 proto::PrefillTask* task) {
+    prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+    auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+    proto::ReserveBlocks reserve;
+    const bool ok = backend_->Submit(Request(), events.Sink()).ok() &&
+                    decode0->Expect(MessageType::kReserveBlocks, &reserve).ok() &&
+                    prefill_->Expect(MessageType::kPrefillTask, task).ok();
+    EXPECT_TRUE(ok) << "the first attempt did not reach both workers";
+    return ok ? std::move(decode0) : nullptr;
+  }
+
   // decode-0 takes the request, streams 100, 101, 102 (they reach the
   // client), then decode-1 registers (unless !other) and decode-0's
   // connection drops.
@@ -327,14 +343,10 @@ TEST_F(ClusterMigrationTest, AFailedTpGroupsRequestMovesOn) {
 // prefill-0 / decode-0 to prefill-1 / decode-1.
 TEST_F(ClusterMigrationTest, AMovedRequestAvoidsThePairThatFailed) {
   StartBackend(/*migration_limit=*/3);
-  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
-  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
   CollectedEvents& events = NewEvents();
-  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
-  proto::ReserveBlocks reserve;
-  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
   proto::PrefillTask task;
-  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  auto decode0 = StartFirstAttempt(events, &task);
+  ASSERT_NE(decode0, nullptr);
   auto prefill1 = Join("prefill-1", proto::WORKER_ROLE_PREFILL, 11);
   decode1_ = Join("decode-1", proto::WORKER_ROLE_DECODE, 21);
   // The newcomers look busier than the failed pair, so only the avoidance
@@ -371,20 +383,16 @@ TEST_F(ClusterMigrationTest, AMovedRequestAvoidsThePairThatFailed) {
 // arriving late on the same prefill worker, is not taken for the second's.
 TEST_F(ClusterMigrationTest, ACorruptChunkBeforeThePrefillDoneIsRunAgain) {
   StartBackend(/*migration_limit=*/3);
-  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
-  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
   CollectedEvents& events = NewEvents();
-  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
-  proto::ReserveBlocks reserve;
-  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
   proto::PrefillTask task;
-  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  auto decode0 = StartFirstAttempt(events, &task);
+  ASSERT_NE(decode0, nullptr);
   proto::Finish fin;
   fin.set_request_id(kId);
   fin.set_reason(proto::Finish::REASON_ERROR);
   fin.set_status_code(static_cast<uint32_t>(StatusCode::kDataLoss));
   fin.set_message("receiving KV: request 1 layer 2: checksum mismatch in block 0");
-  fin.set_kv_transfer_id(reserve.kv_transfer_id());
+  fin.set_kv_transfer_id(task.kv_transfer_id());  // the reservation names the same id
   ASSERT_TRUE(decode0->Send(MessageType::kFinish, fin).ok());
   proto::Cancel cancel;
   ASSERT_TRUE(prefill_->Expect(MessageType::kCancel, &cancel).ok());
@@ -480,14 +488,10 @@ TEST_F(ClusterMigrationTest, ARequestIsTwoMessagesOutAndOneBackBeforeItsTokens) 
 // prefill already under way.
 TEST_F(ClusterMigrationTest, ARefusedReservationCancelsThePrefillUnderWay) {
   StartBackend(/*migration_limit=*/3);
-  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
-  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
   CollectedEvents& events = NewEvents();
-  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
-  proto::ReserveBlocks reserve;
-  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
   proto::PrefillTask task;
-  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  auto decode0 = StartFirstAttempt(events, &task);
+  ASSERT_NE(decode0, nullptr);
   EXPECT_FALSE(task.decode().ranks().empty());
   proto::ReserveBlocksReply refuse;
   refuse.set_request_id(kId);
@@ -607,14 +611,10 @@ TEST_F(ClusterMigrationTest, ACorruptHandOverIsRunAgain) {
 // first token first, and none is lost.
 TEST_F(ClusterMigrationTest, DecodeReportsThatOvertakeThePrefillDoneWaitForIt) {
   StartBackend(/*migration_limit=*/3);
-  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
-  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
   CollectedEvents& events = NewEvents();
-  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
-  proto::ReserveBlocks reserve;
-  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
   proto::PrefillTask task;
-  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  auto decode0 = StartFirstAttempt(events, &task);
+  ASSERT_NE(decode0, nullptr);
   Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
   Finish(*decode0);
   // A frame after them on the same connection: once it is answered, the
