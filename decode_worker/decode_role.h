@@ -18,6 +18,10 @@
 //                     silence for kv_progress_timeout now fails the load.
 // A deadline (kv_timeout), a cancel or a broken TP link fails the load; the
 // engine's request owns the blocks, so they go back on every path.
+//
+// Each request is one record of the worker's RequestTable
+// (worker/request_table.h): kReserved -> kReceiving -> kRunning; its
+// receives are the record's work (Incoming) while it is kReceiving.
 #pragma once
 
 #include <atomic>
@@ -45,7 +49,7 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   void DescribeRegistration(proto::RegisterWorker* reg) const override;
   Status OnControlFrame(const protocols::Frame& frame) override;
   void Progress() override;
-  bool polling() const override { return !incoming_.empty(); }
+  bool polling() const override;
   Status health() const override;
   protocols::PortSecurityCounters tp_security_counters() const override {
     return tp_ ? tp_->security_counters() : protocols::PortSecurityCounters{};
@@ -64,7 +68,7 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
 
  private:
   // A remote prompt on its way into blocks the engine reserved.
-  struct Incoming {
+  struct Incoming final : worker::RequestWork {
     // One per segment of the prompt's blocks (worker/kv_streams.h).
     std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>> receivers;
     // The hand-over frame: the prefill side's first token, sent after every
@@ -87,23 +91,26 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   void OnReserveBlocks(const proto::ReserveBlocks& m);
   void ApplyFollowerAcks();
   // Posts what every load needs beyond its streams (the TP followers' part,
-  // the hand-over frame) and records it.
-  Status AddIncoming(const engine::RequestSpec& request, Incoming in,
-                     std::span<const std::vector<engine::BlockId>> tables);
-  // Drops `in`'s transfers (receives cancelled before the blocks go back).
-  void DropIncoming(engine::RequestId id, Incoming& in);
+  // the hand-over frame) into `in`.
+  Status PostRest(const engine::RequestSpec& request, Incoming& in,
+                  std::span<const std::vector<engine::BlockId>> tables);
+  // The table's Release: drops the record's transfers (receives cancelled
+  // before the blocks go back).
+  void DropIncoming(worker::Request& r);
+  // Polls the load of `r`: OK with *first_token >= 0 once it is complete,
+  // or why it failed.
+  Status PollLoad(worker::Request& r, Incoming& in, int32_t* first_token);
 
   worker::WorkerContext ctx_;
   std::unique_ptr<MpiTpCollective> mpi_collective_;  // TP over MPI only
   std::unique_ptr<TpLeader> tp_;                     // TP size > 1 only
-  std::map<engine::RequestId, Incoming> incoming_;
   // KV streams failed by an integrity check (DataLoss); read by heartbeats.
   std::atomic<uint64_t> kv_integrity_failures_{0};
   // Hand-over frames whose receive ended kAborted: the transport owns their
   // slots for its life (transport.h), so they are kept, never freed.
   std::vector<std::unique_ptr<kv_transfer::HandOverFrame>> quarantined_frames_;
   // Declared last, destroyed first: the engine cancels its loads through
-  // this connector while incoming_ is still alive.
+  // this connector while the role is still whole.
   std::unique_ptr<engine::Engine> engine_;
 };
 

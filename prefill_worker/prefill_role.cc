@@ -14,6 +14,8 @@ namespace kvrelay::prefill_worker {
 using engine::BlockId;
 using engine::RequestId;
 using protocols::MessageType;
+using worker::Request;
+using worker::RequestState;
 
 PrefillRole::~PrefillRole() { Shutdown(); }
 
@@ -61,8 +63,11 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     tiered_->SetKvGroups(engine_->kv_groups());
   }
   engine_->SetKvConnector(this);
+  ctx_.requests->SetRelease([this](Request& r) { Retire(r); });
   return Status::Ok();
 }
+
+bool PrefillRole::polling() const { return ctx_.requests->Count({RequestState::kStreaming}) > 0; }
 
 bool PrefillRole::FillPrefixStore(proto::PrefixStoreCounters* out) const {
   if (!tiered_) return false;
@@ -89,7 +94,12 @@ bool PrefillRole::FillPrefixStore(proto::PrefixStoreCounters* out) const {
 }
 
 void PrefillRole::Shutdown() {
-  RetireAll();  // cancels unfinished sends before their blocks go back
+  // Cancels unfinished sends before their blocks go back; the table must
+  // not call into this role after it.
+  if (ctx_.requests != nullptr) {
+    ctx_.requests->Clear();
+    ctx_.requests->SetRelease(nullptr);
+  }
   if (tiered_) {
     Status d = tiered_->Drain(Deadline::After(std::chrono::seconds(10)));
     if (!d.ok()) LOG_WARNING << "prefix store drain: " << d.ToString();
@@ -118,8 +128,9 @@ Status PrefillRole::OnControlFrame(const protocols::Frame& frame) {
   }
 }
 
-Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out) {
+Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target) {
   if (target.ranks_size() == 0) return InvalidArgument("decode target has no ranks");
+  std::vector<int> ranks;
   for (int i = 0; i < target.ranks_size(); ++i) {
     const int peer = static_cast<int>(target.ranks(i));
     const std::string& info =
@@ -144,9 +155,9 @@ Status PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoi
       unreachable_[info] = Clock::now();
       return s.WithContext("connecting to decode rank " + std::to_string(peer));
     }
-    out->decode_ranks.push_back(peer);
+    ranks.push_back(peer);
   }
-  return Status::Ok();
+  return ranks;
 }
 
 void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
@@ -158,32 +169,36 @@ void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
   spec.tenant_salt = task.tenant_salt();
   spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
+  const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
+  std::vector<int> decode_ranks;
   if (task.has_decode()) {
-    Outgoing out;
-    out.pinned = engine::BlockTable(engine_->pool());
-    Status s = ConnectDecodeGroup(task.decode(), &out);
-    out.created = Clock::now();
-    out.transfer_id = task.kv_transfer_id() != 0 ? task.kv_transfer_id() : id;
-    out.prompt_tokens = static_cast<int64_t>(spec.prompt.size());
-    const int64_t B = ctx_.layout.block_tokens;
-    const int64_t need = (out.prompt_tokens + B - 1) / B;
-    out.prompt_blocks = need;
-    if (!s.ok()) {
-      ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
+    Result<std::vector<int>> ranks = ConnectDecodeGroup(task.decode());
+    if (!ranks.ok()) {
+      ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, ranks.status());
       return;
     }
-    out.senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
-    out.tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
-                      std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
-    outgoing_[id] = std::move(out);
+    decode_ranks = std::move(*ranks);
   }
-  const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
+  // Its sends use the data connections of this time on (created).
+  Request& r = ctx_.requests->Add(id, RequestState::kQueued, prompt_tokens);
+  if (task.has_decode()) {
+    r.peers = std::move(decode_ranks);
+    auto out = std::make_unique<Outgoing>();
+    out->pinned = engine::BlockTable(engine_->pool());
+    out->transfer_id = task.kv_transfer_id() != 0 ? task.kv_transfer_id() : id;
+    out->prompt_tokens = prompt_tokens;
+    const int64_t B = ctx_.layout.block_tokens;
+    const int64_t need = (prompt_tokens + B - 1) / B;
+    out->prompt_blocks = need;
+    out->senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
+    out->tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
+                       std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
+    r.work = std::move(out);
+  }
   if (Status s = engine_->Submit(std::move(spec)); !s.ok()) {
-    outgoing_.erase(id);
+    ctx_.requests->Finish(id);
     ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
-    return;
   }
-  ctx_.counters->queued_tokens += prompt_tokens;
 }
 
 void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::PrefixLookup& prefix,
@@ -193,16 +208,16 @@ void PrefillRole::LoadPrefix(const engine::RequestSpec& request, const engine::P
 }
 
 Status PrefillRole::AddSenders(
-    Outgoing& out, int64_t g,
+    std::span<const int> ranks, Outgoing& out, int64_t g,
     const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers) {
   // Decode rank k of a TP group of T receives only its heads.
-  const int tp = static_cast<int>(out.decode_ranks.size());
+  const int tp = static_cast<int>(ranks.size());
   auto& senders = out.senders[static_cast<size_t>(g)];
   for (int k = 0; k < tp; ++k) {
     ASSIGN_OR_RETURN(kv_transfer::HeadRange heads,
                      kv_transfer::ShardHeads(ctx_.layout.kv_heads, tp, k));
     senders.push_back(std::make_unique<kv_transfer::LayerStreamSender>(
-        ctx_.transport, out.decode_ranks[k],
+        ctx_.transport, ranks[static_cast<size_t>(k)],
         worker::MakeStreamSpec(ctx_.layout, ctx_.model->fingerprint(), out.transfer_id, g,
                                out.prompt_blocks, heads),
         buffers(heads)));
@@ -229,7 +244,8 @@ void PrefillRole::RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out) {
   }
 }
 
-Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g) {
+Status PrefillRole::StartSegment(const Request& req, Outgoing& out, int64_t g) {
+  const RequestId id = req.id;
   const worker::BlockRange r = worker::StreamSegment(out.prompt_blocks, g);
   for (int64_t i = r.first; i < r.first + r.count; ++i) {
     if (out.tables[0][static_cast<size_t>(i)] == engine::kNoBlock) {
@@ -239,7 +255,7 @@ Status PrefillRole::StartSegment(RequestId id, Outgoing& out, int64_t g) {
   }
   // The stream carries every model layer of each block (ctx_.layout); each
   // layer is read from its group's block.
-  return AddSenders(out, g, [&](const kv_transfer::HeadRange& heads) {
+  return AddSenders(req.peers, out, g, [&](const kv_transfer::HeadRange& heads) {
     return worker::MakeStreamBuffers(worker::StreamSide::kSend, engine_->pool(),
                                      engine_->kv_groups(), out.tables, r, heads,
                                      hole_layer_.empty() ? nullptr : hole_layer_.data());
@@ -266,9 +282,14 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
   ctx_.control->PublishHeartbeat();
   const int64_t B = ctx_.layout.block_tokens;
   for (const engine::SeqStep& seq : plan.seqs) {
-    auto it = outgoing_.find(seq.request);
-    if (it == outgoing_.end()) continue;
-    Outgoing& out = it->second;
+    Request* req = ctx_.requests->Find(seq.request);
+    if (req == nullptr) continue;
+    if (layer == 0 && req->state == RequestState::kQueued) {
+      ctx_.requests->Move(*req, RequestState::kComputing);
+    }
+    Outgoing* o = req->work_as<Outgoing>();
+    if (o == nullptr) continue;
+    Outgoing& out = *o;
     const int64_t n = out.prompt_blocks;
     if (layer == 0) RecordGroupBlocks(seq, out);
     for (int64_t g = 0; g < static_cast<int64_t>(out.senders.size()); ++g) {
@@ -278,7 +299,7 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
       auto& senders = out.senders[static_cast<size_t>(g)];
       if (senders.empty()) {
         if (layer != 0) continue;  // became ready mid-step: impossible, the step is one chunk
-        const Status s = StartSegment(seq.request, out, g);
+        const Status s = StartSegment(*req, out, g);
         if (!s.ok()) {
           LOG_ERROR << "KV stream of request " << seq.request << ": " << s.ToString();
           continue;
@@ -307,190 +328,192 @@ void PrefillRole::SaveLayer(int layer, const engine::StepPlan& plan) {
 }
 
 bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) {
-  auto it = outgoing_.find(ev.id);
-  if (it == outgoing_.end()) return false;
-  it->second.blocks = std::move(prompt_blocks);  // read by the senders until HandOver
-  return true;
-}
-
-bool PrefillRole::HandOver(RequestId id, bool deliver, int32_t first_token) {
-  auto it = outgoing_.find(id);
-  if (it == outgoing_.end()) return false;
-  if (!deliver) {
-    Retire(it);  // cancels unfinished sends, then frees the blocks
-    return true;
+  Request* r = ctx_.requests->Find(ev.id);
+  Outgoing* out = r != nullptr ? r->work_as<Outgoing>() : nullptr;
+  if (out == nullptr) return false;
+  if (ev.finish_reason != engine::FinishReason::kPrefilled || ev.token < 0) {
+    // Ended at its first token (end of generation, max_tokens 1): nothing
+    // is handed over, and the coordinator cancels the decode side.
+    ctx_.requests->DropWork(*r);
+    return false;
   }
-  Outgoing& out = it->second;
-  // (ConnectDecodeGroup refused a target without ranks: decode_ranks[0] exists.)
-  out.hand_over = kv_transfer::HandOverFrame::ToSend(
-      ctx_.transport, out.decode_ranks[0], out.transfer_id, first_token, out.prompt_tokens);
-  out.delivering = true;
-  ++delivering_;
-  out.deliver_by = Deadline::After(ctx_.options->kv_timeout);
-  out.deliver_start = Clock::now();
-  // Polled from the next loop turn (Progress): the reporter records the
-  // pending first token only after this returns.
+  // Read by the senders until the delivery ends.
+  out->blocks = std::move(prompt_blocks);
+  // (ConnectDecodeGroup refused a target without ranks: peers[0] exists.)
+  out->hand_over = kv_transfer::HandOverFrame::ToSend(ctx_.transport, r->peers[0], out->transfer_id,
+                                                      ev.token, out->prompt_tokens);
+  out->deliver_by = Deadline::After(ctx_.options->kv_timeout);
+  out->deliver_start = Clock::now();
+  // Polled from the next loop turn (Progress), after the EventReporter sent
+  // the first token to the coordinator.
+  ctx_.requests->Move(*r, RequestState::kStreaming);
   return true;
 }
 
 void PrefillRole::Progress() {
   if (tiered_) tiered_->Pump();
   PostDeferredSends();
-  if (delivering_ > 0) PollDeliveries();
+  PollDeliveries();
+  ExpireDelivered();
 }
 
 void PrefillRole::PostDeferredSends() {
   // Sends the transport had no room for (back-pressure, LayerStreamSender)
   // of requests still computing leave as soon as room frees, not only at
   // their hand-over; an error is kept by the sender and reported there.
-  for (auto& [id, out] : outgoing_) {
-    if (out.delivering) continue;  // PollDeliveries polls these
-    for (auto& segment : out.senders) {
-      for (auto& sender : segment) {
-        if (sender->deferred() > 0) (void)sender->Poll();
-      }
-    }
-  }
-}
-
-void PrefillRole::PollDeliveries() {
-  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
-    auto next = std::next(it);
-    Outgoing& out = it->second;
-    if (!out.delivering) {
-      it = next;
-      continue;
-    }
-    const RequestId id = it->first;
-    Status s;
-    bool all_done = true;
-    std::map<int, int> unfinished;
-    bool all_posted = true;  // no layer waits for room in the transport
-    for (auto& segment : out.senders) {
-      if (segment.empty() && s.ok()) {
-        s = Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
-      }
-      for (auto& sender : segment) {
-        if (!s.ok()) break;
-        Result<bool> done = sender->Poll();
-        if (!done.ok()) {
-          s = done.status();
-        } else {
-          all_done = all_done && *done;
-          all_posted = all_posted && sender->deferred() == 0;
-          unfinished[sender->peer()] += sender->unfinished();
+  for (RequestState state : {RequestState::kQueued, RequestState::kComputing}) {
+    for (RequestId id : ctx_.requests->IdsIn(state)) {
+      Outgoing* out = ctx_.requests->Find(id)->work_as<Outgoing>();
+      if (out == nullptr) continue;
+      for (auto& segment : out->senders) {
+        for (auto& sender : segment) {
+          if (sender->deferred() > 0) (void)sender->Poll();
         }
       }
     }
-    // The hand-over frame follows every layer onto the wire: once it is in,
-    // the decode side knows the rest moves at link speed.
-    if (s.ok() && all_posted) {
-      Result<bool> sent = out.hand_over->Poll();
-      if (!sent.ok()) {
-        s = sent.status();
-      } else {
-        all_done = all_done && *sent;
-      }
-    } else {
-      all_done = false;
-    }
-    if (s.ok() && !all_done && out.deliver_by.Expired()) {
-      s = DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
-                           std::to_string(ctx_.options->kv_timeout.count()) + " ms");
-    }
-    // No-progress deadline: a peer none of whose sends finished for
-    // kv_progress_timeout (while this delivery waited on it) is behind a cut
-    // path that reports no error. Its data connection is dropped — every send
-    // queued on it fails now, instead of at kv_timeout — and the next request
-    // for it connects again.
-    const auto now = Clock::now();
-    for (const auto& [peer, n] : unfinished) {
-      auto prev = out.unfinished.find(peer);
-      if (prev == out.unfinished.end() ? !peer_progress_.count(peer) : n < prev->second) {
-        peer_progress_[peer] = now;
-      }
-    }
-    out.unfinished = unfinished;
-    std::vector<int> stuck;
-    for (const auto& [peer, n] : unfinished) {
-      if (n > 0 && now - std::max(peer_progress_[peer], out.deliver_start) >
-                       ctx_.options->kv_progress_timeout) {
-        stuck.push_back(peer);
-      }
-    }
-    if (s.ok() && !all_done && !stuck.empty()) {
-      s = DeadlineExceeded("KV of request " + std::to_string(id) + " made no progress to decode " +
-                           "rank " + std::to_string(stuck.front()) + " for " +
-                           std::to_string(ctx_.options->kv_progress_timeout.count()) +
-                           " ms (--kv-progress-timeout-ms; the KV path is cut?)");
-      for (int peer : stuck) AbandonStalledPeer(peer, s);
-    }
-    if (s.ok() && !all_done) {
-      it = next;
-      continue;
-    }
-    ctx_.counters->transfer_seconds += SecondsSince(out.deliver_start);
-    if (!s.ok()) LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
-    if (s.ok()) delivered_[id] = {out.decode_ranks, now, out.created};
-    const uint64_t transfer_id = out.transfer_id;
-    Retire(it);  // senders first, then the blocks (Outgoing's member order)
-    ctx_.events->HandOverDone(id, s, transfer_id);
-    it = next;
   }
-  std::erase_if(delivered_, [&](const auto& kv) {
-    return Clock::now() - kv.second.at > ctx_.options->kv_timeout;
-  });
 }
 
-void PrefillRole::Retire(std::map<RequestId, Outgoing>::iterator it) {
-  Outgoing& out = it->second;
-  if (out.delivering) {
-    out.delivering = false;
-    --delivering_;
-  }
-  bool quarantined = false;
+Status PrefillRole::PollDelivery(const Request& r, Outgoing& out, bool* done) {
+  const RequestId id = r.id;
+  bool all_done = true;
+  std::map<int, int> unfinished;
+  bool all_posted = true;  // no layer waits for room in the transport
   for (auto& segment : out.senders) {
+    if (segment.empty()) {
+      return Internal("a KV segment of request " + std::to_string(id) + " was never streamed");
+    }
+    for (auto& sender : segment) {
+      ASSIGN_OR_RETURN(bool sent, sender->Poll());
+      all_done = all_done && sent;
+      all_posted = all_posted && sender->deferred() == 0;
+      unfinished[sender->peer()] += sender->unfinished();
+    }
+  }
+  // The hand-over frame follows every layer onto the wire: once it is in,
+  // the decode side knows the rest moves at link speed.
+  if (all_posted) {
+    ASSIGN_OR_RETURN(bool sent, out.hand_over->Poll());
+    all_done = all_done && sent;
+  } else {
+    all_done = false;
+  }
+  // A send to a peer finished (or a delivery to it started): it moves.
+  const auto now = Clock::now();
+  for (const auto& [peer, n] : unfinished) {
+    auto prev = out.unfinished.find(peer);
+    if (prev == out.unfinished.end() ? !peer_progress_.count(peer) : n < prev->second) {
+      peer_progress_[peer] = now;
+    }
+  }
+  out.unfinished = unfinished;
+  *done = all_done;
+  if (all_done) return Status::Ok();
+  if (out.deliver_by.Expired()) {
+    return DeadlineExceeded("KV of request " + std::to_string(id) + " not delivered within " +
+                            std::to_string(ctx_.options->kv_timeout.count()) + " ms");
+  }
+  // No-progress deadline: a peer none of whose sends finished for
+  // kv_progress_timeout (while this delivery waited on it) is behind a cut
+  // path that reports no error. Its data connection is dropped — every send
+  // queued on it fails now, instead of at kv_timeout — and the next request
+  // for it connects again.
+  std::vector<int> stuck;
+  for (const auto& [peer, n] : unfinished) {
+    if (n > 0 && now - std::max(peer_progress_[peer], out.deliver_start) >
+                     ctx_.options->kv_progress_timeout) {
+      stuck.push_back(peer);
+    }
+  }
+  if (stuck.empty()) return Status::Ok();
+  Status s = DeadlineExceeded("KV of request " + std::to_string(id) +
+                              " made no progress to decode rank " + std::to_string(stuck.front()) +
+                              " for " + std::to_string(ctx_.options->kv_progress_timeout.count()) +
+                              " ms (--kv-progress-timeout-ms; the KV path is cut?)");
+  for (int peer : stuck) AbandonStalledPeer(peer, s);
+  return s;
+}
+
+void PrefillRole::PollDeliveries() {
+  for (RequestId id : ctx_.requests->IdsIn(RequestState::kStreaming)) {
+    Request* r = ctx_.requests->Find(id);
+    Outgoing* out = r->work_as<Outgoing>();
+    if (out == nullptr) continue;  // its decode group was lost (OnPeersLost)
+    bool done = false;
+    const Status s = PollDelivery(*r, *out, &done);
+    if (s.ok() && !done) continue;
+    ctx_.counters->transfer_seconds += SecondsSince(out->deliver_start);
+    const uint64_t transfer_id = out->transfer_id;
+    if (!s.ok()) {
+      LOG_WARNING << "KV stream of request " << id << " failed: " << s.ToString();
+      ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR,
+                               s.WithContext("KV transfer to decode"), r->prompt_tokens, 0,
+                               transfer_id);
+      ctx_.requests->Finish(id);  // senders first, then the blocks (Outgoing's member order)
+      continue;
+    }
+    ctx_.requests->DropWork(*r);
+    ctx_.requests->Move(*r, RequestState::kDelivered);
+  }
+}
+
+void PrefillRole::ExpireDelivered() {
+  for (RequestId id : ctx_.requests->IdsIn(RequestState::kDelivered)) {
+    if (Clock::now() - ctx_.requests->Find(id)->since > ctx_.options->kv_timeout) {
+      ctx_.requests->Finish(id);
+    }
+  }
+}
+
+void PrefillRole::Retire(Request& r) {
+  auto* out = r.work_as<Outgoing>();
+  if (out == nullptr) return;
+  bool quarantined = false;
+  for (auto& segment : out->senders) {
     for (auto& sender : segment) {
       sender->CancelAll();
       quarantined = quarantined || sender->quarantined();
     }
   }
-  if (out.hand_over != nullptr) {
-    if (out.hand_over->quarantined()) {
+  if (out->hand_over != nullptr) {
+    if (out->hand_over->quarantined()) {
       quarantined = true;
     } else {
-      out.hand_over.reset();  // cancels an unfinished send
+      out->hand_over.reset();  // cancels an unfinished send
     }
   }
   if (quarantined) {
-    std::vector<BlockId> ids(out.pinned.ids().begin(), out.pinned.ids().end());
-    ids.insert(ids.end(), out.blocks.ids().begin(), out.blocks.ids().end());
+    std::vector<BlockId> ids(out->pinned.ids().begin(), out->pinned.ids().end());
+    ids.insert(ids.end(), out->blocks.ids().begin(), out->blocks.ids().end());
     std::sort(ids.begin(), ids.end());
     const auto n = std::unique(ids.begin(), ids.end()) - ids.begin();
     ctx_.counters->quarantined_blocks += n;
-    LOG_WARNING << "request " << it->first << ": " << n
+    LOG_WARNING << "request " << r.id << ": " << n
                 << " KV blocks quarantined (a send to a dead decode peer still owns them)";
-    quarantine_.push_back(std::move(out));
+    quarantine_.push_back(std::move(r.work));
   }
-  outgoing_.erase(it);
-}
-
-void PrefillRole::RetireAll() {
-  while (!outgoing_.empty()) Retire(outgoing_.begin());
 }
 
 void PrefillRole::OnPeersLost(std::span<const int> ranks) {
-  for (auto it = outgoing_.begin(); it != outgoing_.end();) {
-    auto next = std::next(it);
-    const auto& dr = it->second.decode_ranks;
-    if (std::any_of(dr.begin(), dr.end(), [&](int r) {
-          return std::find(ranks.begin(), ranks.end(), r) != ranks.end();
-        })) {
-      // The coordinator re-runs or fails the request itself: report nothing.
-      ctx_.events->ForgetHandOver(it->first);
-      Retire(it);
+  auto lost = [&](const Request& r) {
+    return std::any_of(r.peers.begin(), r.peers.end(), [&](int p) {
+      return std::find(ranks.begin(), ranks.end(), p) != ranks.end();
+    });
+  };
+  // The coordinator re-runs or fails these requests itself: report nothing
+  // of a delivery. One still computing keeps its record without streams; its
+  // first token then ends it as a prefill that hands nothing over.
+  for (RequestState state :
+       {RequestState::kQueued, RequestState::kComputing, RequestState::kStreaming}) {
+    for (RequestId id : ctx_.requests->IdsIn(state)) {
+      Request* r = ctx_.requests->Find(id);
+      if (r->work == nullptr || !lost(*r)) continue;
+      if (state == RequestState::kStreaming) {
+        ctx_.requests->Finish(id);
+      } else {
+        ctx_.requests->DropWork(*r);
+      }
     }
-    it = next;
   }
 }
 
@@ -506,28 +529,22 @@ void PrefillRole::OnCancel(const proto::Cancel& c) {
   // (every send queued on it fails now); the next request to that group
   // connects again. Not when the request used a connection dropped since:
   // that would drop the new one, with the requests that moved onto it.
+  const RequestId id = c.request_id();
   const bool stalled = c.reason().rfind("peer failed: DEADLINE_EXCEEDED", 0) == 0;
-  auto abandon = [&](const std::vector<int>& ranks, TimePoint created) {
-    for (int peer : ranks) {
+  if (const Request* r = ctx_.requests->Find(id);
+      r != nullptr && stalled &&
+      (r->state == RequestState::kDelivered || r->state == RequestState::kStreaming)) {
+    for (int peer : r->peers) {
       auto a = abandoned_at_.find(peer);
-      if (a != abandoned_at_.end() && created <= a->second) continue;
-      AbandonStalledPeer(
-          peer,
-          Unavailable("decode rank " + std::to_string(peer) + " never received the KV of request " +
-                      std::to_string(c.request_id()) + ": dropping its data connection"));
+      if (a != abandoned_at_.end() && r->created <= a->second) continue;
+      AbandonStalledPeer(peer, Unavailable("decode rank " + std::to_string(peer) +
+                                           " never received the KV of request " +
+                                           std::to_string(id) + ": dropping its data connection"));
     }
-  };
-  if (auto d = delivered_.find(c.request_id()); d != delivered_.end()) {
-    const Delivered gone = d->second;
-    delivered_.erase(d);
-    if (stalled) abandon(gone.decode_ranks, gone.created);
   }
-  if (auto it = outgoing_.find(c.request_id()); it != outgoing_.end()) {
-    if (stalled && it->second.delivering) abandon(it->second.decode_ranks, it->second.created);
-    ctx_.events->ForgetHandOver(c.request_id());
-    Retire(it);
-  }
-  if (engine_->Cancel(c.request_id()).ok()) ctx_.events->CancelledByCoordinator(c.request_id());
+  // Its streams end (the table's Release) before the engine lets go of its blocks.
+  if (Request* r = ctx_.requests->Find(id); r != nullptr) ctx_.requests->DropWork(*r);
+  ctx_.requests->Cancelled(id, engine_->Cancel(id).ok());
 }
 
 }  // namespace kvrelay::prefill_worker

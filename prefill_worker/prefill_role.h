@@ -6,12 +6,17 @@
 // completes a segment, each layer of that segment is streamed right after the
 // layer is computed, to every rank of the decode group (each rank gets only
 // its KV heads; kv_transfer/layer_stream.h). Every chunk is streamed while the
-// next computes, not only the prompt's last. When
-// the first token is sampled the engine hands the prompt's blocks to the
-// role (RequestFinished), which keeps them until the streams are delivered
-// (HandOver). The first token goes to the coordinator at once (TTFT) and to
-// the decode group's rank 0 as the hand-over frame, posted after every layer
-// (kv_transfer/hand_over_frame.h): the decode side starts on its own.
+// next computes, not only the prompt's last. When the first token is
+// sampled the engine hands the prompt's blocks to the role
+// (RequestFinished), which keeps them until the streams are delivered and
+// starts the delivery there. The first token goes to the coordinator at once
+// (TTFT, the EventReporter) and to the decode group's rank 0 as the hand-over
+// frame, posted after every layer (kv_transfer/hand_over_frame.h): the decode
+// side starts on its own.
+//
+// Each request is one record of the worker's RequestTable
+// (worker/request_table.h): kQueued -> kComputing -> kStreaming ->
+// kDelivered; its streams are the record's work (Outgoing).
 //
 // A task without a decode target runs to completion here: that is the
 // colocated worker (kvrelay-worker), the same role.
@@ -24,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,9 +54,7 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   Status Init(worker::WorkerContext& ctx) override;
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
-  bool HandOver(engine::RequestId id, bool deliver, int32_t first_token) override;
-  bool polling() const override { return delivering_ > 0; }
-  void OnDisconnected() override { RetireAll(); }
+  bool polling() const override;
   void OnPeersLost(std::span<const int> ranks) override;
   void Shutdown() override;
   // A (re)registered coordinator learns every prefix this worker's store holds.
@@ -76,9 +80,10 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   bool RequestFinished(const engine::TokenEvent& ev, engine::BlockTable& prompt_blocks) override;
 
  private:
-  // A prefill-only request whose KV goes to a decode group: one stream per
-  // decode TP rank, each carrying that rank's heads.
-  struct Outgoing {
+  // A prefill-only request whose KV goes to a decode group (the record's
+  // peers, in TP order): one stream per decode TP rank, each carrying that
+  // rank's heads.
+  struct Outgoing final : worker::RequestWork {
     // Declared first, destroyed last: the senders read these blocks until
     // they are finished or cancelled. `pinned` holds a reference on every
     // block of a started segment, so a preemption of the request cannot
@@ -90,17 +95,15 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     std::vector<std::vector<engine::BlockId>> tables;
     // senders[segment][tp rank]; empty until the segment's blocks are computed.
     std::vector<std::vector<std::unique_ptr<kv_transfer::LayerStreamSender>>> senders;
-    std::vector<int> decode_ranks;  // data-plane peers, in TP order
-    TimePoint created;              // its sends use the data connections of this time on
-    uint64_t transfer_id = 0;       // its streams' and hand-over frame's id (this attempt's)
-    int64_t prompt_blocks = 0;      // blocks the streams carry (named by position)
+    uint64_t transfer_id = 0;   // its streams' and hand-over frame's id (this attempt's)
+    int64_t prompt_blocks = 0;  // blocks the streams carry (named by position)
     int64_t prompt_tokens = 0;
-    // Set by HandOver(deliver): the first token, to decode_ranks[0] once
-    // every layer has been posted (the last frame of the streams).
+    // Set when the first token is sampled (the record is then kStreaming):
+    // the first token, to the decode group's rank 0 once every layer has
+    // been posted (the last frame of the streams). The senders and the
+    // frame are polled by Progress until every send finished or
+    // `deliver_by` passed.
     std::unique_ptr<kv_transfer::HandOverFrame> hand_over;
-    // Set by HandOver(deliver): the senders and the frame are polled by
-    // Progress until every send finished or `deliver_by` passed.
-    bool delivering = false;
     Deadline deliver_by;
     TimePoint deliver_start;
     // Sends still unfinished per decode peer at the last poll (the
@@ -112,26 +115,34 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // Seals `layer` of blocks `r` before it is sent: a KIVI layer still staged
   // is quantized (the prompt's partial tail block); nothing for other dtypes.
   void SealLayer(const Outgoing& out, worker::BlockRange r, int layer);
-  // Connects the data plane to every rank of `target`; fills out->decode_ranks.
-  Status ConnectDecodeGroup(const proto::DecodeTarget& target, Outgoing* out);
+  // Connects the data plane to every rank of `target`, in TP order.
+  Result<std::vector<int>> ConnectDecodeGroup(const proto::DecodeTarget& target);
   // Records (and pins) the step's blocks of every KV cache group.
   void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
-  // Starts segment `g`'s senders from out.tables.
-  Status StartSegment(engine::RequestId id, Outgoing& out, int64_t g);
-  // Segment `g`'s sender to each decode rank of out.decode_ranks, with the
-  // buffers `buffers` gives for that rank's heads.
+  // Starts segment `g`'s senders of request `r` from its tables.
+  Status StartSegment(const worker::Request& r, Outgoing& out, int64_t g);
+  // Segment `g`'s sender to each decode rank (`ranks`), with the buffers
+  // `buffers` gives for that rank's heads.
   Status AddSenders(
-      Outgoing& out, int64_t g,
+      std::span<const int> ranks, Outgoing& out, int64_t g,
       const std::function<kv_transfer::StreamBuffers(const kv_transfer::HeadRange&)>& buffers);
   void OnCancel(const proto::Cancel& c);
-  // Ends `it`'s streams (cancelling what is unfinished) and drops it. When a
-  // send ended kAborted (its decode peer was abandoned while MPI owned the
-  // buffers) the whole Outgoing — senders with their manifest slots, pinned
-  // and prompt blocks — moves to quarantine_ instead and is never reused.
-  void Retire(std::map<engine::RequestId, Outgoing>::iterator it);
-  void RetireAll();
-  // Polls the deliveries in flight; reports each one that ended.
+  // The table's Release: ends `r`'s streams (cancelling what is unfinished)
+  // before its blocks go back. When a send ended kAborted (its decode peer
+  // was abandoned while MPI owned the buffers) the whole Outgoing — senders
+  // with their manifest slots, pinned and prompt blocks — moves to
+  // quarantine_ instead and is never reused.
+  void Retire(worker::Request& r);
+  // A request whose KV was delivered (every byte handed to the transport)
+  // stays kDelivered for kv_timeout: a decode side that then times out
+  // receiving it (a Cancel "peer failed: DEADLINE_EXCEEDED") saw the bytes
+  // vanish on a connection that reports no error, which is dropped.
+  void ExpireDelivered();
+  // Polls the deliveries in flight (kStreaming); each one that ended
+  // becomes kDelivered, or fails the request.
   void PollDeliveries();
+  // Polls the delivery of `r`: OK with *done, or why it failed.
+  Status PollDelivery(const worker::Request& r, Outgoing& out, bool* done);
   // Posts the sends of requests still computing that back-pressure deferred.
   void PostDeferredSends();
   // Drops `peer`'s data connection, which moves no bytes (a cut without a
@@ -147,25 +158,15 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   std::unique_ptr<kv_store::RocksDbTier> disk_tier_;
   std::unique_ptr<kv_store::TieredCache> tiered_;
   // Zeros of one block layer, read in place of a never-held sliding-window
-  // block. Declared before outgoing_ and quarantine_: destroyed after them.
+  // block. Declared before quarantine_: destroyed after it (and Shutdown
+  // drops the table's work first).
   std::vector<uint8_t> hole_layer_;
-  std::map<engine::RequestId, Outgoing> outgoing_;
-  std::vector<Outgoing> quarantine_;  // kept until the role goes (see Retire)
-  int delivering_ = 0;                // Outgoings with delivering set
+  // Kept until the role goes (see Retire).
+  std::vector<std::unique_ptr<worker::RequestWork>> quarantine_;
   // Per decode peer: when a delivery's send to it last finished (or a
   // delivery to it started). A delivery whose peer has not moved for
   // kv_progress_timeout is stuck on a path cut without a reset.
   std::map<int, TimePoint> peer_progress_;
-  // Requests whose KV was delivered (every byte handed to the transport) in
-  // the last kv_timeout, and their decode ranks: a decode side that then
-  // times out receiving it (a Cancel "peer failed: DEADLINE_EXCEEDED") saw
-  // the bytes vanish on a connection that reports no error, which is dropped.
-  struct Delivered {
-    std::vector<int> decode_ranks;
-    TimePoint at;
-    TimePoint created;  // Outgoing::created
-  };
-  std::map<engine::RequestId, Delivered> delivered_;
   // Per decode peer: when its data connection was last dropped as stalled.
   // A request created before that sent on the dropped connection.
   std::map<int, TimePoint> abandoned_at_;

@@ -1,7 +1,6 @@
 #include "worker/event_reporter.h"
 
-#include <algorithm>
-
+#include "common/logging.h"
 #include "protocols/sampling_codec.h"
 
 namespace kvrelay::worker {
@@ -9,33 +8,10 @@ namespace kvrelay::worker {
 using protocols::MessageType;
 
 EventReporter::EventReporter(ControlLink* control, const engine::Tokenizer* tokenizer,
-                             HandOver hand_over, int64_t* queued_tokens)
-    : control_(control),
-      tokenizer_(tokenizer),
-      hand_over_(std::move(hand_over)),
-      queued_tokens_(queued_tokens) {}
+                             RequestTable* requests)
+    : control_(control), tokenizer_(tokenizer), requests_(requests) {}
 
-std::vector<engine::RequestId> EventReporter::live() const {
-  std::vector<engine::RequestId> ids;
-  for (const auto& [id, n] : generated_) ids.push_back(id);
-  return ids;
-}
-
-void EventReporter::Reset() {
-  generated_.clear();
-  handing_over_.clear();
-  silenced_.clear();
-  chunk_.Clear();
-}
-
-void EventReporter::CancelledByCoordinator(engine::RequestId id) {
-  generated_.erase(id);
-  handing_over_.erase(id);
-  ++silenced_[id];
-}
-
-void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
-  *queued_tokens_ = std::max<int64_t>(0, *queued_tokens_ - ev.prompt_tokens);
+void EventReporter::ReportFirst(Request& r, const engine::TokenEvent& ev) {
   proto::PrefillDone done;
   done.set_request_id(ev.id);
   done.set_kv_transfer_id(ev.kv_transfer_id);
@@ -46,39 +22,30 @@ void EventReporter::ReportFirst(const engine::TokenEvent& ev) {
     protocols::ToProto(ev.logprobs, done.mutable_first_logprob());
   if (ev.finish_reason == engine::FinishReason::kError ||
       ev.finish_reason == engine::FinishReason::kCancelled || ev.token < 0) {
-    (void)hand_over_(ev.id, /*deliver=*/false, -1);  // drops a half-sent stream, if any
     control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens, 0,
                          ev.kv_transfer_id);
+    requests_->Finish(ev.id);  // drops a half-sent stream, if any
+    return;
+  }
+  if (r.state == RequestState::kStreaming) {
+    // Disaggregated: the first token reaches the client now (TTFT) and the
+    // decode side with the KV (the hand-over frame); only a failed delivery
+    // is reported later, by the role.
+    done.set_finished(false);
+    control_->Send(MessageType::kPrefillDone, done);
     return;
   }
   // A prefill-only request that ended at its first token (end of generation,
   // max_tokens 1) hands nothing over: the coordinator cancels the decode side.
-  const bool ended = ev.finished && ev.finish_reason != engine::FinishReason::kPrefilled;
-  if (hand_over_(ev.id, /*deliver=*/!ended, ev.token) && !ended) {
-    // Disaggregated: the first token reaches the client now (TTFT) and the
-    // decode side with the KV (the hand-over frame); only a failed delivery
-    // is reported later (HandOverDone).
-    done.set_finished(false);
-    control_->Send(MessageType::kPrefillDone, done);
-    handing_over_[ev.id] = ev.prompt_tokens;
-    return;
-  }
   done.set_finished(ev.finished);
   if (ev.finished) done.set_reason(ToProto(ev.finish_reason));
   control_->Send(MessageType::kPrefillDone, done);
-  if (!ev.finished) generated_[ev.id] = 1;
-}
-
-void EventReporter::HandOverDone(engine::RequestId id, const Status& status,
-                                 uint64_t kv_transfer_id) {
-  auto it = handing_over_.find(id);
-  if (it == handing_over_.end()) return;  // cancelled meanwhile
-  if (!status.ok()) {
-    control_->SendFinish(id, proto::Finish::REASON_ERROR,
-                         status.WithContext("KV transfer to decode"), it->second, 0,
-                         kv_transfer_id);
+  if (ev.finished) {
+    requests_->Finish(ev.id);
+  } else {
+    r.generated = 1;
+    requests_->Move(r, RequestState::kRunning);
   }
-  handing_over_.erase(it);
 }
 
 void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {
@@ -88,16 +55,19 @@ void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {
     chunk_.Clear();
   };
   for (const auto& ev : events) {
-    if (ev.finish_reason == engine::FinishReason::kCancelled) {
-      auto s = silenced_.find(ev.id);
-      if (s != silenced_.end()) {
-        if (--s->second == 0) silenced_.erase(s);
-        continue;
-      }
+    if (ev.finish_reason == engine::FinishReason::kCancelled && requests_->TakeStaleCancel(ev.id)) {
+      continue;
     }
-    auto gen = generated_.find(ev.id);
-    if (gen == generated_.end()) {
-      ReportFirst(ev);
+    Request* r = requests_->Find(ev.id);
+    if (r == nullptr) {
+      // Every request the engine holds was added before it was submitted:
+      // this one's record ended (its peers were lost, the link dropped).
+      LOG_DEBUG << "request " << ev.id << ": event after its record ended, not reported";
+      continue;
+    }
+    if (r->state == RequestState::kQueued || r->state == RequestState::kComputing ||
+        r->state == RequestState::kStreaming) {
+      ReportFirst(*r, ev);
       continue;
     }
     // An end-of-generation token ends the request; it is not text to stream.
@@ -108,13 +78,13 @@ void EventReporter::Report(const std::vector<engine::TokenEvent>& events) {
       entry->set_request_id(ev.id);
       entry->add_token_ids(ev.token);
       if (ev.has_logprobs) protocols::ToProto(ev.logprobs, entry->add_logprobs());
-      ++gen->second;
+      ++r->generated;
     }
     if (ev.finished) {
       flush();  // the tokens before the Finish
       control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens,
-                           gen->second, ev.kv_transfer_id);
-      generated_.erase(gen);
+                           r->generated, ev.kv_transfer_id);
+      requests_->Finish(ev.id);
     }
   }
   flush();

@@ -17,7 +17,7 @@
 #include "protocols/frame_codec.h"
 #include "protocols/handshake.h"
 #include "worker/control_link.h"
-#include "worker/event_reporter.h"
+#include "worker/request_table.h"
 #include "worker/worker_options.h"
 
 namespace kvrelay::worker {
@@ -26,7 +26,6 @@ namespace kvrelay::worker {
 struct WorkerCounters {
   int64_t transfer_bytes = 0;      // KV bytes sent or received
   double transfer_seconds = 0;     // spent waiting for KV transfers
-  int64_t queued_tokens = 0;       // prompt tokens accepted but not yet prefilled
   int64_t quarantined_blocks = 0;  // KV blocks kept forever (a dead peer's transfer holds them)
 };
 
@@ -38,7 +37,10 @@ struct WorkerContext {
   protocols::PeerConfig peer_config;            // what peers must match
   kv_transfer::Transport* transport = nullptr;  // the KV data plane
   ControlLink* control = nullptr;               // null on a TP follower
-  EventReporter* events = nullptr;              // null on a TP follower
+  // Every request this process holds, one record each (request_table.h).
+  // The role adds a record before it submits the request to its engine and
+  // installs the table's Release for the work it keeps in records.
+  RequestTable* requests = nullptr;
   WorkerCounters* counters = nullptr;
 };
 
@@ -66,16 +68,6 @@ class Role {
   // True while Progress or the connector has something to poll soon: the
   // loop then wakes every millisecond instead of sleeping to the heartbeat.
   virtual bool polling() const { return false; }
-  // The request's first token (`first_token`) was sampled here and its KV is
-  // handed to a decode group: finish the hand-over (deliver: the rest of the
-  // KV, then the first token as the streams' last frame), or drop it because
-  // the request failed or ended. False: not such a request. A delivery never
-  // blocks the loop: the role finishes it from Progress and reports a failure
-  // with EventReporter::HandOverDone (nothing when the coordinator has
-  // cancelled the request or dropped its decode group meanwhile).
-  virtual bool HandOver(engine::RequestId /*id*/, bool /*deliver*/, int32_t /*first_token*/) {
-    return false;
-  }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
   // What the role's own internal port (a TP group's link) refused so far;
@@ -87,12 +79,9 @@ class Role {
   // The role's prefix store's counts, for heartbeats (the coordinator's
   // kvrelay_worker_kvstore_*); false when it has none.
   virtual bool FillPrefixStore(proto::PrefixStoreCounters* /*out*/) const { return false; }
-  // The coordinator link is gone (it forgets this worker's requests): let go
-  // of what the role holds outside the engine; the shell then cancels every
-  // engine request. The engine's prefix cache stays for the next registration.
-  virtual void OnDisconnected() {}
-  // The worker is stopping: let go of every request (before the engine goes).
-  // Called again by the destructor: must be idempotent.
+  // The worker is stopping: let go of every request (before the engine
+  // goes), the table's records' work included, and uninstall the table's
+  // Release. Called again by the destructor: must be idempotent.
   virtual void Shutdown() {}
 };
 

@@ -87,19 +87,14 @@ Status Worker::Init() {
   c.connect_timeout = options_.connect_timeout;
   c.coordinator_timeout = options_.coordinator_timeout;
   control_ = std::make_unique<ControlLink>(c);
-  events_ = std::make_unique<EventReporter>(
-      control_.get(), base_.model->tokenizer(),
-      [this](engine::RequestId id, bool deliver, int32_t first_token) {
-        return role_->HandOver(id, deliver, first_token);
-      },
-      &counters_.queued_tokens);
+  events_ = std::make_unique<EventReporter>(control_.get(), base_.model->tokenizer(), &requests_);
   ctx_.options = &options_;
   ctx_.model = base_.model;
   ctx_.layout = base_.layout;
   ctx_.peer_config = base_.peer_config;
   ctx_.transport = base_.transport.get();
   ctx_.control = control_.get();
-  ctx_.events = events_.get();
+  ctx_.requests = &requests_;
   ctx_.counters = &counters_;
   RETURN_IF_ERROR(role_->Init(ctx_));
   engine::Engine* engine = role_->engine();
@@ -140,8 +135,12 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   engine::Engine* e = role_->engine();
   hb->set_free_blocks(static_cast<uint64_t>(WholeBlocks(*e, true)));
   hb->set_capacity_blocks(static_cast<uint64_t>(WholeBlocks(*e, false)));
-  hb->set_running_requests(static_cast<uint32_t>(e->running()));
-  hb->set_queued_tokens(static_cast<uint32_t>(counters_.queued_tokens));
+  // Counted from the requests' records: the batch computes the prompts of
+  // kComputing requests and decodes kRunning ones; prompt tokens are queued
+  // until their first token is sampled.
+  using S = RequestState;
+  hb->set_running_requests(static_cast<uint32_t>(requests_.Count({S::kComputing, S::kRunning})));
+  hb->set_queued_tokens(static_cast<uint32_t>(requests_.PromptTokens({S::kQueued, S::kComputing})));
   hb->set_prefix_hit_tokens(static_cast<uint64_t>(e->stats().prompt_tokens_cached));
   hb->set_transfer_bytes(static_cast<uint64_t>(counters_.transfer_bytes));
   hb->set_transfer_seconds(counters_.transfer_seconds);
@@ -229,13 +228,14 @@ Status Worker::OnPeerLost(const protocols::Frame& frame) {
 }
 
 void Worker::DropRequests() {
-  // The coordinator has failed or will re-run whatever it had sent here.
-  role_->OnDisconnected();
+  // The coordinator has failed or will re-run whatever it had sent here:
+  // the records go first (their streams and receives end before the engine
+  // lets go of the blocks), then every engine request. The engine's prefix
+  // cache stays for the next registration.
+  requests_.Clear();
   engine::Engine* engine = role_->engine();
   const int64_t n = engine->CancelAll();
   (void)engine->Step();  // drains the cancel events nobody is waiting for
-  events_->Reset();
-  counters_.queued_tokens = 0;
   if (n > 0) {
     LOG_WARNING << "dropped " << n << " request(s); the coordinator ends or re-runs them";
   }

@@ -20,6 +20,8 @@
 
 #include "common/status.h"
 #include "kv_transfer/transport.h"
+#include "worker/event_reporter.h"
+#include "worker/request_table.h"
 #include "worker/role.h"
 #include "worker/worker_options.h"
 
@@ -71,6 +73,9 @@ class Worker {
   WorkerCounters counters_;
   std::unique_ptr<ControlLink> control_;
   bool left_ = false;  // WorkerLeaving sent on this registration
+  // Before role_: the role's work in records is released (Role::Shutdown)
+  // before the role goes.
+  RequestTable requests_;
   std::unique_ptr<EventReporter> events_;
   WorkerContext ctx_;
   std::unique_ptr<Role> role_;  // destroyed first: it holds the engine and uses the rest
