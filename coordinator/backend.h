@@ -108,9 +108,10 @@ struct WorkerInfo {
   std::optional<PrefixStore> prefix_store;
 };
 
-// A cumulative count a backend keeps (e.g. what its control plane refused),
-// exported on /metrics as a counter named `name` (ending in _total).
-struct BackendCounter {
+// A figure a backend keeps, exported on /metrics under `name`: a cumulative
+// count (Counters: e.g. what its control plane refused; `name` ends in
+// _total) or a value now (Gauges: e.g. its requests per phase).
+struct BackendMetric {
   std::string name;
   std::string help;
   double value = 0;
@@ -139,7 +140,9 @@ class Backend {
   virtual std::vector<WorkerInfo> Workers() = 0;
 
   // The backend's cumulative counters, read at every /metrics scrape. Thread-safe.
-  virtual std::vector<BackendCounter> Counters() { return {}; }
+  virtual std::vector<BackendMetric> Counters() { return {}; }
+  // The backend's gauges, read likewise. Thread-safe.
+  virtual std::vector<BackendMetric> Gauges() { return {}; }
 };
 
 }  // namespace kvrelay::coordinator

@@ -1,6 +1,7 @@
 #include "coordinator/cluster_backend.h"
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/steady_timer.hpp>
 #include <cstdint>
 
@@ -202,9 +203,9 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       // Disaggregated: the first token travels to the decode side with the
       // KV (the hand-over frame); the request waits for the decode side's
       // first report.
-      r.phase = r.decode_id != r.prefill_id ? Phase::kHandingOver : Phase::kDecoding;
+      SetPhase(done.request_id(), r,
+               r.decode_id != r.prefill_id ? Phase::kHandingOver : Phase::kDecoding);
       r.handing_over_since = Clock::now();
-      LOG_DEBUG << "request " << done.request_id() << ": " << PhaseName(r.phase);
       // The decode side's reports that overtook this frame, in their order.
       std::vector<proto::TokenChunk::Entry> early = std::move(r.early_tokens);
       std::optional<proto::Finish> early_finish = std::move(r.early_finish);
@@ -313,8 +314,8 @@ void ClusterBackend::State::OnFinish(const std::string& worker_id, const proto::
 void ClusterBackend::State::OnTokens(const proto::TokenChunk::Entry& entry, RequestEntry& r,
                                      PendingEvents& out) {
   if (r.phase == Phase::kHandingOver) {
-    r.phase = Phase::kDecoding;  // the decode side has the KV and the first token
-    LOG_DEBUG << "request " << entry.request_id() << ": decoding on " << r.decode_id;
+    // The decode side has the KV and the first token.
+    SetPhase(entry.request_id(), r, Phase::kDecoding);
   }
   for (int k = 0; k < entry.token_ids_size(); ++k) {
     TokenEvent e;
@@ -545,8 +546,9 @@ Status ClusterBackend::Submit(GenerationRequest request, TokenSink sink) {
     RequestEntry& r = state_->requests[id];
     r.request = std::move(request);
     r.sink = std::move(sink);
+    LOG_DEBUG << "request " << id << ": admitted";
     Status s = state_->Start(id, r);
-    if (!s.ok() && !state_->Wait(r, s)) {
+    if (!s.ok() && !state_->Wait(id, r, s)) {
       state_->requests.erase(id);
       return s;
     }
@@ -598,9 +600,9 @@ uint64_t ClusterBackend::requests_migrated() const {
   return state_->requests_migrated;
 }
 
-std::vector<BackendCounter> ClusterBackend::Counters() {
+std::vector<BackendMetric> ClusterBackend::Counters() {
   const ControlSecurityCounters c = security_counters();
-  std::vector<BackendCounter> messages;
+  std::vector<BackendMetric> messages;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     for (const auto& [key, n] : state_->control_messages) {
@@ -612,7 +614,7 @@ std::vector<BackendCounter> ClusterBackend::Counters() {
             {"type", std::string(protocols::MessageTypeName(key.second))}}});
     }
   }
-  std::vector<BackendCounter> all = {
+  std::vector<BackendMetric> all = {
       {"kvrelay_requests_migrated_total",
        "Requests started again on other workers (prompt + the tokens already streamed) "
        "after losing a worker mid-answer (--migration-limit).",
@@ -640,6 +642,23 @@ std::vector<BackendCounter> ClusterBackend::Counters() {
        {}}};
   all.insert(all.end(), messages.begin(), messages.end());
   return all;
+}
+
+std::vector<BackendMetric> ClusterBackend::Gauges() {
+  std::array<int64_t, kPhases> n{};
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    for (const auto& [id, r] : state_->requests) ++n[static_cast<size_t>(r.phase)];
+  }
+  std::vector<BackendMetric> gauges;
+  for (size_t p = 0; p < kPhases; ++p) {
+    gauges.push_back({"kvrelay_cluster_requests",
+                      "Requests the cluster holds, by phase: waiting for a worker, prefilling, "
+                      "handing over (first token sent, KV on its way), decoding.",
+                      static_cast<double>(n[p]),
+                      {{"phase", PhaseMetricName(static_cast<Phase>(p))}}});
+  }
+  return gauges;
 }
 
 std::vector<WorkerInfo> ClusterBackend::Workers() {

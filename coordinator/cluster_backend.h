@@ -185,7 +185,9 @@ class ClusterBackend final : public Backend {
   uint64_t requests_migrated() const;
   // security_counters() as kvrelay_control_*_total, and
   // kvrelay_requests_migrated_total.
-  std::vector<BackendCounter> Counters() override;
+  std::vector<BackendMetric> Counters() override;
+  // kvrelay_cluster_requests{phase}: the requests in each Phase now.
+  std::vector<BackendMetric> Gauges() override;
 
   // Stops serving: fails live requests, closes worker connections, joins the io thread.
   void Shutdown();

@@ -32,6 +32,7 @@ using protocols::MessageType;
 //     lost prefill worker still matters (the request migrates);
 //   kDecoding: the decode side streams (or a colocated worker does both).
 enum class Phase { kWaiting, kPrefilling, kHandingOver, kDecoding };
+inline constexpr size_t kPhases = 4;
 inline const char* PhaseName(Phase p) {
   switch (p) {
     case Phase::kWaiting:
@@ -44,6 +45,10 @@ inline const char* PhaseName(Phase p) {
       return "decoding";
   }
   return "?";
+}
+// The phase label of kvrelay_cluster_requests.
+inline const char* PhaseMetricName(Phase p) {
+  return p == Phase::kHandingOver ? "handing_over" : PhaseName(p);
 }
 
 // A worker's error report that names a fault of the worker or of its KV path
@@ -312,7 +317,7 @@ struct ClusterBackend::State {
                    << " after losing " << id;
           continue;
         }
-        if (Wait(r, s)) {
+        if (Wait(rid, r, s)) {
           LOG_INFO << "request " << rid << " waits for a worker after losing " << id;
           continue;
         }
@@ -384,7 +389,7 @@ struct ClusterBackend::State {
     // No worker of a role it needs is registered now (its only decode group
     // is restarting): it waits for one like a request not yet started, the
     // client's stream held open, and fails when none comes in time.
-    if (Wait(r, s)) {
+    if (Wait(rid, r, s)) {
       r.migrating = true;
       LOG_INFO << "request " << rid << " waits for a worker to continue after losing " << lost
                << " (carrying " << carried << " tokens)";
@@ -418,12 +423,22 @@ struct ClusterBackend::State {
     return p;
   }
 
+  // Moves r to `to`, logged at debug level with its id and workers.
+  static void SetPhase(uint64_t rid, RequestEntry& r, Phase to) {
+    LOG_DEBUG << "request " << rid << ": " << PhaseName(r.phase) << " -> " << PhaseName(to)
+              << (to == Phase::kWaiting
+                      ? std::string()
+                      : " on " + r.prefill_id +
+                            (r.decode_id == r.prefill_id ? "" : " / " + r.decode_id));
+    r.phase = to;
+  }
+
   // Parks r, which Start refused with `why`, until a worker registers: true
   // when it waits (no healthy worker of a role it needs, and waiting is on).
-  bool Wait(RequestEntry& r, const Status& why) {
+  bool Wait(uint64_t rid, RequestEntry& r, const Status& why) {
     const auto bound = options.worker_wait_bound();
     if (why.code() != StatusCode::kUnavailable || bound.count() <= 0) return false;
-    r.phase = Phase::kWaiting;
+    SetPhase(rid, r, Phase::kWaiting);
     r.prefill_id.clear();  // it is nobody's: no worker may report on it
     r.decode_id.clear();
     r.wait_until = Clock::now() + bound;
@@ -566,7 +581,7 @@ struct ClusterBackend::State {
       }
       target->set_kv_address(d ? d->kv_address : "");
     }
-    r.phase = Phase::kPrefilling;
+    SetPhase(rid, r, Phase::kPrefilling);
     SendTo(p ? p->conn : nullptr, MessageType::kPrefillTask, task);
   }
 

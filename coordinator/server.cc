@@ -133,8 +133,8 @@ void Core::AdvanceWorkerCounter(const std::string& name, const std::string& help
   registry->GetCounter(name, help, Labels({{"worker", worker}}))->Increment(delta);
 }
 
-void Core::ExportBackendCounters() {
-  for (const BackendCounter& c : backend->Counters()) {
+void Core::ExportBackendMetrics() {
+  for (const BackendMetric& c : backend->Counters()) {
     double delta = 0;
     {
       std::lock_guard<std::mutex> lock(worker_totals_mutex);
@@ -145,6 +145,9 @@ void Core::ExportBackendCounters() {
       last = c.value;
     }
     registry->GetCounter(c.name, c.help, Labels(c.labels))->Increment(delta);
+  }
+  for (const BackendMetric& g : backend->Gauges()) {
+    registry->GetGauge(g.name, g.help, Labels(g.labels))->Set(g.value);
   }
 }
 

@@ -55,8 +55,8 @@ struct Core {
   void AdvanceWorkerCounter(const std::string& name, const std::string& help,
                             const std::string& worker, double total);
   void UpdateAdmissionGauges();
-  // Brings the registry's copies of backend->Counters() up to date.
-  void ExportBackendCounters();
+  // Brings the registry's copies of backend->Counters() and Gauges() up to date.
+  void ExportBackendMetrics();
 
   // Per-client connection accounting (client = remote IP address). Past
   // max_connections_per_client a client still gets kHealthConnectionsPerClient

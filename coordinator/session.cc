@@ -396,7 +396,7 @@ void Session::HandleMetrics() {
     }
   }
   core_->UpdateAdmissionGauges();
-  core_->ExportBackendCounters();
+  core_->ExportBackendMetrics();
   SendText(http::status::ok, m->RenderPrometheus(), "text/plain; version=0.0.4; charset=utf-8",
            true);
 }

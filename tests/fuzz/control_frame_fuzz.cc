@@ -69,7 +69,7 @@ struct Harness {
 
   // The received-frame count of `type`, over every worker.
   double Received(const char* type) {
-    for (const coordinator::BackendCounter& c : backend->Counters()) {
+    for (const coordinator::BackendMetric& c : backend->Counters()) {
       if (c.name != "kvrelay_control_messages_total") continue;
       bool received = false, of_type = false;
       for (const auto& [k, v] : c.labels) {

@@ -137,11 +137,32 @@ class ClusterMigrationTest : public testing::ClusterBackendTest {
   bool WaitForMessages(const std::string& what, double n) {
     const Deadline d = Deadline::AfterMs(5000);
     while (!d.Expired()) {
-      for (const BackendCounter& c : backend_->Counters()) {
+      for (const BackendMetric& c : backend_->Counters()) {
         if (c.name != "kvrelay_control_messages_total") continue;
         std::map<std::string, std::string> l(c.labels.begin(), c.labels.end());
         if (l["direction"] + " " + l["type"] == what && c.value >= n) return true;
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a poll, bounded by d
+    }
+    return false;
+  }
+
+  // Waits until kvrelay_cluster_requests counts `n` requests in each phase
+  // of `want` (every other phase 0); false with the last counts in *seen.
+  bool WaitForPhases(const std::map<std::string, double>& want,
+                     std::map<std::string, double>* seen) {
+    const Deadline d = Deadline::AfterMs(5000);
+    while (!d.Expired()) {
+      seen->clear();
+      for (const BackendMetric& g : backend_->Gauges()) {
+        if (g.name != "kvrelay_cluster_requests") continue;
+        std::map<std::string, std::string> l(g.labels.begin(), g.labels.end());
+        (*seen)[l["phase"]] = g.value;
+      }
+      std::map<std::string, double> full = {
+          {"waiting", 0}, {"prefilling", 0}, {"handing_over", 0}, {"decoding", 0}};
+      for (const auto& [phase, n] : want) full[phase] = n;
+      if (*seen == full) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));  // a poll, bounded by d
     }
     return false;
@@ -199,7 +220,7 @@ TEST_F(ClusterMigrationTest, ALostDecodeWorkersRequestContinuesOnAnother) {
   }
   EXPECT_EQ(backend_->requests_migrated(), 1u);
   bool exported = false;
-  for (const BackendCounter& c : backend_->Counters()) {
+  for (const BackendMetric& c : backend_->Counters()) {
     if (c.name == "kvrelay_requests_migrated_total") {
       exported = true;
       EXPECT_EQ(c.value, 1.0);
@@ -471,7 +492,7 @@ TEST_F(ClusterMigrationTest, ARequestIsTwoMessagesOutAndOneBackBeforeItsTokens) 
   Finish(*decode0);
   ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
   std::map<std::string, double> seen;
-  for (const BackendCounter& c : backend_->Counters()) {
+  for (const BackendMetric& c : backend_->Counters()) {
     if (c.name != "kvrelay_control_messages_total") continue;
     std::map<std::string, std::string> l(c.labels.begin(), c.labels.end());
     if (l["type"] == "Heartbeat" || l["type"] == "RegisterReply") continue;
@@ -482,6 +503,41 @@ TEST_F(ClusterMigrationTest, ARequestIsTwoMessagesOutAndOneBackBeforeItsTokens) 
                                                  {"received PrefillDone", 1},
                                                  {"received TokenChunk", 1},
                                                  {"received Finish", 1}}));
+}
+
+// The coordinator's per-phase gauge follows one request through its life:
+// waiting for a worker, prefilling, handing over, decoding, gone.
+TEST_F(ClusterMigrationTest, ThePhaseGaugeFollowsTheRequest) {
+  StartBackend(/*migration_limit=*/3, /*worker_wait=*/std::chrono::milliseconds(60000));
+  std::map<std::string, double> seen;
+  auto expect = [&](const std::map<std::string, double>& want, const char* when) {
+    EXPECT_TRUE(WaitForPhases(want, &seen))
+        << when << ": waiting " << seen["waiting"] << ", prefilling " << seen["prefilling"]
+        << ", handing_over " << seen["handing_over"] << ", decoding " << seen["decoding"];
+  };
+  expect({}, "before any request");
+  CollectedEvents& events = NewEvents();
+  ASSERT_TRUE(backend_->Submit(Request(), events.Sink()).ok());
+  expect({{"waiting", 1}}, "with no worker registered");
+  prefill_ = Join("prefill-0", proto::WORKER_ROLE_PREFILL, 10);
+  auto decode0 = Join("decode-0", proto::WORKER_ROLE_DECODE, 20);
+  proto::ReserveBlocks reserve;
+  ASSERT_TRUE(decode0->Expect(MessageType::kReserveBlocks, &reserve).ok());
+  proto::PrefillTask task;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kPrefillTask, &task).ok());
+  expect({{"prefilling", 1}}, "after the prefill task went out");
+  proto::PrefillDone done;
+  done.set_request_id(kId);
+  done.set_first_token(100);
+  done.set_prompt_tokens(5);
+  ASSERT_TRUE(prefill_->Send(MessageType::kPrefillDone, done).ok());
+  expect({{"handing_over", 1}}, "after the PrefillDone");
+  Stream(*decode0, {101});
+  expect({{"decoding", 1}}, "after the decode side's first tokens");
+  Stream(*decode0, {102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ASSERT_TRUE(events.WaitFinished(Deadline::AfterMs(5000)));
+  expect({}, "after the Finish");
 }
 
 // A refused reservation is the decode side's only reply, and it cancels the
