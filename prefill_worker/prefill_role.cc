@@ -67,7 +67,14 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
   return Status::Ok();
 }
 
-bool PrefillRole::polling() const { return ctx_.requests->Count({RequestState::kStreaming}) > 0; }
+bool PrefillRole::polling() const {
+  if (ctx_.requests->Count({RequestState::kStreaming}) > 0) return true;
+  for (RequestId id : ctx_.requests->IdsIn(RequestState::kQueued)) {
+    const auto* out = ctx_.requests->Find(id)->work_as<Outgoing>();
+    if (out != nullptr && out->parked != nullptr) return true;
+  }
+  return false;
+}
 
 bool PrefillRole::FillPrefixStore(proto::PrefixStoreCounters* out) const {
   if (!tiered_) return false;
@@ -128,7 +135,9 @@ Status PrefillRole::OnControlFrame(const protocols::Frame& frame) {
   }
 }
 
-Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target) {
+Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarget& target,
+                                                         bool* refused) {
+  *refused = false;
   if (target.ranks_size() == 0) return InvalidArgument("decode target has no ranks");
   std::vector<int> ranks;
   for (int i = 0; i < target.ranks_size(); ++i) {
@@ -138,21 +147,30 @@ Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarg
     // The coordinator routes only to registered (so listening) decode ranks:
     // one that does not accept within kv_progress_timeout is gone (its
     // process died after the task was sent) or cut off. The wait blocks this
-    // worker's loop, so it is short, and an address that just failed fails
-    // at once for as long again (tasks queued for a dead group do not each
-    // wait; a restarted rank listens on a new port, or is back by then).
+    // worker's loop, so it is short, and an address that just timed out
+    // fails at once for as long again (tasks queued for a dead group do not
+    // each wait; a restarted rank listens on a new port, or is back by then).
+    // One that refused or reset the connection (a cut link, a rank
+    // restarting) is tried again soon: until then *refused, without a try.
     const auto now = Clock::now();
-    std::erase_if(unreachable_, [&](const auto& kv) {
-      return now - kv.second > ctx_.options->kv_progress_timeout;
-    });
-    if (unreachable_.count(info) != 0) {
+    std::erase_if(unreachable_, [&](const auto& kv) { return now >= kv.second.until; });
+    if (auto u = unreachable_.find(info); u != unreachable_.end()) {
+      *refused = u->second.refused;
       return Unavailable("decode rank " + std::to_string(peer) + " at " + info +
-                         " did not accept a data connection moments ago");
+                         (u->second.refused ? " refused a data connection moments ago"
+                                            : " did not accept a data connection moments ago"));
     }
     Status s =
         ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_progress_timeout));
     if (!s.ok()) {
-      unreachable_[info] = Clock::now();
+      const auto took = Clock::now() - now;
+      *refused = s.code() != StatusCode::kDeadlineExceeded;
+      // A refusal is tried again after twice what this try took (at least
+      // kConnectRetry), so retries hold this loop a third of the time at most.
+      unreachable_[info] = {
+          Clock::now() + (*refused ? std::max<std::chrono::nanoseconds>(kConnectRetry, 2 * took)
+                                   : std::chrono::nanoseconds(ctx_.options->kv_progress_timeout)),
+          *refused};
       return s.WithContext("connecting to decode rank " + std::to_string(peer));
     }
     ranks.push_back(peer);
@@ -160,44 +178,88 @@ Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarg
   return ranks;
 }
 
-void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
-  const RequestId id = task.request_id();
+namespace {
+engine::RequestSpec SpecOf(const proto::PrefillTask& task) {
   engine::RequestSpec spec;
-  spec.id = id;
+  spec.id = task.request_id();
   spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
   spec.sampling = protocols::FromProto(task.sampling());
   spec.tenant_salt = task.tenant_salt();
   spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
-  const int64_t prompt_tokens = static_cast<int64_t>(spec.prompt.size());
-  std::vector<int> decode_ranks;
-  if (task.has_decode()) {
-    Result<std::vector<int>> ranks = ConnectDecodeGroup(task.decode());
-    if (!ranks.ok()) {
-      ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, ranks.status());
+  return spec;
+}
+}  // namespace
+
+void PrefillRole::OnPrefillTask(const proto::PrefillTask& task) {
+  const RequestId id = task.request_id();
+  const int64_t prompt_tokens = task.prompt_token_ids_size();
+  Request& r = ctx_.requests->Add(id, RequestState::kQueued, prompt_tokens);
+  if (!task.has_decode()) {
+    Submit(r, task);
+    return;
+  }
+  auto out = std::make_unique<Outgoing>();
+  out->pinned = engine::BlockTable(engine_->pool());
+  out->transfer_id = task.kv_transfer_id() != 0 ? task.kv_transfer_id() : id;
+  out->prompt_tokens = prompt_tokens;
+  const int64_t B = ctx_.layout.block_tokens;
+  const int64_t need = (prompt_tokens + B - 1) / B;
+  out->prompt_blocks = need;
+  out->senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
+  out->tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
+                     std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
+  r.work = std::move(out);
+  ConnectAndSubmit(r, task);
+}
+
+void PrefillRole::ConnectAndSubmit(Request& r, const proto::PrefillTask& task) {
+  Outgoing& out = *r.work_as<Outgoing>();
+  bool refused = false;
+  Result<std::vector<int>> ranks = ConnectDecodeGroup(task.decode(), &refused);
+  if (!ranks.ok()) {
+    // A decode group that refuses connections for a moment (a link cut and
+    // back, a rank restarting) gets the task a little later: it waits here,
+    // tried again (ConnectDecodeGroup spaces the tries per address) until
+    // kv_progress_timeout after the first refusal, instead of failing at
+    // once (a request moving on to the same group would meet the same
+    // refusal).
+    if (refused && (out.parked == nullptr || !out.connect_by.Expired())) {
+      if (out.parked == nullptr) {
+        LOG_INFO << "request " << r.id << ": " << ranks.status().ToString()
+                 << "; trying again for up to " << ctx_.options->kv_progress_timeout.count()
+                 << " ms";
+        out.parked = std::make_unique<proto::PrefillTask>(task);
+        out.connect_by = Deadline::After(ctx_.options->kv_progress_timeout);
+      }
       return;
     }
-    decode_ranks = std::move(*ranks);
+    ctx_.control->SendFinish(r.id, proto::Finish::REASON_ERROR, ranks.status(), r.prompt_tokens, 0,
+                             out.transfer_id);
+    ctx_.requests->Finish(r.id);
+    return;
   }
-  // Its sends use the data connections of this time on (created).
-  Request& r = ctx_.requests->Add(id, RequestState::kQueued, prompt_tokens);
-  if (task.has_decode()) {
-    r.peers = std::move(decode_ranks);
-    auto out = std::make_unique<Outgoing>();
-    out->pinned = engine::BlockTable(engine_->pool());
-    out->transfer_id = task.kv_transfer_id() != 0 ? task.kv_transfer_id() : id;
-    out->prompt_tokens = prompt_tokens;
-    const int64_t B = ctx_.layout.block_tokens;
-    const int64_t need = (prompt_tokens + B - 1) / B;
-    out->prompt_blocks = need;
-    out->senders.resize(static_cast<size_t>(worker::StreamSegments(need)));
-    out->tables.assign(static_cast<size_t>(engine_->kv_groups().size()),
-                       std::vector<BlockId>(static_cast<size_t>(need), engine::kNoBlock));
-    r.work = std::move(out);
-  }
-  if (Status s = engine_->Submit(std::move(spec)); !s.ok()) {
+  r.peers = std::move(*ranks);
+  r.created = Clock::now();  // its sends use the data connections of this time on
+  // The parked copy (which `task` may be) goes once the engine has the request.
+  std::unique_ptr<proto::PrefillTask> parked = std::move(out.parked);
+  Submit(r, task);
+}
+
+void PrefillRole::Submit(Request& r, const proto::PrefillTask& task) {
+  const RequestId id = r.id;
+  if (Status s = engine_->Submit(SpecOf(task)); !s.ok()) {
     ctx_.requests->Finish(id);
     ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
+  }
+}
+
+void PrefillRole::RetryParked() {
+  for (RequestId id : ctx_.requests->IdsIn(RequestState::kQueued)) {
+    Request* r = ctx_.requests->Find(id);
+    auto* out = r->work_as<Outgoing>();
+    if (out == nullptr || out->parked == nullptr) continue;
+    ConnectAndSubmit(*r, *out->parked);
   }
 }
 
@@ -352,6 +414,7 @@ bool PrefillRole::RequestFinished(const engine::TokenEvent& ev, engine::BlockTab
 
 void PrefillRole::Progress() {
   if (tiered_) tiered_->Pump();
+  RetryParked();
   PostDeferredSends();
   PollDeliveries();
   ExpireDelivered();

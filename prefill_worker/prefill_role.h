@@ -104,6 +104,10 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     // frame are polled by Progress until every send finished or
     // `deliver_by` passed.
     std::unique_ptr<kv_transfer::HandOverFrame> hand_over;
+    // Set while its decode group refuses connections: the task, tried again
+    // from Progress, failed after connect_by (ConnectAndSubmit).
+    std::unique_ptr<proto::PrefillTask> parked;
+    Deadline connect_by;
     Deadline deliver_by;
     TimePoint deliver_start;
     // Sends still unfinished per decode peer at the last poll (the
@@ -112,11 +116,20 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   };
 
   void OnPrefillTask(const proto::PrefillTask& task);
+  // Connects `r` to its task's decode group and submits it; parks the task
+  // in r's Outgoing while the group refuses connections (RetryParked).
+  void ConnectAndSubmit(worker::Request& r, const proto::PrefillTask& task);
+  // Submits `task` (r's) to the engine; a refusal ends r with the error.
+  void Submit(worker::Request& r, const proto::PrefillTask& task);
+  // Tries the parked tasks whose retry time came (Progress).
+  void RetryParked();
   // Seals `layer` of blocks `r` before it is sent: a KIVI layer still staged
   // is quantized (the prompt's partial tail block); nothing for other dtypes.
   void SealLayer(const Outgoing& out, worker::BlockRange r, int layer);
   // Connects the data plane to every rank of `target`, in TP order.
-  Result<std::vector<int>> ConnectDecodeGroup(const proto::DecodeTarget& target);
+  // *refused: it failed because a rank refused or reset the connection at
+  // once (worth trying again soon).
+  Result<std::vector<int>> ConnectDecodeGroup(const proto::DecodeTarget& target, bool* refused);
   // Records (and pins) the step's blocks of every KV cache group.
   void RecordGroupBlocks(const engine::SeqStep& seq, Outgoing& out);
   // Starts segment `g`'s senders of request `r` from its tables.
@@ -152,6 +165,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // after it re-ran the same request id, and end the new attempt).
   void AbandonStalledPeer(int peer, const Status& why);
 
+  // The least time between two connects to an address that refused one.
+  static constexpr std::chrono::milliseconds kConnectRetry{50};
+
   worker::WorkerContext ctx_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<kv_store::HostRamTier> ram_tier_;
@@ -170,8 +186,14 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // Per decode peer: when its data connection was last dropped as stalled.
   // A request created before that sent on the dropped connection.
   std::map<int, TimePoint> abandoned_at_;
-  // Decode KV addresses whose connect just failed, and when (ConnectDecodeGroup).
-  std::map<std::string, TimePoint> unreachable_;
+  // Decode KV addresses whose connect just failed: not tried again before
+  // `until`; `refused`: it was refused or reset, not timed out
+  // (ConnectDecodeGroup).
+  struct Unreachable {
+    TimePoint until;
+    bool refused = false;
+  };
+  std::map<std::string, Unreachable> unreachable_;
 };
 
 }  // namespace kvrelay::prefill_worker

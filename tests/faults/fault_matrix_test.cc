@@ -777,6 +777,12 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
                 o.http_status == 504)
         << "request " << i << ": HTTP " << o.http_status << " " << o.error;
   }
+  // A fault of the KV path fails no request either: a corrupt or lost
+  // stream is run again (--migration-limit), and a prefill whose decode
+  // group refuses connections for a moment (the cut) tries again until it
+  // is back instead of failing the task.
+  EXPECT_EQ(affected, 0) << "requests failed for " << KvFaultName(fault)
+                         << "; first error: " << first_error;
   // Serving after, through the relay.
   const bool serving = WaitFor(
       [&] {
