@@ -269,6 +269,12 @@ Status LocalLauncher::Start() {
   };
   RETURN_IF_ERROR(group_.Spawn({"coordinator", CoordinatorArgv(bin, http_port_, control), {}}));
   add_to_unit("coordinator", "coordinator");
+  // The ports above were free when picked, not held: a worker's own
+  // ephemeral port (its KV listener) could take one before the coordinator
+  // binds it. The workers start once the coordinator answers HTTP (it binds
+  // its control port first).
+  const Deadline deadline = Deadline::After(std::chrono::milliseconds(options_.ready_timeout_ms));
+  RETURN_IF_ERROR(WaitForHttp(deadline));
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
@@ -356,7 +362,6 @@ Status LocalLauncher::Start() {
   // the start.
   const size_t expected =
       static_cast<size_t>(options_.prefill + options_.decode + options_.colocated);
-  Deadline deadline = Deadline::After(std::chrono::milliseconds(options_.ready_timeout_ms));
   while (!deadline.Expired()) {
     auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
     if (exited.ok()) return Unavailable("cluster failed to start: " + *exited);
@@ -376,6 +381,21 @@ Status LocalLauncher::Start() {
   }
   return DeadlineExceeded("cluster not healthy within " +
                           std::to_string(options_.ready_timeout_ms) + " ms");
+}
+
+Status LocalLauncher::WaitForHttp(const Deadline& deadline) {
+  while (!deadline.Expired()) {
+    auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(20)));
+    if (exited.ok()) return Unavailable("cluster failed to start: " + *exited);
+    coordinator::HttpCallSpec spec;
+    spec.host = options_.host;
+    spec.port = http_port_;
+    spec.target = "/health";
+    spec.timeout_ms = 1000;
+    if (coordinator::HttpCall(spec).ok()) return Status::Ok();  // any answer: it listens
+  }
+  return DeadlineExceeded("the coordinator did not listen on port " + std::to_string(http_port_) +
+                          " within " + std::to_string(options_.ready_timeout_ms) + " ms");
 }
 
 Status LocalLauncher::Supervise(const std::atomic<bool>& stop) {

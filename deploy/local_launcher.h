@@ -133,6 +133,8 @@ class LocalLauncher {
  private:
   std::vector<std::string> CoordinatorArgv(const std::string& bin, uint16_t http,
                                            uint16_t control) const;
+  // Until the coordinator answers HTTP (any status), or fails if a child exits.
+  Status WaitForHttp(const Deadline& deadline);
 
   LaunchOptions options_;
   ProcessGroup group_;
