@@ -336,7 +336,8 @@ void Session::HandleMetrics() {
     // What the worker's internal ports refused, named as the control port's.
     for (const auto& [port, c] : {std::pair{"kv", &w.kv_port}, std::pair{"tp", &w.tp_port}}) {
       const std::string p = std::string("kvrelay_worker_") + port + "_";
-      const std::string what = std::string(port) == "kv" ? "KV data port" : "TP link";
+      const std::string what =
+          std::string(port) == "kv" ? "KV data ports (every rank of a TP group)" : "TP link";
       core_->AdvanceWorkerCounter(p + "auth_failures_total",
                                   "Connections to the worker's " + what +
                                       " that failed the cluster-key challenge-response.",

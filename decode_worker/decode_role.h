@@ -54,6 +54,9 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
   protocols::PortSecurityCounters tp_security_counters() const override {
     return tp_ ? tp_->security_counters() : protocols::PortSecurityCounters{};
   }
+  protocols::PortSecurityCounters follower_kv_port_counters() const override {
+    return tp_ ? tp_->follower_kv_port_counters() : protocols::PortSecurityCounters{};
+  }
   uint64_t kv_integrity_failures() const override { return kv_integrity_failures_.load(); }
   void Shutdown() override;
 

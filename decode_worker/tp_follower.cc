@@ -64,6 +64,9 @@ Status Follower::Join() {
   hello.set_data_rank(static_cast<uint32_t>(options_.rank));
   hello.set_tp_mode(static_cast<uint32_t>(options_.tp_mode));
   ASSIGN_OR_RETURN(group_, TcpTpGroup::Connect(g, hello.SerializeAsString(), deadline));
+  // This process has no coordinator link: its pongs carry its KV port's
+  // refusals to rank 0, whose heartbeat reports them.
+  group_->SetKvPortCounters([this] { return base_.transport->security_counters(); });
   ASSIGN_OR_RETURN(TpMessage m, group_->ReceiveFromLeader(deadline));
   proto::TpSetup setup;
   if (m.type != TpMsg::kSetup || !setup.ParseFromString(m.payload)) {
@@ -217,7 +220,7 @@ Status Follower::Run(const std::atomic<bool>& stop) {
       }
       case TpMsg::kPing:
         // Rank 0's liveness check between steps: answered at once.
-        RETURN_IF_ERROR(group_->SendToLeader(TpMsg::kPong, m->payload));
+        RETURN_IF_ERROR(group_->SendToLeader(TpMsg::kPong, group_->Pong(m->payload)));
         break;
       case TpMsg::kShutdown:
         return Status::Ok();

@@ -553,6 +553,29 @@ Result<std::optional<std::pair<int, TpMessage>>> TcpTpGroup::PollFollowers(Deadl
   }
 }
 
+std::string EncodePong(const std::string& ping, const protocols::PortSecurityCounters& kv_port) {
+  const uint64_t counts[4] = {kv_port.auth_failures, kv_port.refused_connections,
+                              kv_port.oversized_frames, kv_port.foreign_frames};
+  std::string out = ping;
+  out.append(reinterpret_cast<const char*>(counts), sizeof(counts));
+  return out;
+}
+
+bool DecodePong(const std::string& payload, uint64_t* seq,
+                protocols::PortSecurityCounters* kv_port) {
+  uint64_t v[5];
+  if (payload.size() != sizeof(v)) return false;
+  std::memcpy(v, payload.data(), sizeof(v));
+  *seq = v[0];
+  *kv_port = {v[1], v[2], v[3], v[4]};
+  return true;
+}
+
+std::string TcpTpGroup::Pong(const std::string& ping) const {
+  return EncodePong(ping,
+                    kv_port_counters_ ? kv_port_counters_() : protocols::PortSecurityCounters{});
+}
+
 Status TcpTpGroup::SendToLeader(TpMsg type, const std::string& payload) {
   return links_[0]->Send(type, payload, Deadline::After(options_.timeout));
 }
@@ -592,7 +615,7 @@ Status TcpTpGroup::CollectiveOnce(const float* in, int64_t n_in, float* out, int
       ASSIGN_OR_RETURN(TpMessage m, links_[0]->Receive(deadline));
       if (m.type == TpMsg::kShutdown) return Cancelled("TP rank 0 is shutting down");
       if (m.type == TpMsg::kPing) {  // (pings come between steps; answered wherever seen)
-        RETURN_IF_ERROR(links_[0]->Send(TpMsg::kPong, m.payload, deadline));
+        RETURN_IF_ERROR(links_[0]->Send(TpMsg::kPong, Pong(m.payload), deadline));
         continue;
       }
       if (m.type != TpMsg::kData) {

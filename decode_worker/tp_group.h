@@ -46,7 +46,7 @@ enum class TpMsg : uint32_t {
   kData = 7,      // collective payload: raw floats
   kShutdown = 8,  // empty: rank 0 is stopping
   kPing = 9,      // u64 sequence number, rank 0 -> follower: are you there?
-  kPong = 10,     // the ping's sequence number, follower -> rank 0, at once
+  kPong = 10,     // EncodePong, follower -> rank 0, at once
 };
 inline constexpr uint32_t kLastTpMsg = static_cast<uint32_t>(TpMsg::kPong);
 
@@ -56,6 +56,15 @@ struct TpMessage {
 };
 
 inline constexpr uint64_t kMaxTpMessageBytes = 256ull << 20;
+
+// A pong: the ping's sequence number (its payload), then what the follower's
+// KV data port refused so far (four u64: auth failures, refused connections,
+// oversized frames, foreign frames). A follower has no coordinator link:
+// rank 0's heartbeat carries these for it.
+std::string EncodePong(const std::string& ping, const protocols::PortSecurityCounters& kv_port);
+// False when `payload` is not a pong.
+bool DecodePong(const std::string& payload, uint64_t* seq,
+                protocols::PortSecurityCounters* kv_port);
 
 // One connected socket with whole-message send/receive and deadlines.
 class TpLink {
@@ -151,6 +160,14 @@ class TcpTpGroup : public engine::TpCollective {
   // follower is gone.
   Result<std::optional<std::pair<int, TpMessage>>> PollFollowers(Deadline deadline);
 
+  // Follower: where pongs read the KV data port's refusals (the follower's
+  // transport's security_counters); pongs carry zeros without it.
+  void SetKvPortCounters(std::function<protocols::PortSecurityCounters()> counters) {
+    kv_port_counters_ = std::move(counters);
+  }
+  // Follower: the pong that answers ping `ping` (EncodePong).
+  std::string Pong(const std::string& ping) const;
+
   // Follower <-> rank 0.
   Status SendToLeader(TpMsg type, const std::string& payload);
   Result<TpMessage> ReceiveFromLeader(Deadline deadline);
@@ -178,6 +195,7 @@ class TcpTpGroup : public engine::TpCollective {
   std::deque<std::pair<int, TpMessage>> inbox_;  // rank 0: follower messages seen mid-collective
   std::vector<float> scratch_;
   Status broken_;  // the first failed collective: the group cannot step again
+  std::function<protocols::PortSecurityCounters()> kv_port_counters_;  // follower
 };
 
 }  // namespace kvrelay::decode_worker

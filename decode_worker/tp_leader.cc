@@ -126,11 +126,26 @@ std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
 
 void TpLeader::OnPong(int rank, const std::string& payload) {
   uint64_t seq = 0;
-  if (payload.size() != sizeof(seq) || rank < 1 || rank >= static_cast<int>(pong_seq_.size())) {
+  protocols::PortSecurityCounters kv_port;
+  if (rank < 1 || rank >= static_cast<int>(pong_seq_.size()) ||
+      !DecodePong(payload, &seq, &kv_port)) {
     return;
   }
-  std::memcpy(&seq, payload.data(), sizeof(seq));
-  if (seq <= ping_seq_) pong_seq_[rank] = std::max(pong_seq_[rank], seq);
+  if (seq > ping_seq_ || seq < pong_seq_[rank]) return;  // not a ping of ours, or stale
+  pong_seq_[rank] = seq;
+  follower_kv_ports_.resize(pong_seq_.size());
+  follower_kv_ports_[static_cast<size_t>(rank)] = kv_port;
+}
+
+protocols::PortSecurityCounters TpLeader::follower_kv_port_counters() const {
+  protocols::PortSecurityCounters sum;
+  for (const auto& c : follower_kv_ports_) {
+    sum.auth_failures += c.auth_failures;
+    sum.refused_connections += c.refused_connections;
+    sum.oversized_frames += c.oversized_frames;
+    sum.foreign_frames += c.foreign_frames;
+  }
+  return sum;
 }
 
 void TpLeader::CheckFollowers() {

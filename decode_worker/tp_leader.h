@@ -65,6 +65,9 @@ class TpLeader {
   void Shutdown();
   // What the group's TP port refused while it formed.
   protocols::PortSecurityCounters security_counters() const { return group_->security_counters(); }
+  // What the followers' KV data ports refused, summed, as their last pongs
+  // said (CheckFollowers pings every step_timeout / 4).
+  protocols::PortSecurityCounters follower_kv_port_counters() const;
 
  private:
   TpLeader(std::unique_ptr<TcpTpGroup> group, std::chrono::milliseconds step_timeout)
@@ -76,9 +79,11 @@ class TpLeader {
   std::vector<uint32_t> data_ranks_;
   std::vector<std::string> kv_conn_infos_;
   const std::chrono::milliseconds step_timeout_;
-  uint64_t ping_seq_ = 0;            // the last ping sent (0: none yet)
-  TimePoint ping_sent_at_;           // when it was sent
-  std::vector<uint64_t> pong_seq_;   // per rank: the last ping it answered
+  uint64_t ping_seq_ = 0;           // the last ping sent (0: none yet)
+  TimePoint ping_sent_at_;          // when it was sent
+  std::vector<uint64_t> pong_seq_;  // per rank: the last ping it answered
+  // Per rank: its KV data port's refusals, from its last pong.
+  std::vector<protocols::PortSecurityCounters> follower_kv_ports_;
   Status liveness_;                  // sticky: a follower missed its ping deadline
   std::vector<KvAck> pending_acks_;  // read by CheckFollowers, returned by PollAcks
 };

@@ -73,6 +73,9 @@ class Role {
   // What the role's own internal port (a TP group's link) refused so far;
   // heartbeats carry it to the coordinator's /metrics. Zeros without one.
   virtual protocols::PortSecurityCounters tp_security_counters() const { return {}; }
+  // What the KV data ports of the worker's other processes (a TP group's
+  // followers) refused so far; heartbeats add it to this process's KV port's.
+  virtual protocols::PortSecurityCounters follower_kv_port_counters() const { return {}; }
   // KV streams refused by an integrity check (checksum, manifest,
   // fingerprint) since the worker started; the decode role counts them.
   virtual uint64_t kv_integrity_failures() const { return 0; }

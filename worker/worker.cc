@@ -158,7 +158,17 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
     out->set_oversized_frames(c.oversized_frames);
     out->set_foreign_frames(c.foreign_frames);
   };
-  if (base_.transport) fill(base_.transport->security_counters(), hb->mutable_kv_port());
+  // The KV data ports of every rank of the worker: a TP group's followers
+  // report theirs to rank 0 (in their pongs).
+  protocols::PortSecurityCounters kv = role_->follower_kv_port_counters();
+  if (base_.transport) {
+    const protocols::PortSecurityCounters own = base_.transport->security_counters();
+    kv.auth_failures += own.auth_failures;
+    kv.refused_connections += own.refused_connections;
+    kv.oversized_frames += own.oversized_frames;
+    kv.foreign_frames += own.foreign_frames;
+  }
+  fill(kv, hb->mutable_kv_port());
   fill(role_->tp_security_counters(), hb->mutable_tp_port());
   hb->set_kv_integrity_failures(role_->kv_integrity_failures());
   const engine::Engine::Stats stats = e->stats();

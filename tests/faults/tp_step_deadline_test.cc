@@ -85,6 +85,9 @@ TEST(TpStepDeadline, AFollowerAnswersAPingEvenInsideACollective) {
   // the step's collective and answers it there.
   const uint64_t seq = 7;
   std::string ping(reinterpret_cast<const char*>(&seq), sizeof(seq));
+  // The pong carries the follower's KV port refusals (it has no coordinator
+  // link of its own; rank 0's heartbeat reports them).
+  g.follower->SetKvPortCounters([] { return protocols::PortSecurityCounters{1, 2, 3, 4}; });
   ASSERT_TRUE(g.leader->Broadcast(TpMsg::kPing, ping).ok());
   float mine = 1, theirs = 2, out_leader[2] = {}, out_follower[2] = {};
   std::thread t([&] { EXPECT_TRUE(g.follower->AllGather(&theirs, 1, out_follower, 2).ok()); });
@@ -95,7 +98,14 @@ TEST(TpStepDeadline, AFollowerAnswersAPingEvenInsideACollective) {
   ASSERT_TRUE(pong->has_value());
   EXPECT_EQ((*pong)->first, 1);
   EXPECT_EQ((*pong)->second.type, TpMsg::kPong);
-  EXPECT_EQ((*pong)->second.payload, ping);
+  uint64_t got = 0;
+  protocols::PortSecurityCounters kv_port;
+  ASSERT_TRUE(DecodePong((*pong)->second.payload, &got, &kv_port));
+  EXPECT_EQ(got, seq);
+  EXPECT_EQ(kv_port.auth_failures, 1u);
+  EXPECT_EQ(kv_port.refused_connections, 2u);
+  EXPECT_EQ(kv_port.oversized_frames, 3u);
+  EXPECT_EQ(kv_port.foreign_frames, 4u);
   EXPECT_TRUE(g.leader->status().ok());
 }
 

@@ -393,5 +393,51 @@ TEST_F(SecurityTest, KvPortRefusalsAreCountedOnTheWorkersMetrics) {
   ExpectServing();
 }
 
+// Issue #46: a TP follower has no coordinator link, so what its KV data port
+// refuses reaches /metrics through rank 0 (the follower's pongs), added to
+// the group's kvrelay_worker_kv_*_total.
+TEST(SecurityTpTest, ATpFollowersKvPortRefusalsAreCounted) {
+  if (!fs::exists(ModelPath())) {
+    KVRELAY_SKIP_OR_FAIL() << "model file not present (run scripts/fetch-model.sh)";
+  }
+  auto cluster = testing::GreedyCluster::Start(ModelPath(), BinDir(),
+                                               [](deploy::LaunchOptions& o) { o.tp = 2; });
+  ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+  deploy::LocalLauncher& launcher = (*cluster)->launcher();
+  const pid_t follower = launcher.processes().Pid("decode-0-tp1");
+  ASSERT_GT(follower, 0);
+  const auto ports = ListeningPorts(follower);
+  ASSERT_EQ(ports.size(), 1u) << "a TP follower listens on its KV port only";
+  auto oversized = [&] {
+    auto v = testing::WorkerGauge(launcher.http_port(), "kvrelay_worker_kv_oversized_frames_total");
+    auto it = v.find("decode-0");
+    return it == v.end() ? -1.0 : it->second;
+  };
+  const double before = oversized();
+  ASSERT_GE(before, 0) << "no kvrelay_worker_kv_oversized_frames_total{worker=\"decode-0\"}";
+  protocols::IoThread io{"attacker-io"};
+  auto big =
+      protocols::FramedConnection::Connect(io, "127.0.0.1", ports[0], {}, Deadline::AfterMs(5000));
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  std::string head(protocols::kFrameHeaderBytes, '\0');
+  protocols::EncodeFrameHeader(static_cast<uint16_t>(MessageType::kAuthHello), 1u << 20,
+                               reinterpret_cast<uint8_t*>(head.data()));
+  ASSERT_TRUE((*big)->SendEncoded(head + std::string(64, 'x')).ok());
+  EXPECT_NE((*big)->WaitClosed(Deadline::AfterMs(10000)).code(), StatusCode::kDeadlineExceeded);
+  // A pong (every tp_step_timeout / 4) and a heartbeat later.
+  const Deadline deadline = Deadline::AfterMs(15000);
+  double now = oversized();
+  while (now < before + 1 && !deadline.Expired()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a poll, bounded by deadline
+    now = oversized();
+  }
+  EXPECT_GE(now, before + 1) << "the follower's refusal never reached /metrics";
+  const auto prompt = (*cluster)->Encode("The capital of Japan is");
+  const std::string want = (*cluster)->Greedy(prompt, 12);
+  auto [status, text] = (*cluster)->Complete(prompt, 12);
+  EXPECT_EQ(status, 200) << text;
+  EXPECT_EQ(text, want);
+}
+
 }  // namespace
 }  // namespace kvrelay
