@@ -72,6 +72,8 @@ struct WorkerInfo {
   std::string id;  // unique, e.g. "prefill-0"
   WorkerRole role = WorkerRole::kColocated;
   bool healthy = true;
+  // Non-empty while it cannot reach a data-plane peer (Heartbeat.data_plane_error).
+  std::string data_plane_error;
   int64_t queued_requests = 0;
   int64_t queued_tokens = 0;  // prompt tokens waiting for prefill
   int64_t running = 0;        // sequences in the running batch

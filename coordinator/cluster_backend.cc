@@ -102,6 +102,7 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
       };
       take(hb.kv_port(), &w->info.kv_port);
       take(hb.tp_port(), &w->info.tp_port);
+      w->info.data_plane_error = hb.data_plane_error().substr(0, 512);
       if (hb.has_prefix_store()) {
         const proto::PrefixStoreCounters& c = hb.prefix_store();
         auto i = [](uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX)); };
@@ -574,11 +575,25 @@ void ClusterBackend::Cancel(uint64_t id) {
 
 Status ClusterBackend::Health() {
   std::lock_guard<std::mutex> lock(state_->mu);
-  bool prefill = false, decode = false;
+  bool prefill = false, decode = false, reaching = false;
+  std::string unreachable;  // the first prefill worker's data-plane error
   for (auto& [id, w] : state_->workers) {
     if (!w.info.healthy) continue;
-    if (w.info.role != WorkerRole::kDecode) prefill = true;
+    if (w.info.role != WorkerRole::kDecode) {
+      prefill = true;
+      if (w.info.data_plane_error.empty()) {
+        reaching = true;
+      } else if (unreachable.empty()) {
+        unreachable = id + ": " + w.info.data_plane_error;
+      }
+    }
     if (w.info.role != WorkerRole::kPrefill) decode = true;
+  }
+  if (prefill && decode && !reaching) {
+    // Registered, but no prefill worker can hand its KV to a decode worker:
+    // nothing can be served (a cut data plane, a decode KV port held shut).
+    return Unavailable("cluster not ready: no prefill worker reaches a decode worker (" +
+                       unreachable + ")");
   }
   if (prefill && decode) return Status::Ok();
   return Unavailable(std::string("cluster not ready: ") + (prefill ? "" : "no prefill worker ") +

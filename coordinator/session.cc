@@ -220,6 +220,7 @@ void Session::HandleHealth() {
                                 : w.role == WorkerRole::kDecode ? "decode"
                                                                 : "colocated"},
                        {"healthy", w.healthy}});
+    if (!w.data_plane_error.empty()) workers.back()["data_plane_error"] = w.data_plane_error;
   }
   json body = {{"status", st.ok() ? "ok" : "unavailable"}, {"workers", workers}};
   if (!st.ok()) body["message"] = st.message();

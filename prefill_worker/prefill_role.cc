@@ -154,8 +154,10 @@ Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarg
     // restarting) is tried again soon: until then *refused, without a try.
     const auto now = Clock::now();
     std::erase_if(unreachable_, [&](const auto& kv) { return now >= kv.second.until; });
+    std::erase_if(failing_, [&](const auto& kv) { return now - kv.second.last > kFailingTtl; });
     if (auto u = unreachable_.find(info); u != unreachable_.end()) {
       *refused = u->second.refused;
+      if (auto f = failing_.find(info); f != failing_.end()) f->second.last = now;
       return Unavailable("decode rank " + std::to_string(peer) + " at " + info +
                          (u->second.refused ? " refused a data connection moments ago"
                                             : " did not accept a data connection moments ago"));
@@ -164,6 +166,11 @@ Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarg
         ctx_.transport->ConnectPeer(peer, info, Deadline::After(ctx_.options->kv_progress_timeout));
     if (!s.ok()) {
       const auto took = Clock::now() - now;
+      Failing& f = failing_[info];
+      if (f.rank < 0) f.since = now;
+      f.rank = peer;
+      f.last = Clock::now();
+      f.error = s.ToString();
       *refused = s.code() != StatusCode::kDeadlineExceeded;
       // A refusal is tried again after twice what this try took (at least
       // kConnectRetry), so retries hold this loop a third of the time at most.
@@ -173,9 +180,23 @@ Result<std::vector<int>> PrefillRole::ConnectDecodeGroup(const proto::DecodeTarg
           *refused};
       return s.WithContext("connecting to decode rank " + std::to_string(peer));
     }
+    failing_.erase(info);
     ranks.push_back(peer);
   }
   return ranks;
+}
+
+std::string PrefillRole::data_plane_error() const {
+  const auto now = Clock::now();
+  for (const auto& [info, f] : failing_) {
+    if (now - f.last > kFailingTtl || f.last - f.since < ctx_.options->kv_progress_timeout)
+      continue;
+    return "cannot reach decode rank " + std::to_string(f.rank) + " at " + info + " for " +
+           std::to_string(
+               std::chrono::duration_cast<std::chrono::milliseconds>(f.last - f.since).count()) +
+           " ms: " + f.error.substr(0, 200);
+  }
+  return {};
 }
 
 namespace {
@@ -558,6 +579,9 @@ void PrefillRole::Retire(Request& r) {
 }
 
 void PrefillRole::OnPeersLost(std::span<const int> ranks) {
+  std::erase_if(failing_, [&](const auto& kv) {
+    return std::find(ranks.begin(), ranks.end(), kv.second.rank) != ranks.end();
+  });
   auto lost = [&](const Request& r) {
     return std::any_of(r.peers.begin(), r.peers.end(), [&](int p) {
       return std::find(ranks.begin(), ranks.end(), p) != ranks.end();

@@ -55,6 +55,9 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   engine::Engine* engine() override { return engine_.get(); }
   Status OnControlFrame(const protocols::Frame& frame) override;
   bool polling() const override;
+  // Set while a decode rank's data connection has failed for
+  // kv_progress_timeout (every try since, tasks still coming).
+  std::string data_plane_error() const override;
   void OnPeersLost(std::span<const int> ranks) override;
   void Shutdown() override;
   // A (re)registered coordinator learns every prefix this worker's store holds.
@@ -194,6 +197,17 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     bool refused = false;
   };
   std::map<std::string, Unreachable> unreachable_;
+  // Decode KV addresses whose connects fail: since when (the first failure
+  // after the last success), the last try or refusal, and why. A success
+  // or the rank's loss clears it; one not tried for kFailingTtl is dropped.
+  struct Failing {
+    int rank = -1;
+    TimePoint since;
+    TimePoint last;
+    std::string error;
+  };
+  std::map<std::string, Failing> failing_;
+  static constexpr std::chrono::seconds kFailingTtl{10};
 };
 
 }  // namespace kvrelay::prefill_worker

@@ -70,6 +70,9 @@ class Role {
   virtual bool polling() const { return false; }
   // Not OK: this worker must leave the cluster (a broken TP group).
   virtual Status health() const { return Status::Ok(); }
+  // Non-empty while the role cannot reach a data-plane peer it needs: why
+  // (heartbeats carry it to the coordinator's /health).
+  virtual std::string data_plane_error() const { return {}; }
   // What the role's own internal port (a TP group's link) refused so far;
   // heartbeats carry it to the coordinator's /metrics. Zeros without one.
   virtual protocols::PortSecurityCounters tp_security_counters() const { return {}; }

@@ -171,6 +171,7 @@ void Worker::FillHeartbeat(proto::Heartbeat* hb) const {
   fill(kv, hb->mutable_kv_port());
   fill(role_->tp_security_counters(), hb->mutable_tp_port());
   hb->set_kv_integrity_failures(role_->kv_integrity_failures());
+  hb->set_data_plane_error(role_->data_plane_error());
   const engine::Engine::Stats stats = e->stats();
   hb->set_prompt_tokens_computed(static_cast<uint64_t>(stats.prompt_tokens_computed));
   hb->set_generated_tokens(static_cast<uint64_t>(stats.generated_tokens));

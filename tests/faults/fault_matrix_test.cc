@@ -42,6 +42,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "coordinator/http_client.h"
 #include "deploy/local_launcher.h"
 #include "deploy/process_group.h"
 #include "protocols/cluster_auth.h"
@@ -837,6 +838,47 @@ TEST_P(KvPathFaultTest, EveryRequestEndsRightAndServingResumes) {
       worst_after_fault, ordinary, first_ok_after, first_error.c_str());
   std::fflush(stdout);
 }
+
+// Issue #46: /health says when the data plane is down while every worker is
+// registered (the control plane fine). A cut that lasts makes the prefill's
+// connects to the decode rank fail for longer than --kv-progress-timeout-ms:
+// /health answers 503 and names it; once the link is back and a request
+// gets through, 200 again.
+using KvPathHealthTest = KvPathFaultTest;
+TEST_P(KvPathHealthTest, HealthSaysWhenNoPrefillWorkerReachesADecodeWorker) {
+  ASSERT_EQ(Complete(port_, prompts_[0], kMaxTokens, kRequestTimeoutMs).text, expected_[0]);
+  auto health = [&](std::string* body) {
+    coordinator::HttpCallSpec spec;
+    spec.port = port_;
+    spec.target = "/health";
+    spec.timeout_ms = 2000;
+    auto r = coordinator::HttpCall(spec);
+    if (!r.ok()) return 0;
+    *body = r->body;
+    return r->status;
+  };
+  std::string body;
+  ASSERT_EQ(health(&body), 200) << body;
+  // Requests keep the prefill trying while the link is down.
+  LoadClient load(port_, prompts_, kMaxTokens, kRequestTimeoutMs);
+  relay_->Cut();
+  load.Start(2.0);
+  const bool down = WaitFor([&] { return health(&body) == 503; }, seconds(30));
+  EXPECT_TRUE(down) << "/health still says ok with the KV link cut: " << body;
+  EXPECT_NE(body.find("no prefill worker reaches a decode worker"), std::string::npos) << body;
+  EXPECT_NE(body.find("data_plane_error"), std::string::npos) << body;
+  EXPECT_NE(body.find("cannot reach decode rank 1"), std::string::npos) << body;
+  relay_->Restore();
+  const bool up = WaitFor([&] { return health(&body) == 200; }, seconds(30));
+  EXPECT_TRUE(up) << "/health not ok again after the link came back: " << body;
+  (void)load.Stop();
+  EXPECT_EQ(Complete(port_, prompts_[1], kMaxTokens, kRequestTimeoutMs).text, expected_[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Health, KvPathHealthTest, ::testing::Values(KvFault::kCut),
+                         [](const ::testing::TestParamInfo<KvFault>& info) {
+                           return std::string(KvFaultName(info.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Faults, KvPathFaultTest,
                          ::testing::Values(KvFault::kCut, KvFault::kCorrupt, KvFault::kBlackhole),
