@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -226,10 +227,13 @@ TEST(CliGenerateTest, RawPromptParsesSpecialTokensUnlessNoSpecial) {
 // children's) on stderr.
 TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
   if (!std::ifstream(Model())) KVRELAY_SKIP_OR_FAIL() << "no model at " << Model();
-  RunResult r =
-      // serve.sh's topology (a TP = 2 decode group): its stop must be quiet too.
-      RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --no-kv-store --tp 2 --model " +
-             Model());
+  // serve.sh's topology (a TP = 2 decode group) with the launcher's default
+  // prefix store on (in a directory of the test's): its stop must be quiet
+  // too, the store drained and private.
+  const std::string store = ::testing::TempDir() + "/cli_demo_kvstore";
+  std::filesystem::remove_all(store);
+  RunResult r = RunCmd(kCli + " launch --demo 'Say hi' --max-tokens 8 --kv-store " + store +
+                       " --tp 2 --model " + Model());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   ASSERT_FALSE(r.out.empty());
   EXPECT_EQ(r.out.find("listening"), std::string::npos) << r.out;
@@ -247,6 +251,17 @@ TEST(CliLaunchTest, DemoPrintsTheAnswerOnStdoutAndLogsOnStderr) {
     }
   }
   EXPECT_EQ(warnings, 0u) << r.err;
+  // The store: one RocksDB per prefill worker (a decode worker keeps none),
+  // the key beside them, nothing readable by another user.
+  EXPECT_TRUE(std::filesystem::exists(store + "/prefill-0/CURRENT")) << store;
+  EXPECT_FALSE(std::filesystem::exists(store + "/decode-0")) << store;
+  for (const std::string& p : {store, store + "/prefill-0"}) {
+    const auto perms = std::filesystem::status(p).permissions();
+    EXPECT_EQ(perms & (std::filesystem::perms::group_all | std::filesystem::perms::others_all),
+              std::filesystem::perms::none)
+        << p << " is open to other users";
+  }
+  std::filesystem::remove_all(store);
 }
 
 // Ctrl-C or timeout(1) signals the launcher's whole process group: the
@@ -259,8 +274,8 @@ TEST(CliLaunchTest, ASignalToTheProcessGroupStopsWithoutRestarts) {
   {
     std::ofstream sh(script);
     sh << "L=" << log << "\n"
-       << "setsid " << kCli << " launch --prefill 1 --decode 1 --port 0 --no-kv-store --model "
-       << Model() << " 2>$L & P=$!\n"
+       << "setsid " << kCli << " launch --prefill 1 --decode 1 --port 0 --kv-store " << dir
+       << "/cli_group_stop_kvstore --model " << Model() << " 2>$L & P=$!\n"
        << R"(for i in $(seq 600); do grep -q 'cluster ready on' $L && break; sleep 0.1; done
 grep -q 'cluster ready on' $L || { kill -KILL -- -$P; echo "never ready" >&2; exit 1; }
 kill -TERM -- -$P
