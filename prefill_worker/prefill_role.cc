@@ -68,12 +68,7 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
 }
 
 bool PrefillRole::polling() const {
-  if (ctx_.requests->Count({RequestState::kStreaming}) > 0) return true;
-  for (RequestId id : ctx_.requests->IdsIn(RequestState::kQueued)) {
-    const auto* out = ctx_.requests->Find(id)->work_as<Outgoing>();
-    if (out != nullptr && out->parked != nullptr) return true;
-  }
-  return false;
+  return parked_ || ctx_.requests->Count({RequestState::kStreaming}) > 0;
 }
 
 bool PrefillRole::FillPrefixStore(proto::PrefixStoreCounters* out) const {
@@ -252,6 +247,7 @@ void PrefillRole::ConnectAndSubmit(Request& r, const proto::PrefillTask& task) {
                  << " ms";
         out.parked = std::make_unique<proto::PrefillTask>(task);
         out.connect_by = Deadline::After(ctx_.options->kv_progress_timeout);
+        parked_ = true;
       }
       return;
     }
@@ -276,11 +272,18 @@ void PrefillRole::Submit(Request& r, const proto::PrefillTask& task) {
 }
 
 void PrefillRole::RetryParked() {
+  if (!parked_) return;
+  parked_ = false;
   for (RequestId id : ctx_.requests->IdsIn(RequestState::kQueued)) {
     Request* r = ctx_.requests->Find(id);
     auto* out = r->work_as<Outgoing>();
     if (out == nullptr || out->parked == nullptr) continue;
     ConnectAndSubmit(*r, *out->parked);
+    // Still parked (ConnectAndSubmit left it), or gone.
+    if (Request* still = ctx_.requests->Find(id); still != nullptr) {
+      const auto* o = still->work_as<Outgoing>();
+      parked_ = parked_ || (o != nullptr && o->parked != nullptr);
+    }
   }
 }
 

@@ -207,6 +207,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
     std::string error;
   };
   std::map<std::string, Failing> failing_;
+  // Some record may hold a parked task (RetryParked clears it when none does).
+  bool parked_ = false;
   static constexpr std::chrono::seconds kFailingTtl{10};
 };
 
