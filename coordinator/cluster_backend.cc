@@ -150,6 +150,14 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         break;  // ended or re-run elsewhere meanwhile
       }
       SendCancel(it->second.prefill_id, rep.request_id(), "decode side refused the request");
+      // Refused for a fault of the worker or its KV path (its data
+      // connection from the prefill peer just dropped): moved on like a
+      // failed hand-over. Out of blocks or a bad request: failed.
+      if (IsWorkerFault(static_cast<StatusCode>(rep.status_code()))) {
+        LOG_INFO << "request " << rep.request_id() << ": reservation refused on " << worker_id
+                 << ": " << rep.reason();
+        if (Migrate(rep.request_id(), it->second, worker_id, out)) break;
+      }
       Fail(rep.request_id(),
            ResourceExhausted("decode worker " + worker_id +
                              " could not reserve KV blocks: " + rep.reason()),

@@ -101,6 +101,7 @@ void DecodeRole::OnReserveBlocks(const proto::ReserveBlocks& m) {
   reply.set_request_id(id);
   reply.set_ok(false);
   reply.set_reason(s.ToString());
+  reply.set_status_code(static_cast<uint32_t>(s.code()));
   ctx_.control->Send(MessageType::kReserveBlocksReply, reply);
 }
 

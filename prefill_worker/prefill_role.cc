@@ -201,6 +201,9 @@ engine::RequestSpec SpecOf(const proto::PrefillTask& task) {
   spec.prompt.assign(task.prompt_token_ids().begin(), task.prompt_token_ids().end());
   spec.sampling = protocols::FromProto(task.sampling());
   spec.tenant_salt = task.tenant_salt();
+  // Every report of this attempt names it (PrefillDone, Finish): the
+  // coordinator drops one of an attempt the request has moved away from.
+  spec.kv_transfer_id = task.kv_transfer_id();
   spec.want_text = false;  // the coordinator detokenizes
   spec.mode = task.has_decode() ? engine::RequestMode::kPrefillOnly : engine::RequestMode::kFull;
   return spec;
@@ -267,7 +270,8 @@ void PrefillRole::Submit(Request& r, const proto::PrefillTask& task) {
   const RequestId id = r.id;
   if (Status s = engine_->Submit(SpecOf(task)); !s.ok()) {
     ctx_.requests->Finish(id);
-    ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s);
+    ctx_.control->SendFinish(id, proto::Finish::REASON_ERROR, s, task.prompt_token_ids_size(), 0,
+                             task.kv_transfer_id());
   }
 }
 
@@ -586,23 +590,25 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
     return std::find(ranks.begin(), ranks.end(), kv.second.rank) != ranks.end();
   });
   auto lost = [&](const Request& r) {
-    return std::any_of(r.peers.begin(), r.peers.end(), [&](int p) {
-      return std::find(ranks.begin(), ranks.end(), p) != ranks.end();
-    });
+    auto in = [&](int p) { return std::find(ranks.begin(), ranks.end(), p) != ranks.end(); };
+    if (std::any_of(r.peers.begin(), r.peers.end(), in)) return true;
+    // A parked task has no peers yet: its target's ranks.
+    const auto* out = r.work_as<Outgoing>();
+    return out != nullptr && out->parked != nullptr &&
+           std::any_of(out->parked->decode().ranks().begin(), out->parked->decode().ranks().end(),
+                       [&](uint32_t p) { return in(static_cast<int>(p)); });
   };
-  // The coordinator re-runs or fails these requests itself: report nothing
-  // of a delivery. One still computing keeps its record without streams; its
-  // first token then ends it as a prefill that hands nothing over.
+  // The coordinator re-runs or fails these requests itself (it announced the
+  // loss before its cancels and re-runs): they end here reporting nothing.
+  // A first token sampled for a decode group that is gone would only reach
+  // the coordinator as a stale report.
   for (RequestState state :
        {RequestState::kQueued, RequestState::kComputing, RequestState::kStreaming}) {
     for (RequestId id : ctx_.requests->IdsIn(state)) {
       Request* r = ctx_.requests->Find(id);
       if (r->work == nullptr || !lost(*r)) continue;
-      if (state == RequestState::kStreaming) {
-        ctx_.requests->Finish(id);
-      } else {
-        ctx_.requests->DropWork(*r);
-      }
+      ctx_.requests->DropWork(*r);  // its streams end before the engine lets go of the blocks
+      ctx_.requests->Cancelled(id, engine_->Cancel(id).ok());
     }
   }
 }

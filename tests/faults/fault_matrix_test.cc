@@ -202,7 +202,7 @@ class FaultMatrixTest : public ::testing::TestWithParam<Case> {
   }
   void TearDown() override {
     if (cluster_ != nullptr && HasFailure()) {
-      std::fprintf(stderr, "--- launcher log tail ---\n%s\n", cluster_->LogTail().c_str());
+      std::fprintf(stderr, "--- launcher log tail ---\n%s\n", cluster_->LogTail(60000).c_str());
     }
     cluster_.reset();
   }

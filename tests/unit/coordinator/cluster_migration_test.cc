@@ -563,6 +563,31 @@ TEST_F(ClusterMigrationTest, ARefusedReservationCancelsThePrefillUnderWay) {
   EXPECT_NE(events.Last().error.message().find("no free KV blocks"), std::string::npos);
 }
 
+// A reservation refused for a fault of the decode worker's KV path (its
+// data connection from the prefill peer had just dropped: "peer 0 is gone")
+// is run again, not failed.
+TEST_F(ClusterMigrationTest, AReservationRefusedForAKvPathFaultIsRunAgain) {
+  StartBackend(/*migration_limit=*/3);
+  CollectedEvents& events = NewEvents();
+  proto::PrefillTask task;
+  auto decode0 = StartFirstAttempt(events, &task);
+  ASSERT_NE(decode0, nullptr);
+  proto::ReserveBlocksReply refuse;
+  refuse.set_request_id(kId);
+  refuse.set_ok(false);
+  refuse.set_reason("UNAVAILABLE: peer 0 is gone");
+  refuse.set_status_code(static_cast<uint32_t>(StatusCode::kUnavailable));
+  ASSERT_TRUE(decode0->Send(MessageType::kReserveBlocksReply, refuse).ok());
+  proto::Cancel cancel;
+  ASSERT_TRUE(prefill_->Expect(MessageType::kCancel, &cancel).ok());
+  // The same pair again (no other), as a new attempt.
+  const proto::PrefillTask again = Prefill(*decode0, *prefill_, 100);
+  EXPECT_NE(again.kv_transfer_id(), task.kv_transfer_id());
+  Stream(*decode0, {101, 102, 103, 104, 105, 106, 107});
+  Finish(*decode0);
+  ExpectWholeAnswer(events);
+}
+
 // The prefill worker dies after its first token reached the client but
 // before the decode side reported (the KV may not have arrived): the request
 // moves on from prompt + that token, and the stream goes on.
