@@ -153,6 +153,23 @@ KVR_HD float SiluMulElem(float g, float u, bool in_group_of_8) {
   return g / (1.0f + e) * u;
 }
 
+// gelu(g) * u as engine GeluTanhMulGgml (Gemma's GeGLU): ggml's fp16 table
+// (gelu.h GeluTableGgml, uploaded) inside (-10, 10), 0 below, g above.
+KVR_HD float GeluMulElem(float g, float u, const uint16_t* table) {
+  if (g <= -10.0f) return 0.0f;
+  if (g >= 10.0f) return g * u;
+  return HalfToFloat(table[FloatToHalf(g)]) * u;
+}
+
+// Final-logit soft-capping as llama.cpp: scale by 1/cap, tanh, scale by cap.
+KVR_HD float SoftcapElem(float v, float inv_cap, float cap) {
+#ifdef __CUDA_ARCH__
+  return tanhf(v * inv_cap) * cap;
+#else
+  return std::tanh(v * inv_cap) * cap;
+#endif
+}
+
 // RMSNorm's scale from the double sum of float squares (RmsNormFast).
 KVR_HD float RmsScale(double sum_squares, int64_t n, float eps) {
   const float mean = static_cast<float>(sum_squares / static_cast<double>(n));

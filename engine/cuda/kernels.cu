@@ -285,6 +285,58 @@ __global__ void SwiGluKernel(const float* __restrict__ gate, const float* __rest
   if (q.q != nullptr) WarpQuantizeQ8(v, item, lane, q);
 }
 
+// GeLU's twin of SwiGluKernel: ggml's fp16 GELU table (math::GeluMulElem).
+__global__ void GeGluKernel(const float* __restrict__ gate, const float* __restrict__ up,
+                            int64_t ld, int64_t T, int64_t n, const uint16_t* __restrict__ table,
+                            float* __restrict__ out, DevQ8 q) {
+  const int64_t nb = n / 32;
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (item >= T * nb) return;
+  const int64_t t = item / nb, i = (item % nb) * 32 + lane;
+  const float v = math::GeluMulElem(gate[t * ld + i], up[t * ld + i], table);
+  out[t * n + i] = v;
+  if (q.q != nullptr) WarpQuantizeQ8(v, item, lane, q);
+}
+
+// One warp per (token, head); lane l holds head elements l, l + 32, ... (hd
+// / 32 <= 8 of them) in registers, so the norm is in place. Squares summed in
+// double as RmsNormKernel.
+__global__ void HeadRmsNormKernel(float* __restrict__ x, int64_t ld, int64_t T, int n_heads, int hd,
+                                  const float* __restrict__ w, float eps) {
+  const int64_t item = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (item >= T * n_heads) return;
+  float* head = x + (item / n_heads) * ld + (item % n_heads) * hd;
+  const int per_lane = hd / kWarp;
+  float v[8];
+  double ss = 0;
+  for (int e = 0; e < per_lane; ++e) {
+    v[e] = head[lane + kWarp * e];
+    ss += static_cast<double>(v[e] * v[e]);
+  }
+  ss = WarpSumDouble(ss);
+  const float scale = math::RmsScale(ss, hd, eps);
+  for (int e = 0; e < per_lane; ++e) {
+    head[lane + kWarp * e] = math::RmsApply(v[e], scale, w[lane + kWarp * e]);
+  }
+}
+
+__global__ void ScaleKernel(float* __restrict__ x, int64_t ld, int64_t rows, int64_t cols,
+                            float s) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[(i / cols) * ld + i % cols] *= s;
+  }
+}
+
+__global__ void SoftcapKernel(float* __restrict__ x, int64_t n, float inv_cap, float cap) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = math::SoftcapElem(x[i], inv_cap, cap);
+  }
+}
+
 __device__ __forceinline__ uint8_t* SlabAt(const DevKvView& kv, int64_t seq, int64_t p, int layer,
                                            int slab, int* offset) {
   const int64_t blk = kv.tables[kv.table_off[seq] + p / kv.block_tokens];
@@ -593,6 +645,32 @@ void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int
   if (warps == 0) return;
   SwiGluKernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(
       gate, up, ld, T, n, out, q != nullptr ? *q : DevQ8{});
+}
+
+void LaunchGeGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n,
+                 const uint16_t* table, float* out, const DevQ8* q, cudaStream_t stream) {
+  const int64_t warps = T * (n / 32);
+  if (warps == 0) return;
+  GeGluKernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(
+      gate, up, ld, T, n, table, out, q != nullptr ? *q : DevQ8{});
+}
+
+void LaunchHeadRmsNorm(float* x, int64_t ld, int64_t T, int n_heads, int hd, const float* w,
+                       float eps, cudaStream_t stream) {
+  const int64_t warps = T * n_heads;
+  if (warps == 0) return;
+  HeadRmsNormKernel<<<static_cast<unsigned>(CeilDiv(warps * kWarp, 256)), 256, 0, stream>>>(
+      x, ld, T, n_heads, hd, w, eps);
+}
+
+void LaunchScale(float* x, int64_t ld, int64_t rows, int64_t cols, float s, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  ScaleKernel<<<GridFor(rows * cols, 256), 256, 0, stream>>>(x, ld, rows, cols, s);
+}
+
+void LaunchSoftcap(float* x, int64_t n, float cap, cudaStream_t stream) {
+  if (n == 0) return;
+  SoftcapKernel<<<GridFor(n, 256), 256, 0, stream>>>(x, n, 1.0f / cap, cap);
 }
 
 void LaunchRopeWriteKv(const DevKvView& kv, int layer, float* q, float* k, const float* v,

@@ -62,6 +62,20 @@ void LaunchRmsNorm(const float* x, const int32_t* rows, int64_t R, int d, const 
 void LaunchSwiGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n, float* out,
                   const DevQ8* q, cudaStream_t stream);
 
+// out[t][i] = gelu(gate[t * ld + i]) * up[t * ld + i] with ggml's fp16 table
+// (`table`: 65536 entries in device memory, gelu.h GeluTableGgml); q as
+// LaunchSwiGlu's.
+void LaunchGeGlu(const float* gate, const float* up, int64_t ld, int64_t T, int64_t n,
+                 const uint16_t* table, float* out, const DevQ8* q, cudaStream_t stream);
+// Every head of T rows in place: x[t * ld + h * hd ..] := RMSNorm(head) * w
+// (hd floats of weights, hd % 32 == 0, hd <= 256): Gemma 3's Q and K norms.
+void LaunchHeadRmsNorm(float* x, int64_t ld, int64_t T, int n_heads, int hd, const float* w,
+                       float eps, cudaStream_t stream);
+// x[r * ld + i] *= s for r < rows, i < cols.
+void LaunchScale(float* x, int64_t ld, int64_t rows, int64_t cols, float s, cudaStream_t stream);
+// Every logit v := tanh(v / cap) * cap (n floats).
+void LaunchSoftcap(float* x, int64_t n, float cap, cudaStream_t stream);
+
 // Where a step's KV lives: pool + the flattened block tables.
 struct DevKvView {
   uint8_t* pool = nullptr;

@@ -87,6 +87,8 @@ float GeluTanhF32(float g) {
   return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * g * inner));
 }
 
+std::span<const uint16_t> GeluTableGgml() { return {GeluTable().data(), size_t{1} << 16}; }
+
 void GeluTanhMulGgmlWithPath(const float* gate, const float* up, int64_t n, float* out,
                              KernelPath path) {
   const uint16_t* table = GeluTable().data();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "engine/kernels/matmul.h"
 
@@ -23,5 +24,9 @@ void GeluTanhMulGgmlWithPath(const float* gate, const float* up, int64_t n, floa
 
 // The same GELU without the table, in float: 0.5 g (1 + tanhf(...)).
 float GeluTanhF32(float g);
+
+// The table itself: 65536 fp16 bit patterns, entry i = fp16(GeluTanhF32(
+// float(fp16 i))) (the CUDA backend uploads it so its GeGLU has these bits).
+std::span<const uint16_t> GeluTableGgml();
 
 }  // namespace kvrelay::engine

@@ -3,26 +3,28 @@
 #include <charconv>
 
 #if KVRELAY_WITH_CUDA
-#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_kernels.h"
 #endif
 
 namespace kvrelay::engine {
 namespace {
 
-// The default backend: ForwardPass on the engine's thread pool.
-class CpuBackend final : public ComputeBackend {
+// Every backend: the one ForwardPass over the device's kernel table.
+class KernelBackend final : public ComputeBackend {
  public:
-  CpuBackend(const Model& model, KvBlockPool* pool, ThreadPool* threads)
-      : forward_(model, pool, threads) {}
-  DeviceSpec device() const override { return {}; }
+  KernelBackend(DeviceSpec device, const Model& model, KvBlockPool* pool, KvCacheGroups groups,
+                std::unique_ptr<StepKernels> kernels)
+      : device_(device), forward_(model, pool, std::move(groups), std::move(kernels)) {}
+  DeviceSpec device() const override { return device_; }
   Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
              const std::function<void(int layer)>& layer_hook) override {
     return forward_.Run(seqs, out, layer_hook);
   }
   void SetCollective(TpCollective* collective) override { forward_.SetCollective(collective); }
-  void InvalidateBlock(BlockId) override {}
+  void InvalidateBlock(BlockId block) override { forward_.kernels().InvalidateBlock(block); }
 
  private:
+  DeviceSpec device_;
   ForwardPass forward_;
 };
 
@@ -51,12 +53,25 @@ bool CudaBackendBuilt() { return KVRELAY_WITH_CUDA != 0; }
 Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
                                                              const Model& model, KvBlockPool* pool,
                                                              ThreadPool* threads) {
+  return CreateComputeBackend(options, model, pool, KvCacheGroups::One(model.config().n_layers),
+                              threads);
+}
+
+Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
+                                                             const Model& model, KvBlockPool* pool,
+                                                             const KvCacheGroups& groups,
+                                                             ThreadPool* threads) {
   if (pool == nullptr) return InvalidArgument("CreateComputeBackend: null pool");
   if (options.device.kind == DeviceKind::kCpu) {
-    return std::unique_ptr<ComputeBackend>(new CpuBackend(model, pool, threads));
+    return std::unique_ptr<ComputeBackend>(
+        new KernelBackend(options.device, model, pool, groups,
+                          std::make_unique<CpuKernels>(model, pool, groups, threads)));
   }
 #if KVRELAY_WITH_CUDA
-  return cuda::CreateCudaBackend(options, model, pool);
+  ASSIGN_OR_RETURN(std::unique_ptr<StepKernels> kernels,
+                   cuda::CreateCudaKernels(options, model, pool, groups));
+  return std::unique_ptr<ComputeBackend>(
+      new KernelBackend(options.device, model, pool, groups, std::move(kernels)));
 #else
   return Unimplemented("device " + DeviceName(options.device) +
                        ": this build has no CUDA backend (configure with the CUDA toolkit "

@@ -1,17 +1,17 @@
 // The compute-backend seam: where the forward pass of one engine runs.
 //
-// The engine keeps one model loading, one KvBlockPool (block ids, refcounts,
-// prefix cache, the bytes every other component reads) and one scheduler;
-// only ForwardPass::Run moves behind this interface. The CPU backend is
-// ForwardPass itself (the default; bit-identical to calling it directly). The
-// CUDA backend (engine/cuda/cuda_backend.h) keeps the weights quantized in
-// device memory and a device mirror of the pool with the same block layout:
+// Every backend is the one ForwardPass (forward.h: the model's structure,
+// written once) over its device's kernel table (step_kernels.h): the CPU
+// table (cpu_kernels.h, the default; bit-identical to llama.cpp) or the CUDA
+// table (engine/cuda/cuda_kernels.h), which keeps the weights quantized in
+// device memory and a device copy of the pool with the same block layout:
 //
 //   * host -> device: a block whose host bytes changed behind the backend's
 //     back (KV imported by a decode worker, restored from the store, a
-//     copy-on-write copy) is re-uploaded per layer from pinned staging before
-//     the first step that reads it. The engine learns of such writes through
-//     the pool wrapper TrackHostWrites() returns, which it installs as its pool.
+//     copy-on-write copy) is re-uploaded per layer slot before the first
+//     step that reads it. The engine learns of such writes through the
+//     pool's host-write hook (KvBlockPool::SetHostWriteHook), which it
+//     routes to InvalidateBlock.
 //   * device -> host: the K/V a step computes is copied back into the host
 //     pool (one copy per step), so exports, the layer hook, spills and
 //     transfers read exactly what they read with the CPU backend.
@@ -31,6 +31,7 @@
 #include "common/status.h"
 #include "common/thread_pool.h"
 #include "engine/kv_cache/kv_cache.h"
+#include "engine/kv_cache/kv_groups.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 #include "engine/runtime/tp_collective.h"
@@ -101,6 +102,11 @@ struct ComputeBackendOptions {
 // do not cover; the model's weights are copied to the device here.
 Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
                                                              const Model& model, KvBlockPool* pool,
+                                                             ThreadPool* threads);
+// The same for a pool whose blocks serve KV cache `groups` (kv_groups.h).
+Result<std::unique_ptr<ComputeBackend>> CreateComputeBackend(const ComputeBackendOptions& options,
+                                                             const Model& model, KvBlockPool* pool,
+                                                             const KvCacheGroups& groups,
                                                              ThreadPool* threads);
 
 }  // namespace kvrelay::engine

@@ -80,8 +80,7 @@ class Engine::Impl {
         model_(std::move(model)),
         pool_(std::move(pool)),
         groups_(std::move(groups)),
-        threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "engine"),
-        forward_(*model_, pool_.get(), groups_, &threads_) {
+        threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "engine") {
     max_context_ = options_.max_context > 0
                        ? std::min<int64_t>(options_.max_context, model_->config().context_length)
                        : model_->config().context_length;
@@ -94,7 +93,7 @@ class Engine::Impl {
       for (auto& [id, s] : loading_) connector_->CancelRemoteLoad(id);
     }
     // backend_ goes before pool_: nothing may reach it through the pool after.
-    if (backend_) pool_->SetHostWriteHook(nullptr);
+    pool_->SetHostWriteHook(nullptr);
   }
 
   Status CheckSpec(const RequestSpec& spec) const {
@@ -287,8 +286,7 @@ class Engine::Impl {
   std::unique_ptr<KvBlockPool> pool_;
   KvCacheGroups groups_;  // the groups pool_'s blocks serve
   ThreadPool threads_;
-  ForwardPass forward_;
-  // Set when options.device is not the CPU; then it runs every step.
+  // The one forward pass over the device's kernel table (compute_backend.h).
   std::unique_ptr<ComputeBackend> backend_;
   int64_t max_context_ = 0;
   KvConnector* connector_ = nullptr;    // not owned; may be null
@@ -745,7 +743,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     st = tp_.publish(plan).WithContext("publishing the step to the tensor-parallel group");
   }
   if (st.ok()) {
-    st = backend_ ? backend_->Run(plan.seqs, &out, hook) : forward_.Run(plan.seqs, &out, hook);
+    st = backend_->Run(plan.seqs, &out, hook);
   }
   if (!st.ok()) {
     LOG_ERROR << "forward step failed: " << st.ToString();
@@ -812,11 +810,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
   if (model == nullptr) return InvalidArgument("Engine::Create: null model");
   ASSIGN_OR_RETURN(DeviceSpec device, ParseDevice(options.device));
   const ModelConfig& c = model->config();
-  // A device backend addresses one group (it refuses per-layer windows).
   std::vector<int> windows;
   for (int l = 0; l < c.n_layers; ++l) windows.push_back(c.LayerWindow(l));
-  KvCacheGroups groups = KvCacheGroups::FromLayerWindows(
-      windows, /*split=*/options.split_kv_groups && device.kind == DeviceKind::kCpu);
+  KvCacheGroups groups = KvCacheGroups::FromLayerWindows(windows, options.split_kv_groups);
   KvBlockPool::Options po;
   po.layout = model->MakeKvLayout(options.kv_dtype, options.block_tokens);
   po.layout.layers = groups.layers_per_block();
@@ -842,18 +838,16 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<KvBlockPool> pool, KvBlockPool::Create(po));
   if (groups.size() > 1) LOG_INFO << "KV cache: " << groups.DebugString();
-  if (device.kind == DeviceKind::kCpu) {
-    return std::unique_ptr<Engine>(new Engine(
-        std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups))));
-  }
   auto impl = std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups));
   ComputeBackendOptions bo;
   bo.device = device;
-  ASSIGN_OR_RETURN(impl->backend_,
-                   CreateComputeBackend(bo, *impl->model_, impl->pool_.get(), &impl->threads_));
-  // A device backend mirrors the pool: host writes it did not make must reach it.
-  ComputeBackend* backend = impl->backend_.get();
-  impl->pool_->SetHostWriteHook([backend](BlockId b) { backend->InvalidateBlock(b); });
+  ASSIGN_OR_RETURN(impl->backend_, CreateComputeBackend(bo, *impl->model_, impl->pool_.get(),
+                                                        impl->groups_, &impl->threads_));
+  if (device.kind != DeviceKind::kCpu) {
+    // A device backend copies the pool: host writes it did not make must reach it.
+    ComputeBackend* backend = impl->backend_.get();
+    impl->pool_->SetHostWriteHook([backend](BlockId b) { backend->InvalidateBlock(b); });
+  }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
 
@@ -868,9 +862,6 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
   if (hooks.collective == nullptr || !hooks.publish) {
     return InvalidArgument("SetTensorParallel needs a collective and a publish function");
   }
-  if (impl_->groups_.size() > 1 && impl_->backend_) {
-    return FailedPrecondition("tensor parallelism on a device backend needs one KV cache group");
-  }
   Status dtype = CheckTensorParallelDtype(impl_->options_.kv_dtype);
   if (!dtype.ok()) return FailedPrecondition(dtype.message());
   if (impl_->model_->shard().size != hooks.collective->size() ||
@@ -882,8 +873,7 @@ Status Engine::SetTensorParallel(const TensorParallelHooks& hooks) {
         std::to_string(hooks.collective->size()) + ")");
   }
   impl_->tp_ = hooks;
-  impl_->forward_.SetCollective(hooks.collective);
-  if (impl_->backend_) impl_->backend_->SetCollective(hooks.collective);
+  impl_->backend_->SetCollective(hooks.collective);
   return Status::Ok();
 }
 KvBlockPool* Engine::pool() { return impl_->pool_.get(); }

@@ -15,6 +15,7 @@
 #include "engine/gguf/ggml_type.h"
 #include "engine/gguf/gguf.h"
 #include "engine/gguf/quantize.h"
+#include "engine/kernels/gelu.h"
 #include "engine/kernels/matmul.h"
 #include "engine/kernels/ops.h"
 #include "engine/runtime/sampler.h"
@@ -69,6 +70,27 @@ TEST(KernelMathTest, ExpAndSiluMatchTheCpuBitForBit) {
   SiluMul(g.data(), u.data(), n, y.data(), KernelPath::kScalar);
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_EQ(Bits(math::SiluMulElem(g[i], u[i], i < (n & ~int64_t{7}))), Bits(y[i])) << i;
+  }
+}
+
+TEST(KernelMathTest, GeluMatchesTheCpuBitForBit) {
+  // Every region of the table: both clamps, the fp16 rounding inside, NaN.
+  std::vector<float> g;
+  for (float v = -12.0f; v < 12.0f; v += 0.00731f) g.push_back(v);
+  g.push_back(-10.0f);
+  g.push_back(10.0f);
+  g.push_back(std::nanf(""));
+  const int64_t n = static_cast<int64_t>(g.size());
+  std::vector<float> u = RandomFloats(g.size(), 1.0f, 7), y(g.size());
+  GeluTanhMulGgml(g.data(), u.data(), n, y.data());
+  const uint16_t* table = GeluTableGgml().data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float got = math::GeluMulElem(g[i], u[i], table);
+    if (std::isnan(y[i])) {
+      ASSERT_TRUE(std::isnan(got)) << g[i];
+    } else {
+      ASSERT_EQ(Bits(got), Bits(y[i])) << g[i];
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-#include "engine/cuda/cuda_backend.h"
+#include "engine/cuda/cuda_kernels.h"
 
 #include <cublas_v2.h>
 
@@ -15,6 +15,8 @@
 #include "engine/cuda/device.h"
 #include "engine/cuda/kernel_math.h"
 #include "engine/cuda/kernels.cuh"
+#include "engine/kernels/gelu.h"
+#include "engine/runtime/forward.h"
 #if KVRELAY_WITH_NCCL
 #include "engine/cuda/nccl_communicator.h"
 #endif
@@ -71,22 +73,49 @@ struct DevLayer {
   float* bq = nullptr;
   float* bk = nullptr;
   float* bv = nullptr;
+  // Gemma 3 only.
+  float* post_attn_norm = nullptr;
+  float* post_ffn_norm = nullptr;
+  float* q_norm = nullptr;
+  float* k_norm = nullptr;
 };
 
-class CudaBackend final : public ComputeBackend {
+// What xq_ (the q8 copy a GEMV product reads) holds: kNoQ8, or the
+// step_kernels.h Act whose rows it quantizes.
+constexpr int kNoQ8 = -1;
+
+class CudaKernels final : public StepKernels {
  public:
-  CudaBackend(const ComputeBackendOptions& options, const Model& model, KvBlockPool* pool)
-      : options_(options), model_(model), pool_(pool) {}
-  ~CudaBackend() override {
+  CudaKernels(const ComputeBackendOptions& options, const Model& model, KvBlockPool* pool,
+              KvCacheGroups groups)
+      : options_(options), model_(model), pool_(pool), groups_(std::move(groups)) {}
+  ~CudaKernels() override {
     for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g);
     if (cublas_ != nullptr) cublasDestroy(cublas_);
     for (void* p : allocations_) cudaFree(p);
   }
 
   Status Init();
-  DeviceSpec device() const override { return options_.device; }
-  Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-             const std::function<void(int layer)>& layer_hook) override;
+
+  Status RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
+                 std::span<const int64_t> logit_rows, ForwardOutput* out,
+                 const std::function<void(int layer)>& layer_hook,
+                 const std::function<Status()>& body) override;
+  Status Embed(float scale) override;
+  Status RmsNorm(int layer, LayerNorm which, Act in, Act out) override;
+  Status ProjectQkv(int layer) override;
+  Status QkNorm(int layer) override;
+  Status RopeWriteKv(int layer, float rope_base, float q_scale) override;
+  Status Attend(int layer, int window, float scale) override;
+  Status LayerDone(int) override { return Status::Ok(); }  // hooks run after the step
+  Status Project(int layer, LayerMatrix which, Act in, Act out, bool accumulate) override;
+  Status ProjectGateUp(int layer) override;
+  Status GatedActivation(ModelConfig::FfnAct act) override;
+  Status Add(Act dst, Act src) override;
+  Status AllReduce(Act a) override;
+  Status GatherColumns(Act local, const std::vector<UnitRange>& widths) override;
+  Status FinalNorm() override;
+  Status Logits(float softcap) override;
   void SetCollective(TpCollective* collective) override { collective_ = collective; }
   void InvalidateBlock(BlockId block) override {
     if (block >= 0 && block < static_cast<BlockId>(valid_.size())) valid_[block] = 0;
@@ -111,6 +140,10 @@ class CudaBackend final : public ComputeBackend {
   // Y (+)= W X for T tokens; `xq_ready` says x is already quantized in xq_.
   Status MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias, bool accumulate,
                 float* y, bool* xq_ready);
+  // A product of buffer `in`: reuses xq_ when it holds `in`, and records
+  // that it does after the product quantized it.
+  Status Product(const DevMatrix& w, Act in, int64_t T, const float* bias, bool accumulate,
+                 float* y);
   // Uploads the invalid blocks among `needed` (holding cached positions);
   // `fresh` blocks (only positions this step writes) become valid as they are.
   Status UploadInvalidBlocks(const std::vector<int32_t>& needed, const std::vector<int32_t>& fresh);
@@ -118,47 +151,70 @@ class CudaBackend final : public ComputeBackend {
   Status GatherColumns(const float* local, const std::vector<UnitRange>& widths, int64_t T,
                        float* full);
   Status AllReduce(float* data, int64_t n);
+  float* Buf(Act a) const;
+  // A kernel wrote `a`: a q8 copy of it is stale (unless set again).
+  void Wrote(Act a) {
+    if (xq_of_ == static_cast<int>(a)) xq_of_ = kNoQ8;
+  }
 
   // Launches of family f per step: 2 for the doubled family, else 1.
   int Reps(Family f) const { return f == doubled_ ? 2 : 1; }
 
   ComputeBackendOptions options_;
-  Family doubled_ = Family::kNone;  // set at the start of each Run
+  Family doubled_ = Family::kNone;  // set at the start of each step
   const Model& model_;
   KvBlockPool* pool_;
+  KvCacheGroups groups_;
   TpCollective* collective_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   Stream stream_, copy_stream_;
-  std::vector<Event> layer_ready_;  // per layer: uploads of that layer done
-  std::vector<void*> allocations_;  // weights, norms, the KV pool
+  std::vector<Event> layer_ready_;  // per layer slot: uploads of that slot done
+  std::vector<void*> allocations_;  // weights, norms, the KV pool, the GELU table
   std::vector<DevLayer> layers_;
   DevMatrix embd_, lm_head_;
   float* output_norm_ = nullptr;
+  const uint16_t* gelu_table_ = nullptr;
   uint8_t* kv_pool_ = nullptr;
   std::vector<uint8_t> valid_;  // per block: the device copy equals the host bytes
-  float theta_scale_ = 1.0f;
   std::vector<UnitRange> q_cols_, ffn_cols_;
   // Per-step scratch.
   DeviceBuffer meta_, x_, xn_, q_, k_, v_, attn_, proj_, gate_, up_, partials_, logits_, kv_stash_,
-      xq_q_, xq_d_, xq_s_, xh_, wh_, gathered_, full_;
+      xq_q_, xq_d_, xq_s_, xh_, wh_, gathered_, full_, norm_tmp_;
   PinnedBuffer h_meta_, h_logits_, h_stash_, h_upload_, h_tp_;
-  // Decode-step graphs by step shape (see Run); seen_ counts uncaptured runs.
+  // Decode-step graphs by step shape (see RunStep); seen_ counts uncaptured runs.
   std::map<std::string, cudaGraphExec_t> graphs_;
   std::map<std::string, int> seen_;
   std::vector<float> tp_host_, tp_host2_;
+
+  // The step RunStep is running: sizes, device metadata, where the
+  // products left Q/K/V and gate/up, what xq_ holds.
+  int64_t T_ = 0, R_ = 0, max_len_ = 0;
+  int split_tokens_ = 0;
+  bool exact_tp_ = false, uploads_ = false, mirror_ = false;
+  const int32_t* d_tokens_ = nullptr;
+  const int32_t* d_seq_ = nullptr;
+  const int32_t* d_rows_ = nullptr;
+  const int64_t* d_pos_ = nullptr;
+  std::vector<DevKvView> kv_;  // per group
+  float *qp_ = nullptr, *kp_ = nullptr, *vp_ = nullptr;
+  int64_t ldq_ = 0, ldkv_ = 0;
+  const float *g_in_ = nullptr, *u_in_ = nullptr;
+  int64_t ld_ffn_ = 0;
+  int ffn_layer_ = 0;  // the layer of the last ProjectGateUp
+  int xq_of_ = kNoQ8;
 };
 
-Status CudaBackend::Alloc(size_t bytes, void** out) {
+Status CudaKernels::Alloc(size_t bytes, void** out) {
   KVR_CUDA_RETURN(cudaMalloc(out, bytes == 0 ? 1 : bytes));
   allocations_.push_back(*out);
   return Status::Ok();
 }
 
-Status CudaBackend::UploadMatrix(const GgufTensor* t, DevMatrix* out) {
+Status CudaKernels::UploadMatrix(const GgufTensor* t, DevMatrix* out) {
   return UploadStacked(std::span<const GgufTensor* const>(&t, 1), out);
 }
 
-Status CudaBackend::UploadStacked(std::span<const GgufTensor* const> ts, DevMatrix* out) {
+Status CudaKernels::UploadStacked(std::span<const GgufTensor* const> ts, DevMatrix* out) {
   size_t bytes = 0;
   for (const GgufTensor* t : ts) {
     if (t == nullptr) return InvalidArgument("missing weight tensor");
@@ -194,7 +250,7 @@ Status CudaBackend::UploadStacked(std::span<const GgufTensor* const> ts, DevMatr
   return Status::Ok();
 }
 
-Status CudaBackend::UploadFloats(const std::vector<float>& v, float** out) {
+Status CudaKernels::UploadFloats(const std::vector<float>& v, float** out) {
   if (v.empty()) {
     *out = nullptr;
     return Status::Ok();
@@ -206,7 +262,7 @@ Status CudaBackend::UploadFloats(const std::vector<float>& v, float** out) {
   return Status::Ok();
 }
 
-Status CudaBackend::BuildFp16Cache() {
+Status CudaKernels::BuildFp16Cache() {
   std::vector<DevMatrix*> all;
   for (DevLayer& l : layers_) {
     for (DevMatrix* m :
@@ -235,7 +291,7 @@ Status CudaBackend::BuildFp16Cache() {
   return Status::Ok();
 }
 
-Status CudaBackend::Init() {
+Status CudaKernels::Init() {
   std::string desc;
   RETURN_IF_ERROR(UseDevice(options_.device.index, &desc).WithContext("cuda backend"));
   const ModelConfig& c = model_.config();
@@ -249,10 +305,8 @@ Status CudaBackend::Init() {
     return Unimplemented("cuda backend: head_dim " + std::to_string(c.head_dim) +
                          " is not supported (32, 64, 96, 128 or 256)");
   }
-  if (c.gemma_norms || c.embed_scale != 1.0f || c.ffn_act != ModelConfig::FfnAct::kSilu ||
-      c.q_scale != 0.0f || !c.layer_sliding.empty() || c.final_logit_softcap > 0.0f) {
-    return Unimplemented("cuda backend: architecture '" + c.arch +
-                         "' (Gemma norms, GeGLU, per-layer windows) runs on the CPU backend only");
+  if (groups_.n_layers() != c.n_layers || kl.layers != groups_.layers_per_block()) {
+    return InvalidArgument("cuda backend: the KV cache groups do not match the model and pool");
   }
   if (c.d_model % 32 != 0 || c.ffn_dim % 32 != 0) {
     return Unimplemented("cuda backend: d_model and ffn_dim must be multiples of 32");
@@ -308,6 +362,16 @@ Status CudaBackend::Init() {
     RETURN_IF_ERROR(UploadMatrix(w.ffn_down, &d.down).WithContext(ctx));
     RETURN_IF_ERROR(UploadFloats(w.attn_norm_w, &d.attn_norm));
     RETURN_IF_ERROR(UploadFloats(w.ffn_norm_w, &d.ffn_norm));
+    if (c.gemma_norms) {
+      RETURN_IF_ERROR(UploadFloats(w.post_attn_norm_w, &d.post_attn_norm));
+      RETURN_IF_ERROR(UploadFloats(w.post_ffn_norm_w, &d.post_ffn_norm));
+      RETURN_IF_ERROR(UploadFloats(w.q_norm_w, &d.q_norm));
+      RETURN_IF_ERROR(UploadFloats(w.k_norm_w, &d.k_norm));
+      if (d.post_attn_norm == nullptr || d.post_ffn_norm == nullptr || d.q_norm == nullptr ||
+          d.k_norm == nullptr) {
+        return InvalidArgument(ctx + ": a Gemma norm weight is missing");
+      }
+    }
   }
   RETURN_IF_ERROR(UploadMatrix(&model_.token_embd(), &embd_).WithContext("token_embd"));
   if (&model_.lm_head() == &model_.token_embd()) {
@@ -324,9 +388,15 @@ Status CudaBackend::Init() {
   kv_pool_ = static_cast<uint8_t*>(p);
   valid_.assign(pool_->total_blocks(), 0);
   RETURN_IF_ERROR(BuildFp16Cache());  // after the pool: it takes a share of what is left
-  layer_ready_.resize(c.n_layers);
+  if (c.ffn_act == ModelConfig::FfnAct::kGeluTanh) {
+    const std::span<const uint16_t> table = GeluTableGgml();
+    void* t = nullptr;
+    RETURN_IF_ERROR(Alloc(table.size_bytes(), &t));
+    KVR_CUDA_RETURN(cudaMemcpy(t, table.data(), table.size_bytes(), cudaMemcpyHostToDevice));
+    gelu_table_ = static_cast<const uint16_t*>(t);
+  }
+  layer_ready_.resize(kl.layers);  // per layer slot of a block
   for (Event& e : layer_ready_) RETURN_IF_ERROR(e.Create());
-  theta_scale_ = std::pow(c.rope_base, -2.0f / static_cast<float>(c.rope_dim));
   const TensorParallelShard& shard = model_.shard();
   const ModelConfig& full = model_.full_config();
   const int ffn_unit = full.ffn_dim / model_.ffn_units();
@@ -342,7 +412,7 @@ Status CudaBackend::Init() {
   return Status::Ok();
 }
 
-Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias,
+Status CudaKernels::MatMul(const DevMatrix& w, const float* x, int64_t T, const float* bias,
                            bool accumulate, float* y, bool* xq_ready) {
   cudaStream_t s = stream_.get();
   if (T >= options_.gemm_min_tokens) {
@@ -384,7 +454,7 @@ Status CudaBackend::MatMul(const DevMatrix& w, const float* x, int64_t T, const 
   return Status::Ok();
 }
 
-Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
+Status CudaKernels::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
                                         const std::vector<int32_t>& fresh) {
   std::vector<int32_t> todo;
   for (int32_t b : blocks) {
@@ -396,15 +466,15 @@ Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
   for (int32_t b : fresh) valid_[b] = 1;  // every position read is written first
   const KvLayout& kl = pool_->layout();
   const int64_t lb = kl.LayerBytes();
-  const int L = model_.config().n_layers;
+  const int L = kl.layers;  // layer slots of a block
   if (todo.empty()) return Status::Ok();
   std::sort(todo.begin(), todo.end());
   todo.erase(std::unique(todo.begin(), todo.end()), todo.end());
   // The previous step's copies are done before its end (it synchronised), so
   // the staging buffer is free. Layer by layer: stage the host bytes, enqueue
-  // the copies, record the layer's event; the compute stream waits on layer
-  // l's event only before layer l's attention, so later layers' copies
-  // overlap earlier layers' compute.
+  // the copies, record the slot's event; the compute stream waits on a
+  // slot's event only before the first layer in that slot writes or reads
+  // its KV, so later layers' copies overlap earlier layers' compute.
   RETURN_IF_ERROR(h_upload_.Reserve(static_cast<size_t>(todo.size() * lb * L)));
   const KvBlockPool& pool = *pool_;
   for (int l = 0; l < L; ++l) {
@@ -421,7 +491,7 @@ Status CudaBackend::UploadInvalidBlocks(const std::vector<int32_t>& blocks,
   return Status::Ok();
 }
 
-Status CudaBackend::AllReduce(float* data, int64_t n) {
+Status CudaKernels::AllReduce(float* data, int64_t n) {
 #if KVRELAY_WITH_NCCL
   // An NCCL group reduces the device buffer in place.
   if (auto* nccl = dynamic_cast<NcclCommunicator*>(collective_)) {
@@ -439,7 +509,7 @@ Status CudaBackend::AllReduce(float* data, int64_t n) {
   return Status::Ok();
 }
 
-Status CudaBackend::GatherColumns(const float* local, const std::vector<UnitRange>& widths,
+Status CudaKernels::GatherColumns(const float* local, const std::vector<UnitRange>& widths,
                                   int64_t T, float* full) {
   const int64_t total = widths.back().end;
   const int64_t mine = widths[model_.shard().rank].size();
@@ -482,78 +552,96 @@ Status CudaBackend::GatherColumns(const float* local, const std::vector<UnitRang
   return Status::Ok();
 }
 
-Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-                        const std::function<void(int layer)>& layer_hook) {
+float* CudaKernels::Buf(Act a) const {
+  switch (a) {
+    case Act::kX:
+      return x_.as<float>();
+    case Act::kXn:
+      return xn_.as<float>();
+    case Act::kAttn:
+      return attn_.as<float>();
+    case Act::kProj:
+      return proj_.as<float>();
+    case Act::kFfn:
+      return gate_.as<float>();  // the gated activation's output
+    case Act::kFull:
+      break;
+  }
+  return full_.as<float>();
+}
+
+Status CudaKernels::Product(const DevMatrix& w, Act in, int64_t T, const float* bias,
+                            bool accumulate, float* y) {
+  bool ready = xq_of_ == static_cast<int>(in);
+  RETURN_IF_ERROR(MatMul(w, Buf(in), T, bias, accumulate, y, &ready));
+  if (ready) xq_of_ = static_cast<int>(in);
+  return Status::Ok();
+}
+
+Status CudaKernels::RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
+                            std::span<const int64_t> logit_rows, ForwardOutput* out,
+                            const std::function<void(int layer)>& layer_hook,
+                            const std::function<Status()>& body) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
-  if (kl.layers != c.n_layers || kl.kv_heads != c.n_kv_heads || kl.head_dim != c.head_dim) {
-    return InvalidArgument("KV pool layout does not match the model");
-  }
   // The device is per host thread; steps may run on another thread than Init.
   KVR_CUDA_RETURN(cudaSetDevice(options_.device.index));
   doubled_ = DoubledFamily();
   const int B = kl.block_tokens;
-  // Validation: the CPU ForwardPass's rules and messages.
-  ASSIGN_OR_RETURN(const StepShape shape, CheckStep(seqs, B, pool_->total_blocks(), c.vocab));
-  const int64_t T = shape.tokens, max_len = shape.max_len;
-  out->logits.clear();
-  out->row_begin.assign(1, 0);
-  if (T == 0) return Status::Ok();
+  const int64_t T = shape.tokens;
   if (T > 65535) {
     return InvalidArgument("cuda backend: " + std::to_string(T) +
                            " tokens in one step (at most 65535: one attention grid row per token)");
   }
   const TensorParallelShard& shard = model_.shard();
-  if (shard.size > 1 && (collective_ == nullptr || collective_->size() != shard.size ||
-                         collective_->rank() != shard.rank)) {
-    return FailedPrecondition("model shard " + std::to_string(shard.rank) + " of " +
-                              std::to_string(shard.size) +
-                              " needs the collective of its tensor-parallel group");
-  }
-  const bool exact_tp = shard.size > 1 && shard.mode == TpMode::kExact;
-  const bool reduce_tp = shard.size > 1 && shard.mode == TpMode::kReduce;
+  exact_tp_ = shard.size > 1 && shard.mode == TpMode::kExact;
   const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim(), L = c.n_layers;
-  const bool mirror = options_.mirror_kv_to_host;
-  if (!mirror && layer_hook) {
+  mirror_ = options_.mirror_kv_to_host;
+  if (!mirror_ && layer_hook) {
     return FailedPrecondition(
         "a layer hook reads the host pool, which this backend does not mirror");
   }
 
-  // Step metadata, packed: tokens, seq, rows (int32), then tables, then pos
-  // and table offsets (int64).
+  // Step metadata, packed: tokens, seq, rows (int32), then pos and the
+  // per-group table offsets (int64), then every group's tables (int32).
+  const int G = groups_.size();
+  const size_t S = seqs.size();
   std::vector<int32_t> tokens, seq_of, tables, rows, cached_blocks, fresh_blocks;
-  std::vector<int64_t> pos, table_off;
+  std::vector<int64_t> pos, table_off;  // table_off[g * S + s]
   tokens.reserve(T);
   seq_of.reserve(T);
   pos.reserve(T);
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const SeqStep& q = seqs[s];
-    const int64_t len = q.cache_len + static_cast<int64_t>(q.tokens.size());
-    table_off.push_back(static_cast<int64_t>(tables.size()));
-    for (int64_t b = 0; b < (len + B - 1) / B; ++b) {
-      tables.push_back(q.blocks[b]);
-      (b * B < q.cache_len ? cached_blocks : fresh_blocks).push_back(q.blocks[b]);
+  for (int g = 0; g < G; ++g) {
+    for (const SeqStep& q : seqs) {
+      const std::vector<BlockId>& table =
+          g == 0 ? q.blocks : q.group_blocks[static_cast<size_t>(g - 1)];
+      table_off.push_back(static_cast<int64_t>(tables.size()));
+      // Blocks wholly before the window of a sliding group's first new
+      // token are never read (the sequence may have dropped them).
+      const int64_t skip = groups_.DroppableBlocks(g, q.cache_len, B);
+      for (int64_t b = 0; b < (q.end() + B - 1) / B; ++b) {
+        if (b < skip) {
+          tables.push_back(0);
+          continue;
+        }
+        tables.push_back(table[b]);
+        (b * B < q.cache_len ? cached_blocks : fresh_blocks).push_back(table[b]);
+      }
     }
-    const int64_t first = static_cast<int64_t>(tokens.size());
+  }
+  for (size_t s = 0; s < S; ++s) {
+    const SeqStep& q = seqs[s];
     for (size_t i = 0; i < q.tokens.size(); ++i) {
       tokens.push_back(q.tokens[i]);
       seq_of.push_back(static_cast<int32_t>(s));
       pos.push_back(q.cache_len + static_cast<int64_t>(i));
     }
-    const int64_t n = static_cast<int64_t>(q.tokens.size());
-    if (q.logits == LogitRows::kAll) {
-      for (int64_t i = 0; i < n; ++i) rows.push_back(static_cast<int32_t>(first + i));
-    } else if (q.logits == LogitRows::kLast) {
-      rows.push_back(static_cast<int32_t>(first + n - 1));
-    }
-    out->row_begin.push_back(static_cast<int64_t>(rows.size()));
   }
+  for (int64_t r : logit_rows) rows.push_back(static_cast<int32_t>(r));
   const int64_t R = static_cast<int64_t>(rows.size());
-  // Layout of meta_: int32 tokens [T], seq [T], rows [R] (padded to 8 bytes),
-  // int64 pos [T], table_off [S], then the int32 tables padded to a multiple
-  // of 64 entries. Only the tables' length changes as sequences grow, and it
-  // is last, so a decode step's graph (keyed by the padded length) stays
-  // valid for 64 block-table entries.
+  // Only the tables' length changes as sequences grow, and it is last, so a
+  // decode step's graph (keyed by the padded length) stays valid for 64
+  // block-table entries.
   const size_t n32 = tokens.size() + seq_of.size() + rows.size();
   const size_t n32_padded = (n32 + 1) & ~size_t{1};
   const size_t tables_padded = (tables.size() + 63) & ~size_t{63};
@@ -575,21 +663,24 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   cudaStream_t st = stream_.get();
   KVR_CUDA_RETURN(
       cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st));
-  const int32_t* d_tokens = meta_.as<int32_t>();
-  const int32_t* d_seq = d_tokens + T;
-  const int32_t* d_rows = d_seq + T;
-  const int64_t* d_pos = reinterpret_cast<const int64_t*>(meta_.as<int32_t>() + n32_padded);
-  const int64_t* d_table_off = d_pos + T;
-  const int32_t* d_tables = reinterpret_cast<const int32_t*>(d_table_off + seqs.size());
+  d_tokens_ = meta_.as<int32_t>();
+  d_seq_ = d_tokens_ + T;
+  d_rows_ = d_seq_ + T;
+  d_pos_ = reinterpret_cast<const int64_t*>(meta_.as<int32_t>() + n32_padded);
+  const int64_t* d_table_off = d_pos_ + T;
+  const int32_t* d_tables = reinterpret_cast<const int32_t*>(d_table_off + table_off.size());
 
-  const bool uploads = std::any_of(cached_blocks.begin(), cached_blocks.end(),
-                                   [&](int32_t b) { return !valid_[b]; });
+  uploads_ = std::any_of(cached_blocks.begin(), cached_blocks.end(),
+                         [&](int32_t b) { return !valid_[b]; });
   RETURN_IF_ERROR(UploadInvalidBlocks(cached_blocks, fresh_blocks));
 
   // Scratch.
   const size_t f = sizeof(float);
-  const int split_tokens = AttentionSplitTokens(T, c.n_heads, options_.attention_split_tokens);
-  const int splits = AttentionSplits(max_len, split_tokens);
+  T_ = T;
+  R_ = R;
+  max_len_ = shape.max_len;
+  split_tokens_ = AttentionSplitTokens(T, c.n_heads, options_.attention_split_tokens);
+  const int splits = AttentionSplits(max_len_, split_tokens_);
   RETURN_IF_ERROR(x_.Reserve(T * d * f));
   RETURN_IF_ERROR(xn_.Reserve(T * std::max(d, qd) * f));
   RETURN_IF_ERROR(q_.Reserve(T * (qd + 2 * kvd) * f));  // [T][q | k | v] when stacked
@@ -599,6 +690,7 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   RETURN_IF_ERROR(proj_.Reserve(T * d * f));
   RETURN_IF_ERROR(gate_.Reserve(T * c.ffn_dim * f));
   RETURN_IF_ERROR(up_.Reserve(2 * T * c.ffn_dim * f));  // [T][gate | up] when stacked
+  if (c.gemma_norms) RETURN_IF_ERROR(norm_tmp_.Reserve(T * d * f));
   {
     // The widest product input: kExact TP multiplies the gathered full
     // width (the full model's q_dim and ffn_dim), wider than this shard's.
@@ -614,154 +706,51 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   }
   RETURN_IF_ERROR(
       partials_.Reserve(static_cast<size_t>(T) * c.n_heads * splits * (c.head_dim + 2) * f));
-  if (mirror) RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
-  if (exact_tp) {
+  if (mirror_) {
+    RETURN_IF_ERROR(kv_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
+    RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
+  }
+  if (R > 0) {
+    RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
+    RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
+  }
+  if (exact_tp_) {
     RETURN_IF_ERROR(full_.Reserve(
         T * std::max(model_.full_config().q_dim(), model_.full_config().ffn_dim) * f));
   }
+  kv_.assign(static_cast<size_t>(G), DevKvView{});
+  for (int g = 0; g < G; ++g) {
+    DevKvView& kv = kv_[static_cast<size_t>(g)];
+    kv.pool = kv_pool_;
+    kv.block_bytes = kl.BlockBytes();
+    kv.layer_bytes = kl.LayerBytes();
+    kv.slab_bytes = kl.SlabBytes();
+    kv.block_tokens = B;
+    kv.kv_heads = c.n_kv_heads;
+    kv.head_dim = c.head_dim;
+    kv.f16 = kl.dtype == KvDtype::kF16;
+    kv.tables = d_tables;
+    kv.table_off = d_table_off + static_cast<int64_t>(g) * static_cast<int64_t>(S);
+  }
+  xq_of_ = kNoQ8;
 
-  DevKvView kv;
-  kv.pool = kv_pool_;
-  kv.block_bytes = kl.BlockBytes();
-  kv.layer_bytes = kl.LayerBytes();
-  kv.slab_bytes = kl.SlabBytes();
-  kv.block_tokens = B;
-  kv.kv_heads = c.n_kv_heads;
-  kv.head_dim = c.head_dim;
-  kv.f16 = kl.dtype == KvDtype::kF16;
-  kv.tables = d_tables;
-  kv.table_off = d_table_off;
-
-  float* x = x_.as<float>();
-  float* xn = xn_.as<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  auto enqueue = [&]() -> Status {
-    for (int rep = 0; rep < Reps(Family::kEmbed); ++rep) LaunchEmbed(embd_, d_tokens, T, x, st);
-    for (int l = 0; l < L; ++l) {
-      const DevLayer& w = layers_[l];
-      // RMSNorm + q8 in one kernel when the Q projection reads q8.
-      const DevQ8 nq = Q8();
-      const bool qkv_stacked = w.wqkv.data != nullptr;
-      bool xq = ReadsQ8(qkv_stacked ? w.wqkv : w.wq, T);
-      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
-        LaunchRmsNorm(x, nullptr, T, d, w.attn_norm, c.rms_eps, xn, xq ? &nq : nullptr, st);
-      }
-      float *qp = q_.as<float>(), *kp = k_.as<float>(), *vp = v_.as<float>();
-      int64_t ldq = qd, ldkv = kvd;
-      if (qkv_stacked) {
-        RETURN_IF_ERROR(MatMul(w.wqkv, xn, T, w.bqkv, false, qp, &xq));
-        kp = qp + qd;
-        vp = kp + kvd;
-        ldq = ldkv = qd + 2 * kvd;
-      } else {
-        RETURN_IF_ERROR(MatMul(w.wq, xn, T, w.bq, false, qp, &xq));
-        RETURN_IF_ERROR(MatMul(w.wk, xn, T, w.bk, false, kp, &xq));
-        RETURN_IF_ERROR(MatMul(w.wv, xn, T, w.bv, false, vp, &xq));
-      }
-      // The copies of this layer's cached blocks land before its KV is touched.
-      if (uploads) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[l].get(), 0));
-      for (int rep = 0; rep < Reps(Family::kRopeKv); ++rep) {
-        LaunchRopeWriteKv(kv, l, qp, kp, vp, ldq, ldkv, d_seq, d_pos, T, c.n_heads, c.rope_dim,
-                          c.rope_layout != RopeLayout::kNormal, theta_scale_, st);
-      }
-      if (mirror) {
-        float* stash = kv_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
-        KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash, kvd * f, kp, ldkv * f, kvd * f, T,
-                                          cudaMemcpyDeviceToDevice, st));
-        KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash + T * kvd, kvd * f, vp, ldkv * f, kvd * f, T,
-                                          cudaMemcpyDeviceToDevice, st));
-      }
-      // The merge quantizes the attention output for the output projection
-      // (not under kExact TP, whose projection input is gathered first).
-      bool aq = !exact_tp && ReadsQ8(w.wo, T);
-      for (int rep = 0; rep < Reps(Family::kAttention); ++rep) {
-        LaunchAttention(kv, l, qp, ldq, d_seq, d_pos, T, c.n_heads, c.sliding_window, scale,
-                        max_len, split_tokens, partials_.as<float>(), attn_.as<float>(),
-                        aq ? &nq : nullptr, st);
-      }
-      if (exact_tp) {
-        RETURN_IF_ERROR(GatherColumns(attn_.as<float>(), q_cols_, T, full_.as<float>())
-                            .WithContext("attention"));
-        RETURN_IF_ERROR(MatMul(w.wo, full_.as<float>(), T, nullptr, true, x, &aq));
-      } else if (reduce_tp) {
-        RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, false, proj_.as<float>(), &aq));
-        RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("attention"));
-        LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
-      } else {
-        RETURN_IF_ERROR(MatMul(w.wo, attn_.as<float>(), T, nullptr, true, x, &aq));
-      }
-      const bool stacked = w.gate_up.data != nullptr;
-      bool fq = ReadsQ8(stacked ? w.gate_up : w.gate, T);
-      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
-        LaunchRmsNorm(x, nullptr, T, d, w.ffn_norm, c.rms_eps, xn, fq ? &nq : nullptr, st);
-      }
-      const int64_t n_ffn = c.ffn_dim;
-      const float *g_in = up_.as<float>(), *u_in = up_.as<float>() + n_ffn;
-      int64_t ld_ffn = 2 * n_ffn;
-      if (stacked) {
-        RETURN_IF_ERROR(MatMul(w.gate_up, xn, T, nullptr, false, up_.as<float>(), &fq));
-      } else {
-        RETURN_IF_ERROR(MatMul(w.gate, xn, T, nullptr, false, gate_.as<float>(), &fq));
-        RETURN_IF_ERROR(MatMul(w.up, xn, T, nullptr, false, up_.as<float>(), &fq));
-        g_in = gate_.as<float>();
-        u_in = up_.as<float>();
-        ld_ffn = n_ffn;
-      }
-      // SwiGLU + the down projection's q8 input in one kernel (not under
-      // kExact TP, whose down input is the gathered full width).
-      bool dq = !exact_tp && ReadsQ8(w.down, T);
-      for (int rep = 0; rep < Reps(Family::kSwiGlu); ++rep) {
-        LaunchSwiGlu(g_in, u_in, ld_ffn, T, n_ffn, gate_.as<float>(), dq ? &nq : nullptr, st);
-      }
-      if (exact_tp) {
-        RETURN_IF_ERROR(
-            GatherColumns(gate_.as<float>(), ffn_cols_, T, full_.as<float>()).WithContext("ffn"));
-        RETURN_IF_ERROR(MatMul(w.down, full_.as<float>(), T, nullptr, true, x, &dq));
-      } else if (reduce_tp) {
-        RETURN_IF_ERROR(
-            MatMul(w.down, gate_.as<float>(), T, nullptr, false, proj_.as<float>(), &dq));
-        RETURN_IF_ERROR(AllReduce(proj_.as<float>(), T * d).WithContext("ffn"));
-        LaunchAddBias(x, proj_.as<float>(), 1, T * d, st);
-      } else {
-        RETURN_IF_ERROR(MatMul(w.down, gate_.as<float>(), T, nullptr, true, x, &dq));
-      }
-    }
-    if (R > 0) {
-      const DevQ8 oq = Q8();
-      bool lq = ReadsQ8(lm_head_, R);
-      for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
-        LaunchRmsNorm(x, d_rows, R, d, output_norm_, c.rms_eps, xn, lq ? &oq : nullptr, st);
-      }
-      RETURN_IF_ERROR(logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
-      RETURN_IF_ERROR(MatMul(lm_head_, xn, R, nullptr, false, logits_.as<float>(), &lq));
-      RETURN_IF_ERROR(h_logits_.Reserve(static_cast<size_t>(R) * c.vocab * f));
-      KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
-                                      cudaMemcpyDeviceToHost, st));
-    }
-    if (mirror) {
-      RETURN_IF_ERROR(h_stash_.Reserve(static_cast<size_t>(L) * 2 * T * kvd * f));
-      KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
-                                      cudaMemcpyDeviceToHost, st));
-    }
-    return Status::Ok();
-  };
-  // Decode steps replay a CUDA graph of everything above (and the meta H2D
-  // copy) once a step of the same shape ran uncaptured (so every buffer is
+  // Decode steps replay a CUDA graph of the body (and the meta H2D copy)
+  // once a step of the same shape ran uncaptured (so every buffer is
   // already reserved and no allocation happens while capturing). The shape
   // key holds every value baked into the graph: sizes that pick grids and
   // offsets, and the buffer addresses.
   const bool graphable =
-      options_.cuda_graphs && !uploads && shard.size == 1 && T < options_.gemm_min_tokens && R > 0;
+      options_.cuda_graphs && !uploads_ && shard.size == 1 && T < options_.gemm_min_tokens && R > 0;
   std::string key;
   if (graphable) {
-    key = std::to_string(T) + "/" + std::to_string(seqs.size()) + "/" + std::to_string(R) + "/" +
+    key = std::to_string(T) + "/" + std::to_string(S) + "/" + std::to_string(R) + "/" +
           std::to_string(tables_padded) + "/" + std::to_string(splits) + "/" +
-          std::to_string(split_tokens) + "/" + std::to_string(static_cast<int>(doubled_)) + "/" +
-          std::to_string(mirror);
+          std::to_string(split_tokens_) + "/" + std::to_string(static_cast<int>(doubled_)) + "/" +
+          std::to_string(mirror_);
     for (const void* p :
          {meta_.get(), x_.get(), xn_.get(), q_.get(), k_.get(), v_.get(), attn_.get(), gate_.get(),
           up_.get(), partials_.get(), logits_.get(), kv_stash_.get(), xq_q_.get(), xq_d_.get(),
-          xq_s_.get(), h_logits_.as<void>(), h_stash_.as<void>(), h_meta_.as<void>()}) {
+          xq_s_.get(), norm_tmp_.get(), h_meta_.as<void>()}) {
       key += "/" + std::to_string(reinterpret_cast<uintptr_t>(p));
     }
   }
@@ -782,7 +771,7 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     Status cs = CudaStatus(
         cudaMemcpyAsync(meta_.get(), h_meta_.as<void>(), meta_bytes, cudaMemcpyHostToDevice, st),
         "meta");
-    if (cs.ok()) cs = enqueue();
+    if (cs.ok()) cs = body();
     cudaGraph_t graph = nullptr;
     const cudaError_t end = cudaStreamEndCapture(st, &graph);
     if (cs.ok()) cs = CudaStatus(end, "cudaStreamEndCapture");
@@ -793,7 +782,15 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     graphs_[key] = exec;
     KVR_CUDA_RETURN(cudaGraphLaunch(exec, st));
   } else {
-    RETURN_IF_ERROR(enqueue());
+    RETURN_IF_ERROR(body());
+  }
+  if (R > 0) {
+    KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
+                                    cudaMemcpyDeviceToHost, st));
+  }
+  if (mirror_) {
+    KVR_CUDA_RETURN(cudaMemcpyAsync(h_stash_.as<void>(), kv_stash_.get(), L * 2 * T * kvd * f,
+                                    cudaMemcpyDeviceToHost, st));
   }
   KVR_CUDA_RETURN(cudaGetLastError());  // launch failures
   KVR_CUDA_RETURN(cudaStreamSynchronize(st));
@@ -802,12 +799,16 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     std::memcpy(out->logits.data(), h_logits_.as<void>(), R * c.vocab * f);
   }
   // Mirror the step's K/V into the host pool (layer order, hook after each).
-  for (int l = 0; mirror && l < L; ++l) {
+  for (int l = 0; mirror_ && l < L; ++l) {
     const float* ks = h_stash_.as<float>() + static_cast<int64_t>(l) * 2 * T * kvd;
     const float* vs = ks + T * kvd;
+    const int group = groups_.group_of[static_cast<size_t>(l)];
+    const int slot = groups_.slot_of[static_cast<size_t>(l)];
     for (int64_t t = 0; t < T; ++t) {
       const SeqStep& q = seqs[seq_of[t]];
-      pool_->WriteToken(q.blocks[pos[t] / B], l, static_cast<int>(pos[t] % B), ks + t * kvd,
+      const std::vector<BlockId>& table =
+          group == 0 ? q.blocks : q.group_blocks[static_cast<size_t>(group - 1)];
+      pool_->WriteToken(table[pos[t] / B], slot, static_cast<int>(pos[t] % B), ks + t * kvd,
                         vs + t * kvd);
     }
     if (layer_hook) layer_hook(l);
@@ -815,17 +816,249 @@ Status CudaBackend::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
   return Status::Ok();
 }
 
+Status CudaKernels::Embed(float scale) {
+  const int d = model_.config().d_model;
+  cudaStream_t st = stream_.get();
+  for (int rep = 0; rep < Reps(Family::kEmbed); ++rep) {
+    LaunchEmbed(embd_, d_tokens_, T_, x_.as<float>(), st);
+  }
+  if (scale != 1.0f) LaunchScale(x_.as<float>(), d, T_, d, scale, st);
+  Wrote(Act::kX);
+  return Status::Ok();
+}
+
+Status CudaKernels::RmsNorm(int layer, LayerNorm which, Act in, Act out) {
+  const ModelConfig& c = model_.config();
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  const float* weights = nullptr;
+  const DevMatrix* next = nullptr;  // the product that reads the result
+  switch (which) {
+    case LayerNorm::kAttn:
+      weights = w.attn_norm;
+      next = w.wqkv.data != nullptr ? &w.wqkv : &w.wq;
+      break;
+    case LayerNorm::kFfn:
+      weights = w.ffn_norm;
+      next = w.gate_up.data != nullptr ? &w.gate_up : &w.gate;
+      break;
+    case LayerNorm::kPostAttn:
+      weights = w.post_attn_norm;
+      break;
+    case LayerNorm::kPostFfn:
+      weights = w.post_ffn_norm;
+      break;
+  }
+  if (weights == nullptr) return FailedPrecondition("cuda backend: the model has no such norm");
+  cudaStream_t st = stream_.get();
+  const int d = c.d_model;
+  if (in == out) {
+    // In place (Gemma's post-norms): through a scratch row block.
+    for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+      LaunchRmsNorm(Buf(in), nullptr, T_, d, weights, c.rms_eps, norm_tmp_.as<float>(), nullptr,
+                    st);
+    }
+    KVR_CUDA_RETURN(cudaMemcpyAsync(Buf(out), norm_tmp_.get(), T_ * d * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, st));
+    Wrote(out);
+    return Status::Ok();
+  }
+  // RMSNorm + q8 in one kernel when the next product reads q8.
+  const bool fuse = next != nullptr && out == Act::kXn && ReadsQ8(*next, T_);
+  const DevQ8 q = Q8();
+  for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+    LaunchRmsNorm(Buf(in), nullptr, T_, d, weights, c.rms_eps, Buf(out), fuse ? &q : nullptr, st);
+  }
+  Wrote(out);
+  if (fuse) xq_of_ = static_cast<int>(out);
+  return Status::Ok();
+}
+
+Status CudaKernels::ProjectQkv(int layer) {
+  const ModelConfig& c = model_.config();
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  const int qd = c.q_dim(), kvd = c.kv_dim();
+  qp_ = q_.as<float>();
+  if (w.wqkv.data != nullptr) {
+    RETURN_IF_ERROR(Product(w.wqkv, Act::kXn, T_, w.bqkv, false, qp_));
+    kp_ = qp_ + qd;
+    vp_ = kp_ + kvd;
+    ldq_ = ldkv_ = qd + 2 * kvd;
+    return Status::Ok();
+  }
+  kp_ = k_.as<float>();
+  vp_ = v_.as<float>();
+  ldq_ = qd;
+  ldkv_ = kvd;
+  RETURN_IF_ERROR(Product(w.wq, Act::kXn, T_, w.bq, false, qp_));
+  RETURN_IF_ERROR(Product(w.wk, Act::kXn, T_, w.bk, false, kp_));
+  return Product(w.wv, Act::kXn, T_, w.bv, false, vp_);
+}
+
+Status CudaKernels::QkNorm(int layer) {
+  const ModelConfig& c = model_.config();
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  if (w.q_norm == nullptr || w.k_norm == nullptr) {
+    return FailedPrecondition("cuda backend: the model has no Q/K norms");
+  }
+  cudaStream_t st = stream_.get();
+  for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+    LaunchHeadRmsNorm(qp_, ldq_, T_, c.n_heads, c.head_dim, w.q_norm, c.rms_eps, st);
+    LaunchHeadRmsNorm(kp_, ldkv_, T_, c.n_kv_heads, c.head_dim, w.k_norm, c.rms_eps, st);
+  }
+  return Status::Ok();
+}
+
+Status CudaKernels::RopeWriteKv(int layer, float rope_base, float q_scale) {
+  const ModelConfig& c = model_.config();
+  const int group = groups_.group_of[static_cast<size_t>(layer)];
+  const int slot = groups_.slot_of[static_cast<size_t>(layer)];
+  cudaStream_t st = stream_.get();
+  // The copies of this slot's cached blocks land before its KV is touched.
+  if (uploads_) KVR_CUDA_RETURN(cudaStreamWaitEvent(st, layer_ready_[slot].get(), 0));
+  // As ggml_rope_cache_init: the float power once, then iterated products.
+  const float theta_scale = std::pow(rope_base, -2.0f / static_cast<float>(c.rope_dim));
+  for (int rep = 0; rep < Reps(Family::kRopeKv); ++rep) {
+    LaunchRopeWriteKv(kv_[static_cast<size_t>(group)], slot, qp_, kp_, vp_, ldq_, ldkv_, d_seq_,
+                      d_pos_, T_, c.n_heads, c.rope_dim, c.rope_layout != RopeLayout::kNormal,
+                      theta_scale, st);
+  }
+  if (q_scale != 0.0f) LaunchScale(qp_, ldq_, T_, c.q_dim(), q_scale, st);
+  if (mirror_) {
+    const int64_t kvd = c.kv_dim();
+    const size_t f = sizeof(float);
+    float* stash = kv_stash_.as<float>() + static_cast<int64_t>(layer) * 2 * T_ * kvd;
+    KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash, kvd * f, kp_, ldkv_ * f, kvd * f, T_,
+                                      cudaMemcpyDeviceToDevice, st));
+    KVR_CUDA_RETURN(cudaMemcpy2DAsync(stash + T_ * kvd, kvd * f, vp_, ldkv_ * f, kvd * f, T_,
+                                      cudaMemcpyDeviceToDevice, st));
+  }
+  return Status::Ok();
+}
+
+Status CudaKernels::Attend(int layer, int window, float scale) {
+  const ModelConfig& c = model_.config();
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  const int group = groups_.group_of[static_cast<size_t>(layer)];
+  const int slot = groups_.slot_of[static_cast<size_t>(layer)];
+  // The merge quantizes the attention output for the output projection
+  // (not under kExact TP, whose projection input is gathered first).
+  const bool aq = !exact_tp_ && ReadsQ8(w.wo, T_);
+  const DevQ8 q = Q8();
+  for (int rep = 0; rep < Reps(Family::kAttention); ++rep) {
+    LaunchAttention(kv_[static_cast<size_t>(group)], slot, qp_, ldq_, d_seq_, d_pos_, T_, c.n_heads,
+                    window, scale, max_len_, split_tokens_, partials_.as<float>(),
+                    attn_.as<float>(), aq ? &q : nullptr, stream_.get());
+  }
+  Wrote(Act::kAttn);
+  if (aq) xq_of_ = static_cast<int>(Act::kAttn);
+  return Status::Ok();
+}
+
+Status CudaKernels::Project(int layer, LayerMatrix which, Act in, Act out, bool accumulate) {
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  RETURN_IF_ERROR(
+      Product(which == LayerMatrix::kOut ? w.wo : w.down, in, T_, nullptr, accumulate, Buf(out)));
+  Wrote(out);
+  return Status::Ok();
+}
+
+Status CudaKernels::ProjectGateUp(int layer) {
+  const DevLayer& w = layers_[static_cast<size_t>(layer)];
+  const int64_t n = model_.config().ffn_dim;
+  ffn_layer_ = layer;
+  if (w.gate_up.data != nullptr) {
+    RETURN_IF_ERROR(Product(w.gate_up, Act::kXn, T_, nullptr, false, up_.as<float>()));
+    g_in_ = up_.as<float>();
+    u_in_ = up_.as<float>() + n;
+    ld_ffn_ = 2 * n;
+    return Status::Ok();
+  }
+  RETURN_IF_ERROR(Product(w.gate, Act::kXn, T_, nullptr, false, gate_.as<float>()));
+  Wrote(Act::kFfn);  // gate_ is the activation's buffer
+  RETURN_IF_ERROR(Product(w.up, Act::kXn, T_, nullptr, false, up_.as<float>()));
+  g_in_ = gate_.as<float>();
+  u_in_ = up_.as<float>();
+  ld_ffn_ = n;
+  return Status::Ok();
+}
+
+Status CudaKernels::GatedActivation(ModelConfig::FfnAct act) {
+  const DevLayer& w = layers_[static_cast<size_t>(ffn_layer_)];
+  const int64_t n = model_.config().ffn_dim;
+  // The activation + the down projection's q8 input in one kernel (not under
+  // kExact TP, whose down input is the gathered full width).
+  const bool dq = !exact_tp_ && ReadsQ8(w.down, T_);
+  const DevQ8 q = Q8();
+  const bool gelu = act == ModelConfig::FfnAct::kGeluTanh;
+  if (gelu && gelu_table_ == nullptr) {
+    return FailedPrecondition("cuda backend: GeGLU without the GELU table");
+  }
+  for (int rep = 0; rep < Reps(Family::kSwiGlu); ++rep) {
+    if (gelu) {
+      LaunchGeGlu(g_in_, u_in_, ld_ffn_, T_, n, gelu_table_, gate_.as<float>(), dq ? &q : nullptr,
+                  stream_.get());
+    } else {
+      LaunchSwiGlu(g_in_, u_in_, ld_ffn_, T_, n, gate_.as<float>(), dq ? &q : nullptr,
+                   stream_.get());
+    }
+  }
+  Wrote(Act::kFfn);
+  if (dq) xq_of_ = static_cast<int>(Act::kFfn);
+  return Status::Ok();
+}
+
+Status CudaKernels::Add(Act dst, Act src) {
+  LaunchAddBias(Buf(dst), Buf(src), 1, T_ * model_.config().d_model, stream_.get());
+  Wrote(dst);
+  return Status::Ok();
+}
+
+Status CudaKernels::AllReduce(Act a) {
+  RETURN_IF_ERROR(AllReduce(Buf(a), T_ * model_.config().d_model));
+  Wrote(a);
+  return Status::Ok();
+}
+
+Status CudaKernels::GatherColumns(Act local, const std::vector<UnitRange>& widths) {
+  RETURN_IF_ERROR(GatherColumns(Buf(local), widths, T_, full_.as<float>()));
+  Wrote(Act::kFull);
+  return Status::Ok();
+}
+
+Status CudaKernels::FinalNorm() {
+  if (R_ == 0) return Status::Ok();
+  const ModelConfig& c = model_.config();
+  const bool lq = ReadsQ8(lm_head_, R_);
+  const DevQ8 q = Q8();
+  for (int rep = 0; rep < Reps(Family::kNorm); ++rep) {
+    LaunchRmsNorm(x_.as<float>(), d_rows_, R_, c.d_model, output_norm_, c.rms_eps, xn_.as<float>(),
+                  lq ? &q : nullptr, stream_.get());
+  }
+  Wrote(Act::kXn);
+  if (lq) xq_of_ = static_cast<int>(Act::kXn);
+  return Status::Ok();
+}
+
+Status CudaKernels::Logits(float softcap) {
+  if (R_ == 0) return Status::Ok();
+  const int vocab = model_.config().vocab;
+  RETURN_IF_ERROR(Product(lm_head_, Act::kXn, R_, nullptr, false, logits_.as<float>()));
+  if (softcap > 0.0f) LaunchSoftcap(logits_.as<float>(), R_ * vocab, softcap, stream_.get());
+  return Status::Ok();
+}
+
 }  // namespace
 
-Result<std::unique_ptr<ComputeBackend>> CreateCudaBackend(const ComputeBackendOptions& options,
-                                                          const Model& model, KvBlockPool* pool) {
+Result<std::unique_ptr<StepKernels>> CreateCudaKernels(const ComputeBackendOptions& options,
+                                                       const Model& model, KvBlockPool* pool,
+                                                       const KvCacheGroups& groups) {
   if (options.gemm_min_tokens < 1 || options.attention_split_tokens < 1) {
     return InvalidArgument(
         "ComputeBackendOptions: gemm_min_tokens and attention_split_tokens must be >= 1");
   }
-  auto backend = std::make_unique<CudaBackend>(options, model, pool);
-  RETURN_IF_ERROR(backend->Init().WithContext("cuda:" + std::to_string(options.device.index)));
-  return std::unique_ptr<ComputeBackend>(std::move(backend));
+  auto kernels = std::make_unique<CudaKernels>(options, model, pool, groups);
+  RETURN_IF_ERROR(kernels->Init().WithContext("cuda:" + std::to_string(options.device.index)));
+  return std::unique_ptr<StepKernels>(std::move(kernels));
 }
 
 }  // namespace kvrelay::engine::cuda
