@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "common/thread_pool.h"
+#include "engine/runtime/compute_backend.h"
 #include "engine/runtime/forward.h"
 #include "engine/runtime/model.h"
 
@@ -123,13 +124,30 @@ TpCollective* InProcessTpGroup::rank(int r) { return ranks_.at(r).get(); }
 class TpFollower::Impl {
  public:
   Impl(const EngineOptions& options, std::shared_ptr<const Model> model,
-       std::unique_ptr<KvBlockPool> pool, KvCacheGroups groups, TpCollective* collective)
+       std::unique_ptr<KvBlockPool> pool, KvCacheGroups groups)
       : model_(std::move(model)),
         pool_(std::move(pool)),
         groups_(std::move(groups)),
-        threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "tp"),
-        forward_(*model_, pool_.get(), groups_, &threads_) {
-    forward_.SetCollective(collective);
+        threads_(options.threads > 0 ? options.threads : ThreadPool::DefaultThreads(), "tp") {}
+  ~Impl() {
+    pool_->SetHostWriteHook(nullptr);  // backend_ goes first
+  }
+
+  // The forward pass on options.device (rank 0's device kind; each rank its
+  // own device), joined to the group's collective.
+  Status Init(const EngineOptions& options, TpCollective* collective) {
+    ASSIGN_OR_RETURN(const DeviceSpec device, ParseDevice(options.device));
+    ComputeBackendOptions bo;
+    bo.device = device;
+    ASSIGN_OR_RETURN(backend_, CreateComputeBackend(bo, *model_, pool_.get(), groups_, &threads_));
+    backend_->SetCollective(collective);
+    if (device.kind != DeviceKind::kCpu) {
+      // KV received from the prefill side lands in the host pool: the
+      // device copy must re-read it.
+      ComputeBackend* backend = backend_.get();
+      pool_->SetHostWriteHook([backend](BlockId b) { backend->InvalidateBlock(b); });
+    }
+    return Status::Ok();
   }
 
   Status Execute(const StepPlan& plan) {
@@ -147,14 +165,14 @@ class TpFollower::Impl {
     std::vector<SeqStep> seqs = plan.seqs;
     for (SeqStep& s : seqs) s.logits = LogitRows::kNone;  // rank 0 samples
     ForwardOutput out;
-    return forward_.Run(seqs, &out);
+    return backend_->Run(seqs, &out);
   }
 
   std::shared_ptr<const Model> model_;
   std::unique_ptr<KvBlockPool> pool_;
   KvCacheGroups groups_;
   ThreadPool threads_;
-  ForwardPass forward_;
+  std::unique_ptr<ComputeBackend> backend_;
 };
 
 Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& options,
@@ -188,8 +206,10 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
     return Internal("follower pool has " + std::to_string(pool->total_blocks()) +
                     " blocks, rank 0 has " + std::to_string(total_blocks));
   }
-  return std::unique_ptr<TpFollower>(new TpFollower(std::make_unique<Impl>(
-      options, std::move(model), std::move(pool), std::move(groups), collective)));
+  auto impl =
+      std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups));
+  RETURN_IF_ERROR(impl->Init(options, collective));
+  return std::unique_ptr<TpFollower>(new TpFollower(std::move(impl)));
 }
 
 TpFollower::TpFollower(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

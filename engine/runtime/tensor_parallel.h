@@ -49,7 +49,9 @@ struct TensorParallelHooks {
 class TpFollower {
  public:
   // `model` is this rank's shard; the pool gets `total_blocks` blocks (rank
-  // 0's count). options.kv_dtype, block_tokens and threads are used.
+  // 0's count). options.kv_dtype, block_tokens, threads and device are used:
+  // the rank computes on options.device (cuda:N: its own GPU; the CUDA
+  // backend's errors as Engine::Create's).
   static Result<std::unique_ptr<TpFollower>> Create(const EngineOptions& options,
                                                     std::shared_ptr<const Model> model,
                                                     int64_t total_blocks, TpCollective* collective);
