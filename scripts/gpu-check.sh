@@ -17,8 +17,9 @@
 # + CUDA + tests/gpu/kvrelay_gpu_check, OpenSSL/xxHash from build-gpu-deps/,
 # no ICU (a tokenizer stub), no MPI/protobuf/Boost/RocksDB/GoogleTest.
 # Models are generated there (the real 98 MB model does not travel): the
-# default model's shape (SmolLM2-135M, Q4_1, vocab 49152) and Llama-2-7B's
-# (Q4_0), random weights from the project's GGUF writer and quantizers.
+# default model's shape (SmolLM2-135M, Q4_1, vocab 49152), Llama-2-7B's
+# (Q4_0) and Gemma 3 270M's (Q8_0, windows, QK norms, GeGLU, soft-capping),
+# random weights from the project's GGUF writer and quantizers.
 #
 # Without a GPU it prints "no GPU", measures and records nothing, exits 0.
 # Environment: GPU_CHECK_OUT (log + results dir, default $OUT or /tmp/kvrelay-gpu-check),
@@ -98,7 +99,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   "$BIN" gen --shape default --layers 2 --out "$tmp/default.gguf" || { say "FAIL: gen"; exit 1; }
   [ -s "$tmp/default.gguf" ] || { say "FAIL: gen wrote no model"; exit 1; }
   say "dry run ok: the tool runs, refuses without a GPU, generates models; on a GPU it runs:"
-  say "  gen default/7B, agree default/7B, bench default/7B, sample, ipc, nccl1"
+  say "  gen default/7B/gemma3, agree default/7B/gemma3, bench default/7B, sample, ipc, nccl1"
   exit 0
 fi
 
@@ -144,12 +145,14 @@ step "generate default-model shape" 120 "$BIN" gen --shape default --out "$MODEL
 step "generate 7B shape" 180 "$BIN" gen --shape 7b --layers "${GPU_CHECK_7B_LAYERS:-32}" --out "$MODELS/7b.gguf"
 step "agree: default shape" 120 "$BIN" agree --model "$MODELS/default.gguf" --prompt 32 --steps 64
 step "agree: 7B shape" 180 "$BIN" agree --model "$MODELS/7b.gguf" --prompt 32 --steps 64
+step "generate Gemma 3 shape" 120 "$BIN" gen --shape gemma3 --out "$MODELS/gemma3.gguf"
+step "agree: Gemma 3 shape" 120 "$BIN" agree --model "$MODELS/gemma3.gguf" --prompt 32 --steps 64
 HBM=${GPU_CHECK_HBM_TBPS:-4.8}
 step "bench: default shape" 90 "$BIN" bench --model "$MODELS/default.gguf" --batches 1,16,64,256 --prefill 512 --hbm-tbps "$HBM"
 step "bench: 7B shape" 180 "$BIN" bench --model "$MODELS/7b.gguf" --batches 1,16,64,256 --prefill 512 --hbm-tbps "$HBM"
 step "device sampling" 30 "$BIN" sample
 step "cuda_ipc between two processes" 60 "$BIN" ipc --mib 64
 step "1-rank NCCL communicator" 60 "$BIN" nccl1
-rm -f "$MODELS/default.gguf" "$MODELS/7b.gguf"
+rm -f "$MODELS/default.gguf" "$MODELS/7b.gguf" "$MODELS/gemma3.gguf"
 say "done: $FAILS failed step(s); log in $LOG"
 [ $FAILS -eq 0 ]

@@ -1,7 +1,7 @@
 // kvrelay_gpu_check: the steps of scripts/gpu-check.sh, one subcommand each.
 //
 //   probe                          "gpu: NAME ..." (exit 0) or "no GPU: why" (exit 3)
-//   gen --shape default|7b --out PATH [--layers N] [--threads N]
+//   gen --shape default|7b|gemma3 --out PATH [--layers N] [--threads N]
 //   cpu --model PATH [--prompt 16] [--steps 4]   the CPU forward alone (no GPU needed)
 //   agree --model PATH [--prompt 32] [--steps 64] [--threads N] [--max-dlogit 0.25]
 //         [--max-dlogit-prefill 1.5]

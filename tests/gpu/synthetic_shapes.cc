@@ -99,14 +99,40 @@ ShapeOptions Llama7BShape() {
   return s;
 }
 
+ShapeOptions Gemma3Shape() {
+  ShapeOptions s;
+  s.name = "Gemma-3-270M shape (Q8_0)";
+  s.arch = "gemma3";
+  s.layers = 18;
+  s.d_model = 640;
+  s.heads = 4;
+  s.kv_heads = 1;
+  s.head_dim = 256;
+  s.ffn = 2048;
+  s.vocab = 262144;
+  s.context_length = 32768;
+  s.rope_base = 1000000.0f;
+  s.rope_base_swa = 10000.0f;
+  s.rms_eps = 1e-6f;
+  s.sliding_window = 64;
+  s.sliding_window_pattern = 6;
+  s.final_logit_softcap = 30.0f;
+  s.matrix_type = GgmlType::kQ8_0;
+  s.embedding_type = GgmlType::kQ8_0;
+  s.tied_embeddings = true;
+  return s;
+}
+
 Result<ShapeOptions> ShapeByName(const std::string& name, int layers) {
   ShapeOptions s;
   if (name == "default" || name == "smol") {
     s = DefaultModelShape();
   } else if (name == "7b") {
     s = Llama7BShape();
+  } else if (name == "gemma3") {
+    s = Gemma3Shape();
   } else {
-    return InvalidArgument("unknown shape '" + name + "' (default, smol, 7b)");
+    return InvalidArgument("unknown shape '" + name + "' (default, smol, 7b, gemma3)");
   }
   if (layers > 0) {
     s.layers = layers;
@@ -116,13 +142,17 @@ Result<ShapeOptions> ShapeByName(const std::string& name, int layers) {
 }
 
 Status WriteShapeModel(const std::string& path, const ShapeOptions& o, int threads) {
-  if (o.d_model % o.heads != 0 || o.heads % o.kv_heads != 0) {
+  if ((o.head_dim == 0 && o.d_model % o.heads != 0) || o.heads % o.kv_heads != 0) {
     return InvalidArgument("shape " + o.name + ": heads do not divide d_model / kv heads");
   }
+  if (o.arch != "llama" && o.arch != "gemma3") {
+    return InvalidArgument("shape " + o.name + ": arch must be llama or gemma3");
+  }
+  const bool gemma3 = o.arch == "gemma3";
   engine::GgufWriter w;
-  const std::string a = "llama.";
-  const int head_dim = o.d_model / o.heads;
-  w.SetString("general.architecture", "llama");
+  const std::string a = o.arch + ".";
+  const int head_dim = o.head_dim > 0 ? o.head_dim : o.d_model / o.heads;
+  w.SetString("general.architecture", o.arch);
   w.SetString("general.name", "kvrelay-synthetic-" + o.name);
   w.SetUint32(a + "block_count", o.layers);
   w.SetUint32(a + "context_length", o.context_length);
@@ -134,6 +164,18 @@ Status WriteShapeModel(const std::string& path, const ShapeOptions& o, int threa
   w.SetUint32(a + "rope.dimension_count", head_dim);
   w.SetFloat32(a + "attention.layer_norm_rms_epsilon", o.rms_eps);
   w.SetUint32(a + "vocab_size", o.vocab);
+  if (gemma3) {
+    w.SetUint32(a + "attention.key_length", head_dim);
+    w.SetUint32(a + "attention.value_length", head_dim);
+    if (o.sliding_window > 0) {
+      w.SetUint32(a + "attention.sliding_window", o.sliding_window);
+      w.SetUint32(a + "attention.sliding_window_pattern", o.sliding_window_pattern);
+      w.SetFloat32(a + "rope.freq_base_swa", o.rope_base_swa);
+    }
+    if (o.final_logit_softcap > 0) {
+      w.SetFloat32(a + "final_logit_softcapping", o.final_logit_softcap);
+    }
+  }
   const float in_scale = 1.0f / std::sqrt(static_cast<float>(o.d_model));
   uint64_t seed = o.seed;
   auto matrix = [&](const std::string& name, int cols, int rows, float scale, GgmlType type) {
@@ -158,6 +200,16 @@ Status WriteShapeModel(const std::string& path, const ShapeOptions& o, int threa
     matrix(p + "ffn_up.weight", o.d_model, o.ffn, in_scale, o.matrix_type);
     matrix(p + "ffn_down.weight", o.ffn, o.d_model, 1.0f / std::sqrt(static_cast<float>(o.ffn)),
            o.matrix_type);
+    if (gemma3) {
+      for (const char* norm : {"attn_q_norm.weight", "attn_k_norm.weight"}) {
+        w.AddTensor(p + norm, GgmlType::kF32, {head_dim},
+                    RandomVector(head_dim, 1.0f, 0.2f, ++seed));
+      }
+      for (const char* norm : {"post_attention_norm.weight", "post_ffw_norm.weight"}) {
+        w.AddTensor(p + norm, GgmlType::kF32, {o.d_model},
+                    RandomVector(o.d_model, 1.0f, 0.2f, ++seed));
+      }
+    }
   }
   return w.WriteFile(path);
 }
