@@ -570,8 +570,8 @@ class Engine::Impl {
     for (int g = 0; g < groups_.size(); ++g) {
       BlockTable& table = Table(s, g);
       if (tail >= table.size() || table[tail] == kNoBlock) continue;
-      for (int l = 0; l < groups_.n_layers(); ++l) {
-        if (groups_.group_of[static_cast<size_t>(l)] == g) (void)pool_->LayerData(table[tail], l);
+      for (int slot = 0; slot < groups_.layers_per_block(); ++slot) {
+        (void)pool_->LayerData(table[tail], slot);
       }
     }
   }

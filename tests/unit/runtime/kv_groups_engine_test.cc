@@ -59,8 +59,10 @@ RequestSpec Spec(RequestId id, std::vector<int32_t> prompt, int max_tokens) {
 
 // `blocks` pool blocks of the one-group layout's size (so both modes get the
 // same bytes).
-std::unique_ptr<Engine> MakeEngine(bool split, int64_t blocks = 512, int step = 8) {
+std::unique_ptr<Engine> MakeEngine(bool split, int64_t blocks = 512, int step = 8,
+                                   KvDtype dtype = KvDtype::kF32) {
   EngineOptions o;
+  o.kv_dtype = dtype;
   o.block_tokens = kBlock;
   o.threads = 2;
   o.max_step_tokens = step;
@@ -158,6 +160,46 @@ TEST(KvGroupsEngineTest, SameTokensAsOneGroupAndBoundedWindowBlocks) {
   }
   EXPECT_GT(grouped.most_window_held, 0);
   EXPECT_LE(grouped.most_window_held, kWindowBlocks);
+}
+
+// KIVI KV: a prompt's partial tail block is quantized when its prefill ends
+// (every layer of it, in every group's table: layer slots, not model
+// layers), so split groups give one group's tokens.
+TEST(KvGroupsEngineTest, KiviPromptTailsAreSealedInEveryGroup) {
+  {
+    // A 6-token prompt (a 2-token tail block) prefilled in one step: no
+    // layer of the tail, in any group, is left in f32 staging.
+    auto e = MakeEngine(/*split=*/true, 512, 8, KvDtype::kKivi4);
+    ASSERT_NE(e, nullptr);
+    const int64_t free_before = e->pool()->staging_slots_free();
+    ASSERT_GT(free_before, 0);
+    ASSERT_TRUE(e->Submit(Spec(1, RandomPrompt(6, 10), 4)).ok());
+    auto first = e->Step();
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    ASSERT_EQ(first->size(), 1u);
+    EXPECT_EQ(e->pool()->staging_slots_free(), free_before);
+    RunToEnd(*e, {1});
+    ExpectAllBlocksReturned(*e);
+  }
+  const std::vector<std::vector<int32_t>> prompts = {RandomPrompt(6, 11), RandomPrompt(19, 12)};
+  auto run = [&](bool split) {
+    auto e = MakeEngine(split, 512, 8, KvDtype::kKivi4);
+    EXPECT_NE(e, nullptr);
+    std::vector<RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ids.push_back(i + 1);
+      EXPECT_TRUE(e->Submit(Spec(i + 1, prompts[i], 24)).ok());
+    }
+    Outcome r = RunToEnd(*e, ids);
+    ExpectAllBlocksReturned(*e);
+    return r;
+  };
+  const Outcome one = run(/*split=*/false);
+  const Outcome grouped = run(/*split=*/true);
+  for (RequestId id : {RequestId{1}, RequestId{2}}) {
+    ASSERT_EQ(grouped.tokens.at(id).size(), 24u);
+    EXPECT_EQ(grouped.tokens.at(id), one.tokens.at(id)) << "request " << id;
+  }
 }
 
 // A prefix hit on a grouped engine: the full-attention group's blocks of the
