@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda/cuda_sampler.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/cuda/device.h"
 #include "engine/cuda/kernel_math.h"
@@ -80,6 +81,8 @@ struct DevLayer {
   float* k_norm = nullptr;
 };
 
+static_assert(kMaxBackendTopK == kMaxDeviceTopK, "BackendPick's top_k range is the sampler's");
+
 // What xq_ (the q8 copy a GEMV product reads) holds: kNoQ8, or the
 // step_kernels.h Act whose rows it quantizes.
 constexpr int kNoQ8 = -1;
@@ -98,8 +101,8 @@ class CudaKernels final : public StepKernels {
   Status Init();
 
   Status RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
-                 std::span<const int64_t> logit_rows, ForwardOutput* out,
-                 const std::function<void(int layer)>& layer_hook,
+                 std::span<const int64_t> logit_rows, std::span<const BackendPick> picks,
+                 ForwardOutput* out, const std::function<void(int layer)>& layer_hook,
                  const std::function<Status()>& body) override;
   Status Embed(float scale) override;
   Status RmsNorm(int layer, LayerNorm which, Act in, Act out) override;
@@ -116,6 +119,7 @@ class CudaKernels final : public StepKernels {
   Status GatherColumns(Act local, const std::vector<UnitRange>& widths) override;
   Status FinalNorm() override;
   Status Logits(float softcap) override;
+  bool PicksTokens() const override { return true; }
   void SetCollective(TpCollective* collective) override { collective_ = collective; }
   void InvalidateBlock(BlockId block) override {
     if (block >= 0 && block < static_cast<BlockId>(valid_.size())) valid_[block] = 0;
@@ -185,6 +189,8 @@ class CudaKernels final : public StepKernels {
   std::map<std::string, cudaGraphExec_t> graphs_;
   std::map<std::string, int> seen_;
   std::vector<float> tp_host_, tp_host2_;
+  CudaSampler sampler_;  // picks on the device (RunStep's picks)
+  std::vector<DeviceSampleParams> pick_params_;
 
   // The step RunStep is running: sizes, device metadata, where the
   // products left Q/K/V and gate/up, what xq_ holds.
@@ -579,8 +585,8 @@ Status CudaKernels::Product(const DevMatrix& w, Act in, int64_t T, const float* 
 }
 
 Status CudaKernels::RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
-                            std::span<const int64_t> logit_rows, ForwardOutput* out,
-                            const std::function<void(int layer)>& layer_hook,
+                            std::span<const int64_t> logit_rows, std::span<const BackendPick> picks,
+                            ForwardOutput* out, const std::function<void(int layer)>& layer_hook,
                             const std::function<Status()>& body) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
@@ -784,7 +790,18 @@ Status CudaKernels::RunStep(std::span<const SeqStep> seqs, const StepShape& shap
   } else {
     RETURN_IF_ERROR(body());
   }
-  if (R > 0) {
+  if (!picks.empty()) {
+    // The tokens, not the logits, come back: the sampler reads the rows in
+    // place and copies R tokens to the host (it synchronises the stream).
+    pick_params_.clear();
+    for (const BackendPick& p : picks) {
+      pick_params_.push_back({p.temperature, p.top_k, p.top_p, p.min_p, p.uniform});
+    }
+    out->picked.assign(static_cast<size_t>(R), -1);
+    RETURN_IF_ERROR(
+        sampler_.Sample(logits_.as<float>(), R, c.vocab, pick_params_, out->picked.data(), st)
+            .WithContext("sampling on the device"));
+  } else if (R > 0) {
     KVR_CUDA_RETURN(cudaMemcpyAsync(h_logits_.as<void>(), logits_.get(), R * c.vocab * f,
                                     cudaMemcpyDeviceToHost, st));
   }
@@ -794,7 +811,7 @@ Status CudaKernels::RunStep(std::span<const SeqStep> seqs, const StepShape& shap
   }
   KVR_CUDA_RETURN(cudaGetLastError());  // launch failures
   KVR_CUDA_RETURN(cudaStreamSynchronize(st));
-  if (R > 0) {
+  if (R > 0 && picks.empty()) {
     out->logits.resize(R * c.vocab);
     std::memcpy(out->logits.data(), h_logits_.as<void>(), R * c.vocab * f);
   }

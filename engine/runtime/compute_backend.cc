@@ -17,9 +17,11 @@ class KernelBackend final : public ComputeBackend {
       : device_(device), forward_(model, pool, std::move(groups), std::move(kernels)) {}
   DeviceSpec device() const override { return device_; }
   Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-             const std::function<void(int layer)>& layer_hook) override {
-    return forward_.Run(seqs, out, layer_hook);
+             const std::function<void(int layer)>& layer_hook,
+             std::span<const BackendPick> picks) override {
+    return forward_.Run(seqs, out, layer_hook, picks);
   }
+  bool PicksTokens() const override { return forward_.kernels().PicksTokens(); }
   void SetCollective(TpCollective* collective) override { forward_.SetCollective(collective); }
   void InvalidateBlock(BlockId block) override { forward_.kernels().InvalidateBlock(block); }
 

@@ -60,8 +60,13 @@ class ComputeBackend {
   // ForwardPass::Run's contract (forward.h), including the layer hook: it is
   // called in layer order, each call after that layer's K/V of every
   // sequence is in the host pool.
+  // With `picks` (only when PicksTokens()) the backend picks the rows'
+  // tokens itself (ForwardOutput::picked).
   virtual Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-                     const std::function<void(int layer)>& layer_hook = {}) = 0;
+                     const std::function<void(int layer)>& layer_hook = {},
+                     std::span<const BackendPick> picks = {}) = 0;
+  // Whether Run takes picks: sampling on the device (CUDA).
+  virtual bool PicksTokens() const = 0;
   // ForwardPass::SetCollective.
   virtual void SetCollective(TpCollective* collective) = 0;
   // The bytes of `block` in the host pool changed (all layers): a device

@@ -87,9 +87,10 @@ std::vector<float>& CpuKernels::Buf(Act a) {
 }
 
 Status CpuKernels::RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
-                           std::span<const int64_t> logit_rows, ForwardOutput* out,
-                           const std::function<void(int layer)>& layer_hook,
+                           std::span<const int64_t> logit_rows, std::span<const BackendPick> picks,
+                           ForwardOutput* out, const std::function<void(int layer)>& layer_hook,
                            const std::function<Status()>& body) {
+  if (!picks.empty()) return FailedPrecondition("the CPU kernel table does not pick tokens");
   const ModelConfig& c = model_.config();
   const int64_t T = shape.tokens;
   const int d = c.d_model, qd = c.q_dim(), kvd = c.kv_dim();

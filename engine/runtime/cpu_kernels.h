@@ -23,8 +23,8 @@ class CpuKernels final : public StepKernels {
   CpuKernels(const Model& model, KvBlockPool* pool, KvCacheGroups groups, ThreadPool* threads);
 
   Status RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
-                 std::span<const int64_t> logit_rows, ForwardOutput* out,
-                 const std::function<void(int layer)>& layer_hook,
+                 std::span<const int64_t> logit_rows, std::span<const BackendPick> picks,
+                 ForwardOutput* out, const std::function<void(int layer)>& layer_hook,
                  const std::function<Status()>& body) override;
   Status Embed(float scale) override;
   Status RmsNorm(int layer, LayerNorm which, Act in, Act out) override;

@@ -735,6 +735,21 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     q.logits = last ? LogitRows::kLast : LogitRows::kNone;
     if (s.n_generated == 0) stats_.prompt_tokens_computed += s.chunk;
   }
+  const int vocab = model_->config().vocab;
+  // A backend that samples (CUDA) picks every row's token itself when every
+  // request of the step lets it: the logits then stay on the device.
+  std::vector<BackendPick> picks;
+  if (backend_->PicksTokens()) {
+    bool all = true;
+    for (size_t i = 0; i < batch.size() && all; ++i) {
+      if (plan.seqs[i].logits != LogitRows::kNone) all = batch[i]->sampler->BackendCanPick(vocab);
+    }
+    for (size_t i = 0; i < batch.size() && all; ++i) {
+      if (plan.seqs[i].logits != LogitRows::kNone) {
+        picks.push_back(batch[i]->sampler->NextPickForBackend());
+      }
+    }
+  }
   ForwardOutput out;
   std::function<void(int)> hook;
   if (connector_ != nullptr) hook = [&](int layer) { connector_->SaveLayer(layer, plan); };
@@ -743,7 +758,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     st = tp_.publish(plan).WithContext("publishing the step to the tensor-parallel group");
   }
   if (st.ok()) {
-    st = backend_->Run(plan.seqs, &out, hook);
+    st = backend_->Run(plan.seqs, &out, hook, picks);
   }
   if (!st.ok()) {
     LOG_ERROR << "forward step failed: " << st.ToString();
@@ -756,7 +771,6 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     });
     return events;
   }
-  const int vocab = model_->config().vocab;
   std::vector<Sequence*> done;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& s = *batch[i];
@@ -767,9 +781,11 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     NotePeakBlocks(s);
     if (plan.seqs[i].logits == LogitRows::kNone) continue;
     if (s.n_generated == 0) QuantizePromptTail(s);
-    float* logits = out.logits.data() + out.row_begin[i] * vocab;
     TokenEvent ev;
-    const int32_t token = s.sampler->Sample(logits, vocab, s.tokens, s.n_generated, &ev.logprobs);
+    const int32_t token = !out.picked.empty()
+                              ? out.picked[static_cast<size_t>(out.row_begin[i])]
+                              : s.sampler->Sample(out.logits.data() + out.row_begin[i] * vocab,
+                                                  vocab, s.tokens, s.n_generated, &ev.logprobs);
     ev.has_logprobs = s.spec.sampling.logprobs >= 0;
     s.tokens.push_back(token);
     ++s.n_generated;

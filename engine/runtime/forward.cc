@@ -43,7 +43,8 @@ void ForwardPass::set_tiled_attention(bool on) {
 }
 
 Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-                        const std::function<void(int layer)>& layer_hook) {
+                        const std::function<void(int layer)>& layer_hook,
+                        std::span<const BackendPick> picks) {
   const ModelConfig& c = model_.config();
   const KvLayout& kl = pool_->layout();
   if (groups_.n_layers() != c.n_layers || kl.layers != groups_.layers_per_block() ||
@@ -55,6 +56,7 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
                    CheckStep(seqs, kl.block_tokens, pool_->total_blocks(), c.vocab));
   RETURN_IF_ERROR(CheckGroups(seqs));
   out->logits.clear();
+  out->picked.clear();
   out->row_begin.assign(1, 0);
   if (shape.tokens == 0) return Status::Ok();
   const TensorParallelShard& shard = model_.shard();
@@ -77,7 +79,12 @@ Status ForwardPass::Run(std::span<const SeqStep> seqs, ForwardOutput* out,
     t += n;
     out->row_begin.push_back(static_cast<int64_t>(rows.size()));
   }
-  return kernels_->RunStep(seqs, shape, rows, out, layer_hook, [&] { return Layers(); });
+  if (!picks.empty() && (!kernels_->PicksTokens() || picks.size() != rows.size())) {
+    return InvalidArgument("picks: " + std::to_string(picks.size()) + " for " +
+                           std::to_string(rows.size()) + " logit rows on a backend that " +
+                           (kernels_->PicksTokens() ? "picks" : "does not pick") + " tokens");
+  }
+  return kernels_->RunStep(seqs, shape, rows, picks, out, layer_hook, [&] { return Layers(); });
 }
 
 Status ForwardPass::Layers() {

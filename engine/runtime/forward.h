@@ -38,6 +38,9 @@ struct ForwardOutput {
   // order; row_begin[s] is the first row of sequence s (row_begin.size() = n + 1).
   std::vector<float> logits;
   std::vector<int64_t> row_begin;
+  // The tokens the backend picked, one per logit row, when Run was given
+  // picks (logits may then be empty).
+  std::vector<int32_t> picked;
   const float* Row(int64_t r, int vocab) const { return logits.data() + r * vocab; }
 };
 
@@ -60,8 +63,11 @@ class ForwardPass {
   // of all sequences are written and this step's attention of layer l has
   // read them (it may seal the layer: KvBlockPool::LayerData). InvalidArgument for a bad sequence
   // (token out of vocab, block table too short, pool layout mismatch).
+  // With `picks` (one per logit row, only when kernels().PicksTokens()) the
+  // rows' tokens are picked by the backend into out->picked instead.
   Status Run(std::span<const SeqStep> seqs, ForwardOutput* out,
-             const std::function<void(int layer)>& layer_hook = {});
+             const std::function<void(int layer)>& layer_hook = {},
+             std::span<const BackendPick> picks = {});
 
   // Tensor parallelism: the model is a shard (model.h) and `collective` (which
   // must outlive this pass) joins its ranks, twice per layer. An error from
@@ -72,6 +78,7 @@ class ForwardPass {
   void set_tiled_attention(bool on);
 
   StepKernels& kernels() { return *kernels_; }
+  const StepKernels& kernels() const { return *kernels_; }
 
  private:
   // The model's structure over the kernel table: every architecture, once.

@@ -44,6 +44,27 @@ double Sampler::NextUniform() {
   return static_cast<double>(rng_() >> 11) * (1.0 / 9007199254740992.0);
 }
 
+bool Sampler::BackendCanPick(int64_t vocab) const {
+  const SamplingParams& p = params_;
+  if (constraint_ != nullptr || !p.logit_bias.empty() || p.repetition_penalty != 1.0f ||
+      p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f || !p.json_schema.empty() ||
+      p.logprobs >= 0) {
+    return false;
+  }
+  return p.temperature <= 0.0f ||
+         (p.top_k >= 1 && p.top_k <= kMaxBackendTopK && static_cast<int64_t>(p.top_k) <= vocab);
+}
+
+BackendPick Sampler::NextPickForBackend() {
+  BackendPick b;
+  b.temperature = params_.temperature;
+  b.top_k = params_.top_k;
+  b.top_p = params_.top_p;
+  b.min_p = params_.min_p;
+  if (params_.temperature > 0.0f) b.uniform = NextUniform();  // Pick draws exactly one
+  return b;
+}
+
 int32_t Sampler::Sample(float* logits, int64_t vocab, const std::vector<int32_t>& context,
                         int64_t n_generated, TokenLogprobs* logprobs) {
   const SamplingParams& p = params_;

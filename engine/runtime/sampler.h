@@ -80,9 +80,33 @@ struct TokenLogprobs {
   std::vector<std::pair<int32_t, float>> top;  // the most likely tokens, best first
 };
 
+// One pick a compute backend makes itself (the CUDA table samples on the
+// device and copies back a token instead of the logit row), with Sampler's
+// semantics: greedy (first maximum) when temperature <= 0; otherwise the
+// top_k candidates (1..kMaxBackendTopK; logit descending, ties by smaller
+// id), softmax at temperature in double, min-p, top-p, and the pick by
+// `uniform`, the request RNG's draw (Sampler::NextPickForBackend).
+struct BackendPick {
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  double uniform = 0.0;
+};
+inline constexpr int kMaxBackendTopK = 1024;
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
+
+  // Whether a backend may make this request's next pick (BackendPick): no
+  // logit bias, penalties, grammar or logprobs, and a top_k in
+  // [1, kMaxBackendTopK] and <= vocab when sampling at a temperature.
+  bool BackendCanPick(int64_t vocab) const;
+  // The next pick for a backend. Draws from the request's RNG exactly what
+  // Sample would (one uniform at a temperature, none when greedy), so the
+  // seeded sequence of picks is the same wherever each is made.
+  BackendPick NextPickForBackend();
 
   // Picks the next token from `logits` (vocab floats; modified in place by
   // penalties and filtering). `context` is every token so far (prompt then

@@ -24,6 +24,7 @@
 
 #include "common/status.h"
 #include "engine/runtime/model.h"
+#include "engine/runtime/sampler.h"
 #include "engine/runtime/step_plan.h"
 #include "engine/runtime/tp_collective.h"
 
@@ -59,11 +60,15 @@ class StepKernels {
   // operations for the same shape. On return the logit rows are in `out`
   // (out->row_begin is filled by the caller) and layer_hook (may be empty)
   // has been called once per layer, in layer order, each call after that
-  // layer's K/V of every sequence is readable in the host pool.
+  // layer's K/V of every sequence is readable in the host pool. With
+  // `picks` (one per logit row; only when PicksTokens()) the table picks
+  // the rows' tokens itself into out->picked and may leave out->logits empty.
   virtual Status RunStep(std::span<const SeqStep> seqs, const StepShape& shape,
-                         std::span<const int64_t> logit_rows, ForwardOutput* out,
-                         const std::function<void(int layer)>& layer_hook,
+                         std::span<const int64_t> logit_rows, std::span<const BackendPick> picks,
+                         ForwardOutput* out, const std::function<void(int layer)>& layer_hook,
                          const std::function<Status()>& body) = 0;
+  // Whether RunStep takes picks (the CUDA table: sampling on the device).
+  virtual bool PicksTokens() const { return false; }
 
   // kX := embedding rows of the step's tokens, times `scale` when it is not 1.
   virtual Status Embed(float scale) = 0;

@@ -206,8 +206,7 @@ Result<std::unique_ptr<TpFollower>> TpFollower::Create(const EngineOptions& opti
     return Internal("follower pool has " + std::to_string(pool->total_blocks()) +
                     " blocks, rank 0 has " + std::to_string(total_blocks));
   }
-  auto impl =
-      std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups));
+  auto impl = std::make_unique<Impl>(options, std::move(model), std::move(pool), std::move(groups));
   RETURN_IF_ERROR(impl->Init(options, collective));
   return std::unique_ptr<TpFollower>(new TpFollower(std::move(impl)));
 }

@@ -361,6 +361,59 @@ TEST(KernelMathTest, PickSortedReproducesTheSeededCpuSampler) {
   EXPECT_EQ(checked, 160);
 }
 
+// A request whose picks a backend makes (Sampler::NextPickForBackend, then
+// the device's arithmetic: PickSorted over the sorted top_k) gets the host
+// Sampler's tokens step after step: the RNG advances alike on both paths.
+TEST(KernelMathTest, BackendPicksFollowTheHostSamplersSeededSequence) {
+  const int vocab = 3000;
+  for (const auto& [k, p, mp, temp] : std::vector<std::tuple<int, float, float, float>>{
+           {40, 1.0f, 0.0f, 0.8f}, {200, 0.9f, 0.05f, 1.2f}, {50, 1.0f, 0.0f, 0.0f}}) {
+    SamplingParams sp;
+    sp.temperature = temp;
+    sp.top_k = k;
+    sp.top_p = p;
+    sp.min_p = mp;
+    sp.seed = 11;
+    Sampler host(sp), backend(sp);
+    ASSERT_TRUE(backend.BackendCanPick(vocab));
+    for (int step = 0; step < 24; ++step) {
+      std::vector<float> logits = RandomFloats(vocab, 1.5f, 100 + step);
+      std::vector<float> copy = logits;
+      const int32_t want = host.Sample(copy.data(), vocab, {}, 0);
+      const BackendPick pick = backend.NextPickForBackend();
+      std::vector<int32_t> ids(vocab);
+      for (int i = 0; i < vocab; ++i) ids[i] = i;
+      std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+        return math::CandidateBefore(logits[a], a, logits[b], b);
+      });
+      int32_t got = ids[0];  // greedy: the first maximum
+      if (pick.temperature > 0.0f) {
+        std::vector<float> sorted(pick.top_k);
+        for (int i = 0; i < pick.top_k; ++i) sorted[i] = logits[ids[i]];
+        std::vector<double> probs(pick.top_k);
+        got = math::PickSorted(sorted.data(), ids.data(), pick.top_k, pick.temperature, pick.min_p,
+                               pick.top_p, pick.uniform, probs.data());
+      }
+      ASSERT_EQ(got, want) << "top_k " << k << " step " << step;
+    }
+  }
+  // What only the host does keeps a request on the host.
+  SamplingParams sp;
+  sp.temperature = 0.7f;
+  sp.top_k = 0;  // the whole vocabulary: beyond the device's candidate buffer
+  EXPECT_FALSE(Sampler(sp).BackendCanPick(vocab));
+  sp.top_k = 40;
+  EXPECT_TRUE(Sampler(sp).BackendCanPick(vocab));
+  sp.repetition_penalty = 1.1f;
+  EXPECT_FALSE(Sampler(sp).BackendCanPick(vocab));
+  sp.repetition_penalty = 1.0f;
+  sp.logprobs = 0;
+  EXPECT_FALSE(Sampler(sp).BackendCanPick(vocab));
+  sp.logprobs = -1;
+  sp.logit_bias = {{5, 1.0f}};
+  EXPECT_FALSE(Sampler(sp).BackendCanPick(vocab));
+}
+
 // ---- the decode GEMV (mmvq), the fused RMSNorm / SwiGLU + q8 kernels ----
 
 int BlockBytes(uint32_t type) {
