@@ -10,13 +10,16 @@
 # cached_tokens / prompt_tokens. PREFIXES=10 runs 10 different system prompts
 # in each phase (larger together than the default 256 MB KV pool).
 #
-# usage: bench/prefix_restart.sh            (env: PORT=8090 PREFIXES=1 OUT=out/prefix_restart)
+# usage: bench/prefix_restart.sh   (env: PORT=8090 PREFIXES=1 OUT=out/prefix_restart WARMUP=0)
+# WARMUP=1 serves one short request of another prompt after the restart, before
+# phase 4, so that it measures the restore alone.
 # Writes $OUT/results.jsonl and prints a Markdown table for docs/BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PORT=${PORT:-8090}
 PREFIXES=${PREFIXES:-1}
+WARMUP=${WARMUP:-0}
 OUT=${OUT:-out/prefix_restart}
 STORE="$OUT/kvstore"
 VENV=${KVRELAY_OPENAI_VENV:-openai-venv}
@@ -91,6 +94,16 @@ for root, _, files in os.walk(sys.argv[1]):
 print(f"[bench] dropped the page cache of {n} store files")
 EOF
 start_cluster serve2
+if [ "$WARMUP" = 1 ]; then
+  # One short request of another prompt first: the restart phase then measures
+  # the restore, not the first request's process warm-up (page faults of the
+  # pools, the first prefill -> decode data connection).
+  model=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | python3 -c \
+    'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
+  curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+    -d "{\"model\": \"$model\", \"prompt\": \"Warm up.\", \"max_tokens\": 2}" >/dev/null
+  echo "[bench] one warm-up request served after the restart"
+fi
 phase restart 3
 stop_cluster
 

@@ -132,6 +132,8 @@ class LoadHandle {
   // Outputs (written by the loader before done_; read by FinishLoad after).
   std::vector<std::string> values;  // verified encoded blocks, leading run only
   std::vector<int> from_tier;       // 0 = RAM, 1 = disk, per value
+  double read_ms = 0;               // reading, unsealing and verifying
+  int read_threads = 1;
 };
 
 class TieredCache {
@@ -346,6 +348,19 @@ class TieredCache {
                       std::string* encoded) const;
   void LoaderLoop();
   void ReadLoad(LoadHandle& load);
+  // One block of a load as read: a verified encoded value from RAM (from 0)
+  // or disk (from 1), or a miss (from -1, value empty).
+  struct ReadResult {
+    std::string value;
+    int from = -1;
+  };
+  // Reads and verifies blocks [begin, end) of `load`, up to and including
+  // the first miss.
+  std::vector<ReadResult> ReadRange(const LoadHandle& load, size_t begin, size_t end);
+  // ReadLoad's split: a thread per this many blocks, at most
+  // min(kMaxReadThreads, twice the CPUs).
+  static constexpr size_t kMinBlocksPerReadThread = 8;
+  static constexpr size_t kMaxReadThreads = 4;
 
   const Options options_;
   HostRamTier* const ram_;

@@ -433,6 +433,56 @@ TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
   cache2.Detach();
 }
 
+// A long load is read in parts by several threads (ReadLoad); what it
+// returns is still the prefix up to the first block that does not verify,
+// byte for byte, whichever part that block falls in.
+TEST_P(TieredCacheTest, ALoadReadInPartsEndsAtItsFirstBadBlock) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(9);
+  constexpr int kBlocks = 48;
+  const auto tokens = Tokens(kBlocks * layout.block_tokens, 23);
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
+  std::vector<std::vector<std::vector<uint8_t>>> want;
+  {
+    TieredCache cache({}, nullptr, disk.get());
+    auto pool = MakePool(layout, kBlocks);
+    cache.Attach(pool.get());
+    (void)cache.Match(tokens, model, kSalt);
+    want = Prefill(pool.get(), tokens, model, kSalt);
+    ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+    cache.Detach();
+  }
+  for (const int bad : {kBlocks, 37, 5}) {  // none, in a later part, in the first
+    SCOPED_TRACE("bad block " + std::to_string(bad));
+    if (bad < kBlocks) {
+      std::string v = *disk->Get(hashes[static_cast<size_t>(bad)]);
+      v[v.size() / 2] ^= 0x01;
+      ASSERT_TRUE(disk->Put(hashes[static_cast<size_t>(bad)], v).ok());
+      ASSERT_TRUE(disk->Flush(Deadline::AfterMs(10000)).ok());
+    }
+    auto pool = MakePool(layout, kBlocks);
+    TieredCache cache({}, nullptr, disk.get());
+    cache.Attach(pool.get());
+    PrefixMatch m = cache.Match(tokens, model, kSalt);
+    std::vector<BlockId> dst;
+    for (int i = 0; i < m.external_blocks; ++i) dst.push_back(pool->Allocate().value());
+    auto load = cache.StartLoad(m, tokens, model, kSalt);
+    Result<int> n = cache.FinishLoad(*load, dst, Deadline::AfterMs(30000));
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    EXPECT_EQ(*n, bad);
+    for (int b = 0; b < *n; ++b) {
+      for (int layer = 0; layer < layout.layers; ++layer) {
+        auto d = pool->LayerData(dst[static_cast<size_t>(b)], layer);
+        ASSERT_TRUE(std::equal(d.begin(), d.end(), want[static_cast<size_t>(b)][layer].begin()))
+            << "block " << b << " layer " << layer;
+      }
+    }
+    for (BlockId b : dst) pool->Release(b);
+    cache.Detach();
+  }
+}
+
 // A burst of commits larger than the disk queue waits in the backlog (the
 // request path never blocks), and Drain writes all of it.
 TEST_P(TieredCacheTest, WriteThroughToAFullQueueWaitsAndDrainFinishesIt) {
