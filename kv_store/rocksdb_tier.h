@@ -144,6 +144,11 @@ class RocksDbTier final : public KvTier {
     int64_t resume_interval_ms = 5000;
     // Write failures are logged at most once per this many seconds.
     int64_t log_interval_seconds = 60;
+    // At open, asks the kernel to read up to this many bytes of the store's
+    // files into the page cache in the background (posix_fadvise WILLNEED:
+    // the tables first, then the newest blob files), so that the first
+    // restores after a restart or a reboot read memory, not the disk. 0: off.
+    int64_t prefetch_bytes = 0;
     // Events kept for TakeEvents(); beyond it the oldest are dropped and
     // TakeEvents reports the overflow (the consumer re-announces KeysLruOrder()).
     int64_t max_pending_events = 1 << 16;
@@ -214,6 +219,8 @@ class RocksDbTier final : public KvTier {
  private:
   explicit RocksDbTier(const Options& options);
   Status OpenDb();
+  // Options::prefetch_bytes: WILLNEED on the store's files, within budget.
+  static void PrefetchFiles(const std::string& path, int64_t budget);
   Status TryOpen(bool after_repair);
   Status OpenReadOnly(const std::string& why);
   // Why a writable open could not fit on the disk now; empty when it can.

@@ -41,6 +41,10 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     kv_store::RocksDbTier::Options disk;
     disk.path = o.kv_store_path;
     disk.capacity_bytes = o.kv_store_capacity_bytes;
+    // After a restart (or a reboot) the newest blocks, as many as the RAM
+    // tier holds, are read from disk in the background before any request
+    // asks for them.
+    disk.prefetch_bytes = o.kv_ram_tier_bytes;
     ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
     // Blocks on disk are sealed with keys derived from the cluster key and
     // each tenant's salt: a copied store is unreadable without the key.
