@@ -2,12 +2,25 @@
 // a collective waits for a follower at most TpGroupOptions::timeout (the
 // workers' --tp-step-timeout-ms), and a collective that failed breaks the
 // group for good (the ranks are at different points of the step), so rank 0
-// reports it at once instead of stepping on. No model needed.
+// reports it at once instead of stepping on. Then the same through rank 0
+// as a decode worker starts it (TpLeader::Start, a synthetic model), idle and
+// mid-step.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <thread>
 
 #include "decode_worker/tp_group.h"
+#include "decode_worker/tp_leader.h"
+#include "protocols/control.pb.h"
+#include "tests/testing/synthetic_model.h"
+#include "worker/worker.h"
 
 namespace kvrelay::decode_worker {
 namespace {
@@ -107,6 +120,146 @@ TEST(TpStepDeadline, AFollowerAnswersAPingEvenInsideACollective) {
   EXPECT_EQ(kv_port.oversized_frames, 3u);
   EXPECT_EQ(kv_port.foreign_frames, 4u);
   EXPECT_TRUE(g.leader->status().ok());
+}
+
+// A port free on 127.0.0.1 a moment ago (rank 0 listens on a fixed
+// --tp-port, as the launcher gives it one).
+uint16_t FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(a.sin_port) : 0;
+}
+
+// The whole of rank 0 as a decode worker starts it (TpLeader::Start from the
+// worker's options, with its engine on a small model) and a follower that
+// joins, then falls silent. What is tested is the wiring of
+// --tp-step-timeout-ms into rank 0, not the group alone (above).
+struct LeaderGroup {
+  worker::WorkerOptions options;
+  worker::ProcessBase base;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<TpLeader> leader;
+  std::unique_ptr<TcpTpGroup> follower;
+};
+
+void StartLeaderGroup(LeaderGroup& g, milliseconds step_timeout) {
+  testing::SyntheticModelOptions m;  // 2 KV heads: one per rank
+  auto path = testing::WriteTempSyntheticModel(m);
+  ASSERT_TRUE(path.ok()) << path.status().ToString();
+  worker::WorkerOptions& o = g.options;
+  o.worker_id = "decode-0";
+  o.role = worker::RoleKind::kDecode;
+  o.cluster_key = std::move(protocols::ClusterKey::Generate()).value();
+  o.engine.model_path = *path;
+  o.tp_size = 2;
+  o.tp_rank = 0;
+  o.tp_step_timeout = step_timeout;
+  o.connect_timeout = milliseconds(10000);
+  auto base = worker::LoadProcessBase(o);
+  ASSERT_TRUE(base.ok()) << base.status().ToString();
+  g.base = std::move(*base);
+  auto engine = engine::Engine::Create(o.engine, g.base.model);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  g.engine = std::move(*engine);
+  // The follower's hello as rank 1 sends it (decode_worker/tp_follower.cc).
+  proto::TpHello hello;
+  hello.set_tp_rank(1);
+  hello.set_tp_size(2);
+  protocols::PeerConfig pc = g.base.peer_config;
+  pc.tp_rank = 1;
+  protocols::ToProto(pc, hello.mutable_config());
+  hello.set_kv_address("127.0.0.1:1");
+  hello.set_data_rank(0);
+  hello.set_tp_mode(static_cast<uint32_t>(o.tp_mode));
+  for (int attempt = 0; attempt < 3 && g.leader == nullptr; ++attempt) {
+    o.tp_port = FreePort();
+    ASSERT_NE(o.tp_port, 0);
+    Result<std::unique_ptr<TpLeader>> started = InvalidArgument("not run");
+    std::thread rank0([&] {
+      started = TpLeader::Start(o, g.base.peer_config, g.base.transport->conn_info(), 0,
+                                g.engine.get(), nullptr);
+    });
+    TpGroupOptions f;
+    f.tp_rank = 1;
+    f.tp_size = 2;
+    f.leader_port = o.tp_port;
+    f.timeout = milliseconds(10000);
+    f.cluster_key = o.cluster_key;
+    auto joined = TcpTpGroup::Connect(f, hello.SerializeAsString(), Deadline::AfterMs(10000));
+    rank0.join();
+    if (!started.ok() && started.status().message().find("in use") != std::string::npos) {
+      continue;  // the port was taken meanwhile: another one
+    }
+    ASSERT_TRUE(started.ok()) << started.status().ToString();
+    ASSERT_TRUE(joined.ok()) << joined.status().ToString();
+    g.leader = std::move(*started);
+    g.follower = std::move(*joined);
+    auto setup = g.follower->ReceiveFromLeader(Deadline::AfterMs(5000));
+    ASSERT_TRUE(setup.ok() && setup->type == TpMsg::kSetup);
+  }
+  ASSERT_NE(g.leader, nullptr) << "no free TP port in 3 tries";
+}
+
+TEST(TpLeaderDeadline, AnIdleGroupDropsASilentFollowerWithinTheStepTimeout) {
+  LeaderGroup g;
+  ASSERT_NO_FATAL_FAILURE(StartLeaderGroup(g, milliseconds(400)));
+  ASSERT_TRUE(g.leader->status().ok());
+  // The follower answers nothing from now on (SIGSTOPped). Rank 0's loop
+  // calls CheckFollowers every turn; it must give up on the follower within
+  // about 1.25 x the step timeout, not before the timeout.
+  const auto start = std::chrono::steady_clock::now();
+  const Deadline give_up = Deadline::AfterMs(10000);
+  while (g.leader->status().ok() && !give_up.Expired()) {
+    g.leader->CheckFollowers();
+    std::this_thread::sleep_for(milliseconds(10));  // the worker loop's turn
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  const Status s = g.leader->status();
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("--tp-step-timeout-ms"), std::string::npos) << s.ToString();
+  EXPECT_GE(took, milliseconds(400));
+  EXPECT_LT(took, milliseconds(3000)) << "a silent follower kept the group for "
+                                      << std::chrono::duration<double>(took).count() << " s";
+}
+
+TEST(TpLeaderDeadline, AStepWithASilentFollowerEndsWithinTheStepTimeout) {
+  LeaderGroup g;
+  ASSERT_NO_FATAL_FAILURE(StartLeaderGroup(g, milliseconds(400)));
+  engine::RequestSpec r;
+  r.id = 1;
+  r.prompt = {1, 2, 3, 4, 5};
+  r.sampling.max_tokens = 4;
+  ASSERT_TRUE(g.engine->Submit(r).ok());
+  // Rank 0 publishes the step's plan and meets the follower in the step's
+  // first collective, which never comes: the step must fail at the step
+  // timeout. Run on its own thread so that a step that never ends is
+  // reported as such instead of hanging the suite.
+  const auto start = std::chrono::steady_clock::now();
+  auto step = std::async(std::launch::async, [&] { return g.engine->Step(); });
+  if (step.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "a step with a silent TP follower did not end within 10 s "
+                     "(--tp-step-timeout-ms 400)";
+    std::fflush(nullptr);
+    std::_Exit(1);  // the step thread cannot be joined
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  Result<std::vector<engine::TokenEvent>> events = step.get();
+  bool failed = !events.ok();
+  if (events.ok()) {
+    for (const auto& e : *events) {
+      if (e.id == r.id && e.finish_reason == engine::FinishReason::kError) failed = true;
+    }
+  }
+  EXPECT_TRUE(failed) << "the step went on without the follower";
+  EXPECT_FALSE(g.leader->status().ok());
+  EXPECT_GE(took, milliseconds(400));
+  EXPECT_LT(took, milliseconds(3000));
 }
 
 }  // namespace
