@@ -455,6 +455,7 @@ void TieredCache::ReadLoad(LoadHandle& load) {
   for (size_t p = 1; p < parts; ++p) {
     try {
       helpers.emplace_back([&, p] {
+        pthread_setname_np(pthread_self(), "kvstore-read");
         const auto [b, e] = bounds(p);
         got[p] = ReadRange(load, b, e);
       });
