@@ -35,16 +35,31 @@ BlockSealer::BlockSealer(std::string_view secret) : secret_(secret) {}
 
 BlockSealer::~BlockSealer() {
   if (!secret_.empty()) OPENSSL_cleanse(secret_.data(), secret_.size());
+  for (auto& [tenant, key] : keys_) OPENSSL_cleanse(key.data(), key.size());
+  EVP_CIPHER_free(cipher_);
 }
 
 Result<std::shared_ptr<const BlockSealer>> BlockSealer::Create(std::string_view cluster_secret) {
   if (cluster_secret.empty()) {
     return InvalidArgument("BlockSealer: the cluster secret is empty (--cluster-key-file)");
   }
-  return std::shared_ptr<const BlockSealer>(new BlockSealer(cluster_secret));
+  std::shared_ptr<BlockSealer> sealer(new BlockSealer(cluster_secret));
+  sealer->cipher_ = EVP_CIPHER_fetch(nullptr, "AES-256-GCM", nullptr);
+  if (sealer->cipher_ == nullptr) {
+    return Internal("BlockSealer: OpenSSL has no AES-256-GCM");
+  }
+  return std::shared_ptr<const BlockSealer>(std::move(sealer));
 }
 
 bool BlockSealer::TenantKey(const Sha256Digest& tenant_salt_hash, uint8_t out[32]) const {
+  {
+    std::lock_guard<std::mutex> lock(keys_mu_);
+    auto it = keys_.find(tenant_salt_hash);
+    if (it != keys_.end()) {
+      std::memcpy(out, it->second.data(), 32);
+      return true;
+    }
+  }
   EVP_PKEY_CTX* ctx = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, nullptr);
   if (ctx == nullptr) return false;
   size_t len = 32;
@@ -58,7 +73,14 @@ bool BlockSealer::TenantKey(const Sha256Digest& tenant_salt_hash, uint8_t out[32
                                   static_cast<int>(sizeof(kKeyInfo) - 1)) == 1 &&
       EVP_PKEY_derive(ctx, out, &len) == 1 && len == 32;
   EVP_PKEY_CTX_free(ctx);
-  return ok;
+  if (!ok) return false;
+  std::lock_guard<std::mutex> lock(keys_mu_);
+  if (keys_.size() >= kMaxTenantKeys) {
+    for (auto& [tenant, key] : keys_) OPENSSL_cleanse(key.data(), key.size());
+    keys_.clear();
+  }
+  std::memcpy(keys_[tenant_salt_hash].data(), out, 32);
+  return true;
 }
 
 Result<std::string> BlockSealer::Seal(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
@@ -89,8 +111,7 @@ Result<std::string> BlockSealer::Seal(const BlockHash& key, const Sha256Digest& 
   auto* ct = reinterpret_cast<unsigned char*>(p + kSealHeaderBytes);
   int n = 0, tail = 0;
   const bool ok =
-      c.ctx != nullptr &&
-      EVP_EncryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, tenant_key, nonce) == 1 &&
+      c.ctx != nullptr && EVP_EncryptInit_ex(c.ctx, cipher_, nullptr, tenant_key, nonce) == 1 &&
       EVP_EncryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1 &&
       EVP_EncryptUpdate(c.ctx, ct, &n, reinterpret_cast<const unsigned char*>(encoded.data()),
                         static_cast<int>(encoded.size())) == 1 &&
@@ -131,7 +152,7 @@ MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_sa
   int n = 0, tail = 0;
   const bool ok =
       c.ctx != nullptr &&
-      EVP_DecryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr, tenant_key,
+      EVP_DecryptInit_ex(c.ctx, cipher_, nullptr, tenant_key,
                          reinterpret_cast<const unsigned char*>(p + kAadPrefixBytes)) == 1 &&
       EVP_DecryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1 &&
       EVP_DecryptUpdate(c.ctx, pt, &n, reinterpret_cast<const unsigned char*>(p + kSealHeaderBytes),

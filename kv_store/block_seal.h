@@ -20,15 +20,20 @@
 // Thread-safety: const methods may be called concurrently.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 
 #include "common/hash.h"
 #include "common/status.h"
 #include "kv_store/block_codec.h"
+
+struct evp_cipher_st;  // OpenSSL's EVP_CIPHER
 
 namespace kvrelay::kv_store {
 
@@ -64,10 +69,20 @@ class BlockSealer {
 
  private:
   explicit BlockSealer(std::string_view secret);
-  // The tenant's AES-256 key (HKDF-SHA256); false when OpenSSL fails.
+  // The tenant's AES-256 key (HKDF-SHA256, derived once per tenant and kept);
+  // false when OpenSSL fails.
   bool TenantKey(const Sha256Digest& tenant_salt_hash, uint8_t out[32]) const;
 
   std::string secret_;
+  // AES-256-GCM, fetched once (OpenSSL 3 looks a cipher up by name at every
+  // init otherwise: a lock and hash lookups per block).
+  evp_cipher_st* cipher_ = nullptr;
+  // Derived tenant keys (a restore opens ~200 blocks of one tenant; HKDF per
+  // block cost more than decrypting some of them). At most kMaxTenantKeys,
+  // then forgotten at once; wiped when dropped and at destruction.
+  static constexpr size_t kMaxTenantKeys = 1024;
+  mutable std::mutex keys_mu_;
+  mutable std::map<Sha256Digest, std::array<uint8_t, 32>> keys_;
 };
 
 }  // namespace kvrelay::kv_store

@@ -816,6 +816,20 @@ Result<std::string> RocksDbTier::FinishReadLocked(const BlockHash& hash, const r
   return FromRocks(s, "reading a block");
 }
 
+namespace {
+
+// A value read into a PinnableSlice, as a string: moved out when the slice
+// holds it in its own buffer, copied when it pins RocksDB's memory.
+std::string TakeValue(rocksdb::PinnableSlice& v) {
+  std::string* self = v.GetSelf();
+  if (!v.IsPinned() && v.data() == self->data() && v.size() == self->size()) {
+    return std::move(*self);
+  }
+  return v.ToString();
+}
+
+}  // namespace
+
 std::vector<Result<std::string>> RocksDbTier::GetBatch(std::span<const BlockHash> hashes) {
   std::vector<Result<std::string>> out;
   out.reserve(hashes.size());
@@ -874,11 +888,17 @@ std::vector<Result<std::string>> RocksDbTier::GetBatch(std::span<const BlockHash
       for (auto& st : statuses) st = rocksdb::Status::NotFound("database closed");
     }
   }
+  // The values leave RocksDB's buffers before the tier's lock is taken: a
+  // restore reads in parts at once (TieredCache::ReadLoad), and its copies
+  // (720 KiB a block for the default model) must not queue on one lock.
+  std::vector<std::string> got(reads.size());
+  for (size_t k = 0; k < reads.size(); ++k) {
+    if (statuses[k].ok()) got[k] = TakeValue(values[k]);
+    values[k].Reset();
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   for (size_t k = 0; k < reads.size(); ++k) {
-    std::string value = statuses[k].ok() ? values[k].ToString() : std::string();
-    values[k].Reset();
-    out[reads[k]] = FinishReadLocked(hashes[reads[k]], statuses[k], std::move(value));
+    out[reads[k]] = FinishReadLocked(hashes[reads[k]], statuses[k], std::move(got[k]));
   }
   return out;
 }

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "tests/unit/kv_store/test_blocks.h"
 
@@ -99,6 +101,46 @@ TEST(BlockSealTest, APlaintextBlockIsAMissNotAnError) {
             MissReason::kBadMagic);
   EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, "", &opened),
             MissReason::kTruncated);
+}
+
+// Tenant keys are derived once and kept (at most 1,024, then forgotten at
+// once): past that bound, from several threads at once, every tenant still
+// opens its own blocks and never another's.
+TEST(BlockSealTest, KeptTenantKeysStayPerTenantPastTheirBoundAndAcrossThreads) {
+  const testing::TestBlock b = testing::MakeBlock(5);
+  const std::string plain = b.Encoded();
+  auto sealer = Sealer();
+  constexpr int kTenants = 1100;
+  auto salt = [](int t) {
+    Sha256Digest d{};
+    d[0] = static_cast<uint8_t>(t & 0xff);
+    d[1] = static_cast<uint8_t>(t >> 8);
+    return d;
+  };
+  std::vector<std::string> sealed(kTenants);
+  for (int t = 0; t < kTenants; ++t) {
+    sealed[t] = sealer->Seal(b.meta.hash, salt(t), plain).value();
+  }
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      std::string opened;
+      for (int t = w; t < kTenants; t += 2) {
+        if (sealer->Open(b.meta.hash, salt(t), sealed[t], &opened) != MissReason::kNone ||
+            opened != plain) {
+          ++wrong[w];
+        }
+        const int other = (t + 1) % kTenants;
+        if (sealer->Open(b.meta.hash, salt(other), sealed[t], &opened) != MissReason::kAuth ||
+            !opened.empty()) {
+          ++wrong[w];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int w = 0; w < 4; ++w) EXPECT_EQ(wrong[w], 0) << "thread " << w;
 }
 
 TEST(BlockSealTest, AnEmptySecretIsRefused) {
