@@ -15,6 +15,24 @@ namespace fs = std::filesystem;
 using engine::BlockId;
 using engine::KvBlockPool;
 
+// Attaches a pool to a cache for the rest of the scope. Declared after the
+// pool, it detaches before the pool dies, also when an ASSERT returns early
+// (the cache outlives the pools its tests attach: TieredCache::Attach's
+// contract).
+class AttachScope {
+ public:
+  AttachScope(TieredCache& cache, KvBlockPool* pool, TieredCache::EventListener listener = nullptr)
+      : cache_(cache) {
+    cache_.Attach(pool, std::move(listener));
+  }
+  ~AttachScope() { cache_.Detach(); }
+  AttachScope(const AttachScope&) = delete;
+  AttachScope& operator=(const AttachScope&) = delete;
+
+ private:
+  TieredCache& cache_;
+};
+
 constexpr char kSalt[] = "tenant-a";
 
 engine::KvLayout Layout(engine::KvDtype dtype) {
@@ -105,7 +123,7 @@ TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   TieredCache cache({}, ram.get(), nullptr);
   auto pool = MakePool(layout, 6);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   const auto tokens = Tokens(5 * 8, 12);
   cache.NoteSequence(tokens, model, kSalt);
   const auto want = Prefill(pool.get(), tokens, model, kSalt);
@@ -114,7 +132,7 @@ TEST_P(TieredCacheTest, LoadMissingTakesTheEnginesHashesFromTheFirstMissingBlock
   cache.Detach();
 
   auto pool2 = MakePool(layout, 8);
-  cache.Attach(pool2.get());
+  AttachScope attached_pool2(cache, pool2.get());
   const auto hashes = engine::HashPrefixBlocks(tokens, 8, model, kSalt);
   // The engine holds blocks 0 and 1 already: only 2..4 are asked for.
   std::vector<std::vector<BlockId>> tables;  // one KV cache group: tables[0]
@@ -160,7 +178,7 @@ TEST_P(TieredCacheTest, SpilledBlocksRestoreWithIdenticalLayerBytes) {
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   TieredCache cache({}, ram.get(), nullptr);
   auto pool = MakePool(layout, 6);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   const auto tokens = Tokens(5 * 8 + 3, 11);  // 5 full blocks + a partial one
   cache.NoteSequence(tokens, model, kSalt);
   const auto want = Prefill(pool.get(), tokens, model, kSalt);
@@ -201,7 +219,7 @@ TEST_P(TieredCacheTest, OtherTenantModelOrTokensGetNothing) {
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   TieredCache cache({}, ram.get(), nullptr);
   auto pool = MakePool(layout, 4);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   const auto tokens = Tokens(32, 12);
   cache.NoteSequence(tokens, model, kSalt);
   Prefill(pool.get(), tokens, model, kSalt);
@@ -230,7 +248,7 @@ TEST_P(TieredCacheTest, DamagedRamCopyIsAMissAndDiskCopyIsUsed) {
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({}, ram.get(), disk.get());  // write-through
   auto pool = MakePool(layout, 4);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   const auto tokens = Tokens(24, 13);
   cache.NoteSequence(tokens, model, kSalt);
   const auto want = Prefill(pool.get(), tokens, model, kSalt);
@@ -265,7 +283,7 @@ TEST_P(TieredCacheTest, RestoresFromDiskAfterReopenAndStopsWhenThePoolIsFull) {
     auto disk = RocksDbTier::Open(DiskOpts()).value();
     TieredCache cache({}, nullptr, disk.get());
     auto pool = MakePool(layout, 8);
-    cache.Attach(pool.get());
+    AttachScope attached(cache, pool.get());
     want = Prefill(pool.get(), tokens, model, kSalt);
     // Nothing noted and nothing evicted yet: persist explicitly, as at shutdown.
     EXPECT_EQ(*cache.PersistPrefix(pool.get(), tokens, model, kSalt), 6);
@@ -295,7 +313,7 @@ TEST_P(TieredCacheTest, WithoutWriteThroughRamEvictionsAreDemotedToDisk) {
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({.write_through = false}, ram.get(), disk.get());
   auto pool = MakePool(layout, 4);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   const auto tokens = Tokens(32, 15);
   cache.NoteSequence(tokens, model, kSalt);
   Prefill(pool.get(), tokens, model, kSalt);
@@ -324,7 +342,7 @@ TEST_P(TieredCacheTest, CommittedBlocksAreWrittenThroughAndSurviveACleanRestart)
     auto disk = RocksDbTier::Open(DiskOpts()).value();
     TieredCache cache({}, ram.get(), disk.get());
     auto pool = MakePool(layout, 16);
-    cache.Attach(pool.get(), [&](const TierEvent& e) { events.push_back(e); });
+    AttachScope attached(cache, pool.get(), [&](const TierEvent& e) { events.push_back(e); });
     PrefixMatch m = cache.Match(tokens, model, kSalt);  // admission notes the prompt
     EXPECT_EQ(m.pool_blocks, 0);
     EXPECT_EQ(m.external_blocks, 0);
@@ -364,7 +382,7 @@ TEST_P(TieredCacheTest, CommittedBlocksAreWrittenThroughAndSurviveACleanRestart)
   TieredCache cache({}, nullptr, disk.get());
   auto pool = MakePool(layout, 16);
   std::vector<TierEvent> announced;
-  cache.Attach(pool.get(), [&](const TierEvent& e) { announced.push_back(e); });
+  AttachScope attached(cache, pool.get(), [&](const TierEvent& e) { announced.push_back(e); });
   cache.AnnounceAll();
   cache.Pump();
   EXPECT_EQ(announced.size(), 7u);  // the router learns what the disk holds
@@ -406,7 +424,7 @@ TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({}, nullptr, disk.get());
   auto pool = MakePool(layout, 16);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   (void)cache.Match(tokens, model, kSalt);
   Prefill(pool.get(), tokens, model, kSalt);
   ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
@@ -419,7 +437,7 @@ TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
 
   auto pool2 = MakePool(layout, 16);
   TieredCache cache2({}, nullptr, disk.get());
-  cache2.Attach(pool2.get());
+  AttachScope attached2(cache2, pool2.get());
   PrefixMatch m = cache2.Match(tokens, model, kSalt);
   EXPECT_EQ(m.external_blocks, 4);  // the index cannot know
   std::vector<BlockId> dst;
@@ -447,7 +465,7 @@ TEST_P(TieredCacheTest, ALoadReadInPartsEndsAtItsFirstBadBlock) {
   {
     TieredCache cache({}, nullptr, disk.get());
     auto pool = MakePool(layout, kBlocks);
-    cache.Attach(pool.get());
+    AttachScope attached(cache, pool.get());
     (void)cache.Match(tokens, model, kSalt);
     want = Prefill(pool.get(), tokens, model, kSalt);
     ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
@@ -463,7 +481,7 @@ TEST_P(TieredCacheTest, ALoadReadInPartsEndsAtItsFirstBadBlock) {
     }
     auto pool = MakePool(layout, kBlocks);
     TieredCache cache({}, nullptr, disk.get());
-    cache.Attach(pool.get());
+    AttachScope attached(cache, pool.get());
     PrefixMatch m = cache.Match(tokens, model, kSalt);
     std::vector<BlockId> dst;
     for (int i = 0; i < m.external_blocks; ++i) dst.push_back(pool->Allocate().value());
@@ -494,7 +512,7 @@ TEST_P(TieredCacheTest, WriteThroughToAFullQueueWaitsAndDrainFinishesIt) {
   auto disk = RocksDbTier::Open(o).value();
   TieredCache cache({}, nullptr, disk.get());
   auto pool = MakePool(layout, 16);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   (void)cache.Match(tokens, model, kSalt);
   disk->SetWriterPausedForTesting(true);
   Prefill(pool.get(), tokens, model, kSalt);
@@ -520,7 +538,7 @@ TEST_P(TieredCacheTest, DiskStatsFollowWriteThrough) {
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   TieredCache cache({}, nullptr, disk.get());
   auto pool = MakePool(layout, 8);
-  cache.Attach(pool.get());
+  AttachScope attached(cache, pool.get());
   EXPECT_EQ(cache.disk_stats().entries, 0);
   (void)cache.Match(tokens, model, kSalt);
   Prefill(pool.get(), tokens, model, kSalt);
