@@ -196,7 +196,7 @@ TEST_F(GroupedTierTest, EveryGroupsBlocksRoundTripThroughDiskAcrossARestart) {
     auto disk = RocksDbTier::Open(DiskOpts()).value();
     TieredCache cache({}, nullptr, disk.get());
     auto pool = MakePool(24);
-    cache.Attach(pool.get());
+    testing::AttachScope attached(cache, pool.get());
     cache.SetKvGroups(groups);
     cache.NoteSequence(tokens, model, kSalt);
     want = Prefill(pool.get(), groups, tokens, model);
@@ -208,7 +208,7 @@ TEST_F(GroupedTierTest, EveryGroupsBlocksRoundTripThroughDiskAcrossARestart) {
   EXPECT_EQ(disk->stats().entries, 6 * groups.size());
   TieredCache cache({}, nullptr, disk.get());
   auto pool = MakePool(24);
-  cache.Attach(pool.get());
+  testing::AttachScope attached(cache, pool.get());
   cache.SetKvGroups(groups);
   const auto hashes = engine::HashPrefixBlocks(tokens, kB, model, kSalt);
   std::vector<std::vector<BlockId>> tables;
@@ -245,7 +245,7 @@ TEST_F(GroupedTierTest, TheHitIsTheLongestEveryGroupCanServe) {
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   TieredCache cache({}, ram.get(), nullptr);
   auto pool = MakePool(32);
-  cache.Attach(pool.get());
+  testing::AttachScope attached(cache, pool.get());
   cache.SetKvGroups(groups);
   cache.NoteSequence(tokens, model, kSalt);
   const Written want = Prefill(pool.get(), groups, tokens, model);
@@ -318,7 +318,7 @@ TEST_F(GroupedTierTest, AMismatchedOrDamagedGroupEntryIsAMissNeverKv) {
   auto ram = HostRamTier::Create({.capacity_bytes = 64 << 20}).value();
   TieredCache cache({}, ram.get(), nullptr);
   auto pool = MakePool(24);
-  cache.Attach(pool.get());
+  testing::AttachScope attached(cache, pool.get());
   cache.SetKvGroups(groups);
   cache.NoteSequence(tokens, model, kSalt);
   const Written want = Prefill(pool.get(), groups, tokens, model);

@@ -138,7 +138,7 @@ class StorePrivacyTest : public ::testing::Test {
     auto disk = RocksDbTier::Open(DiskOpts()).value();
     TieredCache cache(options, nullptr, disk.get());
     auto pool = MakePool(16);
-    cache.Attach(pool.get());
+    testing::AttachScope attached(cache, pool.get());
     const std::vector<int32_t> tokens = SecretPrompt();
     (void)cache.Match(tokens, model_, salt);
     std::vector<std::string> kv = Prefill(pool.get(), tokens, model_, salt);
@@ -156,7 +156,7 @@ class StorePrivacyTest : public ::testing::Test {
     auto disk = RocksDbTier::Open(DiskOpts()).value();
     TieredCache cache(options, nullptr, disk.get());
     auto pool = MakePool(16);
-    cache.Attach(pool.get());
+    testing::AttachScope attached(cache, pool.get());
     const std::vector<int32_t> tokens = SecretPrompt();
     PrefixMatch m = cache.Match(tokens, model_, kSalt);
     EXPECT_EQ(m.external_blocks, kBlocks) << "the index knows every block";

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kv_store/block_codec.h"
+#include "kv_store/tiered_cache.h"
 
 namespace kvrelay::kv_store::testing {
 
@@ -70,5 +71,24 @@ inline TestBlock MakeBlock(uint64_t id, const engine::KvLayout& layout = SmallLa
   }
   return b;
 }
+
+// Attaches a pool to a cache for the rest of the scope. Declared after the
+// pool, it detaches before the pool dies, also when an ASSERT returns early
+// (the cache outlives the pools its tests attach: TieredCache::Attach's
+// contract).
+class AttachScope {
+ public:
+  AttachScope(TieredCache& cache, engine::KvBlockPool* pool,
+              TieredCache::EventListener listener = nullptr)
+      : cache_(cache) {
+    cache_.Attach(pool, std::move(listener));
+  }
+  ~AttachScope() { cache_.Detach(); }
+  AttachScope(const AttachScope&) = delete;
+  AttachScope& operator=(const AttachScope&) = delete;
+
+ private:
+  TieredCache& cache_;
+};
 
 }  // namespace kvrelay::kv_store::testing

@@ -15,23 +15,7 @@ namespace fs = std::filesystem;
 using engine::BlockId;
 using engine::KvBlockPool;
 
-// Attaches a pool to a cache for the rest of the scope. Declared after the
-// pool, it detaches before the pool dies, also when an ASSERT returns early
-// (the cache outlives the pools its tests attach: TieredCache::Attach's
-// contract).
-class AttachScope {
- public:
-  AttachScope(TieredCache& cache, KvBlockPool* pool, TieredCache::EventListener listener = nullptr)
-      : cache_(cache) {
-    cache_.Attach(pool, std::move(listener));
-  }
-  ~AttachScope() { cache_.Detach(); }
-  AttachScope(const AttachScope&) = delete;
-  AttachScope& operator=(const AttachScope&) = delete;
-
- private:
-  TieredCache& cache_;
-};
+using testing::AttachScope;
 
 constexpr char kSalt[] = "tenant-a";
 
