@@ -27,12 +27,12 @@ class Slab {
     const size_t mapped = bytes_ + kHuge;
     void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) throw std::bad_alloc();
-    const auto start = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (start + kHuge - 1) & ~(kHuge - 1);
-    if (aligned > start) munmap(raw, aligned - start);
-    const uintptr_t end = start + mapped, used_end = aligned + bytes_;
-    if (end > used_end) munmap(reinterpret_cast<void*>(used_end), end - used_end);
-    data_ = reinterpret_cast<uint8_t*>(aligned);
+    auto* base = static_cast<uint8_t*>(raw);
+    const size_t head = (kHuge - reinterpret_cast<uintptr_t>(base) % kHuge) % kHuge;
+    const size_t tail = mapped - head - bytes_;
+    if (head > 0) munmap(base, head);
+    if (tail > 0) munmap(base + head + bytes_, tail);
+    data_ = base + head;
 #ifdef MADV_HUGEPAGE
     madvise(data_, bytes_, MADV_HUGEPAGE);  // advice only: 4 KiB pages where refused
 #endif
