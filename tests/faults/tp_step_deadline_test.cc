@@ -5,11 +5,7 @@
 // reports it at once instead of stepping on. Then the same through rank 0
 // as a decode worker starts it (TpLeader::Start, a synthetic model), idle and
 // mid-step.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +14,7 @@
 
 #include "decode_worker/tp_group.h"
 #include "decode_worker/tp_leader.h"
+#include "deploy/local_launcher.h"
 #include "protocols/control.pb.h"
 #include "tests/testing/synthetic_model.h"
 #include "worker/worker.h"
@@ -122,20 +119,6 @@ TEST(TpStepDeadline, AFollowerAnswersAPingEvenInsideACollective) {
   EXPECT_TRUE(g.leader->status().ok());
 }
 
-// A port free on 127.0.0.1 a moment ago (rank 0 listens on a fixed
-// --tp-port, as the launcher gives it one).
-uint16_t FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  return ok ? ntohs(a.sin_port) : 0;
-}
-
 // The whole of rank 0 as a decode worker starts it (TpLeader::Start from the
 // worker's options, with its engine on a small model) and a follower that
 // joins, then falls silent. What is tested is the wiring of
@@ -178,8 +161,10 @@ void StartLeaderGroup(LeaderGroup& g, milliseconds step_timeout) {
   hello.set_data_rank(0);
   hello.set_tp_mode(static_cast<uint32_t>(o.tp_mode));
   for (int attempt = 0; attempt < 3 && g.leader == nullptr; ++attempt) {
-    o.tp_port = FreePort();
-    ASSERT_NE(o.tp_port, 0);
+    // Rank 0 listens on a fixed --tp-port, as the launcher gives it one.
+    auto port = deploy::PickFreePort();
+    ASSERT_TRUE(port.ok()) << port.status().ToString();
+    o.tp_port = *port;
     Result<std::unique_ptr<TpLeader>> started = InvalidArgument("not run");
     std::thread rank0([&] {
       started = TpLeader::Start(o, g.base.peer_config, g.base.transport->conn_info(), 0,
