@@ -145,6 +145,7 @@ void StartLeaderGroup(LeaderGroup& g, milliseconds step_timeout) {
   o.tp_step_timeout = step_timeout;
   o.connect_timeout = milliseconds(10000);
   auto base = worker::LoadProcessBase(o);
+  std::remove(path->c_str());  // loaded (mapped): the file is not needed again
   ASSERT_TRUE(base.ok()) << base.status().ToString();
   g.base = std::move(*base);
   auto engine = engine::Engine::Create(o.engine, g.base.model);
