@@ -4,15 +4,16 @@
 # find the peak, then open loops at 1x, 2x and 4x the saturation rate, once
 # with admission control shedding early (--max-running R --max-queue-delay-ms
 # Q: 429 + Retry-After when the predicted queue wait passes Q) and once with
-# the coordinator's defaults (64 running, no delay bound) for comparison.
+# the coordinator's defaults (64 running, a 2 s bound on the predicted time to
+# the first token) for comparison.
 #
 # Goodput = requests whose TTFT met --ttft-slo-ms and whose first token came
 # while the load was on, per second of the span their arrivals covered
 # (bench/overload_report.py; the whole-run figure, good / duration, is printed
 # too). The runs must be long against the deadline (-n 150: ~11 s of arrivals
 # per level vs a 5 s deadline), or a burst queues inside the deadline. Peak goodput = the best goodput of closed loops
-# of C clients, C in -c, on a cluster with the coordinator's defaults (a
-# closed loop of C keeps C requests in flight without queueing: what the
+# of C clients, C in -c, on a cluster with the coordinator's defaults but no
+# early shedding (a closed loop of C keeps C requests in flight without queueing: what the
 # cluster sustains at that concurrency); saturation = that loop's request
 # rate, and `-r auto` (the default) gives the shedding config that C as
 # --max-running. The open loops offer 1x/2x/4x the saturation rate, -n x the
@@ -108,7 +109,6 @@ run_config() {  # run_config NAME [launch flags...]
   local name=$1; shift
   start_cluster "$name" "$@"
   bench "$OUTDIR/$name.warmup.json" --rate inf --num-prompts 4 --max-concurrency 2 --seed 99
-  [ -n "$PEAK" ] || measure_peak "$name"
   # The reference closed loops around the open ones (see the header).
   bench "$OUTDIR/$name.peak-before.json" --rate inf --num-prompts $((BEST_C * 8)) --max-concurrency "$BEST_C" --seed 7
   for m in $MULT; do
@@ -120,14 +120,12 @@ run_config() {  # run_config NAME [launch flags...]
 }
 
 date -u +"overload.sh: %Y-%m-%dT%H:%M:%SZ on $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) CPUs"
-case " $CONFIGS " in
-  *" defaults "*) ;;
-  *)  # the peak is measured with the coordinator's defaults (no admission cap)
-    start_cluster peak
-    bench "$OUTDIR/peak.warmup.json" --rate inf --num-prompts 4 --max-concurrency 2 --seed 99
-    measure_peak peak
-    stop_cluster ;;
-esac
+# The peak is measured with no early shedding: a closed loop whose refused
+# requests come back at once would measure the refusals, not the cluster.
+start_cluster peak --max-queue-delay-ms 0
+bench "$OUTDIR/peak.warmup.json" --rate inf --num-prompts 4 --max-concurrency 2 --seed 99
+measure_peak peak
+stop_cluster
 for c in defaults shed; do
   case " $CONFIGS " in *" $c "*) ;; *) continue ;; esac
   if [ "$c" = defaults ]; then

@@ -44,7 +44,8 @@ def load(path):
 def table(out, mult, slo, r, q, peak, sat, configs, best_c):
     print(f"TTFT deadline {slo:.0f} ms; sweep peak goodput {peak:.2f} req/s (closed loop of "
           f"{best_c} clients), saturation {sat:.2f} req/s; shed = --max-running {r} "
-          f"--max-queue-delay-ms {q}; defaults = --max-running 64, no delay bound")
+          f"--max-queue-delay-ms {q}; defaults = the coordinator's (--max-running 64, "
+          f"--max-queue-delay-ms 2000)")
     refs = {}
     for name in configs:
         got = [window_goodput(j, slo) for j in

@@ -100,8 +100,9 @@ FlagSpec LaunchSpec() {
         "mutual TLS on the control plane with the certificates scripts/make-cluster-certs.sh "
         "wrote to this directory"},
        {"max-running", "0", "coordinator: requests in the backend at most (0 = its default, 64)"},
-       {"max-queue-delay-ms", "0",
-        "coordinator: refuse (429) when the predicted queue wait exceeds this (0 = no bound)"},
+       {"max-queue-delay-ms", "",
+        "coordinator: refuse (429) a request whose predicted time to its first token behind "
+        "others exceeds this many ms (default: the coordinator's, 2000; 0 = no bound)"},
        {"no-restart", "", "stop the whole cluster when any process exits", true},
        {"max-restarts", std::to_string(d.max_restarts),
         "restarts of one process (a TP group counts as one) within --restart-window-s"},
@@ -161,8 +162,11 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags,
   o.control_tls_dir = flags.Get("control-tls-dir", "");
   o.restart = !flags.Has("no-restart");
   ASSIGN_OR_RETURN(int64_t max_running, flags.GetInt("max-running", 0));
-  ASSIGN_OR_RETURN(int64_t max_delay, flags.GetInt("max-queue-delay-ms", 0));
-  if (max_running < 0 || max_running > 1'000'000 || max_delay < 0 || max_delay > 86'400'000) {
+  ASSIGN_OR_RETURN(int64_t max_delay, flags.GetInt("max-queue-delay-ms", -1));
+  if (flags.Has("max-queue-delay-ms") && max_delay < 0) {
+    return InvalidArgument("--max-queue-delay-ms must be >= 0");
+  }
+  if (max_running < 0 || max_running > 1'000'000 || max_delay > 86'400'000) {
     return InvalidArgument("--max-running and --max-queue-delay-ms must be >= 0");
   }
   o.coordinator_max_running = static_cast<int>(max_running);

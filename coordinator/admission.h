@@ -3,17 +3,30 @@
 // Anything beyond is refused (the HTTP layer answers 429 with Retry-After),
 // so memory and backend load stay bounded under any offered load.
 //
-// A request is also refused when the wait it would see in the queue is
-// predicted to exceed `max_queue_delay_ms` (10 s by default; 0 = no bound): a
-// client is told at once to come back later instead of waiting (and holding
-// a connection) for a first token that arrives too late to be of use. The
-// prediction comes from the measured throughput of the slots: while every
-// slot is busy, a slot frees every H / max_running on average, where H is the
-// measured time a request holds its slot (an exponentially weighted mean over
-// finished requests; before any finished, the mean age of the running ones,
-// which they have held at least), so the (q+1)-th waiter starts after about
-// (q + 1) * H / max_running. Retry-After is computed from the same estimate:
-// the time until the queue ahead has drained to within the bound.
+// A request is also refused when the time to its first token is predicted to
+// exceed `max_queue_delay_ms` (2 s by default; 0 = no bound) and something is
+// ahead of it: a client is told at once to come back later instead of
+// waiting (and holding a connection) for a first token that arrives too late
+// to be of use. An idle cluster never refuses, however long the prompt.
+//
+// Two estimates, the larger wins:
+// - The slot queue. While every slot is busy a slot frees every
+//   H / max_running on average, where H is the measured time a request holds
+//   its slot (an exponentially weighted mean over finished requests; before
+//   any finished, the mean age of the running ones, which they have held at
+//   least), so the (q+1)-th waiter starts after about (q + 1) * H / max_running.
+// - The first tokens. With max_running large, requests wait inside the
+//   backend (its prefill queue, KV room) where the slot queue cannot see it.
+//   The queue measures the interval G between first tokens while some
+//   request was waiting for one (a decayed mean, so it follows load changes
+//   within tens of requests and ignores idle gaps) and S, the time to a first
+//   token of a request admitted with nothing ahead of it, and predicts
+//   A * G + max(G, S) for a request with A ahead of it (admitted without a
+//   first token yet, or queued for a slot): the A ahead drain one per G
+//   (requests prefilled in one batch share it), then its own prefill takes
+//   S. A count, not tokens: prompts of very different lengths make it coarse.
+// Retry-After is computed from the same estimate: the time until the work
+// ahead has drained to within the bound.
 #pragma once
 
 #include <cstdint>
@@ -21,15 +34,17 @@
 #include <functional>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "common/clock.h"
 #include "common/status.h"
 
 namespace kvrelay::coordinator {
 
-// The default bound on the predicted queue wait (--max-queue-delay-ms): a
-// request that would wait longer for a slot is refused at once with 429.
-inline constexpr int kDefaultMaxQueueDelayMs = 10'000;
+// The default bound on the predicted time to a first token
+// (--max-queue-delay-ms): a request that would wait longer behind others is
+// refused at once with 429.
+inline constexpr int kDefaultMaxQueueDelayMs = 2'000;
 
 class AdmissionQueue {
  public:
@@ -64,6 +79,10 @@ class AdmissionQueue {
   // prediction) and starts the next queued one.
   void Release(uint64_t id);
 
+  // Started request `id` produced its first token (its wait feeds the
+  // prediction); later calls for it are ignored.
+  void FirstToken(uint64_t id);
+
   int running() const;
   int queued() const;
   // The queue wait a request arriving now is predicted to see, in ms (0 while
@@ -71,6 +90,9 @@ class AdmissionQueue {
   double PredictedQueueDelayMs() const;
   // The measured mean time a request holds a slot, in ms (0 = none yet).
   double MeanHoldMs() const;
+  // The measured mean interval between first tokens while requests waited
+  // for one, in ms (0 = none yet).
+  double FirstTokenIntervalMs() const;
   const Options& options() const { return options_; }
 
  private:
@@ -84,6 +106,9 @@ class AdmissionQueue {
   // age of the running ones (0 when none runs).
   double HoldEstimateLocked() const;
   int RetryAfterLocked(double excess_ms) const;
+  // Before `id` joins the requests waiting for a first token: starts the
+  // busy period the next interval is measured from, if none runs.
+  void MarkWaitingLocked(TimePoint now);
 
   const Options options_;
   mutable std::mutex mutex_;
@@ -92,6 +117,13 @@ class AdmissionQueue {
   std::unordered_map<uint64_t, TimePoint> started_;  // guarded by mutex_: id -> slot taken
   double hold_ms_ = 0;                               // guarded by mutex_: EWMA
   int64_t holds_ = 0;                                // guarded by mutex_: samples
+  std::unordered_set<uint64_t> before_first_;  // guarded by mutex_: started, no first token yet
+  TimePoint first_mark_{};  // guarded by mutex_: the last first token or the busy period's start
+  double gap_sum_ = 0;      // guarded by mutex_: decayed sum of first-token intervals (ms)
+  double gap_count_ = 0;    // guarded by mutex_: decayed count of them
+  std::unordered_set<uint64_t> solo_;  // guarded by mutex_: started with nothing ahead
+  double solo_sum_ = 0;    // guarded by mutex_: decayed sum of their times to a first token (ms)
+  double solo_count_ = 0;  // guarded by mutex_: decayed count of them
 };
 
 }  // namespace kvrelay::coordinator

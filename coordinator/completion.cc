@@ -402,6 +402,7 @@ void Session::OnEvent(const std::shared_ptr<RequestState>& r, const TokenEvent& 
     ++r->usage.completion_tokens;
     if (!r->last_token_at) {
       core_->ttft->Observe(std::chrono::duration<double>(at - r->arrived).count());
+      core_->admission.FirstToken(r->id);
       r->first_token_at = at;
     } else {
       core_->itl->Observe(std::chrono::duration<double>(at - *r->last_token_at).count());

@@ -58,8 +58,8 @@ const FlagSpec kSpec = {
      {"default-max-tokens", "0",
       "max_tokens when a request gives none (0 = all the remaining context, as vLLM)"},
      {"max-queue-delay-ms", std::to_string(kDefaultMaxQueueDelayMs),
-      "refuse (429, Retry-After from the estimate) a request whose predicted queue wait is "
-      "longer (0 = no limit)"},
+      "refuse (429, Retry-After from the estimate) a request with others ahead of it whose "
+      "predicted time to its first token is longer (0 = no limit)"},
      {"cors-allow-origin", "",
       "send CORS headers allowing this origin ('*' or e.g. https://app.example); empty = none"},
      {"max-connections", "4096", "open connections at most"},

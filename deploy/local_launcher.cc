@@ -193,7 +193,7 @@ std::vector<std::string> LocalLauncher::CoordinatorArgv(const std::string& bin, 
     argv.push_back("--max-running");
     argv.push_back(std::to_string(options_.coordinator_max_running));
   }
-  if (options_.coordinator_max_queue_delay_ms > 0) {
+  if (options_.coordinator_max_queue_delay_ms >= 0) {
     argv.push_back("--max-queue-delay-ms");
     argv.push_back(std::to_string(options_.coordinator_max_queue_delay_ms));
   }

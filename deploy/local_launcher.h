@@ -82,9 +82,10 @@ struct LaunchOptions {
   // restart_backoff_max_ms; a process restarted max_restarts times within
   // restart_window_s and dying again ends supervision with an error.
   // The coordinator's admission control (kvrelay-coordinator --max-running,
-  // --max-queue-delay-ms); 0 = its defaults.
+  // --max-queue-delay-ms). max_running 0 = its default; the delay bound
+  // -1 = its default, 0 = no bound.
   int coordinator_max_running = 0;
-  int coordinator_max_queue_delay_ms = 0;
+  int coordinator_max_queue_delay_ms = -1;
   // Arguments appended verbatim to the coordinator's command line (kvrelay
   // launch --coordinator-arg, repeatable): every kvrelay-coordinator option
   // the launcher has no flag of its own for (--api-keys, --cors-allow-origin,

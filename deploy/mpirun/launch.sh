@@ -15,6 +15,7 @@
 #                           [-M tp-comm] [-R max-restarts] [-S tls-dir]
 #                           [--heartbeat-timeout-ms N] [--tp-step-timeout-ms N]
 #                           [--kv-progress-timeout-ms N] [--coordinator-timeout-ms N]
+#                           [--max-running N] [--max-queue-delay-ms N]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -55,6 +56,7 @@
 # silent this long), --tp-step-timeout-ms, --kv-progress-timeout-ms and
 # --coordinator-timeout-ms to every worker (and to a restarted one: the
 # supervisor reuses the flags). Unset, each binary's default applies.
+# --max-running and --max-queue-delay-ms (admission) go to the coordinator.
 #
 # The job runs with --enable-recovery: a rank that dies (a worker killed, a
 # host lost) does not end the others; the coordinator learns of it from the
@@ -81,15 +83,19 @@ P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KV
 RESTARTS="" WINDOW=60 TLSDIR=""
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
 # The long options (deadlines) come out first; getopts reads the rest.
-cdeadlines=() wdeadlines=() rest=()
+copts=() wdeadlines=() rest=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --heartbeat-timeout-ms | --tp-step-timeout-ms | --kv-progress-timeout-ms | --coordinator-timeout-ms)
+    --heartbeat-timeout-ms | --tp-step-timeout-ms | --kv-progress-timeout-ms | --coordinator-timeout-ms | \
+      --max-running | --max-queue-delay-ms)
       if [ $# -lt 2 ] || ! [ "$2" -ge 0 ] 2>/dev/null; then
-        echo "launch.sh: $1 needs a number of milliseconds, got '${2-}'" >&2
+        echo "launch.sh: $1 needs a number, got '${2-}'" >&2
         exit 2
       fi
-      if [ "$1" = --heartbeat-timeout-ms ]; then cdeadlines+=("$1" "$2"); else wdeadlines+=("$1" "$2"); fi
+      case $1 in
+        --heartbeat-timeout-ms | --max-running | --max-queue-delay-ms) copts+=("$1" "$2") ;;
+        *) wdeadlines+=("$1" "$2") ;;
+      esac
       shift 2 ;;
     *) rest+=("$1"); shift ;;
   esac
@@ -106,7 +112,8 @@ while getopts "P:D:T:H:c:m:p:b:C:k:t:B:K:X:W:M:R:w:S:" opt; do
             "[-C control-port] [-b bin-dir] [-k kv-dtype] [-t threads] [-B heartbeat-ms] [-K key-file]" \
             "[-X tcp|mpi|auto] [-W kv-timeout-ms] [-M tcp|mpi|auto] [-R max-restarts [-w window-s]]" \
             "[-S tls-dir] [--heartbeat-timeout-ms N] [--tp-step-timeout-ms N]" \
-            "[--kv-progress-timeout-ms N] [--coordinator-timeout-ms N]" >&2
+            "[--kv-progress-timeout-ms N] [--coordinator-timeout-ms N] [--max-running N]" \
+            "[--max-queue-delay-ms N]" >&2
        exit 2 ;;
   esac
 done
@@ -241,7 +248,7 @@ setsid mpirun "${args[@]}" \
     a=$(kvr_addr coordinator) || exit 1
     kvr_run coordinator "$@" --host "$a" --control-host "$a"' coordinator \
     "$BIN/kvrelay-coordinator" --model "$MODEL" --port "$PORT" --control-port "$CONTROL" \
-    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" "${ctls[@]}" "${cdeadlines[@]}" : \
+    --kv-dtype "$KV" --heartbeat-ms "$HEARTBEAT" "${key[@]}" "${ctls[@]}" "${copts[@]}" : \
   -np "$P" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     kvr_run "prefill-$((OMPI_COMM_WORLD_RANK - 1))" "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" \

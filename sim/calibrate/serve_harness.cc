@@ -107,6 +107,9 @@ Result<deploy::LaunchOptions> LaunchFor(const Topology& t, const std::string& mo
   o.tp = t.tp;
   o.threads_per_worker = threads;
   o.kv_dtype = kv_dtype;
+  // The simulator models the slot queue, not the coordinator's early
+  // shedding: the real cluster must not refuse what the model would run.
+  o.coordinator_max_queue_delay_ms = 0;
   o.bin_dir = (fs::path(SelfExe()).parent_path().parent_path() / "bin").string();
   if (!fs::exists(fs::path(o.bin_dir) / "kvrelay-coordinator")) o.bin_dir.clear();
   RETURN_IF_ERROR(o.Validate());

@@ -25,6 +25,11 @@ import testbed  # noqa: E402
 
 HTTP_PORT = 8080
 CONTROL_PORT = 9000
+# The tests here measure capacity and faults with fixed workloads that
+# saturate the cluster on purpose: every request must be served, so the
+# coordinator's early shedding (a 2 s bound on the predicted wait by
+# default) is off.
+NO_SHEDDING = ["--max-queue-delay-ms", "0"]
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -200,7 +205,7 @@ class Cluster:
                "-c", "coord", "-P", str(self.n_prefill), "-D", str(self.n_decode),
                "-T", str(self.tp), "-b", self.env.bin_dir, "-m", self.env.model,
                "-p", str(HTTP_PORT), "-C", str(CONTROL_PORT), "-k", "f32",
-               "-t", str(self.threads), "-B", str(self.heartbeat_ms)]
+               "-t", str(self.threads), "-B", str(self.heartbeat_ms)] + NO_SHEDDING
         if self.kv_transport:
             cmd += ["-X", self.kv_transport]
         if self.kv_timeout_ms:
@@ -223,7 +228,7 @@ class Cluster:
                    [os.path.join(b, "kvrelay-coordinator"), "--model", self.env.model,
                     "--host", coord_ip, "--port", str(HTTP_PORT), "--control-port",
                     str(CONTROL_PORT), "--kv-dtype", "f32", "--heartbeat-ms",
-                    str(self.heartbeat_ms)] + self.env.key_args())
+                    str(self.heartbeat_ms)] + NO_SHEDDING + self.env.key_args())
         rank = 1
         for i in range(self.n_prefill):
             h = "p%d" % i

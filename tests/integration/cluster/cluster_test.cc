@@ -365,6 +365,9 @@ deploy::LaunchOptions ClusterOptions(int prefill, int decode, int colocated) {
   o.kv_dtype = kKvDtype;
   o.kv_capacity_mb = 128;
   o.bin_dir = BinDir();
+  // Bursts of concurrent requests here check outputs, not admission: no
+  // early shedding (tested in coordinator_test and bench/overload.sh).
+  o.coordinator_max_queue_delay_ms = 0;
   return o;
 }
 
