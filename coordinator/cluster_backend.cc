@@ -201,6 +201,11 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
         e.finished = true;
         e.finish_reason = FromProto(done.reason());
         if (e.finish_reason == FinishReason::kStop) e.token = -1;  // EOS is not text
+        if (e.finish_reason == FinishReason::kError) {
+          // Errors come as a Finish with their status; never end one as "OK".
+          e.error = Internal(worker_id + " ended request " + std::to_string(done.request_id()) +
+                             " at its first token with no reason it may give");
+        }
         out.emplace_back(r.sink, e);
         if (r.decode_id != r.prefill_id)
           SendCancel(r.decode_id, done.request_id(), "finished at prefill");

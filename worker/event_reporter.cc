@@ -1,5 +1,7 @@
 #include "worker/event_reporter.h"
 
+#include <string>
+
 #include "common/logging.h"
 #include "protocols/sampling_codec.h"
 
@@ -25,6 +27,17 @@ void EventReporter::ReportFirst(Request& r, const engine::TokenEvent& ev) {
     control_->SendFinish(ev.id, ToProto(ev.finish_reason), ev.error, ev.prompt_tokens, 0,
                          ev.kv_transfer_id);
     requests_->Finish(ev.id);  // drops a half-sent stream, if any
+    return;
+  }
+  if (ev.finish_reason == engine::FinishReason::kPrefilled && r.state != RequestState::kStreaming) {
+    // Computed for a hand-over whose delivery is gone (the record's work was
+    // released: its decode peer was lost meanwhile). A fault of the KV path,
+    // reported with its status so that the coordinator moves the request on.
+    control_->SendFinish(ev.id, proto::Finish::REASON_ERROR,
+                         Unavailable("the KV hand-over of request " + std::to_string(ev.id) +
+                                     " has no delivery (its decode peer was lost)"),
+                         ev.prompt_tokens, 0, ev.kv_transfer_id);
+    requests_->Finish(ev.id);
     return;
   }
   if (r.state == RequestState::kStreaming) {
