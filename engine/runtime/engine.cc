@@ -771,7 +771,10 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     });
     return events;
   }
-  std::vector<Sequence*> done;
+  // Each finished sequence with the index of its own event: the step's
+  // events begin with the pending ones, which may hold a stale cancel of the
+  // same id (a re-run submitted after its earlier attempt was cancelled).
+  std::vector<std::pair<Sequence*, size_t>> done;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& s = *batch[i];
     s.n_computed += s.chunk;
@@ -790,10 +793,10 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
     s.tokens.push_back(token);
     ++s.n_generated;
     ++stats_.generated_tokens;
-    if (CheckFinished(s, token, &ev, /*emit_text=*/true)) done.push_back(&s);
+    if (CheckFinished(s, token, &ev, /*emit_text=*/true)) done.emplace_back(&s, events.size());
     events.push_back(std::move(ev));
   }
-  for (Sequence* s : done) {
+  for (auto [s, event] : done) {
     auto it =
         std::find_if(running_.begin(), running_.end(), [&](const auto& r) { return r.get() == s; });
     std::unique_ptr<Sequence> seq = std::move(*it);
@@ -802,9 +805,7 @@ Result<std::vector<TokenEvent>> Engine::Impl::Step() {
       // Exactly the prompt's blocks (the first token is not in the KV); the
       // connector may keep them, e.g. until their stream is sent.
       seq->blocks.Truncate(BlocksFor(seq->n_prompt));
-      const auto ev = std::find_if(events.begin(), events.end(),
-                                   [&](const TokenEvent& e) { return e.id == seq->spec.id; });
-      (void)connector_->RequestFinished(*ev, seq->blocks);
+      (void)connector_->RequestFinished(events[event], seq->blocks);
     }
   }
   return events;

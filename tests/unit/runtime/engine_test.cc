@@ -355,6 +355,53 @@ TEST(EngineTest, DisaggregatedPrefillThenDecodeEqualsColocated) {
   ExpectAllBlocksReturned(*decode);
 }
 
+// A worker re-runs a request under the same id (the coordinator moved it
+// after a lost peer): the earlier attempt is cancelled and the new one
+// submitted before the next step, which then reports both the stale cancel
+// and, once its prompt is done, the new attempt's first token. The connector
+// is handed the new attempt's own event (kPrefilled, its transfer id), not
+// the stale cancel of the same id: fault_matrix stop_decode once failed
+// requests with "the KV hand-over ... has no delivery" so.
+TEST(EngineTest, ARerunUnderTheSameIdHandsTheConnectorItsOwnEvent) {
+  struct Recorder : KvConnector {
+    bool RequestFinished(const TokenEvent& ev, BlockTable& blocks) override {
+      seen.push_back(ev);
+      kept = std::move(blocks);
+      return true;
+    }
+    std::vector<TokenEvent> seen;
+    BlockTable kept;
+  };
+  auto e = MakeEngine(Options());
+  Recorder rec;
+  e->SetKvConnector(&rec);
+  const auto prompt = RandomPrompt(20, 12);  // one step (max_step_tokens 32)
+  auto first = Spec("rerun", prompt, 12);
+  first.mode = RequestMode::kPrefillOnly;
+  first.kv_transfer_id = 101;
+  ASSERT_TRUE(e->Submit(first).ok());
+  ASSERT_TRUE(e->Cancel(first.id).ok());
+  auto again = first;
+  again.kv_transfer_id = 102;
+  ASSERT_TRUE(e->Submit(again).ok());
+  auto events = e->Step();
+  ASSERT_TRUE(events.ok()) << events.status().ToString();
+  std::vector<FinishReason> reasons;
+  for (const TokenEvent& ev : *events) {
+    if (ev.id == first.id) reasons.push_back(ev.finish_reason);
+  }
+  // The step carries both: the stale cancel first, then the first token.
+  ASSERT_EQ(reasons,
+            (std::vector<FinishReason>{FinishReason::kCancelled, FinishReason::kPrefilled}));
+  ASSERT_EQ(rec.seen.size(), 1u);
+  EXPECT_EQ(rec.seen[0].finish_reason, FinishReason::kPrefilled);
+  EXPECT_EQ(rec.seen[0].kv_transfer_id, 102u);
+  EXPECT_GE(rec.seen[0].token, 0);
+  EXPECT_EQ(rec.kept.size(), 3);  // ceil(20 / 8): the new attempt's prompt blocks
+  rec.kept.Release();
+  ExpectAllBlocksReturned(*e);
+}
+
 TEST(EngineTest, CancelWhileLoadingStopsTheLoadAndReturnsTheBlocks) {
   auto decode = MakeEngine(Options());
   LoadingConnector loader;
