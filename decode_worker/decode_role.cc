@@ -277,6 +277,17 @@ Status DecodeRole::health() const {
   return tp_->status().WithContext("tensor-parallel group broken");
 }
 
+void DecodeRole::OnRegistrationEnded() {
+  const Status why = Unavailable(
+      "the decode worker lost its coordinator link; the connections of its last registration are "
+      "closed");
+  kv_transfer::Transport& t = *ctx_.transport;
+  for (int peer = 0; peer < t.world_size(); ++peer) {
+    if (peer != t.rank()) t.AbandonPeer(peer, why);
+  }
+  if (tp_ != nullptr) tp_->DropKvConnections();
+}
+
 void DecodeRole::Shutdown() {
   // The table must not call into this role after it.
   if (ctx_.requests != nullptr) {

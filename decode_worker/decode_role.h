@@ -58,6 +58,9 @@ class DecodeRole final : public worker::Role, public engine::KvConnector {
     return tp_ ? tp_->follower_kv_port_counters() : protocols::PortSecurityCounters{};
   }
   uint64_t kv_integrity_failures() const override { return kv_integrity_failures_.load(); }
+  // Closes the KV data connections (this rank's and, through rank 0, the
+  // followers') that carried the last registration's streams.
+  void OnRegistrationEnded() override;
   void Shutdown() override;
 
   // --- engine::KvConnector (load side) ---

@@ -38,6 +38,10 @@ class Follower {
   void ExpectKv(const proto::TpExpectKv& m);
   void Progress();
   void Ack(engine::RequestId id, const Status& s);
+  // Rank 0 lost its coordinator link: the receives end (unacknowledged: rank
+  // 0 dropped their requests) and the KV data connections close, so that the
+  // next registration's streams do not meet the prefill side's late close.
+  void DropKvConnections();
 
   const worker::WorkerOptions& options_;
   worker::ProcessBase base_;
@@ -158,6 +162,16 @@ void Follower::ExpectKv(const proto::TpExpectKv& m) {
   incoming_[id] = std::move(in);
 }
 
+void Follower::DropKvConnections() {
+  incoming_.clear();  // receivers cancel their receives
+  const Status why = Unavailable(
+      "TP rank 0 lost its coordinator link; the connections of its last registration are closed");
+  kv_transfer::Transport& t = *base_.transport;
+  for (int peer = 0; peer < t.world_size(); ++peer) {
+    if (peer != t.rank()) t.AbandonPeer(peer, why);
+  }
+}
+
 void Follower::Progress() {
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     Incoming& in = it->second;
@@ -215,7 +229,12 @@ Status Follower::Run(const std::atomic<bool>& stop) {
       }
       case TpMsg::kCancelKv: {
         proto::TpCancelKv c;
-        if (c.ParseFromString(m->payload)) incoming_.erase(c.request_id());
+        if (!c.ParseFromString(m->payload)) break;
+        if (c.drop_connections()) {
+          DropKvConnections();
+        } else {
+          incoming_.erase(c.request_id());
+        }
         break;
       }
       case TpMsg::kPing:

@@ -102,6 +102,12 @@ void TpLeader::CancelKv(engine::RequestId id) {
   (void)group_->Broadcast(TpMsg::kCancelKv, c.SerializeAsString());
 }
 
+void TpLeader::DropKvConnections() {
+  proto::TpCancelKv c;
+  c.set_drop_connections(true);
+  (void)group_->Broadcast(TpMsg::kCancelKv, c.SerializeAsString());
+}
+
 std::vector<TpLeader::KvAck> TpLeader::PollAcks() {
   std::vector<KvAck> acks = std::move(pending_acks_);
   pending_acks_.clear();

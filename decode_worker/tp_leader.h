@@ -43,6 +43,9 @@ class TpLeader {
   Status ExpectKv(engine::RequestId id, uint64_t transfer_id, uint32_t prefill_rank,
                   std::span<const std::vector<engine::BlockId>> tables);
   void CancelKv(engine::RequestId id);
+  // Every follower closes its KV data connections (DecodeRole::
+  // OnRegistrationEnded).
+  void DropKvConnections();
   struct KvAck {
     engine::RequestId request = 0;
     int tp_rank = 0;

@@ -63,6 +63,13 @@ class Role {
   virtual void Progress() {}
   // The coordinator accepted this worker's (re)registration.
   virtual void OnRegistered() {}
+  // The link to the coordinator was lost and every request dropped; the
+  // worker registers again next. The coordinator announces this worker's
+  // data-plane ranks lost to its peers (PeerLost), which then close their
+  // connections to them, possibly only after the new registration got its
+  // first streams on those same connections: a role receiving KV closes its
+  // own first, so that the next registration's streams use new ones.
+  virtual void OnRegistrationEnded() {}
   // A pool event; true when the role forwards it itself (its prefix store).
   virtual bool OnPoolEvent(const engine::KvEvent& /*ev*/) { return false; }
   // True while Progress or the connector has something to poll soon: the

@@ -327,6 +327,7 @@ Status Worker::Run(const std::atomic<bool>& stop) {
     if (!link_lost && !stop.load() && !result.ok()) LeaveOnce(result);
     DropRequests();
     if (!link_lost || stop.load()) break;
+    role_->OnRegistrationEnded();
     LOG_WARNING << result.ToString() << "; reconnecting";
   }
   if (stop.load()) result = Status::Ok();
