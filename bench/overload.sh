@@ -27,6 +27,8 @@
 #                     [-c "2 4 8 16"] [-P prefill] [-D decode] [-O out-dir] [-x "defaults shed"]
 # Prints one table, then "goodput_vs_peak CONFIG Mx FRACTION" per config and
 # load; the JSON of every run is kept in out-dir (default out/overload).
+# `bench/report.py record overload OUT-DIR --slo-ms S --label L` adds the
+# defaults' run to docs/BENCHMARKS.md's goodput table (then `render`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -13,7 +13,8 @@
 # usage: bench/prefix_restart.sh   (env: PORT=8090 PREFIXES=1 OUT=out/prefix_restart WARMUP=0)
 # WARMUP=1 serves one short request of another prompt after the restart, before
 # phase 4, so that it measures the restore alone.
-# Writes $OUT/results.jsonl and prints a Markdown table for docs/BENCHMARKS.md.
+# Writes $OUT/results.jsonl and prints a Markdown table; `bench/report.py record
+# prefix_restart $OUT` adds the run to docs/BENCHMARKS.md's table (then `render`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

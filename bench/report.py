@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""docs/BENCHMARKS.md's generated tables, from the results the bench scripts leave.
+
+  bench/report.py record prefix_restart OUT [--commit C] [--conditions quiet|shared] [--note N]
+      one run of bench/prefix_restart.sh (its OUT directory: results.jsonl and serve2.log)
+  bench/report.py record overload OUT --slo-ms MS [--config defaults] [--label L] [...]
+      one run of bench/overload.sh (its -O directory of `kvrelay bench serve --json` files)
+  bench/report.py render [--doc docs/BENCHMARKS.md]
+      rewrites every generated block of the page from bench/results/
+  bench/report.py check [--doc docs/BENCHMARKS.md]
+      exit 1 when a generated block differs from what bench/results/ gives (a ctest)
+
+`record` appends the run to bench/results/NAME.json with the commit measured (default:
+this checkout's HEAD), the date (the run's files' time, UTC), the host (CPU model, its
+widest vector extension, vCPUs) and the conditions; then `render` puts it on the page.
+A generated block is the text between "<!-- report:NAME -->" and "<!-- /report:NAME -->":
+the runs of bench/results/NAME.json as one table and its summary line. The prose around
+a block (what is measured, why, what the figures mean) is written by hand.
+"""
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOC = os.path.join(ROOT, "docs", "BENCHMARKS.md")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+# --- where and when a run was measured ---------------------------------------------
+
+def host_description():
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    vector = "AVX-512" if "avx512f" in flags else ("AVX2 only" if "avx2" in flags else "no AVX2")
+    return f"{model}, {vector}, {os.cpu_count()} vCPUs"
+
+
+def head_commit():
+    out = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
+def file_time(path):
+    t = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def results_path(name):
+    return os.path.join(RESULTS, f"{name}.json")
+
+
+def load_results(name):
+    with open(results_path(name)) as f:
+        return json.load(f)
+
+
+def save_results(name, data):
+    with open(results_path(name), "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+# --- one run from a bench script's output --------------------------------------------
+
+def record_prefix_restart(out):
+    """Median TTFT per phase of results.jsonl, and the restore's own log line."""
+    path = os.path.join(out, "results.jsonl")
+    phases = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            phases.setdefault(r["phase"], []).append(r)
+    for p in ("cold", "ram", "restart"):
+        if p not in phases:
+            raise SystemExit(f"{path}: no '{p}' phase (the run did not finish)")
+    restore_ms = None
+    try:
+        with open(os.path.join(out, "serve2.log")) as f:
+            m = re.search(r"kv_store: restored \d+ blocks .*? in ([\d.]+) ms", f.read())
+            restore_ms = float(m.group(1)) if m else None
+    except OSError:
+        pass
+    med = {p: statistics.median(r["ttft_s"] for r in rs) for p, rs in phases.items()}
+    return {
+        "date": file_time(path),
+        "cold_s": round(med["cold"], 3),
+        "ram_s": round(med["ram"], 3),
+        "restart_s": round(med["restart"], 3),
+        "restore_ms": round(restore_ms) if restore_ms is not None else None,
+        "prompt_tokens": min(r["prompt_tokens"] for r in phases["restart"]),
+        "cached_tokens": min(r["cached_tokens"] for r in phases["restart"]),
+    }
+
+
+def record_overload(out, slo_ms, config):
+    """Goodput of each open loop against the best closed loop run beside it."""
+    from overload_report import load, window_goodput
+    refs = [window_goodput(j, slo_ms) for j in
+            (load(os.path.join(out, f"{config}.peak-{w}.json")) for w in ("before", "after")) if j]
+    if not refs:
+        raise SystemExit(f"{out}: no {config}.peak-before/after.json (the run did not finish)")
+    peak = max(refs)
+    of_peak, shed = {}, {}
+    for mult in ("1", "2", "4"):
+        j = load(os.path.join(out, f"{config}.x{mult}.json"))
+        if j is None:
+            continue
+        of_peak[mult] = round(window_goodput(j, slo_ms) / peak, 3) if peak > 0 else 0.0
+        shed[mult] = sum(1 for r in j["requests"] if not r["ok"] and r.get("retry_after")
+                         and r.get("http_status") in (429, 503))
+    return {
+        "date": file_time(os.path.join(out, f"{config}.peak-before.json")),
+        "config": config,
+        "slo_ms": slo_ms,
+        "peak_rps": round(peak, 2),
+        "of_peak": of_peak,
+        "shed": shed,
+    }
+
+
+# --- the tables ------------------------------------------------------------------------
+
+def fmt_s(v):
+    return f"{v:.3f} s" if v < 1 else f"{v:.2f} s"
+
+
+def render_prefix_restart(data):
+    runs = data["runs"]
+    lines = ["| run | recorded | cold | same prefix, new question (RAM pool hit) | "
+             "same prefix, after a full restart (RocksDB) | restart / RAM hit | restore (log line) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    ratios, speedups = [], []
+    for i, r in enumerate(runs, 1):
+        ratio = r["restart_s"] / r["ram_s"]
+        ratios.append(ratio)
+        speedups.append(r["cold_s"] / r["restart_s"])
+        restore = f"{r['restore_ms']} ms" if r.get("restore_ms") is not None else "—"
+        lines.append(f"| {i} | {r['date']}, `{r['commit']}`, {r['conditions']} | {fmt_s(r['cold_s'])} | "
+                     f"{fmt_s(r['ram_s'])} | {fmt_s(r['restart_s'])} | {ratio:.2f}× | {restore} |")
+    goal = data["goal_ratio"]
+    met = sum(1 for x in ratios if x <= goal)
+    hosts = sorted({r["host"] for r in runs})
+    lines.append("")
+    lines.append(f"Median of the {len(runs)} runs: restart {statistics.median(ratios):.2f}× the RAM hit "
+                 f"(goal ≤ {goal}×, met in {met} of {len(runs)}), "
+                 f"{statistics.median(speedups):.1f}× faster than cold (goal ≥ {data['goal_speedup']}×), "
+                 f"at least {min(r['cached_tokens'] / r['prompt_tokens'] for r in runs):.1%} of the "
+                 f"prompt cached after the restart. Host: {'; '.join(hosts)}.")
+    return lines
+
+
+def render_overload(data):
+    runs = data["runs"]
+    lines = ["| run | recorded | TTFT deadline | peak (closed loop) | 1× saturation | 2× | 4× | "
+             "shed at 4× |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    goal, slo_goal = data["goal_of_peak"], data["goal_slo_ms"]
+    met = judged = 0
+    for r in runs:
+        cells = [f"{100 * r['of_peak'][m]:.0f} %" if m in r["of_peak"] else "—" for m in ("1", "2", "4")]
+        lines.append(f"| {r['label']} | {r['date']}, `{r['commit']}`, {r['conditions']} | "
+                     f"{r['slo_ms'] / 1000:g} s | {r['peak_rps']:.2f} req/s | {' | '.join(cells)} | "
+                     f"{r['shed'].get('4', '—')} |")
+        if r["slo_ms"] == slo_goal and r["config"] == "defaults":
+            judged += 1
+            met += all(r["of_peak"].get(m, 0) >= goal for m in ("2", "4"))
+    hosts = sorted({r["host"] for r in runs})
+    lines.append("")
+    lines.append(f"Goal: goodput at 2× and 4× saturation ≥ {100 * goal:.0f} % of the peak with the "
+                 f"defaults and a {slo_goal / 1000:g} s TTFT deadline: met in {met} of {judged} such "
+                 f"runs. Host: {'; '.join(hosts)}.")
+    return lines
+
+
+RENDERERS = {"prefix_restart": render_prefix_restart, "overload": render_overload}
+
+
+def render_doc(text):
+    """The page with every generated block rewritten; errors for a block without results."""
+    def block(m):
+        name = m.group(1)
+        if name not in RENDERERS:
+            raise SystemExit(f"{DOC}: unknown generated block '{name}' (known: {', '.join(RENDERERS)})")
+        body = RENDERERS[name](load_results(name))
+        return f"<!-- report:{name} -->\n" + "\n".join(body) + f"\n<!-- /report:{name} -->"
+    return re.sub(r"<!-- report:(\w+) -->\n.*?<!-- /report:\1 -->", block, text, flags=re.S)
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("name", choices=sorted(RENDERERS))
+    rec.add_argument("out", help="the bench script's output directory")
+    rec.add_argument("--commit", default=None, help="the commit measured (default: HEAD)")
+    rec.add_argument("--conditions", default="quiet", help="quiet | shared (others ran beside it)")
+    rec.add_argument("--note", default="")
+    rec.add_argument("--slo-ms", type=float, default=2000, help="overload: the TTFT deadline")
+    rec.add_argument("--config", default="defaults", help="overload: the config measured")
+    rec.add_argument("--label", default=None, help="overload: the row's name")
+    for name in ("render", "check"):
+        sub.add_parser(name).add_argument("--doc", default=DOC)
+    a = p.parse_args(argv[1:])
+
+    if a.cmd == "record":
+        if a.name == "prefix_restart":
+            run = record_prefix_restart(a.out)
+        else:
+            run = record_overload(a.out, a.slo_ms, a.config)
+            run["label"] = a.label or f"{a.config}, {os.path.basename(os.path.normpath(a.out))}"
+        run.update(commit=a.commit or head_commit(), host=host_description(),
+                   conditions=a.conditions, source=os.path.abspath(a.out))
+        if a.note:
+            run["note"] = a.note
+        data = load_results(a.name)
+        data["runs"].append(run)
+        save_results(a.name, data)
+        print(f"recorded run {len(data['runs'])} of {a.name}: {json.dumps(run)}")
+        return 0
+
+    with open(a.doc) as f:
+        text = f.read()
+    new = render_doc(text)
+    if a.cmd == "render":
+        if new != text:
+            with open(a.doc, "w") as f:
+                f.write(new)
+        print(f"{a.doc}: {'rewritten' if new != text else 'up to date'}")
+        return 0
+    if new != text:
+        print(f"{a.doc}: a generated block differs from bench/results/ (run bench/report.py render)",
+              file=sys.stderr)
+        return 1
+    for name in sorted(f[:-5] for f in os.listdir(RESULTS) if f.endswith(".json")):
+        if f"<!-- report:{name} -->" not in text:
+            print(f"{a.doc}: bench/results/{name}.json has no block '<!-- report:{name} -->'",
+                  file=sys.stderr)
+            return 1
+    print(f"{a.doc}: every generated block matches bench/results/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
