@@ -406,6 +406,7 @@ std::shared_ptr<LoadHandle> TieredCache::QueueLoad(std::shared_ptr<LoadHandle> l
     load->done_ = true;
     return load;
   }
+  load->queued_at = Clock::now();
   {
     std::lock_guard<std::mutex> lock(load_mutex_);
     load_queue_.push_back(load);
@@ -441,6 +442,7 @@ void TieredCache::LoaderLoop() {
 
 void TieredCache::ReadLoad(LoadHandle& load) {
   const auto started = Clock::now();
+  load.queued_ms = std::chrono::duration<double, std::milli>(started - load.queued_at).count();
   const size_t n = load.hashes.size();
   // Reading is CPU work as much as I/O (the tiers' checksums, unsealing,
   // verifying), and the disk serves several reads at once: a long load is
@@ -567,6 +569,7 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
       return DeadlineExceeded("TieredCache::FinishLoad: reads not done by the deadline");
     }
   }
+  const auto copy_started = Clock::now();
   const engine::KvLayout& layout = pool_->layout();
   const size_t n = std::min(load.values.size(), dst.size());
   const size_t layer_bytes = static_cast<size_t>(layout.LayerBytes());
@@ -592,6 +595,7 @@ Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::Bl
       ++from_ram;
     }
   }
+  load.copy_ms = std::chrono::duration<double, std::milli>(Clock::now() - copy_started).count();
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.restored_blocks_ram += from_ram;
   stats_.restored_blocks_disk += from_disk;
@@ -725,7 +729,8 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
                << (*filled * pool_->layout().BlockBytes()) / (1 << 20) << " MiB) in "
                << std::chrono::duration<double, std::milli>(Clock::now() - queued).count()
                << " ms (read, unsealed and verified in " << load->read_ms << " ms by "
-               << load->read_threads << " threads)";
+               << load->read_threads << " threads; " << load->queued_ms
+               << " ms waiting for the loader, " << load->copy_ms << " ms into the pool)";
     }
     if (!filled.ok()) {
       LOG_WARNING << "kv_store: prefix load: " << filled.status().ToString();

@@ -129,11 +129,15 @@ class LoadHandle {
   // Inputs (set before the handle is queued, then read-only).
   std::vector<BlockHash> hashes;  // the external blocks, in prompt order
   std::vector<BlockMeta> expected;
+  TimePoint queued_at;  // set by QueueLoad
   // Outputs (written by the loader before done_; read by FinishLoad after).
   std::vector<std::string> values;  // verified encoded blocks, leading run only
   std::vector<int> from_tier;       // 0 = RAM, 1 = disk, per value
+  double queued_ms = 0;             // waiting for the loader thread
   double read_ms = 0;               // reading, unsealing and verifying
   int read_threads = 1;
+  // Written by FinishLoad (the caller's thread).
+  double copy_ms = 0;  // into the pool's blocks, and promoting disk hits to RAM
 };
 
 class TieredCache {
