@@ -281,10 +281,7 @@ void DecodeRole::OnRegistrationEnded() {
   const Status why = Unavailable(
       "the decode worker lost its coordinator link; the connections of its last registration are "
       "closed");
-  kv_transfer::Transport& t = *ctx_.transport;
-  for (int peer = 0; peer < t.world_size(); ++peer) {
-    if (peer != t.rank()) t.AbandonPeer(peer, why);
-  }
+  worker::AbandonAllPeers(*ctx_.transport, why);
   if (tp_ != nullptr) tp_->DropKvConnections();
 }
 

@@ -166,10 +166,7 @@ void Follower::DropKvConnections() {
   incoming_.clear();  // receivers cancel their receives
   const Status why = Unavailable(
       "TP rank 0 lost its coordinator link; the connections of its last registration are closed");
-  kv_transfer::Transport& t = *base_.transport;
-  for (int peer = 0; peer < t.world_size(); ++peer) {
-    if (peer != t.rank()) t.AbandonPeer(peer, why);
-  }
+  worker::AbandonAllPeers(*base_.transport, why);
 }
 
 void Follower::Progress() {

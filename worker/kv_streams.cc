@@ -72,4 +72,10 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
   return receivers;
 }
 
+void AbandonAllPeers(kv_transfer::Transport& t, const Status& why) {
+  for (int peer = 0; peer < t.world_size(); ++peer) {
+    if (peer != t.rank()) t.AbandonPeer(peer, why);
+  }
+}
+
 }  // namespace kvrelay::worker

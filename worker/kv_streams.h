@@ -84,4 +84,9 @@ Result<std::vector<std::unique_ptr<kv_transfer::LayerStreamReceiver>>> StartSegm
     engine::RequestId id, std::span<const std::vector<engine::BlockId>> tables,
     kv_transfer::HeadRange own);
 
+// Abandons every data-plane peer but this endpoint on `t` (their
+// connections close; a later PeerRejoined or connect brings each back): a
+// decode rank whose registration ended (Role::OnRegistrationEnded).
+void AbandonAllPeers(kv_transfer::Transport& t, const Status& why);
+
 }  // namespace kvrelay::worker
