@@ -3,6 +3,8 @@
 #include <openssl/evp.h>
 #include <xxhash.h>
 
+#include <new>
+
 namespace kvrelay {
 
 Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
@@ -41,6 +43,21 @@ std::string ToHex(std::span<const uint8_t> bytes) {
 
 uint64_t Xxh3_64(const void* data, size_t size, uint64_t seed) {
   return XXH3_64bits_withSeed(data, size, seed);
+}
+
+Xxh3Stream::Xxh3Stream(uint64_t seed) : state_(XXH3_createState()) {
+  if (state_ == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset_withSeed(static_cast<XXH3_state_t*>(state_), seed);
+}
+
+Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+
+void Xxh3Stream::Update(const void* data, size_t size) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, size);
+}
+
+uint64_t Xxh3Stream::Digest() const {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
 }
 
 }  // namespace kvrelay

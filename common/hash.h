@@ -40,4 +40,21 @@ std::string ToHex(std::span<const uint8_t> bytes);
 
 uint64_t Xxh3_64(const void* data, size_t size, uint64_t seed = 0);
 
+// Incremental Xxh3_64: the same value as Xxh3_64 over the concatenation of
+// every Update, for data that is not contiguous (a block whose layers lie in
+// separate slabs).
+class Xxh3Stream {
+ public:
+  explicit Xxh3Stream(uint64_t seed = 0);
+  ~Xxh3Stream();
+  Xxh3Stream(const Xxh3Stream&) = delete;
+  Xxh3Stream& operator=(const Xxh3Stream&) = delete;
+
+  void Update(const void* data, size_t size);
+  uint64_t Digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t*, owned
+};
+
 }  // namespace kvrelay

@@ -184,33 +184,31 @@ bool PeekTenantSaltHash(std::string_view encoded, Sha256Digest* out) {
   return true;
 }
 
-DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
-  DecodedBlock out;
-  auto miss = [&out](MissReason r) {
-    out.reason = r;
-    out.payload = {};
-    return out;
-  };
-  const char* p = encoded.data();
-  if (encoded.size() < kFixedHeaderBytes) return miss(MissReason::kTruncated);
-  if (Load<uint32_t>(p, kOffMagic) != kBlockMagic) return miss(MissReason::kBadMagic);
+MissReason VerifyBlock(std::string_view head, std::span<const std::span<const uint8_t>> payload,
+                       const BlockMeta& expected) {
+  const char* p = head.data();
+  if (head.size() < kFixedHeaderBytes) return MissReason::kTruncated;
+  if (Load<uint32_t>(p, kOffMagic) != kBlockMagic) return MissReason::kBadMagic;
   const uint16_t version = Load<uint16_t>(p, kOffVersion);
   if (version != kBlockFormatVersion && version != kGroupBlockFormatVersion) {
-    return miss(MissReason::kBadVersion);
+    return MissReason::kBadVersion;
   }
   const size_t ext = version == kGroupBlockFormatVersion ? kGroupExtBytes : 0;
-  if (encoded.size() < kFixedHeaderBytes + ext) return miss(MissReason::kTruncated);
   const uint32_t block_tokens = Load<uint32_t>(p, kOffBlockTokens);
   const uint64_t payload_len = Load<uint64_t>(p, kOffPayloadLen);
-  if (block_tokens > kMaxBlockTokens) return miss(MissReason::kTruncated);
-  const uint64_t body = encoded.size() - kFixedHeaderBytes - ext;
+  if (block_tokens > kMaxBlockTokens) return MissReason::kTruncated;
   const uint64_t token_bytes = uint64_t{block_tokens} * sizeof(int32_t);
-  if (token_bytes > body || payload_len != body - token_bytes) return miss(MissReason::kTruncated);
-  if (Load<uint64_t>(p, kOffChecksum) != Checksum(p, encoded.size())) {
-    return miss(MissReason::kChecksum);
+  uint64_t payload_bytes = 0;
+  for (std::span<const uint8_t> part : payload) payload_bytes += part.size();
+  if (head.size() != kFixedHeaderBytes + ext + token_bytes || payload_len != payload_bytes) {
+    return MissReason::kTruncated;
   }
+  Xxh3Stream sum(Xxh3_64(p, kOffChecksum));
+  sum.Update(p + kFixedHeaderBytes, head.size() - kFixedHeaderBytes);
+  for (std::span<const uint8_t> part : payload) sum.Update(part.data(), part.size());
+  if (Load<uint64_t>(p, kOffChecksum) != sum.Digest()) return MissReason::kChecksum;
   // The bytes are what the writer wrote; now check they are what we want.
-  if (std::memcmp(p + kOffModel, expected.model.data(), 32) != 0) return miss(MissReason::kModel);
+  if (std::memcmp(p + kOffModel, expected.model.data(), 32) != 0) return MissReason::kModel;
   const KvLayout& l = expected.layout;
   if (Load<uint8_t>(p, kOffDtype) != static_cast<uint8_t>(l.dtype) ||
       Load<uint8_t>(p, kOffFlags) != 0 ||
@@ -219,11 +217,11 @@ DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
       Load<uint32_t>(p, kOffHeadDim) != static_cast<uint32_t>(l.head_dim) ||
       block_tokens != static_cast<uint32_t>(l.block_tokens) ||
       payload_len != static_cast<uint64_t>(l.BlockBytes())) {
-    return miss(MissReason::kLayout);
+    return MissReason::kLayout;
   }
   // A one-group block where a group's is wanted (or the reverse), or another
   // group / grouping: its layers are not the ones the caller would fill.
-  if ((ext != 0) != expected.group.grouped()) return miss(MissReason::kLayout);
+  if ((ext != 0) != expected.group.grouped()) return MissReason::kLayout;
   if (ext != 0) {
     const char* e = p + kFixedHeaderBytes;
     BlockGroup got;
@@ -232,19 +230,35 @@ DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
     got.window = Load<uint32_t>(e, kOffGroupWindow);
     got.layers_digest = Load<uint64_t>(e, kOffGroupLayers);
     if (!(got == expected.group) || Load<uint32_t>(e, kOffGroupZero) != 0) {
-      return miss(MissReason::kLayout);
+      return MissReason::kLayout;
     }
   }
   if (std::memcmp(p + kOffSalt, expected.tenant_salt_hash.data(), 32) != 0) {
-    return miss(MissReason::kTenant);
+    return MissReason::kTenant;
   }
-  if (std::memcmp(p + kOffHash, expected.hash.data(), 32) != 0) return miss(MissReason::kHash);
+  if (std::memcmp(p + kOffHash, expected.hash.data(), 32) != 0) return MissReason::kHash;
   if (expected.tokens.size() != block_tokens ||
       std::memcmp(p + kFixedHeaderBytes + ext, expected.tokens.data(), token_bytes) != 0) {
-    return miss(MissReason::kTokens);
+    return MissReason::kTokens;
   }
-  out.payload = std::span<const uint8_t>(
-      reinterpret_cast<const uint8_t*>(p + kFixedHeaderBytes + ext + token_bytes), payload_len);
+  return MissReason::kNone;
+}
+
+DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected) {
+  DecodedBlock out;
+  // Where the payload starts, from the header (VerifyBlock checks the rest).
+  const char* p = encoded.data();
+  size_t head = kFixedHeaderBytes;
+  if (encoded.size() >= kFixedHeaderBytes && Load<uint32_t>(p, kOffMagic) == kBlockMagic) {
+    if (Load<uint16_t>(p, kOffVersion) == kGroupBlockFormatVersion) head += kGroupExtBytes;
+    head += uint64_t{std::min(Load<uint32_t>(p, kOffBlockTokens), kMaxBlockTokens + 1)} *
+            sizeof(int32_t);
+  }
+  if (head > encoded.size()) head = encoded.size();  // VerifyBlock says kTruncated
+  const auto payload = std::span<const uint8_t>(
+      reinterpret_cast<const uint8_t*>(encoded.data() + head), encoded.size() - head);
+  out.reason = VerifyBlock(encoded.substr(0, head), std::span(&payload, 1), expected);
+  if (out.ok()) out.payload = payload;
   return out;
 }
 

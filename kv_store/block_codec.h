@@ -149,4 +149,11 @@ bool PeekTenantSaltHash(std::string_view encoded, Sha256Digest* out);
 // it must not be used. Never reads outside `encoded`; never throws.
 DecodedBlock DecodeBlock(std::string_view encoded, const BlockMeta& expected);
 
+// DecodeBlock for an encoded block held in pieces: `head` is its bytes before
+// the payload (EncodedPayloadOffset of them: header, group extension, token
+// ids) and `payload` the payload's parts in order (e.g. the pool's layers of
+// a block a restore decrypted in place). The same checks and reasons.
+MissReason VerifyBlock(std::string_view head, std::span<const std::span<const uint8_t>> payload,
+                       const BlockMeta& expected);
+
 }  // namespace kvrelay::kv_store

@@ -123,9 +123,8 @@ Result<std::string> BlockSealer::Seal(const BlockHash& key, const Sha256Digest& 
   return out;
 }
 
-MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
-                             std::string_view sealed, std::string* encoded) const {
-  encoded->clear();
+MissReason BlockSealer::CheckEnvelope(std::string_view sealed, size_t* plaintext_bytes) {
+  *plaintext_bytes = 0;
   if (sealed.size() < 4) return MissReason::kTruncated;
   const char* p = sealed.data();
   uint32_t magic;
@@ -139,6 +138,34 @@ MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_sa
   if (version != kSealVersion || flags != 0) return MissReason::kBadVersion;
   const size_t ct_bytes = sealed.size() - kSealOverheadBytes;
   if (ct_bytes > static_cast<size_t>(INT_MAX)) return MissReason::kTruncated;
+  *plaintext_bytes = ct_bytes;
+  return MissReason::kNone;
+}
+
+MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
+                             std::string_view sealed, std::string* encoded) const {
+  encoded->clear();
+  size_t bytes = 0;
+  if (const MissReason r = CheckEnvelope(sealed, &bytes); r != MissReason::kNone) return r;
+  std::string out(bytes, '\0');
+  const auto whole = std::span<uint8_t>(reinterpret_cast<uint8_t*>(out.data()), out.size());
+  if (const MissReason r = OpenInto(key, tenant_salt_hash, sealed, std::span(&whole, 1));
+      r != MissReason::kNone) {
+    return r;
+  }
+  *encoded = std::move(out);
+  return MissReason::kNone;
+}
+
+MissReason BlockSealer::OpenInto(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
+                                 std::string_view sealed,
+                                 std::span<const std::span<uint8_t>> out) const {
+  size_t ct_bytes = 0;
+  if (const MissReason r = CheckEnvelope(sealed, &ct_bytes); r != MissReason::kNone) return r;
+  size_t out_bytes = 0;
+  for (std::span<uint8_t> part : out) out_bytes += part.size();
+  if (out_bytes != ct_bytes) return MissReason::kTruncated;
+  const char* p = sealed.data();
   uint8_t tenant_key[32];
   if (!TenantKey(tenant_salt_hash, tenant_key)) return MissReason::kAuth;
   uint8_t aad[kAadPrefixBytes + 32];
@@ -146,26 +173,30 @@ MissReason BlockSealer::Open(const BlockHash& key, const Sha256Digest& tenant_sa
   // The GCM tag is set before the final call; OpenSSL takes a non-const pointer.
   unsigned char tag[kSealTagBytes];
   std::memcpy(tag, p + kSealHeaderBytes + ct_bytes, kSealTagBytes);
-  std::string out(ct_bytes, '\0');
-  auto* pt = reinterpret_cast<unsigned char*>(out.data());
+  unsigned char final_out[kSealTagBytes];  // GCM's final writes nothing
   CipherCtx c;
   int n = 0, tail = 0;
-  const bool ok =
-      c.ctx != nullptr &&
-      EVP_DecryptInit_ex(c.ctx, cipher_, nullptr, tenant_key,
-                         reinterpret_cast<const unsigned char*>(p + kAadPrefixBytes)) == 1 &&
-      EVP_DecryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1 &&
-      EVP_DecryptUpdate(c.ctx, pt, &n, reinterpret_cast<const unsigned char*>(p + kSealHeaderBytes),
-                        static_cast<int>(ct_bytes)) == 1 &&
+  bool ok = c.ctx != nullptr &&
+            EVP_DecryptInit_ex(c.ctx, cipher_, nullptr, tenant_key,
+                               reinterpret_cast<const unsigned char*>(p + kAadPrefixBytes)) == 1 &&
+            EVP_DecryptUpdate(c.ctx, nullptr, &n, aad, sizeof(aad)) == 1;
+  // GCM is a stream mode: each part's plaintext is exactly its ciphertext's length.
+  const auto* ct = reinterpret_cast<const unsigned char*>(p + kSealHeaderBytes);
+  for (size_t i = 0; ok && i < out.size(); ++i) {
+    ok = EVP_DecryptUpdate(c.ctx, out[i].data(), &n, ct, static_cast<int>(out[i].size())) == 1 &&
+         static_cast<size_t>(n) == out[i].size();
+    ct += out[i].size();
+  }
+  ok =
+      ok &&
       EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagBytes), tag) == 1 &&
-      EVP_DecryptFinal_ex(c.ctx, pt + n, &tail) == 1;
+      EVP_DecryptFinal_ex(c.ctx, final_out, &tail) == 1;
   OPENSSL_cleanse(tenant_key, sizeof(tenant_key));
   if (!ok) {
     // Never hand out bytes that did not authenticate.
-    OPENSSL_cleanse(out.data(), out.size());
+    for (std::span<uint8_t> part : out) OPENSSL_cleanse(part.data(), part.size());
     return MissReason::kAuth;
   }
-  *encoded = std::move(out);
   return MissReason::kNone;
 }
 

@@ -26,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -65,10 +66,20 @@ class BlockSealer {
   MissReason Open(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
                   std::string_view sealed, std::string* encoded) const;
 
+  // Open into the caller's memory: the plaintext goes to `out`'s parts in
+  // order (e.g. a block's head, then the pool's layers it is restored into),
+  // whose sizes must add up to the ciphertext's (else kTruncated, nothing
+  // written). On any other miss every byte of `out` is wiped.
+  MissReason OpenInto(const BlockHash& key, const Sha256Digest& tenant_salt_hash,
+                      std::string_view sealed, std::span<const std::span<uint8_t>> out) const;
+
   static size_t SealedBytes(size_t encoded_bytes) { return encoded_bytes + kSealOverheadBytes; }
 
  private:
   explicit BlockSealer(std::string_view secret);
+  // The envelope's checks that need no key: kNone and the plaintext's size,
+  // or the miss reason.
+  static MissReason CheckEnvelope(std::string_view sealed, size_t* plaintext_bytes);
   // The tenant's AES-256 key (HKDF-SHA256, derived once per tenant and kept);
   // false when OpenSSL fails.
   bool TenantKey(const Sha256Digest& tenant_salt_hash, uint8_t out[32]) const;

@@ -17,6 +17,25 @@ bool LoadHandle::Ready() const {
   return done_;
 }
 
+bool LoadHandle::BeginWrite() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (abandoned_) return false;
+  ++writing_;
+  return true;
+}
+
+void LoadHandle::EndWrite() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --writing_;
+  }
+  done_cv_.notify_all();
+}
+
+std::span<const std::span<uint8_t>> LoadHandle::DstLayers(size_t k) const {
+  return std::span<const std::span<uint8_t>>(dst_layers).subspan(k * layers, layers);
+}
+
 TieredCache::TieredCache(const Options& options, HostRamTier* ram, KvTier* disk)
     : options_(options), ram_(ram), disk_(disk) {
   if (ram_ != nullptr && disk_ != nullptr && !options_.write_through) {
@@ -342,13 +361,51 @@ Result<std::string> TieredCache::ForDisk(const BlockHash& hash, const Sha256Dige
   return sealed;
 }
 
-MissReason TieredCache::FromDisk(const BlockHash& hash, const Sha256Digest& salt_hash,
-                                 std::string stored, std::string* encoded) const {
-  if (!options_.sealer) {
-    *encoded = std::move(stored);
-    return MissReason::kNone;
+namespace {
+
+// Copies a verified block's layers into `dst` (one span per layer).
+void CopyLayers(const DecodedBlock& block, const engine::KvLayout& layout,
+                std::span<const std::span<uint8_t>> dst) {
+  for (size_t l = 0; l < dst.size(); ++l) {
+    const std::span<const uint8_t> from = block.Layer(layout, static_cast<int>(l));
+    std::memcpy(dst[l].data(), from.data(), from.size());
   }
-  return options_.sealer->Open(hash, salt_hash, stored, encoded);
+}
+
+}  // namespace
+
+MissReason TieredCache::FromDisk(const BlockHash& hash, const BlockMeta& expected,
+                                 std::string_view stored,
+                                 std::span<const std::span<uint8_t>> dst) const {
+  const engine::KvLayout& layout = expected.layout;
+  auto verified_copy = [&](std::string_view encoded) {
+    const DecodedBlock d = DecodeBlock(encoded, expected);
+    if (d.ok()) CopyLayers(d, layout, dst);
+    return d.reason;
+  };
+  if (!options_.sealer) return verified_copy(stored);
+  const size_t head_bytes = EncodedPayloadOffset(layout, expected.group.grouped());
+  if (stored.size() ==
+      BlockSealer::SealedBytes(head_bytes + static_cast<size_t>(layout.BlockBytes()))) {
+    // The size of the block wanted: decrypt the payload straight into the
+    // pool's layers and verify it there.
+    std::string head(head_bytes, '\0');
+    std::vector<std::span<uint8_t>> parts;
+    parts.reserve(dst.size() + 1);
+    parts.emplace_back(reinterpret_cast<uint8_t*>(head.data()), head.size());
+    parts.insert(parts.end(), dst.begin(), dst.end());
+    const MissReason opened =
+        options_.sealer->OpenInto(hash, expected.tenant_salt_hash, stored, parts);
+    if (opened != MissReason::kNone) return opened;  // never decoded: it did not authenticate
+    const std::vector<std::span<const uint8_t>> payload(dst.begin(), dst.end());
+    return VerifyBlock(head, payload, expected);
+  }
+  // Another size (another layout's block, or damaged): opened whole, for the reason.
+  std::string encoded;
+  const MissReason opened =
+      options_.sealer->Open(hash, expected.tenant_salt_hash, stored, &encoded);
+  if (opened != MissReason::kNone) return opened;
+  return verified_copy(encoded);
 }
 
 void TieredCache::CountMiss(MissReason r) {
@@ -380,11 +437,11 @@ PrefixMatch TieredCache::Match(std::span<const int32_t> tokens,
 std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
                                                    std::span<const int32_t> tokens,
                                                    const engine::ModelFingerprint& model,
-                                                   std::string_view tenant_salt, int max_blocks) {
+                                                   std::string_view tenant_salt,
+                                                   std::span<const engine::BlockId> dst) {
   auto load = std::make_shared<LoadHandle>();
   const engine::KvLayout layout = pool_ != nullptr ? pool_->layout() : engine::KvLayout{};
-  int n = match.external_blocks;
-  if (max_blocks >= 0) n = std::min(n, max_blocks);
+  const int n = std::min(match.external_blocks, static_cast<int>(dst.size()));
   const int bt = match.block_tokens;
   const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
   for (int k = 0; k < n && pool_ != nullptr; ++k) {
@@ -397,10 +454,24 @@ std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
                                        tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bt)),
                   BlockGroup{}});
   }
-  return QueueLoad(std::move(load));
+  return QueueLoad(std::move(load), dst);
 }
 
-std::shared_ptr<LoadHandle> TieredCache::QueueLoad(std::shared_ptr<LoadHandle> load) {
+std::shared_ptr<LoadHandle> TieredCache::QueueLoad(std::shared_ptr<LoadHandle> load,
+                                                   std::span<const engine::BlockId> dst) {
+  // The blocks' memory, taken here on the owner thread: the mutable
+  // LayerData tells a device mirror that the host writes them.
+  const size_t n = std::min(load->hashes.size(), dst.size());
+  load->hashes.resize(n);
+  load->expected.resize(n);
+  load->dst.assign(dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(n));
+  load->layers = pool_ != nullptr ? static_cast<size_t>(pool_->layout().layers) : 0;
+  load->dst_layers.reserve(n * load->layers);
+  for (engine::BlockId b : load->dst) {
+    for (size_t l = 0; l < load->layers; ++l) {
+      load->dst_layers.push_back(pool_->LayerData(b, static_cast<int>(l)));
+    }
+  }
   if (load->hashes.empty()) {
     std::lock_guard<std::mutex> lock(load->mutex_);
     load->done_ = true;
@@ -451,7 +522,7 @@ void TieredCache::ReadLoad(LoadHandle& load) {
   const size_t cpus = std::max(1u, std::thread::hardware_concurrency());
   const size_t parts = std::clamp<size_t>(n / kMinBlocksPerReadThread, 1,
                                           std::min<size_t>(kMaxReadThreads, 2 * cpus));
-  std::vector<std::vector<ReadResult>> got(parts);
+  std::vector<std::vector<int>> got(parts);
   std::vector<std::thread> helpers;
   auto bounds = [&](size_t p) { return std::pair{n * p / parts, n * (p + 1) / parts}; };
   for (size_t p = 1; p < parts; ++p) {
@@ -470,23 +541,21 @@ void TieredCache::ReadLoad(LoadHandle& load) {
   got[0] = ReadRange(load, bounds(0).first, bounds(0).second);
   for (std::thread& t : helpers) t.join();
   load.read_threads = static_cast<int>(helpers.size()) + 1;
-  for (std::vector<ReadResult>& part : got) {
-    for (ReadResult& r : part) {
-      if (r.from < 0) {
+  for (const std::vector<int>& part : got) {
+    for (const int from : part) {
+      if (from < 0) {
         load.read_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
         return;  // a prefix ends at its first miss
       }
-      load.values.push_back(std::move(r.value));
-      load.from_tier.push_back(r.from);
+      load.from_tier.push_back(from);
     }
   }
   load.read_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
 }
 
-std::vector<TieredCache::ReadResult> TieredCache::ReadRange(const LoadHandle& load, size_t begin,
-                                                            size_t end) {
+std::vector<int> TieredCache::ReadRange(LoadHandle& load, size_t begin, size_t end) {
   const size_t n = end - begin;
-  std::vector<ReadResult> out;
+  std::vector<int> out;
   if (n == 0) return out;
   const std::span<const BlockHash> hashes(load.hashes.data() + begin, n);
   std::vector<Result<std::string>> from_ram;
@@ -511,13 +580,18 @@ std::vector<TieredCache::ReadResult> TieredCache::ReadRange(const LoadHandle& lo
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const BlockMeta& expected = load.expected[begin + i];
-    ReadResult r;
+    const std::span<const std::span<uint8_t>> dst = load.DstLayers(begin + i);
+    if (!load.BeginWrite()) {  // FinishLoad gave up: the blocks are the caller's again
+      out.push_back(-1);
+      break;
+    }
+    int from = -1;
     MissReason last = MissReason::kNotFound;
     if (ram_ != nullptr && from_ram[i].ok()) {
-      DecodedBlock d = DecodeBlock(*from_ram[i], expected);
+      const DecodedBlock d = DecodeBlock(*from_ram[i], expected);
       if (d.ok()) {
-        r.from = 0;
-        r.value = std::move(from_ram[i]).value();
+        CopyLayers(d, expected.layout, dst);
+        from = 0;
       } else {
         CountMiss(d.reason);
         last = d.reason;
@@ -527,75 +601,53 @@ std::vector<TieredCache::ReadResult> TieredCache::ReadRange(const LoadHandle& lo
     } else if (ram_ != nullptr && from_ram[i].status().code() != StatusCode::kNotFound) {
       last = MissReason::kStorageError;
     }
-    if (r.from < 0 && disk_ != nullptr) {
+    if (from < 0 && disk_ != nullptr) {
       if (from_disk[i].ok()) {
-        std::string encoded;
-        const MissReason opened = FromDisk(hashes[i], expected.tenant_salt_hash,
-                                           std::move(from_disk[i]).value(), &encoded);
-        DecodedBlock d;
-        if (opened == MissReason::kNone) {
-          d = DecodeBlock(encoded, expected);
+        const MissReason r = FromDisk(hashes[i], expected, *from_disk[i], dst);
+        from_disk[i] = NotFound("used");  // its memory goes now, not with the range
+        if (r == MissReason::kNone) {
+          from = 1;
         } else {
-          d.reason = opened;  // never decoded: its bytes did not authenticate
-        }
-        if (d.ok()) {
-          r.from = 1;
-          r.value = std::move(encoded);
-        } else {
-          CountMiss(d.reason);
-          last = d.reason;
+          CountMiss(r);
+          last = r;
           (void)disk_->Erase(hashes[i]);
         }
       } else if (from_disk[i].status().code() != StatusCode::kNotFound) {
         last = MissReason::kStorageError;
       }
     }
-    if (r.from < 0) {
+    load.EndWrite();
+    out.push_back(from);
+    if (from < 0) {
       if (last == MissReason::kNotFound || last == MissReason::kStorageError) CountMiss(last);
-      out.push_back(std::move(r));
       break;  // a prefix ends at its first miss
     }
-    out.push_back(std::move(r));
   }
   return out;
 }
 
-Result<int> TieredCache::FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst,
-                                    Deadline deadline) {
+Result<int> TieredCache::FinishLoad(LoadHandle& load, Deadline deadline) {
   if (pool_ == nullptr) return FailedPrecondition("TieredCache::FinishLoad: no pool attached");
   {
     std::unique_lock<std::mutex> lock(load.mutex_);
     if (!load.done_cv_.wait_until(lock, deadline.at, [&] { return load.done_; })) {
+      // The caller gets its blocks back: no write starts after this, and the
+      // one in progress (a decrypt or copy of one block, CPU only: no I/O,
+      // no other lock) ends first.
+      load.abandoned_ = true;
+      load.done_cv_.wait(lock, [&] { return load.writing_ == 0; });
       return DeadlineExceeded("TieredCache::FinishLoad: reads not done by the deadline");
     }
   }
-  const auto copy_started = Clock::now();
-  const engine::KvLayout& layout = pool_->layout();
-  const size_t n = std::min(load.values.size(), dst.size());
-  const size_t layer_bytes = static_cast<size_t>(layout.LayerBytes());
+  const auto commit_started = Clock::now();
+  const size_t n = std::min(load.from_tier.size(), load.dst.size());
   int64_t from_ram = 0, from_disk = 0;
   for (size_t i = 0; i < n; ++i) {
-    const std::string& v = load.values[i];
-    const bool grouped = load.expected[i].group.grouped();
-    const size_t offset = EncodedPayloadOffset(layout, grouped);
-    if (v.size() != EncodedBlockBytes(layout, grouped))
-      break;  // verified against this layout: cannot happen
-    for (int layer = 0; layer < layout.layers; ++layer) {
-      std::span<uint8_t> out = pool_->LayerData(dst[i], layer);
-      std::memcpy(out.data(), v.data() + offset + static_cast<size_t>(layer) * layer_bytes,
-                  layer_bytes);
-    }
-    pool_->Commit(dst[i], load.hashes[i]);
-    if (load.from_tier[i] == 1) {
-      ++from_disk;
-      if (ram_ != nullptr && options_.promote_disk_hits) {
-        (void)ram_->Put(load.hashes[i], std::move(load.values[i]));
-      }
-    } else {
-      ++from_ram;
-    }
+    pool_->Commit(load.dst[i], load.hashes[i]);
+    ++(load.from_tier[i] == 1 ? from_disk : from_ram);
   }
-  load.copy_ms = std::chrono::duration<double, std::milli>(Clock::now() - copy_started).count();
+  load.commit_ms = std::chrono::duration<double, std::milli>(Clock::now() - commit_started).count();
+  const engine::KvLayout& layout = pool_->layout();
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.restored_blocks_ram += from_ram;
   stats_.restored_blocks_disk += from_disk;
@@ -720,8 +772,8 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
                                          MakeBlockGroup(groups, g)});
     }
     const auto queued = Clock::now();
-    QueueLoad(load);
-    Result<int> filled = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
+    QueueLoad(load, dst);
+    Result<int> filled = FinishLoad(*load, Deadline::After(std::chrono::seconds(60)));
     if (filled.ok() && *filled > 0) {
       const int disk = static_cast<int>(
           std::count(load->from_tier.begin(), load->from_tier.begin() + *filled, 1));
@@ -730,7 +782,7 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
                << std::chrono::duration<double, std::milli>(Clock::now() - queued).count()
                << " ms (read, unsealed and verified in " << load->read_ms << " ms by "
                << load->read_threads << " threads; " << load->queued_ms
-               << " ms waiting for the loader, " << load->copy_ms << " ms into the pool)";
+               << " ms waiting for the loader, " << load->commit_ms << " ms committing)";
     }
     if (!filled.ok()) {
       LOG_WARNING << "kv_store: prefix load: " << filled.status().ToString();
@@ -795,9 +847,8 @@ Result<int> TieredCache::LoadIntoNewBlocks(engine::KvBlockPool* pool, const Pref
     if (!b.ok()) break;  // pool full: load what fits
     dst.push_back(*b);
   }
-  std::shared_ptr<LoadHandle> load =
-      StartLoad(m, tokens, model, tenant_salt, static_cast<int>(dst.size()));
-  Result<int> n = FinishLoad(*load, dst, Deadline::After(std::chrono::seconds(60)));
+  std::shared_ptr<LoadHandle> load = StartLoad(m, tokens, model, tenant_salt, dst);
+  Result<int> n = FinishLoad(*load, Deadline::After(std::chrono::seconds(60)));
   const size_t filled = n.ok() ? static_cast<size_t>(*n) : 0;
   for (size_t k = filled; k < dst.size(); ++k) pool->Release(dst[k]);
   out->insert(out->end(), dst.begin(), dst.begin() + static_cast<std::ptrdiff_t>(filled));

@@ -20,9 +20,9 @@
 //   // m.pool_blocks leading blocks are in the pool already (the engine's own
 //   // MatchPrefix will find them); m.external_blocks more are in RAM/disk:
 //   // m.loadable_tokens() tokens. Allocate that many pool blocks (dst) and:
-//   auto load = cache.StartLoad(m, tokens, model, salt);   // reads on "kvstore-loader"
+//   auto load = cache.StartLoad(m, tokens, model, salt, dst);  // reads on "kvstore-loader"
 //   // ... keep stepping other requests; load->Ready() says when to finish ...
-//   Result<int> n = cache.FinishLoad(*load, dst, Deadline::After(...));
+//   Result<int> n = cache.FinishLoad(*load, Deadline::After(...));
 //   // n leading dst blocks now hold verified KV and are committed under their
 //   // hashes (the engine's MatchPrefix finds them); the caller still owns one
 //   // reference on every dst block and releases it only AFTER the engine has
@@ -56,7 +56,10 @@
 // one RocksDB MultiGet for the rest) and verifies each value against the
 // expected model, layout, tenant, chain hash and tokens (block_codec.h): a
 // value that fails is a miss (counted by reason, erased from its tier), never
-// KV. FinishLoad copies the leading verified run into the caller's blocks.
+// KV. The loader writes each block straight into the caller's pool block (a
+// sealed block is decrypted there, then verified in place: the restore makes
+// no copy beyond the tier's read), and FinishLoad commits the leading
+// verified run.
 //
 // One store per worker, not one per host: RocksDB allows one writer process
 // per database (the LOCK file); sharing one store between the workers of a
@@ -123,28 +126,37 @@ class LoadHandle {
 
  private:
   friend class TieredCache;
+  // The loader writes into block k's layers only between BeginWrite (false:
+  // abandoned, write nothing) and EndWrite.
+  bool BeginWrite();
+  void EndWrite();
+  std::span<const std::span<uint8_t>> DstLayers(size_t k) const;
+
   mutable std::mutex mutex_;
-  std::condition_variable done_cv_;
-  bool done_ = false;  // guarded by mutex_
-  // Inputs (set before the handle is queued, then read-only).
+  std::condition_variable done_cv_;  // done_, and writing_ back to 0
+  bool done_ = false;                // guarded by mutex_
+  bool abandoned_ = false;           // guarded by mutex_: FinishLoad gave up
+  int writing_ = 0;                  // guarded by mutex_: writes in progress
+  // Inputs (set on the owner thread before the handle is queued, then read-only).
   std::vector<BlockHash> hashes;  // the external blocks, in prompt order
   std::vector<BlockMeta> expected;
+  std::vector<engine::BlockId> dst;            // the caller's pool block for each
+  std::vector<std::span<uint8_t>> dst_layers;  // [k * layers + l]: dst[k]'s layer l
+  size_t layers = 0;
   TimePoint queued_at;  // set by QueueLoad
   // Outputs (written by the loader before done_; read by FinishLoad after).
-  std::vector<std::string> values;  // verified encoded blocks, leading run only
-  std::vector<int> from_tier;       // 0 = RAM, 1 = disk, per value
-  double queued_ms = 0;             // waiting for the loader thread
-  double read_ms = 0;               // reading, unsealing and verifying
+  std::vector<int> from_tier;  // the leading verified run: 0 = RAM, 1 = disk
+  double queued_ms = 0;        // waiting for the loader thread
+  double read_ms = 0;          // reading, unsealing and verifying into the blocks
   int read_threads = 1;
   // Written by FinishLoad (the caller's thread).
-  double copy_ms = 0;  // into the pool's blocks, and promoting disk hits to RAM
+  double commit_ms = 0;  // committing the blocks under their hashes
 };
 
 class TieredCache {
  public:
   struct Options {
     bool write_through = true;                   // committed blocks go to disk at once (see above)
-    bool promote_disk_hits = true;               // a block loaded from disk is also put in RAM
     int64_t max_tracked_blocks = 1 << 17;        // bound of the (hash -> tokens, tenant) table
     int64_t max_write_backlog_blocks = 1 << 14;  // committed blocks waiting for the disk queue
     int max_encodes_per_pump = 256;              // bound on one Pump's work
@@ -237,18 +249,21 @@ class TieredCache {
                     std::string_view tenant_salt);
 
   // --- load side ---
-  // Starts reading the external blocks of `match` (all of them, or the first
-  // `max_blocks` when >= 0) on the loader thread. Never blocks on I/O.
+  // Starts reading the external blocks of `match` into dst[0..] (fresh
+  // blocks the caller allocated and holds: the first dst.size() external
+  // blocks, or all of them when fewer) on the loader thread. Never blocks on
+  // I/O. Until FinishLoad returns, the loader may write into every dst block.
   std::shared_ptr<LoadHandle> StartLoad(const PrefixMatch& match, std::span<const int32_t> tokens,
                                         const engine::ModelFingerprint& model,
-                                        std::string_view tenant_salt, int max_blocks = -1);
-  // Waits (until `deadline`) for `load`, then copies its leading verified
-  // blocks into dst[0..] (blocks the caller allocated and holds; dst.size()
-  // may be smaller than what was read) and commits each under its hash.
-  // Returns how many dst blocks were filled; the rest are untouched.
-  // DeadlineExceeded when the reads are not done by then (nothing copied;
-  // the handle stays valid and may be finished later).
-  Result<int> FinishLoad(LoadHandle& load, std::span<const engine::BlockId> dst, Deadline deadline);
+                                        std::string_view tenant_salt,
+                                        std::span<const engine::BlockId> dst);
+  // Waits (until `deadline`) for `load`, then commits its leading verified
+  // blocks dst[0..n) under their hashes and returns n; the caller still
+  // holds every dst block, and those after n hold no KV to use.
+  // DeadlineExceeded when the reads are not done by then: the load is
+  // abandoned (the loader writes no more into dst once this returns, having
+  // finished the block it was writing; nothing is committed).
+  Result<int> FinishLoad(LoadHandle& load, Deadline deadline);
 
   // Convenience for a synchronous caller: fills `table` (cleared first) with
   // the longest available prefix of `tokens`' full blocks: pool hits
@@ -331,8 +346,10 @@ class TieredCache {
   // Notes every group's key of blocks [first, hashes.size()) of `tokens`.
   void NoteBlocks(std::span<const BlockHash> hashes, size_t first, std::span<const int32_t> tokens,
                   const engine::ModelFingerprint& model, const Sha256Digest& salt_hash);
-  // Queues `load` (hashes and expected filled) for the loader thread.
-  std::shared_ptr<LoadHandle> QueueLoad(std::shared_ptr<LoadHandle> load);
+  // Queues `load` (hashes and expected filled) for the loader thread, to be
+  // read into `dst` (one block each; the first hashes.size() of them).
+  std::shared_ptr<LoadHandle> QueueLoad(std::shared_ptr<LoadHandle> load,
+                                        std::span<const engine::BlockId> dst);
   void OnSpill(const BlockHash& hash, engine::BlockId block);
   void Emit(const TierEvent& ev);
   void NoteLocked(const BlockHash& hash, Note note);
@@ -346,21 +363,17 @@ class TieredCache {
   // `salt_hash` under `hash`: sealed when a sealer is set, else a copy.
   Result<std::string> ForDisk(const BlockHash& hash, const Sha256Digest& salt_hash,
                               std::string_view encoded) const;
-  // The encoded block in `stored`, a value the disk tier returned for `hash`
-  // (opened when a sealer is set); kNone, or the miss reason.
-  MissReason FromDisk(const BlockHash& hash, const Sha256Digest& salt_hash, std::string stored,
-                      std::string* encoded) const;
+  // Puts the block `stored` (a value the disk tier returned for `hash`) into
+  // `dst` (its layers): opened in place when a sealer is set, then verified
+  // against `expected`. kNone, or the miss reason (dst then holds no KV).
+  MissReason FromDisk(const BlockHash& hash, const BlockMeta& expected, std::string_view stored,
+                      std::span<const std::span<uint8_t>> dst) const;
   void LoaderLoop();
   void ReadLoad(LoadHandle& load);
-  // One block of a load as read: a verified encoded value from RAM (from 0)
-  // or disk (from 1), or a miss (from -1, value empty).
-  struct ReadResult {
-    std::string value;
-    int from = -1;
-  };
-  // Reads and verifies blocks [begin, end) of `load`, up to and including
-  // the first miss.
-  std::vector<ReadResult> ReadRange(const LoadHandle& load, size_t begin, size_t end);
+  // Reads blocks [begin, end) of `load` into their dst blocks, up to and
+  // including the first miss: per block the tier it came from (0 RAM, 1 disk)
+  // or -1 (a miss, or the load was abandoned), -1 last.
+  std::vector<int> ReadRange(LoadHandle& load, size_t begin, size_t end);
   // ReadLoad's split: a thread per this many blocks, at most
   // min(kMaxReadThreads, twice the CPUs).
   static constexpr size_t kMinBlocksPerReadThread = 8;

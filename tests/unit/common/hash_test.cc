@@ -2,6 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
 namespace kvrelay {
 namespace {
 
@@ -22,6 +26,29 @@ TEST(HashTest, Xxh3SeedAndContentMatter) {
   EXPECT_EQ(Xxh3_64(data, 7), Xxh3_64(data, 7));
   EXPECT_NE(Xxh3_64(data, 7), Xxh3_64(data, 6));
   EXPECT_NE(Xxh3_64(data, 7, 1), Xxh3_64(data, 7, 2));
+}
+
+// The one-shot function is the reference: a stream fed the same bytes in any
+// pieces gives its value (short inputs, the 240-byte boundary, inputs longer
+// than the stream's 256-byte buffer, pieces that straddle it).
+TEST(HashTest, Xxh3StreamEqualsOneShotOverAnySplit) {
+  std::vector<uint8_t> data(5000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + (i >> 7));
+  for (const size_t size :
+       {size_t{0}, size_t{7}, size_t{240}, size_t{241}, size_t{1025}, data.size()}) {
+    for (const uint64_t seed : {uint64_t{0}, uint64_t{0x9e3779b97f4a7c15}}) {
+      const uint64_t want = Xxh3_64(data.data(), size, seed);
+      for (const size_t piece : {size_t{1}, size_t{13}, size_t{256}, size_t{1000}}) {
+        Xxh3Stream s(seed);
+        for (size_t at = 0; at < size; at += piece)
+          s.Update(data.data() + at, std::min(piece, size - at));
+        EXPECT_EQ(s.Digest(), want) << "size " << size << " seed " << seed << " piece " << piece;
+      }
+    }
+  }
+  Xxh3Stream other(1);
+  other.Update(data.data(), 100);
+  EXPECT_NE(other.Digest(), Xxh3_64(data.data(), 100, 0)) << "the seed matters";
 }
 
 }  // namespace

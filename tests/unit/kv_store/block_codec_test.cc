@@ -83,6 +83,32 @@ TEST(BlockCodecTest, EverySingleBitFlipIsDetected) {
   }
 }
 
+// The payload in pieces (a block restored into the pool's layers): the
+// checksum spans every piece, so a flip in any layer is caught, and pieces
+// that do not add up to the block are kTruncated.
+TEST(BlockCodecTest, VerifyBlockChecksTheWholePayloadAcrossItsPieces) {
+  const auto b = MakeBlock(6);
+  const std::string enc = b.Encoded();
+  const std::string head = enc.substr(0, EncodedPayloadOffset(b.meta.layout));
+  std::vector<std::vector<uint8_t>> layers = b.layers;
+  auto pieces = [&] { return std::vector<std::span<const uint8_t>>(layers.begin(), layers.end()); };
+  ASSERT_EQ(VerifyBlock(head, pieces(), b.meta), MissReason::kNone);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (const size_t at : {size_t{0}, layers[l].size() / 2, layers[l].size() - 1}) {
+      layers[l][at] ^= 0x10;
+      EXPECT_EQ(VerifyBlock(head, pieces(), b.meta), MissReason::kChecksum) << l << " " << at;
+      layers[l][at] ^= 0x10;
+    }
+  }
+  std::vector<std::span<const uint8_t>> fewer = pieces();
+  fewer.pop_back();
+  EXPECT_EQ(VerifyBlock(head, fewer, b.meta), MissReason::kTruncated);
+  EXPECT_EQ(VerifyBlock(head.substr(0, head.size() - 4), pieces(), b.meta), MissReason::kTruncated);
+  auto other = b.meta;
+  other.tokens[0] ^= 1;
+  EXPECT_EQ(VerifyBlock(head, pieces(), other), MissReason::kTokens);
+}
+
 TEST(BlockCodecTest, TruncationAndGarbageAreMisses) {
   const auto b = MakeBlock(5);
   const std::string enc = b.Encoded();

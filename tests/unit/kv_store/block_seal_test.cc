@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +43,48 @@ TEST(BlockSealTest, OpensToTheSameBytesAndHidesTheTokens) {
   // A sealer made again from the same secret (a restart) opens it too.
   EXPECT_EQ(Sealer()->Open(b.meta.hash, b.meta.tenant_salt_hash, *sealed, &opened),
             MissReason::kNone);
+}
+
+// OpenInto decrypts into the caller's pieces (a restore's head buffer and
+// the pool's layers): the same bytes as Open, and VerifyBlock accepts them
+// there. Pieces that do not add up to the block are refused before any
+// write; a block that does not authenticate leaves them wiped.
+TEST(BlockSealTest, OpensIntoPiecesAndWipesThemWhenItFails) {
+  const testing::TestBlock b = testing::MakeBlock(3);
+  const std::string plain = b.Encoded();
+  auto sealer = Sealer();
+  const std::string sealed = sealer->Seal(b.meta.hash, b.meta.tenant_salt_hash, plain).value();
+  const size_t head_bytes = EncodedPayloadOffset(b.meta.layout);
+  std::string head(head_bytes, 'x');
+  std::vector<std::vector<uint8_t>> layers(b.layers.size());
+  std::vector<std::span<uint8_t>> parts{
+      std::span<uint8_t>(reinterpret_cast<uint8_t*>(head.data()), head.size())};
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layers[l].assign(b.layers[l].size(), 0x5A);
+    parts.emplace_back(layers[l]);
+  }
+  ASSERT_EQ(sealer->OpenInto(b.meta.hash, b.meta.tenant_salt_hash, sealed, parts),
+            MissReason::kNone);
+  EXPECT_EQ(head, plain.substr(0, head_bytes));
+  EXPECT_EQ(layers, b.layers);
+  const std::vector<std::span<const uint8_t>> payload(layers.begin(), layers.end());
+  EXPECT_EQ(VerifyBlock(head, payload, b.meta), MissReason::kNone);
+
+  // One byte short: nothing written.
+  std::vector<uint8_t> short_layer(b.layers.back().size() - 1, 0x5A);
+  std::vector<std::span<uint8_t>> short_parts(parts.begin(), parts.end() - 1);
+  short_parts.emplace_back(short_layer);
+  EXPECT_EQ(sealer->OpenInto(b.meta.hash, b.meta.tenant_salt_hash, sealed, short_parts),
+            MissReason::kTruncated);
+  EXPECT_TRUE(
+      std::all_of(short_layer.begin(), short_layer.end(), [](uint8_t x) { return x == 0x5A; }));
+
+  // Another tenant: kAuth, and the pieces hold nothing of the plaintext.
+  EXPECT_EQ(sealer->OpenInto(b.meta.hash, TenantSaltHash("tenant-b"), sealed, parts),
+            MissReason::kAuth);
+  for (const std::span<uint8_t> part : parts) {
+    EXPECT_TRUE(std::all_of(part.begin(), part.end(), [](uint8_t x) { return x == 0; }));
+  }
 }
 
 TEST(BlockSealTest, EverySealUsesAFreshNonce) {

@@ -162,8 +162,8 @@ class StorePrivacyTest : public ::testing::Test {
     EXPECT_EQ(m.external_blocks, kBlocks) << "the index knows every block";
     std::vector<BlockId> dst;
     for (int i = 0; i < kBlocks; ++i) dst.push_back(pool->Allocate().value());
-    auto load = cache.StartLoad(m, tokens, model_, salt);
-    const int n = cache.FinishLoad(*load, dst, Deadline::AfterMs(10000)).value();
+    auto load = cache.StartLoad(m, tokens, model_, salt, dst);
+    const int n = cache.FinishLoad(*load, Deadline::AfterMs(10000)).value();
     std::vector<std::string> kv;
     for (int i = 0; i < n; ++i) kv.push_back(BlockBytes(pool.get(), dst[static_cast<size_t>(i)]));
     for (BlockId b : dst) pool->Release(b);

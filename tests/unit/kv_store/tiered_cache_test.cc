@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <random>
 
 #include "kv_store/rocksdb_tier.h"
@@ -376,8 +379,8 @@ TEST_P(TieredCacheTest, CommittedBlocksAreWrittenThroughAndSurviveACleanRestart)
   EXPECT_EQ(m.loadable_tokens(), 56);
   std::vector<BlockId> dst;
   for (int i = 0; i < 7; ++i) dst.push_back(pool->Allocate().value());
-  auto load = cache.StartLoad(m, tokens, model, kSalt);
-  auto n = cache.FinishLoad(*load, dst, Deadline::AfterMs(10000));
+  auto load = cache.StartLoad(m, tokens, model, kSalt, dst);
+  auto n = cache.FinishLoad(*load, Deadline::AfterMs(10000));
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(*n, 7);
   EXPECT_EQ(disk->stats().get_batches, 1) << "one MultiGet for the whole prefix";
@@ -426,13 +429,105 @@ TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
   EXPECT_EQ(m.external_blocks, 4);  // the index cannot know
   std::vector<BlockId> dst;
   for (int i = 0; i < 4; ++i) dst.push_back(pool2->Allocate().value());
-  auto load = cache2.StartLoad(m, tokens, model, kSalt);
-  EXPECT_EQ(*cache2.FinishLoad(*load, dst, Deadline::AfterMs(10000)), 2);
+  auto load = cache2.StartLoad(m, tokens, model, kSalt, dst);
+  EXPECT_EQ(*cache2.FinishLoad(*load, Deadline::AfterMs(10000)), 2);
   EXPECT_EQ(cache2.stats().misses[static_cast<size_t>(MissReason::kChecksum)], 1);
   EXPECT_FALSE(pool2->IsCached(hashes[2]));
   EXPECT_FALSE(disk->Contains(hashes[2])) << "a value that never verifies is erased";
   for (BlockId b : dst) pool2->Release(b);
   cache2.Detach();
+}
+
+// A disk whose reads wait at a gate the test opens: a stalled device. The
+// rest is the real tier underneath.
+class StalledTier : public KvTier {
+ public:
+  explicit StalledTier(KvTier* inner) : inner_(inner) {}
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  std::string_view name() const override { return "stalled"; }
+  Status Put(const BlockHash& hash, std::string value) override {
+    return inner_->Put(hash, std::move(value));
+  }
+  Result<std::string> Get(const BlockHash& hash) override {
+    Wait();
+    return inner_->Get(hash);
+  }
+  std::vector<Result<std::string>> GetBatch(std::span<const BlockHash> hashes) override {
+    Wait();
+    return inner_->GetBatch(hashes);
+  }
+  bool Contains(const BlockHash& hash) override { return inner_->Contains(hash); }
+  Status Erase(const BlockHash& hash) override { return inner_->Erase(hash); }
+  int64_t capacity_bytes() const override { return inner_->capacity_bytes(); }
+  int64_t used_bytes() const override { return inner_->used_bytes(); }
+  TierStats stats() const override { return inner_->stats(); }
+
+ private:
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [&] { return open_; });
+  }
+  KvTier* const inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// The loader writes a restored block straight into the caller's pool block.
+// When FinishLoad gives up at its deadline (a stalled disk), the blocks are
+// the caller's again at once: a read that completes later writes nothing
+// into them and commits nothing.
+TEST_P(TieredCacheTest, AnAbandonedLoadNeverWritesIntoTheCallersBlocks) {
+  const auto layout = Layout(GetParam());
+  const auto model = testing::Fingerprint(9);
+  const auto tokens = Tokens(4 * 8, 24);
+  auto disk = RocksDbTier::Open(DiskOpts()).value();
+  {
+    TieredCache cache({}, nullptr, disk.get());
+    auto pool = MakePool(layout, 16);
+    AttachScope attached(cache, pool.get());
+    (void)cache.Match(tokens, model, kSalt);
+    Prefill(pool.get(), tokens, model, kSalt);
+    ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  }
+  StalledTier stalled(disk.get());
+  auto pool = MakePool(layout, 16);
+  std::vector<BlockId> dst;
+  {
+    TieredCache cache({}, nullptr, &stalled);
+    AttachScope attached(cache, pool.get());
+    PrefixMatch m = cache.Match(tokens, model, kSalt);
+    ASSERT_EQ(m.external_blocks, 4);
+    for (int i = 0; i < 4; ++i) dst.push_back(pool->Allocate().value());
+    auto load = cache.StartLoad(m, tokens, model, kSalt, dst);
+    Result<int> n = cache.FinishLoad(*load, Deadline::AfterMs(100));
+    ASSERT_EQ(n.status().code(), StatusCode::kDeadlineExceeded) << n.status().ToString();
+    // The caller uses its blocks for something else; then the disk wakes up
+    // and the loader finishes its read (the cache joins it when it goes).
+    for (BlockId b : dst) {
+      for (int l = 0; l < layout.layers; ++l) {
+        auto d = pool->LayerData(b, l);
+        std::fill(d.begin(), d.end(), uint8_t{0xA5});
+      }
+    }
+    stalled.Open();
+  }
+  for (BlockId b : dst) {
+    for (int l = 0; l < layout.layers; ++l) {
+      auto d = pool->LayerData(b, l);
+      ASSERT_TRUE(std::all_of(d.begin(), d.end(), [](uint8_t x) { return x == 0xA5; }))
+          << "block " << b << " layer " << l << " was written after FinishLoad gave it back";
+    }
+  }
+  auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
+  for (const BlockHash& h : hashes) EXPECT_FALSE(pool->IsCached(h));
+  for (BlockId b : dst) pool->Release(b);
 }
 
 // A long load is read in parts by several threads (ReadLoad); what it
@@ -469,8 +564,8 @@ TEST_P(TieredCacheTest, ALoadReadInPartsEndsAtItsFirstBadBlock) {
     PrefixMatch m = cache.Match(tokens, model, kSalt);
     std::vector<BlockId> dst;
     for (int i = 0; i < m.external_blocks; ++i) dst.push_back(pool->Allocate().value());
-    auto load = cache.StartLoad(m, tokens, model, kSalt);
-    Result<int> n = cache.FinishLoad(*load, dst, Deadline::AfterMs(30000));
+    auto load = cache.StartLoad(m, tokens, model, kSalt, dst);
+    Result<int> n = cache.FinishLoad(*load, Deadline::AfterMs(30000));
     ASSERT_TRUE(n.ok()) << n.status().ToString();
     EXPECT_EQ(*n, bad);
     for (int b = 0; b < *n; ++b) {
