@@ -171,6 +171,7 @@ int Run(const std::vector<std::string>& args) {
   disk_opts.path = dir.string();
   disk_opts.max_queue_blocks = 4096;
   disk_opts.max_queue_bytes = 4LL << 30;
+  disk_opts.verify_value_checksums = false;  // as the prefill worker opens its store
   auto ram = kv_store::HostRamTier::Create({.capacity_bytes = 4LL << 30}).value();
 
   // The worker's disk blocks are sealed (kv_store/block_seal.h); --seal

@@ -364,6 +364,14 @@ Status RocksDbTier::TryOpen(bool after_repair) {
   db_ = db;
   data_cf_ = handles[0];
   meta_cf_ = handles[1];
+  if (!options_.verify_value_checksums) {
+    // Reads will not check the tables' blocks: check them all now.
+    rocksdb::Status verified = db_->VerifyChecksum();
+    if (!verified.ok()) {
+      CloseDb();
+      return FromRocks(verified, "verifying the tables of " + options_.path);
+    }
+  }
   Status rebuilt = RebuildIndex(after_repair);
   if (!rebuilt.ok()) {
     CloseDb();
@@ -398,7 +406,11 @@ Status RocksDbTier::OpenReadOnly(const std::string& why) {
   db_ = db;
   data_cf_ = handles[0];
   meta_cf_ = handles[1];
-  Status rebuilt = RebuildIndex(/*reconcile_values=*/false);
+  Status rebuilt = Status::Ok();
+  if (!options_.verify_value_checksums) {  // as in TryOpen
+    rebuilt = FromRocks(db_->VerifyChecksum(), "verifying the tables");
+  }
+  if (rebuilt.ok()) rebuilt = RebuildIndex(/*reconcile_values=*/false);
   if (!rebuilt.ok()) {
     LOG_ERROR << "kv_store: read-only " << options_.path << ": " << rebuilt.ToString()
               << "; the disk tier is off until a restart";
@@ -878,7 +890,7 @@ std::vector<Result<std::string>> RocksDbTier::GetBatch(std::span<const BlockHash
   std::vector<rocksdb::PinnableSlice> values(reads.size());
   std::vector<rocksdb::Status> statuses(reads.size());
   rocksdb::ReadOptions ro;
-  ro.verify_checksums = true;
+  ro.verify_checksums = options_.verify_value_checksums;
   {
     std::shared_lock<std::shared_mutex> db_lock(db_mutex_);
     if (db_ != nullptr) {

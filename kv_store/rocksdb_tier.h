@@ -149,6 +149,15 @@ class RocksDbTier final : public KvTier {
     // the tables first, then the newest blob files), so that the first
     // restores after a restart or a reboot read memory, not the disk. 0: off.
     int64_t prefetch_bytes = 0;
+    // false: values are read without RocksDB's checksums (ReadOptions::
+    // verify_checksums), for a caller that verifies every value it reads and
+    // erases one that fails, as TieredCache does (each value is an encoded
+    // block whose xxh3 covers every byte; a sealed one has a GCM tag too).
+    // Debian's portable librocksdb checks blob records with a table-driven
+    // CRC32C (~1.5 GB/s): half the CPU of a restore, for nothing the codec
+    // does not catch. The tables (keys, blob references) are then verified
+    // whole at open (DB::VerifyChecksum; a failure is damage, see above).
+    bool verify_value_checksums = true;
     // Events kept for TakeEvents(); beyond it the oldest are dropped and
     // TakeEvents reports the overflow (the consumer re-announces KeysLruOrder()).
     int64_t max_pending_events = 1 << 16;

@@ -45,6 +45,10 @@ Status PrefillRole::Init(worker::WorkerContext& ctx) {
     // tier holds, are read from disk in the background before any request
     // asks for them.
     disk.prefetch_bytes = o.kv_ram_tier_bytes;
+    // The tiered cache verifies every block it reads (codec checksum, and
+    // the seal's tag) and erases what fails: RocksDB's own value checksums
+    // would only repeat that, slowly (rocksdb_tier.h).
+    disk.verify_value_checksums = false;
     ASSIGN_OR_RETURN(disk_tier_, kv_store::RocksDbTier::Open(disk));
     // Blocks on disk are sealed with keys derived from the cluster key and
     // each tenant's salt: a copied store is unreadable without the key.
