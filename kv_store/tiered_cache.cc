@@ -554,9 +554,21 @@ void TieredCache::ReadLoad(LoadHandle& load) {
 }
 
 std::vector<int> TieredCache::ReadRange(LoadHandle& load, size_t begin, size_t end) {
-  const size_t n = end - begin;
   std::vector<int> out;
-  if (n == 0) return out;
+  if (begin == end) return out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.load_batches;
+  }
+  out.reserve(end - begin);
+  for (size_t at = begin; at < end; at += kBlocksPerRead) {
+    if (!ReadChunk(load, at, std::min(end, at + kBlocksPerRead), &out)) break;
+  }
+  return out;
+}
+
+bool TieredCache::ReadChunk(LoadHandle& load, size_t begin, size_t end, std::vector<int>* out) {
+  const size_t n = end - begin;
   const std::span<const BlockHash> hashes(load.hashes.data() + begin, n);
   std::vector<Result<std::string>> from_ram;
   if (ram_ != nullptr) from_ram = ram_->GetBatch(hashes);
@@ -573,17 +585,12 @@ std::vector<int> TieredCache::ReadRange(LoadHandle& load, size_t begin, size_t e
     std::vector<Result<std::string>> got = disk_->GetBatch(keys);
     for (size_t k = 0; k < want_disk.size(); ++k) from_disk[want_disk[k]] = std::move(got[k]);
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++stats_.load_batches;
-  }
-  out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const BlockMeta& expected = load.expected[begin + i];
     const std::span<const std::span<uint8_t>> dst = load.DstLayers(begin + i);
     if (!load.BeginWrite()) {  // FinishLoad gave up: the blocks are the caller's again
-      out.push_back(-1);
-      break;
+      out->push_back(-1);
+      return false;
     }
     int from = -1;
     MissReason last = MissReason::kNotFound;
@@ -617,13 +624,13 @@ std::vector<int> TieredCache::ReadRange(LoadHandle& load, size_t begin, size_t e
       }
     }
     load.EndWrite();
-    out.push_back(from);
+    out->push_back(from);
     if (from < 0) {
       if (last == MissReason::kNotFound || last == MissReason::kStorageError) CountMiss(last);
-      break;  // a prefix ends at its first miss
+      return false;  // a prefix ends at its first miss
     }
   }
-  return out;
+  return true;
 }
 
 Result<int> TieredCache::FinishLoad(LoadHandle& load, Deadline deadline) {

@@ -374,6 +374,13 @@ class TieredCache {
   // including the first miss: per block the tier it came from (0 RAM, 1 disk)
   // or -1 (a miss, or the load was abandoned), -1 last.
   std::vector<int> ReadRange(LoadHandle& load, size_t begin, size_t end);
+  // ReadRange's steps: one GetBatch per tier for blocks [begin, end), each
+  // block put into its dst block, per block appended to `out`; false after a
+  // miss. A chunk's values (RocksDB's buffers, two copies of each block) are
+  // freed before the next chunk is read, so a restore reuses a few chunks of
+  // memory instead of faulting in two fresh copies of the whole prefix.
+  bool ReadChunk(LoadHandle& load, size_t begin, size_t end, std::vector<int>* out);
+  static constexpr size_t kBlocksPerRead = 8;
   // ReadLoad's split: a thread per this many blocks, at most
   // min(kMaxReadThreads, twice the CPUs).
   static constexpr size_t kMinBlocksPerReadThread = 8;

@@ -383,7 +383,7 @@ TEST_P(TieredCacheTest, CommittedBlocksAreWrittenThroughAndSurviveACleanRestart)
   auto n = cache.FinishLoad(*load, Deadline::AfterMs(10000));
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(*n, 7);
-  EXPECT_EQ(disk->stats().get_batches, 1) << "one MultiGet for the whole prefix";
+  EXPECT_EQ(disk->stats().get_batches, 1) << "one MultiGet for a prefix of up to 8 blocks";
   for (size_t b = 0; b < dst.size(); ++b) {
     for (int layer = 0; layer < layout.layers; ++layer) {
       auto got = pool->LayerData(dst[b], layer);
