@@ -445,7 +445,7 @@ std::shared_ptr<LoadHandle> TieredCache::StartLoad(const PrefixMatch& match,
   const int bt = match.block_tokens;
   const Sha256Digest salt_hash = TenantSaltHash(tenant_salt);
   for (int k = 0; k < n && pool_ != nullptr; ++k) {
-    const size_t i = static_cast<size_t>(match.pool_blocks + k);
+    const size_t i = static_cast<size_t>(match.pool_blocks) + static_cast<size_t>(k);
     if (i >= match.hashes.size() || (i + 1) * static_cast<size_t>(bt) > tokens.size()) break;
     load->hashes.push_back(match.hashes[i]);
     load->expected.push_back(
@@ -769,28 +769,7 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
       at(avail, to_read[r].first, to_read[r].second) = 0;
     }
     if (dst.empty()) continue;
-    auto load = std::make_shared<LoadHandle>();
-    for (size_t r = 0; r < dst.size(); ++r) {
-      const auto [g, i] = to_read[r];
-      auto begin = prefix.tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
-      load->hashes.push_back(key(g, i));
-      load->expected.push_back(BlockMeta{model, pool_->layout(), salt_hash, key(g, i),
-                                         std::vector<int32_t>(begin, begin + bt),
-                                         MakeBlockGroup(groups, g)});
-    }
-    const auto queued = Clock::now();
-    QueueLoad(load, dst);
-    Result<int> filled = FinishLoad(*load, Deadline::After(std::chrono::seconds(60)));
-    if (filled.ok() && *filled > 0) {
-      const int disk = static_cast<int>(
-          std::count(load->from_tier.begin(), load->from_tier.begin() + *filled, 1));
-      LOG_INFO << "kv_store: restored " << *filled << " blocks (" << disk << " from disk, "
-               << (*filled * pool_->layout().BlockBytes()) / (1 << 20) << " MiB) in "
-               << std::chrono::duration<double, std::milli>(Clock::now() - queued).count()
-               << " ms (read, unsealed and verified in " << load->read_ms << " ms by "
-               << load->read_threads << " threads; " << load->queued_ms
-               << " ms waiting for the loader, " << load->commit_ms << " ms committing)";
-    }
+    Result<int> filled = ReadIntoBlocks(prefix, model, groups, salt_hash, to_read, dst);
     if (!filled.ok()) {
       LOG_WARNING << "kv_store: prefix load: " << filled.status().ToString();
       for (engine::BlockId b : dst) pool_->Release(b);
@@ -823,6 +802,39 @@ Result<int64_t> TieredCache::LoadMissing(const engine::PrefixLookup& prefix,
     }
   }
   return hit - first;
+}
+
+Result<int> TieredCache::ReadIntoBlocks(const engine::PrefixLookup& prefix,
+                                        const engine::ModelFingerprint& model,
+                                        const engine::KvCacheGroups& groups,
+                                        const Sha256Digest& salt_hash,
+                                        std::span<const std::pair<int, int64_t>> to_read,
+                                        std::span<const engine::BlockId> dst) {
+  const int bt = pool_->layout().block_tokens;
+  auto load = std::make_shared<LoadHandle>();
+  for (size_t r = 0; r < dst.size() && r < to_read.size(); ++r) {
+    const auto [g, i] = to_read[r];
+    const BlockHash key = engine::GroupBlockHash(prefix.hashes[static_cast<size_t>(i)], g);
+    auto begin = prefix.tokens.begin() + static_cast<std::ptrdiff_t>(i * bt);
+    load->hashes.push_back(key);
+    load->expected.push_back(BlockMeta{model, pool_->layout(), salt_hash, key,
+                                       std::vector<int32_t>(begin, begin + bt),
+                                       MakeBlockGroup(groups, g)});
+  }
+  const auto queued = Clock::now();
+  QueueLoad(load, dst);
+  Result<int> filled = FinishLoad(*load, Deadline::After(std::chrono::seconds(60)));
+  if (filled.ok() && *filled > 0) {
+    const int disk =
+        static_cast<int>(std::count(load->from_tier.begin(), load->from_tier.begin() + *filled, 1));
+    LOG_INFO << "kv_store: restored " << *filled << " blocks (" << disk << " from disk, "
+             << (*filled * pool_->layout().BlockBytes()) / (1 << 20) << " MiB) in "
+             << std::chrono::duration<double, std::milli>(Clock::now() - queued).count()
+             << " ms (read, unsealed and verified in " << load->read_ms << " ms by "
+             << load->read_threads << " threads; " << load->queued_ms
+             << " ms waiting for the loader, " << load->commit_ms << " ms committing)";
+  }
+  return filled;
 }
 
 void TieredCache::LoadPrefix(const engine::PrefixLookup& prefix,

@@ -337,6 +337,15 @@ class TieredCache {
                                 const engine::ModelFingerprint& model, std::string_view tenant_salt,
                                 std::vector<engine::BlockId>* out);
 
+  // LoadMissing's reads: the blocks to_read[r] ((group, block) of `prefix`)
+  // into dst[r], committed; returns how many of the leading ones were filled
+  // (logs the restore).
+  Result<int> ReadIntoBlocks(const engine::PrefixLookup& prefix,
+                             const engine::ModelFingerprint& model,
+                             const engine::KvCacheGroups& groups, const Sha256Digest& salt_hash,
+                             std::span<const std::pair<int, int64_t>> to_read,
+                             std::span<const engine::BlockId> dst);
+
   struct Note {
     engine::ModelFingerprint model;
     Sha256Digest salt_hash;
