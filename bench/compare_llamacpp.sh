@@ -5,7 +5,9 @@
 #
 #   bench/compare_llamacpp.sh [--model M | --gemma] [--threads T] [--reps N] [--pp 512] [--tg 128]
 #                             [--llama-build native|avx2] [--kvrelay path/to/kvrelay]
-#                             [--llama-bench path/to/llama-bench] [--python-llama]
+#                             [--llama-bench path/to/llama-bench] [--python-llama] [--out DIR]
+# --out DIR also writes what it prints to DIR/compare.txt, for
+#   bench/report.py record engine DIR   (docs/BENCHMARKS.md's engine table).
 # --gemma = --model models/gemma-3-270m-q4_k_m.gguf (scripts/fetch-model.sh gemma3-270m).
 #
 # llama.cpp: its own llama-bench (one untimed warm-up, then one timed run per
@@ -31,6 +33,7 @@ kvrelay=""
 llama_bench=""
 llama_build=native
 python_llama=0
+out_dir=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) model=$2; shift 2 ;;
@@ -43,6 +46,7 @@ while [[ $# -gt 0 ]]; do
     --llama-bench) llama_bench=$2; shift 2 ;;
     --llama-build) llama_build=$2; shift 2 ;;
     --python-llama) python_llama=1; shift ;;
+    --out) out_dir=$2; shift 2 ;;
     *) echo "compare_llamacpp.sh: unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -77,13 +81,20 @@ else
 fi
 
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+# Prints a line, and keeps it in $out_dir/compare.txt with --out.
+if [[ -n "$out_dir" ]]; then mkdir -p "$out_dir" && : >"$out_dir/compare.txt"; fi
+say() {
+  echo "$*"
+  if [[ -n "$out_dir" ]]; then echo "$*" >>"$out_dir/compare.txt"; fi
+}
 
 kv_pp=(); kv_tg=(); ll_pp=(); ll_tg=()
-echo "model $model, threads $threads, $reps alternating runs each (pp$pp, tg$tg)," \
+say "model $model, threads $threads, $reps alternating runs each (pp$pp, tg$tg)," \
   "llama.cpp build $llama_build${KVRELAY_KERNELS:+, kvrelay kernels $KVRELAY_KERNELS}"
 for ((i = 1; i <= reps; i++)); do
   out=$("$kvrelay" bench engine --model "$model" --threads "$threads" --reps 1 --pp "$pp" \
         --tg "$tg" --skip-batches)
+  kernels=$(sed -n 's/.*, kernels \([^,]*\),.*/\1/p' <<<"$out" | head -1)
   kv_pp+=("$(awk -v k="pp$pp" '$1==k {print $2}' <<<"$out")")
   kv_tg+=("$(awk -v k="tg$tg" '$1==k {print $2}' <<<"$out")")
   if [[ -n "$llama_bench" ]]; then
@@ -101,10 +112,11 @@ print("pp %.2f tg %.2f llama-bench %s" % (pp, tg, d[0].get("build_commit", "?"))
   ll_pp+=("$(awk '{print $2}' <<<"$out")")
   ll_tg+=("$(awk '{print $4}' <<<"$out")")
   llver=$(awk '{print $5, $6}' <<<"$out")
-  echo "run $i: kvrelay pp ${kv_pp[-1]} tg ${kv_tg[-1]} | llama.cpp pp ${ll_pp[-1]} tg ${ll_tg[-1]}"
+  say "run $i: kvrelay pp ${kv_pp[-1]} tg ${kv_tg[-1]} | llama.cpp pp ${ll_pp[-1]} tg ${ll_tg[-1]}"
 done
 kpp=$(printf '%s\n' "${kv_pp[@]}" | median); ktg=$(printf '%s\n' "${kv_tg[@]}" | median)
 lpp=$(printf '%s\n' "${ll_pp[@]}" | median); ltg=$(printf '%s\n' "${ll_tg[@]}" | median)
-echo "median tok/s       kvrelay   llama.cpp ($llver)   ratio kvrelay/llama.cpp"
-awk -v a="$kpp" -v b="$lpp" -v n="pp$pp" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
-awk -v a="$ktg" -v b="$ltg" -v n="tg$tg" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f\n", n, a, b, a / b}'
+say "kvrelay kernels $kernels, llama.cpp $llver"
+say "median tok/s       kvrelay   llama.cpp ($llver)   ratio kvrelay/llama.cpp"
+say "$(awk -v a="$kpp" -v b="$lpp" -v n="pp$pp" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f", n, a, b, a / b}')"
+say "$(awk -v a="$ktg" -v b="$ltg" -v n="tg$tg" 'BEGIN {printf "%-16s %9.2f %11.2f %38.3f", n, a, b, a / b}')"

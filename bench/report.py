@@ -5,6 +5,8 @@
       one run of bench/prefix_restart.sh (its OUT directory: results.jsonl and serve2.log)
   bench/report.py record overload OUT --slo-ms MS [--config defaults] [--label L] [...]
       one run of bench/overload.sh (its -O directory of `kvrelay bench serve --json` files)
+  bench/report.py record engine OUT [...]
+      one run of bench/compare_llamacpp.sh --out OUT (its compare.txt)
   bench/report.py render [--doc docs/BENCHMARKS.md]
       rewrites every generated block of the page from bench/results/
   bench/report.py check [--doc docs/BENCHMARKS.md]
@@ -108,6 +110,34 @@ def record_prefix_restart(out):
     }
 
 
+def record_engine(out):
+    """kvrelay beside llama.cpp: the medians of compare_llamacpp.sh's alternated runs."""
+    path = os.path.join(out, "compare.txt")
+    with open(path) as f:
+        text = f.read()
+    head = re.search(r"^model (\S+), threads (\d+), (\d+) alternating runs each \(pp(\d+), tg(\d+)\), "
+                     r"llama.cpp build (\w+)", text, re.M)
+    who = re.search(r"^kvrelay kernels (\S*), llama.cpp (.*)$", text, re.M)
+    runs = [tuple(map(float, m.groups()[1:])) for m in re.finditer(
+        r"^run (\d+): kvrelay pp ([\d.]+) tg ([\d.]+) \| llama.cpp pp ([\d.]+) tg ([\d.]+)$", text, re.M)]
+    if not head or not who or not runs:
+        raise SystemExit(f"{path}: not the output of a finished bench/compare_llamacpp.sh run")
+    # The script's median: the lower middle value of an even count.
+    med = [statistics.median_low(r[k] for r in runs) for k in range(4)]
+    return {
+        "date": file_time(path),
+        "model": os.path.basename(head.group(1)),
+        "threads": int(head.group(2)),
+        "reps": len(runs),
+        "pp": int(head.group(4)),
+        "tg": int(head.group(5)),
+        "llama_build": head.group(6),
+        "kernels": who.group(1) or "?",
+        "llama_version": who.group(2).strip(),
+        "kvrelay_pp": med[0], "kvrelay_tg": med[1], "llama_pp": med[2], "llama_tg": med[3],
+    }
+
+
 def record_overload(out, slo_ms, config):
     """Goodput of each open loop against the best closed loop run beside it."""
     from overload_report import load, window_goodput
@@ -191,7 +221,34 @@ def render_overload(data):
     return lines
 
 
-RENDERERS = {"prefix_restart": render_prefix_restart, "overload": render_overload}
+def render_engine(data):
+    runs = data["runs"]
+    lines = ["| run | recorded | model | kvrelay kernels / llama.cpp build | pp: kvrelay / llama.cpp | ratio | "
+             "tg: kvrelay / llama.cpp | ratio |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for i, r in enumerate(runs, 1):
+        lines.append(f"| {i} | {r['date']}, `{r['commit']}`, {r['conditions']}, {r['host']} | {r['model']}, "
+                     f"{r['threads']} threads, {r['reps']} runs | {r['kernels']} / {r['llama_build']} | "
+                     f"pp{r['pp']} {r['kvrelay_pp']:,.1f} / {r['llama_pp']:,.1f} tok/s | "
+                     f"{r['kvrelay_pp'] / r['llama_pp']:.2f} | tg{r['tg']} {r['kvrelay_tg']:,.1f} / "
+                     f"{r['llama_tg']:,.1f} | {r['kvrelay_tg'] / r['llama_tg']:.2f} |")
+    goal = data["goal_ratio"]
+    latest = {}
+    for r in runs:  # the newest run of each (host, model)
+        latest[(r["host"], r["model"])] = r
+    parts = []
+    for (host, model), r in sorted(latest.items()):
+        pp, tg = r["kvrelay_pp"] / r["llama_pp"], r["kvrelay_tg"] / r["llama_tg"]
+        met = "met" if min(pp, tg) >= goal else "**missed**"
+        parts.append(f"{model} on {host}: pp {pp:.2f}×, tg {tg:.2f}× ({met})")
+    lines.append("")
+    lines.append(f"Newest run of each model and host, kvrelay ÷ llama.cpp (goal ≥ {goal}× on both): "
+                 + "; ".join(parts) + ".")
+    return lines
+
+
+RENDERERS = {"prefix_restart": render_prefix_restart, "overload": render_overload,
+             "engine": render_engine}
 
 
 def render_doc(text):
@@ -224,6 +281,8 @@ def main(argv):
     if a.cmd == "record":
         if a.name == "prefix_restart":
             run = record_prefix_restart(a.out)
+        elif a.name == "engine":
+            run = record_engine(a.out)
         else:
             run = record_overload(a.out, a.slo_ms, a.config)
             run["label"] = a.label or f"{a.config}, {os.path.basename(os.path.normpath(a.out))}"
