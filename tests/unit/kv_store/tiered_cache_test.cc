@@ -88,6 +88,21 @@ void EvictAll(KvBlockPool* pool) {
   for (BlockId id : ids) pool->Release(id);
 }
 
+// Prefills `tokens` into a pool of `blocks` blocks whose cache writes
+// through to `disk`, then waits for the disk to hold them (*drained: it did).
+// Returns every block's layer bytes, as Prefill.
+std::vector<std::vector<std::vector<uint8_t>>> PrefillToDisk(
+    KvTier* disk, const engine::KvLayout& layout, int blocks, std::span<const int32_t> tokens,
+    const engine::ModelFingerprint& model, bool* drained) {
+  TieredCache cache({}, nullptr, disk);
+  auto pool = MakePool(layout, blocks);
+  AttachScope attached(cache, pool.get());
+  (void)cache.Match(tokens, model, kSalt);
+  auto bytes = Prefill(pool.get(), tokens, model, kSalt);
+  *drained = cache.Drain(Deadline::AfterMs(10000)).ok();
+  return bytes;
+}
+
 class TieredCacheTest : public ::testing::TestWithParam<engine::KvDtype> {
  protected:
   void SetUp() override {
@@ -409,18 +424,14 @@ TEST_P(TieredCacheTest, AByteFlippedOnDiskIsAMissNeverLoaded) {
   const auto model = testing::Fingerprint(9);
   const auto tokens = Tokens(4 * 8, 22);
   auto disk = RocksDbTier::Open(DiskOpts()).value();
-  TieredCache cache({}, nullptr, disk.get());
-  auto pool = MakePool(layout, 16);
-  AttachScope attached(cache, pool.get());
-  (void)cache.Match(tokens, model, kSalt);
-  Prefill(pool.get(), tokens, model, kSalt);
-  ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
+  bool drained = false;
+  PrefillToDisk(disk.get(), layout, 16, tokens, model, &drained);
+  ASSERT_TRUE(drained);
   auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
   std::string v = *disk->Get(hashes[2]);
   v[v.size() - 7] ^= 0x01;
   ASSERT_TRUE(disk->Put(hashes[2], v).ok());
   ASSERT_TRUE(disk->Flush(Deadline::AfterMs(10000)).ok());
-  cache.Detach();
 
   auto pool2 = MakePool(layout, 16);
   TieredCache cache2({}, nullptr, disk.get());
@@ -488,14 +499,9 @@ TEST_P(TieredCacheTest, AnAbandonedLoadNeverWritesIntoTheCallersBlocks) {
   const auto model = testing::Fingerprint(9);
   const auto tokens = Tokens(4 * 8, 24);
   auto disk = RocksDbTier::Open(DiskOpts()).value();
-  {
-    TieredCache cache({}, nullptr, disk.get());
-    auto pool = MakePool(layout, 16);
-    AttachScope attached(cache, pool.get());
-    (void)cache.Match(tokens, model, kSalt);
-    Prefill(pool.get(), tokens, model, kSalt);
-    ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
-  }
+  bool drained = false;
+  PrefillToDisk(disk.get(), layout, 16, tokens, model, &drained);
+  ASSERT_TRUE(drained);
   StalledTier stalled(disk.get());
   auto pool = MakePool(layout, 16);
   std::vector<BlockId> dst;
@@ -540,16 +546,9 @@ TEST_P(TieredCacheTest, ALoadReadInPartsEndsAtItsFirstBadBlock) {
   const auto tokens = Tokens(kBlocks * layout.block_tokens, 23);
   auto disk = RocksDbTier::Open(DiskOpts()).value();
   auto hashes = engine::HashPrefixBlocks(tokens, layout.block_tokens, model, kSalt);
-  std::vector<std::vector<std::vector<uint8_t>>> want;
-  {
-    TieredCache cache({}, nullptr, disk.get());
-    auto pool = MakePool(layout, kBlocks);
-    AttachScope attached(cache, pool.get());
-    (void)cache.Match(tokens, model, kSalt);
-    want = Prefill(pool.get(), tokens, model, kSalt);
-    ASSERT_TRUE(cache.Drain(Deadline::AfterMs(10000)).ok());
-    cache.Detach();
-  }
+  bool drained = false;
+  const auto want = PrefillToDisk(disk.get(), layout, kBlocks, tokens, model, &drained);
+  ASSERT_TRUE(drained);
   for (const int bad : {kBlocks, 37, 5}) {  // none, in a later part, in the first
     SCOPED_TRACE("bad block " + std::to_string(bad));
     if (bad < kBlocks) {
