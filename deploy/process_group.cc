@@ -191,7 +191,20 @@ void ProcessGroup::StopChild(const std::string& name, std::chrono::milliseconds 
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     c.reaped = true;
+    RecordStopLocked(c.spec.name, status);
   }
+}
+
+void ProcessGroup::RecordStopLocked(const std::string& name, int status) {
+  Exit e{name, DescribeExit(status)};
+  LOG_INFO << "stopped " << e.name << ": " << e.description;
+  if (stopped_.size() >= kMaxStopped) stopped_.erase(stopped_.begin());
+  stopped_.push_back(std::move(e));
+}
+
+std::vector<ProcessGroup::Exit> ProcessGroup::stopped() const {
+  std::lock_guard lock(mu_);
+  return stopped_;
 }
 
 void ProcessGroup::Stop(std::chrono::milliseconds grace) {
@@ -210,6 +223,7 @@ void ProcessGroup::Stop(std::chrono::milliseconds grace) {
       int status = 0;
       if (waitpid(it->pid, &status, WNOHANG) == it->pid) {
         it->reaped = true;
+        RecordStopLocked(it->spec.name, status);
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -223,6 +237,7 @@ void ProcessGroup::Stop(std::chrono::milliseconds grace) {
       int status = 0;
       if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
         c.reaped = true;
+        RecordStopLocked(c.spec.name, status);
       } else {
         all_done = false;
       }
@@ -236,6 +251,7 @@ void ProcessGroup::Stop(std::chrono::milliseconds grace) {
         int status = 0;
         waitpid(c.pid, &status, 0);
         c.reaped = true;
+        RecordStopLocked(c.spec.name, status);
       }
       break;
     }

@@ -57,6 +57,11 @@ class ProcessGroup {
 
   // SIGTERM to all, wait until `grace` passes, then SIGKILL; reaps all. Idempotent.
   void Stop(std::chrono::milliseconds grace = std::chrono::milliseconds(5000));
+  // How the children that Stop and StopChild ended exited, oldest first (the
+  // last 256), each also logged as "stopped NAME: DESCRIPTION". A clean
+  // shutdown is "exited with status 0" for every one; a sanitizer's report at
+  // exit, or a SIGKILL after the grace, shows here.
+  std::vector<Exit> stopped() const;
 
   size_t size() const { return children_.size(); }
 
@@ -74,12 +79,16 @@ class ProcessGroup {
     bool reaped;
   };
   Result<pid_t> ForkExec(const ChildSpec& spec);
+  void RecordStopLocked(const std::string& name, int status);  // mu_ held
+
+  static constexpr size_t kMaxStopped = 256;
 
   // Every member may be called from any thread (a supervisor thread restarts
   // children while a test reads their pids); `mu_` is never held across a wait
   // for a child except in Stop.
   mutable std::mutex mu_;
   std::vector<Child> children_;  // guarded by mu_
+  std::vector<Exit> stopped_;    // guarded by mu_
 };
 
 // Directory of the running executable (for finding sibling binaries).

@@ -6,7 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace kvrelay::deploy {
 namespace {
@@ -57,6 +60,50 @@ TEST(ProcessGroupTest, AKilledChildIsReportedAndRespawned) {
   EXPECT_EQ(g.WaitAnyExit(Deadline::After(std::chrono::milliseconds(50))).status().code(),
             StatusCode::kDeadlineExceeded);
   g.Stop(std::chrono::milliseconds(5000));
+}
+
+// Stop and StopChild keep how each child exited: a clean exit, an exit
+// status a sanitizer would give, and a child that ignores SIGTERM and is
+// killed after the grace. Each shell child writes a file once its trap is set,
+// so SIGTERM never arrives before it.
+TEST(ProcessGroupTest, StopRecordsHowEachChildExited) {
+  char tmpl[] = "/tmp/kvrelay-pg-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  auto shell = [&](const std::string& name, const std::string& trap) {
+    return ChildSpec{
+        name,
+        {"/bin/sh", "-c",
+         "trap '" + trap + "' TERM; : > " + dir + "/" + name + "; while :; do sleep 0.02; done"},
+        {}};
+  };
+  ProcessGroup g;
+  // Stop handles the newest first: `clean` gets its moment before the grace
+  // runs out on `stubborn`.
+  ASSERT_TRUE(g.Spawn(shell("stubborn", "")).ok());
+  ASSERT_TRUE(g.Spawn(shell("failing", "exit 66")).ok());
+  ASSERT_TRUE(g.Spawn(shell("clean", "exit 0")).ok());
+  for (const char* name : {"stubborn", "failing", "clean"}) {
+    const std::string marker = dir + "/" + name;
+    bool ready = false;
+    for (int i = 0; i < 1000 && !ready; ++i) {
+      ready = access(marker.c_str(), F_OK) == 0;
+      if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(ready) << name << " never set its trap";
+    unlink(marker.c_str());
+  }
+  g.StopChild("failing", std::chrono::seconds(5));
+  g.Stop(std::chrono::milliseconds(1500));
+  rmdir(dir.c_str());
+  const std::vector<ProcessGroup::Exit> stopped = g.stopped();
+  ASSERT_EQ(stopped.size(), 3u);
+  EXPECT_EQ(stopped[0].name, "failing");
+  EXPECT_EQ(stopped[0].description, "exited with status 66");
+  EXPECT_EQ(stopped[1].name, "clean");
+  EXPECT_EQ(stopped[1].description, "exited with status 0");
+  EXPECT_EQ(stopped[2].name, "stubborn");
+  EXPECT_EQ(stopped[2].description, std::string("killed by signal ") + strsignal(SIGKILL));
 }
 
 // A launcher killed with SIGKILL (no Stop, no destructor) still takes its
