@@ -22,8 +22,11 @@ endif()
 if(KVRELAY_TSAN)
   # GCC's -Wtsan flags Boost.Asio's std::atomic_thread_fence (TSan cannot model
   # fences); it is a warning about the tool, not the code, so -Werror must not stop on it.
+  # -Wmaybe-uninitialized misfires under the instrumentation as under ASan
+  # (above): on the AVX2 kernels' per-row scale arrays, filled by a loop of
+  # compile-time length; it stays on, with -Werror, in the release build.
   target_compile_options(kvrelay_warnings INTERFACE -fsanitize=thread -fno-omit-frame-pointer
-    $<$<CXX_COMPILER_ID:GNU>:-Wno-tsan>)
+    $<$<CXX_COMPILER_ID:GNU>:-Wno-tsan -Wno-maybe-uninitialized>)
   target_link_options(kvrelay_warnings INTERFACE -fsanitize=thread)
 endif()
 # Sanitizer reports fail the test (a UBSan report alone would only print).
