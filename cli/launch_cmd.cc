@@ -73,7 +73,10 @@ FlagSpec LaunchSpec() {
        {"kv-capacity-mb", std::to_string(d.kv_capacity_mb), "KV pool per worker"},
        {"kv-store", kDefaultKvStoreDir, "RocksDB prefix store directory (one per worker)"},
        {"no-kv-store", "", "turn the prefix store off", true},
-       {"decode-device", d.decode_device, "device of the decode workers: cpu|cuda[:N]"},
+       {"prefill-device", d.prefill_device, "device of the prefill workers: cpu|cuda[:N]"},
+       {"decode-device", d.decode_device,
+        "device of the decode (and colocated) workers: cpu|cuda[:N]; with --tp, plain cuda puts "
+        "rank r on cuda:r"},
        {"router", d.router, "coordinator routing policy"},
        {"kv-timeout-ms", "0", "KV transfer deadline (0 = the workers' default, 30000)"},
        {"heartbeat-ms", "0", "worker heartbeat interval (0 = the default, 500)"},
@@ -157,6 +160,7 @@ Result<deploy::LaunchOptions> ParseLaunchFlags(const Flags& flags,
   o.router = flags.Get("router", o.router);
   o.bin_dir = flags.Get("bin-dir", "");
   o.tp_mode = flags.Get("tp-mode", o.tp_mode);
+  o.prefill_device = flags.Get("prefill-device", o.prefill_device);
   o.decode_device = flags.Get("decode-device", o.decode_device);
   o.cluster_key_file = flags.Get("cluster-key-file", "");  // empty: one is generated
   o.control_tls_dir = flags.Get("control-tls-dir", "");
@@ -323,7 +327,8 @@ KVRELAY_COMMAND(
     launch, "launch",
     "launch [--prefill P] [--decode D] [--tp T] [--tp-mode exact|reduce] [--colocated C] "
     "[--model PATH] [--port 8080] [--kv-dtype f32] [--kv-store DIR (default kvstore) | "
-    "--no-kv-store] [--decode-device cpu|cuda[:N]] [--coordinator-arg ARG]... [--demo PROMPT]",
+    "--no-kv-store] [--prefill-device cpu|cuda[:N]] [--decode-device cpu|cuda[:N]] "
+    "[--coordinator-arg ARG]... [--demo PROMPT]",
     RunLaunch);
 
 }  // namespace kvrelay::cli

@@ -65,6 +65,10 @@ Status ValidateCoordinatorArgs(const std::vector<std::string>& args) {
 
 }  // namespace
 
+std::string WorkerDevice(const std::string& device, int tp_rank) {
+  return device == "cuda" && tp_rank > 0 ? "cuda:" + std::to_string(tp_rank) : device;
+}
+
 Status LaunchOptions::Validate() const {
   if (prefill < 0 || decode < 0 || colocated < 0)
     return InvalidArgument("worker counts must be >= 0");
@@ -72,6 +76,15 @@ Status LaunchOptions::Validate() const {
     return InvalidArgument("need at least one prefill and one decode worker, or --colocated N");
   }
   if (tp < 1) return InvalidArgument("--tp must be >= 1");
+  for (const auto& [flag, device] : {std::pair{"--prefill-device", &prefill_device},
+                                     std::pair{"--decode-device", &decode_device}}) {
+    const bool ordinal = device->size() > 5 && device->starts_with("cuda:") &&
+                         device->find_first_not_of("0123456789", 5) == std::string::npos;
+    if (*device != "cpu" && *device != "cuda" && !ordinal) {
+      return InvalidArgument(std::string(flag) + " must be cpu, cuda or cuda:N, got '" + *device +
+                             "'");
+    }
+  }
   if (!control_tls_dir.empty()) {
     for (const char* f :
          {"ca.crt", "coordinator.crt", "coordinator.key", "worker.crt", "worker.key"}) {
@@ -278,8 +291,8 @@ Status LocalLauncher::Start() {
   const int world = options_.prefill + options_.decode * options_.tp + options_.colocated;
   int rank = 0;
   auto spawn_worker = [&](const std::string& binary, const std::string& id,
-                          const std::vector<std::string>& extra = {},
-                          const std::string& unit = "") -> Status {
+                          const std::vector<std::string>& extra = {}, const std::string& unit = "",
+                          int tp_rank = 0) -> Status {
     const int threads = binary == "kvrelay-prefill" && options_.prefill_threads > 0
                             ? options_.prefill_threads
                             : options_.threads_per_worker;
@@ -319,10 +332,9 @@ Status LocalLauncher::Start() {
           std::pair{"--coordinator-timeout-ms", options_.coordinator_timeout_ms}}) {
       if (ms > 0) argv.insert(argv.end(), {flag, std::to_string(ms)});
     }
-    if (binary == "kvrelay-decode" && options_.decode_device != "cpu") {
-      argv.push_back("--device");
-      argv.push_back(options_.decode_device);
-    }
+    const std::string device = WorkerDevice(
+        binary == "kvrelay-prefill" ? options_.prefill_device : options_.decode_device, tp_rank);
+    if (device != "cpu") argv.insert(argv.end(), {"--device", device});
     if (!options_.kv_store_dir.empty() && binary != "kvrelay-decode") {
       argv.push_back("--kv-store");
       argv.push_back(options_.kv_store_dir + "/" + id);
@@ -350,7 +362,7 @@ Status LocalLauncher::Start() {
           spawn_worker("kvrelay-decode", r == 0 ? id : id + "-tp" + std::to_string(r),
                        {"--tp-size", std::to_string(options_.tp), "--tp-rank", std::to_string(r),
                         "--tp-leader", leader, "--tp-mode", options_.tp_mode},
-                       id));
+                       id, r));
     }
   }
   for (int i = 0; i < options_.colocated; ++i) {

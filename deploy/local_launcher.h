@@ -38,7 +38,11 @@ struct LaunchOptions {
   // oversubscription cheap when both run).
   int prefill_threads = 0;
   std::string kv_dtype{engine::KvDtypeName(engine::kDefaultKvDtype)};
-  std::string decode_device = "cpu";  // --device of the decode workers: cpu | cuda[:N]
+  // --device of the workers: cpu | cuda[:N]. Colocated workers take
+  // decode_device. A TP group given plain "cuda" puts rank r on cuda:r (one
+  // GPU per rank); "cuda:N" puts every rank on N.
+  std::string prefill_device = "cpu";
+  std::string decode_device = "cpu";
   int64_t kv_capacity_mb = 256;
   // RocksDB prefix tier per prefill/colocated worker, in <kv_store_dir>/<worker id>
   // (RocksDB allows one process per database, so workers never share one);
@@ -101,6 +105,10 @@ struct LaunchOptions {
 
   Status Validate() const;
 };
+
+// The --device one worker process gets: `device`, except plain "cuda" on TP
+// rank r > 0, which becomes "cuda:r".
+std::string WorkerDevice(const std::string& device, int tp_rank);
 
 class LocalLauncher {
  public:

@@ -16,6 +16,7 @@
 #                           [--heartbeat-timeout-ms N] [--tp-step-timeout-ms N]
 #                           [--kv-progress-timeout-ms N] [--coordinator-timeout-ms N]
 #                           [--max-running N] [--max-queue-delay-ms N]
+#                           [--prefill-device cpu|cuda[:N]] [--decode-device cpu|cuda[:N]]
 # Every process gets the same --kv-dtype (the coordinator's handshake rejects
 # workers whose KV layout differs).
 #
@@ -42,6 +43,10 @@
 # coordinator.crt/.key, every worker worker.crt/.key, all ca.crt); across hosts
 # DIR must exist at the same path on every host. The cluster key is still
 # proved inside TLS.
+#
+# --prefill-device / --decode-device D pass --device D to those workers, as
+# kvrelay launch does: a TP group given plain "cuda" puts rank r on cuda:r (one
+# GPU per rank; the group shares a host); "cuda:N" puts every rank on N.
 #
 # -X passes --kv-transport to the workers (tcp | mpi | auto; without -X the
 # binaries choose: auto = MPI when started by mpirun and MPI is initialised).
@@ -80,7 +85,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 P=1 D=1 T=1 HOSTFILE="" COORD=127.0.0.1 HEARTBEAT=500 KEYFILE="" TRANSPORT="" KVTIMEOUT="" TPCOMM=""
-RESTARTS="" WINDOW=60 TLSDIR=""
+RESTARTS="" WINDOW=60 TLSDIR="" PDEV=cpu DDEV=cpu
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf PORT=8080 CONTROL=9000 BIN=build/bin KV=f32 THREADS=0
 # The long options (deadlines) come out first; getopts reads the rest.
 copts=() wdeadlines=() rest=()
@@ -96,6 +101,13 @@ while [ $# -gt 0 ]; do
         --heartbeat-timeout-ms | --max-running | --max-queue-delay-ms) copts+=("$1" "$2") ;;
         *) wdeadlines+=("$1" "$2") ;;
       esac
+      shift 2 ;;
+    --prefill-device | --decode-device)
+      case ${2-} in
+        cpu | cuda | cuda:[0-9] | cuda:[0-9][0-9]) ;;
+        *) echo "launch.sh: $1 must be cpu, cuda or cuda:N, got '${2-}'" >&2; exit 2 ;;
+      esac
+      if [ "$1" = --prefill-device ]; then PDEV=$2; else DDEV=$2; fi
       shift 2 ;;
     *) rest+=("$1"); shift ;;
   esac
@@ -153,8 +165,8 @@ args=(--allow-run-as-root --oversubscribe --bind-to none --enable-recovery)
 
 # Exported for the per-rank wrappers below.
 export KVR_TP="$T" KVR_TPBASE=$((CONTROL + 1)) KVR_COORD="$COORD" KVR_MULTIHOST="${HOSTFILE:+1}"
-export KVR_RESTARTS="$RESTARTS" KVR_WINDOW="$WINDOW"
-args+=(-x KVR_TP -x KVR_TPBASE -x KVR_COORD -x KVR_MULTIHOST -x KVR_RESTARTS -x KVR_WINDOW)
+export KVR_RESTARTS="$RESTARTS" KVR_WINDOW="$WINDOW" KVR_DDEV="$DDEV"
+args+=(-x KVR_TP -x KVR_TPBASE -x KVR_COORD -x KVR_MULTIHOST -x KVR_RESTARTS -x KVR_WINDOW -x KVR_DDEV)
 
 # Runs on every rank's host before the binary: the address to listen on and
 # advertise. On one machine that is loopback; across hosts, the coordinator
@@ -236,6 +248,7 @@ if [ -n "$TLSDIR" ]; then
         --control-tls-ca "$TLSDIR/ca.crt")
 fi
 wargs=("${key[@]}" "${transport[@]}" "${wtls[@]}" "${wdeadlines[@]}")
+pdev=(); [ "$PDEV" != cpu ] && pdev=(--device "$PDEV")
 
 # mpirun runs as a child (not exec) so the EXIT trap can remove a generated
 # key. It gets its own session: a TERM/INT for this script (or its process
@@ -254,13 +267,15 @@ setsid mpirun "${args[@]}" \
     kvr_run "prefill-$((OMPI_COMM_WORLD_RANK - 1))" "$@" --id "prefill-$((OMPI_COMM_WORLD_RANK - 1))" \
       --kv-host "$a" --advertise-host "$a" --rank "$OMPI_COMM_WORLD_RANK" --world-size "$OMPI_COMM_WORLD_SIZE"' prefill \
     "$BIN/kvrelay-prefill" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
-    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" : \
+    --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" "${pdev[@]}" : \
   -np "$((D * T))" /bin/bash -c "$ADDR"'
     a=$(kvr_addr worker) || exit 1
     i=$((OMPI_COMM_WORLD_RANK - 1 - $1)); g=$((i / $2)); r=$((i % $2)); shift 2
     id="decode-$g"; [ "$r" -gt 0 ] && id="$id-tp$r"
     tp=(); [ "$KVR_TP" -gt 1 ] && tp=(--tp-size "$KVR_TP" --tp-rank "$r" --tp-leader "127.0.0.1:$((KVR_TPBASE + g))")
-    kvr_run "$id" "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}" \
+    dev=(); [ "$KVR_DDEV" != cpu ] && dev=(--device "$KVR_DDEV")
+    [ "$KVR_DDEV" = cuda ] && [ "$r" -gt 0 ] && dev=(--device "cuda:$r")
+    kvr_run "$id" "$@" --id "$id" --kv-host "$a" --advertise-host "$a" "${tp[@]}" "${dev[@]}" \
       --rank "$OMPI_COMM_WORLD_RANK" --world-size "$OMPI_COMM_WORLD_SIZE"' decode "$P" "$T" \
     "$BIN/kvrelay-decode" --coordinator "$COORD:$CONTROL" --model "$MODEL" \
     --kv-dtype "$KV" --threads "$THREADS" "${wargs[@]}" &
