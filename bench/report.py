@@ -7,6 +7,8 @@
       one run of bench/overload.sh (its -O directory of `kvrelay bench serve --json` files)
   bench/report.py record engine OUT [...]
       one run of bench/compare_llamacpp.sh --out OUT (its compare.txt)
+  bench/report.py record faults OUT [...]
+      the runs of bench/fault_matrix.sh -O OUT (its fm.log and meta.json)
   bench/report.py render [--doc docs/BENCHMARKS.md]
       rewrites every generated block of the page from bench/results/
   bench/report.py check [--doc docs/BENCHMARKS.md]
@@ -164,6 +166,40 @@ def record_overload(out, slo_ms, config):
     }
 
 
+FAULT_LINE = re.compile(
+    r"FAULT (\S+)(?: round \d+)?: capacity [\d.]+ req/s, load ([\d.]+) req/s, (\d+) requests, "
+    r"(\d+) affected \([\d.]+%\), worst time to final status after the fault ([\d.]+) s "
+    r"\(any request ([\d.]+) s.*?first right answer sent after the fault ([-\d.]+) s after it")
+FAULT_ORDER = ["kill_prefill", "stop_prefill", "kill_decode", "stop_decode", "kill_tp_follower",
+               "stop_tp_follower", "kill_coordinator", "stop_coordinator", "long_stop_coordinator",
+               "cut_kv_link", "blackhole_kv_link", "corrupt_kv_chunk"]
+
+
+def record_faults(out):
+    """Per fault case, over the runs: requests, affected, each run's worst time to a final
+    status (any request in flight at the fault or sent after it) and first right answer."""
+    path = os.path.join(out, "fm.log")
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    cases = {}
+    with open(path) as f:
+        for line in f:
+            m = FAULT_LINE.search(line)
+            if not m:
+                continue
+            c = cases.setdefault(m.group(1), {"requests": 0, "affected": 0, "final_s": [],
+                                              "serving_s": []})
+            c["requests"] += int(m.group(3))
+            c["affected"] += int(m.group(4))
+            c["final_s"].append(float(m.group(6)))
+            c["serving_s"].append(float(m.group(7)))
+    runs = {len(c["final_s"]) for c in cases.values()}
+    if not cases or len(runs) != 1:
+        raise SystemExit(f"{path}: no FAULT lines, or cases with different run counts {sorted(runs)}")
+    return {"date": file_time(path), "migration_limit": meta.get("migration_limit"),
+            "runs": runs.pop(), "cases": cases}
+
+
 # --- the tables ------------------------------------------------------------------------
 
 def fmt_s(v):
@@ -247,8 +283,38 @@ def render_engine(data):
     return lines
 
 
+def render_faults(data):
+    runs = data["runs"]
+    on = [r for r in runs if r.get("migration_limit") is None]
+    off = [r for r in runs if r.get("migration_limit") == 0]
+    if not on:
+        raise SystemExit("bench/results/faults.json: no run with migration on")
+    a, b = on[-1], (off[-1] if off else None)
+    n = a["runs"]
+    lines = [f"| fault | affected, migration on ({n} run{'s' if n > 1 else ''}) | every request ends "
+             "within, median / max (s) | serving again after, median (s) | affected, migration off |",
+             "|---|---:|---:|---:|---:|"]
+    for name in [k for k in FAULT_ORDER if k in a["cases"]] + sorted(set(a["cases"]) - set(FAULT_ORDER)):
+        c = a["cases"][name]
+        serving = [x for x in c["serving_s"] if x >= 0]
+        cell_off = "—"
+        if b and name in b["cases"]:
+            o = b["cases"][name]
+            cell_off = f"{100 * o['affected'] / o['requests']:.1f} %" if o["requests"] else "—"
+        cell_serving = f"{statistics.median(serving):.2f}" if serving else "—"
+        lines.append(f"| {name} | {c['affected']} of {c['requests']} | "
+                     f"{statistics.median(c['final_s']):.2f} / {max(c['final_s']):.2f} | "
+                     f"{cell_serving} | {cell_off} |")
+    lines.append("")
+    desc = f"Migration on: {n} runs recorded {a['date']}, `{a['commit']}`, {a['conditions']}"
+    if b:
+        desc += f"; migration off: {b['runs']} run recorded {b['date']}, `{b['commit']}`, {b['conditions']}"
+    lines.append(desc + f". Host: {a['host']}.")
+    return lines
+
+
 RENDERERS = {"prefix_restart": render_prefix_restart, "overload": render_overload,
-             "engine": render_engine}
+             "engine": render_engine, "faults": render_faults}
 
 
 def render_doc(text):
@@ -283,6 +349,8 @@ def main(argv):
             run = record_prefix_restart(a.out)
         elif a.name == "engine":
             run = record_engine(a.out)
+        elif a.name == "faults":
+            run = record_faults(a.out)
         else:
             run = record_overload(a.out, a.slo_ms, a.config)
             run["label"] = a.label or f"{a.config}, {os.path.basename(os.path.normpath(a.out))}"
