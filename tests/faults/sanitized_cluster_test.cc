@@ -112,7 +112,10 @@ TEST(SanitizedCluster, ServesThroughAFollowerKillAndStopsCleanWithoutAReport) {
   o.kv_timeout_ms = 120'000;
   o.heartbeat_timeout_ms = 10'000;
   o.tp_step_timeout_ms = 20'000;
-  o.kv_progress_timeout_ms = 20'000;
+  // A prefill worker's loop waits up to this long to connect to a decode
+  // rank (prefill_role.cc ConnectDecodeGroup): it must stay under the 10 s
+  // after which a stalled loop stops its heartbeats.
+  o.kv_progress_timeout_ms = 5'000;
   o.coordinator_timeout_ms = 20'000;
   o.ready_timeout_ms = 300'000;
   // Requests wait for the restarted group rather than fail, and the slower
@@ -157,6 +160,8 @@ TEST(SanitizedCluster, ServesThroughAFollowerKillAndStopsCleanWithoutAReport) {
   const Status supervised = launcher.Supervise(stop);
   client.join();
   const int restarts = launcher.restarts();
+  // Survivors the launcher stopped to restart the group, then the final stop.
+  const size_t stopped_for_restart = launcher.processes().stopped().size();
   launcher.Stop();
   const std::vector<deploy::ProcessGroup::Exit> stopped = launcher.processes().stopped();
   const std::vector<std::string> reports = Reports(dir);
@@ -175,11 +180,21 @@ TEST(SanitizedCluster, ServesThroughAFollowerKillAndStopsCleanWithoutAReport) {
       EXPECT_EQ(out.text, expected[out.prompt]) << "prompt " << out.prompt;
     }
   }
-  // Coordinator, prefill-0, decode-0, decode-0-tp1 of the restarted group, and
-  // the survivors stopped for the restart.
-  EXPECT_GE(stopped.size(), 4u);
-  for (const auto& e : stopped) {
-    EXPECT_EQ(e.description, "exited with status 0") << e.name;
+  // A survivor stopped for the restart may have ended first on its own, with
+  // status 1 (a TP leader whose group broke exits so): anything but a
+  // sanitizer's abort or a kill after the grace. The final stop: coordinator,
+  // prefill-0 and both ranks of the group, each exiting 0 (LeakSanitizer and
+  // ThreadSanitizer at exit would change that).
+  ASSERT_EQ(stopped.size(), stopped_for_restart + 4);
+  for (size_t i = 0; i < stopped.size(); ++i) {
+    const auto& e = stopped[i];
+    if (i < stopped_for_restart) {
+      EXPECT_TRUE(e.description == "exited with status 0" ||
+                  e.description == "exited with status 1")
+          << e.name << " " << e.description;
+    } else {
+      EXPECT_EQ(e.description, "exited with status 0") << e.name;
+    }
   }
 }
 
