@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <list>
 
 #include "common/logging.h"
@@ -100,13 +101,21 @@ MpiTransport::MpiTransport(Options options)
 MpiTransport::~MpiTransport() { Shutdown(); }
 
 void MpiTransport::Shutdown() {
-  {
-    std::lock_guard lock(domain_->mu);
-    if (stopping_) return;
-    stopping_ = true;
-    domain_->cv.notify_all();
+  std::unique_lock lock(domain_->mu);
+  if (stopping_) return;
+  stopping_ = true;
+  domain_->cv.notify_all();
+  if (!progress_.joinable()) return;
+  const auto limit = options_.cancel_drain_timeout + options_.shutdown_grace;
+  if (!domain_->cv.wait_for(lock, limit, [&] { return progress_exited_; })) {
+    LOG_ERROR << "mpi transport: the progress thread is still inside an MPI call "
+              << std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()
+              << " ms after shutdown began (MPI no longer progresses in this process, as after a "
+                 "peer died while this process sent to it); ending the process without MPI";
+    std::_Exit(options_.stuck_exit_code);
   }
-  if (progress_.joinable()) progress_.join();
+  lock.unlock();
+  progress_.join();
 }
 
 Status MpiTransport::StartSendLocked(const OpPtr& op, std::unique_lock<std::mutex>&) {
@@ -311,9 +320,12 @@ void MpiTransport::ProgressLoop() {
   }
 
   // Shutdown: withdraw the header receive; give in-flight messages a moment.
-  MPI_Cancel(&header_req);
-  MPI_Wait(&header_req, MPI_STATUS_IGNORE);
   auto deadline = Deadline::After(options_.cancel_drain_timeout);
+  MPI_Cancel(&header_req);
+  for (int flag = 0; !flag && !deadline.Expired();) {
+    MPI_Test(&header_req, &flag, MPI_STATUS_IGNORE);
+    if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   // Requests to abandoned peers never complete: do not wait for them.
   auto waiting = [&] {
     std::lock_guard lock(domain_->mu);
@@ -344,6 +356,8 @@ void MpiTransport::ProgressLoop() {
   }
   for (auto& op : send_queue_) CompleteLocked(op, Cancelled("mpi transport shut down"));
   send_queue_.clear();
+  progress_exited_ = true;
+  domain_->cv.notify_all();
 }
 
 }  // namespace kvrelay::kv_transfer

@@ -68,11 +68,23 @@ class MpiTransport final : public TransportBase {
     std::chrono::microseconds posted_sleep_max{200};
     std::chrono::microseconds spin_after_progress{200};
     std::chrono::milliseconds cancel_drain_timeout{5000};
+    // Shutdown waits this long beyond cancel_drain_timeout for the progress
+    // thread; one stuck inside an MPI call past it ends the process with
+    // stuck_exit_code (see Shutdown).
+    std::chrono::milliseconds shutdown_grace{5000};
+    int stuck_exit_code = 1;
   };
   static Result<std::unique_ptr<MpiTransport>> Create(Options options);
   ~MpiTransport() override;
   // Stops the progress thread. Call after the peers are done (e.g. after an
   // MPI_Barrier); transfers still in flight are failed. Idempotent.
+  // A progress thread that does not end within cancel_drain_timeout +
+  // shutdown_grace is inside an MPI call that does not return: seen with
+  // Open MPI 4.1 after a peer died while this process sent to it (its
+  // opal_progress never returns from the TCP BTL's event loop). Such a
+  // thread can neither be joined nor outlived by this object, and MPI
+  // cannot be finalized, so the process ends at once with stuck_exit_code
+  // (std::_Exit), as MpiSession does when MPI_Finalize hangs.
   void Shutdown();
 
   std::string_view name() const override { return "mpi"; }
@@ -98,6 +110,7 @@ class MpiTransport final : public TransportBase {
   std::thread progress_;
   // Guarded by domain_->mu.
   bool stopping_ = false;
+  bool progress_exited_ = false;
   std::deque<OpPtr> send_queue_;
 };
 
