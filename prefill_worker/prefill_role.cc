@@ -529,6 +529,16 @@ Status PrefillRole::PollDelivery(const Request& r, Outgoing& out, bool* done) {
                               " made no progress to decode rank " + std::to_string(stuck.front()) +
                               " for " + std::to_string(ctx_.options->kv_progress_timeout.count()) +
                               " ms (--kv-progress-timeout-ms; the KV path is cut?)");
+  if (!died_mid_send_.empty() && wedged_.ok()) {
+    wedged_ = FailedPrecondition(
+        "the " + std::string(ctx_.transport->name()) +
+        " KV data plane moves nothing to live decode rank " + std::to_string(stuck.front()) +
+        " since " + died_mid_send_ + " while the transport still owned sends to it" +
+        (ctx_.transport->name() == "mpi" ? " (Open MPI leaves such a process in an undefined state)"
+                                         : "") +
+        "; this prefill worker leaves the cluster");
+    LOG_ERROR << wedged_.ToString();
+  }
   for (int peer : stuck) AbandonStalledPeer(peer, s);
   return s;
 }
@@ -594,6 +604,7 @@ void PrefillRole::Retire(Request& r) {
 }
 
 void PrefillRole::OnPeersLost(std::span<const int> ranks) {
+  const int64_t quarantined_before = ctx_.counters->quarantined_blocks;
   std::erase_if(failing_, [&](const auto& kv) {
     return std::find(ranks.begin(), ranks.end(), kv.second.rank) != ranks.end();
   });
@@ -618,6 +629,14 @@ void PrefillRole::OnPeersLost(std::span<const int> ranks) {
       ctx_.requests->DropWork(*r);  // its streams end before the engine lets go of the blocks
       ctx_.requests->Cancelled(id, engine_->Cancel(id).ok());
     }
+  }
+  // Retire quarantined what the transport still owned: the peers died mid-send.
+  if (ctx_.counters->quarantined_blocks > quarantined_before && died_mid_send_.empty()) {
+    died_mid_send_ = "decode rank";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      died_mid_send_ += (i == 0 ? " " : ", ") + std::to_string(ranks[i]);
+    }
+    died_mid_send_ += " died";
   }
 }
 

@@ -59,6 +59,8 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // kv_progress_timeout (every try since, tasks still coming).
   std::string data_plane_error() const override;
   void OnPeersLost(std::span<const int> ranks) override;
+  // Not OK once the KV data plane is wedged (see wedged_): the worker leaves.
+  Status health() const override { return wedged_; }
   void Shutdown() override;
   // A (re)registered coordinator learns every prefix this worker's store holds.
   void OnRegistered() override {
@@ -189,6 +191,17 @@ class PrefillRole final : public worker::Role, public engine::KvConnector {
   // Per decode peer: when its data connection was last dropped as stalled.
   // A request created before that sent on the dropped connection.
   std::map<int, TimePoint> abandoned_at_;
+  // Set when decode peers died while the transport still owned sends to
+  // them (their blocks were quarantined): what died, for the message below.
+  // Open MPI 4.1 gives no guarantee for such a process ("will likely now
+  // behave unpredictably (it may even hang or crash)", its own words): seen
+  // here, its ob1/TCP stack then aborts the process, or never again moves a
+  // send to a live decode rank (multinode "decode worker kill -9", about 1
+  // run in 6). A later no-progress stall to a live peer is taken as the
+  // latter: wedged_ is set and the worker leaves the cluster rather than
+  // fail (and quarantine the blocks of) every request routed to it.
+  std::string died_mid_send_;
+  Status wedged_;
   // Decode KV addresses whose connect just failed: not tried again before
   // `until`; `refused`: it was refused or reset, not timed out
   // (ConnectDecodeGroup).
