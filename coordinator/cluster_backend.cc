@@ -67,7 +67,10 @@ void ClusterBackend::State::OnFrame(const std::shared_ptr<FramedConnection>& con
     case MessageType::kWorkerLeaving: {
       // Its close that follows is a departure, not a loss; nothing new is
       // routed to it meanwhile.
-      LOG_INFO << "worker " << worker_id << " is stopping";
+      proto::WorkerLeaving m;
+      if (protocols::DecodeMessage(frame, type, &m).ok()) w->leaving_reason = m.reason();
+      LOG_INFO << "worker " << worker_id << " is stopping"
+               << (w->leaving_reason.empty() ? "" : ": " + w->leaving_reason);
       w->leaving = true;
       w->info.healthy = false;
       break;

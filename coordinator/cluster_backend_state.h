@@ -70,7 +70,8 @@ struct WorkerEntry {
   std::vector<uint32_t> tp_ranks;
   std::vector<std::string> tp_kv_addresses;
   TimePoint last_seen;
-  bool leaving = false;  // it said it stops on purpose (WorkerLeaving)
+  bool leaving = false;        // it said it stops on purpose (WorkerLeaving)
+  std::string leaving_reason;  // what it said (e.g. its TP group broke)
 };
 
 struct RequestEntry {
@@ -277,7 +278,9 @@ struct ClusterBackend::State {
     auto it = workers.find(id);
     if (it == workers.end()) return;
     if (it->second.leaving) {
-      LOG_INFO << "worker " << id << " left (it is stopping)";
+      LOG_INFO << "worker " << id << " left ("
+               << (it->second.leaving_reason.empty() ? "it is stopping" : it->second.leaving_reason)
+               << ")";
     } else {
       LOG_WARNING << "worker " << id << " lost: " << reason.ToString();
     }
