@@ -9,6 +9,10 @@
       one run of bench/compare_llamacpp.sh --out OUT (its compare.txt)
   bench/report.py record faults OUT [...]
       the runs of bench/fault_matrix.sh -O OUT (its fm.log and meta.json)
+  bench/report.py record scaling OUT [...]
+      one run of tests/multinode/multinode.py scaling --json OUT (the JSON file)
+  bench/report.py record transfer OUT [...]
+      one run of bench/kv_transfer.sh -O OUT (its rounds' outputs and meta.json)
   bench/report.py render [--doc docs/BENCHMARKS.md]
       rewrites every generated block of the page from bench/results/
   bench/report.py check [--doc docs/BENCHMARKS.md]
@@ -200,6 +204,94 @@ def record_faults(out):
             "runs": runs.pop(), "cases": cases}
 
 
+def record_scaling(out):
+    """Each size's throughput and latency medians, from multinode.py scaling --json."""
+    with open(out) as f:
+        j = json.load(f)
+    args = j["args"]
+    rows = []
+    for row in j["rows"]:
+        rep = row["report"]
+        if rep.get("failed"):
+            raise SystemExit(f"{out}: {row['size']}P+{row['size']}D had {rep['failed']} failed requests")
+        rows.append({"size": row["size"], "req_s": round(rep["request_throughput"], 3),
+                     "out_tok_s": round(rep["output_token_throughput"], 1),
+                     "ttft_p50_ms": round(rep["ttft_ms"]["p50"]), "tpot_p50_ms": round(rep["tpot_ms"]["p50"], 1)})
+    if not rows or rows[0]["size"] != 1:
+        raise SystemExit(f"{out}: no 1P+1D row to scale against")
+    form = "quick" if args.get("quick") else "full"
+    return {"date": file_time(out), "form": form, "cpu_per_host": args["cpu"], "link": args["link"],
+            "launch": args["launch"], "kv_transport": args.get("kv_transport") or "default",
+            "workload": f"{args['num_prompts']} prompts at {args['rate']:g} req/s, "
+                        f"{args['input_len']} in / {args['output_len']} out",
+            "rows": rows, "efficiency": {str(k): round(v, 3) for k, v in j["efficiency"].items()}}
+
+
+def parse_transfer_tables(text):
+    """{backend: {bytes: (memcpy GB/s, GB/s, raw GB/s or None)}} of one `bench transfer` output."""
+    tables, backend = {}, None
+    for line in text.splitlines():
+        m = re.match(r"== backend (\w+) ==", line)
+        if m:
+            backend = m.group(1)
+            tables.setdefault(backend, {})
+            continue
+        m = re.match(r"\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+\d+%(?:\s+([\d.]+)\s+\d+%\s+\d+%)?\s*$", line)
+        if m and backend:
+            raw = float(m.group(4)) if m.group(4) else None
+            tables[backend][int(m.group(1))] = (float(m.group(2)), float(m.group(3)), raw)
+    return tables
+
+
+OVERLAP = re.compile(
+    r"== backend (\w+) ==.*?layer-wise overlap, real engine \((\d+)-token prefill, (\d+) layers x ([\d.]+) KiB, "
+    r"(\w+) KV, medians of (\d+)\):\s+transfer alone ([\d.]+) ms \| prefill alone ([\d.]+) ms \| prefill with "
+    r"layer-wise send ([\d.]+) ms \(prefill part ([\d.]+) ms, tail after it ([\d.]+) ms\)\s+hidden (-?\d+)% .*?"
+    r"hidden by tail (-?\d+)%", re.S)
+
+
+def record_transfer(out):
+    """Per size and backend, the median over the rounds; the overlap run's figures."""
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    cells = {}
+    for r in range(1, meta["rounds"] + 1):
+        for backend in ("mpi", "tcp"):
+            path = os.path.join(out, f"{backend}-{r}.txt")
+            with open(path) as f:
+                table = parse_transfer_tables(f.read()).get(backend)
+            if not table:
+                raise SystemExit(f"{path}: no '== backend {backend} ==' table (the run failed)")
+            for n, v in table.items():
+                cells.setdefault(n, {}).setdefault(backend, []).append(v)
+    sizes = []
+    for n in sorted(cells):
+        row = {"bytes": n}
+        for backend, vs in cells[n].items():
+            if len(vs) != meta["rounds"]:
+                raise SystemExit(f"{out}: size {n} has {len(vs)} {backend} rounds of {meta['rounds']}")
+            row[backend] = {"gbps": statistics.median(v[1] for v in vs),
+                            "memcpy_gbps": statistics.median(v[0] for v in vs),
+                            "raw_gbps": statistics.median(v[2] for v in vs) if vs[0][2] else None}
+        sizes.append(row)
+    overlap = {}
+    path = os.path.join(out, "overlap.txt")
+    with open(path) as f:
+        text = f.read()
+    for part in re.split(r"(?=== backend )", text):
+        m = OVERLAP.search(part)
+        if m:
+            g = m.groups()
+            overlap[g[0]] = {"tokens": int(g[1]), "layers": int(g[2]), "layer_kib": float(g[3]),
+                             "kv_dtype": g[4], "repeats": int(g[5]), "transfer_ms": float(g[6]),
+                             "prefill_ms": float(g[7]), "layerwise_ms": float(g[8]),
+                             "tail_ms": float(g[10]), "hidden_by_tail_pct": int(g[12])}
+    if set(overlap) != {"mpi", "tcp"}:
+        raise SystemExit(f"{path}: overlap figures for {sorted(overlap)}, not mpi and tcp")
+    return {"date": file_time(path), "rounds": meta["rounds"], "mpi_version": meta["mpi_version"],
+            "commands": meta["commands"], "sizes": sizes, "overlap": overlap}
+
+
 # --- the tables ------------------------------------------------------------------------
 
 def fmt_s(v):
@@ -313,8 +405,79 @@ def render_faults(data):
     return lines
 
 
+def render_scaling(data):
+    runs = data["runs"]
+    lines = ["| run | recorded | form, workload | hosts | req/s | out tok/s | TTFT p50 | TPOT p50 | efficiency |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for i, r in enumerate(runs, 1):
+        for row in r["rows"]:
+            eff = r["efficiency"].get(str(row["size"]))
+            lines.append(f"| {i} | {r['date']}, `{r['commit']}`, {r['conditions']} | {r['form']}: {r['workload']} | "
+                         f"{row['size']}P+{row['size']}D | {row['req_s']:.3f} | {row['out_tok_s']:.1f} | "
+                         f"{row['ttft_p50_ms'] / 1000:.1f} s | {row['tpot_p50_ms']:.1f} ms | "
+                         f"{'%.2f' % eff if eff is not None else '—'} |")
+    goal, floor = data["goal_efficiency"], data["floor_efficiency"]
+    parts = []
+    for form in ("quick", "full"):
+        effs = [r["efficiency"]["4"] for r in runs if r["form"] == form and "4" in r["efficiency"]]
+        if effs:
+            parts.append(f"{form} form, {len(effs)} run{'s' if len(effs) > 1 else ''}: median "
+                         f"{statistics.median(effs):.2f} (goal ≥ {goal} met in {sum(e >= goal for e in effs)}; "
+                         f"the test's floor {floor})")
+    hosts = sorted({r["host"] for r in runs})
+    first = runs[0] if runs else {}
+    lines.append("")
+    lines.append("Efficiency at 4P+4D = its req/s ÷ (4 × 1P+1D's): " + "; ".join(parts) +
+                 f". Every host {first.get('cpu_per_host', '?')} core, links {first.get('link', '?')}, "
+                 f"{first.get('launch', '?')} launch, KV transport {first.get('kv_transport', '?')}. "
+                 f"Host: {'; '.join(hosts)}.")
+    return lines
+
+
+def render_transfer(data):
+    if not data["runs"]:
+        raise SystemExit("bench/results/transfer.json: no run recorded (bench/kv_transfer.sh -O OUT, "
+                         "then bench/report.py record transfer OUT)")
+    r = data["runs"][-1]
+    goal_size, goals = data["goal_bytes"], data["goal_of_memcpy"]
+    lines = ["| size | TCP GB/s | TCP / memcpy | raw TCP GB/s | MPI GB/s | MPI / memcpy | raw MPI GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    met = {}
+    for row in r["sizes"]:
+        cells = []
+        for b in ("tcp", "mpi"):
+            c = row[b]
+            of = c["gbps"] / c["memcpy_gbps"]
+            if row["bytes"] == goal_size:
+                met[b] = of
+            raw = f"{c['raw_gbps']:.2f}" if c["raw_gbps"] else "—"
+            cells += [f"{c['gbps']:.2f}", f"{100 * of:.0f} %", raw]
+        lines.append(f"| {row['bytes'] >> 20} MiB | " + " | ".join(cells) + " |")
+    lines.append("")
+    goal_text = "; ".join(
+        f"{b.upper()} {100 * met[b]:.0f} % (goal ≥ {100 * goals[b]:.0f} %, {'met' if met[b] >= goals[b] else 'not met'})"
+        for b in ("tcp", "mpi") if b in met)
+    lines.append(f"At {goal_size >> 20} MiB, of memcpy: {goal_text}. Each cell is the median of {r['rounds']} "
+                 f"alternated rounds; memcpy is glibc's between two warm buffers of the same size, measured "
+                 f"beside each transfer; raw is a plain `MPI_Send`/`send()` loop of the same sizes.")
+    o = r["overlap"]["mpi"]
+    lines.append("")
+    lines.append(f"Layer-wise overlap with a real {o['tokens']:,}-token prefill ({o['layers']} layers × "
+                 f"{o['layer_kib']:.0f} KiB, {o['kv_dtype']} KV, medians of {o['repeats']}): when the prefill "
+                 f"returns, the receiver has the last layer after " +
+                 ", ".join(f"{r['overlap'][b]['tail_ms']:.2f} ms over {b.upper()} ({r['overlap'][b]['hidden_by_tail_pct']} % "
+                           f"of the {r['overlap'][b]['transfer_ms']:.1f} ms transfer hidden)" for b in ("mpi", "tcp")) +
+                 f"; the prefill alone took {o['prefill_ms']:.0f} ms.")
+    lines.append("")
+    lines.append(f"Recorded {r['date']}, `{r['commit']}`, {r['conditions']}; {r['host']}; {r['mpi_version']}. "
+                 f"Commands (`bench/kv_transfer.sh` runs them): `" + "`, `".join(
+                     re.sub(r"\S*/(cli/kvrelay|models/)", r"\1", c) for c in r["commands"]) + "`.")
+    return lines
+
+
 RENDERERS = {"prefix_restart": render_prefix_restart, "overload": render_overload,
-             "engine": render_engine, "faults": render_faults}
+             "engine": render_engine, "faults": render_faults,
+             "scaling": render_scaling, "transfer": render_transfer}
 
 
 def render_doc(text):
@@ -351,6 +514,10 @@ def main(argv):
             run = record_engine(a.out)
         elif a.name == "faults":
             run = record_faults(a.out)
+        elif a.name == "scaling":
+            run = record_scaling(a.out)
+        elif a.name == "transfer":
+            run = record_transfer(a.out)
         else:
             run = record_overload(a.out, a.slo_ms, a.config)
             run["label"] = a.label or f"{a.config}, {os.path.basename(os.path.normpath(a.out))}"
