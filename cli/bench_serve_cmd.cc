@@ -26,8 +26,8 @@
 #include "cli/command.h"
 #include "common/clock.h"
 #include "common/flags.h"
-#include "coordinator/http_client.h"
-#include "coordinator/sse.h"
+#include "common/http_client.h"
+#include "coordinator/http/sse.h"
 #include "sim/workload.h"
 
 namespace kvrelay::cli {
@@ -79,12 +79,12 @@ json StatsJson(const Stats& s) {
   return json{{"mean", s.mean}, {"p50", s.p50}, {"p90", s.p90}, {"p99", s.p99}};
 }
 
-RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_key, const json& body,
+RequestOutcome RunOne(const HttpUrl& url, const std::string& api_key, const json& body,
                       int timeout_ms, TimePoint bench_start) {
   RequestOutcome out;
   TimePoint start = Clock::now();
   out.start_s = std::chrono::duration<double>(start - bench_start).count();
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.method = "POST";
   spec.host = url.host;
   spec.port = url.port;
@@ -142,7 +142,7 @@ RequestOutcome RunOne(const coordinator::HttpUrl& url, const std::string& api_ke
     }
     return true;
   };
-  auto result = coordinator::HttpCall(spec, on_body);
+  auto result = HttpCall(spec, on_body);
   out.e2e_s = SecondsSince(start);
   if (!result.ok()) {
     out.error = error.empty() ? result.status().ToString() : error;
@@ -216,7 +216,7 @@ int BenchServe(const std::vector<std::string>& args) {
     }
     return *v;
   };
-  auto url = coordinator::ParseHttpUrl(flags->Get("url", "http://127.0.0.1:8080"));
+  auto url = ParseHttpUrl(flags->Get("url", "http://127.0.0.1:8080"));
   if (!url.ok()) {
     std::fprintf(stderr, "bench serve: --url: %s\n", url.status().message().c_str());
     return 2;
@@ -264,13 +264,13 @@ int BenchServe(const std::vector<std::string>& args) {
   const std::string api_key = flags->Get("api-key");
 
   if (model.empty()) {  // ask the server
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.host = url->host;
     spec.port = url->port;
     spec.target = url->path + "/v1/models";
     if (!api_key.empty()) spec.headers.push_back({"Authorization", "Bearer " + api_key});
     spec.timeout_ms = 10'000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     json j = r.ok() ? json::parse(r->body, nullptr, false) : json();
     if (!r.ok() || r->status != 200 || !j.is_object() || !j.contains("data") || j["data"].empty()) {
       std::fprintf(stderr, "bench serve: cannot list models at %s (pass --model)\n",

@@ -8,8 +8,8 @@
 
 #include "cli/command.h"
 #include "common/flags.h"
+#include "common/http_client.h"
 #include "common/logging.h"
-#include "coordinator/http_client.h"
 #include "deploy/local_launcher.h"
 #include "engine/kv_cache/kv_cache.h"
 #include "nlohmann/json.hpp"
@@ -207,12 +207,12 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
     auth.push_back({"Authorization", std::string("Bearer ") + key});
   }
   // The served model's name, from /v1/models.
-  coordinator::HttpCallSpec models;
+  HttpCallSpec models;
   models.headers = auth;
   models.host = host;
   models.port = port;
   models.target = "/v1/models";
-  ASSIGN_OR_RETURN(auto listing, coordinator::HttpCall(models));
+  ASSIGN_OR_RETURN(auto listing, HttpCall(models));
   auto parsed = nlohmann::json::parse(listing.body, nullptr, false);
   if (listing.status != 200 || parsed.is_discarded() || !parsed.contains("data") ||
       parsed["data"].empty()) {
@@ -224,7 +224,7 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
                          {"max_tokens", max_tokens},
                          {"temperature", 0},
                          {"stream", true}};
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.method = "POST";
   spec.host = host;
   spec.port = port;
@@ -263,7 +263,7 @@ Status RunDemo(const std::string& host, uint16_t port, const std::string& prompt
     }
     return true;
   };
-  auto result = coordinator::HttpCall(spec, on_body);
+  auto result = HttpCall(spec, on_body);
   std::fputs("\n", stdout);
   RETURN_IF_ERROR(parse_error);
   if (!result.ok()) return result.status();

@@ -1,7 +1,7 @@
 // The decode role: receives prompt KV from prefill workers and decodes in a
 // continuous batch; rank 0 of a tensor-parallel group also leads the group.
 //
-// The message flow for one request (coordinator/cluster_backend.h):
+// The message flow for one request (coordinator/cluster/cluster_backend.h):
 //   ReserveBlocks  -> the role submits a kRemotePrompt request whose kv_peer
 //                     is the prefill rank; the engine reserves the prompt's
 //                     blocks (held by the request from now on) and calls

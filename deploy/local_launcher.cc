@@ -16,8 +16,8 @@
 #include <thread>
 #include <utility>
 
+#include "common/http_client.h"
 #include "common/logging.h"
-#include "coordinator/http_client.h"
 #include "engine/gguf/gguf.h"
 #include "protocols/cluster_auth.h"
 
@@ -377,12 +377,12 @@ Status LocalLauncher::Start() {
   while (!deadline.Expired()) {
     auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(200)));
     if (exited.ok()) return Unavailable("cluster failed to start: " + *exited);
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.host = options_.host;
     spec.port = http_port_;
     spec.target = "/health";
     spec.timeout_ms = 1000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     const auto body = r.ok() ? nlohmann::json::parse(r->body, nullptr, false) : nlohmann::json();
     const bool all_registered = body.is_object() && body.contains("workers") &&
                                 body["workers"].is_array() && body["workers"].size() >= expected;
@@ -399,12 +399,12 @@ Status LocalLauncher::WaitForHttp(const Deadline& deadline) {
   while (!deadline.Expired()) {
     auto exited = group_.WaitAny(Deadline::After(std::chrono::milliseconds(20)));
     if (exited.ok()) return Unavailable("cluster failed to start: " + *exited);
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.host = options_.host;
     spec.port = http_port_;
     spec.target = "/health";
     spec.timeout_ms = 1000;
-    if (coordinator::HttpCall(spec).ok()) return Status::Ok();  // any answer: it listens
+    if (HttpCall(spec).ok()) return Status::Ok();  // any answer: it listens
   }
   return DeadlineExceeded("the coordinator did not listen on port " + std::to_string(http_port_) +
                           " within " + std::to_string(options_.ready_timeout_ms) + " ms");

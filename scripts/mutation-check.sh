@@ -34,7 +34,7 @@ MUTATIONS=(
   "tp_step|decode_worker/tp_leader.cc|g.timeout = options.tp_step_timeout;|g.timeout = std::chrono::hours(1);|^tp_step_deadline_test$"
   "tp_step|decode_worker/tp_leader.cc|new TpLeader(std::move(group), options.tp_step_timeout)|new TpLeader(std::move(group), std::chrono::hours(1))|"
   "restore|kv_store/tiered_cache.cc|  if (first == total) return 0;|  if (first <= total) return 0;|^(kv_store_test|kv_store_restart_test|kv_store_restore_race_test)$"
-  "metrics|coordinator/session.cc|SendText(http::status::ok, m->RenderPrometheus(),|SendText(http::status::ok, std::string(),|^(coordinator_test|coordinator_openai_integration_test)$"
+  "metrics|coordinator/http/session.cc|SendText(http::status::ok, core_->RenderMetrics(),|SendText(http::status::ok, std::string(),|^(coordinator_test|coordinator_openai_integration_test)$"
 )
 
 selected() {

@@ -15,7 +15,7 @@ case $kind in
   *) echo "usage: $0 asan|tsan" >&2; exit 2 ;;
 esac
 # -g1: line tables only, which is all a sanitizer report's stack needs; full
-# -g made these trees' compile ~27 % slower (coordinator/session.cc under
+# -g made these trees' compile ~27 % slower (coordinator/http/session.cc under
 # ASan: 263 s with -g, 193 s with -g1).
 args=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG"
       "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" -DKVRELAY_WERROR=ON -DKVRELAY_WITH_CUDA=OFF "$opt")

@@ -10,7 +10,7 @@
 #include <memory>
 #include <unordered_map>
 
-#include "coordinator/admission.h"
+#include "coordinator/http/admission.h"
 #include "sim/event_queue.h"
 
 namespace kvrelay::sim {
@@ -453,7 +453,7 @@ void Simulator::Publish(Worker& w) {
   w.published.free_kv_blocks = w.capacity_blocks - w.used_blocks;
 }
 
-// The router's view now, as coordinator/cluster_backend_state.h keeps it:
+// The router's view now, as coordinator/cluster/cluster_backend_state.h keeps it:
 // what the last heartbeat tick carried, plus the prompt tokens routed to and
 // the blocks reserved on each worker since that tick.
 // A view is a function of the tick, the worker's publications and the

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "coordinator/router.h"
+#include "coordinator/cluster/router.h"
 #include "sim/profile.h"
 #include "sim/stats.h"
 #include "sim/workload.h"

@@ -17,6 +17,12 @@ import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOP = ("bench", "tests")
+# Inside a folder, subfolders that must not include each other
+# (docs/ARCHITECTURE.md, "Layering"): {folder: {subfolder: subfolders it may
+# not include}}. Files at the folder's top (the seams, main.cc) may include any.
+INNER = {
+    "coordinator": {"openai": {"http", "cluster"}, "cluster": {"http", "openai"}, "http": {"cluster"}},
+}
 # (including file, included header) pairs that break the layering on purpose.
 # Empty: the tree follows the layering. Add an entry only with its reason.
 ALLOWED = {}
@@ -58,6 +64,12 @@ def main():
             if not m or "/" not in m.group(1):
                 continue
             b = m.group(1).split("/")[0]
+            if b == a and a in INNER and path.count("/") >= 2 and m.group(1).count("/") >= 2:
+                sa, sb = path.split("/")[1], m.group(1).split("/")[1]
+                if sb in INNER[a].get(sa, ()):
+                    errors.append(f"{path}:{n}: {a}/{sa}/ includes {m.group(1)}; "
+                                  f"{a}/{sa}/ may not include {a}/{sb}/ (docs/ARCHITECTURE.md)")
+                continue
             if b == a or b not in folders or a not in rank or b not in rank:
                 continue
             if rank[b] >= rank[a] and (path, m.group(1)) not in ALLOWED:

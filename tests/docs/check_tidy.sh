@@ -18,8 +18,8 @@ build=${1:?usage: check_tidy.sh BUILD_DIR}
 cd "$(dirname "$0")/../.."
 FILES=(common/flags.cc common/hash.cc common/metrics.cc common/status.cc
        protocols/frame_codec.cc kv_store/block_codec.cc kv_store/block_seal.cc
-       kv_store/tiered_cache.cc coordinator/router.cc
-       coordinator/admission.cc engine/kv_cache/block_manager.cc
+       kv_store/tiered_cache.cc coordinator/cluster/router.cc
+       coordinator/http/admission.cc engine/kv_cache/block_manager.cc
        engine/kv_cache/kv_storage.cc engine/kv_cache/kv_cache.cc engine/kv_cache/kv_groups.cc
        engine/kv_cache/block_table.cc worker/kv_streams.cc worker/request_table.cc
        worker/event_reporter.cc worker/worker.cc prefill_worker/prefill_role.cc

@@ -3,8 +3,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
 
@@ -23,11 +23,11 @@ std::string ModelPath() {
 // ---------------------------------------------------------------- metrics
 
 bool HealthyWith(uint16_t port, const std::vector<std::string>& ids) {
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.port = port;
   spec.target = "/health";
   spec.timeout_ms = 2000;
-  auto r = coordinator::HttpCall(spec);
+  auto r = HttpCall(spec);
   if (!r.ok() || r->status != 200) return false;
   json j = json::parse(r->body, nullptr, false);
   if (!j.is_object() || !j.contains("workers")) return false;
@@ -59,14 +59,14 @@ Outcome Complete(uint16_t port, const std::vector<int32_t>& prompt, int max_toke
                {"max_tokens", max_tokens},
                {"temperature", 0},
                {"ignore_eos", true}};
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.method = "POST";
   spec.port = port;
   spec.target = "/v1/completions";
   spec.body = body.dump();
   spec.headers = {{"Content-Type", "application/json"}};
   spec.timeout_ms = timeout_ms;
-  auto r = coordinator::HttpCall(spec);
+  auto r = HttpCall(spec);
   out.ended = Clock::now();
   if (!r.ok()) {
     out.error = r.status().ToString();

@@ -42,7 +42,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
 #include "deploy/local_launcher.h"
 #include "deploy/process_group.h"
 #include "protocols/cluster_auth.h"
@@ -887,11 +887,11 @@ using KvPathHealthTest = KvPathFaultTest;
 TEST_P(KvPathHealthTest, HealthSaysWhenNoPrefillWorkerReachesADecodeWorker) {
   ASSERT_EQ(Complete(port_, prompts_[0], kMaxTokens, kRequestTimeoutMs).text, expected_[0]);
   auto health = [&](std::string* body) {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.port = port_;
     spec.target = "/health";
     spec.timeout_ms = 2000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     if (!r.ok()) return 0;
     *body = r->body;
     return r->status;

@@ -42,7 +42,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
 #include "tests/faults/fault_harness.h"
 #include "tests/testing/skip.h"
 
@@ -110,11 +110,11 @@ uint16_t TpLeaderPort(pid_t pid) {
 
 // Whether anything answers HTTP on `port` (any status).
 bool Answers(uint16_t port) {
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.port = port;
   spec.target = "/health";
   spec.timeout_ms = 1000;
-  return coordinator::HttpCall(spec).ok();
+  return HttpCall(spec).ok();
 }
 
 int DialLoopback(uint16_t port) {

@@ -35,7 +35,7 @@ std::vector<std::string> BlockCodecSeeds();
 int FuzzLayerManifest(const uint8_t* data, size_t size);
 std::vector<std::string> LayerManifestSeeds();
 
-// The coordinator's HTTP edge (coordinator/http_request.h) over one
+// The coordinator's HTTP edge (coordinator/http/http_request.h) over one
 // connection's bytes, each request body through the OpenAI JSON mapping
 // (ParseCompletionRequest). Invariant: every refusal is a 4xx with a message,
 // a delivered body respects the limits and its Content-Length, an accepted

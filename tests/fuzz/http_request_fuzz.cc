@@ -1,6 +1,6 @@
 // The coordinator's HTTP edge as a fuzz target (issue #14): bytes as a client
 // sends them on one connection, through the server's own request reading
-// (coordinator/http_request.h: the Beast parser under the server's limits,
+// (coordinator/http/http_request.h: the Beast parser under the server's limits,
 // its header checks, its answer to a failed read, its routing), and each
 // request body through the OpenAI JSON mapping (ParseCompletionRequest for
 // /v1/chat/completions or /v1/completions: messages, prompts, sampling
@@ -26,8 +26,8 @@
 #include <string>
 #include <string_view>
 
-#include "coordinator/http_request.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/http/http_request.h"
+#include "coordinator/openai/openai_api.h"
 #include "fuzz_targets.h"
 
 namespace kvrelay::fuzz {

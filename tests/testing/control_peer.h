@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "coordinator/backend.h"
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/framed_connection.h"
 #include "protocols/messages.h"

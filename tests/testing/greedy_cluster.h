@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "common/http_client.h"
 #include "common/status.h"
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "deploy/local_launcher.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -94,7 +94,7 @@ class GreedyCluster {
   // One greedy completion through the cluster: its HTTP status (0 = no HTTP
   // response) and its text, or the body / transport error otherwise.
   std::pair<int, std::string> Complete(const std::vector<int32_t>& prompt, int n) const {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.method = "POST";
     spec.port = launcher_->http_port();
     spec.target = "/v1/completions";
@@ -107,7 +107,7 @@ class GreedyCluster {
         {"ignore_eos",
          true}}.dump();
     spec.timeout_ms = 120'000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     if (!r.ok()) return {0, r.status().ToString()};
     nlohmann::json j = nlohmann::json::parse(r->body, nullptr, false);
     if (r->status != 200 || j.is_discarded()) return {r->status, r->body};

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
 
 namespace kvrelay::testing {
 
@@ -18,11 +18,11 @@ namespace kvrelay::testing {
 // not answer 200 within timeout_ms).
 inline std::vector<std::string> MetricsLines(uint16_t port, int timeout_ms) {
   std::vector<std::string> lines;
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.port = port;
   spec.target = "/metrics";
   spec.timeout_ms = timeout_ms;
-  auto r = coordinator::HttpCall(spec);
+  auto r = HttpCall(spec);
   if (!r.ok() || r->status != 200) return lines;
   std::istringstream in(r->body);
   for (std::string line; std::getline(in, line);) lines.push_back(std::move(line));

@@ -32,9 +32,9 @@
 #include <vector>
 
 #include "common/clock.h"
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
-#include "coordinator/sse.h"
+#include "common/http_client.h"
+#include "coordinator/http/sse.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "deploy/local_launcher.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -205,9 +205,9 @@ std::vector<std::string> GreedyPrompts() {
 
 // ---------------------------------------------------------------- HTTP helpers
 
-coordinator::HttpCallSpec Post(uint16_t port, const std::string& target, const json& body,
-                               int timeout_ms = 300'000) {
-  coordinator::HttpCallSpec spec;
+HttpCallSpec Post(uint16_t port, const std::string& target, const json& body,
+                  int timeout_ms = 300'000) {
+  HttpCallSpec spec;
   spec.method = "POST";
   spec.port = port;
   spec.target = target;
@@ -241,7 +241,7 @@ CompletionOutcome Complete(uint16_t port, const std::vector<int32_t>& prompt, in
   CompletionOutcome out;
   json body = CompletionBody(prompt, max_tokens, false);
   body.update(extra);
-  auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
+  auto r = HttpCall(Post(port, "/v1/completions", body));
   if (!r.ok()) {
     out.error = r.status().ToString();
     return out;
@@ -277,27 +277,26 @@ StreamOutcome Stream(uint16_t port, const std::vector<int32_t>& prompt, int max_
   StreamOutcome out;
   coordinator::SseParser parser;
   json body = CompletionBody(prompt, max_tokens, true);
-  auto r = coordinator::HttpCall(
-      Post(port, "/v1/completions", body, timeout_ms), [&](std::string_view piece) {
-        if (!parser.Feed(piece)) return false;
-        while (auto e = parser.Next()) {
-          if (*e == "[DONE]") {
-            out.done = true;
-            continue;
-          }
-          json j = json::parse(*e, nullptr, false);
-          if (j.is_discarded()) continue;
-          if (j.contains("error")) out.error = j["error"].dump();
-          if (j.contains("choices") && !j["choices"].empty() && j["choices"][0].contains("text")) {
-            std::string t = j["choices"][0]["text"];
-            if (!t.empty()) {
-              out.text += t;
-              ++out.chunks;
-            }
-          }
+  auto r = HttpCall(Post(port, "/v1/completions", body, timeout_ms), [&](std::string_view piece) {
+    if (!parser.Feed(piece)) return false;
+    while (auto e = parser.Next()) {
+      if (*e == "[DONE]") {
+        out.done = true;
+        continue;
+      }
+      json j = json::parse(*e, nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("error")) out.error = j["error"].dump();
+      if (j.contains("choices") && !j["choices"].empty() && j["choices"][0].contains("text")) {
+        std::string t = j["choices"][0]["text"];
+        if (!t.empty()) {
+          out.text += t;
+          ++out.chunks;
         }
-        return !keep_going || keep_going(out);
-      });
+      }
+    }
+    return !keep_going || keep_going(out);
+  });
   out.ended = Clock::now();
   if (!r.ok()) {
     if (out.error.empty()) out.error = r.status().ToString();
@@ -311,11 +310,11 @@ StreamOutcome Stream(uint16_t port, const std::vector<int32_t>& prompt, int max_
 // Polls `cond` until it holds or `timeout` passes.
 // True when the coordinator's /health lists worker `id`.
 bool Registered(uint16_t port, const std::string& id) {
-  coordinator::HttpCallSpec spec;
+  HttpCallSpec spec;
   spec.port = port;
   spec.target = "/health";
   spec.timeout_ms = 1000;
-  auto r = coordinator::HttpCall(spec);
+  auto r = HttpCall(spec);
   if (!r.ok()) return false;
   json j = json::parse(r->body, nullptr, false);
   if (!j.is_object()) return false;
@@ -449,14 +448,14 @@ class ClusterTest : public ::testing::Test {
                  {"messages", {{{"role", "user"}, {"content", "Describe Paris as JSON."}}}},
                  {"max_tokens", 64},
                  {"temperature", 0}};
-    coordinator::HttpCallSpec call = Post(port, "/v1/chat/completions", body);
+    HttpCallSpec call = Post(port, "/v1/chat/completions", body);
     // The schema as written (json would sort its keys, and the output writes
     // properties in schema order).
     call.body.pop_back();
     call.body += R"(,"response_format":{"type":"json_schema","json_schema":{"name":"city",)"
                  R"("strict":true,"schema":)" +
                  schema + "}}}";
-    auto r = coordinator::HttpCall(call);
+    auto r = HttpCall(call);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ASSERT_EQ(r->status, 200) << r->body;
     json j = json::parse(r->body);
@@ -494,7 +493,7 @@ class ClusterTest : public ::testing::Test {
     };
     json body = CompletionBody(prompt, kTokens, false);
     body["logprobs"] = kTop;
-    auto r = coordinator::HttpCall(Post(port, "/v1/completions", body));
+    auto r = HttpCall(Post(port, "/v1/completions", body));
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ASSERT_EQ(r->status, 200) << r->body;
     json j = json::parse(r->body);
@@ -505,20 +504,19 @@ class ClusterTest : public ::testing::Test {
     body["stream"] = true;
     size_t seen = 0;
     coordinator::SseParser parser;
-    auto sr =
-        coordinator::HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
-          if (!parser.Feed(piece)) return false;
-          while (auto e = parser.Next()) {
-            if (*e == "[DONE]") continue;
-            json c = json::parse(*e, nullptr, false);
-            if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
-            const json& lp = c["choices"][0]["logprobs"];
-            if (lp.is_null()) continue;
-            check(lp, seen, "streamed");
-            seen += lp["tokens"].size();
-          }
-          return true;
-        });
+    auto sr = HttpCall(Post(port, "/v1/completions", body), [&](std::string_view piece) {
+      if (!parser.Feed(piece)) return false;
+      while (auto e = parser.Next()) {
+        if (*e == "[DONE]") continue;
+        json c = json::parse(*e, nullptr, false);
+        if (c.is_discarded() || !c.contains("choices") || c["choices"].empty()) continue;
+        const json& lp = c["choices"][0]["logprobs"];
+        if (lp.is_null()) continue;
+        check(lp, seen, "streamed");
+        seen += lp["tokens"].size();
+      }
+      return true;
+    });
     ASSERT_TRUE(sr.ok()) << sr.status().ToString();
     EXPECT_EQ(seen, static_cast<size_t>(kTokens));
     // logit_bias bans the greedy first token (sampled on the prefill side) and
@@ -622,7 +620,7 @@ TEST_F(DisaggregatedTest, EndOfGenerationTokenIsNotText) {
                {"messages", {{{"role", "user"}, {"content", "Say hello."}}}},
                {"max_tokens", 96},
                {"temperature", 0}};
-  auto r = coordinator::HttpCall(Post(port_, "/v1/chat/completions", body));
+  auto r = HttpCall(Post(port_, "/v1/chat/completions", body));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->status, 200) << r->body;
   json j = json::parse(r->body);
@@ -639,7 +637,7 @@ TEST_F(DisaggregatedTest, NChoicesEachEqualTheEngine) {
   const std::string want = ref_->Text(ref_->Greedy(prompt, 12));
   json body = CompletionBody(prompt, 12, false);
   body["n"] = 3;
-  auto r = coordinator::HttpCall(Post(port_, "/v1/completions", body));
+  auto r = HttpCall(Post(port_, "/v1/completions", body));
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_EQ(r->status, 200) << r->body;
   json j = json::parse(r->body);
@@ -797,10 +795,10 @@ TEST_F(DisaggregatedTest, OfficialPythonClient) {
   if (env_venv == nullptr && kvrelay::testing::EnsureOpenAiVenv(venv, &log) != 0) {
     KVRELAY_SKIP_OR_FAIL() << "cannot create a venv with the openai client: " << log;
   }
-  coordinator::HttpCallSpec models;
+  HttpCallSpec models;
   models.port = port_;
   models.target = "/v1/models";
-  auto m = coordinator::HttpCall(models);
+  auto m = HttpCall(models);
   ASSERT_TRUE(m.ok() && m->status == 200);
   std::string name = json::parse(m->body)["data"][0]["id"];
   std::string out;
@@ -1375,11 +1373,11 @@ TEST_F(ClusterTest, MpirunLaunchServesGreedyRequest) {
   setpgid(pid, pid);
   bool exited = false;
   auto health = [&]() -> int {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.port = *http;
     spec.target = "/health";
     spec.timeout_ms = 1000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     return r.ok() ? r->status : 0;
   };
   bool ready = WaitFor(
@@ -1474,11 +1472,11 @@ class MpirunCluster {
   uint16_t port() const { return port_; }
   // HTTP status of GET /health; 0 when nothing answers.
   int Health() const {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.port = port_;
     spec.target = "/health";
     spec.timeout_ms = 1000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     return r.ok() ? r->status : 0;
   }
   void Stop() {

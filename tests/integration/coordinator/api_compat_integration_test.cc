@@ -9,12 +9,12 @@
 #include <memory>
 #include <string>
 
+#include "common/http_client.h"
 #include "common/metrics.h"
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "coordinator/http/server.h"
 #include "coordinator/local_engine_backend.h"
-#include "coordinator/openai_api.h"
-#include "coordinator/server.h"
+#include "coordinator/openai/engine_text_codec.h"
+#include "coordinator/openai/openai_api.h"
 #include "engine/gguf/gguf.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"

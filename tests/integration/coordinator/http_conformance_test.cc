@@ -18,9 +18,9 @@
 #include <string>
 
 #include "common/metrics.h"
-#include "coordinator/engine_text_codec.h"
+#include "coordinator/http/server.h"
 #include "coordinator/local_engine_backend.h"
-#include "coordinator/server.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tests/testing/skip.h"

@@ -8,12 +8,12 @@
 #include <memory>
 #include <string>
 
+#include "common/http_client.h"
 #include "common/metrics.h"
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "coordinator/http/server.h"
+#include "coordinator/http/sse.h"
 #include "coordinator/local_engine_backend.h"
-#include "coordinator/server.h"
-#include "coordinator/sse.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "engine/runtime/model.h"
 #include "engine/tokenizer/tokenizer.h"
 #include "tests/testing/openai_client_report.h"

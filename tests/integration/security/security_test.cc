@@ -17,8 +17,8 @@
 #include <sstream>
 #include <thread>
 
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "deploy/local_launcher.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -268,11 +268,11 @@ TEST_F(SecurityTest, PartialFramesDoNotGrowTheCoordinator) {
 // challenge-response, a frame header over the pre-authentication limit.
 TEST_F(SecurityTest, RefusalsAreCountedOnMetrics) {
   auto counter = [](const std::string& name) -> double {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.port = launcher_->http_port();
     spec.target = "/metrics";
     spec.timeout_ms = 5000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     if (!r.ok() || r->status != 200) return -1;
     std::istringstream in(r->body);
     std::string line;

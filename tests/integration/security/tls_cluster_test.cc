@@ -14,8 +14,8 @@
 #include <sstream>
 #include <thread>
 
-#include "coordinator/engine_text_codec.h"
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
+#include "coordinator/openai/engine_text_codec.h"
 #include "deploy/local_launcher.h"
 #include "engine/runtime/engine.h"
 #include "engine/runtime/model.h"
@@ -78,11 +78,11 @@ class TlsClusterTest : public ::testing::Test {
     EXPECT_EQ(text, want);
   }
   static double Counter(const std::string& name) {
-    coordinator::HttpCallSpec spec;
+    HttpCallSpec spec;
     spec.port = launcher_->http_port();
     spec.target = "/metrics";
     spec.timeout_ms = 5000;
-    auto r = coordinator::HttpCall(spec);
+    auto r = HttpCall(spec);
     if (!r.ok() || r->status != 200) return -1;
     std::istringstream in(r->body);
     std::string line;

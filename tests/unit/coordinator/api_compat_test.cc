@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "common/http_client.h"
 #include "common/logging.h"
-#include "coordinator/http_client.h"
-#include "coordinator/http_errors.h"
-#include "coordinator/openai_api.h"
-#include "coordinator/server.h"
-#include "coordinator/sse.h"
+#include "coordinator/http/http_errors.h"
+#include "coordinator/http/server.h"
+#include "coordinator/http/sse.h"
+#include "coordinator/openai/openai_api.h"
 #include "tests/unit/coordinator/fakes.h"
 
 namespace kvrelay::coordinator {

@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 #include "protocols/peer_handshake.h"

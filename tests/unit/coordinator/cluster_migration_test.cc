@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "tests/unit/coordinator/control_peer.h"
 
 namespace kvrelay::coordinator {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "tests/unit/coordinator/control_peer.h"
 
 namespace kvrelay::coordinator {

@@ -7,7 +7,7 @@
 #include <functional>
 #include <memory>
 
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "tests/testing/control_peer.h"
 
 namespace kvrelay::coordinator::testing {

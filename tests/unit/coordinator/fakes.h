@@ -15,7 +15,7 @@
 
 #include "common/clock.h"
 #include "coordinator/backend.h"
-#include "coordinator/text_codec.h"
+#include "coordinator/openai/text_codec.h"
 
 namespace kvrelay::coordinator::testing {
 

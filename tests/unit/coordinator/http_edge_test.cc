@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/admission.h"
-#include "coordinator/http_client.h"
-#include "coordinator/server.h"
+#include "common/http_client.h"
+#include "coordinator/http/admission.h"
+#include "coordinator/http/server.h"
 #include "tests/testing/skip.h"
 #include "tests/unit/coordinator/fakes.h"
 

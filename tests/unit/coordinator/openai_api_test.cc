@@ -1,4 +1,4 @@
-#include "coordinator/openai_api.h"
+#include "coordinator/openai/openai_api.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "coordinator/router.h"
+#include "coordinator/cluster/router.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // The HTTP server in one process: real sockets on 127.0.0.1, a fake backend.
-#include "coordinator/server.h"
+#include "coordinator/http/server.h"
 
 #include <gtest/gtest.h>
 
@@ -13,8 +13,8 @@
 #include <sstream>
 #include <thread>
 
-#include "coordinator/http_client.h"
-#include "coordinator/sse.h"
+#include "common/http_client.h"
+#include "coordinator/http/sse.h"
 #include "tests/unit/coordinator/fakes.h"
 
 namespace kvrelay::coordinator {

@@ -4,9 +4,9 @@
 #include <atomic>
 #include <vector>
 
-#include "coordinator/admission.h"
-#include "coordinator/api_keys.h"
-#include "coordinator/sse.h"
+#include "coordinator/http/admission.h"
+#include "coordinator/http/api_keys.h"
+#include "coordinator/http/sse.h"
 
 namespace kvrelay::coordinator {
 namespace {

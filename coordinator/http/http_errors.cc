@@ -1,4 +1,4 @@
-#include "coordinator/http_errors.h"
+#include "coordinator/http/http_errors.h"
 
 #include <algorithm>
 

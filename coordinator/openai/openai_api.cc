@@ -1,4 +1,4 @@
-#include "coordinator/openai_api.h"
+#include "coordinator/openai/openai_api.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <set>
 
 #include "common/logging.h"
-#include "coordinator/openai_fields.h"
+#include "coordinator/openai/openai_fields.h"
 
 namespace kvrelay::coordinator {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "common/status.h"
 
-namespace kvrelay::coordinator {
+namespace kvrelay {
 
 struct HttpUrl {
   std::string host;
@@ -45,4 +45,4 @@ struct HttpCallResult {
 Result<HttpCallResult> HttpCall(const HttpCallSpec& spec,
                                 const std::function<bool(std::string_view)>& on_body = {});
 
-}  // namespace kvrelay::coordinator
+}  // namespace kvrelay

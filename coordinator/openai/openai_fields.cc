@@ -1,4 +1,4 @@
-#include "coordinator/openai_fields.h"
+#include "coordinator/openai/openai_fields.h"
 
 #include <cmath>
 #include <limits>

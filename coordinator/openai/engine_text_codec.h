@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "coordinator/text_codec.h"
+#include "coordinator/openai/text_codec.h"
 #include "engine/tokenizer/chat_template.h"
 #include "engine/tokenizer/tokenizer.h"
 

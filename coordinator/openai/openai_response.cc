@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "coordinator/openai_api.h"
+#include "coordinator/openai/openai_api.h"
 
 namespace kvrelay::coordinator {
 

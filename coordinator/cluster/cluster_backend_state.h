@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "common/logging.h"
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 #include "protocols/sampling_codec.h"

@@ -22,11 +22,11 @@
 
 #include "common/metrics.h"
 #include "common/status.h"
-#include "coordinator/admission.h"
-#include "coordinator/api_keys.h"
 #include "coordinator/backend.h"
-#include "coordinator/openai_api.h"
-#include "coordinator/text_codec.h"
+#include "coordinator/http/admission.h"
+#include "coordinator/http/api_keys.h"
+#include "coordinator/openai/openai_api.h"
+#include "coordinator/openai/text_codec.h"
 
 namespace kvrelay::coordinator {
 
@@ -60,7 +60,7 @@ struct ServerOptions {
   int max_running = 64;         // admission: concurrent requests in the backend
   int max_queue = 256;          // admission: waiting requests; beyond: 429
   // admission: refuse (429 + Retry-After from the queue) when the predicted
-  // queue wait exceeds this; 0 = no bound (see coordinator/admission.h).
+  // queue wait exceeds this; 0 = no bound (see coordinator/http/admission.h).
   int max_queue_delay_ms = kDefaultMaxQueueDelayMs;
   ApiLimits limits;
   ApiKeys api_keys;                   // empty: no authentication

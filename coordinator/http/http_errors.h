@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/openai/openai_api.h"
 
 namespace kvrelay::coordinator {
 

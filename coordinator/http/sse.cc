@@ -1,4 +1,4 @@
-#include "coordinator/sse.h"
+#include "coordinator/http/sse.h"
 
 namespace kvrelay::coordinator {
 

@@ -1,4 +1,4 @@
-#include "coordinator/cluster_backend.h"
+#include "coordinator/cluster/cluster_backend.h"
 
 #include <algorithm>
 #include <array>
@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "common/logging.h"
-#include "coordinator/cluster_backend_state.h"
+#include "coordinator/cluster/cluster_backend_state.h"
 #include "protocols/control.pb.h"
 #include "protocols/messages.h"
 

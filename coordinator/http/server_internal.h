@@ -27,9 +27,9 @@
 #include "common/clock.h"
 #include "common/metrics.h"
 #include "common/stop_matcher.h"
-#include "coordinator/admission.h"
-#include "coordinator/http_errors.h"
-#include "coordinator/server.h"
+#include "coordinator/http/admission.h"
+#include "coordinator/http/http_errors.h"
+#include "coordinator/http/server.h"
 
 namespace kvrelay::coordinator::internal {
 
@@ -57,6 +57,11 @@ struct Core {
   void UpdateAdmissionGauges();
   // Brings the registry's copies of backend->Counters() and Gauges() up to date.
   void ExportBackendMetrics();
+  // The /metrics body: every series brought up to date, then rendered
+  // (metrics_export.cc).
+  std::string RenderMetrics();
+  void ExportProcessMetrics();
+  void ExportWorkerMetrics();
 
   // Per-client connection accounting (client = remote IP address). Past
   // max_connections_per_client a client still gets kHealthConnectionsPerClient

@@ -7,8 +7,8 @@
 #include <random>
 
 #include "common/logging.h"
-#include "coordinator/server_internal.h"
-#include "coordinator/sse.h"
+#include "coordinator/http/server_internal.h"
+#include "coordinator/http/sse.h"
 
 namespace kvrelay::coordinator::internal {
 namespace {

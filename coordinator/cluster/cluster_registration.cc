@@ -1,7 +1,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include "common/logging.h"
-#include "coordinator/cluster_backend_state.h"
+#include "coordinator/cluster/cluster_backend_state.h"
 
 // A worker's way into the cluster: the authenticated handshake on its
 // control connection, then its registration.

@@ -1,4 +1,4 @@
-#include "coordinator/http_client.h"
+#include "common/http_client.h"
 
 #include <algorithm>
 #include <boost/asio/connect.hpp>
@@ -8,7 +8,7 @@
 #include <cctype>
 #include <chrono>
 
-namespace kvrelay::coordinator {
+namespace kvrelay {
 namespace {
 
 namespace beast = boost::beast;
@@ -124,4 +124,4 @@ Result<HttpCallResult> HttpCall(const HttpCallSpec& spec,
   return result;
 }
 
-}  // namespace kvrelay::coordinator
+}  // namespace kvrelay

@@ -1,7 +1,7 @@
 // The coordinator's HTTP server: the listener and its connection limits, and
 // the server's lifecycle. A connection is a Session (session.cc); a
 // generation request on it is handled in completion.cc.
-#include "coordinator/server.h"
+#include "coordinator/http/server.h"
 
 #include <pthread.h>
 
@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "common/logging.h"
-#include "coordinator/server_internal.h"
+#include "coordinator/http/server_internal.h"
 
 namespace kvrelay::coordinator {
 namespace internal {
@@ -118,42 +118,6 @@ void Core::CountRequest(const std::string& endpoint, int status) {
       ->GetCounter("kvrelay_http_requests_total", "HTTP requests by endpoint and status code.",
                    Labels({{"endpoint", endpoint}, {"code", std::to_string(status)}}))
       ->Increment();
-}
-
-void Core::AdvanceWorkerCounter(const std::string& name, const std::string& help,
-                                const std::string& worker, double total) {
-  double delta = 0;
-  {
-    std::lock_guard<std::mutex> lock(worker_totals_mutex);
-    double& last = worker_totals[name + '\0' + worker];
-    // A worker that restarted reports from 0 again: all of it is new.
-    delta = total >= last ? total - last : total;
-    last = total;
-  }
-  registry->GetCounter(name, help, Labels({{"worker", worker}}))->Increment(delta);
-}
-
-void Core::ExportBackendMetrics() {
-  for (const BackendMetric& c : backend->Counters()) {
-    double delta = 0;
-    {
-      std::lock_guard<std::mutex> lock(worker_totals_mutex);
-      std::string key = c.name;
-      for (const auto& [k, v] : c.labels) key += "|" + k + "=" + v;
-      double& last = worker_totals[key];
-      delta = c.value >= last ? c.value - last : c.value;
-      last = c.value;
-    }
-    registry->GetCounter(c.name, c.help, Labels(c.labels))->Increment(delta);
-  }
-  for (const BackendMetric& g : backend->Gauges()) {
-    registry->GetGauge(g.name, g.help, Labels(g.labels))->Set(g.value);
-  }
-}
-
-void Core::UpdateAdmissionGauges() {
-  queue_depth->Set(admission.queued());
-  running->Set(admission.running());
 }
 
 Core::ClientSlot Core::AcquireClientSlot(const std::string& client) {

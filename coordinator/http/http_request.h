@@ -16,8 +16,8 @@
 #include <optional>
 #include <string_view>
 
-#include "coordinator/http_errors.h"
-#include "coordinator/openai_api.h"
+#include "coordinator/http/http_errors.h"
+#include "coordinator/openai/openai_api.h"
 
 namespace kvrelay::coordinator {
 

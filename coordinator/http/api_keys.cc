@@ -1,4 +1,4 @@
-#include "coordinator/api_keys.h"
+#include "coordinator/http/api_keys.h"
 
 #include <fstream>
 #include <sstream>

@@ -69,7 +69,7 @@
 #include <string>
 
 #include "coordinator/backend.h"
-#include "coordinator/router.h"
+#include "coordinator/cluster/router.h"
 #include "protocols/cluster_auth.h"
 #include "protocols/framed_connection.h"
 #include "protocols/handshake.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "coordinator/openai_api.h"
+#include "coordinator/openai/openai_api.h"
 
 namespace kvrelay::coordinator::api_fields {
 

@@ -1,6 +1,6 @@
 #include <string>
 
-#include "coordinator/openai_fields.h"
+#include "coordinator/openai/openai_fields.h"
 #include "engine/grammar/json_grammar.h"
 
 namespace kvrelay::coordinator::api_fields {

@@ -1,4 +1,4 @@
-#include "coordinator/http_request.h"
+#include "coordinator/http/http_request.h"
 
 #include <boost/beast/core/string.hpp>
 #include <boost/beast/http/error.hpp>

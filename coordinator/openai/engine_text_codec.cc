@@ -1,4 +1,4 @@
-#include "coordinator/engine_text_codec.h"
+#include "coordinator/openai/engine_text_codec.h"
 
 #include "engine/gguf/gguf.h"
 

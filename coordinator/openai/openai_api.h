@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "coordinator/backend.h"
-#include "coordinator/text_codec.h"
+#include "coordinator/openai/text_codec.h"
 
 namespace kvrelay::coordinator {
 

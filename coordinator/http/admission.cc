@@ -1,4 +1,4 @@
-#include "coordinator/admission.h"
+#include "coordinator/http/admission.h"
 
 #include <algorithm>
 #include <cmath>
